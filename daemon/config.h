@@ -1,0 +1,81 @@
+/* config.h - kvferryd's configuration: one typed table (config.c) drives
+ * parsing, validation, --help and the status dump. */
+#ifndef KVF_CONFIG_H
+#define KVF_CONFIG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/types.h>
+
+#define KVF__NAME_MAX 63
+#define KVF__MAX_PEERS_CFG 256
+#define KVF__MAX_POOLS_CFG 64
+#define KVF__MAX_IDS_CFG 64
+
+typedef struct kvf__peer_cfg {
+  char name[KVF__NAME_MAX + 1];
+  char host[256];        /* numeric IPv4/IPv6 address or host name */
+  uint16_t port;
+} kvf__peer_cfg;
+
+typedef struct kvf__pool_cfg {
+  char name[KVF__NAME_MAX + 1];
+  char kind[16];         /* "host" or "cuda:N" */
+  uint64_t size;         /* bytes */
+} kvf__pool_cfg;
+
+enum kvf__tristate { KVF__AUTO = 0, KVF__ON = 1, KVF__OFF = 2 };
+enum kvf__log_level { KVF__LOG_ERR = 0, KVF__LOG_WARN, KVF__LOG_INFO, KVF__LOG_DEBUG };
+
+typedef struct kvf__config {
+  char node[KVF__NAME_MAX + 1];
+  char api_socket[108];            /* sun_path */
+  uid_t allow_uids[KVF__MAX_IDS_CFG];
+  size_t n_allow_uids;
+  gid_t allow_gids[KVF__MAX_IDS_CFG];
+  size_t n_allow_gids;
+  char listen_host[256];           /* peer-listen; empty port 0 = no peers */
+  uint16_t listen_port;
+  kvf__peer_cfg peers[KVF__MAX_PEERS_CFG];
+  size_t n_peers;
+  kvf__pool_cfg pools[KVF__MAX_POOLS_CFG];
+  size_t n_pools;
+  uint32_t default_deadline_ms;
+  uint32_t heartbeat_ms;
+  uint32_t peer_timeout_ms;
+  uint32_t reconnect_min_ms;
+  uint32_t reconnect_max_ms;
+  uint32_t tcp_streams;
+  uint32_t max_frame;
+  uint32_t max_descs;
+  uint32_t max_clients;
+  uint32_t max_transfers_per_client;
+  uint32_t max_peers;
+  int hugepages;                   /* enum kvf__tristate */
+  bool mlock;
+  int log_level;                   /* enum kvf__log_level */
+  char transports[64];             /* e.g. "tcp" (later "rdma,tcp"), in preference order */
+} kvf__config;
+
+/* Sets every key to its default. */
+void kvf__config_defaults(kvf__config *cfg);
+/* Parses a config file over the current values. On error returns a negative
+ * errno and writes "FILE:LINE: message" into err. */
+int kvf__config_load(kvf__config *cfg, const char *path, char *err, size_t errlen);
+/* Same, from a string (name is used in messages); the fuzzer's entry point. */
+int kvf__config_parse(kvf__config *cfg, const char *text, size_t len,
+                      const char *name, char *err, size_t errlen);
+/* Checks cross-key constraints (e.g. node set, timeouts ordered, unique
+ * pool and peer names). */
+int kvf__config_validate(const kvf__config *cfg, char *err, size_t errlen);
+/* Writes every key, its type, default and help (kvferryd --help). */
+void kvf__config_print_help(FILE *out);
+/* Writes the effective configuration as "key value" lines, or as a JSON
+ * object when json is true. */
+void kvf__config_dump(const kvf__config *cfg, FILE *out, bool json);
+/* Parses sizes like 4096, 64K, 512M, 2G (binary units). */
+int kvf__parse_size(const char *s, uint64_t *out);
+
+#endif
