@@ -29,6 +29,7 @@ PROTO_C := $(BUILD)/proto/kvferry.pb-c.c
 PROTO_H := $(BUILD)/proto/kvferry.pb-c.h
 
 COMMON_SRC := proto/frame.c
+ERR_SRC := client/errors.c
 DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c daemon/transport/*.c))
 LIB_SRC := $(wildcard client/lib*.c) client/errors.c
 CTL_SRC := client/kvferryctl.c
@@ -37,7 +38,7 @@ BENCH_SRC := bench/kvferry-bench.c
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 pic = $(patsubst %.c,$(BUILD)/pic/%.o,$(1))
 
-DAEMON_OBJ := $(call obj,$(DAEMON_SRC) $(COMMON_SRC)) $(BUILD)/obj/proto/kvferry.pb-c.o
+DAEMON_OBJ := $(call obj,$(DAEMON_SRC) $(COMMON_SRC) $(ERR_SRC)) $(BUILD)/obj/proto/kvferry.pb-c.o
 LIB_PIC := $(call pic,$(LIB_SRC) $(COMMON_SRC)) $(BUILD)/pic/proto/kvferry.pb-c.o
 
 UNIT_SRC := $(wildcard tests/unit/test_*.c)

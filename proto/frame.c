@@ -1,5 +1,4 @@
 /* frame.c - length-prefixed frames and fd passing (see frame.h). */
-#define _GNU_SOURCE
 #include "frame.h"
 
 #include <errno.h>

@@ -1,0 +1,823 @@
+/* kvferry-bench - hands realistic KV caches from a prefill client of one
+ * kvferryd to a decode client of another (or the same) and verifies every
+ * byte that arrives.
+ *
+ * The pools are laid out like a paged KV cache (vLLM): per layer and per K/V
+ * an array of num_blocks blocks. A request owns a random set of block ids on
+ * each side, so its descriptors are scattered the way a real engine's are,
+ * not one contiguous range that would flatter the transport.
+ *
+ * Only the public API (client/kvferry.h) is used. One thread: both clients'
+ * event fds are polled together.
+ */
+/* getopt_long and CLOCK_MONOTONIC; the Makefile passes it too. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE 1
+#endif
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <math.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvferry.h"
+
+#define GOLDEN 0x9e3779b97f4a7c15ULL
+/* Time allowed past a transfer's deadline for its failure event to arrive;
+ * the daemon reports expiry itself, the bench only guards against a hang. */
+#define WAIT_MARGIN_MS 5000
+/* With --deadline-ms 0 the daemon's default applies; the bench does not know
+ * it, so it bounds waits by this instead. */
+#define WAIT_DEFAULT_MS 300000
+/* Block ids beyond this are not used: the free list is an array of ids and a
+ * huge pool of tiny blocks should not cost gigabytes of it. */
+#define MAX_BLOCK_IDS (1u << 24)
+#define EV_BATCH 64
+
+/* ------------------------------------------------------------ options */
+
+typedef struct geom {
+  const char *model;
+  uint64_t layers, kv_heads, head_dim, block_tokens, dtype_bytes;
+  uint64_t kv_count;  /* 2: separate K and V per layer; 1: one MLA latent */
+} geom;
+
+static const geom presets[] = {
+  {"llama3-8b", 32, 8, 128, 16, 2, 2},
+  {"llama3-70b-tp8", 80, 1, 128, 16, 2, 2},  /* 8 kv heads over 8 GPUs */
+  {"deepseek-v3", 61, 1, 576, 64, 2, 1},     /* MLA: 512 latent + 64 rope */
+};
+
+typedef struct opts {
+  const char *from, *to, *pool_from, *pool_to;
+  geom g;
+  uint64_t tokens, requests, concurrency, seed;
+  uint32_t deadline_ms;
+  bool layerwise, send_first, grant_any, json, quiet;
+} opts;
+
+/* ------------------------------------------------------------ state */
+
+typedef struct side {
+  const char *role;      /* "prefill" or "decode", for messages */
+  const char *sock;
+  kvf_client *c;
+  const char *node;
+  kvf_pool_info pool;
+  uint8_t *base;         /* this process's mapping of the pool */
+  uint64_t size;
+  uint64_t num_blocks;   /* per (layer, K/V) array */
+  uint32_t *ids;         /* the free list, reshuffled each wave */
+  uint64_t rng;
+  int fd;
+} side;
+
+typedef struct req {
+  char id[48];
+  uint64_t index;        /* request number in the run */
+  const uint32_t *src_ids, *dst_ids;
+  kvf_desc *src, *dst;
+  int64_t t_post, t_recv;
+  bool got_recv, got_send;
+} req;
+
+typedef struct bench {
+  opts o;
+  side src, dst;
+  bool shared;           /* one daemon, one pool: keep src and dst apart */
+  uint64_t block_bytes, blocks, ndesc, req_bytes;
+  req *slots;            /* one per request in flight */
+  double *lat_us;        /* per completed request */
+  uint64_t done;
+  int64_t timed_ns;
+  char path[32];
+  char err[768];
+  bool failed_verify;
+  bool warned_bytes;
+} bench;
+
+static int64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Records the first error only: later ones are usually its consequences. */
+__attribute__((format(printf, 2, 3)))
+static int fail(bench *b, const char *fmt, ...) {
+  if (b->err[0] == '\0') {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(b->err, sizeof b->err, fmt, ap);
+    va_end(ap);
+  }
+  return -1;
+}
+
+static int fail_api(bench *b, const char *what, int rc) {
+  return fail(b, "%s: %s (%s)", what, kvf_err_name(rc), kvf_strerror(rc));
+}
+
+/* Takes a double so that a size computed from absurd flags cannot wrap. */
+static const char *fmt_size(double v, char buf[32]) {
+  static const char *units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  size_t u = 0;
+  while (v >= 1024 && u + 1 < sizeof units / sizeof units[0]) {
+    v /= 1024;
+    u++;
+  }
+  snprintf(buf, 32, u ? "%.1f %s" : "%.0f %s", v, units[u]);
+  return buf;
+}
+
+/* ------------------------------------------------------------ data pattern */
+
+/* splitmix64's finalizer: one call per 8 bytes keeps fill and verify far
+ * faster than the transfer, and any two (request, descriptor, offset)
+ * positions get unrelated bytes, so misplaced data never passes. */
+static inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+static uint64_t pattern_key(uint64_t seed, uint64_t r, uint64_t d) {
+  return mix64(mix64(mix64(seed + GOLDEN) ^ (r + GOLDEN)) ^ (d * GOLDEN));
+}
+
+/* Blocks sit at any byte offset (block_bytes need not be a multiple of 8):
+ * memcpy does the unaligned stores. */
+static void fill_pattern(uint8_t *p, uint64_t len, uint64_t key) {
+  uint64_t s = key, off = 0, v;
+  for (; off + 8 <= len; off += 8) {
+    s += GOLDEN;
+    v = mix64(s);
+    memcpy(p + off, &v, 8);
+  }
+  if (off < len) {
+    s += GOLDEN;
+    v = mix64(s);
+    memcpy(p + off, &v, len - off);
+  }
+}
+
+static uint64_t first_diff(const uint8_t *a, const uint8_t *b, uint64_t n) {
+  uint64_t i = 0;
+  while (i < n && a[i] == b[i]) i++;
+  return i;
+}
+
+/* Returns the offset of the first wrong byte, or len when all are right;
+ * *want gets the byte that was expected there. */
+static uint64_t check_pattern(const uint8_t *p, uint64_t len, uint64_t key, uint8_t *want) {
+  uint64_t s = key, off = 0, v, got;
+  for (; off < len; off += 8) {
+    uint64_t n = len - off < 8 ? len - off : 8;
+    s += GOLDEN;
+    v = mix64(s);
+    got = v;
+    memcpy(&got, p + off, n);
+    if (got != v) {
+      uint8_t vb[8];
+      memcpy(vb, &v, 8);
+      uint64_t i = first_diff(p + off, vb, n);
+      *want = vb[i];
+      return off + i;
+    }
+  }
+  return len;
+}
+
+/* A different byte per request: data left over from an earlier request, or
+ * never written, cannot match the pattern. 0x9d is odd, so 256 requests
+ * pass before a value repeats. */
+static uint8_t poison_byte(uint64_t r) {
+  return (uint8_t)(0x5bu + 0x9du * (unsigned)(r & 0xff));
+}
+
+/* ------------------------------------------------------------ layout */
+
+static uint64_t rng_next(uint64_t *s) {
+  *s += GOLDEN;
+  return mix64(*s);
+}
+
+/* Partial Fisher-Yates: only the first k ids need to be random; the array
+ * stays a permutation, so the next wave reshuffles from where this one left. */
+static void shuffle_ids(side *s, uint64_t k) {
+  for (uint64_t i = 0; i < k; i++) {
+    uint64_t j = i + rng_next(&s->rng) % (s->num_blocks - i);
+    uint32_t t = s->ids[i];
+    s->ids[i] = s->ids[j];
+    s->ids[j] = t;
+  }
+}
+
+static uint64_t desc_offset(const bench *b, const side *s, uint64_t l, uint64_t k, uint32_t id) {
+  return ((l * b->o.g.kv_count + k) * s->num_blocks + id) * b->block_bytes;
+}
+
+/* Descriptors go layer by layer (then K/V, then block), so --layerwise can
+ * send layer l as one contiguous slice of the array. */
+static void build_descs(const bench *b, const side *s, const uint32_t *ids, kvf_desc *d) {
+  uint64_t i = 0;
+  for (uint64_t l = 0; l < b->o.g.layers; l++)
+    for (uint64_t k = 0; k < b->o.g.kv_count; k++)
+      for (uint64_t j = 0; j < b->blocks; j++, i++) {
+        d[i].pool = s->pool.id;
+        d[i].offset = desc_offset(b, s, l, k, ids[j]);
+        d[i].len = b->block_bytes;
+      }
+}
+
+/* Assigns blocks to the n requests of a wave and writes their data: pattern
+ * in the sources, poison in the destinations. Outside the timed window. */
+static void prepare_wave(bench *b, uint64_t first, size_t n) {
+  size_t w = (size_t)b->o.concurrency;
+  shuffle_ids(&b->src, (b->shared ? 2 * w : w) * b->blocks);
+  if (!b->shared) shuffle_ids(&b->dst, w * b->blocks);
+  for (size_t i = 0; i < n; i++) {
+    req *r = &b->slots[i];
+    r->index = first + i;
+    snprintf(r->id, sizeof r->id, "bench-%ld-%" PRIu64, (long)getpid(), r->index);
+    r->src_ids = b->src.ids + i * b->blocks;
+    /* Same pool on both ends: the decode blocks come from the second half of
+     * the shuffled list, disjoint from every source block of the wave. */
+    r->dst_ids = b->shared ? b->src.ids + (w + i) * b->blocks : b->dst.ids + i * b->blocks;
+    build_descs(b, &b->src, r->src_ids, r->src);
+    build_descs(b, &b->dst, r->dst_ids, r->dst);
+    for (uint64_t d = 0; d < b->ndesc; d++) {
+      fill_pattern(b->src.base + r->src[d].offset, b->block_bytes,
+                   pattern_key(b->o.seed, r->index, d));
+      memset(b->dst.base + r->dst[d].offset, poison_byte(r->index), b->block_bytes);
+    }
+    r->t_post = r->t_recv = 0;
+    r->got_recv = r->got_send = false;
+  }
+}
+
+static int verify_request(bench *b, const req *r) {
+  for (uint64_t d = 0; d < b->ndesc; d++) {
+    const uint8_t *p = b->dst.base + r->dst[d].offset;
+    uint8_t want = 0;
+    uint64_t bad = check_pattern(p, b->block_bytes, pattern_key(b->o.seed, r->index, d), &want);
+    if (bad == b->block_bytes) continue;
+    uint64_t per_layer = b->o.g.kv_count * b->blocks;
+    uint64_t k = d % per_layer / b->blocks;
+    b->failed_verify = true;
+    return fail(b,
+                "request %" PRIu64 " (%s): descriptor %" PRIu64 " (layer %" PRIu64
+                ", %s, decode block %u, pool offset %" PRIu64 "): byte %" PRIu64
+                " is 0x%02x, expected 0x%02x%s",
+                r->index, r->id, d, d / per_layer,
+                b->o.g.kv_count == 1 ? "latent" : (k ? "V" : "K"),
+                r->dst_ids[d % b->blocks], r->dst[d].offset, bad, p[bad], want,
+                p[bad] == poison_byte(r->index) ? " (still the poison: never written)" : "");
+  }
+  return 0;
+}
+
+/* ------------------------------------------------------------ setup */
+
+static int pick_pool(bench *b, side *s, const char *name) {
+  int rc;
+  if (name) {
+    rc = kvf_pool_find(s->c, name, &s->pool);
+    if (rc < 0)
+      return fail(b, "pool '%s' on %s node %s: %s (%s)", name, s->role, s->node,
+                  kvf_err_name(rc), kvf_strerror(rc));
+    return 0;
+  }
+  kvf_pool_info *pools = NULL;
+  int n = 0;
+  for (size_t cap = 16;; cap = (size_t)n) {
+    kvf_pool_info *p = realloc(pools, cap * sizeof *p);
+    if (!p) { free(pools); return fail(b, "out of memory"); }
+    pools = p;
+    if ((n = kvf_pools(s->c, pools, cap)) < 0) { free(pools); return fail_api(b, "kvf_pools", n); }
+    if ((size_t)n <= cap) break;
+  }
+  for (int i = 0; i < n; i++)
+    if (strcmp(pools[i].kind, "host") == 0) {
+      s->pool = pools[i];
+      free(pools);
+      return 0;
+    }
+  free(pools);
+  return fail(b, "%s node %s has no pool of kind \"host\" (name one with --pool-%s)",
+              s->role, s->node, s == &b->src ? "from" : "to");
+}
+
+static int open_side(bench *b, side *s, const char *pool_name) {
+  int rc = kvf_connect(s->sock, &s->c);
+  if (rc < 0)
+    return fail(b, "connect to %s daemon at %s: %s (%s)", s->role, s->sock, kvf_err_name(rc),
+                kvf_strerror(rc));
+  s->node = kvf_node(s->c);
+  if (pick_pool(b, s, pool_name) < 0) return -1;
+  void *addr = NULL;
+  rc = kvf_pool_map(s->c, s->pool.id, &addr, &s->size);
+  if (rc < 0)
+    return fail(b, "map pool '%s' (kind %s) of %s node %s: %s (%s); the bench needs host pools",
+                s->pool.name, s->pool.kind, s->role, s->node, kvf_err_name(rc), kvf_strerror(rc));
+  s->base = addr;
+  s->fd = kvf_event_fd(s->c);
+  if (s->fd < 0) return fail_api(b, "kvf_event_fd", s->fd);
+  return 0;
+}
+
+/* Fits the paged layout into the pool, or says how big a pool is needed. */
+static int size_side(bench *b, side *s, uint64_t need_blocks) {
+  uint64_t per_id = b->o.g.layers * b->o.g.kv_count * b->block_bytes;
+  s->num_blocks = s->size / per_id;
+  if (s->num_blocks > MAX_BLOCK_IDS) s->num_blocks = MAX_BLOCK_IDS;
+  if (s->num_blocks < need_blocks) {
+    char have[32], need[32];
+    return fail(b,
+                "pool '%s' of %s node %s is too small: %s holds %" PRIu64 " blocks of %" PRIu64
+                " layers x %" PRIu64 " x %" PRIu64 " B; %" PRIu64 " requests in flight%s x %" PRIu64
+                " blocks need a pool of at least %s (or lower --tokens / --concurrency)",
+                s->pool.name, s->role, s->node, fmt_size((double)s->size, have), s->num_blocks,
+                b->o.g.layers, b->o.g.kv_count, b->block_bytes, b->o.concurrency,
+                b->shared ? " x 2 (same pool sends and receives)" : "", b->blocks,
+                fmt_size((double)need_blocks * (double)per_id, need));
+  }
+  s->ids = malloc(s->num_blocks * sizeof *s->ids);
+  if (!s->ids) return fail(b, "out of memory");
+  for (uint64_t i = 0; i < s->num_blocks; i++) s->ids[i] = (uint32_t)i;
+  return 0;
+}
+
+static int setup(bench *b) {
+  const geom *g = &b->o.g;
+  b->block_bytes = g->block_tokens * g->kv_heads * g->head_dim * g->dtype_bytes;
+  b->blocks = (b->o.tokens + g->block_tokens - 1) / g->block_tokens;
+  b->ndesc = g->layers * g->kv_count * b->blocks;
+  b->req_bytes = b->ndesc * b->block_bytes;
+  b->src = (side){.role = "prefill", .sock = b->o.from, .fd = -1,
+                  .rng = mix64(b->o.seed ^ 0x707265666c6c ^ GOLDEN)};
+  b->dst = (side){.role = "decode", .sock = b->o.to, .fd = -1,
+                  .rng = mix64(b->o.seed ^ 0x6465636f6465 ^ (GOLDEN << 1))};
+  if (open_side(b, &b->src, b->o.pool_from) < 0 || open_side(b, &b->dst, b->o.pool_to) < 0)
+    return -1;
+  /* Node names are unique in a cluster: same node and pool id means the
+   * same memory, mapped twice. */
+  b->shared = strcmp(b->src.node, b->dst.node) == 0 && b->src.pool.id == b->dst.pool.id;
+  uint64_t need = b->o.concurrency * b->blocks;
+  if (size_side(b, &b->src, b->shared ? 2 * need : need) < 0) return -1;
+  if (!b->shared && size_side(b, &b->dst, need) < 0) return -1;
+  if (b->shared) b->dst.num_blocks = b->src.num_blocks;
+  size_t w = (size_t)b->o.concurrency;
+  b->slots = calloc(w, sizeof *b->slots);
+  b->lat_us = calloc((size_t)b->o.requests, sizeof *b->lat_us);
+  if (!b->slots || !b->lat_us) return fail(b, "out of memory");
+  for (size_t i = 0; i < w; i++) {
+    b->slots[i].src = malloc(b->ndesc * sizeof(kvf_desc));
+    b->slots[i].dst = malloc(b->ndesc * sizeof(kvf_desc));
+    if (!b->slots[i].src || !b->slots[i].dst) return fail(b, "out of memory");
+  }
+  return 0;
+}
+
+static void teardown(bench *b) {
+  if (b->slots)
+    for (uint64_t i = 0; i < b->o.concurrency; i++) {
+      free(b->slots[i].src);
+      free(b->slots[i].dst);
+    }
+  free(b->slots);
+  free(b->lat_us);
+  free(b->src.ids);
+  free(b->dst.ids);
+  /* Closing cancels whatever a failed run left in flight. */
+  if (b->src.c) kvf_close(b->src.c);
+  if (b->dst.c) kvf_close(b->dst.c);
+}
+
+/* ------------------------------------------------------------ transfers */
+
+static int post_grant(bench *b, const req *r) {
+  const char *src_node = b->o.grant_any ? NULL : b->src.node;
+  int rc = kvf_grant(b->dst.c, r->id, src_node, r->dst, b->ndesc, b->o.deadline_ms);
+  if (rc < 0) {
+    char what[160];
+    snprintf(what, sizeof what, "kvf_grant(%s) on decode node %s", r->id, b->dst.node);
+    return fail_api(b, what, rc);
+  }
+  return 0;
+}
+
+/* One send, or with --layerwise one part per layer as an engine would post
+ * them while the forward pass produces each layer's KV. */
+static int post_send(bench *b, const req *r) {
+  uint64_t parts = b->o.layerwise ? b->o.g.layers : 1;
+  uint64_t per = b->ndesc / parts;
+  for (uint64_t l = 0; l < parts; l++) {
+    unsigned flags = l + 1 < parts ? KVF_SEND_MORE : 0;
+    int rc = kvf_send(b->src.c, r->id, b->dst.node, r->src + l * per, per, flags,
+                      b->o.deadline_ms);
+    if (rc < 0) {
+      char what[200];
+      snprintf(what, sizeof what, "kvf_send(%s, part %" PRIu64 "/%" PRIu64 ") to node %s",
+               r->id, l + 1, parts, b->dst.node);
+      return fail_api(b, what, rc);
+    }
+  }
+  return 0;
+}
+
+static int post_request(bench *b, req *r) {
+  r->t_post = now_ns();
+  if (b->o.send_first) return post_send(b, r) < 0 || post_grant(b, r) < 0 ? -1 : 0;
+  return post_grant(b, r) < 0 || post_send(b, r) < 0 ? -1 : 0;
+}
+
+static req *find_req(bench *b, size_t n, const char *id) {
+  for (size_t i = 0; i < n; i++)
+    if (strcmp(b->slots[i].id, id) == 0) return &b->slots[i];
+  return NULL;
+}
+
+static void note_path(bench *b, const char *path) {
+  if (b->path[0] == '\0')
+    snprintf(b->path, sizeof b->path, "%s", path[0] ? path : "unknown");
+  else if (path[0] && strcmp(b->path, path) != 0)
+    snprintf(b->path, sizeof b->path, "mixed");
+}
+
+static int handle_event(bench *b, side *s, size_t n, const kvf_event *ev, int64_t t) {
+  int want = s == &b->dst ? KVF_EV_RECV_DONE : KVF_EV_SEND_DONE;
+  const char *name = ev->type == KVF_EV_RECV_DONE ? "RECV_DONE"
+                     : ev->type == KVF_EV_SEND_DONE ? "SEND_DONE" : "unknown event";
+  req *r = find_req(b, n, ev->xfer_id);
+  if (!r) return fail(b, "%s for unknown transfer '%s' on the %s client", name, ev->xfer_id, s->role);
+  if (ev->status != 0)
+    return fail(b, "%s %s on %s node %s (peer %s, path %s): %s (%s)%s%s", r->id, name, s->role,
+                s->node, ev->peer, ev->path, kvf_err_name(ev->status), kvf_strerror(ev->status),
+                ev->error[0] ? ": " : "", ev->error);
+  if (ev->type != want)
+    return fail(b, "unexpected %s for %s on the %s client", name, r->id, s->role);
+  bool *got = want == KVF_EV_RECV_DONE ? &r->got_recv : &r->got_send;
+  if (*got) return fail(b, "a second %s for %s", name, r->id);
+  *got = true;
+  if (want == KVF_EV_RECV_DONE) {
+    r->t_recv = t;
+    note_path(b, ev->path);
+  }
+  /* Every byte is verified anyway; a wrong count is the daemon's
+   * bookkeeping, worth one warning, not a failed run. */
+  if (ev->bytes != b->req_bytes && !b->o.quiet && !b->warned_bytes) {
+    b->warned_bytes = true;
+    fprintf(stderr, "kvferry-bench: warning: %s %s reports %" PRIu64 " bytes, expected %" PRIu64 "\n",
+            r->id, name, ev->bytes, b->req_bytes);
+  }
+  return 0;
+}
+
+/* Takes every waiting event of one client without blocking. */
+static int drain(bench *b, side *s, size_t n) {
+  kvf_event ev[EV_BATCH];
+  for (;;) {
+    int got = kvf_wait_events(s->c, ev, EV_BATCH, 0);
+    int64_t t = now_ns();
+    if (got < 0) return fail_api(b, s == &b->dst ? "kvf_wait_events (decode)" : "kvf_wait_events (prefill)", got);
+    for (int i = 0; i < got; i++)
+      if (handle_event(b, s, n, &ev[i], t) < 0) return -1;
+    if (got < EV_BATCH) return 0;
+  }
+}
+
+static bool wave_done(const bench *b, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (!b->slots[i].got_recv || !b->slots[i].got_send) return false;
+  return true;
+}
+
+static int wave_timeout(bench *b, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    const req *r = &b->slots[i];
+    if (!r->got_recv || !r->got_send)
+      return fail(b, "%s: no %s after the deadline (%u ms) plus %d ms; the daemon never reported it",
+                  r->id, r->got_recv ? "SEND_DONE" : "RECV_DONE", b->o.deadline_ms, WAIT_MARGIN_MS);
+  }
+  return 0;
+}
+
+/* Decode first: RECV_DONE ends the timed window, so take its time first. */
+static int drain_both(bench *b, size_t n) {
+  return drain(b, &b->dst, n) < 0 || drain(b, &b->src, n) < 0 ? -1 : 0;
+}
+
+static int wait_wave(bench *b, size_t n, int64_t limit) {
+  while (!wave_done(b, n)) {
+    int64_t left = limit - now_ns();
+    if (left <= 0) return wave_timeout(b, n);
+    struct pollfd pf[2] = {{.fd = b->dst.fd, .events = POLLIN}, {.fd = b->src.fd, .events = POLLIN}};
+    /* Capped so a missed wakeup costs latency, never a hang. */
+    int ms = left / 1000000 + 1 > 100 ? 100 : (int)(left / 1000000 + 1);
+    if (poll(pf, 2, ms) < 0 && errno != EINTR) return fail(b, "poll: %s", strerror(errno));
+    if (drain_both(b, n) < 0) return -1;
+  }
+  return 0;
+}
+
+static int run_wave(bench *b, uint64_t first, size_t n) {
+  prepare_wave(b, first, n);
+  for (size_t i = 0; i < n; i++) {
+    if (post_request(b, &b->slots[i]) < 0) return -1;
+    /* Completions of earlier requests must not wait for the posting loop. */
+    if (drain_both(b, n) < 0) return -1;
+  }
+  int64_t bound = b->o.deadline_ms ? b->o.deadline_ms : WAIT_DEFAULT_MS;
+  if (wait_wave(b, n, now_ns() + (bound + WAIT_MARGIN_MS) * 1000000) < 0) return -1;
+  int64_t t0 = b->slots[0].t_post, t1 = 0;
+  for (size_t i = 0; i < n; i++) {
+    const req *r = &b->slots[i];
+    if (r->t_recv > t1) t1 = r->t_recv;
+    b->lat_us[r->index] = (double)(r->t_recv - r->t_post) / 1e3;
+  }
+  for (size_t i = 0; i < n; i++)
+    if (verify_request(b, &b->slots[i]) < 0) return -1;
+  /* Counted only once verified, so seconds and bytes cover the same waves. */
+  b->timed_ns += t1 - t0;
+  b->done += n;
+  return 0;
+}
+
+static int run(bench *b) {
+  for (uint64_t first = 0; first < b->o.requests; first += b->o.concurrency) {
+    uint64_t left = b->o.requests - first;
+    size_t n = (size_t)(left < b->o.concurrency ? left : b->o.concurrency);
+    if (run_wave(b, first, n) < 0) return -1;
+  }
+  return 0;
+}
+
+/* ------------------------------------------------------------ report */
+
+static int cmp_double(const void *a, const void *c) {
+  double x = *(const double *)a, y = *(const double *)c;
+  return (x > y) - (x < y);
+}
+
+/* Nearest rank: the smallest value with at least p% of the samples at or below it. */
+static double percentile(const double *sorted, uint64_t n, double p) {
+  if (n == 0) return 0;
+  uint64_t rank = (uint64_t)ceil(p / 100.0 * (double)n);
+  if (rank < 1) rank = 1;
+  return sorted[(rank > n ? n : rank) - 1];
+}
+
+static void json_str(FILE *f, const char *s) {
+  fputc('"', f);
+  for (; *s; s++) {
+    unsigned char ch = (unsigned char)*s;
+    if (ch == '"' || ch == '\\') fprintf(f, "\\%c", ch);
+    else if (ch < 0x20) fprintf(f, "\\u%04x", ch);
+    else fputc(ch, f);
+  }
+  fputc('"', f);
+}
+
+typedef struct summary {
+  uint64_t bytes, descs;
+  double seconds, gbps, p50, p99;
+  bool ok;
+} summary;
+
+static summary summarize(bench *b) {
+  summary s = {.bytes = b->done * b->req_bytes, .descs = b->done * b->ndesc,
+               .seconds = (double)b->timed_ns / 1e9, .ok = b->err[0] == '\0'};
+  s.gbps = s.seconds > 0 ? (double)s.bytes / s.seconds / 1e9 : 0;
+  if (b->done) qsort(b->lat_us, (size_t)b->done, sizeof *b->lat_us, cmp_double);
+  s.p50 = percentile(b->lat_us, b->done, 50);
+  s.p99 = percentile(b->lat_us, b->done, 99);
+  return s;
+}
+
+static void report_json(const bench *b, const summary *s) {
+  printf("{\"path\": ");
+  json_str(stdout, b->path[0] ? b->path : "none");
+  printf(", \"bytes\": %" PRIu64 ", \"descriptors\": %" PRIu64 ", \"requests\": %" PRIu64
+         ", \"seconds\": %.6f, \"gbps\": %.3f, \"gbit_s\": %.3f, \"p50_us\": %.1f, \"p99_us\": %.1f"
+         ", \"verified\": %s, \"model\": ",
+         s->bytes, s->descs, b->done, s->seconds, s->gbps, s->gbps * 8, s->p50, s->p99,
+         s->ok ? "true" : "false");
+  json_str(stdout, b->o.g.model);
+  printf(", \"block_bytes\": %" PRIu64 ", \"concurrency\": %" PRIu64, b->block_bytes,
+         b->o.concurrency);
+  if (!s->ok) {
+    printf(", \"error\": ");
+    json_str(stdout, b->err);
+  }
+  printf("}\n");
+}
+
+static void report_human(const bench *b, const summary *s) {
+  char rb[32], tb[32];
+  printf("kvferry-bench: %s, %" PRIu64 " tokens = %" PRIu64 " blocks x %" PRIu64 " layers x %"
+         PRIu64 " of %" PRIu64 " B = %s per request\n",
+         b->o.g.model, b->o.tokens, b->blocks, b->o.g.layers, b->o.g.kv_count, b->block_bytes,
+         fmt_size((double)b->req_bytes, rb));
+  printf("  %s (%s) -> %s (%s), path %s, %" PRIu64 " requests, %" PRIu64 " in flight%s%s\n",
+         b->src.node, b->src.pool.name, b->dst.node, b->dst.pool.name, b->path[0] ? b->path : "-",
+         b->done, b->o.concurrency, b->o.layerwise ? ", layerwise" : "",
+         b->o.send_first ? ", send first" : "");
+  printf("  moved %s (%" PRIu64 " descriptors) in %.3f s: %.3f GB/s (%.2f Gbit/s)\n",
+         fmt_size((double)s->bytes, tb), s->descs, s->seconds, s->gbps, s->gbps * 8);
+  printf("  latency p50 %.1f us, p99 %.1f us\n", s->p50, s->p99);
+  printf("  verified: %s\n", s->ok ? "every byte" : "NO");
+}
+
+/* ------------------------------------------------------------ arguments */
+
+static void usage(FILE *f) {
+  fprintf(f,
+    "usage: kvferry-bench --from SOCKET --to SOCKET [options]\n"
+    "Hands KV caches from a prefill client (--from daemon) to a decode client\n"
+    "(--to daemon; may be the same) and verifies every byte.\n\n"
+    "  --model NAME         llama3-8b (default), llama3-70b-tp8, deepseek-v3\n"
+    "  --layers N --kv-heads N --head-dim N --block-tokens N --dtype-bytes N\n"
+    "                       custom geometry, overriding the model's\n"
+    "  --mla                one latent per layer-block (no separate V);\n"
+    "                       kv-heads 1 and head-dim 576 unless given\n"
+    "  --tokens N           tokens per request (default 4096)\n"
+    "  --requests N         requests in the run (default 1)\n"
+    "  --concurrency N      requests in flight at once (default 1)\n"
+    "  --pool-from NAME     prefill pool (default: first host pool)\n"
+    "  --pool-to NAME       decode pool (default: first host pool)\n"
+    "  --layerwise          send each request in parts, one per layer\n"
+    "  --send-first         post the send before the grant\n"
+    "  --grant-any          grant without naming the prefill node\n"
+    "  --deadline-ms N      per-transfer deadline (default 30000; 0: the daemon's)\n"
+    "  --seed N             data and layout seed (default 1)\n"
+    "  --json               one JSON line on stdout\n"
+    "  --quiet              no summary and no warnings; the exit status tells\n"
+    "  --help\n"
+    "Exit 0 only when every request transferred and verified.\n");
+}
+
+static int parse_u64(const char *name, const char *s, uint64_t min, uint64_t max, uint64_t *out) {
+  char *end;
+  errno = 0;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (errno || end == s || *end || s[0] == '-' || v < min || v > max) {
+    fprintf(stderr, "kvferry-bench: --%s: '%s' is not a number in [%" PRIu64 ", %" PRIu64 "]\n",
+            name, s, min, max);
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+enum { O_FROM = 256, O_TO, O_MODEL, O_LAYERS, O_KVH, O_HDIM, O_BTOK, O_DTYPE, O_MLA, O_TOKENS,
+       O_REQS, O_CONC, O_PFROM, O_PTO, O_LAYERWISE, O_SENDFIRST, O_GRANTANY, O_DEADLINE, O_SEED,
+       O_JSON, O_QUIET, O_HELP };
+
+static const struct option long_opts[] = {
+  {"from", required_argument, 0, O_FROM}, {"to", required_argument, 0, O_TO},
+  {"model", required_argument, 0, O_MODEL}, {"layers", required_argument, 0, O_LAYERS},
+  {"kv-heads", required_argument, 0, O_KVH}, {"head-dim", required_argument, 0, O_HDIM},
+  {"block-tokens", required_argument, 0, O_BTOK}, {"dtype-bytes", required_argument, 0, O_DTYPE},
+  {"mla", no_argument, 0, O_MLA}, {"tokens", required_argument, 0, O_TOKENS},
+  {"requests", required_argument, 0, O_REQS}, {"concurrency", required_argument, 0, O_CONC},
+  {"pool-from", required_argument, 0, O_PFROM}, {"pool-to", required_argument, 0, O_PTO},
+  {"layerwise", no_argument, 0, O_LAYERWISE}, {"send-first", no_argument, 0, O_SENDFIRST},
+  {"grant-any", no_argument, 0, O_GRANTANY}, {"deadline-ms", required_argument, 0, O_DEADLINE},
+  {"seed", required_argument, 0, O_SEED}, {"json", no_argument, 0, O_JSON},
+  {"quiet", no_argument, 0, O_QUIET}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
+};
+
+/* Geometry flags as given; 0 = not given, the preset's value stands. */
+typedef struct geom_over {
+  uint64_t layers, kv_heads, head_dim, block_tokens, dtype_bytes;
+  bool mla;
+} geom_over;
+
+static int parse_geom_opt(int c, const char *arg, geom_over *ov) {
+  switch (c) {
+  case O_LAYERS: return parse_u64("layers", arg, 1, 4096, &ov->layers);
+  case O_KVH: return parse_u64("kv-heads", arg, 1, 1024, &ov->kv_heads);
+  case O_HDIM: return parse_u64("head-dim", arg, 1, 65536, &ov->head_dim);
+  case O_BTOK: return parse_u64("block-tokens", arg, 1, 65536, &ov->block_tokens);
+  case O_DTYPE: return parse_u64("dtype-bytes", arg, 1, 8, &ov->dtype_bytes);
+  default: ov->mla = true; return 0;
+  }
+}
+
+static int parse_run_opt(int c, const char *arg, opts *o) {
+  uint64_t v;
+  switch (c) {
+  case O_TOKENS: return parse_u64("tokens", arg, 1, 1u << 24, &o->tokens);
+  case O_REQS: return parse_u64("requests", arg, 1, 1u << 24, &o->requests);
+  case O_CONC: return parse_u64("concurrency", arg, 1, 1u << 16, &o->concurrency);
+  case O_SEED: return parse_u64("seed", arg, 0, UINT64_MAX, &o->seed);
+  case O_DEADLINE:
+    if (parse_u64("deadline-ms", arg, 0, UINT32_MAX, &v) < 0) return -1;
+    o->deadline_ms = (uint32_t)v;
+    return 0;
+  }
+  return -1;
+}
+
+static int set_model(const char *name, opts *o) {
+  for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++)
+    if (strcmp(presets[i].model, name) == 0) {
+      o->g = presets[i];
+      return 0;
+    }
+  fprintf(stderr, "kvferry-bench: --model: unknown '%s' (llama3-8b, llama3-70b-tp8, deepseek-v3)\n",
+          name);
+  return -1;
+}
+
+/* Custom flags win over the preset; any of them makes the model "custom". */
+static void apply_geom(opts *o, const geom_over *ov) {
+  geom *g = &o->g;
+  bool custom = ov->layers || ov->kv_heads || ov->head_dim || ov->block_tokens ||
+                ov->dtype_bytes || (ov->mla && g->kv_count != 1);
+  if (ov->mla && g->kv_count != 1) {
+    g->kv_count = 1;
+    g->kv_heads = 1;
+    g->head_dim = 576;
+  }
+  if (ov->layers) g->layers = ov->layers;
+  if (ov->kv_heads) g->kv_heads = ov->kv_heads;
+  if (ov->head_dim) g->head_dim = ov->head_dim;
+  if (ov->block_tokens) g->block_tokens = ov->block_tokens;
+  if (ov->dtype_bytes) g->dtype_bytes = ov->dtype_bytes;
+  if (custom) g->model = "custom";
+}
+
+static int check_opts(const opts *o) {
+  if (!o->from || !o->to) {
+    fprintf(stderr, "kvferry-bench: --from and --to are required\n");
+    usage(stderr);
+    return -1;
+  }
+  /* Offsets are computed in 64 bits; keep one block addressable in a pool. */
+  const geom *g = &o->g;
+  if (g->block_tokens * g->kv_heads * g->head_dim * g->dtype_bytes > (1ull << 32)) {
+    fprintf(stderr, "kvferry-bench: a block of more than 4 GiB is not a KV cache\n");
+    return -1;
+  }
+  return 0;
+}
+
+/* Returns 0 to run, 1 after --help, -1 on a usage error. */
+static int parse_args(int argc, char **argv, opts *o) {
+  geom_over ov = {0};
+  *o = (opts){.g = presets[0], .tokens = 4096, .requests = 1, .concurrency = 1, .seed = 1,
+              .deadline_ms = 30000};
+  int c;
+  while ((c = getopt_long(argc, argv, "", long_opts, NULL)) != -1) {
+    int rc = 0;
+    if (c == O_FROM) o->from = optarg;
+    else if (c == O_TO) o->to = optarg;
+    else if (c == O_PFROM) o->pool_from = optarg;
+    else if (c == O_PTO) o->pool_to = optarg;
+    else if (c == O_MODEL) rc = set_model(optarg, o);
+    else if (c >= O_LAYERS && c <= O_MLA) rc = parse_geom_opt(c, optarg, &ov);
+    else if (c >= O_TOKENS && c <= O_CONC) rc = parse_run_opt(c, optarg, o);
+    else if (c == O_DEADLINE || c == O_SEED) rc = parse_run_opt(c, optarg, o);
+    else if (c == O_LAYERWISE) o->layerwise = true;
+    else if (c == O_SENDFIRST) o->send_first = true;
+    else if (c == O_GRANTANY) o->grant_any = true;
+    else if (c == O_JSON) o->json = true;
+    else if (c == O_QUIET) o->quiet = true;
+    else if (c == O_HELP) { usage(stdout); return 1; }
+    else { usage(stderr); return -1; }
+    if (rc < 0) return -1;
+  }
+  if (optind < argc) {
+    fprintf(stderr, "kvferry-bench: unexpected argument '%s'\n", argv[optind]);
+    return -1;
+  }
+  apply_geom(o, &ov);
+  /* A wave never holds more requests than the run has. */
+  if (o->concurrency > o->requests) o->concurrency = o->requests;
+  return check_opts(o);
+}
+
+int main(int argc, char **argv) {
+  bench b = {0};
+  int rc = parse_args(argc, argv, &b.o);
+  if (rc) return rc > 0 ? 0 : 2;
+  bool ready = setup(&b) == 0;
+  if (ready) run(&b);
+  summary s = summarize(&b);
+  if (!s.ok) fprintf(stderr, "kvferry-bench: %s\n", b.err);
+  if (b.o.json) report_json(&b, &s);
+  else if (!b.o.quiet && ready) report_human(&b, &s);
+  teardown(&b);
+  return s.ok ? 0 : 1;
+}

@@ -1,0 +1,226 @@
+#!/bin/sh
+# tcp_vs_iperf.sh - kvferry's tcp transport against iperf3, on loopback, in
+# one run on one machine, so the three figures share the same CPU, kernel and
+# load: iperf3 with one stream, iperf3 with 4 streams (kvferryd's tcp-streams),
+# and kvferry-bench handing 8 llama3-8b KV caches (4096 tokens, 512 MiB each)
+# between two kvferryd. All rates in GB/s (1e9 bytes/s).
+#
+# Prints a table, then (last line of stdout) the same as one JSON line.
+# Environment: BUILD (default build), POOL (pool size per daemon, default 2G),
+# SECONDS_IPERF (default 5), REQUESTS (default 8).
+# Usage: make && bench/tcp_vs_iperf.sh   (or: make bench-tcp)
+set -eu
+
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+POOL=${POOL:-2G}
+SECONDS_IPERF=${SECONDS_IPERF:-5}
+REQUESTS=${REQUESTS:-8}
+
+say() { echo "tcp_vs_iperf: $*" >&2; }
+die() { say "$*"; exit 1; }
+
+for bin in kvferryd kvferryctl kvferry-bench; do
+  [ -x "$BUILD/$bin" ] || die "$BUILD/$bin is missing (run make first)"
+done
+for tool in iperf3 python3 ss; do
+  command -v "$tool" >/dev/null || die "$tool is missing (scripts/install-deps.sh installs it)"
+done
+
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/kvferry-iperf.XXXXXX")
+PIDS=""
+# Stops exactly the processes this script started (SIGTERM, then SIGKILL
+# after 5 s: a stuck daemon must not hang the script), then removes its files.
+cleanup() {
+  for pid in $PIDS; do kill "$pid" 2>/dev/null || true; done
+  for pid in $PIDS; do
+    i=0
+    while kill -0 "$pid" 2>/dev/null && [ "$i" -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
+    kill -9 "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
+  rm -rf "$TMP"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# Free ports from the kernel (bind to port 0). Another process could take
+# one before we use it; then a start fails loudly rather than measuring junk.
+free_ports() {
+  python3 - "$1" <<'EOF'
+import socket, sys
+socks = []
+for _ in range(int(sys.argv[1])):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    socks.append(s)
+print(" ".join(str(s.getsockname()[1]) for s in socks))
+EOF
+}
+
+# Waits until something listens on 127.0.0.1:$1. A probe connection would
+# count as a client to iperf3, so ask the kernel instead.
+wait_listen() {
+  i=0
+  while [ -z "$(ss -Hltn "sport = :$1" 2>/dev/null)" ]; do
+    i=$((i + 1))
+    [ "$i" -le 100 ] || return 1
+    sleep 0.1
+  done
+}
+
+# Bytes from a size like 2G / 512M / 4096 (binary units, as kvferryd reads them).
+size_bytes() {
+  python3 -c '
+import sys
+s = sys.argv[1].strip().upper()
+m = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+print(int(s[:-1]) * m[s[-1]] if s[-1] in m else int(s))' "$1"
+}
+
+# ---------------------------------------------------------------- machine
+NPROC=$(nproc)
+CPU=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
+[ -n "$CPU" ] || CPU=$(uname -m)
+KERNEL=$(uname -r)
+DATE=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+
+# Both pools are memfds of POOL bytes, touched by the bench; leave room for
+# iperf3 and the page cache rather than pushing the machine into swap or OOM.
+POOL_BYTES=$(size_bytes "$POOL")
+AVAIL=$(awk '/^MemAvailable:/ { printf "%.0f", $2 * 1024 }' /proc/meminfo)
+NEED=$(python3 -c "print(2 * $POOL_BYTES + (1 << 30))")
+python3 -c "import sys; sys.exit(0 if $AVAIL >= $NEED else 1)" ||
+  die "need $NEED bytes of free memory for two $POOL pools, $AVAIL available (set POOL, at least 512M)"
+
+# ---------------------------------------------------------------- iperf3
+# Gigabytes per second received, from iperf3's JSON.
+iperf_gbps() {
+  python3 -c '
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except ValueError:
+    sys.exit("iperf3 wrote no JSON result")
+if d.get("error"):
+    sys.exit("iperf3: " + d["error"])
+print("%.3f" % (d["end"]["sum_received"]["bits_per_second"] / 8e9))' "$1"
+}
+
+PORTS=$(free_ports 3)
+read -r IPERF_PORT PORT_A PORT_B <<EOF
+$PORTS
+EOF
+
+iperf3 -s -p "$IPERF_PORT" -B 127.0.0.1 >"$TMP/iperf-server.log" 2>&1 &
+PIDS="$PIDS $!"
+wait_listen "$IPERF_PORT" || die "iperf3 server did not start: $(tail -n 5 "$TMP/iperf-server.log")"
+
+say "iperf3, 1 stream, ${SECONDS_IPERF}s"
+iperf3 -c 127.0.0.1 -p "$IPERF_PORT" -t "$SECONDS_IPERF" -J >"$TMP/p1.json" || true
+IPERF_P1=$(iperf_gbps "$TMP/p1.json")
+say "iperf3, 4 streams, ${SECONDS_IPERF}s"
+iperf3 -c 127.0.0.1 -p "$IPERF_PORT" -t "$SECONDS_IPERF" -P 4 -J >"$TMP/p4.json" || true
+IPERF_P4=$(iperf_gbps "$TMP/p4.json")
+
+# ---------------------------------------------------------------- kvferry
+write_conf() { # NAME PORT OTHER OTHER_PORT
+  cat >"$TMP/$1.conf" <<EOF
+node $1
+api-socket $TMP/$1.sock
+peer-listen 127.0.0.1:$2
+peer $3 127.0.0.1:$4
+pool kv host $POOL
+tcp-streams 4
+EOF
+}
+
+# Succeeds once kvferryctl shows peer $2 "up" on the daemon at socket $1.
+# The document's shape is the daemon's; any object naming the peer (or not
+# naming any) with "state": "up" counts.
+peer_up() {
+  "$BUILD/kvferryctl" -s "$1" peers --json 2>/dev/null | python3 -c '
+import json, sys
+want = sys.argv[1]
+try:
+    doc = json.load(sys.stdin)
+except ValueError:
+    sys.exit(1)
+def walk(x):
+    if isinstance(x, dict):
+        yield x
+        for v in x.values():
+            yield from walk(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from walk(v)
+for o in walk(doc):
+    names = [o[k] for k in ("name", "node", "peer") if isinstance(o.get(k), str)]
+    if o.get("state") == "up" and (not names or want in names):
+        sys.exit(0)
+sys.exit(1)' "$2"
+}
+
+wait_peer_up() { # SOCK OTHER LOG PID
+  i=0
+  until peer_up "$1" "$2"; do
+    kill -0 "$4" 2>/dev/null || die "kvferryd ($3) exited:
+$(tail -n 20 "$3")"
+    i=$((i + 1))
+    [ "$i" -le 200 ] || die "peer $2 not up after 20 s; daemon log:
+$(tail -n 20 "$3")"
+    sleep 0.1
+  done
+}
+
+write_conf a "$PORT_A" b "$PORT_B"
+write_conf b "$PORT_B" a "$PORT_A"
+"$BUILD/kvferryd" -c "$TMP/a.conf" 2>"$TMP/a.log" &
+PID_A=$!
+PIDS="$PIDS $PID_A"
+"$BUILD/kvferryd" -c "$TMP/b.conf" 2>"$TMP/b.log" &
+PID_B=$!
+PIDS="$PIDS $PID_B"
+wait_peer_up "$TMP/a.sock" b "$TMP/a.log" "$PID_A"
+wait_peer_up "$TMP/b.sock" a "$TMP/b.log" "$PID_B"
+
+say "kvferry-bench, llama3-8b, 4096 tokens, $REQUESTS requests"
+if ! "$BUILD/kvferry-bench" --from "$TMP/a.sock" --to "$TMP/b.sock" --model llama3-8b \
+    --tokens 4096 --requests "$REQUESTS" --json >"$TMP/bench.json" 2>"$TMP/bench.err"; then
+  cat "$TMP/bench.json" "$TMP/bench.err" >&2
+  say "daemon a:"; tail -n 20 "$TMP/a.log" >&2
+  say "daemon b:"; tail -n 20 "$TMP/b.log" >&2
+  die "kvferry-bench failed"
+fi
+cat "$TMP/bench.err" >&2
+
+# ---------------------------------------------------------------- report
+python3 - "$TMP/bench.json" "$IPERF_P1" "$IPERF_P4" "$NPROC" "$CPU" "$KERNEL" "$DATE" <<'EOF'
+import json, sys
+bench_file, p1, p4, nproc, cpu, kernel, date = sys.argv[1:]
+lines = [l for l in open(bench_file).read().splitlines() if l.strip()]
+kvf = json.loads(lines[-1])
+p1, p4, k = float(p1), float(p4), float(kvf["gbps"])
+def ratio(a, b):
+    return round(a / b, 3) if b > 0 else None
+def fmt(r):
+    return "-" if r is None else "%.2fx" % r
+print("kvferry tcp vs iperf3, loopback, %s" % date)
+print("machine: %s CPUs, %s, Linux %s" % (nproc, cpu, kernel))
+print("%-44s %10s %10s" % ("", "GB/s", "Gbit/s"))
+print("%-44s %10.3f %10.2f" % ("iperf3, 1 stream", p1, p1 * 8))
+print("%-44s %10.3f %10.2f" % ("iperf3, 4 streams", p4, p4 * 8))
+label = "kvferry tcp (%s, %d req, p50 %.0f ms)" % (kvf.get("model"), kvf.get("requests", 0),
+                                                  kvf.get("p50_us", 0) / 1e3)
+print("%-44s %10.3f %10.2f" % (label, k, k * 8))
+print("kvferry / iperf3 1 stream: %s   kvferry / iperf3 4 streams: %s   (path %s, verified %s)"
+      % (fmt(ratio(k, p1)), fmt(ratio(k, p4)), kvf.get("path"), json.dumps(kvf.get("verified"))))
+print(json.dumps({
+    "date": date,
+    "machine": {"nproc": int(nproc), "cpu": cpu, "kernel": kernel},
+    "iperf3_p1_gbps": p1, "iperf3_p4_gbps": p4, "kvferry_gbps": k,
+    "kvferry_vs_iperf3_p1": ratio(k, p1), "kvferry_vs_iperf3_p4": ratio(k, p4),
+    "kvferry": kvf,
+}))
+EOF

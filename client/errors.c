@@ -1,0 +1,90 @@
+/* errors.c - names and messages for kvferry's error codes.
+ *
+ * One table describes every enum kvf_errc code; any other negative value is
+ * a negative errno. Everything returned is a constant string (strerror's text
+ * comes from the C library's constant table via strerrordesc_np), so these
+ * functions are thread-safe. */
+#include "kvferry.h"
+
+#include <errno.h>
+#include <stddef.h>
+#include <string.h>
+
+#define KVF_API __attribute__((visibility("default")))
+
+struct err_entry {
+  int code;
+  const char *name;
+  const char *message;
+};
+
+/* The single source of truth for kvferry's own codes. */
+static const struct err_entry kvf_errors[] = {
+  {KVF_ESIZE, "KVF_ESIZE", "send and grant descriptors differ in size or count"},
+  {KVF_ENOPEER, "KVF_ENOPEER", "no such peer node"},
+  {KVF_ENOPOOL, "KVF_ENOPOOL", "no such pool"},
+  {KVF_ERANGE, "KVF_ERANGE", "range outside its pool"},
+  {KVF_EPEERLOST, "KVF_EPEERLOST", "peer daemon went away"},
+  {KVF_EREMOTECANCEL, "KVF_EREMOTECANCEL", "cancelled by the other side"},
+  {KVF_EDAEMON, "KVF_EDAEMON", "connection to the local daemon is gone"},
+  {KVF_EVERSION, "KVF_EVERSION", "protocol versions do not match"},
+  {KVF_EPROTO, "KVF_EPROTO", "malformed message"},
+  {KVF_ELIMIT, "KVF_ELIMIT", "refused by a configured limit"},
+  {KVF_EPERM, "KVF_EPERM", "not allowed (credentials or authentication)"},
+  {KVF_EDEADLINE, "KVF_EDEADLINE", "transfer deadline expired"},
+  {KVF_ECANCELED, "KVF_ECANCELED", "cancelled by this side"},
+  {KVF_EEXIST, "KVF_EEXIST", "transfer id already active"},
+  {KVF_ENOENT, "KVF_ENOENT", "no active transfer with this id"},
+  {KVF_EINVAL, "KVF_EINVAL", "invalid argument"},
+};
+
+/* errno values stay below the kernel's MAX_ERRNO; anything else is unknown
+ * (and negating INT_MIN would overflow). */
+#define KVF_ERRNO_MAX 4096
+
+#define ERRNO_NAME(e) {-(e), #e, NULL}
+
+/* Names of the errnos the library and daemon commonly return; the message
+ * comes from the C library. */
+static const struct err_entry errno_names[] = {
+  ERRNO_NAME(EPERM),        ERRNO_NAME(ENOENT),      ERRNO_NAME(EINTR),
+  ERRNO_NAME(EIO),          ERRNO_NAME(EBADF),       ERRNO_NAME(EAGAIN),
+  ERRNO_NAME(ENOMEM),       ERRNO_NAME(EACCES),      ERRNO_NAME(EFAULT),
+  ERRNO_NAME(EBUSY),        ERRNO_NAME(EEXIST),      ERRNO_NAME(ENODEV),
+  ERRNO_NAME(ENOTDIR),      ERRNO_NAME(EISDIR),      ERRNO_NAME(EINVAL),
+  ERRNO_NAME(ENFILE),       ERRNO_NAME(EMFILE),      ERRNO_NAME(ENOSPC),
+  ERRNO_NAME(EPIPE),        ERRNO_NAME(ERANGE),      ERRNO_NAME(ENAMETOOLONG),
+  ERRNO_NAME(ENOSYS),       ERRNO_NAME(EPROTO),      ERRNO_NAME(EOVERFLOW),
+  ERRNO_NAME(ENOTSOCK),     ERRNO_NAME(EMSGSIZE),    ERRNO_NAME(EPROTONOSUPPORT),
+  ERRNO_NAME(EOPNOTSUPP),   ERRNO_NAME(EADDRINUSE),  ERRNO_NAME(EADDRNOTAVAIL),
+  ERRNO_NAME(ENETDOWN),     ERRNO_NAME(ENETUNREACH), ERRNO_NAME(ECONNABORTED),
+  ERRNO_NAME(ECONNRESET),   ERRNO_NAME(ENOBUFS),     ERRNO_NAME(EISCONN),
+  ERRNO_NAME(ENOTCONN),     ERRNO_NAME(ETIMEDOUT),   ERRNO_NAME(ECONNREFUSED),
+  ERRNO_NAME(EHOSTUNREACH), ERRNO_NAME(EALREADY),    ERRNO_NAME(EINPROGRESS),
+  ERRNO_NAME(ECANCELED),    ERRNO_NAME(ENODATA),     ERRNO_NAME(ESRCH),
+};
+
+static const struct err_entry *lookup(const struct err_entry *table, size_t n, int code) {
+  for (size_t i = 0; i < n; i++)
+    if (table[i].code == code) return &table[i];
+  return NULL;
+}
+
+#define LOOKUP(table, code) lookup((table), sizeof(table) / sizeof((table)[0]), (code))
+
+KVF_API const char *kvf_err_name(int err) {
+  if (err == 0) return "OK";
+  const struct err_entry *e = LOOKUP(kvf_errors, err);
+  if (!e) e = LOOKUP(errno_names, err);
+  return e ? e->name : "UNKNOWN";
+}
+
+KVF_API const char *kvf_strerror(int err) {
+  if (err == 0) return "success";
+  const struct err_entry *e = LOOKUP(kvf_errors, err);
+  if (e) return e->message;
+  /* strerrordesc_np returns the constant description, unlike strerror(),
+   * which may format "Unknown error N" into a shared buffer. */
+  const char *msg = err < 0 && err > -KVF_ERRNO_MAX ? strerrordesc_np(-err) : NULL;
+  return msg ? msg : "unknown error";
+}

@@ -1,0 +1,475 @@
+/* api.c - the local API: engines connect to a Unix stream socket, prove who
+ * they are by SO_PEERCRED, and speak length-prefixed ApiRequest frames. Each
+ * request gets exactly one ApiResponse; events are pushed in between. A
+ * pool's fd rides with its MapResp (SCM_RIGHTS through uv_write2, so it
+ * stays in order with every other frame). A client that sends garbage is
+ * dropped; nothing it sends can take the daemon down. */
+#include "api.h"
+
+#include <errno.h>
+#include <grp.h>
+#include <pwd.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "desc.h"
+#include "frame.h"
+#include "inspect.h"
+#include "pool.h"
+#include "xfer.h"
+
+#define READ_CHUNK (256u << 10)
+#define MAX_WRITE_QUEUE (256u << 20)
+
+struct kvf__session {
+  uv_pipe_t pipe;
+  kvf__framebuf fb;
+  uint32_t id;
+  pid_t pid;
+  uid_t uid;
+  gid_t gid;
+  int refused;            /* status every request gets, then we close */
+  bool hello_done;
+  bool closing;
+  uint32_t n_xfers;
+  char name[64];
+  kvf__session *prev, *next;
+};
+
+static struct {
+  uv_loop_t *loop;
+  uv_pipe_t server;
+  bool listening;
+  kvf__session *head;
+  size_t n;
+  uint32_t next_id;
+} A;
+
+size_t kvf__api_sessions(void) { return A.n; }
+
+void kvf__api_session_xfers(kvf__session *s, int delta) { s->n_xfers += (uint32_t)delta; }
+
+/* --------------------------------------------------------------- writing */
+
+typedef struct wreq {
+  uv_write_t req;
+  uv_pipe_t *fdpipe;   /* carries a pool fd; closed once written */
+  uint8_t data[];
+} wreq;
+
+static void session_close(kvf__session *s, const char *why);
+
+static void on_fdpipe_closed(uv_handle_t *h) { free(h); }
+
+static void on_written(uv_write_t *req, int status) {
+  wreq *w = req->data;
+  if (w->fdpipe) uv_close((uv_handle_t *)w->fdpipe, on_fdpipe_closed);
+  free(w);
+}
+
+/* Wraps a dup of fd in a pipe handle, which is what uv_write2 can pass. */
+static uv_pipe_t *fd_handle(int fd) {
+  uv_pipe_t *p = malloc(sizeof(*p));
+  int dfd = dup(fd);
+  if (!p || dfd < 0 || uv_pipe_init(A.loop, p, 0) != 0) {
+    free(p);
+    if (dfd >= 0) close(dfd);
+    return NULL;
+  }
+  if (uv_pipe_open(p, dfd) != 0) {
+    close(dfd);
+    uv_close((uv_handle_t *)p, on_fdpipe_closed);
+    return NULL;
+  }
+  return p;
+}
+
+static int session_write(kvf__session *s, const Kvf__ApiMessage *m, int fd) {
+  if (s->closing) return KVF_EDAEMON;
+  if (uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe) > MAX_WRITE_QUEUE) {
+    session_close(s, "the client stopped reading its events");
+    return KVF_ELIMIT;
+  }
+  size_t n = kvf__api_message__get_packed_size(m);
+  wreq *w = malloc(sizeof(*w) + KVF__FRAME_HDR + n);
+  if (!w) return -ENOMEM;
+  w->fdpipe = NULL;
+  kvf__frame_put_header(w->data, (uint32_t)n);
+  kvf__api_message__pack(m, w->data + KVF__FRAME_HDR);
+  w->req.data = w;
+  uv_buf_t buf = uv_buf_init((char *)w->data, (unsigned)(KVF__FRAME_HDR + n));
+  int rc;
+  if (fd >= 0) {
+    w->fdpipe = fd_handle(fd);
+    rc = w->fdpipe ? uv_write2(&w->req, (uv_stream_t *)&s->pipe, &buf, 1, (uv_stream_t *)w->fdpipe, on_written)
+                   : UV_ENOMEM;
+  } else {
+    rc = uv_write(&w->req, (uv_stream_t *)&s->pipe, &buf, 1, on_written);
+  }
+  if (rc) {
+    if (w->fdpipe) uv_close((uv_handle_t *)w->fdpipe, on_fdpipe_closed);
+    free(w);
+    session_close(s, uv_strerror(rc));
+    return KVF_EDAEMON;
+  }
+  return 0;
+}
+
+static void reply_fd(kvf__session *s, Kvf__ApiResponse *r, int fd) {
+  Kvf__ApiMessage m = KVF__API_MESSAGE__INIT;
+  m.body_case = KVF__API_MESSAGE__BODY_RESPONSE;
+  m.response = r;
+  session_write(s, &m, fd);
+}
+
+static void reply_status(kvf__session *s, uint64_t seq, int status, const char *error) {
+  Kvf__ApiResponse r = KVF__API_RESPONSE__INIT;
+  r.seq = seq;
+  r.status = status;
+  r.error = (char *)(error ? error : "");
+  if (status) kvfd.stats.api_errors++;
+  reply_fd(s, &r, -1);
+}
+
+void kvf__api_emit(kvf__session *s, const Kvf__Event *ev) {
+  Kvf__ApiMessage m = KVF__API_MESSAGE__INIT;
+  m.body_case = KVF__API_MESSAGE__BODY_EVENT;
+  m.event = (Kvf__Event *)ev;
+  session_write(s, &m, -1);
+}
+
+/* ------------------------------------------------------------- requests */
+
+static bool uid_allowed(uid_t uid, gid_t gid) {
+  const kvf__config *c = &kvfd.cfg;
+  if (uid == 0 || uid == geteuid()) return true;
+  for (size_t i = 0; i < c->n_allow_uids; i++)
+    if (c->allow_uids[i] == uid) return true;
+  if (c->n_allow_gids == 0) return false;
+  gid_t groups[256];
+  int ng = 256;
+  struct passwd *pw = getpwuid(uid);
+  if (!pw || getgrouplist(pw->pw_name, gid, groups, &ng) < 0) {
+    groups[0] = gid;
+    ng = 1;
+  }
+  for (int g = 0; g < ng; g++)
+    for (size_t i = 0; i < c->n_allow_gids; i++)
+      if (c->allow_gids[i] == groups[g]) return true;
+  return false;
+}
+
+static void on_hello(kvf__session *s, uint64_t seq, const Kvf__HelloReq *h) {
+  if (s->refused) {
+    reply_status(s, seq, s->refused, s->refused == KVF_EPERM ? "this user may not use kvferryd"
+                                                            : "too many clients");
+    session_close(s, NULL);
+    return;
+  }
+  if (h->version != KVF__API_VERSION) {
+    reply_status(s, seq, KVF_EVERSION, "the daemon speaks API version 1");
+    session_close(s, NULL);
+    return;
+  }
+  snprintf(s->name, sizeof(s->name), "%s", h->client_name ? h->client_name : "");
+  s->hello_done = true;
+  Kvf__HelloResp hr = KVF__HELLO_RESP__INIT;
+  hr.version = KVF__API_VERSION;
+  hr.node = kvfd.cfg.node;
+  hr.max_frame = kvfd.cfg.max_frame;
+  hr.max_descs = kvfd.cfg.max_descs;
+  Kvf__ApiResponse r = KVF__API_RESPONSE__INIT;
+  r.seq = seq;
+  r.body_case = KVF__API_RESPONSE__BODY_HELLO;
+  r.hello = &hr;
+  reply_fd(s, &r, -1);
+  kvf__debug("client %u (%s, pid %d, uid %u) connected", s->id, s->name, (int)s->pid, (unsigned)s->uid);
+}
+
+static void pool_info(const kvf__pool *p, Kvf__PoolInfo *pi) {
+  kvf__pool_info__init(pi);
+  pi->id = p->id;
+  pi->name = (char *)p->name;
+  pi->kind = (char *)p->kind;
+  pi->size = p->size;
+  pi->backing = (char *)p->backing;
+}
+
+static void on_pools(kvf__session *s, uint64_t seq) {
+  Kvf__PoolInfo infos[KVF__MAX_POOLS_CFG], *ptrs[KVF__MAX_POOLS_CFG];
+  for (size_t i = 0; i < kvfd.n_pools; i++) {
+    pool_info(kvfd.pools[i], &infos[i]);
+    ptrs[i] = &infos[i];
+  }
+  Kvf__PoolsResp pr = KVF__POOLS_RESP__INIT;
+  pr.pools = ptrs;
+  pr.n_pools = kvfd.n_pools;
+  Kvf__ApiResponse r = KVF__API_RESPONSE__INIT;
+  r.seq = seq;
+  r.body_case = KVF__API_RESPONSE__BODY_POOLS;
+  r.pools = &pr;
+  reply_fd(s, &r, -1);
+}
+
+static void on_map(kvf__session *s, uint64_t seq, const Kvf__MapReq *mr) {
+  if (mr->pool >= kvfd.n_pools) {
+    reply_status(s, seq, KVF_ENOPOOL, "no such pool");
+    return;
+  }
+  Kvf__PoolInfo pi;
+  pool_info(kvfd.pools[mr->pool], &pi);
+  Kvf__MapResp mresp = KVF__MAP_RESP__INIT;
+  mresp.pool = &pi;
+  Kvf__ApiResponse r = KVF__API_RESPONSE__INIT;
+  r.seq = seq;
+  r.body_case = KVF__API_RESPONSE__BODY_MAP;
+  r.map = &mresp;
+  reply_fd(s, &r, kvfd.pools[mr->pool]->fd);
+}
+
+static int check_range(void *ctx, uint32_t pool, uint64_t off, uint64_t len) {
+  if (pool >= kvfd.n_pools) return KVF_ENOPOOL;
+  return kvf__pool_check_range(kvfd.pools[pool], off, len);
+}
+
+/* Copies and checks a request's descriptors against this daemon's pools. */
+static int take_descs(const Kvf__DescList *w, kvf__descs *d, char *err, size_t errlen) {
+  int rc = kvf__descs_from_wire(d, w, kvfd.cfg.max_descs);
+  if (rc == KVF_ELIMIT) snprintf(err, errlen, "more than max-descs (%u) descriptors", kvfd.cfg.max_descs);
+  else if (rc) snprintf(err, errlen, "malformed descriptor list (empty, zero length or inconsistent arrays)");
+  if (rc) return rc;
+  size_t bad = 0;
+  rc = kvf__descs_check(d, check_range, NULL, &bad);
+  if (rc) {
+    snprintf(err, errlen, "descriptor %zu (pool %u, offset %llu, length %llu): %s", bad, d->pool[bad],
+             (unsigned long long)d->offset[bad], (unsigned long long)d->length[bad],
+             rc == KVF_ENOPOOL ? "no such pool" : "outside the pool");
+    kvf__descs_free(d);
+  }
+  return rc;
+}
+
+static int check_quota(kvf__session *s, char *err, size_t errlen) {
+  if (s->n_xfers < kvfd.cfg.max_transfers_per_client) return 0;
+  snprintf(err, errlen, "this client has max-transfers-per-client (%u) transfers active",
+           kvfd.cfg.max_transfers_per_client);
+  return KVF_ELIMIT;
+}
+
+static void on_grant(kvf__session *s, uint64_t seq, const Kvf__GrantReq *g) {
+  char err[256] = "";
+  kvf__descs d;
+  int rc = check_quota(s, err, sizeof(err));
+  if (rc == 0) rc = take_descs(g->descs, &d, err, sizeof(err));
+  if (rc == 0) {
+    rc = kvf__xfer_grant(s, g->xfer_id, g->src_node, &d, g->deadline_ms, err, sizeof(err));
+    kvf__descs_free(&d);
+  }
+  reply_status(s, seq, rc, err);
+}
+
+static void on_send(kvf__session *s, uint64_t seq, const Kvf__SendReq *q) {
+  char err[256] = "";
+  kvf__descs d;
+  int rc = kvf__xfer_sending(s, q->xfer_id) ? 0 : check_quota(s, err, sizeof(err));
+  if (rc == 0) rc = take_descs(q->descs, &d, err, sizeof(err));
+  if (rc == 0) {
+    rc = kvf__xfer_send(s, q->xfer_id, q->dst_node, &d, q->more, q->deadline_ms, err, sizeof(err));
+    kvf__descs_free(&d);
+  }
+  reply_status(s, seq, rc, err);
+}
+
+static void on_inspect(kvf__session *s, uint64_t seq, const Kvf__InspectReq *q) {
+  char *text = kvf__inspect_render(q->what, q->json);
+  if (!text) {
+    reply_status(s, seq, -ENOMEM, "out of memory");
+    return;
+  }
+  Kvf__InspectResp ir = KVF__INSPECT_RESP__INIT;
+  ir.text = text;
+  Kvf__ApiResponse r = KVF__API_RESPONSE__INIT;
+  r.seq = seq;
+  r.body_case = KVF__API_RESPONSE__BODY_INSPECT;
+  r.inspect = &ir;
+  reply_fd(s, &r, -1);
+  free(text);
+}
+
+static void on_request(kvf__session *s, const Kvf__ApiRequest *q) {
+  if (q->body_case == KVF__API_REQUEST__BODY_HELLO) {
+    if (s->hello_done) reply_status(s, q->seq, KVF_EPROTO, "hello twice");
+    else on_hello(s, q->seq, q->hello);
+    return;
+  }
+  if (!s->hello_done) {
+    reply_status(s, q->seq, KVF_EPROTO, "the first request must be hello");
+    session_close(s, "no hello");
+    return;
+  }
+  switch (q->body_case) {
+  case KVF__API_REQUEST__BODY_POOLS: on_pools(s, q->seq); break;
+  case KVF__API_REQUEST__BODY_MAP: on_map(s, q->seq, q->map); break;
+  case KVF__API_REQUEST__BODY_GRANT: on_grant(s, q->seq, q->grant); break;
+  case KVF__API_REQUEST__BODY_SEND: on_send(s, q->seq, q->send); break;
+  case KVF__API_REQUEST__BODY_CANCEL:
+    reply_status(s, q->seq, kvf__xfer_cancel(s, q->cancel->xfer_id), "");
+    break;
+  case KVF__API_REQUEST__BODY_INSPECT: on_inspect(s, q->seq, q->inspect); break;
+  default: reply_status(s, q->seq, KVF_EPROTO, "unknown request"); break;
+  }
+}
+
+/* ------------------------------------------------------------- sessions */
+
+static void on_session_closed(uv_handle_t *h) {
+  kvf__session *s = h->data;
+  kvf__framebuf_free(&s->fb);
+  free(s);
+}
+
+static void session_close(kvf__session *s, const char *why) {
+  if (s->closing) return;
+  s->closing = true;
+  if (why) kvf__info("client %u (%s, pid %d): %s", s->id, s->name, (int)s->pid, why);
+  kvf__xfer_session_gone(s);
+  if (s->prev) s->prev->next = s->next;
+  else A.head = s->next;
+  if (s->next) s->next->prev = s->prev;
+  A.n--;
+  uv_close((uv_handle_t *)&s->pipe, on_session_closed);
+}
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
+  kvf__session *s = h->data;
+  uint8_t *p;
+  size_t avail;
+  if (kvf__framebuf_space(&s->fb, READ_CHUNK, &p, &avail) != 0) {
+    *buf = uv_buf_init(NULL, 0);
+    return;
+  }
+  *buf = uv_buf_init((char *)p, (unsigned)avail);
+}
+
+static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
+  kvf__session *s = st->data;
+  if (nread < 0) {
+    session_close(s, nread == UV_EOF ? NULL : uv_strerror((int)nread));
+    return;
+  }
+  kvf__framebuf_commit(&s->fb, (size_t)nread);
+  while (!s->closing) {
+    const uint8_t *payload;
+    uint32_t len;
+    int rc = kvf__framebuf_next(&s->fb, &payload, &len);
+    if (rc == 0) return;
+    if (rc < 0) {
+      kvfd.stats.api_errors++;
+      session_close(s, "sent a frame larger than max-frame; dropped");
+      return;
+    }
+    Kvf__ApiRequest *q = kvf__api_request__unpack(NULL, len, payload);
+    if (!q) {
+      kvfd.stats.api_errors++;
+      session_close(s, "sent an undecodable frame; dropped");
+      return;
+    }
+    on_request(s, q);
+    kvf__api_request__free_unpacked(q, NULL);
+  }
+}
+
+static void credentials(kvf__session *s) {
+  struct ucred cred;
+  socklen_t len = sizeof(cred);
+  uv_os_fd_t fd;
+  s->pid = -1;
+  s->uid = (uid_t)-1;
+  if (uv_fileno((uv_handle_t *)&s->pipe, &fd) == 0 &&
+      getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+    s->pid = cred.pid;
+    s->uid = cred.uid;
+    s->gid = cred.gid;
+  }
+}
+
+static void on_connection(uv_stream_t *server, int status) {
+  if (status < 0) return;
+  kvf__session *s = calloc(1, sizeof(*s));
+  if (!s) return;
+  kvf__framebuf_init(&s->fb, kvfd.cfg.max_frame);
+  uv_pipe_init(A.loop, &s->pipe, 1); /* ipc: lets uv_write2 pass pool fds */
+  s->pipe.data = s;
+  if (uv_accept(server, (uv_stream_t *)&s->pipe) != 0) {
+    uv_close((uv_handle_t *)&s->pipe, on_session_closed);
+    return;
+  }
+  s->id = ++A.next_id;
+  s->next = A.head;
+  if (A.head) A.head->prev = s;
+  A.head = s;
+  A.n++;
+  credentials(s);
+  if (!uid_allowed(s->uid, s->gid)) {
+    s->refused = KVF_EPERM;
+    kvf__warn("refused client pid %d uid %u: not in api-allow-users/api-allow-groups", (int)s->pid,
+              (unsigned)s->uid);
+  } else if (A.n > kvfd.cfg.max_clients) {
+    s->refused = KVF_ELIMIT;
+    kvf__warn("refused client pid %d: max-clients (%u) reached", (int)s->pid, kvfd.cfg.max_clients);
+  }
+  uv_read_start((uv_stream_t *)&s->pipe, on_alloc, on_read);
+}
+
+/* Refuses to steal the socket of a daemon that is still running. */
+static int clear_stale_socket(const char *path, char *err, size_t errlen) {
+  struct stat st;
+  if (lstat(path, &st) != 0) return 0;
+  if (!S_ISSOCK(st.st_mode)) {
+    snprintf(err, errlen, "api-socket %s exists and is not a socket", path);
+    return -EEXIST;
+  }
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_un sa = {.sun_family = AF_UNIX};
+  snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", path);
+  int live = fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0;
+  if (fd >= 0) close(fd);
+  if (live) {
+    snprintf(err, errlen, "api-socket %s: another kvferryd is listening there", path);
+    return -EADDRINUSE;
+  }
+  unlink(path);
+  return 0;
+}
+
+int kvf__api_start(uv_loop_t *loop, char *err, size_t errlen) {
+  A.loop = loop;
+  const char *path = kvfd.cfg.api_socket;
+  int rc = clear_stale_socket(path, err, errlen);
+  if (rc) return rc;
+  uv_pipe_init(loop, &A.server, 0);
+  A.listening = true;
+  rc = uv_pipe_bind(&A.server, path);
+  if (rc == 0) rc = uv_listen((uv_stream_t *)&A.server, 128, on_connection);
+  if (rc) {
+    snprintf(err, errlen, "api-socket %s: %s", path, uv_strerror(rc));
+    return rc;
+  }
+  /* Who may talk to us is decided by SO_PEERCRED, not by file modes. */
+  chmod(path, 0666);
+  return 0;
+}
+
+void kvf__api_stop(void) {
+  if (A.listening) {
+    uv_close((uv_handle_t *)&A.server, NULL);
+    unlink(kvfd.cfg.api_socket);
+    A.listening = false;
+  }
+  while (A.head) session_close(A.head, NULL);
+}

@@ -1,0 +1,1082 @@
+/* config.c - kvferryd's configuration (see config.h).
+ *
+ * One static table (opts[] below) is the single source of truth: each entry
+ * names a key, its type, the kvf__config field it fills, its bounds, its
+ * default (as config text) and its help. Parsing, the defaults (which are
+ * parsed from that text), the bound checks in validate, --help and the dump
+ * all walk the same table, so a key cannot be documented but not parsed, or
+ * parsed but not dumped. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include "config.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <inttypes.h>
+#include <pwd.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define LINE_MAX_LEN 4096       /* longer lines are an error, not a crash */
+#define MAX_WORDS 128           /* key + arguments on one line */
+#define MAX_ITEMS 128           /* comma/space separated list items */
+#define FILE_MAX_LEN (16u << 20) /* a config file is small; refuse a runaway */
+#define POOL_ALIGN 4096u        /* pools are mapped and registered in pages */
+#define CUDA_DEV_MAX 63
+
+enum opt_type {
+  OPT_NAME,       /* 1..63 of [A-Za-z0-9._-] */
+  OPT_PATH,       /* one word, at most .max bytes */
+  OPT_U32,        /* decimal, .min...max */
+  OPT_SIZE32,     /* kvf__parse_size, .min...max, stored as uint32_t */
+  OPT_BOOL,       /* yes|no */
+  OPT_ENUM,       /* one of .words, stored as the int index */
+  OPT_UIDS,       /* user names or uids; .off array, .off2 count */
+  OPT_GIDS,       /* group names or gids; .off array, .off2 count */
+  OPT_ADDR,       /* HOST:PORT or off; .off host, .off2 port */
+  OPT_TRANSPORTS, /* comma list of transport names, normalized */
+  OPT_PEER,       /* repeatable: NAME HOST:PORT */
+  OPT_POOL,       /* repeatable: NAME KIND SIZE */
+  OPT_NTYPES
+};
+
+struct opt {
+  const char *name;
+  enum opt_type type;
+  size_t off, off2;
+  uint64_t min, max;
+  const char *const *words;
+  const char *def;  /* default as config text; "" = empty / none */
+  const char *json; /* key in the JSON dump when not .name */
+  const char *help;
+};
+
+/* Where a parse is: for "FILE:LINE: message" errors. */
+struct pctx {
+  const char *name;
+  unsigned line;
+  char *err;
+  size_t errlen;
+  char shown[96]; /* a user value made printable for a message */
+};
+
+typedef int parse_fn(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                     struct pctx *pc);
+typedef void dump_fn(const struct opt *o, const kvf__config *cfg, FILE *out);
+
+struct opt_kind {
+  const char *arg; /* argument shown in --help and arity errors */
+  int min_args, max_args;
+  bool repeatable;
+  parse_fn *parse;
+  dump_fn *dump; /* whole "key value" lines */
+  dump_fn *json; /* the JSON value */
+};
+
+#define F(field) offsetof(kvf__config, field)
+#define CAP(field) (sizeof(((kvf__config *)0)->field))
+
+static const char *const tristate_words[] = {"auto", "on", "off", NULL};
+static const char *const level_words[] = {"err", "warn", "info", "debug", NULL};
+static const char *const transport_words[] = {"tcp", "rdma", NULL};
+
+/* The table. Order is the order of --help, the dump and kvferryd.conf. */
+static const struct opt opts[] = {
+    {.name = "node", .type = OPT_NAME, .off = F(node), .def = "",
+     .help = "This node's name as peers and clients see it: 1..63 of A-Z a-z 0-9 . _ -"},
+    {.name = "api-socket", .type = OPT_PATH, .off = F(api_socket),
+     .max = CAP(api_socket) - 1, .def = "/run/kvferry/kvferryd.sock",
+     .help = "Unix socket of the local client API (at most 107 bytes)."},
+    {.name = "api-allow-users", .type = OPT_UIDS, .off = F(allow_uids),
+     .off2 = F(n_allow_uids), .def = "",
+     .help = "Users (names or uids) allowed on the API socket besides root and "
+             "kvferryd's own user; empty = only those two."},
+    {.name = "api-allow-groups", .type = OPT_GIDS, .off = F(allow_gids),
+     .off2 = F(n_allow_gids), .def = "",
+     .help = "Groups (names or gids) whose members may use the API socket; "
+             "empty = none."},
+    {.name = "peer-listen", .type = OPT_ADDR, .off = F(listen_host),
+     .off2 = F(listen_port), .def = "0.0.0.0:7470",
+     .help = "Address for peer daemons; IPv6 as [::1]:7470, port 0 = any, "
+             "off = accept no peers."},
+    {.name = "peer", .type = OPT_PEER, .json = "peers", .def = "",
+     .help = "A static peer daemon; repeat the line for each peer."},
+    {.name = "pool", .type = OPT_POOL, .json = "pools", .def = "",
+     .help = "A memory pool allocated at start, in host RAM or on GPU N; SIZE is a "
+             "multiple of 4K. Repeat the line for each pool."},
+    {.name = "default-deadline-ms", .type = OPT_U32, .off = F(default_deadline_ms),
+     .min = 1, .max = 86400000, .def = "30000",
+     .help = "Deadline of a transfer whose client gave none."},
+    {.name = "heartbeat-ms", .type = OPT_U32, .off = F(heartbeat_ms),
+     .min = 10, .max = 60000, .def = "500",
+     .help = "Interval of heartbeats to each connected peer."},
+    {.name = "peer-timeout-ms", .type = OPT_U32, .off = F(peer_timeout_ms),
+     .min = 50, .max = 600000, .def = "3000",
+     .help = "A peer silent this long is dead (its transfers fail); must exceed "
+             "2 x heartbeat-ms."},
+    {.name = "reconnect-min-ms", .type = OPT_U32, .off = F(reconnect_min_ms),
+     .min = 1, .max = 60000, .def = "100",
+     .help = "First delay before reconnecting to a lost peer (then doubled)."},
+    {.name = "reconnect-max-ms", .type = OPT_U32, .off = F(reconnect_max_ms),
+     .min = 1, .max = 600000, .def = "5000",
+     .help = "Longest delay between reconnect attempts; >= reconnect-min-ms."},
+    {.name = "tcp-streams", .type = OPT_U32, .off = F(tcp_streams),
+     .min = 1, .max = 64, .def = "4",
+     .help = "TCP connections per peer that the tcp transport stripes data over."},
+    {.name = "max-frame", .type = OPT_SIZE32, .off = F(max_frame),
+     .min = 4096, .max = 1u << 30, .def = "64M",
+     .help = "Largest control message accepted (checked before unpacking)."},
+    {.name = "max-descs", .type = OPT_U32, .off = F(max_descs),
+     .min = 1, .max = 16777216, .def = "1048576",
+     .help = "Most block descriptors in one send or receive grant."},
+    {.name = "max-clients", .type = OPT_U32, .off = F(max_clients),
+     .min = 1, .max = 65536, .def = "256",
+     .help = "Most simultaneous local API connections."},
+    {.name = "max-transfers-per-client", .type = OPT_U32,
+     .off = F(max_transfers_per_client), .min = 1, .max = 1048576, .def = "4096",
+     .help = "Most transfers one client may have in flight."},
+    {.name = "max-peers", .type = OPT_U32, .off = F(max_peers),
+     .min = 1, .max = KVF__MAX_PEERS_CFG, .def = "64",
+     .help = "Most peer daemons known at once (static and discovered)."},
+    {.name = "hugepages", .type = OPT_ENUM, .off = F(hugepages),
+     .words = tristate_words, .def = "auto",
+     .help = "Huge pages for host pools: auto = if available, on = required, "
+             "off = never."},
+    {.name = "mlock", .type = OPT_BOOL, .off = F(mlock), .def = "yes",
+     .help = "Lock host pools in RAM (best effort: a failure is logged)."},
+    {.name = "log-level", .type = OPT_ENUM, .off = F(log_level),
+     .words = level_words, .def = "info",
+     .help = "Most verbose level logged to stderr."},
+    {.name = "transports", .type = OPT_TRANSPORTS, .off = F(transports),
+     .words = transport_words, .def = "tcp",
+     .help = "Transports to peers, in order of preference."},
+};
+#define N_OPTS (sizeof(opts) / sizeof(opts[0]))
+
+/* ---- small helpers ---------------------------------------------------- */
+
+static void *field(kvf__config *cfg, size_t off) { return (char *)cfg + off; }
+static const void *cfield(const kvf__config *cfg, size_t off) {
+  return (const char *)cfg + off;
+}
+
+static void vput_err(char *err, size_t errlen, const char *prefix, const char *fmt,
+                     va_list ap) {
+  if (!err || errlen == 0) return;
+  int n = snprintf(err, errlen, "%s", prefix);
+  if (n < 0 || (size_t)n >= errlen) return;
+  vsnprintf(err + n, errlen - (size_t)n, fmt, ap);
+}
+
+/* Writes "FILE:LINE: message" and returns rc, so that callers can
+ * `return fail(pc, -EINVAL, ...)`. */
+__attribute__((format(printf, 3, 4))) static int fail(struct pctx *pc, int rc,
+                                                       const char *fmt, ...) {
+  char prefix[320];
+  snprintf(prefix, sizeof prefix, "%s:%u: ", pc->name, pc->line);
+  va_list ap;
+  va_start(ap, fmt);
+  vput_err(pc->err, pc->errlen, prefix, fmt, ap);
+  va_end(ap);
+  return rc;
+}
+
+__attribute__((format(printf, 3, 4))) static int vfail(char *err, size_t errlen,
+                                                        const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vput_err(err, errlen, "invalid configuration: ", fmt, ap);
+  va_end(ap);
+  return -EINVAL;
+}
+
+/* A user-supplied word made safe to echo in a message: garbage bytes and
+ * huge values must not reach the log as they are. */
+static const char *show(struct pctx *pc, const char *s) {
+  size_t n = 0, cap = sizeof pc->shown;
+  for (; *s && n + 4 < cap; s++, n++)
+    pc->shown[n] = (*s >= 0x20 && *s < 0x7f) ? *s : '?';
+  if (*s) n += (size_t)snprintf(pc->shown + n, cap - n, "...");
+  pc->shown[n] = '\0';
+  return pc->shown;
+}
+
+static bool is_digit(char c) { return c >= '0' && c <= '9'; }
+static bool is_space(char c) {
+  return c == ' ' || c == '\t' || c == '\r' || c == '\v' || c == '\f';
+}
+
+/* Parses leading decimal digits (no sign, no spaces); *end gets the rest. */
+static int parse_digits(const char *s, uint64_t *out, const char **end) {
+  uint64_t v = 0;
+  if (!is_digit(*s)) return -EINVAL;
+  for (; is_digit(*s); s++) {
+    unsigned d = (unsigned)(*s - '0');
+    if (v > (UINT64_MAX - d) / 10) return -ERANGE;
+    v = v * 10 + d;
+  }
+  *out = v;
+  *end = s;
+  return 0;
+}
+
+static int parse_dec(const char *s, uint64_t *out) {
+  const char *end;
+  int rc = parse_digits(s, out, &end);
+  if (rc) return rc;
+  return *end ? -EINVAL : 0;
+}
+
+/* Skips an optional "B", or "iB" after a unit letter ("64K", "64KB", "64KiB"). */
+static const char *skip_byte_suffix(const char *p, bool after_unit) {
+  if (after_unit && (*p == 'i' || *p == 'I') && (p[1] == 'b' || p[1] == 'B'))
+    return p + 2;
+  if (*p == 'b' || *p == 'B') return p + 1;
+  return p;
+}
+
+int kvf__parse_size(const char *s, uint64_t *out) {
+  static const char units[] = "KMGT";
+  uint64_t v;
+  const char *p;
+  if (!s || !out) return -EINVAL;
+  int rc = parse_digits(s, &v, &p);
+  if (rc) return rc;
+  char unit = (*p >= 'a' && *p <= 'z') ? (char)(*p - 'a' + 'A') : *p;
+  const char *u = unit ? strchr(units, unit) : NULL;
+  unsigned shift = u ? 10u * (unsigned)(u - units + 1) : 0;
+  p = skip_byte_suffix(u ? p + 1 : p, u != NULL);
+  if (*p) return -EINVAL;
+  if (shift && v > (UINT64_MAX >> shift)) return -ERANGE;
+  *out = v << shift;
+  return 0;
+}
+
+/* The shortest exact form of a size: 64M rather than 67108864. */
+static const char *format_size(uint64_t v, char buf[static 32]) {
+  static const char units[] = "KMGT";
+  int i = -1;
+  while (v && i < 3 && (v & 1023) == 0) {
+    v >>= 10;
+    i++;
+  }
+  if (i < 0)
+    snprintf(buf, 32, "%" PRIu64, v);
+  else
+    snprintf(buf, 32, "%" PRIu64 "%c", v, units[i]);
+  return buf;
+}
+
+static bool valid_name(const char *s) {
+  size_t n = strlen(s);
+  if (n == 0 || n > KVF__NAME_MAX) return false;
+  for (; *s; s++)
+    if (!is_digit(*s) && !strchr("abcdefghijklmnopqrstuvwxyz"
+                                 "ABCDEFGHIJKLMNOPQRSTUVWXYZ._-", *s))
+      return false;
+  return true;
+}
+
+/* Copies a string into a fixed field, zeroing the rest so that equal
+ * configurations are equal byte for byte whatever their history. */
+static void set_str(char *dst, size_t cap, const char *src) {
+  memset(dst, 0, cap);
+  memcpy(dst, src, strnlen(src, cap - 1));
+}
+
+static int word_index(const char *const *words, const char *w) {
+  for (int i = 0; words[i]; i++)
+    if (strcmp(words[i], w) == 0) return i;
+  return -1;
+}
+
+static void join_words(const char *const *words, const char *sep, char *buf,
+                       size_t cap) {
+  size_t n = 0;
+  buf[0] = '\0';
+  for (int i = 0; words[i] && n < cap; i++)
+    n += (size_t)snprintf(buf + n, cap - n, "%s%s", i ? sep : "", words[i]);
+}
+
+/* Splits words at commas into items (empty items are skipped: "a, b" is two
+ * items). Modifies the words. Returns the count, or -E2BIG. */
+static int split_items(char **argv, int argc, char **items) {
+  int n = 0;
+  for (int i = 0; i < argc; i++) {
+    char *save = NULL;
+    for (char *it = strtok_r(argv[i], ",", &save); it; it = strtok_r(NULL, ",", &save)) {
+      if (n == MAX_ITEMS) return -E2BIG;
+      items[n++] = it;
+    }
+  }
+  return n;
+}
+
+/* ---- addresses ---------------------------------------------------------- */
+
+static bool valid_hostname(const char *h) {
+  bool numeric = true;
+  if (*h == '-' || *h == '.') return false;
+  for (const char *p = h; *p; p++) {
+    if (!is_digit(*p) && *p != '.') numeric = false;
+    if (!is_digit(*p) && !strchr("abcdefghijklmnopqrstuvwxyz"
+                                 "ABCDEFGHIJKLMNOPQRSTUVWXYZ.-", *p))
+      return false;
+  }
+  struct in_addr a4;
+  /* All digits and dots must be a real IPv4 address, not "999.1.1.1". */
+  return !numeric || inet_pton(AF_INET, h, &a4) == 1;
+}
+
+/* Splits "HOST:PORT" or "[V6]:PORT"; host is written without brackets. */
+static int split_hostport(const char *key, const char *s, char *host, size_t hostcap,
+                          const char **port, struct pctx *pc) {
+  const char *hs = s, *he;
+  if (*s == '[') {
+    hs = s + 1;
+    he = strchr(hs, ']');
+    if (!he || he[1] != ':')
+      return fail(pc, -EINVAL, "%s: '%s': expected [IPV6]:PORT", key, show(pc, s));
+    *port = he + 2;
+  } else {
+    he = strrchr(s, ':');
+    if (!he) return fail(pc, -EINVAL, "%s: '%s': expected HOST:PORT", key, show(pc, s));
+    if (memchr(s, ':', (size_t)(he - s)))
+      return fail(pc, -EINVAL, "%s: '%s': write IPv6 addresses in brackets, e.g. [::1]:7470",
+                  key, show(pc, s));
+    *port = he + 1;
+  }
+  size_t n = (size_t)(he - hs);
+  if (n == 0) return fail(pc, -EINVAL, "%s: '%s': empty host", key, show(pc, s));
+  if (n >= hostcap) return fail(pc, -EINVAL, "%s: host name too long", key);
+  memset(host, 0, hostcap);
+  memcpy(host, hs, n);
+  return 0;
+}
+
+static int parse_hostport(const char *key, const char *s, char *host, size_t hostcap,
+                          uint16_t *port, bool port0_ok, struct pctx *pc) {
+  const char *ps = "";
+  int rc = split_hostport(key, s, host, hostcap, &ps, pc);
+  if (rc) return rc;
+  struct in6_addr a6;
+  bool v6 = *s == '[';
+  if (v6 ? inet_pton(AF_INET6, host, &a6) != 1 : !valid_hostname(host))
+    return fail(pc, -EINVAL, "%s: '%s' is not a valid %s", key, show(pc, host),
+                v6 ? "IPv6 address" : "IPv4 address or host name");
+  uint64_t p;
+  if (parse_dec(ps, &p) || p > 65535 || (p == 0 && !port0_ok))
+    return fail(pc, -EINVAL, "%s: port '%s' is not in %d..65535", key, show(pc, ps),
+                port0_ok ? 0 : 1);
+  *port = (uint16_t)p;
+  return 0;
+}
+
+static void format_addr(const char *host, uint16_t port, char *buf, size_t cap) {
+  if (!host[0])
+    snprintf(buf, cap, "off");
+  else
+    snprintf(buf, cap, strchr(host, ':') ? "[%s]:%u" : "%s:%u", host, port);
+}
+
+/* ---- parsers, one per type ------------------------------------------------ */
+
+static int parse_name(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                      struct pctx *pc) {
+  if (!valid_name(argv[0]))
+    return fail(pc, -EINVAL, "%s: '%s' is not a valid name (1..%d of A-Z a-z 0-9 . _ -)",
+                o->name, show(pc, argv[0]), KVF__NAME_MAX);
+  set_str(field(cfg, o->off), KVF__NAME_MAX + 1, argv[0]);
+  return 0;
+}
+
+static int parse_path(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                      struct pctx *pc) {
+  size_t n = strlen(argv[0]);
+  if (n > o->max)
+    return fail(pc, -ERANGE, "%s: path is %zu bytes, at most %" PRIu64 " fit a Unix socket",
+                o->name, n, o->max);
+  for (const char *p = argv[0]; *p; p++)
+    if ((unsigned char)*p < 0x20 || *p == 0x7f)
+      return fail(pc, -EINVAL, "%s: control character in path", o->name);
+  set_str(field(cfg, o->off), (size_t)o->max + 1, argv[0]);
+  return 0;
+}
+
+static int parse_u32(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                     struct pctx *pc) {
+  uint64_t v;
+  int rc = parse_dec(argv[0], &v);
+  if (rc == -EINVAL)
+    return fail(pc, -EINVAL, "%s: '%s' is not a decimal number", o->name, show(pc, argv[0]));
+  if (rc || v < o->min || v > o->max)
+    return fail(pc, -ERANGE, "%s: %s is out of range %" PRIu64 "..%" PRIu64, o->name,
+                show(pc, argv[0]), o->min, o->max);
+  *(uint32_t *)field(cfg, o->off) = (uint32_t)v;
+  return 0;
+}
+
+static int parse_size32(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                        struct pctx *pc) {
+  uint64_t v;
+  char lo[32], hi[32];
+  int rc = kvf__parse_size(argv[0], &v);
+  if (rc == -EINVAL)
+    return fail(pc, -EINVAL, "%s: '%s' is not a size (e.g. 4096, 64K, 512M, 1G)", o->name,
+                show(pc, argv[0]));
+  if (rc || v < o->min || v > o->max)
+    return fail(pc, -ERANGE, "%s: %s is out of range %s..%s", o->name, show(pc, argv[0]),
+                format_size(o->min, lo), format_size(o->max, hi));
+  *(uint32_t *)field(cfg, o->off) = (uint32_t)v;
+  return 0;
+}
+
+static int parse_bool(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                      struct pctx *pc) {
+  static const char *const yes_no[] = {"no", "yes", NULL};
+  int i = word_index(yes_no, argv[0]);
+  if (i < 0) return fail(pc, -EINVAL, "%s: '%s' is not yes or no", o->name, show(pc, argv[0]));
+  *(bool *)field(cfg, o->off) = i == 1;
+  return 0;
+}
+
+static int parse_enum(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                      struct pctx *pc) {
+  char allowed[128];
+  int i = word_index(o->words, argv[0]);
+  if (i < 0) {
+    join_words(o->words, "|", allowed, sizeof allowed);
+    return fail(pc, -EINVAL, "%s: '%s' is not one of %s", o->name, show(pc, argv[0]), allowed);
+  }
+  *(int *)field(cfg, o->off) = i;
+  return 0;
+}
+
+/* Resolves a user or group: all digits is a numeric id, anything else a
+ * name. Config loading runs once at start, single threaded, so the
+ * non-reentrant getpwnam/getgrnam are fine here. */
+static int resolve_id(const char *s, bool user, unsigned *id) {
+  uint64_t v;
+  if (is_digit(*s)) {
+    if (parse_dec(s, &v) || v >= (uid_t)-1) return -ERANGE;
+    *id = (unsigned)v;
+    return 0;
+  }
+  if (user) {
+    struct passwd *pw = getpwnam(s);
+    if (!pw) return -ENOENT;
+    *id = pw->pw_uid;
+  } else {
+    struct group *gr = getgrnam(s);
+    if (!gr) return -ENOENT;
+    *id = gr->gr_gid;
+  }
+  return 0;
+}
+
+static bool has_id(const unsigned *ids, size_t n, unsigned id) {
+  for (size_t i = 0; i < n; i++)
+    if (ids[i] == id) return true;
+  return false;
+}
+
+/* Collects the distinct ids of a user or group list into ids[]. */
+static int collect_ids(const struct opt *o, char **items, int n_items, unsigned *ids,
+                       size_t *n_ids, struct pctx *pc) {
+  bool user = o->type == OPT_UIDS;
+  *n_ids = 0;
+  for (int i = 0; i < n_items; i++) {
+    unsigned id;
+    int rc = resolve_id(items[i], user, &id);
+    if (rc == -ENOENT)
+      return fail(pc, -EINVAL, "%s: no such %s '%s'", o->name, user ? "user" : "group",
+                  show(pc, items[i]));
+    if (rc) return fail(pc, -ERANGE, "%s: bad id '%s'", o->name, show(pc, items[i]));
+    if (has_id(ids, *n_ids, id)) continue;
+    if (*n_ids == KVF__MAX_IDS_CFG)
+      return fail(pc, -ERANGE, "%s: more than %d entries", o->name, KVF__MAX_IDS_CFG);
+    ids[(*n_ids)++] = id;
+  }
+  return 0;
+}
+
+static int parse_ids(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                     struct pctx *pc) {
+  char *items[MAX_ITEMS];
+  unsigned ids[KVF__MAX_IDS_CFG];
+  size_t n;
+  int n_items = split_items(argv, argc, items);
+  if (n_items < 0) return fail(pc, -ERANGE, "%s: too many entries", o->name);
+  int rc = collect_ids(o, items, n_items, ids, &n, pc);
+  if (rc) return rc;
+  for (size_t i = 0; i < n; i++) {
+    if (o->type == OPT_UIDS)
+      ((uid_t *)field(cfg, o->off))[i] = (uid_t)ids[i];
+    else
+      ((gid_t *)field(cfg, o->off))[i] = (gid_t)ids[i];
+  }
+  *(size_t *)field(cfg, o->off2) = n;
+  return 0;
+}
+
+static int parse_addr(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                      struct pctx *pc) {
+  char *host = field(cfg, o->off);
+  uint16_t *port = field(cfg, o->off2);
+  if (strcmp(argv[0], "off") == 0) {
+    memset(host, 0, CAP(listen_host));
+    *port = 0;
+    return 0;
+  }
+  return parse_hostport(o->name, argv[0], host, CAP(listen_host), port, true, pc);
+}
+
+static int parse_transports(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                            struct pctx *pc) {
+  char *items[MAX_ITEMS], out[CAP(transports)] = "";
+  int n = split_items(argv, argc, items);
+  if (n <= 0) return fail(pc, -EINVAL, "%s: expected a list like tcp or rdma,tcp", o->name);
+  for (int i = 0; i < n; i++) {
+    if (word_index(o->words, items[i]) < 0)
+      return fail(pc, -EINVAL, "%s: unknown transport '%s' (known: tcp, rdma)", o->name,
+                  show(pc, items[i]));
+    for (int j = 0; j < i; j++)
+      if (strcmp(items[i], items[j]) == 0)
+        return fail(pc, -EINVAL, "%s: '%s' is listed twice", o->name, items[i]);
+    /* Distinct known words only, so this always fits. */
+    strcat(out, i ? "," : "");
+    strcat(out, items[i]);
+  }
+  set_str(field(cfg, o->off), CAP(transports), out);
+  return 0;
+}
+
+static int parse_peer(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                      struct pctx *pc) {
+  if (cfg->n_peers == KVF__MAX_PEERS_CFG)
+    return fail(pc, -ERANGE, "peer: more than %d peers", KVF__MAX_PEERS_CFG);
+  kvf__peer_cfg *p = &cfg->peers[cfg->n_peers];
+  memset(p, 0, sizeof *p);
+  if (!valid_name(argv[0]))
+    return fail(pc, -EINVAL, "peer: '%s' is not a valid name (1..%d of A-Z a-z 0-9 . _ -)",
+                show(pc, argv[0]), KVF__NAME_MAX);
+  set_str(p->name, sizeof p->name, argv[0]);
+  int rc = parse_hostport("peer", argv[1], p->host, sizeof p->host, &p->port, false, pc);
+  if (rc) return rc;
+  cfg->n_peers++;
+  return 0;
+}
+
+static int parse_pool_kind(const char *s, char *kind, size_t cap) {
+  uint64_t dev;
+  if (strcmp(s, "host") == 0) {
+    set_str(kind, cap, s);
+    return 0;
+  }
+  if (strncmp(s, "cuda:", 5) || parse_dec(s + 5, &dev) || dev > CUDA_DEV_MAX) return -EINVAL;
+  char norm[16];
+  snprintf(norm, sizeof norm, "cuda:%u", (unsigned)dev); /* "cuda:07" -> "cuda:7" */
+  set_str(kind, cap, norm);
+  return 0;
+}
+
+static int parse_pool_size(const char *s, uint64_t *size, struct pctx *pc) {
+  int rc = kvf__parse_size(s, size);
+  if (rc == -EINVAL)
+    return fail(pc, -EINVAL, "pool: '%s' is not a size (e.g. 256M, 4G)", show(pc, s));
+  if (rc) return fail(pc, -ERANGE, "pool: size '%s' is too large", show(pc, s));
+  if (*size < POOL_ALIGN)
+    return fail(pc, -ERANGE, "pool: size %s is below the minimum 4096", show(pc, s));
+  if (*size % POOL_ALIGN)
+    return fail(pc, -EINVAL,
+                "pool: size %s is not a multiple of 4096 (pools are mapped and "
+                "registered with the NIC in whole pages)",
+                show(pc, s));
+  return 0;
+}
+
+static int parse_pool(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                      struct pctx *pc) {
+  if (cfg->n_pools == KVF__MAX_POOLS_CFG)
+    return fail(pc, -ERANGE, "pool: more than %d pools", KVF__MAX_POOLS_CFG);
+  kvf__pool_cfg *p = &cfg->pools[cfg->n_pools];
+  memset(p, 0, sizeof *p);
+  if (!valid_name(argv[0]))
+    return fail(pc, -EINVAL, "pool: '%s' is not a valid name (1..%d of A-Z a-z 0-9 . _ -)",
+                show(pc, argv[0]), KVF__NAME_MAX);
+  set_str(p->name, sizeof p->name, argv[0]);
+  if (parse_pool_kind(argv[1], p->kind, sizeof p->kind))
+    return fail(pc, -EINVAL, "pool: kind '%s' is not host or cuda:N (N 0..%d)",
+                show(pc, argv[1]), CUDA_DEV_MAX);
+  int rc = parse_pool_size(argv[2], &p->size, pc);
+  if (rc) return rc;
+  cfg->n_pools++;
+  return 0;
+}
+
+/* ---- text dump, one per type ------------------------------------------------ */
+
+static void dump_str(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  const char *s = cfield(cfg, o->off);
+  if (o->type == OPT_NAME && !s[0])
+    fprintf(out, "# %s (not set)\n", o->name); /* "node" alone would not parse */
+  else
+    fprintf(out, "%s %s\n", o->name, s);
+}
+
+static void dump_u32(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  fprintf(out, "%s %" PRIu32 "\n", o->name, *(const uint32_t *)cfield(cfg, o->off));
+}
+
+static void dump_size32(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  char buf[32];
+  fprintf(out, "%s %s\n", o->name, format_size(*(const uint32_t *)cfield(cfg, o->off), buf));
+}
+
+static void dump_bool(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  fprintf(out, "%s %s\n", o->name, *(const bool *)cfield(cfg, o->off) ? "yes" : "no");
+}
+
+static const char *enum_word(const struct opt *o, const kvf__config *cfg) {
+  int v = *(const int *)cfield(cfg, o->off);
+  for (int i = 0; o->words[i]; i++)
+    if (i == v) return o->words[i];
+  return "?";
+}
+
+static void dump_enum(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  fprintf(out, "%s %s\n", o->name, enum_word(o, cfg));
+}
+
+static unsigned id_at(const struct opt *o, const kvf__config *cfg, size_t i) {
+  if (o->type == OPT_UIDS) return ((const uid_t *)cfield(cfg, o->off))[i];
+  return ((const gid_t *)cfield(cfg, o->off))[i];
+}
+
+static size_t id_count(const struct opt *o, const kvf__config *cfg) {
+  size_t n = *(const size_t *)cfield(cfg, o->off2);
+  return n < KVF__MAX_IDS_CFG ? n : KVF__MAX_IDS_CFG;
+}
+
+/* Numeric ids, so the dump reads back the same even if names change. An
+ * empty list is the bare key, which parses back to empty. */
+static void dump_ids(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  fputs(o->name, out);
+  for (size_t i = 0; i < id_count(o, cfg); i++)
+    fprintf(out, "%s%u", i ? "," : " ", id_at(o, cfg, i));
+  fputc('\n', out);
+}
+
+static void dump_addr(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  char buf[300];
+  format_addr(cfield(cfg, o->off), *(const uint16_t *)cfield(cfg, o->off2), buf, sizeof buf);
+  fprintf(out, "%s %s\n", o->name, buf);
+}
+
+static void dump_peers(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  char buf[300];
+  for (size_t i = 0; i < cfg->n_peers && i < KVF__MAX_PEERS_CFG; i++) {
+    format_addr(cfg->peers[i].host, cfg->peers[i].port, buf, sizeof buf);
+    fprintf(out, "peer %s %s\n", cfg->peers[i].name, buf);
+  }
+}
+
+static void dump_pools(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  char buf[32];
+  for (size_t i = 0; i < cfg->n_pools && i < KVF__MAX_POOLS_CFG; i++)
+    fprintf(out, "pool %s %s %s\n", cfg->pools[i].name, cfg->pools[i].kind,
+            format_size(cfg->pools[i].size, buf));
+}
+
+/* ---- JSON dump ---------------------------------------------------------- */
+
+/* Length of the valid UTF-8 sequence at s, or 0 (overlongs and surrogates
+ * are invalid). */
+static int utf8_seq_len(const unsigned char *s) {
+  unsigned lo = 0x80, hi = 0xBF; /* allowed range of the second byte */
+  int n;
+  if (s[0] >= 0xC2 && s[0] <= 0xDF) {
+    n = 2;
+  } else if (s[0] >= 0xE0 && s[0] <= 0xEF) {
+    n = 3;
+    lo = s[0] == 0xE0 ? 0xA0 : lo;
+    hi = s[0] == 0xED ? 0x9F : hi;
+  } else if (s[0] >= 0xF0 && s[0] <= 0xF4) {
+    n = 4;
+    lo = s[0] == 0xF0 ? 0x90 : lo;
+    hi = s[0] == 0xF4 ? 0x8F : hi;
+  } else {
+    return 0;
+  }
+  if (s[1] < lo || s[1] > hi) return 0;
+  for (int i = 2; i < n; i++)
+    if ((s[i] & 0xC0) != 0x80) return 0;
+  return n;
+}
+
+/* Writes s as a JSON string; bytes that are not UTF-8 become U+FFFD so the
+ * output is always valid JSON. */
+static void json_str(FILE *out, const char *str) {
+  const unsigned char *s = (const unsigned char *)str;
+  fputc('"', out);
+  while (*s) {
+    int n = *s >= 0x80 ? utf8_seq_len(s) : 1;
+    if (*s == '"' || *s == '\\')
+      fprintf(out, "\\%c", *s);
+    else if (*s < 0x20 || *s == 0x7f)
+      fprintf(out, "\\u%04x", *s);
+    else if (n == 0)
+      fputs("\\ufffd", out);
+    else
+      fwrite(s, 1, (size_t)n, out);
+    s += n ? n : 1;
+  }
+  fputc('"', out);
+}
+
+static void json_strfield(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  json_str(out, cfield(cfg, o->off));
+}
+
+static void json_u32(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  fprintf(out, "%" PRIu32, *(const uint32_t *)cfield(cfg, o->off));
+}
+
+static void json_bool(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  fputs(*(const bool *)cfield(cfg, o->off) ? "true" : "false", out);
+}
+
+static void json_enum(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  json_str(out, enum_word(o, cfg));
+}
+
+static void json_ids(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  fputc('[', out);
+  for (size_t i = 0; i < id_count(o, cfg); i++)
+    fprintf(out, "%s%u", i ? "," : "", id_at(o, cfg, i));
+  fputc(']', out);
+}
+
+static void json_addr(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  char buf[300];
+  format_addr(cfield(cfg, o->off), *(const uint16_t *)cfield(cfg, o->off2), buf, sizeof buf);
+  json_str(out, buf);
+}
+
+static void json_peers(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  fputc('[', out);
+  for (size_t i = 0; i < cfg->n_peers && i < KVF__MAX_PEERS_CFG; i++) {
+    fputs(i ? ",{\"name\":" : "{\"name\":", out);
+    json_str(out, cfg->peers[i].name);
+    fputs(",\"host\":", out);
+    json_str(out, cfg->peers[i].host);
+    fprintf(out, ",\"port\":%u}", cfg->peers[i].port);
+  }
+  fputc(']', out);
+}
+
+static void json_pools(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  fputc('[', out);
+  for (size_t i = 0; i < cfg->n_pools && i < KVF__MAX_POOLS_CFG; i++) {
+    fputs(i ? ",{\"name\":" : "{\"name\":", out);
+    json_str(out, cfg->pools[i].name);
+    fputs(",\"kind\":", out);
+    json_str(out, cfg->pools[i].kind);
+    fprintf(out, ",\"size\":%" PRIu64 "}", cfg->pools[i].size);
+  }
+  fputc(']', out);
+}
+
+/* ---- the types ---------------------------------------------------------- */
+
+static const struct opt_kind kinds[OPT_NTYPES] = {
+    [OPT_NAME] = {"NAME", 1, 1, false, parse_name, dump_str, json_strfield},
+    [OPT_PATH] = {"PATH", 1, 1, false, parse_path, dump_str, json_strfield},
+    [OPT_U32] = {"N", 1, 1, false, parse_u32, dump_u32, json_u32},
+    [OPT_SIZE32] = {"SIZE", 1, 1, false, parse_size32, dump_size32, json_u32},
+    [OPT_BOOL] = {"yes|no", 1, 1, false, parse_bool, dump_bool, json_bool},
+    [OPT_ENUM] = {NULL, 1, 1, false, parse_enum, dump_enum, json_enum},
+    [OPT_UIDS] = {"USER[,USER...]", 0, MAX_WORDS, false, parse_ids, dump_ids, json_ids},
+    [OPT_GIDS] = {"GROUP[,GROUP...]", 0, MAX_WORDS, false, parse_ids, dump_ids, json_ids},
+    [OPT_ADDR] = {"HOST:PORT|off", 1, 1, false, parse_addr, dump_addr, json_addr},
+    [OPT_TRANSPORTS] = {"tcp|rdma[,...]", 1, MAX_WORDS, false, parse_transports, dump_str,
+                        json_strfield},
+    [OPT_PEER] = {"NAME HOST:PORT", 2, 2, true, parse_peer, dump_peers, json_peers},
+    [OPT_POOL] = {"NAME host|cuda:N SIZE", 3, 3, true, parse_pool, dump_pools, json_pools},
+};
+
+/* The argument as --help and arity errors show it. */
+static const char *arg_text(const struct opt *o, char *buf, size_t cap) {
+  if (!kinds[o->type].arg) {
+    join_words(o->words, "|", buf, cap);
+    return buf;
+  }
+  return kinds[o->type].arg;
+}
+
+static const struct opt *find_opt(const char *name) {
+  for (size_t i = 0; i < N_OPTS; i++)
+    if (strcmp(opts[i].name, name) == 0) return &opts[i];
+  return NULL;
+}
+
+/* ---- parsing ---------------------------------------------------------- */
+
+/* Splits a line into words in place; '#' at the start of a word starts a
+ * comment. Returns the word count, or -1 when there are too many. */
+static int split_words(char *line, char **words) {
+  int n = 0;
+  char *p = line;
+  for (;;) {
+    while (is_space(*p)) p++;
+    if (*p == '\0' || *p == '#') return n;
+    if (n == MAX_WORDS) return -1;
+    words[n++] = p;
+    while (*p && !is_space(*p)) p++;
+    if (*p) *p++ = '\0';
+  }
+}
+
+static int parse_line(kvf__config *cfg, char *line, struct pctx *pc) {
+  char *words[MAX_WORDS], arg[128];
+  int n = split_words(line, words);
+  if (n == 0) return 0;
+  if (n < 0) return fail(pc, -EINVAL, "more than %d words on one line", MAX_WORDS);
+  const struct opt *o = find_opt(words[0]);
+  if (!o)
+    return fail(pc, -EINVAL, "unknown key '%s' (kvferryd --help lists them)",
+                show(pc, words[0]));
+  const struct opt_kind *k = &kinds[o->type];
+  if (n - 1 < k->min_args || n - 1 > k->max_args)
+    return fail(pc, -EINVAL, "%s takes %s", o->name, arg_text(o, arg, sizeof arg));
+  return k->parse(o, cfg, words + 1, n - 1, pc);
+}
+
+static int parse_text(kvf__config *cfg, const char *text, size_t len, struct pctx *pc) {
+  char line[LINE_MAX_LEN + 1];
+  const char *p = text, *end = text + len;
+  if (len >= 3 && memcmp(p, "\xEF\xBB\xBF", 3) == 0) p += 3; /* editors' UTF-8 BOM */
+  for (pc->line = 1; p < end; pc->line++) {
+    const char *nl = memchr(p, '\n', (size_t)(end - p));
+    size_t n = (size_t)((nl ? nl : end) - p);
+    if (n > LINE_MAX_LEN)
+      return fail(pc, -EINVAL, "line longer than %d bytes", LINE_MAX_LEN);
+    if (memchr(p, '\0', n)) return fail(pc, -EINVAL, "NUL byte in line");
+    memcpy(line, p, n);
+    line[n] = '\0';
+    int rc = parse_line(cfg, line, pc);
+    if (rc) return rc;
+    p = nl ? nl + 1 : end;
+  }
+  return 0;
+}
+
+void kvf__config_defaults(kvf__config *cfg) {
+  memset(cfg, 0, sizeof *cfg); /* the empty defaults: "", no peers, no pools */
+  for (size_t i = 0; i < N_OPTS; i++) {
+    char line[256];
+    struct pctx pc = {.name = "<defaults>", .line = 1};
+    if (!opts[i].def[0]) continue;
+    snprintf(line, sizeof line, "%s %s", opts[i].name, opts[i].def);
+    /* A default that does not parse is a bug in opts[]; the unit tests
+     * parse them all, so this cannot happen in a released build. */
+    if (parse_line(cfg, line, &pc)) abort();
+  }
+}
+
+/* Parses into a copy and commits only on success, so that a bad file (or a
+ * bad reload) leaves the current configuration untouched. */
+int kvf__config_parse(kvf__config *cfg, const char *text, size_t len, const char *name,
+                      char *err, size_t errlen) {
+  struct pctx pc = {.name = name ? name : "<config>", .err = err, .errlen = errlen};
+  if (err && errlen) err[0] = '\0';
+  if (!text && len) return fail(&pc, -EINVAL, "no text");
+  kvf__config *tmp = malloc(sizeof *tmp);
+  if (!tmp) return fail(&pc, -ENOMEM, "out of memory");
+  *tmp = *cfg;
+  int rc = parse_text(tmp, text ? text : "", len, &pc);
+  if (rc == 0) *cfg = *tmp;
+  free(tmp);
+  return rc;
+}
+
+/* Reads a whole file (at most FILE_MAX_LEN bytes) into a malloc'd buffer. */
+static int read_file(int fd, char **buf, size_t *len) {
+  size_t cap = 4096, n = 0;
+  char *b = malloc(cap);
+  for (;;) {
+    if (!b) return -ENOMEM;
+    if (n == cap) {
+      if (cap >= FILE_MAX_LEN) break;
+      char *nb = realloc(b, cap *= 2);
+      if (!nb) free(b);
+      b = nb;
+      continue;
+    }
+    ssize_t r = read(fd, b + n, cap - n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) {
+      int e = errno;
+      free(b);
+      return -e;
+    }
+    if (r == 0) {
+      *buf = b;
+      *len = n;
+      return 0;
+    }
+    n += (size_t)r;
+  }
+  free(b);
+  return -EFBIG;
+}
+
+int kvf__config_load(kvf__config *cfg, const char *path, char *err, size_t errlen) {
+  char *text = NULL;
+  size_t len = 0;
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  int rc = fd < 0 ? -errno : read_file(fd, &text, &len);
+  if (fd >= 0) close(fd);
+  if (rc) {
+    if (err && errlen)
+      snprintf(err, errlen, "%s: %s", path,
+               rc == -EFBIG ? "file of 16 MiB or more" : strerror(-rc));
+    return rc;
+  }
+  rc = kvf__config_parse(cfg, text, len, path, err, errlen);
+  free(text);
+  return rc;
+}
+
+/* ---- validation ---------------------------------------------------------- */
+
+/* Rechecks every table bound, for configurations built in code rather
+ * than parsed. */
+static int validate_bounds(const kvf__config *cfg, char *err, size_t errlen) {
+  for (size_t i = 0; i < N_OPTS; i++) {
+    const struct opt *o = &opts[i];
+    if (o->type == OPT_U32 || o->type == OPT_SIZE32) {
+      uint32_t v = *(const uint32_t *)cfield(cfg, o->off);
+      if (v < o->min || v > o->max)
+        return vfail(err, errlen, "%s %" PRIu32 " is out of range %" PRIu64 "..%" PRIu64,
+                     o->name, v, o->min, o->max);
+    } else if (o->type == OPT_ENUM && !strcmp(enum_word(o, cfg), "?")) {
+      return vfail(err, errlen, "%s has an unknown value", o->name);
+    }
+  }
+  return 0;
+}
+
+static int validate_names(const kvf__config *cfg, char *err, size_t errlen) {
+  if (!cfg->node[0]) return vfail(err, errlen, "node is not set (add a line 'node NAME')");
+  if (cfg->n_peers > cfg->max_peers)
+    return vfail(err, errlen, "%zu static peers but max-peers is %" PRIu32, cfg->n_peers,
+                 cfg->max_peers);
+  if (cfg->n_pools > KVF__MAX_POOLS_CFG)
+    return vfail(err, errlen, "more than %d pools", KVF__MAX_POOLS_CFG);
+  for (size_t i = 0; i < cfg->n_peers; i++) {
+    if (strcmp(cfg->peers[i].name, cfg->node) == 0)
+      return vfail(err, errlen, "peer '%s' has this node's own name", cfg->node);
+    for (size_t j = 0; j < i; j++)
+      if (strcmp(cfg->peers[i].name, cfg->peers[j].name) == 0)
+        return vfail(err, errlen, "two peers named '%s'", cfg->peers[i].name);
+  }
+  for (size_t i = 0; i < cfg->n_pools; i++)
+    for (size_t j = 0; j < i; j++)
+      if (strcmp(cfg->pools[i].name, cfg->pools[j].name) == 0)
+        return vfail(err, errlen, "two pools named '%s'", cfg->pools[i].name);
+  return 0;
+}
+
+static int validate_timing(const kvf__config *cfg, char *err, size_t errlen) {
+  /* Two heartbeats may be lost before a peer is declared dead. */
+  if ((uint64_t)cfg->peer_timeout_ms <= 2 * (uint64_t)cfg->heartbeat_ms)
+    return vfail(err, errlen, "peer-timeout-ms (%" PRIu32 ") must be more than 2 x "
+                 "heartbeat-ms (%" PRIu32 ")", cfg->peer_timeout_ms, cfg->heartbeat_ms);
+  if (cfg->reconnect_min_ms > cfg->reconnect_max_ms)
+    return vfail(err, errlen, "reconnect-min-ms (%" PRIu32 ") is above reconnect-max-ms "
+                 "(%" PRIu32 ")", cfg->reconnect_min_ms, cfg->reconnect_max_ms);
+  return 0;
+}
+
+int kvf__config_validate(const kvf__config *cfg, char *err, size_t errlen) {
+  if (err && errlen) err[0] = '\0';
+  int rc = validate_bounds(cfg, err, errlen);
+  if (!rc) rc = validate_names(cfg, err, errlen);
+  if (!rc) rc = validate_timing(cfg, err, errlen);
+  return rc;
+}
+
+/* ---- help and dump ---------------------------------------------------------- */
+
+static void help_bounds(const struct opt *o, char *buf, size_t cap) {
+  char lo[32], hi[32];
+  buf[0] = '\0';
+  if (o->type == OPT_U32)
+    snprintf(buf, cap, " (%" PRIu64 "..%" PRIu64 ")", o->min, o->max);
+  else if (o->type == OPT_SIZE32)
+    snprintf(buf, cap, " (%s..%s)", format_size(o->min, lo), format_size(o->max, hi));
+}
+
+static void help_default(const struct opt *o, char *buf, size_t cap) {
+  if (kinds[o->type].repeatable)
+    snprintf(buf, cap, "repeatable, none by default");
+  else if (o->type == OPT_NAME)
+    snprintf(buf, cap, "required");
+  else
+    snprintf(buf, cap, "default: %s", o->def[0] ? o->def : "empty");
+}
+
+/* Writes text word-wrapped to 80 columns, each line indented by 6. */
+static void print_wrapped(FILE *out, const char *text) {
+  const int width = 80 - 6;
+  while (*text) {
+    int n = (int)strlen(text);
+    if (n > width) {
+      n = width;
+      while (n > 0 && text[n] != ' ') n--;
+      if (n == 0) n = width; /* one unbreakable word */
+    }
+    fprintf(out, "      %.*s\n", n, text);
+    text += n;
+    while (*text == ' ') text++;
+  }
+}
+
+void kvf__config_print_help(FILE *out) {
+  fputs("Configuration keys (kvferryd.conf: one 'key value' per line; '#' starts\n"
+        "a comment; sizes take binary K/M/G/T suffixes):\n",
+        out);
+  for (size_t i = 0; i < N_OPTS; i++) {
+    const struct opt *o = &opts[i];
+    char arg[128], bounds[96], def[96], head[320];
+    help_bounds(o, bounds, sizeof bounds);
+    help_default(o, def, sizeof def);
+    snprintf(head, sizeof head, "%s %s%s", o->name, arg_text(o, arg, sizeof arg), bounds);
+    fprintf(out, "  %-40s [%s]\n", head, def);
+    print_wrapped(out, o->help);
+  }
+}
+
+static void dump_json(const kvf__config *cfg, FILE *out) {
+  fputc('{', out);
+  for (size_t i = 0; i < N_OPTS; i++) {
+    const struct opt *o = &opts[i];
+    fprintf(out, "%s\"%s\":", i ? "," : "", o->json ? o->json : o->name);
+    kinds[o->type].json(o, cfg, out);
+  }
+  fputs("}\n", out);
+}
+
+void kvf__config_dump(const kvf__config *cfg, FILE *out, bool json) {
+  if (json) {
+    dump_json(cfg, out);
+    return;
+  }
+  for (size_t i = 0; i < N_OPTS; i++) kinds[opts[i].type].dump(&opts[i], cfg, out);
+}

@@ -1,0 +1,184 @@
+/* desc.c - descriptor lists, pairing, coalescing, range sets (see desc.h). */
+#include "desc.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvferry.h"
+
+static int descs_alloc(kvf__descs *d, size_t n) {
+  memset(d, 0, sizeof(*d));
+  if (n == 0) return 0;
+  d->pool = malloc(n * sizeof(*d->pool));
+  d->offset = malloc(n * sizeof(*d->offset));
+  d->length = malloc(n * sizeof(*d->length));
+  if (!d->pool || !d->offset || !d->length) {
+    kvf__descs_free(d);
+    return -ENOMEM;
+  }
+  return 0;
+}
+
+void kvf__descs_free(kvf__descs *d) {
+  free(d->pool);
+  free(d->offset);
+  free(d->length);
+  memset(d, 0, sizeof(*d));
+}
+
+int kvf__descs_from_wire(kvf__descs *d, const Kvf__DescList *w, size_t max) {
+  memset(d, 0, sizeof(*d));
+  if (!w || w->n_pool == 0) return KVF_EINVAL;
+  if (w->n_pool != w->n_offset || w->n_pool != w->n_length) return KVF_EPROTO;
+  if (w->n_pool > max) return KVF_ELIMIT;
+  int rc = descs_alloc(d, w->n_pool);
+  if (rc) return rc;
+  d->n = w->n_pool;
+  memcpy(d->pool, w->pool, d->n * sizeof(*d->pool));
+  memcpy(d->offset, w->offset, d->n * sizeof(*d->offset));
+  memcpy(d->length, w->length, d->n * sizeof(*d->length));
+  uint64_t total = 0;
+  for (size_t i = 0; i < d->n; i++) {
+    /* Zero-length descriptors pair ambiguously and an overflowing total
+     * would defeat every later size check. */
+    if (d->length[i] == 0 || total + d->length[i] < total) {
+      kvf__descs_free(d);
+      return KVF_EINVAL;
+    }
+    total += d->length[i];
+  }
+  d->total = total;
+  return 0;
+}
+
+int kvf__descs_check(const kvf__descs *d, kvf__range_check_fn fn, void *ctx, size_t *bad) {
+  for (size_t i = 0; i < d->n; i++) {
+    int rc = fn(ctx, d->pool[i], d->offset[i], d->length[i]);
+    if (rc) {
+      if (bad) *bad = i;
+      return rc;
+    }
+  }
+  return 0;
+}
+
+int kvf__descs_append(kvf__descs *dst, const kvf__descs *src) {
+  size_t n = dst->n + src->n;
+  uint32_t *p = realloc(dst->pool, n * sizeof(*p));
+  if (!p) return -ENOMEM;
+  dst->pool = p;
+  uint64_t *o = realloc(dst->offset, n * sizeof(*o));
+  if (!o) return -ENOMEM;
+  dst->offset = o;
+  uint64_t *l = realloc(dst->length, n * sizeof(*l));
+  if (!l) return -ENOMEM;
+  dst->length = l;
+  memcpy(dst->pool + dst->n, src->pool, src->n * sizeof(*p));
+  memcpy(dst->offset + dst->n, src->offset, src->n * sizeof(*o));
+  memcpy(dst->length + dst->n, src->length, src->n * sizeof(*l));
+  dst->n = n;
+  dst->total += src->total;
+  return 0;
+}
+
+void kvf__descs_to_wire(const kvf__descs *d, Kvf__DescList *w) {
+  kvf__desc_list__init(w);
+  w->n_pool = w->n_offset = w->n_length = d->n;
+  w->pool = d->pool;
+  w->offset = d->offset;
+  w->length = d->length;
+}
+
+static int runs_push(kvf__runs *r, const kvf__run *run) {
+  if (r->n > 0) {
+    kvf__run *last = &r->v[r->n - 1];
+    /* Blocks that sit back to back on both sides become one copy. */
+    if (last->src_pool == run->src_pool && last->dst_pool == run->dst_pool &&
+        last->src_off + last->len == run->src_off && last->dst_off + last->len == run->dst_off) {
+      last->len += run->len;
+      r->bytes += run->len;
+      return 0;
+    }
+  }
+  if (r->n == r->cap) {
+    size_t ncap = r->cap ? r->cap * 2 : 64;
+    kvf__run *nv = realloc(r->v, ncap * sizeof(*nv));
+    if (!nv) return -ENOMEM;
+    r->v = nv;
+    r->cap = ncap;
+  }
+  r->v[r->n++] = *run;
+  r->bytes += run->len;
+  return 0;
+}
+
+int kvf__pair(const kvf__descs *src, const kvf__descs *dst, size_t *cursor, kvf__runs *out) {
+  size_t c = *cursor;
+  if (src->n > dst->n - c) return KVF_ESIZE;
+  for (size_t i = 0; i < src->n; i++)
+    if (src->length[i] != dst->length[c + i]) return KVF_ESIZE;
+  for (size_t i = 0; i < src->n; i++) {
+    kvf__run run = {.src_pool = src->pool[i], .dst_pool = dst->pool[c + i],
+                    .src_off = src->offset[i], .dst_off = dst->offset[c + i],
+                    .len = src->length[i]};
+    int rc = runs_push(out, &run);
+    if (rc) return rc;
+  }
+  *cursor = c + src->n;
+  return 0;
+}
+
+void kvf__runs_free(kvf__runs *r) {
+  free(r->v);
+  memset(r, 0, sizeof(*r));
+}
+
+static int range_cmp(const void *a, const void *b) {
+  const kvf__range *x = a, *y = b;
+  if (x->pool != y->pool) return x->pool < y->pool ? -1 : 1;
+  if (x->start != y->start) return x->start < y->start ? -1 : 1;
+  return 0;
+}
+
+int kvf__rangeset_build(kvf__rangeset *rs, const kvf__descs *d) {
+  memset(rs, 0, sizeof(*rs));
+  if (d->n == 0) return 0;
+  kvf__range *v = malloc(d->n * sizeof(*v));
+  if (!v) return -ENOMEM;
+  for (size_t i = 0; i < d->n; i++)
+    v[i] = (kvf__range){.pool = d->pool[i], .start = d->offset[i],
+                        .end = d->offset[i] + d->length[i]};
+  qsort(v, d->n, sizeof(*v), range_cmp);
+  size_t n = 0;
+  for (size_t i = 0; i < d->n; i++) {
+    if (n > 0 && v[n - 1].pool == v[i].pool && v[i].start <= v[n - 1].end) {
+      if (v[i].end > v[n - 1].end) v[n - 1].end = v[i].end;
+    } else {
+      v[n++] = v[i];
+    }
+  }
+  rs->v = v;
+  rs->n = n;
+  return 0;
+}
+
+int kvf__rangeset_contains(const kvf__rangeset *rs, uint32_t pool, uint64_t off, uint64_t len) {
+  if (len == 0 || off + len < off) return 0;
+  size_t lo = 0, hi = rs->n;
+  /* Last range that starts at or before (pool, off). */
+  while (lo < hi) {
+    size_t mid = lo + (hi - lo) / 2;
+    const kvf__range *r = &rs->v[mid];
+    if (r->pool < pool || (r->pool == pool && r->start <= off)) lo = mid + 1;
+    else hi = mid;
+  }
+  if (lo == 0) return 0;
+  const kvf__range *r = &rs->v[lo - 1];
+  return r->pool == pool && off >= r->start && off + len <= r->end;
+}
+
+void kvf__rangeset_free(kvf__rangeset *rs) {
+  free(rs->v);
+  memset(rs, 0, sizeof(*rs));
+}

@@ -1,0 +1,70 @@
+/* desc.h - descriptor lists: validation against pools, in-order pairing of
+ * send and grant descriptors, coalescing of contiguous runs, and the sorted
+ * range set a receiver checks incoming writes against. Pure logic. */
+#ifndef KVF_DESC_H
+#define KVF_DESC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvferry.pb-c.h"
+
+/* Parallel arrays, as on the wire. */
+typedef struct kvf__descs {
+  uint32_t *pool;
+  uint64_t *offset;
+  uint64_t *length;
+  size_t n;
+  uint64_t total;   /* sum of lengths */
+} kvf__descs;
+
+/* One coalesced copy: src (local pool) -> dst (pool of the receiving node). */
+typedef struct kvf__run {
+  uint32_t src_pool;
+  uint32_t dst_pool;
+  uint64_t src_off;
+  uint64_t dst_off;
+  uint64_t len;
+} kvf__run;
+
+typedef struct kvf__runs {
+  kvf__run *v;
+  size_t n, cap;
+  uint64_t bytes;
+} kvf__runs;
+
+/* A range the receiver accepts writes into. */
+typedef struct kvf__range {
+  uint32_t pool;
+  uint64_t start, end;   /* [start, end) */
+} kvf__range;
+
+typedef struct kvf__rangeset {
+  kvf__range *v;
+  size_t n;
+} kvf__rangeset;
+
+/* Copies a wire list; checks the arrays agree, n <= max, lengths > 0. */
+int kvf__descs_from_wire(kvf__descs *d, const Kvf__DescList *w, size_t max);
+/* Checks every descriptor against the pools of this daemon: KVF_ENOPOOL,
+ * KVF_ERANGE; *bad is the first offending index. */
+typedef int (*kvf__range_check_fn)(void *ctx, uint32_t pool, uint64_t off, uint64_t len);
+int kvf__descs_check(const kvf__descs *d, kvf__range_check_fn fn, void *ctx, size_t *bad);
+/* Appends src to dst (for parts). */
+int kvf__descs_append(kvf__descs *dst, const kvf__descs *src);
+void kvf__descs_free(kvf__descs *d);
+/* A wire view of d (pointers into d; valid while d lives). */
+void kvf__descs_to_wire(const kvf__descs *d, Kvf__DescList *w);
+
+/* Pairs src[0..src->n) with dst[*cursor..] in order and appends coalesced
+ * runs. KVF_ESIZE when a length differs or dst runs out; *cursor advances
+ * only on success. */
+int kvf__pair(const kvf__descs *src, const kvf__descs *dst, size_t *cursor, kvf__runs *out);
+void kvf__runs_free(kvf__runs *r);
+
+/* Builds the sorted, merged set of dst ranges; checks a write against it. */
+int kvf__rangeset_build(kvf__rangeset *rs, const kvf__descs *d);
+int kvf__rangeset_contains(const kvf__rangeset *rs, uint32_t pool, uint64_t off, uint64_t len);
+void kvf__rangeset_free(kvf__rangeset *rs);
+
+#endif

@@ -1,0 +1,163 @@
+/* inspect.c - see inspect.h. Every view has a JSON form (stable keys, for
+ * scripts and tests) and a table for people. */
+#include "inspect.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "api.h"
+#include "kvferryd.h"
+#include "peer.h"
+#include "pool.h"
+#include "sbuf.h"
+#include "xfer.h"
+
+static void peer_addr(const kvf__peer *p, char *buf, size_t len) {
+  const char *h = p->cfg.host;
+  snprintf(buf, len, strchr(h, ':') ? "[%s]:%u" : "%s:%u", h, p->cfg.port);
+}
+
+static void pools_json(kvf__sbuf *b) {
+  kvf__sb_printf(b, "[");
+  for (size_t i = 0; i < kvfd.n_pools; i++) {
+    const kvf__pool *p = kvfd.pools[i];
+    kvf__sb_printf(b, "%s{\"id\": %u, \"name\": ", i ? ", " : "", p->id);
+    kvf__sb_json_str(b, p->name);
+    kvf__sb_printf(b, ", \"kind\": \"%s\", \"size\": %llu, \"backing\": \"%s\", \"locked\": %s}", p->kind,
+                   (unsigned long long)p->size, p->backing, p->locked ? "true" : "false");
+  }
+  kvf__sb_printf(b, "]");
+}
+
+static size_t peers_up(void) {
+  size_t n = 0;
+  for (size_t i = 0; i < kvf__peer_count(); i++) n += kvf__peer_at(i)->state == KVF__PEER_UP;
+  return n;
+}
+
+static void render_status(kvf__sbuf *b, int json) {
+  kvf__xfer_counts xc;
+  kvf__xfer_counts_get(&xc);
+  const kvf__stats *st = &kvfd.stats;
+  double up = (double)(kvf__now_ns() - kvfd.start_ns) / 1e9;
+  if (!json) {
+    kvf__sb_printf(b, "node            %s\nversion         %s\npid             %d\nuptime          %.1f s\n"
+                      "api socket      %s\npeer listen     %s:%d\nclients         %zu\npeers           %zu up of %zu\n"
+                      "transfers       %zu active (%zu grants, %zu sends), %zu pre-grants, %zu waiting sends\n"
+                      "completed       %llu done, %llu failed\nbytes           %llu sent, %llu received\n"
+                      "pools           %zu\n",
+                   kvfd.cfg.node, KVF__VERSION, (int)getpid(), up, kvfd.cfg.api_socket, kvfd.cfg.listen_host,
+                   kvf__peers_listen_port(), kvf__api_sessions(), peers_up(), kvf__peer_count(), xc.active,
+                   xc.grants, xc.sends, xc.pregrants, xc.intents, (unsigned long long)st->transfers_done,
+                   (unsigned long long)st->transfers_failed, (unsigned long long)st->bytes_sent,
+                   (unsigned long long)st->bytes_received, kvfd.n_pools);
+    return;
+  }
+  kvf__sb_printf(b, "{\"node\": ");
+  kvf__sb_json_str(b, kvfd.cfg.node);
+  kvf__sb_printf(b, ", \"version\": \"%s\", \"pid\": %d, \"uptime_s\": %.3f, \"api_socket\": ", KVF__VERSION,
+                 (int)getpid(), up);
+  kvf__sb_json_str(b, kvfd.cfg.api_socket);
+  kvf__sb_printf(b, ", \"peer_port\": %d, \"clients\": %zu, \"peers_total\": %zu, \"peers_up\": %zu, "
+                    "\"transfers_active\": %zu, \"grants_active\": %zu, \"sends_active\": %zu, "
+                    "\"pregrants\": %zu, \"waiting_sends\": %zu, \"transfers_done\": %llu, "
+                    "\"transfers_failed\": %llu, \"bytes_sent\": %llu, \"bytes_received\": %llu, "
+                    "\"api_errors\": %llu, \"peer_errors\": %llu, \"transports\": [\"tcp\", \"local\"], \"pools\": ",
+                 kvf__peers_listen_port(), kvf__api_sessions(), kvf__peer_count(), peers_up(), xc.active,
+                 xc.grants, xc.sends, xc.pregrants, xc.intents, (unsigned long long)st->transfers_done,
+                 (unsigned long long)st->transfers_failed, (unsigned long long)st->bytes_sent,
+                 (unsigned long long)st->bytes_received, (unsigned long long)st->api_errors,
+                 (unsigned long long)st->peer_errors);
+  pools_json(b);
+  kvf__sb_printf(b, "}\n");
+}
+
+static void render_pools(kvf__sbuf *b, int json) {
+  if (json) {
+    kvf__sb_printf(b, "{\"pools\": ");
+    pools_json(b);
+    kvf__sb_printf(b, "}\n");
+    return;
+  }
+  kvf__sb_printf(b, "%-4s %-20s %-8s %14s %-14s %s\n", "ID", "NAME", "KIND", "SIZE", "BACKING", "LOCKED");
+  for (size_t i = 0; i < kvfd.n_pools; i++) {
+    const kvf__pool *p = kvfd.pools[i];
+    kvf__sb_printf(b, "%-4u %-20s %-8s %14llu %-14s %s\n", p->id, p->name, p->kind,
+                   (unsigned long long)p->size, p->backing, p->locked ? "yes" : "no");
+  }
+}
+
+static void render_peers(kvf__sbuf *b, int json) {
+  uint64_t now = kvf__now_ns();
+  if (json) kvf__sb_printf(b, "{\"peers\": [");
+  else kvf__sb_printf(b, "%-16s %-24s %-11s %-9s %10s %6s %s\n", "NAME", "ADDRESS", "STATE", "TRANSPORT",
+                      "UP (s)", "DOWNS", "LAST ERROR");
+  for (size_t i = 0; i < kvf__peer_count(); i++) {
+    const kvf__peer *p = kvf__peer_at(i);
+    char addr[300];
+    peer_addr(p, addr, sizeof(addr));
+    double up = p->state == KVF__PEER_UP ? (double)(now - p->up_since_ns) / 1e9 : 0;
+    const char *tp = p->state == KVF__PEER_UP && p->tp ? p->tp->ops->name : "-";
+    if (!json) {
+      kvf__sb_printf(b, "%-16s %-24s %-11s %-9s %10.1f %6llu %s\n", p->cfg.name, addr,
+                     kvf__peer_state_name(p->state), tp, up, (unsigned long long)p->downs, p->last_error);
+      continue;
+    }
+    kvf__sb_printf(b, "%s{\"name\": ", i ? ", " : "");
+    kvf__sb_json_str(b, p->cfg.name);
+    kvf__sb_printf(b, ", \"address\": ");
+    kvf__sb_json_str(b, addr);
+    kvf__sb_printf(b, ", \"state\": \"%s\", \"transport\": \"%s\", \"session\": \"%016llx\", \"up_s\": %.3f, "
+                      "\"ups\": %llu, \"downs\": %llu, \"last_error\": ",
+                   kvf__peer_state_name(p->state), tp, (unsigned long long)p->remote_session, up,
+                   (unsigned long long)p->ups, (unsigned long long)p->downs);
+    kvf__sb_json_str(b, p->last_error);
+    kvf__sb_printf(b, "}");
+  }
+  if (json) kvf__sb_printf(b, "]}\n");
+}
+
+static void render_transfers(kvf__sbuf *b, int json) {
+  uint64_t now = kvf__now_ns();
+  if (json) kvf__sb_printf(b, "{\"transfers\": [");
+  else kvf__sb_printf(b, "%-32s %-5s %-16s %-11s %-6s %14s %8s %8s\n", "ID", "ROLE", "PEER", "STATE", "PATH",
+                      "BYTES", "DESCS", "AGE (ms)");
+  int first = 1;
+  for (kvf__xfer *x = kvf__xfer_first(); x; x = x->next) {
+    const char *role = x->role == KVF__RECV ? "recv" : "send";
+    uint64_t descs = x->role == KVF__RECV ? x->dst.n : x->src_descs;
+    unsigned long long age = (unsigned long long)((now - x->created_ns) / 1000000ull);
+    if (!json) {
+      kvf__sb_printf(b, "%-32s %-5s %-16s %-11s %-6s %14llu %8llu %8llu\n", x->id, role,
+                     x->peer_name[0] ? x->peer_name : "-", kvf__xstate_name(x->state), kvf__xfer_path(x),
+                     (unsigned long long)x->bytes, (unsigned long long)descs, age);
+      continue;
+    }
+    kvf__sb_printf(b, "%s{\"id\": ", first ? "" : ", ");
+    first = 0;
+    kvf__sb_json_str(b, x->id);
+    kvf__sb_printf(b, ", \"role\": \"%s\", \"peer\": ", role);
+    kvf__sb_json_str(b, x->peer_name);
+    kvf__sb_printf(b, ", \"state\": \"%s\", \"path\": \"%s\", \"bytes\": %llu, \"descriptors\": %llu, "
+                      "\"age_ms\": %llu, \"deadline_ms\": %u}",
+                   kvf__xstate_name(x->state), kvf__xfer_path(x), (unsigned long long)x->bytes,
+                   (unsigned long long)descs, age, x->deadline_ms);
+  }
+  if (json) kvf__sb_printf(b, "]}\n");
+}
+
+char *kvf__inspect_render(int what, int json) {
+  kvf__sbuf b = {0};
+  switch (what) {
+  case KVF__INSPECT_WHAT__INSPECT_POOLS: render_pools(&b, json); break;
+  case KVF__INSPECT_WHAT__INSPECT_PEERS: render_peers(&b, json); break;
+  case KVF__INSPECT_WHAT__INSPECT_TRANSFERS: render_transfers(&b, json); break;
+  default: render_status(&b, json); break;
+  }
+  if (b.oom || !b.s) {
+    kvf__sb_free(&b);
+    return NULL;
+  }
+  return b.s;
+}

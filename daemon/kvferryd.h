@@ -1,0 +1,51 @@
+/* kvferryd.h - the daemon's shared context and internal types. Everything
+ * here runs on the libuv loop thread unless a comment says otherwise. */
+#ifndef KVF_KVFERRYD_H
+#define KVF_KVFERRYD_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+#include "config.h"
+#include "kvferry.h"
+#include "kvferry.pb-c.h"
+#include "log.h"
+
+#define KVF__VERSION "0.1.0"
+#define KVF__API_VERSION 1
+#define KVF__PEER_VERSION 1
+
+typedef struct kvf__pool kvf__pool;
+typedef struct kvf__session kvf__session;
+typedef struct kvf__peer kvf__peer;
+typedef struct kvf__xfer kvf__xfer;
+typedef struct kvf__transport kvf__transport;
+
+/* Counters shown by status; bumped on the loop thread only. */
+typedef struct kvf__stats {
+  uint64_t transfers_done;
+  uint64_t transfers_failed;
+  uint64_t bytes_sent;
+  uint64_t bytes_received;
+  uint64_t descriptors;
+  uint64_t api_errors;
+  uint64_t peer_errors;
+} kvf__stats;
+
+typedef struct kvf__daemon {
+  uv_loop_t *loop;
+  kvf__config cfg;
+  uint64_t session;         /* random per start; peers tell incarnations apart */
+  uint64_t start_ns;
+  kvf__pool **pools;
+  size_t n_pools;
+  kvf__stats stats;
+  bool stopping;
+} kvf__daemon;
+
+extern kvf__daemon kvfd;
+
+uint64_t kvf__now_ns(void);
+
+#endif

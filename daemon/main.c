@@ -1,0 +1,176 @@
+/* main.c - kvferryd: arguments, config, pools, transports, the loop, and
+ * signals. Foreground; logs go to stderr. */
+#include <errno.h>
+#include <getopt.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "api.h"
+#include "kvferryd.h"
+#include "peer.h"
+#include "pool.h"
+#include "transport/transport.h"
+#include "xfer.h"
+
+static kvf__transport *tcp_tp, *local_tp;
+static uv_signal_t sig_term, sig_int, sig_hup;
+
+static void usage(FILE *out) {
+  fprintf(out, "usage: kvferryd -c FILE [--check]\n"
+               "       kvferryd --help | --version\n\n"
+               "  -c, --config FILE   configuration file (see kvferryd.conf(5))\n"
+               "      --check         parse and validate the configuration, print it, exit\n"
+               "  -h, --help          this text and every configuration key\n"
+               "  -V, --version       print the version\n\n"
+               "Configuration keys:\n");
+  if (out == stdout) kvf__config_print_help(out);
+}
+
+static int load_config(const char *path) {
+  char err[512];
+  kvf__config_defaults(&kvfd.cfg);
+  if (kvf__config_load(&kvfd.cfg, path, err, sizeof(err)) != 0 ||
+      kvf__config_validate(&kvfd.cfg, err, sizeof(err)) != 0) {
+    fprintf(stderr, "kvferryd: %s\n", err);
+    return -1;
+  }
+  return 0;
+}
+
+static int create_pools(void) {
+  kvfd.pools = calloc(kvfd.cfg.n_pools ? kvfd.cfg.n_pools : 1, sizeof(kvf__pool *));
+  if (!kvfd.pools) return -ENOMEM;
+  for (size_t i = 0; i < kvfd.cfg.n_pools; i++) {
+    char err[256];
+    int rc = kvf__pool_create(&kvfd.cfg.pools[i], (uint32_t)i, kvfd.cfg.hugepages, kvfd.cfg.mlock,
+                              &kvfd.pools[i], err, sizeof(err));
+    if (rc) {
+      kvf__err("%s", err);
+      return rc;
+    }
+    kvfd.n_pools++;
+    kvf__info("pool %s: %s, %llu bytes, %s%s", kvfd.pools[i]->name, kvfd.pools[i]->kind,
+              (unsigned long long)kvfd.pools[i]->size, kvfd.pools[i]->backing,
+              kvfd.pools[i]->locked ? ", locked" : "");
+  }
+  return 0;
+}
+
+static void close_walk(uv_handle_t *h, void *arg) {
+  if (!uv_is_closing(h)) uv_close(h, NULL);
+}
+
+/* Stops accepting, fails what is in flight (peers and clients hear of it),
+ * and lets the loop run dry. */
+static void stop(void) {
+  if (kvfd.stopping) return;
+  kvfd.stopping = true;
+  kvf__info("stopping");
+  kvf__api_stop();
+  kvf__peers_stop();
+  kvf__xfer_shutdown();
+  uv_signal_stop(&sig_term);
+  uv_signal_stop(&sig_int);
+  uv_signal_stop(&sig_hup);
+  tcp_tp->ops->destroy(tcp_tp);
+  local_tp->ops->destroy(local_tp);
+}
+
+static void on_signal(uv_signal_t *s, int signum) {
+  if (signum == SIGHUP) {
+    kvf__info("SIGHUP: configuration reload is not supported yet; nothing changed");
+    return;
+  }
+  stop();
+}
+
+
+static void env_emit(kvf__session *s, const Kvf__Event *ev) { kvf__api_emit(s, ev); }
+static bool env_peer_up(const kvf__peer *p) { return p->state == KVF__PEER_UP; }
+static const char *env_peer_name(const kvf__peer *p) { return p->cfg.name; }
+static kvf__transport *env_peer_transport(kvf__peer *p) { return p->tp; }
+
+static int start(void) {
+  char err[512] = "";
+  int rc = kvf__local_create(&local_tp);
+  if (rc == 0) rc = kvf__tcp_create(&tcp_tp);
+  if (rc) {
+    kvf__err("cannot create transports: %s", kvf_strerror(rc));
+    return rc;
+  }
+  kvf__xfer_env env = {
+      .emit = env_emit,
+      .peer_send = kvf__peer_send,
+      .peer_find = kvf__peer_find,
+      .peer_up = env_peer_up,
+      .peer_name = env_peer_name,
+      .peer_transport = env_peer_transport,
+      .session_xfers = kvf__api_session_xfers,
+      .local = local_tp,
+  };
+  kvf__xfer_init(kvfd.loop, &env);
+  if ((rc = kvf__api_start(kvfd.loop, err, sizeof(err))) != 0 ||
+      (rc = kvf__peers_start(kvfd.loop, tcp_tp, err, sizeof(err))) != 0) {
+    kvf__err("%s", err);
+    return rc;
+  }
+  uv_signal_init(kvfd.loop, &sig_term);
+  uv_signal_init(kvfd.loop, &sig_int);
+  uv_signal_init(kvfd.loop, &sig_hup);
+  uv_signal_start(&sig_term, on_signal, SIGTERM);
+  uv_signal_start(&sig_int, on_signal, SIGINT);
+  uv_signal_start(&sig_hup, on_signal, SIGHUP);
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  static const struct option opts[] = {{"config", required_argument, NULL, 'c'},
+                                       {"check", no_argument, NULL, 'k'},
+                                       {"help", no_argument, NULL, 'h'},
+                                       {"version", no_argument, NULL, 'V'},
+                                       {0}};
+  const char *path = NULL;
+  int check = 0, o;
+  while ((o = getopt_long(argc, argv, "c:hV", opts, NULL)) != -1) {
+    switch (o) {
+    case 'c': path = optarg; break;
+    case 'k': check = 1; break;
+    case 'h': usage(stdout); return 0;
+    case 'V': printf("kvferryd %s\n", KVF__VERSION); return 0;
+    default: usage(stderr); return 2;
+    }
+  }
+  if (!path || optind != argc) {
+    usage(stderr);
+    return 2;
+  }
+  if (load_config(path) != 0) return 1;
+  if (check) {
+    kvf__config_dump(&kvfd.cfg, stdout, false);
+    return 0;
+  }
+  kvf__log_init(kvfd.cfg.log_level);
+  signal(SIGPIPE, SIG_IGN);
+  if (getrandom(&kvfd.session, sizeof(kvfd.session), 0) != sizeof(kvfd.session))
+    kvfd.session = kvf__now_ns() ^ (uint64_t)getpid() << 32;
+  kvfd.session &= 0xffffffffffull; /* leaves room for handle counters */
+  kvfd.start_ns = kvf__now_ns();
+  kvfd.loop = uv_default_loop();
+  if (create_pools() != 0 || start() != 0) return 1;
+  kvf__info("kvferryd %s node %s ready: api %s, peers on %s:%d, %zu peers configured", KVF__VERSION,
+            kvfd.cfg.node, kvfd.cfg.api_socket, kvfd.cfg.listen_host, kvf__peers_listen_port(),
+            kvfd.cfg.n_peers);
+  uv_run(kvfd.loop, UV_RUN_DEFAULT);
+  uv_walk(kvfd.loop, close_walk, NULL);
+  uv_run(kvfd.loop, UV_RUN_DEFAULT);
+  uv_loop_close(kvfd.loop);
+  for (size_t i = 0; i < kvfd.n_pools; i++) kvf__pool_destroy(kvfd.pools[i]);
+  free(kvfd.pools);
+  kvf__info("stopped");
+  return 0;
+}

@@ -1,0 +1,566 @@
+/* peer.c - daemon <-> daemon control connections on the libuv loop.
+ *
+ * Every daemon dials every peer in its config and accepts their dials. A
+ * connection is established once both Hellos are exchanged; when both sides
+ * dialed, the connection dialed by the node with the smaller name wins and
+ * the other is closed, so both agree without a round trip. Heartbeats flow
+ * every heartbeat-ms; a peer silent for peer-timeout-ms, a broken
+ * connection or a Goodbye takes it down: its transfers fail at once with
+ * KVF_EPEERLOST and we redial with exponential backoff.
+ *
+ * A connection that opens with DataHello is a tcp data stream: it leaves
+ * the loop and goes to a receiver thread of the tcp transport. */
+#include "peer.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "frame.h"
+#include "transport/transport.h"
+#include "xfer.h"
+
+#define HANDSHAKE_MS 5000
+#define READ_CHUNK (256u << 10)
+#define MAX_WRITE_QUEUE (256u << 20)
+
+struct kvf__pconn {
+  uv_tcp_t tcp;
+  kvf__framebuf fb;
+  kvf__peer *peer;
+  bool outbound;
+  bool established;
+  bool closing;
+  bool parked;            /* a data stream waiting for its peer to be up */
+  uint32_t stream;
+  uv_timer_t hs_timer;
+  uv_connect_t creq;
+  struct kvf__pconn *next_parked;
+};
+
+static struct {
+  uv_loop_t *loop;
+  kvf__transport *tcp;
+  uv_tcp_t listener;
+  bool listening;
+  int listen_port;
+  kvf__peer *peers;
+  size_t n;
+  uv_timer_t hb;
+  kvf__pconn *parked;
+} P;
+
+static void conn_close(kvf__pconn *c, const char *why);
+static void peer_down(kvf__peer *p, const char *why);
+static void dial(kvf__peer *p);
+
+const char *kvf__peer_state_name(int state) {
+  switch (state) {
+  case KVF__PEER_UP: return "up";
+  case KVF__PEER_CONNECTING: return "connecting";
+  default: return "down";
+  }
+}
+
+kvf__peer *kvf__peer_find(const char *name) {
+  for (size_t i = 0; i < P.n; i++)
+    if (strcmp(P.peers[i].cfg.name, name) == 0) return &P.peers[i];
+  return NULL;
+}
+
+size_t kvf__peer_count(void) { return P.n; }
+kvf__peer *kvf__peer_at(size_t i) { return i < P.n ? &P.peers[i] : NULL; }
+int kvf__peers_listen_port(void) { return P.listen_port; }
+
+/* -------------------------------------------------------------- writing */
+
+typedef struct wreq {
+  uv_write_t req;
+  uint8_t data[];
+} wreq;
+
+static void on_written(uv_write_t *req, int status) { free(req->data); }
+
+static int conn_send(kvf__pconn *c, const Kvf__PeerMsg *m) {
+  if (c->closing) return KVF_EPEERLOST;
+  if (uv_stream_get_write_queue_size((uv_stream_t *)&c->tcp) > MAX_WRITE_QUEUE) {
+    conn_close(c, "the peer stopped reading");
+    return KVF_EPEERLOST;
+  }
+  size_t n = kvf__peer_msg__get_packed_size(m);
+  if (n > kvfd.cfg.max_frame) return KVF_ELIMIT;
+  wreq *w = malloc(sizeof(*w) + KVF__FRAME_HDR + n);
+  if (!w) return -ENOMEM;
+  kvf__frame_put_header(w->data, (uint32_t)n);
+  kvf__peer_msg__pack(m, w->data + KVF__FRAME_HDR);
+  w->req.data = w;
+  uv_buf_t buf = uv_buf_init((char *)w->data, (unsigned)(KVF__FRAME_HDR + n));
+  int rc = uv_write(&w->req, (uv_stream_t *)&c->tcp, &buf, 1, on_written);
+  if (rc) {
+    free(w);
+    conn_close(c, uv_strerror(rc));
+    return KVF_EPEERLOST;
+  }
+  return 0;
+}
+
+int kvf__peer_send(kvf__peer *p, const Kvf__PeerMsg *m) {
+  if (p->state != KVF__PEER_UP || !p->conn) return KVF_EPEERLOST;
+  return conn_send(p->conn, m);
+}
+
+static void send_hello(kvf__pconn *c) {
+  Kvf__Hello h = KVF__HELLO__INIT;
+  h.version = KVF__PEER_VERSION;
+  h.node = kvfd.cfg.node;
+  h.session = kvfd.session;
+  h.data_streams = kvfd.cfg.tcp_streams;
+  h.heartbeat_ms = kvfd.cfg.heartbeat_ms;
+  char *transports[] = {"tcp"};
+  h.transports = transports;
+  h.n_transports = 1;
+  Kvf__PoolInfo infos[KVF__MAX_POOLS_CFG], *ptrs[KVF__MAX_POOLS_CFG];
+  for (size_t i = 0; i < kvfd.n_pools && i < KVF__MAX_POOLS_CFG; i++) {
+    kvf__pool_info__init(&infos[i]);
+    infos[i].id = (uint32_t)i;
+    infos[i].name = (char *)kvfd.cfg.pools[i].name;
+    infos[i].kind = (char *)kvfd.cfg.pools[i].kind;
+    infos[i].size = kvfd.cfg.pools[i].size;
+    ptrs[i] = &infos[i];
+  }
+  h.pools = ptrs;
+  h.n_pools = kvfd.n_pools;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_HELLO;
+  m.hello = &h;
+  conn_send(c, &m);
+}
+
+/* ------------------------------------------------------------ lifecycle */
+
+static void on_conn_closed(uv_handle_t *h) {
+  kvf__pconn *c = h->data;
+  kvf__framebuf_free(&c->fb);
+  free(c);
+}
+
+static void on_hs_timer_closed(uv_handle_t *h) {
+  kvf__pconn *c = h->data;
+  uv_close((uv_handle_t *)&c->tcp, on_conn_closed);
+}
+
+static void unpark(kvf__pconn *c) {
+  for (kvf__pconn **pp = &P.parked; *pp; pp = &(*pp)->next_parked)
+    if (*pp == c) {
+      *pp = c->next_parked;
+      return;
+    }
+}
+
+static void conn_close(kvf__pconn *c, const char *why) {
+  if (c->closing) return;
+  c->closing = true;
+  if (c->parked) unpark(c);
+  kvf__peer *p = c->peer;
+  if (p && p->dialing == c) p->dialing = NULL;
+  if (p && p->conn == c) peer_down(p, why);
+  else if (why && p) kvf__debug("peer %s: closed a connection: %s", p->cfg.name, why);
+  uv_timer_stop(&c->hs_timer);
+  uv_close((uv_handle_t *)&c->hs_timer, on_hs_timer_closed);
+}
+
+static void on_reconnect(uv_timer_t *t) { dial(t->data); }
+
+static void schedule_reconnect(kvf__peer *p) {
+  if (kvfd.stopping) return;
+  uint32_t ms = p->backoff_ms ? p->backoff_ms : kvfd.cfg.reconnect_min_ms;
+  p->backoff_ms = ms * 2 > kvfd.cfg.reconnect_max_ms ? kvfd.cfg.reconnect_max_ms : ms * 2;
+  uv_timer_start(&p->reconnect, on_reconnect, ms, 0);
+}
+
+static void peer_down(kvf__peer *p, const char *why) {
+  kvf__pconn *c = p->conn;
+  p->conn = NULL;
+  p->state = KVF__PEER_DOWN;
+  p->downs++;
+  snprintf(p->last_error, sizeof(p->last_error), "%s", why ? why : "");
+  kvf__warn("peer %s down: %s", p->cfg.name, why ? why : "closed");
+  /* The transport first: once its threads let go of the memory, the
+   * transfers can fail and their owners reuse the blocks. */
+  if (p->tp) p->tp->ops->peer_down(p->tp, p);
+  kvf__xfer_on_peer_down(p);
+  if (c) conn_close(c, NULL);
+  schedule_reconnect(p);
+}
+
+void kvf__peer_fail(kvf__peer *p, const char *why) {
+  if (p->state == KVF__PEER_UP) peer_down(p, why);
+}
+
+static void adopt_stream(kvf__pconn *c) {
+  int fd = -1;
+  uv_os_fd_t ufd;
+  if (uv_fileno((uv_handle_t *)&c->tcp, &ufd) == 0) fd = fcntl(ufd, F_DUPFD_CLOEXEC, 0);
+  if (fd >= 0) {
+    int fl = fcntl(fd, F_GETFL);
+    fcntl(fd, F_SETFL, fl & ~O_NONBLOCK); /* receiver threads block */
+  }
+  kvf__peer *p = c->peer;
+  c->peer = NULL; /* it is not the peer's control connection */
+  conn_close(c, NULL);
+  if (fd < 0 || kvf__tcp_adopt_stream(P.tcp, p, fd, c->stream) != 0) {
+    if (fd >= 0) close(fd);
+    kvf__warn("peer %s: could not adopt data stream %u", p->cfg.name, c->stream);
+  }
+}
+
+static void adopt_parked(kvf__peer *p) {
+  kvf__pconn **pp = &P.parked;
+  while (*pp) {
+    kvf__pconn *c = *pp;
+    if (c->peer == p) {
+      *pp = c->next_parked;
+      c->parked = false;
+      adopt_stream(c);
+    } else {
+      pp = &c->next_parked;
+    }
+  }
+}
+
+static void peer_up(kvf__peer *p, kvf__pconn *c) {
+  p->conn = c;
+  p->state = KVF__PEER_UP;
+  p->ups++;
+  p->backoff_ms = 0;
+  p->up_since_ns = p->last_rx_ns = kvf__now_ns();
+  p->last_error[0] = 0;
+  uv_timer_stop(&p->reconnect);
+  p->tp = P.tcp;
+  int rc = p->tp->ops->peer_up(p->tp, p);
+  kvf__info("peer %s up (%s connection, session %016llx, transport %s)", p->cfg.name,
+            c->outbound ? "outbound" : "inbound", (unsigned long long)p->remote_session,
+            p->tp->ops->name);
+  if (rc) {
+    peer_down(p, "the transport could not start");
+    return;
+  }
+  adopt_parked(p);
+}
+
+/* Both sides dialed: keep the connection dialed by the smaller node name.
+ * Two of the same direction mean the peer redialed: it no longer trusts the
+ * old one, so the new one wins. */
+static bool wins_over(const kvf__pconn *c, const kvf__pconn *other) {
+  bool i_am_smaller = strcmp(kvfd.cfg.node, c->peer->cfg.name) < 0;
+  if (c->outbound == other->outbound) return true;
+  return c->outbound == i_am_smaller;
+}
+
+static void establish(kvf__pconn *c, uint64_t session) {
+  kvf__peer *p = c->peer;
+  c->established = true;
+  uv_timer_stop(&c->hs_timer);
+  if (p->dialing == c) p->dialing = NULL;
+  if (p->conn && p->remote_session != session) peer_down(p, "the peer restarted");
+  p->remote_session = session;
+  if (!p->conn) {
+    peer_up(p, c);
+    return;
+  }
+  if (wins_over(c, p->conn)) {
+    kvf__pconn *old = p->conn;
+    p->conn = c; /* transfers keep flowing: only the route changes */
+    conn_close(old, NULL);
+  } else {
+    conn_close(c, NULL);
+  }
+}
+
+/* ---------------------------------------------------------- messages */
+
+static void on_hello(kvf__pconn *c, const Kvf__Hello *h) {
+  if (h->version != KVF__PEER_VERSION) {
+    kvf__warn("refused peer %s: protocol version %u, we speak %u", h->node, h->version, KVF__PEER_VERSION);
+    conn_close(c, "version mismatch");
+    return;
+  }
+  kvf__peer *p = kvf__peer_find(h->node);
+  if (!p || (c->peer && c->peer != p)) {
+    kvf__warn("refused a peer calling itself '%s': not in this daemon's configuration", h->node);
+    conn_close(c, NULL);
+    return;
+  }
+  c->peer = p;
+  if (!c->outbound) send_hello(c);
+  establish(c, h->session);
+}
+
+static void on_data_hello(kvf__pconn *c, const Kvf__DataHello *d) {
+  kvf__peer *p = kvf__peer_find(d->node);
+  if (!p || d->version != KVF__PEER_VERSION || d->session != kvfd.session) {
+    conn_close(c, NULL);
+    return;
+  }
+  c->peer = p;
+  c->stream = d->stream;
+  uv_read_stop((uv_stream_t *)&c->tcp);
+  /* The dialer learned our session from our Hello, which may reach it
+   * before we have read its Hello: park until the peer is up. */
+  if (p->state == KVF__PEER_UP) {
+    adopt_stream(c);
+    return;
+  }
+  c->parked = true;
+  c->next_parked = P.parked;
+  P.parked = c;
+}
+
+static void on_goodbye(kvf__pconn *c, const Kvf__Goodbye *g) {
+  kvf__peer *p = c->peer;
+  if (p && p->conn == c) peer_down(p, "the peer said goodbye");
+  else conn_close(c, NULL);
+}
+
+/* One frame from a connection; returns false when the connection closed. */
+static bool on_frame(kvf__pconn *c, const uint8_t *buf, uint32_t len) {
+  Kvf__PeerMsg *m = kvf__peer_msg__unpack(NULL, len, buf);
+  if (!m) {
+    kvfd.stats.peer_errors++;
+    kvf__warn("peer %s: undecodable frame of %u bytes; closing", c->peer ? c->peer->cfg.name : "(unknown)", len);
+    conn_close(c, "protocol error");
+    return false;
+  }
+  bool first = !c->peer;
+  if (c->peer) c->peer->last_rx_ns = kvf__now_ns();
+  if (first && m->body_case == KVF__PEER_MSG__BODY_HELLO && !c->established) on_hello(c, m->hello);
+  else if (first && m->body_case == KVF__PEER_MSG__BODY_DATA_HELLO && !c->outbound) on_data_hello(c, m->data_hello);
+  else if (first || (!c->established && m->body_case != KVF__PEER_MSG__BODY_HELLO)) {
+    kvfd.stats.peer_errors++;
+    conn_close(c, "protocol error: no Hello first");
+  } else if (m->body_case == KVF__PEER_MSG__BODY_HELLO && c->outbound && !c->established) {
+    on_hello(c, m->hello);
+  } else if (m->body_case == KVF__PEER_MSG__BODY_GOODBYE) {
+    on_goodbye(c, m->goodbye);
+  } else if (m->body_case != KVF__PEER_MSG__BODY_HEARTBEAT && c->peer->conn) {
+    kvf__xfer_on_peer_msg(c->peer, m);
+  }
+  kvf__peer_msg__free_unpacked(m, NULL);
+  return !c->closing && !c->parked;
+}
+
+static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
+  kvf__pconn *c = h->data;
+  uint8_t *p;
+  size_t avail;
+  if (kvf__framebuf_space(&c->fb, READ_CHUNK, &p, &avail) != 0) {
+    *buf = uv_buf_init(NULL, 0);
+    return;
+  }
+  *buf = uv_buf_init((char *)p, (unsigned)avail);
+}
+
+static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
+  kvf__pconn *c = s->data;
+  if (nread < 0) {
+    conn_close(c, nread == UV_EOF ? "connection closed by the peer" : uv_strerror((int)nread));
+    return;
+  }
+  kvf__framebuf_commit(&c->fb, (size_t)nread);
+  for (;;) {
+    const uint8_t *payload;
+    uint32_t len;
+    int rc = kvf__framebuf_next(&c->fb, &payload, &len);
+    if (rc == 0) return;
+    if (rc < 0) {
+      kvfd.stats.peer_errors++;
+      kvf__warn("peer %s: frame larger than max-frame (%u); closing",
+                c->peer ? c->peer->cfg.name : "(unknown)", kvfd.cfg.max_frame);
+      conn_close(c, "oversized frame");
+      return;
+    }
+    if (!on_frame(c, payload, len)) return;
+  }
+}
+
+static void on_handshake_timeout(uv_timer_t *t) {
+  kvf__pconn *c = t->data;
+  conn_close(c, "no Hello in time");
+}
+
+static kvf__pconn *conn_new(bool outbound) {
+  kvf__pconn *c = calloc(1, sizeof(*c));
+  if (!c) return NULL;
+  c->outbound = outbound;
+  kvf__framebuf_init(&c->fb, kvfd.cfg.max_frame);
+  uv_tcp_init(P.loop, &c->tcp);
+  c->tcp.data = c;
+  uv_timer_init(P.loop, &c->hs_timer);
+  c->hs_timer.data = c;
+  uv_timer_start(&c->hs_timer, on_handshake_timeout, HANDSHAKE_MS, 0);
+  return c;
+}
+
+static void on_connected(uv_connect_t *req, int status) {
+  kvf__pconn *c = req->data;
+  if (c->closing) return;
+  if (status < 0) {
+    kvf__peer *p = c->peer;
+    snprintf(p->last_error, sizeof(p->last_error), "connect: %s", uv_strerror(status));
+    kvf__debug("peer %s: connect failed: %s", p->cfg.name, uv_strerror(status));
+    conn_close(c, NULL);
+    if (p->state != KVF__PEER_UP) {
+      p->state = KVF__PEER_DOWN;
+      schedule_reconnect(p);
+    }
+    return;
+  }
+  uv_tcp_nodelay(&c->tcp, 1);
+  uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+  send_hello(c);
+}
+
+static void dial(kvf__peer *p) {
+  if (p->state == KVF__PEER_UP || p->dialing || kvfd.stopping) return;
+  kvf__pconn *c = conn_new(true);
+  if (!c) {
+    schedule_reconnect(p);
+    return;
+  }
+  c->peer = p;
+  p->dialing = c;
+  p->state = KVF__PEER_CONNECTING;
+  c->creq.data = c;
+  int rc = uv_tcp_connect(&c->creq, &c->tcp, (struct sockaddr *)&p->addr, on_connected);
+  if (rc) {
+    conn_close(c, NULL);
+    p->state = KVF__PEER_DOWN;
+    schedule_reconnect(p);
+  }
+}
+
+static void on_accept(uv_stream_t *server, int status) {
+  if (status < 0) return;
+  kvf__pconn *c = conn_new(false);
+  if (!c) return;
+  if (uv_accept(server, (uv_stream_t *)&c->tcp) != 0) {
+    conn_close(c, NULL);
+    return;
+  }
+  uv_tcp_nodelay(&c->tcp, 1);
+  uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+}
+
+static void on_heartbeat(uv_timer_t *t) {
+  uint64_t now = kvf__now_ns();
+  Kvf__Heartbeat hb = KVF__HEARTBEAT__INIT;
+  hb.time_ns = now;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_HEARTBEAT;
+  m.heartbeat = &hb;
+  for (size_t i = 0; i < P.n; i++) {
+    kvf__peer *p = &P.peers[i];
+    if (p->state != KVF__PEER_UP) continue;
+    uint64_t silent_ms = (now - p->last_rx_ns) / 1000000ull;
+    if (silent_ms > kvfd.cfg.peer_timeout_ms) {
+      char why[96];
+      snprintf(why, sizeof(why), "no word from the peer for %llu ms", (unsigned long long)silent_ms);
+      peer_down(p, why);
+      continue;
+    }
+    kvf__peer_send(p, &m);
+  }
+}
+
+/* ------------------------------------------------------------ start/stop */
+
+static int resolve(const char *host, uint16_t port, struct sockaddr_storage *ss, socklen_t *len) {
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res;
+  char portstr[8];
+  snprintf(portstr, sizeof(portstr), "%u", port);
+  int rc = getaddrinfo(host, portstr, &hints, &res);
+  if (rc) return -EHOSTUNREACH;
+  memcpy(ss, res->ai_addr, res->ai_addrlen);
+  *len = res->ai_addrlen;
+  freeaddrinfo(res);
+  return 0;
+}
+
+static int start_listener(char *err, size_t errlen) {
+  if (kvfd.cfg.listen_host[0] == 0) return 0;
+  struct sockaddr_storage ss;
+  socklen_t len;
+  if (resolve(kvfd.cfg.listen_host, kvfd.cfg.listen_port, &ss, &len) != 0) {
+    snprintf(err, errlen, "peer-listen: cannot resolve %s", kvfd.cfg.listen_host);
+    return -EINVAL;
+  }
+  uv_tcp_init(P.loop, &P.listener);
+  P.listening = true;
+  int rc = uv_tcp_bind(&P.listener, (struct sockaddr *)&ss, 0);
+  if (rc == 0) rc = uv_listen((uv_stream_t *)&P.listener, 128, on_accept);
+  if (rc) {
+    snprintf(err, errlen, "peer-listen %s:%u: %s", kvfd.cfg.listen_host, kvfd.cfg.listen_port, uv_strerror(rc));
+    return rc;
+  }
+  struct sockaddr_storage bound;
+  int blen = sizeof(bound);
+  uv_tcp_getsockname(&P.listener, (struct sockaddr *)&bound, &blen);
+  P.listen_port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
+                                                    : ((struct sockaddr_in *)&bound)->sin_port);
+  return 0;
+}
+
+int kvf__peers_start(uv_loop_t *loop, kvf__transport *tcp, char *err, size_t errlen) {
+  P.loop = loop;
+  P.tcp = tcp;
+  P.n = kvfd.cfg.n_peers;
+  P.peers = calloc(P.n ? P.n : 1, sizeof(kvf__peer));
+  if (!P.peers) return -ENOMEM;
+  for (size_t i = 0; i < P.n; i++) {
+    kvf__peer *p = &P.peers[i];
+    p->cfg = kvfd.cfg.peers[i];
+    if (resolve(p->cfg.host, p->cfg.port, &p->addr, &p->addrlen) != 0) {
+      snprintf(err, errlen, "peer %s: cannot resolve %s", p->cfg.name, p->cfg.host);
+      return -EINVAL;
+    }
+    uv_timer_init(loop, &p->reconnect);
+    p->reconnect.data = p;
+  }
+  int rc = start_listener(err, errlen);
+  if (rc) return rc;
+  uv_timer_init(loop, &P.hb);
+  uv_timer_start(&P.hb, on_heartbeat, kvfd.cfg.heartbeat_ms, kvfd.cfg.heartbeat_ms);
+  for (size_t i = 0; i < P.n; i++) dial(&P.peers[i]);
+  return 0;
+}
+
+void kvf__peers_stop(void) {
+  Kvf__Goodbye g = KVF__GOODBYE__INIT;
+  g.reason = "shutting down";
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_GOODBYE;
+  m.goodbye = &g;
+  for (size_t i = 0; i < P.n; i++) {
+    kvf__peer *p = &P.peers[i];
+    if (p->state == KVF__PEER_UP) {
+      kvf__peer_send(p, &m);
+      kvf__pconn *c = p->conn;
+      p->conn = NULL;
+      p->state = KVF__PEER_DOWN;
+      if (p->tp) p->tp->ops->peer_down(p->tp, p);
+      kvf__xfer_on_peer_down(p);
+      conn_close(c, NULL);
+    }
+    if (p->dialing) conn_close(p->dialing, NULL);
+    uv_timer_stop(&p->reconnect);
+    uv_close((uv_handle_t *)&p->reconnect, NULL);
+  }
+  while (P.parked) conn_close(P.parked, NULL);
+  uv_timer_stop(&P.hb);
+  uv_close((uv_handle_t *)&P.hb, NULL);
+  if (P.listening) uv_close((uv_handle_t *)&P.listener, NULL);
+}

@@ -1,0 +1,48 @@
+/* peer.h - daemon <-> daemon control connections: Hello, heartbeats,
+ * reconnect with backoff, dead-peer detection, message routing. */
+#ifndef KVF_PEER_H
+#define KVF_PEER_H
+
+#include <netinet/in.h>
+#include <stdbool.h>
+#include <sys/socket.h>
+#include <uv.h>
+
+#include "kvferryd.h"
+
+enum kvf__peer_state { KVF__PEER_DOWN = 0, KVF__PEER_CONNECTING, KVF__PEER_UP };
+
+typedef struct kvf__pconn kvf__pconn;
+
+struct kvf__peer {
+  kvf__peer_cfg cfg;
+  int state;
+  struct sockaddr_storage addr;   /* resolved once at start */
+  socklen_t addrlen;
+  uint64_t remote_session;        /* the incarnation we are up with */
+  uint32_t remote_streams;
+  kvf__transport *tp;             /* the data transport chosen for this peer */
+  void *tcp;                      /* tcp.c's per-peer state */
+  kvf__pconn *conn;               /* the established control connection */
+  kvf__pconn *dialing;            /* our outbound attempt, if any */
+  uv_timer_t reconnect;
+  uint32_t backoff_ms;
+  uint64_t last_rx_ns;
+  uint64_t up_since_ns;
+  uint64_t ups, downs;
+  char last_error[128];
+};
+
+int kvf__peers_start(uv_loop_t *loop, kvf__transport *tcp, char *err, size_t errlen);
+void kvf__peers_stop(void);
+kvf__peer *kvf__peer_find(const char *name);
+size_t kvf__peer_count(void);
+kvf__peer *kvf__peer_at(size_t i);
+int kvf__peer_send(kvf__peer *p, const Kvf__PeerMsg *m);
+/* A transport saw the peer's data path break: drop and reconnect. */
+void kvf__peer_fail(kvf__peer *p, const char *why);
+const char *kvf__peer_state_name(int state);
+/* The address the peer listener bound (port resolved when 0 was asked). */
+int kvf__peers_listen_port(void);
+
+#endif

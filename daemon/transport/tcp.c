@@ -1,0 +1,774 @@
+/* tcp.c - the tcp transport: one-sided writes over plain TCP.
+ *
+ * Each daemon opens tcp-streams data connections to each peer it sends to;
+ * a connection starts with a framed DataHello and then carries only data
+ * frames: a fixed 32-byte header naming (grant handle, pool, offset, length)
+ * in the receiver's space, followed by the payload. The receiver reads each
+ * payload straight into pool memory, after checking that the range lies
+ * inside the grant that handle names and that the grant belongs to the peer
+ * that owns the connection. No intermediate buffer on either side.
+ *
+ * Threads: one sender thread per outbound stream (blocking writev from pool
+ * memory, many frames per call) and one receiver thread per inbound stream.
+ * They never touch loop state: results go through a mutex-protected queue
+ * and a uv_async to the loop, which calls back into xfer.c. */
+#include "transport.h"
+
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include "frame.h"
+#include "map.h"
+#include "peer.h"
+#include "pool.h"
+#include "xfer.h"
+
+#define DATA_MAGIC 0x4446564bu      /* "KVFD" little-endian */
+#define HDR_LEN 32u
+#define SLICE (1u << 20)            /* one frame carries at most this */
+#define BATCH_FRAMES 256            /* frames per writev */
+
+/* ------------------------------------------------------------ data frames */
+
+typedef struct data_hdr {
+  uint32_t magic;
+  uint32_t len;
+  uint64_t handle;
+  uint64_t offset;
+  uint32_t pool;
+  uint32_t flags;
+} data_hdr;
+
+static void put64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static uint64_t get64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
+  return v;
+}
+
+static void hdr_encode(uint8_t out[HDR_LEN], const data_hdr *h) {
+  uint8_t *p = out;
+  kvf__frame_put_header(p, h->magic);
+  kvf__frame_put_header(p + 4, h->len);
+  put64(p + 8, h->handle);
+  put64(p + 16, h->offset);
+  kvf__frame_put_header(p + 24, h->pool);
+  kvf__frame_put_header(p + 28, h->flags);
+}
+
+static void hdr_decode(const uint8_t in[HDR_LEN], data_hdr *h) {
+  h->magic = kvf__frame_get_u32(in);
+  h->len = kvf__frame_get_u32(in + 4);
+  h->handle = get64(in + 8);
+  h->offset = get64(in + 16);
+  h->pool = kvf__frame_get_u32(in + 24);
+  h->flags = kvf__frame_get_u32(in + 28);
+}
+
+/* ---------------------------------------------------- work and completions */
+
+/* One kvf__transport_ops.post call: done when every stream finished its
+ * share. */
+typedef struct ticket {
+  kvf__xfer *x;
+  bool last;
+  atomic_int outstanding;
+  atomic_int status;
+  atomic_bool aborted;
+} ticket;
+
+typedef struct wr {      /* one data frame to write */
+  const uint8_t *src;
+  uint32_t dst_pool;
+  uint32_t len;
+  uint64_t dst_off;
+} wr;
+
+typedef struct item {    /* a stream's share of one post */
+  struct item *next;
+  ticket *tk;
+  uint64_t handle;
+  wr *w;
+  size_t n;
+} item;
+
+enum ev_kind { EV_TICKET, EV_LANDED, EV_DATA_ERROR, EV_STREAM_ERROR };
+
+typedef struct tevent {
+  struct tevent *next;
+  int kind;
+  ticket *tk;
+  uint64_t handle;
+  int status;
+  kvf__peer *peer;
+  uint64_t gen;
+} tevent;
+
+/* Receiver side: what a grant accepts. */
+typedef struct rgrant {
+  kvf__xfer *x;
+  kvf__peer *peer;
+  kvf__rangeset rs;
+  uint64_t total;
+  uint64_t landed;
+  int writers;
+  bool closed;
+} rgrant;
+
+typedef struct stream {
+  struct tcp_peer *tp;
+  uint32_t index;
+  int fd;
+  pthread_t thr;
+  bool started;
+  item *head, *tail;     /* sender queue */
+  bool outbound;
+  struct stream *next_in;/* inbound list */
+} stream;
+
+typedef struct tcp_peer {
+  kvf__peer *p;
+  uint64_t gen;
+  atomic_bool stop;
+  stream *out;           /* tcp-streams outbound streams */
+  uint32_t n_out;
+  uint32_t rr;           /* next stream for round robin */
+  stream *in;            /* inbound streams */
+  pthread_mutex_t lock;  /* queues of out[] and the in list */
+  pthread_cond_t cond;
+} tcp_peer;
+
+typedef struct tcp_transport {
+  kvf__transport base;
+  uv_async_t async;
+  pthread_mutex_t ev_lock;
+  tevent *ev_head, *ev_tail;
+  pthread_mutex_t g_lock;  /* grants */
+  pthread_cond_t g_cond;
+  kvf__map grants;         /* handle -> rgrant */
+  uint64_t gen;
+} tcp_transport;
+
+static tcp_transport *T;
+
+static void push_event(tevent *e) {
+  pthread_mutex_lock(&T->ev_lock);
+  if (T->ev_tail) T->ev_tail->next = e;
+  else T->ev_head = e;
+  T->ev_tail = e;
+  pthread_mutex_unlock(&T->ev_lock);
+  uv_async_send(&T->async);
+}
+
+static void post_event(int kind, ticket *tk, uint64_t handle, int status, tcp_peer *tp) {
+  tevent *e = calloc(1, sizeof(*e));
+  if (!e) abort(); /* a lost completion would hang a transfer: fail loudly */
+  e->kind = kind;
+  e->tk = tk;
+  e->handle = handle;
+  e->status = status;
+  e->peer = tp ? tp->p : NULL;
+  e->gen = tp ? tp->gen : 0;
+  push_event(e);
+}
+
+static void ticket_part_done(ticket *tk, int status) {
+  if (status) {
+    int zero = 0;
+    atomic_compare_exchange_strong(&tk->status, &zero, status);
+  }
+  if (atomic_fetch_sub(&tk->outstanding, 1) == 1) post_event(EV_TICKET, tk, 0, 0, NULL);
+}
+
+static void item_free(item *it) {
+  free(it->w);
+  free(it);
+}
+
+static void grant_key(char *buf, size_t len, uint64_t handle) {
+  snprintf(buf, len, "%016llx", (unsigned long long)handle);
+}
+
+/* --------------------------------------------------------- sender threads */
+
+static int writev_all(int fd, struct iovec *iov, int n) {
+  while (n > 0) {
+    ssize_t w = writev(fd, iov, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return -errno;
+    }
+    while (n > 0 && (size_t)w >= iov->iov_len) {
+      w -= (ssize_t)iov->iov_len;
+      iov++;
+      n--;
+    }
+    if (n > 0) {
+      iov->iov_base = (uint8_t *)iov->iov_base + w;
+      iov->iov_len -= (size_t)w;
+    }
+  }
+  return 0;
+}
+
+/* Writes an item's frames, BATCH_FRAMES per writev. */
+static int write_item(stream *s, item *it) {
+  uint8_t hdrs[BATCH_FRAMES][HDR_LEN];
+  struct iovec iov[BATCH_FRAMES * 2];
+  for (size_t i = 0; i < it->n;) {
+    if (atomic_load(&it->tk->aborted) || atomic_load(&s->tp->stop)) return KVF_ECANCELED;
+    int k = 0;
+    for (; k < BATCH_FRAMES && i < it->n; k++, i++) {
+      const wr *w = &it->w[i];
+      data_hdr h = {DATA_MAGIC, w->len, it->handle, w->dst_off, w->dst_pool, 0};
+      hdr_encode(hdrs[k], &h);
+      iov[2 * k] = (struct iovec){hdrs[k], HDR_LEN};
+      iov[2 * k + 1] = (struct iovec){(void *)w->src, w->len};
+    }
+    int rc = writev_all(s->fd, iov, 2 * k);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
+/* The receiver acknowledges a DataHello once a thread owns the stream, so
+ * no data byte is ever read by the loop's connection handler. */
+static const uint8_t ACK[KVF__FRAME_HDR] = {0, 0, 0, 0};
+
+static int await_ack(int fd) {
+  uint8_t got[KVF__FRAME_HDR];
+  size_t have = 0;
+  while (have < sizeof(got)) {
+    ssize_t r = recv(fd, got + have, sizeof(got) - have, 0);
+    if (r == 0) return KVF_EPEERLOST;
+    if (r < 0 && errno != EINTR) return -errno;
+    if (r > 0) have += (size_t)r;
+  }
+  return memcmp(got, ACK, sizeof(ACK)) == 0 ? 0 : KVF_EPROTO;
+}
+
+static int connect_stream(stream *s) {
+  kvf__peer *p = s->tp->p;
+  int fd = socket(p->addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -errno;
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  /* A peer that stops reading must not hold a sender thread forever. */
+  struct timeval tv = {.tv_sec = kvfd.cfg.peer_timeout_ms / 1000,
+                       .tv_usec = (kvfd.cfg.peer_timeout_ms % 1000) * 1000};
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  if (connect(fd, (struct sockaddr *)&p->addr, p->addrlen) != 0) {
+    int e = -errno;
+    close(fd);
+    return e;
+  }
+  Kvf__DataHello dh = KVF__DATA_HELLO__INIT;
+  dh.version = KVF__PEER_VERSION;
+  dh.node = kvfd.cfg.node;
+  dh.session = p->remote_session;
+  dh.stream = s->index;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_DATA_HELLO;
+  m.data_hello = &dh;
+  uint8_t buf[256];
+  size_t n = kvf__peer_msg__get_packed_size(&m);
+  if (n + KVF__FRAME_HDR > sizeof(buf)) {
+    close(fd);
+    return KVF_EPROTO;
+  }
+  kvf__frame_put_header(buf, (uint32_t)n);
+  kvf__peer_msg__pack(&m, buf + KVF__FRAME_HDR);
+  int rc = kvf__send_all(fd, buf, n + KVF__FRAME_HDR, -1);
+  if (rc == 0) rc = await_ack(fd);
+  if (rc) {
+    close(fd);
+    return rc;
+  }
+  pthread_mutex_lock(&s->tp->lock);
+  s->fd = fd;
+  pthread_mutex_unlock(&s->tp->lock);
+  return 0;
+}
+
+static item *next_item(stream *s) {
+  tcp_peer *tp = s->tp;
+  pthread_mutex_lock(&tp->lock);
+  while (!s->head && !atomic_load(&tp->stop)) pthread_cond_wait(&tp->cond, &tp->lock);
+  item *it = s->head;
+  if (it && !atomic_load(&tp->stop)) {
+    s->head = it->next;
+    if (!s->head) s->tail = NULL;
+  } else {
+    it = NULL;
+  }
+  pthread_mutex_unlock(&tp->lock);
+  return it;
+}
+
+static void *sender_main(void *arg) {
+  stream *s = arg;
+  int broken = connect_stream(s);
+  if (broken) post_event(EV_STREAM_ERROR, NULL, 0, broken, s->tp);
+  item *it;
+  while ((it = next_item(s)) != NULL) {
+    int rc = broken ? KVF_EPEERLOST : write_item(s, it);
+    if (rc && rc != KVF_ECANCELED && !broken) {
+      broken = rc;
+      post_event(EV_STREAM_ERROR, NULL, 0, rc, s->tp);
+    }
+    ticket_part_done(it->tk, rc ? (rc == KVF_ECANCELED ? KVF_ECANCELED : KVF_EPEERLOST) : 0);
+    item_free(it);
+  }
+  return NULL;
+}
+
+/* ------------------------------------------------------- receiver threads */
+
+static int recv_some(int fd, struct iovec *iov, int n) {
+  struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)n};
+  for (;;) {
+    ssize_t r = recvmsg(fd, &msg, 0);
+    if (r > 0) return (int)r;
+    if (r == 0) return -ECONNRESET;
+    if (errno != EINTR) return -errno;
+  }
+}
+
+/* Reads a payload of len bytes to dst, and opportunistically the start of
+ * the next header into hdr (saving a syscall per frame). */
+static int read_payload(int fd, uint8_t *dst, uint64_t len, uint8_t *hdr, uint32_t *have) {
+  uint64_t got = 0;
+  while (got < len) {
+    struct iovec iov[2] = {{dst + got, len - got}, {hdr, HDR_LEN}};
+    int r = recv_some(fd, iov, 2);
+    if (r < 0) return r;
+    if ((uint64_t)r > len - got) {
+      *have = (uint32_t)((uint64_t)r - (len - got));
+      got = len;
+    } else {
+      got += (uint64_t)r;
+    }
+  }
+  return 0;
+}
+
+static int read_header(int fd, uint8_t *hdr, uint32_t *have) {
+  while (*have < HDR_LEN) {
+    struct iovec iov = {hdr + *have, HDR_LEN - *have};
+    int r = recv_some(fd, &iov, 1);
+    if (r < 0) return r;
+    *have += (uint32_t)r;
+  }
+  return 0;
+}
+
+static int discard(int fd, uint64_t len, uint8_t *hdr, uint32_t *have) {
+  static uint8_t sink[64 << 10]; /* contents never read */
+  while (len > 0) {
+    uint64_t k = len < sizeof(sink) ? len : sizeof(sink);
+    int rc = read_payload(fd, sink, k, hdr, have);
+    if (rc) return rc;
+    len -= k;
+  }
+  return 0;
+}
+
+/* Looks up and pins the grant a frame writes into; NULL when the frame must
+ * be discarded. A frame outside its grant fails that grant. */
+static rgrant *pin_grant(tcp_peer *tp, const data_hdr *h) {
+  char key[32];
+  grant_key(key, sizeof(key), h->handle);
+  pthread_mutex_lock(&T->g_lock);
+  rgrant *g = kvf__map_get(&T->grants, key);
+  if (g && (g->closed || g->peer != tp->p)) g = NULL;
+  if (g && !kvf__rangeset_contains(&g->rs, h->pool, h->offset, h->len)) {
+    kvf__warn("peer %s wrote outside grant %016llx (pool %u offset %llu len %u): refused",
+              tp->p->cfg.name, (unsigned long long)h->handle, h->pool,
+              (unsigned long long)h->offset, h->len);
+    post_event(EV_DATA_ERROR, NULL, h->handle, KVF_EPERM, tp);
+    g = NULL;
+  }
+  if (g) g->writers++;
+  pthread_mutex_unlock(&T->g_lock);
+  return g;
+}
+
+static void unpin_grant(rgrant *g, tcp_peer *tp, uint64_t handle, uint32_t len) {
+  pthread_mutex_lock(&T->g_lock);
+  g->writers--;
+  g->landed += len;
+  if (!g->closed && g->landed == g->total) post_event(EV_LANDED, NULL, handle, 0, tp);
+  if (g->closed && g->writers == 0) pthread_cond_broadcast(&T->g_cond);
+  pthread_mutex_unlock(&T->g_lock);
+}
+
+static int receive_frame(stream *s, const data_hdr *h, uint8_t *hdr, uint32_t *have) {
+  if (h->magic != DATA_MAGIC || h->len == 0 || h->len > SLICE) return KVF_EPROTO;
+  rgrant *g = pin_grant(s->tp, h);
+  if (!g) return discard(s->fd, h->len, hdr, have);
+  kvf__pool *pool = kvfd.pools[h->pool]; /* in range: the rangeset held it */
+  int rc = read_payload(s->fd, pool->base + h->offset, h->len, hdr, have);
+  unpin_grant(g, s->tp, h->handle, rc ? 0 : h->len);
+  return rc;
+}
+
+static void *receiver_main(void *arg) {
+  stream *s = arg;
+  uint8_t hdr[HDR_LEN];
+  uint32_t have = 0;
+  if (kvf__send_all(s->fd, ACK, sizeof(ACK), -1) != 0) {
+    if (!atomic_load(&s->tp->stop)) post_event(EV_STREAM_ERROR, NULL, 0, KVF_EPEERLOST, s->tp);
+    return NULL;
+  }
+  for (;;) {
+    int rc = read_header(s->fd, hdr, &have);
+    if (rc) break;
+    data_hdr h;
+    hdr_decode(hdr, &h);
+    have = 0;
+    rc = receive_frame(s, &h, hdr, &have);
+    if (rc == KVF_EPROTO)
+      kvf__warn("peer %s: malformed data frame on stream %u; closing it", s->tp->p->cfg.name, s->index);
+    if (rc) break;
+  }
+  if (!atomic_load(&s->tp->stop)) post_event(EV_STREAM_ERROR, NULL, 0, KVF_EPEERLOST, s->tp);
+  return NULL;
+}
+
+/* ------------------------------------------------------------------ ops */
+
+static tcp_peer *tcp_peer_of(kvf__peer *p) { return p->tcp; }
+
+/* Cuts runs into frames of at most SLICE bytes and deals them round robin
+ * over the streams, so one huge descriptor still uses every connection. */
+static int deal_frames(tcp_peer *tp, const kvf__runs *runs, item **items) {
+  size_t cap = runs->n + (size_t)(runs->bytes / SLICE) + 1;
+  size_t per = cap / tp->n_out + 2;
+  for (uint32_t i = 0; i < tp->n_out; i++) {
+    items[i]->w = malloc(per * sizeof(wr));
+    if (!items[i]->w) return -ENOMEM;
+  }
+  uint32_t k = tp->rr;
+  for (size_t r = 0; r < runs->n; r++) {
+    const kvf__run *run = &runs->v[r];
+    const uint8_t *src = kvfd.pools[run->src_pool]->base + run->src_off;
+    for (uint64_t done = 0; done < run->len;) {
+      uint32_t len = (uint32_t)(run->len - done < SLICE ? run->len - done : SLICE);
+      item *it = items[k];
+      if (it->n == per) { /* uneven dealing: grow this stream's share */
+        per *= 2;
+        for (uint32_t j = 0; j < tp->n_out; j++) {
+          wr *nw = realloc(items[j]->w, per * sizeof(wr));
+          if (!nw) return -ENOMEM;
+          items[j]->w = nw;
+        }
+      }
+      it->w[it->n++] = (wr){src + done, run->dst_pool, len, run->dst_off + done};
+      done += len;
+      k = (k + 1) % tp->n_out;
+    }
+  }
+  tp->rr = k;
+  return 0;
+}
+
+static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) {
+  tcp_peer *tp = tcp_peer_of(x->peer);
+  if (!tp || atomic_load(&tp->stop)) return KVF_EPEERLOST;
+  item *items[64] = {0};
+  ticket *tk = calloc(1, sizeof(*tk));
+  int rc = tk ? 0 : -ENOMEM;
+  for (uint32_t i = 0; rc == 0 && i < tp->n_out; i++)
+    if (!(items[i] = calloc(1, sizeof(item)))) rc = -ENOMEM;
+  if (rc == 0) rc = deal_frames(tp, runs, items);
+  if (rc) {
+    for (uint32_t i = 0; i < tp->n_out; i++)
+      if (items[i]) item_free(items[i]);
+    free(tk);
+    return rc;
+  }
+  tk->x = x;
+  tk->last = last;
+  int used = 0;
+  for (uint32_t i = 0; i < tp->n_out; i++) used += items[i]->n > 0;
+  /* An empty post (all parts already sent) still completes through the
+   * queue, so the caller sees one callback either way. */
+  atomic_store(&tk->outstanding, used ? used : 1);
+  pthread_mutex_lock(&tp->lock);
+  for (uint32_t i = 0; i < tp->n_out; i++) {
+    item *it = items[i];
+    if (it->n == 0) {
+      item_free(it);
+      continue;
+    }
+    it->tk = tk;
+    it->handle = x->handle;
+    stream *s = &tp->out[i];
+    if (s->tail) s->tail->next = it;
+    else s->head = it;
+    s->tail = it;
+  }
+  pthread_cond_broadcast(&tp->cond);
+  pthread_mutex_unlock(&tp->lock);
+  if (!used) post_event(EV_TICKET, tk, 0, 0, NULL);
+  return 0;
+}
+
+static void tcp_abort(kvf__transport *t, kvf__xfer *x) {
+  tcp_peer *tp = x->peer ? tcp_peer_of(x->peer) : NULL;
+  if (!tp) return;
+  pthread_mutex_lock(&tp->lock);
+  for (uint32_t i = 0; i < tp->n_out; i++)
+    for (item *it = tp->out[i].head; it; it = it->next)
+      if (it->tk->x == x) atomic_store(&it->tk->aborted, true);
+  pthread_mutex_unlock(&tp->lock);
+}
+
+static int tcp_grant_open(kvf__transport *t, kvf__xfer *x) {
+  rgrant *g = calloc(1, sizeof(*g));
+  if (!g) return -ENOMEM;
+  int rc = kvf__rangeset_build(&g->rs, &x->dst);
+  if (rc) {
+    free(g);
+    return rc;
+  }
+  g->x = x;
+  g->peer = x->peer;
+  g->total = x->dst.total;
+  char key[32];
+  grant_key(key, sizeof(key), x->handle);
+  pthread_mutex_lock(&T->g_lock);
+  rc = kvf__map_put(&T->grants, key, g);
+  pthread_mutex_unlock(&T->g_lock);
+  if (rc) {
+    kvf__rangeset_free(&g->rs);
+    free(g);
+  }
+  return rc;
+}
+
+static void shutdown_inbound(tcp_peer *tp) {
+  pthread_mutex_lock(&tp->lock);
+  for (stream *s = tp->in; s; s = s->next_in) shutdown(s->fd, SHUT_RDWR);
+  pthread_mutex_unlock(&tp->lock);
+}
+
+/* Waits until no receiver thread writes into the grant; a stream stuck in
+ * the middle of a payload (a stalled peer) is cut after a bound. */
+static void tcp_grant_close(kvf__transport *t, kvf__xfer *x) {
+  char key[32];
+  grant_key(key, sizeof(key), x->handle);
+  pthread_mutex_lock(&T->g_lock);
+  rgrant *g = kvf__map_get(&T->grants, key);
+  if (!g) {
+    pthread_mutex_unlock(&T->g_lock);
+    return;
+  }
+  g->closed = true;
+  bool cut = false;
+  while (g->writers > 0) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += 200 * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+      ts.tv_sec++;
+      ts.tv_nsec -= 1000000000L;
+    }
+    if (pthread_cond_timedwait(&T->g_cond, &T->g_lock, &ts) == ETIMEDOUT && !cut && g->peer->tcp) {
+      pthread_mutex_unlock(&T->g_lock);
+      shutdown_inbound(g->peer->tcp);
+      pthread_mutex_lock(&T->g_lock);
+      cut = true;
+    }
+  }
+  kvf__map_del(&T->grants, key);
+  pthread_mutex_unlock(&T->g_lock);
+  kvf__rangeset_free(&g->rs);
+  free(g);
+}
+
+static int tcp_peer_up(kvf__transport *t, kvf__peer *p) {
+  tcp_peer *tp = calloc(1, sizeof(*tp));
+  if (!tp) return -ENOMEM;
+  tp->p = p;
+  tp->gen = ++T->gen;
+  tp->n_out = kvfd.cfg.tcp_streams;
+  if (tp->n_out > 64) tp->n_out = 64;
+  tp->out = calloc(tp->n_out, sizeof(stream));
+  if (!tp->out) {
+    free(tp);
+    return -ENOMEM;
+  }
+  pthread_mutex_init(&tp->lock, NULL);
+  pthread_cond_init(&tp->cond, NULL);
+  p->tcp = tp;
+  for (uint32_t i = 0; i < tp->n_out; i++) {
+    stream *s = &tp->out[i];
+    s->tp = tp;
+    s->index = i;
+    s->fd = -1;
+    s->outbound = true;
+    s->started = pthread_create(&s->thr, NULL, sender_main, s) == 0;
+    if (!s->started) return -EAGAIN;
+  }
+  return 0;
+}
+
+int kvf__tcp_adopt_stream(kvf__transport *t, kvf__peer *p, int fd, uint32_t index) {
+  tcp_peer *tp = p->tcp;
+  if (!tp || atomic_load(&tp->stop)) return KVF_EPEERLOST;
+  stream *s = calloc(1, sizeof(*s));
+  if (!s) return -ENOMEM;
+  s->tp = tp;
+  s->fd = fd;
+  s->index = index;
+  pthread_mutex_lock(&tp->lock);
+  s->next_in = tp->in;
+  tp->in = s;
+  s->started = pthread_create(&s->thr, NULL, receiver_main, s) == 0;
+  pthread_mutex_unlock(&tp->lock);
+  return s->started ? 0 : -EAGAIN;
+}
+
+/* Completes every queued item with the peer's loss; the tickets reach the
+ * loop through the event queue like any other completion. */
+static void drain_queues(tcp_peer *tp) {
+  for (uint32_t i = 0; i < tp->n_out; i++) {
+    item *it = tp->out[i].head;
+    tp->out[i].head = tp->out[i].tail = NULL;
+    while (it) {
+      item *next = it->next;
+      ticket_part_done(it->tk, KVF_EPEERLOST);
+      item_free(it);
+      it = next;
+    }
+  }
+}
+
+static void tcp_peer_down(kvf__transport *t, kvf__peer *p) {
+  tcp_peer *tp = p->tcp;
+  if (!tp) return;
+  atomic_store(&tp->stop, true);
+  pthread_mutex_lock(&tp->lock);
+  for (uint32_t i = 0; i < tp->n_out; i++)
+    if (tp->out[i].fd >= 0) shutdown(tp->out[i].fd, SHUT_RDWR);
+  for (stream *s = tp->in; s; s = s->next_in) shutdown(s->fd, SHUT_RDWR);
+  pthread_cond_broadcast(&tp->cond);
+  pthread_mutex_unlock(&tp->lock);
+  /* A sender may sit in connect(); joining waits for its timeout at worst. */
+  for (uint32_t i = 0; i < tp->n_out; i++)
+    if (tp->out[i].started) pthread_join(tp->out[i].thr, NULL);
+  for (stream *s = tp->in; s; s = s->next_in)
+    if (s->started) pthread_join(s->thr, NULL);
+  drain_queues(tp);
+  for (uint32_t i = 0; i < tp->n_out; i++)
+    if (tp->out[i].fd >= 0) close(tp->out[i].fd);
+  while (tp->in) {
+    stream *s = tp->in;
+    tp->in = s->next_in;
+    close(s->fd);
+    free(s);
+  }
+  pthread_mutex_destroy(&tp->lock);
+  pthread_cond_destroy(&tp->cond);
+  free(tp->out);
+  free(tp);
+  p->tcp = NULL;
+}
+
+static rgrant *grant_for_event(uint64_t handle) {
+  char key[32];
+  grant_key(key, sizeof(key), handle);
+  pthread_mutex_lock(&T->g_lock);
+  rgrant *g = kvf__map_get(&T->grants, key);
+  if (g && g->closed) g = NULL;
+  pthread_mutex_unlock(&T->g_lock);
+  return g;
+}
+
+static void handle_event(tevent *e) {
+  rgrant *g;
+  switch (e->kind) {
+  case EV_TICKET: {
+    ticket *tk = e->tk;
+    int st = atomic_load(&tk->status);
+    kvf__xfer_on_posted(tk->x, st == KVF_ECANCELED ? 0 : st, tk->last);
+    free(tk);
+    break;
+  }
+  case EV_LANDED:
+    if ((g = grant_for_event(e->handle)) != NULL) kvf__xfer_on_landed(g->x);
+    break;
+  case EV_DATA_ERROR:
+    if ((g = grant_for_event(e->handle)) != NULL)
+      kvf__xfer_on_data_error(g->x, e->status, "the peer wrote outside the grant");
+    break;
+  case EV_STREAM_ERROR:
+    if (e->peer->tcp && ((tcp_peer *)e->peer->tcp)->gen == e->gen)
+      kvf__peer_fail(e->peer, "a data stream broke");
+    break;
+  }
+}
+
+static void on_async(uv_async_t *a) {
+  pthread_mutex_lock(&T->ev_lock);
+  tevent *e = T->ev_head;
+  T->ev_head = T->ev_tail = NULL;
+  pthread_mutex_unlock(&T->ev_lock);
+  while (e) {
+    tevent *next = e->next;
+    handle_event(e);
+    free(e);
+    e = next;
+  }
+}
+
+static void tcp_inspect(kvf__transport *t, char *buf, size_t len) {
+  pthread_mutex_lock(&T->g_lock);
+  size_t n = T->grants.n;
+  pthread_mutex_unlock(&T->g_lock);
+  snprintf(buf, len, "\"name\": \"tcp\", \"streams_per_peer\": %u, \"open_grants\": %zu",
+           kvfd.cfg.tcp_streams, n);
+}
+
+static void tcp_destroy(kvf__transport *t) {
+  on_async(&T->async); /* deliver what is left */
+  uv_close((uv_handle_t *)&T->async, NULL);
+}
+
+static const kvf__transport_ops tcp_ops = {
+    .name = "tcp",
+    .post = tcp_post,
+    .abort = tcp_abort,
+    .grant_open = tcp_grant_open,
+    .grant_close = tcp_grant_close,
+    .peer_up = tcp_peer_up,
+    .peer_down = tcp_peer_down,
+    .inspect = tcp_inspect,
+    .destroy = tcp_destroy,
+};
+
+int kvf__tcp_create(kvf__transport **out) {
+  static tcp_transport tt;
+  memset(&tt, 0, sizeof(tt));
+  T = &tt;
+  tt.base.ops = &tcp_ops;
+  pthread_mutex_init(&tt.ev_lock, NULL);
+  pthread_mutex_init(&tt.g_lock, NULL);
+  pthread_cond_init(&tt.g_cond, NULL);
+  int rc = uv_async_init(kvfd.loop, &tt.async, on_async);
+  if (rc) return rc;
+  *out = &tt.base;
+  return 0;
+}

@@ -1,0 +1,46 @@
+/* transport.h - the data-path vtable. One file per backend (tcp.c,
+ * local.c; rdma and CUDA paths slot in here). The transfer state machine
+ * (xfer.c) pairs and coalesces descriptors and hands runs to a transport; the
+ * transport moves the bytes and reports back on the loop thread. */
+#ifndef KVF_TRANSPORT_H
+#define KVF_TRANSPORT_H
+
+#include <stdbool.h>
+
+#include "desc.h"
+#include "kvferryd.h"
+
+typedef struct kvf__transport_ops {
+  const char *name;            /* reported as the transfer's path */
+  /* Sender: move runs (ownership passes to the transport). When the bytes of
+   * this call are handed off (and, for last, all of the transfer), call
+   * kvf__xfer_on_posted(x, status, last) on the loop. Returns 0 or an error,
+   * in which case no callback follows. */
+  int (*post)(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last);
+  /* Sender: stop the transfer's queued work. The outstanding
+   * kvf__xfer_on_posted callbacks still come, once nothing touches the
+   * source memory any more. */
+  void (*abort)(kvf__transport *t, kvf__xfer *x);
+  /* Receiver: accept writes for x's grant from x->peer / stop accepting.
+   * grant_close returns once no write into the grant is in progress. */
+  int (*grant_open)(kvf__transport *t, kvf__xfer *x);
+  void (*grant_close)(kvf__transport *t, kvf__xfer *x);
+  /* Peer lifecycle: set up / tear down data connections. peer_down returns
+   * after every thread stopped touching memory for that peer. */
+  int (*peer_up)(kvf__transport *t, kvf__peer *p);
+  void (*peer_down)(kvf__transport *t, kvf__peer *p);
+  /* Writes a JSON fragment (no braces) describing the transport's state. */
+  void (*inspect)(kvf__transport *t, char *buf, size_t len);
+  void (*destroy)(kvf__transport *t);
+} kvf__transport_ops;
+
+struct kvf__transport {
+  const kvf__transport_ops *ops;
+};
+
+int kvf__tcp_create(kvf__transport **out);
+int kvf__local_create(kvf__transport **out);
+/* tcp: a peer connection that opened with DataHello becomes a data stream. */
+int kvf__tcp_adopt_stream(kvf__transport *t, kvf__peer *p, int fd, uint32_t stream);
+
+#endif

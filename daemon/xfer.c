@@ -1,0 +1,752 @@
+/* xfer.c - the transfer state machine (see xfer.h and DESIGN.md).
+ *
+ * Receiver side: a grant is a kvf__xfer with role RECV. It waits for a sender
+ * (a local send, or a peer's SendIntent), or is pushed ahead to the source
+ * node when the grant names it. Once bound it is open in the transport and
+ * completes when the transport saw every byte and the sender said SendDone.
+ *
+ * Sender side: the first part of a send creates a kvf__xfer with role SEND.
+ * Parts that come before the grant wait in x->early; once the grant is known
+ * every part is paired in order against it and handed to the transport.
+ *
+ * A failure (size mismatch, deadline, cancel, lost peer or client) moves the
+ * transfer to DRAIN until the transport no longer touches its memory, then
+ * the owner gets its event. The other side learns of it by a Cancel message
+ * (remote) or directly (local twin). A transfer is freed only after its
+ * transport callbacks are all in, so callbacks never see freed memory. */
+#include "xfer.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "map.h"
+
+/* A grant pushed to us before the send came. */
+typedef struct pregrant {
+  char peer[KVF__NAME_MAX + 1];
+  char id[KVF_XFER_ID_MAX + 1];
+  uint64_t handle;
+  kvf__descs dst;
+  uint64_t expires_ns;
+} pregrant;
+
+/* A peer's send waiting for our grant. */
+typedef struct intent {
+  kvf__peer *peer;
+  uint64_t expires_ns;
+} intent;
+
+static struct {
+  uv_loop_t *loop;
+  kvf__xfer_env env;
+  kvf__map recv_by_id, send_by_id, by_handle, pregrants, intents;
+  kvf__xfer *head;
+  size_t n_live;
+  uint64_t next_handle;
+  uv_timer_t sweep;
+  bool sweep_on;
+} X;
+
+static void fail(kvf__xfer *x, int status, const char *why, bool notify, int remote_status);
+
+/* ------------------------------------------------------------ bookkeeping */
+
+static const char *own_node(void) { return kvfd.cfg.node; }
+
+static void handle_key(char *buf, size_t len, const kvf__xfer *x, uint64_t handle) {
+  if (x->role == KVF__RECV) snprintf(buf, len, "r:%016llx", (unsigned long long)handle);
+  else snprintf(buf, len, "s:%s\x1f%016llx", x->peer_name, (unsigned long long)handle);
+}
+
+static void pair_key(char *buf, size_t len, const char *peer, const char *id) {
+  snprintf(buf, len, "%s\x1f%s", peer, id);
+}
+
+static uint64_t deadline_ns(uint32_t ms) {
+  return kvf__now_ns() + (uint64_t)(ms ? ms : kvfd.cfg.default_deadline_ms) * 1000000ull;
+}
+
+static void on_deadline(uv_timer_t *t) {
+  kvf__xfer *x = t->data;
+  fail(x, KVF_EDEADLINE, "the transfer's deadline expired", true, KVF_EDEADLINE);
+}
+
+static kvf__xfer *xfer_new(kvf__session *s, const char *id, int role, uint32_t deadline_ms) {
+  kvf__xfer *x = calloc(1, sizeof(*x));
+  if (!x) return NULL;
+  snprintf(x->id, sizeof(x->id), "%s", id);
+  x->role = role;
+  x->state = KVF__X_WAIT;
+  x->owner = s;
+  x->created_ns = kvf__now_ns();
+  x->deadline_ms = deadline_ms ? deadline_ms : kvfd.cfg.default_deadline_ms;
+  kvf__map *byid = role == KVF__RECV ? &X.recv_by_id : &X.send_by_id;
+  if (kvf__map_put(byid, id, x) != 0) {
+    free(x);
+    return NULL;
+  }
+  uv_timer_init(X.loop, &x->timer);
+  x->timer.data = x;
+  uv_timer_start(&x->timer, on_deadline, x->deadline_ms, 0);
+  x->next = X.head;
+  if (X.head) X.head->prev = x;
+  X.head = x;
+  X.n_live++;
+  if (s && X.env.session_xfers) X.env.session_xfers(s, +1);
+  return x;
+}
+
+static void free_after_close(uv_handle_t *h) {
+  kvf__xfer *x = h->data;
+  kvf__descs_free(&x->dst);
+  kvf__descs_free(&x->early);
+  free(x);
+}
+
+static void xfer_destroy(kvf__xfer *x) {
+  char key[KVF__NAME_MAX + 64];
+  kvf__map_del(x->role == KVF__RECV ? &X.recv_by_id : &X.send_by_id, x->id);
+  if (x->handle) {
+    handle_key(key, sizeof(key), x, x->handle);
+    if (kvf__map_get(&X.by_handle, key) == x) kvf__map_del(&X.by_handle, key);
+  }
+  if (x->twin) x->twin->twin = NULL;
+  if (x->prev) x->prev->next = x->next;
+  else X.head = x->next;
+  if (x->next) x->next->prev = x->prev;
+  X.n_live--;
+  if (x->owner && X.env.session_xfers) X.env.session_xfers(x->owner, -1);
+  uv_timer_stop(&x->timer);
+  uv_close((uv_handle_t *)&x->timer, free_after_close);
+}
+
+const char *kvf__xfer_path(const kvf__xfer *x) { return x->tp ? x->tp->ops->name : "none"; }
+
+static void emit(kvf__xfer *x, int status, const char *error) {
+  if (!x->owner) return;
+  Kvf__Event ev = KVF__EVENT__INIT;
+  ev.type = x->role == KVF__RECV ? KVF__EVENT_TYPE__EVENT_RECV_DONE : KVF__EVENT_TYPE__EVENT_SEND_DONE;
+  ev.xfer_id = x->id;
+  ev.status = status;
+  ev.path = (char *)kvf__xfer_path(x);
+  ev.peer = x->peer_name;
+  ev.bytes = x->bytes;
+  ev.descriptors = x->role == KVF__RECV ? x->dst.n : x->src_descs;
+  ev.error = (char *)(error ? error : "");
+  X.env.emit(x->owner, &ev);
+}
+
+static void succeed(kvf__xfer *x) {
+  emit(x, 0, NULL);
+  kvfd.stats.transfers_done++;
+  if (x->role == KVF__RECV) kvfd.stats.bytes_received += x->bytes;
+  else kvfd.stats.bytes_sent += x->bytes;
+  xfer_destroy(x);
+}
+
+/* ---------------------------------------------------------- peer messages */
+
+static int send_msg(kvf__peer *p, Kvf__PeerMsg *m) {
+  if (!p || !X.env.peer_up(p)) return KVF_EPEERLOST;
+  return X.env.peer_send(p, m);
+}
+
+static void send_grant(kvf__xfer *x) {
+  Kvf__Grant g = KVF__GRANT__INIT;
+  Kvf__DescList dl;
+  kvf__descs_to_wire(&x->dst, &dl);
+  g.xfer_id = x->id;
+  g.handle = x->handle;
+  g.descs = &dl;
+  uint64_t left_ms = x->deadline_ms;
+  g.deadline_ms = (uint32_t)left_ms;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_GRANT;
+  m.grant = &g;
+  send_msg(x->peer, &m);
+}
+
+static void send_cancel(kvf__xfer *x, int status, const char *why) {
+  Kvf__Cancel c = KVF__CANCEL__INIT;
+  c.handle = x->handle;
+  c.xfer_id = x->id;
+  c.status = status;
+  c.error = (char *)why;
+  c.to_sender = x->role == KVF__RECV;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_CANCEL;
+  m.cancel = &c;
+  send_msg(x->peer, &m);
+}
+
+static void send_recv_result(kvf__xfer *x, int status, const char *why) {
+  Kvf__RecvResult r = KVF__RECV_RESULT__INIT;
+  r.handle = x->handle;
+  r.status = status;
+  r.error = (char *)(why ? why : "");
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_RECV_RESULT;
+  m.recv_result = &r;
+  send_msg(x->peer, &m);
+}
+
+/* ---------------------------------------------------------------- failure */
+
+static void finish_failure(kvf__xfer *x) {
+  emit(x, x->status, x->error);
+  kvfd.stats.transfers_failed++;
+  xfer_destroy(x);
+}
+
+/* Fails x with status for its owner. notify: tell the other side, which
+ * then reports remote_status. */
+static void fail(kvf__xfer *x, int status, const char *why, bool notify, int remote_status) {
+  if (x->state == KVF__X_DRAIN) return;
+  int prev = x->state;
+  x->state = KVF__X_DRAIN;
+  x->status = status;
+  snprintf(x->error, sizeof(x->error), "%s", why ? why : "");
+  uv_timer_stop(&x->timer);
+  if (x->twin) {
+    kvf__xfer *t = x->twin;
+    fail(t, remote_status, why, false, 0);
+  } else if (notify && x->peer && (x->handle || x->role == KVF__SEND)) {
+    send_cancel(x, remote_status, why);
+  }
+  if (x->role == KVF__RECV && x->peer && x->tp && prev != KVF__X_WAIT)
+    x->tp->ops->grant_close(x->tp, x);
+  if (x->role == KVF__SEND && x->parts_out > 0) {
+    x->tp->ops->abort(x->tp, x);
+    return; /* kvf__xfer_on_posted finishes it */
+  }
+  /* A local receiver's memory is written by its twin's posts: wait for them. */
+  if (x->role == KVF__RECV && x->twin && x->twin->parts_out > 0) return;
+  finish_failure(x);
+}
+
+/* ----------------------------------------------------------------- sending */
+
+static const kvf__descs *grant_of(const kvf__xfer *x) { return x->twin ? &x->twin->dst : &x->dst; }
+
+static int post_part(kvf__xfer *x, const kvf__descs *part, bool last) {
+  kvf__runs runs = {0};
+  int rc = kvf__pair(part, grant_of(x), &x->cursor, &runs);
+  if (rc == 0 && last && x->cursor != grant_of(x)->n) rc = KVF_ESIZE;
+  if (rc == 0) rc = x->tp->ops->post(x->tp, x, &runs, last);
+  kvf__runs_free(&runs);
+  if (rc) {
+    const char *why = rc == KVF_ESIZE ? "send and grant descriptors differ in size or count"
+                                      : "the transport refused the data";
+    fail(x, rc, why, true, rc);
+    return rc;
+  }
+  x->parts_out++;
+  x->bytes += part->total;
+  if (last) {
+    x->last_posted = true;
+    x->state = KVF__X_FLUSH;
+  }
+  return 0;
+}
+
+/* The grant is known: pair and post what came early. */
+static void start_sending(kvf__xfer *x) {
+  x->state = KVF__X_ACTIVE;
+  if (x->early.n == 0) return;
+  kvf__descs early = x->early;
+  memset(&x->early, 0, sizeof(x->early));
+  post_part(x, &early, x->early_last);
+  kvf__descs_free(&early);
+}
+
+static void bind_local(kvf__xfer *send, kvf__xfer *recv) {
+  send->twin = recv;
+  recv->twin = send;
+  send->tp = recv->tp = X.env.local;
+  snprintf(send->peer_name, sizeof(send->peer_name), "%s", own_node());
+  snprintf(recv->peer_name, sizeof(recv->peer_name), "%s", own_node());
+  recv->state = KVF__X_ACTIVE;
+  start_sending(send);
+}
+
+static int bind_remote_send(kvf__xfer *x, uint64_t handle, kvf__descs *dst) {
+  char key[KVF__NAME_MAX + 64];
+  x->handle = handle;
+  x->dst = *dst;
+  memset(dst, 0, sizeof(*dst));
+  handle_key(key, sizeof(key), x, handle);
+  if (kvf__map_put(&X.by_handle, key, x) != 0) return KVF_EEXIST;
+  x->tp = X.env.peer_transport(x->peer);
+  start_sending(x);
+  return 0;
+}
+
+/* Binds a grant to a remote sender and tells it where the blocks go. */
+static int bind_remote_recv(kvf__xfer *x, kvf__peer *p) {
+  x->peer = p;
+  snprintf(x->peer_name, sizeof(x->peer_name), "%s", X.env.peer_name(p));
+  x->tp = X.env.peer_transport(p);
+  int rc = x->tp->ops->grant_open(x->tp, x);
+  if (rc) return rc;
+  x->state = KVF__X_ACTIVE;
+  send_grant(x);
+  return 0;
+}
+
+static void send_intent(kvf__xfer *x) {
+  Kvf__SendIntent si = KVF__SEND_INTENT__INIT;
+  si.xfer_id = x->id;
+  si.deadline_ms = x->deadline_ms;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_SEND_INTENT;
+  m.send_intent = &si;
+  send_msg(x->peer, &m);
+}
+
+static pregrant *take_pregrant(const char *peer, const char *id) {
+  char key[KVF__NAME_MAX + KVF_XFER_ID_MAX + 4];
+  pair_key(key, sizeof(key), peer, id);
+  return kvf__map_del(&X.pregrants, key);
+}
+
+static void pregrant_free(pregrant *g) {
+  kvf__descs_free(&g->dst);
+  free(g);
+}
+
+static int valid_id(const char *id) {
+  size_t n = id ? strlen(id) : 0;
+  if (n == 0 || n > KVF_XFER_ID_MAX) return 0;
+  for (size_t i = 0; i < n; i++)
+    if ((unsigned char)id[i] < 0x20 || id[i] == 0x7f) return 0;
+  return 1;
+}
+
+static bool is_local(const char *node) { return node && strcmp(node, own_node()) == 0; }
+
+/* Rendezvous for a new send: a local grant, a pre-grant, or ask the peer. */
+static void rendezvous_send(kvf__xfer *x) {
+  if (!x->peer) {
+    kvf__xfer *r = kvf__map_get(&X.recv_by_id, x->id);
+    if (r && r->state == KVF__X_WAIT && !r->peer && !r->twin &&
+        (r->peer_name[0] == 0 || is_local(r->peer_name)))
+      bind_local(x, r);
+    return;
+  }
+  pregrant *g = take_pregrant(x->peer_name, x->id);
+  if (g) {
+    int rc = bind_remote_send(x, g->handle, &g->dst);
+    pregrant_free(g);
+    if (rc) fail(x, rc, "duplicate grant handle", true, KVF_EPROTO);
+    return;
+  }
+  send_intent(x);
+}
+
+static int check_existing_send(kvf__xfer *x, kvf__session *s, const char *dst_node) {
+  if (x->owner != s) return KVF_EEXIST;
+  if (x->last_posted || x->early_last || x->state == KVF__X_DRAIN) return KVF_EEXIST;
+  if (strcmp(x->peer ? x->peer_name : own_node(), dst_node) != 0) return KVF_EINVAL;
+  return 0;
+}
+
+int kvf__xfer_send(kvf__session *s, const char *id, const char *dst_node,
+                   kvf__descs *descs, bool more, uint32_t deadline_ms, char *err, size_t errlen) {
+  if (!valid_id(id) || !dst_node || !dst_node[0]) return KVF_EINVAL;
+  kvf__peer *p = NULL;
+  if (!is_local(dst_node)) {
+    p = X.env.peer_find(dst_node);
+    if (!p) {
+      snprintf(err, errlen, "no peer named '%s' in this daemon's configuration", dst_node);
+      return KVF_ENOPEER;
+    }
+  }
+  kvf__xfer *x = kvf__map_get(&X.send_by_id, id);
+  if (x) {
+    int rc = check_existing_send(x, s, dst_node);
+    if (rc) {
+      snprintf(err, errlen, "transfer '%s' is already sending here", id);
+      return rc;
+    }
+  } else {
+    if (p && !X.env.peer_up(p)) {
+      snprintf(err, errlen, "peer '%s' is not connected", dst_node);
+      return KVF_EPEERLOST;
+    }
+    x = xfer_new(s, id, KVF__SEND, deadline_ms);
+    if (!x) return -ENOMEM;
+    x->peer = p;
+    snprintf(x->peer_name, sizeof(x->peer_name), "%s", dst_node);
+  }
+  x->src_descs += descs->n;
+  bool fresh = x->state == KVF__X_WAIT && x->early.n == 0 && x->src_descs == descs->n;
+  if (x->state == KVF__X_WAIT) {
+    int rc = kvf__descs_append(&x->early, descs);
+    if (rc) return rc;
+    x->early_last = !more;
+    if (fresh) rendezvous_send(x);
+    return 0;
+  }
+  post_part(x, descs, !more);
+  return 0;
+}
+
+/* --------------------------------------------------------------- granting */
+
+static void rendezvous_grant(kvf__xfer *x, kvf__peer *src) {
+  bool src_local = x->peer_name[0] == 0 || is_local(x->peer_name);
+  kvf__xfer *s = src_local ? kvf__map_get(&X.send_by_id, x->id) : NULL;
+  if (s && !s->peer && !s->twin && s->state == KVF__X_WAIT) {
+    bind_local(s, x);
+    return;
+  }
+  intent *in = kvf__map_get(&X.intents, x->id);
+  if (in && (!src || in->peer == src)) {
+    kvf__peer *p = in->peer;
+    free(kvf__map_del(&X.intents, x->id));
+    int rc = bind_remote_recv(x, p);
+    if (rc) fail(x, rc, "the transport could not open the grant", true, rc);
+    return;
+  }
+  /* Push the grant ahead: the sender finds it when its send comes. */
+  if (src && X.env.peer_up(src)) {
+    int rc = bind_remote_recv(x, src);
+    if (rc) fail(x, rc, "the transport could not open the grant", false, 0);
+  }
+}
+
+int kvf__xfer_grant(kvf__session *s, const char *id, const char *src_node,
+                    kvf__descs *descs, uint32_t deadline_ms, char *err, size_t errlen) {
+  if (!valid_id(id)) return KVF_EINVAL;
+  kvf__peer *src = NULL;
+  if (src_node && src_node[0] && !is_local(src_node)) {
+    src = X.env.peer_find(src_node);
+    if (!src) {
+      snprintf(err, errlen, "no peer named '%s' in this daemon's configuration", src_node);
+      return KVF_ENOPEER;
+    }
+  }
+  if (kvf__map_get(&X.recv_by_id, id)) {
+    snprintf(err, errlen, "a grant for '%s' is already active here", id);
+    return KVF_EEXIST;
+  }
+  kvf__xfer *x = xfer_new(s, id, KVF__RECV, deadline_ms);
+  if (!x) return -ENOMEM;
+  x->dst = *descs;
+  x->bytes = descs->total;
+  memset(descs, 0, sizeof(*descs));
+  x->handle = X.next_handle++;
+  char key[KVF__NAME_MAX + 64];
+  handle_key(key, sizeof(key), x, x->handle);
+  kvf__map_put(&X.by_handle, key, x);
+  if (src_node && src_node[0]) snprintf(x->peer_name, sizeof(x->peer_name), "%s", src_node);
+  rendezvous_grant(x, src);
+  return 0;
+}
+
+/* ---------------------------------------------------------------- cancel */
+
+int kvf__xfer_cancel(kvf__session *s, const char *id) {
+  if (!valid_id(id)) return KVF_EINVAL;
+  kvf__xfer *r = kvf__map_get(&X.recv_by_id, id);
+  kvf__xfer *t = kvf__map_get(&X.send_by_id, id);
+  int found = 0;
+  if (r && r->owner == s && r->state != KVF__X_DRAIN) {
+    fail(r, KVF_ECANCELED, "cancelled by the receiving client", true, KVF_EREMOTECANCEL);
+    found = 1;
+  }
+  if (t && t->owner == s && t->state != KVF__X_DRAIN) {
+    fail(t, KVF_ECANCELED, "cancelled by the sending client", true, KVF_EREMOTECANCEL);
+    found = 1;
+  }
+  return found ? 0 : KVF_ENOENT;
+}
+
+bool kvf__xfer_sending(kvf__session *s, const char *id) {
+  kvf__xfer *x = id ? kvf__map_get(&X.send_by_id, id) : NULL;
+  return x && x->owner == s;
+}
+
+void kvf__xfer_session_gone(kvf__session *s) {
+  kvf__xfer *x = X.head;
+  while (x) {
+    kvf__xfer *next = x->next;
+    if (x->owner == s) {
+      if (X.env.session_xfers) X.env.session_xfers(s, -1);
+      x->owner = NULL;
+      fail(x, KVF_ECANCELED, "the client went away", true, KVF_EREMOTECANCEL);
+    }
+    x = next;
+  }
+}
+
+/* ----------------------------------------------------- transport callbacks */
+
+static void complete_local(kvf__xfer *send) {
+  kvf__xfer *recv = send->twin;
+  send->twin = NULL;
+  if (recv) {
+    recv->twin = NULL;
+    succeed(recv);
+  }
+  succeed(send);
+}
+
+static void send_done(kvf__xfer *x) {
+  Kvf__SendDone d = KVF__SEND_DONE__INIT;
+  d.handle = x->handle;
+  d.bytes = x->bytes;
+  d.descriptors = x->src_descs;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_SEND_DONE;
+  m.send_done = &d;
+  x->state = KVF__X_RESULT;
+  if (send_msg(x->peer, &m) != 0) fail(x, KVF_EPEERLOST, "lost the peer", false, 0);
+}
+
+void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
+  x->parts_out--;
+  if (x->state == KVF__X_DRAIN) {
+    if (x->parts_out > 0) return;
+    kvf__xfer *twin_recv = x->twin;
+    finish_failure(x);
+    /* A failed local receiver waits for its sender's copies to stop. */
+    if (twin_recv && twin_recv->state == KVF__X_DRAIN) finish_failure(twin_recv);
+    return;
+  }
+  if (status) {
+    fail(x, status, "the transport failed", true, status);
+    return;
+  }
+  if (!x->last_posted || x->parts_out > 0) return;
+  if (x->twin) complete_local(x);
+  else send_done(x);
+}
+
+static void maybe_complete_recv(kvf__xfer *x) {
+  if (x->state == KVF__X_DRAIN || !x->landed || !x->send_done_seen) return;
+  x->tp->ops->grant_close(x->tp, x);
+  send_recv_result(x, 0, NULL);
+  succeed(x);
+}
+
+void kvf__xfer_on_landed(kvf__xfer *x) {
+  x->landed = true;
+  maybe_complete_recv(x);
+}
+
+void kvf__xfer_on_data_error(kvf__xfer *x, int status, const char *why) {
+  fail(x, status, why, true, status);
+}
+
+/* -------------------------------------------------------- peer messages */
+
+static kvf__xfer *by_handle(kvf__peer *p, int role, uint64_t handle) {
+  kvf__xfer probe = {.role = role};
+  snprintf(probe.peer_name, sizeof(probe.peer_name), "%s", X.env.peer_name(p));
+  char key[KVF__NAME_MAX + 64];
+  handle_key(key, sizeof(key), &probe, handle);
+  kvf__xfer *x = kvf__map_get(&X.by_handle, key);
+  return x && x->peer == p ? x : NULL;
+}
+
+static void on_intent(kvf__peer *p, const Kvf__SendIntent *si) {
+  if (!valid_id(si->xfer_id)) return;
+  kvf__xfer *x = kvf__map_get(&X.recv_by_id, si->xfer_id);
+  if (x && x->state != KVF__X_DRAIN && x->peer == p) {
+    send_grant(x); /* our pushed grant crossed their intent; say it again */
+    return;
+  }
+  bool named_other = x && x->peer_name[0] && strcmp(x->peer_name, X.env.peer_name(p)) != 0;
+  if (x && x->state == KVF__X_WAIT && !x->twin && !named_other) {
+    int rc = bind_remote_recv(x, p);
+    if (rc) fail(x, rc, "the transport could not open the grant", true, rc);
+    return;
+  }
+  intent *in = kvf__map_get(&X.intents, si->xfer_id);
+  if (!in) {
+    in = calloc(1, sizeof(*in));
+    if (!in || kvf__map_put(&X.intents, si->xfer_id, in) != 0) {
+      free(in);
+      return;
+    }
+  }
+  in->peer = p;
+  in->expires_ns = deadline_ns(si->deadline_ms);
+}
+
+static void on_grant(kvf__peer *p, const Kvf__Grant *g) {
+  kvf__descs dst;
+  if (!valid_id(g->xfer_id) || !g->handle) return;
+  if (kvf__descs_from_wire(&dst, g->descs, kvfd.cfg.max_descs) != 0) return;
+  kvf__xfer *x = kvf__map_get(&X.send_by_id, g->xfer_id);
+  if (x && x->peer == p && x->state == KVF__X_WAIT) {
+    int rc = bind_remote_send(x, g->handle, &dst);
+    kvf__descs_free(&dst);
+    if (rc) fail(x, rc, "duplicate grant handle", true, KVF_EPROTO);
+    return;
+  }
+  if (x && x->peer == p && x->handle == g->handle) {
+    kvf__descs_free(&dst); /* a repeat of the grant we already use */
+    return;
+  }
+  pregrant *old = take_pregrant(X.env.peer_name(p), g->xfer_id);
+  if (old) pregrant_free(old);
+  pregrant *ng = calloc(1, sizeof(*ng));
+  char key[KVF__NAME_MAX + KVF_XFER_ID_MAX + 4];
+  pair_key(key, sizeof(key), X.env.peer_name(p), g->xfer_id);
+  if (!ng || kvf__map_put(&X.pregrants, key, ng) != 0) {
+    free(ng);
+    kvf__descs_free(&dst);
+    return;
+  }
+  snprintf(ng->peer, sizeof(ng->peer), "%s", X.env.peer_name(p));
+  snprintf(ng->id, sizeof(ng->id), "%s", g->xfer_id);
+  ng->handle = g->handle;
+  ng->dst = dst;
+  ng->expires_ns = deadline_ns(g->deadline_ms);
+}
+
+static void on_send_done(kvf__peer *p, const Kvf__SendDone *d) {
+  kvf__xfer *x = by_handle(p, KVF__RECV, d->handle);
+  if (!x || x->state == KVF__X_DRAIN) return;
+  if (d->bytes != x->dst.total) {
+    fail(x, KVF_ESIZE, "the sender sent a different number of bytes", true, KVF_ESIZE);
+    return;
+  }
+  x->send_done_seen = true;
+  maybe_complete_recv(x);
+}
+
+static void on_recv_result(kvf__peer *p, const Kvf__RecvResult *r) {
+  kvf__xfer *x = by_handle(p, KVF__SEND, r->handle);
+  if (!x || x->state == KVF__X_DRAIN) return;
+  if (r->status == 0 && x->state == KVF__X_RESULT) succeed(x);
+  else fail(x, r->status ? r->status : KVF_EPROTO, r->error, false, 0);
+}
+
+static void on_cancel(kvf__peer *p, const Kvf__Cancel *c) {
+  int status = c->status ? c->status : KVF_EREMOTECANCEL;
+  const char *why = c->error && c->error[0] ? c->error : "cancelled by the peer";
+  if (c->to_sender) {
+    pregrant *g = c->xfer_id ? take_pregrant(X.env.peer_name(p), c->xfer_id) : NULL;
+    if (g) pregrant_free(g);
+    kvf__xfer *x = c->handle ? by_handle(p, KVF__SEND, c->handle) : NULL;
+    if (!x && c->xfer_id) {
+      x = kvf__map_get(&X.send_by_id, c->xfer_id);
+      if (x && (x->peer != p || x->handle)) x = NULL;
+    }
+    if (x) fail(x, status, why, false, 0);
+    return;
+  }
+  kvf__xfer *x = c->handle ? by_handle(p, KVF__RECV, c->handle) : NULL;
+  if (x) {
+    fail(x, status, why, false, 0);
+    return;
+  }
+  intent *in = c->xfer_id ? kvf__map_get(&X.intents, c->xfer_id) : NULL;
+  if (in && in->peer == p) free(kvf__map_del(&X.intents, c->xfer_id));
+}
+
+void kvf__xfer_on_peer_msg(kvf__peer *p, const Kvf__PeerMsg *m) {
+  switch (m->body_case) {
+  case KVF__PEER_MSG__BODY_SEND_INTENT: on_intent(p, m->send_intent); break;
+  case KVF__PEER_MSG__BODY_GRANT: on_grant(p, m->grant); break;
+  case KVF__PEER_MSG__BODY_SEND_DONE: on_send_done(p, m->send_done); break;
+  case KVF__PEER_MSG__BODY_RECV_RESULT: on_recv_result(p, m->recv_result); break;
+  case KVF__PEER_MSG__BODY_CANCEL: on_cancel(p, m->cancel); break;
+  default: break;
+  }
+}
+
+/* Drops the pre-grants and intents that match (or all when p is NULL and
+ * expired_only is false); with expired_only, those past their time. */
+static void sweep_tables(kvf__peer *p, bool expired_only) {
+  uint64_t now = kvf__now_ns();
+  kvf__map *maps[2] = {&X.pregrants, &X.intents};
+  for (int k = 0; k < 2; k++) {
+    kvf__map *m = maps[k];
+    for (size_t i = 0; i < m->nb; i++) {
+      kvf__map_ent *e = m->b[i];
+      while (e) {
+        kvf__map_ent *next = e->next;
+        uint64_t exp = k == 0 ? ((pregrant *)e->val)->expires_ns : ((intent *)e->val)->expires_ns;
+        bool of_peer = !p || (k == 0 ? strcmp(((pregrant *)e->val)->peer, X.env.peer_name(p)) == 0
+                                     : ((intent *)e->val)->peer == p);
+        if ((expired_only && exp <= now) || (!expired_only && of_peer)) {
+          void *v = kvf__map_del(m, e->key);
+          if (k == 0) pregrant_free(v);
+          else free(v);
+        }
+        e = next;
+      }
+    }
+  }
+}
+
+void kvf__xfer_on_peer_down(kvf__peer *p) {
+  sweep_tables(p, false);
+  kvf__xfer *x = X.head;
+  while (x) {
+    kvf__xfer *next = x->next;
+    if (x->peer == p) fail(x, KVF_EPEERLOST, "lost the peer daemon", false, 0);
+    x = next;
+  }
+}
+
+static void on_sweep(uv_timer_t *t) { sweep_tables(NULL, true); }
+
+/* ------------------------------------------------------------ lifecycle */
+
+int kvf__xfer_init(uv_loop_t *loop, const kvf__xfer_env *env) {
+  memset(&X, 0, sizeof(X));
+  X.loop = loop;
+  X.env = *env;
+  /* Handles start at a random point so that a restarted daemon's handles do
+   * not collide with the ones its peers remember. */
+  X.next_handle = (kvfd.session << 20) | 1;
+  uv_timer_init(loop, &X.sweep);
+  uv_timer_start(&X.sweep, on_sweep, 1000, 1000);
+  uv_unref((uv_handle_t *)&X.sweep);
+  X.sweep_on = true;
+  return 0;
+}
+
+void kvf__xfer_shutdown(void) {
+  kvf__xfer *x = X.head;
+  while (x) {
+    kvf__xfer *next = x->next;
+    x->owner = NULL;
+    fail(x, KVF_ECANCELED, "the daemon is stopping", true, KVF_EREMOTECANCEL);
+    x = next;
+  }
+  sweep_tables(NULL, false);
+  if (X.sweep_on) uv_close((uv_handle_t *)&X.sweep, NULL);
+  X.sweep_on = false;
+}
+
+void kvf__xfer_counts_get(kvf__xfer_counts *c) {
+  memset(c, 0, sizeof(*c));
+  for (kvf__xfer *x = X.head; x; x = x->next) {
+    c->active++;
+    if (x->role == KVF__RECV) c->grants++;
+    else c->sends++;
+  }
+  c->pregrants = X.pregrants.n;
+  c->intents = X.intents.n;
+}
+
+kvf__xfer *kvf__xfer_first(void) { return X.head; }
+
+const char *kvf__xstate_name(int state) {
+  switch (state) {
+  case KVF__X_WAIT: return "waiting";
+  case KVF__X_ACTIVE: return "active";
+  case KVF__X_FLUSH: return "flushing";
+  case KVF__X_RESULT: return "confirming";
+  case KVF__X_DRAIN: return "failing";
+  default: return "?";
+  }
+}

@@ -1,0 +1,213 @@
+#!/usr/bin/env bash
+# scripts/demo.sh - two kvferryd daemons ("prefill" and "decode") on one host.
+#
+#   demo.sh run [BENCH ARGS...]  start both, wait until they see each other,
+#                                run kvferry-bench prefill -> decode, stop both
+#                                (default args: --model llama3-8b --tokens 4096 --json)
+#   demo.sh up                   start both in the background; writes
+#                                $BUILD/demo/env (PREFILL_SOCK DECODE_SOCK
+#                                PREFILL_PEER DECODE_PEER PREFILL_PID DECODE_PID)
+#   demo.sh down                 stop what `up` started, remove the env file
+#
+# Environment: BUILD (default build), TRANSPORT (default tcp; written as
+# `transports TRANSPORT`). With TRANSPORT=rdma the daemons listen on
+# $NODE0_IP and $NODE1_IP instead of 127.0.0.1. Ports 7471/7472 when free,
+# else any free ports. Configs and logs live in $BUILD/demo/.
+set -euo pipefail
+
+BUILD=${BUILD:-build}
+TRANSPORT=${TRANSPORT:-tcp}
+POOL_SIZE=${POOL_SIZE:-1G}   # llama3-8b, 4096 tokens = 512 MiB of KV per side
+READY_S=15                   # bound on start and on the peers coming up
+STOP_S=10                    # SIGTERM grace before SIGKILL
+
+die() { echo "demo: $*" >&2; exit 1; }
+
+[ -x "$BUILD/kvferryd" ] || die "$BUILD/kvferryd not built (run make)"
+mkdir -p "$BUILD/demo"
+DEMO=$(cd "$BUILD/demo" && pwd)
+ENV_FILE=$DEMO/env
+# Unix socket paths are limited to 107 bytes; fall back to a short dir.
+SOCK_DIR=$DEMO
+if [ ${#SOCK_DIR} -gt 90 ]; then
+  SOCK_DIR=${XDG_RUNTIME_DIR:-/tmp}/kvferry-demo-$(id -u)
+  mkdir -p "$SOCK_DIR"
+fi
+
+if [ "$TRANSPORT" = rdma ]; then
+  : "${NODE0_IP:?TRANSPORT=rdma needs NODE0_IP}" "${NODE1_IP:?TRANSPORT=rdma needs NODE1_IP}"
+  HOST0=$NODE0_IP HOST1=$NODE1_IP
+else
+  HOST0=127.0.0.1 HOST1=127.0.0.1
+fi
+
+# Prints PORT if it can be bound on HOST (as the daemon will, with
+# SO_REUSEADDR), else a free port chosen by the kernel.
+pick_port() {
+  python3 - "$1" "$2" <<'EOF'
+import socket, sys
+host, want = sys.argv[1], int(sys.argv[2])
+def bind(port):
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    return s
+try:
+    s = bind(want)
+except OSError:
+    s = bind(0)
+print(s.getsockname()[1])
+EOF
+}
+
+# write_conf NAME LISTEN_HOST:PORT PEER_NAME PEER_HOST:PORT
+write_conf() {
+  cat >"$DEMO/$1.conf" <<EOF
+# written by scripts/demo.sh
+node $1
+api-socket $SOCK_DIR/$1.sock
+peer-listen $2
+peer $3 $4
+pool kv host $POOL_SIZE
+transports $TRANSPORT
+log-level info
+EOF
+}
+
+# start NAME DETACH: starts kvferryd on $DEMO/NAME.conf, sets STARTED_PID.
+# DETACH=1 puts it in its own session, immune to this shell's end.
+start() {
+  local log=$DEMO/$1.log
+  rm -f "$SOCK_DIR/$1.sock"
+  echo "=== demo: starting $1 ($(date -Is))" >>"$log"
+  if [ "$2" = 1 ]; then
+    setsid nohup "$BUILD/kvferryd" -c "$DEMO/$1.conf" >>"$log" 2>&1 </dev/null &
+  else
+    "$BUILD/kvferryd" -c "$DEMO/$1.conf" >>"$log" 2>&1 </dev/null &
+  fi
+  STARTED_PID=$!
+}
+
+# wait_up NAME PID: until its API answers and its peer shows "up".
+wait_up() {
+  local end=$((SECONDS + READY_S)) out=""
+  while [ $SECONDS -lt $end ]; do
+    kill -0 "$2" 2>/dev/null || { tail -n 20 "$DEMO/$1.log" >&2; die "$1 exited during start (log: $DEMO/$1.log)"; }
+    if out=$("$BUILD/kvferryctl" -s "$SOCK_DIR/$1.sock" --json peers 2>&1) &&
+       grep -q '"state" *: *"up"' <<<"$out"; then
+      return 0
+    fi
+    sleep 0.1
+  done
+  tail -n 20 "$DEMO/$1.log" >&2
+  die "$1: peer not up after ${READY_S}s (last: $out; log: $DEMO/$1.log)"
+}
+
+# stop PID NAME: SIGTERM, SIGKILL after STOP_S. Fails unless it exited 0
+# (only for our own children; a detached daemon's status is not ours).
+stop() {
+  local pid=$1 name=$2 i rc=0
+  kill -0 "$pid" 2>/dev/null || return 0
+  # Never signal a recycled pid that is no longer our daemon.
+  grep -q kvferryd "/proc/$pid/cmdline" 2>/dev/null || return 0
+  kill -TERM "$pid"
+  for ((i = 0; i < STOP_S * 10; i++)); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  if kill -0 "$pid" 2>/dev/null; then
+    kill -KILL "$pid" 2>/dev/null || true
+    echo "demo: $name did not stop within ${STOP_S}s of SIGTERM; killed" >&2
+    rc=1
+  fi
+  if wait "$pid" 2>/dev/null; then :; else
+    local st=$?
+    # 127: not our child (detached by `up`); nothing to check.
+    if [ $st -ne 127 ]; then echo "demo: $name exited with status $st" >&2; rc=1; fi
+  fi
+  return $rc
+}
+
+configure() {
+  PORT0=$(pick_port "$HOST0" 7471)
+  PORT1=$(pick_port "$HOST1" 7472)
+  # Both picked free on the same host: make sure they differ.
+  [ "$HOST0:$PORT0" != "$HOST1:$PORT1" ] || PORT1=$(pick_port "$HOST1" 0)
+  PREFILL_PEER=$HOST0:$PORT0 DECODE_PEER=$HOST1:$PORT1
+  write_conf prefill "$PREFILL_PEER" decode "$DECODE_PEER"
+  write_conf decode "$DECODE_PEER" prefill "$PREFILL_PEER"
+  PREFILL_SOCK=$SOCK_DIR/prefill.sock DECODE_SOCK=$SOCK_DIR/decode.sock
+}
+
+# start_both DETACH: sets PREFILL_PID and DECODE_PID, waits until both up.
+start_both() {
+  configure
+  start prefill "$1"; PREFILL_PID=$STARTED_PID
+  start decode "$1"; DECODE_PID=$STARTED_PID
+  wait_up prefill "$PREFILL_PID"
+  wait_up decode "$DECODE_PID"
+  echo "demo: prefill pid $PREFILL_PID ($PREFILL_PEER), decode pid $DECODE_PID ($DECODE_PEER), transport $TRANSPORT"
+}
+
+cmd_run() {
+  [ -x "$BUILD/kvferry-bench" ] || die "$BUILD/kvferry-bench not built (run make)"
+  [ $# -gt 0 ] || set -- --model llama3-8b --tokens 4096 --json
+  PREFILL_PID="" DECODE_PID=""
+  # Whatever happens, leave no daemon behind.
+  trap 'for p in $PREFILL_PID $DECODE_PID; do kill -KILL "$p" 2>/dev/null || true; done' EXIT
+  start_both 0
+  local rc=0
+  echo "demo: $BUILD/kvferry-bench --from $PREFILL_SOCK --to $DECODE_SOCK $*"
+  "$BUILD/kvferry-bench" --from "$PREFILL_SOCK" --to "$DECODE_SOCK" "$@" || rc=$?
+  [ $rc -eq 0 ] || echo "demo: kvferry-bench failed (status $rc)" >&2
+  stop "$PREFILL_PID" prefill || rc=1
+  stop "$DECODE_PID" decode || rc=1
+  PREFILL_PID="" DECODE_PID=""
+  if [ $rc -ne 0 ]; then
+    for n in prefill decode; do echo "---- tail of $DEMO/$n.log" >&2; tail -n 20 "$DEMO/$n.log" >&2; done
+  fi
+  return $rc
+}
+
+cmd_up() {
+  if [ -f "$ENV_FILE" ]; then
+    # shellcheck disable=SC1090
+    . "$ENV_FILE"
+    if kill -0 "$PREFILL_PID" 2>/dev/null && kill -0 "$DECODE_PID" 2>/dev/null; then
+      echo "demo: already up ($ENV_FILE)"; return 0
+    fi
+    cmd_down
+  fi
+  PREFILL_PID="" DECODE_PID=""
+  trap 'for p in $PREFILL_PID $DECODE_PID; do kill -KILL "$p" 2>/dev/null || true; done' EXIT
+  start_both 1
+  trap - EXIT
+  cat >"$ENV_FILE" <<EOF
+PREFILL_SOCK=$PREFILL_SOCK
+DECODE_SOCK=$DECODE_SOCK
+PREFILL_PEER=$PREFILL_PEER
+DECODE_PEER=$DECODE_PEER
+PREFILL_PID=$PREFILL_PID
+DECODE_PID=$DECODE_PID
+EOF
+  echo "demo: up; variables in $ENV_FILE, logs in $DEMO/*.log"
+}
+
+cmd_down() {
+  [ -f "$ENV_FILE" ] || { echo "demo: nothing to stop (no $ENV_FILE)"; return 0; }
+  # shellcheck disable=SC1090
+  . "$ENV_FILE"
+  local rc=0
+  stop "${PREFILL_PID:-}" prefill || rc=1
+  stop "${DECODE_PID:-}" decode || rc=1
+  rm -f "$ENV_FILE"
+  echo "demo: down"
+  return $rc
+}
+
+case ${1:-} in
+  run) shift; cmd_run "$@" ;;
+  up) cmd_up ;;
+  down) cmd_down ;;
+  *) echo "usage: $0 run [BENCH ARGS...] | up | down" >&2; exit 2 ;;
+esac

@@ -1,0 +1,824 @@
+/* harness.c - see harness.h. Test-only code: clarity over speed, except in
+ * the pattern loops, which touch hundreds of MiB per test file. */
+#include "harness.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <inttypes.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <arpa/inet.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ================================================================ errors */
+
+static _Thread_local char lasterr[2048];
+
+const char *h_lasterr(void) { return lasterr[0] ? lasterr : "(no detail)"; }
+
+int h_fail(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(lasterr, sizeof lasterr, fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "kvf-harness: %s\n", lasterr);
+  return -1;
+}
+
+uint64_t h_now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+int h_left_ms(uint64_t end) {
+  uint64_t now = h_now_ms();
+  return now >= end ? 0 : (int)(end - now);
+}
+
+void h_sleep_ms(unsigned ms) {
+  struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
+}
+
+/* ================================================================ process */
+
+#define H_MAX_DIRS 16
+static char dirs[H_MAX_DIRS][H_PATH_MAX];
+static size_t ndirs;
+
+void h_init(void) {
+  /* Line-buffered so that the TAP lines already printed survive when the
+   * runner's timeout kills us. */
+  setvbuf(stdout, NULL, _IOLBF, 0);
+  /* A daemon closing a socket under us must give EPIPE, not kill the test. */
+  signal(SIGPIPE, SIG_IGN);
+}
+
+int h_mkdtemp(char *out, size_t cap) {
+  const char *tmp = getenv("TMPDIR");
+  /* The daemons' sockets live in the dir; keep room for sun_path. */
+  if (!tmp || !*tmp || strlen(tmp) > 60) tmp = "/tmp";
+  if ((size_t)snprintf(out, cap, "%s/kvferry-test.XXXXXX", tmp) >= cap)
+    return h_fail("temp dir path too long");
+  if (!mkdtemp(out)) return h_fail("mkdtemp(%s): %s", out, strerror(errno));
+  if (ndirs < H_MAX_DIRS) snprintf(dirs[ndirs++], H_PATH_MAX, "%s", out);
+  /* tests/run.sh looks for this line to show the logs of a failed run. */
+  fprintf(stderr, "kvf-harness: temp dir %s\n", out);
+  return 0;
+}
+
+static int rm_one(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+  (void)sb, (void)flag, (void)ftw;
+  remove(path);
+  return 0;
+}
+
+int h_cleanup(int failed) {
+  const char *keep = getenv("KVF_TEST_KEEP");
+  for (size_t i = 0; i < ndirs; i++) {
+    if (failed || (keep && *keep && strcmp(keep, "0") != 0))
+      fprintf(stderr, "kvf-harness: kept %s (daemon logs: %s/*.log)\n", dirs[i], dirs[i]);
+    else
+      nftw(dirs[i], rm_one, 16, FTW_DEPTH | FTW_PHYS);
+  }
+  ndirs = 0;
+  return failed;
+}
+
+int h_free_ports(uint16_t *ports, size_t n) {
+  int fds[8];
+  int rc = 0;
+  size_t opened = 0;
+  if (n > 8) return h_fail("h_free_ports: at most 8");
+  for (; opened < n; opened++) {
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t al = sizeof a;
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) != 0 ||
+        getsockname(fd, (struct sockaddr *)&a, &al) != 0) {
+      rc = h_fail("picking a free port: %s", strerror(errno));
+      if (fd >= 0) close(fd);
+      break;
+    }
+    fds[opened] = fd;
+    ports[opened] = ntohs(a.sin_port);
+  }
+  for (size_t i = 0; i < opened; i++) close(fds[i]);
+  return rc;
+}
+
+void h_daemon_init(h_daemon *d, const char *dir, const char *name, uint16_t port,
+                   const char *pool_size) {
+  memset(d, 0, sizeof *d);
+  snprintf(d->name, sizeof d->name, "%s", name);
+  snprintf(d->dir, sizeof d->dir, "%s", dir);
+  snprintf(d->conf, sizeof d->conf, "%s/%s.conf", dir, name);
+  snprintf(d->sock, sizeof d->sock, "%s/%s.sock", dir, name);
+  snprintf(d->log, sizeof d->log, "%s/%s.log", dir, name);
+  snprintf(d->pool_size, sizeof d->pool_size, "%s", pool_size);
+  d->port = port;
+}
+
+int h_daemon_add_peer(h_daemon *d, const h_daemon *peer) {
+  if (d->npeers == H_MAX_PEERS) return h_fail("too many peers");
+  snprintf(d->peer_name[d->npeers], sizeof d->peer_name[0], "%s", peer->name);
+  d->peer_port[d->npeers] = peer->port;
+  d->npeers++;
+  return 0;
+}
+
+int h_daemon_write_conf(const h_daemon *d) {
+  const char *lvl = getenv("KVF_TEST_LOG_LEVEL");
+  FILE *f = fopen(d->conf, "w");
+  if (!f) return h_fail("%s: %s", d->conf, strerror(errno));
+  fprintf(f, "# written by tests/integration/harness.c\n"
+             "node %s\napi-socket %s\npeer-listen 127.0.0.1:%u\n",
+          d->name, d->sock, d->port);
+  for (size_t i = 0; i < d->npeers; i++)
+    fprintf(f, "peer %s 127.0.0.1:%u\n", d->peer_name[i], d->peer_port[i]);
+  /* Fast heartbeats and reconnects keep the crash tests short; max-descs
+   * above the 20000-descriptor case. */
+  fprintf(f, "pool kv host %s\n"
+             "heartbeat-ms 100\npeer-timeout-ms 1000\n"
+             "reconnect-min-ms 50\nreconnect-max-ms 500\n"
+             "transports tcp\nmax-descs 100000\nlog-level %s\n%s\n",
+          d->pool_size, lvl && *lvl ? lvl : "info", d->extra);
+  if (fclose(f) != 0) return h_fail("%s: %s", d->conf, strerror(errno));
+  return 0;
+}
+
+static const char *build_dir(void) {
+  const char *b = getenv("BUILD");
+  return b && *b ? b : "build";
+}
+
+/* In the child: output to the log, nothing inherited but 0-2, and death
+ * with the test (a killed test binary must not leave daemons behind). */
+static void exec_daemon(const h_daemon *d, const char *exe, pid_t parent) {
+  int log = open(d->log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+  int null = open("/dev/null", O_RDONLY);
+  if (log < 0 || null < 0) _exit(126);
+  dup2(null, 0);
+  dup2(log, 1);
+  dup2(log, 2);
+  long maxfd = sysconf(_SC_OPEN_MAX);
+  for (long fd = 3; fd < (maxfd > 0 && maxfd < 65536 ? maxfd : 65536); fd++) close((int)fd);
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != parent) _exit(125);
+  execl(exe, exe, "-c", d->conf, (char *)NULL);
+  fprintf(stderr, "kvf-harness: exec %s: %s\n", exe, strerror(errno));
+  _exit(127);
+}
+
+static void log_marker(const h_daemon *d, const char *what) {
+  FILE *f = fopen(d->log, "a");
+  if (!f) return;
+  fprintf(f, "=== kvf-harness: %s %s (start %u) ===\n", what, d->name, d->starts);
+  fclose(f);
+}
+
+/* Reaps d if it exited; returns 1 and fills *st when it did. */
+static int reaped(h_daemon *d, int *st) {
+  if (d->pid <= 0) return 0;
+  pid_t r = waitpid(d->pid, st, WNOHANG);
+  if (r == d->pid) {
+    d->pid = 0;
+    return 1;
+  }
+  return 0;
+}
+
+static int wait_api(h_daemon *d, int timeout_ms) {
+  uint64_t end = h_now_ms() + (uint64_t)timeout_ms;
+  int st, rc = 0;
+  for (;;) {
+    kvf_client *c = NULL;
+    if (reaped(d, &st)) {
+      h_daemon_log_tail(d, 30);
+      return h_fail("%s exited during start (status 0x%x); log %s", d->name, st, d->log);
+    }
+    rc = kvf_connect(d->sock, &c);
+    if (rc == 0) {
+      kvf_close(c);
+      return 0;
+    }
+    if (h_now_ms() > end) break;
+    h_sleep_ms(20);
+  }
+  h_daemon_log_tail(d, 30);
+  return h_fail("%s: API socket %s not answering after %d ms (last: %s); log %s", d->name,
+                d->sock, timeout_ms, kvf_err_name(rc), d->log);
+}
+
+int h_daemon_spawn(h_daemon *d) {
+  char exe[H_PATH_MAX];
+  snprintf(exe, sizeof exe, "%s/kvferryd", build_dir());
+  if (access(exe, X_OK) != 0)
+    return h_fail("%s not found (run from the repository root, or set BUILD)", exe);
+  if (h_daemon_write_conf(d) != 0) return -1;
+  d->starts++;
+  log_marker(d, "starting");
+  fflush(NULL);
+  pid_t parent = getpid();
+  pid_t pid = fork();
+  if (pid < 0) return h_fail("fork: %s", strerror(errno));
+  if (pid == 0) exec_daemon(d, exe, parent);
+  d->pid = pid;
+  return wait_api(d, H_READY_MS);
+}
+
+/* 1 when every configured peer of d shows "state": "up" in json. */
+static int peers_up(const h_daemon *d, const char *json) {
+  const char *it = hj_get(json, "peers"), *e;
+  size_t up = 0;
+  if (!it || *it != '[') return 0;
+  while ((e = hj_next(&it))) {
+    char name[64], state[32];
+    if (hj_str(e, "name", name, sizeof name) || hj_str(e, "state", state, sizeof state))
+      continue;
+    for (size_t i = 0; i < d->npeers; i++)
+      if (!strcmp(name, d->peer_name[i]) && !strcmp(state, "up")) up++;
+  }
+  return up == d->npeers;
+}
+
+int h_daemon_wait_peers(h_daemon *d, int timeout_ms) {
+  kvf_client *c = NULL;
+  char *json = NULL;
+  int rc = kvf_connect(d->sock, &c), st;
+  if (rc) return h_fail("%s: connect %s: %s", d->name, d->sock, kvf_err_name(rc));
+  uint64_t end = h_now_ms() + (uint64_t)timeout_ms;
+  for (;;) {
+    free(json);
+    json = NULL;
+    rc = kvf_inspect(c, KVF_INSPECT_PEERS, 1, &json);
+    if (rc == 0 && peers_up(d, json)) break;
+    if (h_now_ms() > end || reaped(d, &st)) {
+      h_daemon_log_tail(d, 30);
+      rc = h_fail("%s: peers not all up after %d ms (inspect: %s): %s; log %s", d->name,
+                  timeout_ms, kvf_err_name(rc), json ? json : "-", d->log);
+      break;
+    }
+    h_sleep_ms(20);
+  }
+  free(json);
+  kvf_close(c);
+  return rc ? -1 : 0;
+}
+
+int h_daemon_stop(h_daemon *d) {
+  int st = 0;
+  if (d->pid <= 0) return 0;
+  log_marker(d, "SIGTERM to");
+  kill(d->pid, SIGTERM);
+  uint64_t end = h_now_ms() + H_STOP_MS;
+  while (!reaped(d, &st)) {
+    if (h_now_ms() > end) {
+      kill(d->pid, SIGKILL);
+      waitpid(d->pid, &st, 0);
+      d->pid = 0;
+      h_daemon_log_tail(d, 30);
+      return h_fail("%s did not exit within %d ms of SIGTERM; log %s", d->name, H_STOP_MS,
+                    d->log);
+    }
+    h_sleep_ms(10);
+  }
+  if (WIFEXITED(st) && WEXITSTATUS(st) == 0) return 0;
+  h_daemon_log_tail(d, 40);
+  if (WIFSIGNALED(st))
+    return h_fail("%s died of signal %d after SIGTERM; log %s", d->name, WTERMSIG(st), d->log);
+  return h_fail("%s exited %d after SIGTERM (sanitizer report?); log %s", d->name,
+                WEXITSTATUS(st), d->log);
+}
+
+int h_daemon_kill9(h_daemon *d) {
+  int st;
+  if (d->pid <= 0) return h_fail("%s is not running", d->name);
+  log_marker(d, "SIGKILL to");
+  if (kill(d->pid, SIGKILL) != 0) return h_fail("kill: %s", strerror(errno));
+  waitpid(d->pid, &st, 0);
+  d->pid = 0;
+  return 0;
+}
+
+void h_daemon_log_tail(const h_daemon *d, int lines) {
+  char cmd[H_PATH_MAX + 64];
+  fprintf(stderr, "---- last %d lines of %s ----\n", lines, d->log);
+  fflush(stderr);
+  snprintf(cmd, sizeof cmd, "tail -n %d '%s' >&2", lines, d->log);
+  if (system(cmd) != 0) fprintf(stderr, "(could not read %s)\n", d->log);
+  fprintf(stderr, "---- end of %s ----\n", d->log);
+}
+
+int h_pair_start(h_pair *p, const char *pool_size) {
+  uint16_t ports[2];
+  memset(p, 0, sizeof *p);
+  if (h_mkdtemp(p->dir, sizeof p->dir) || h_free_ports(ports, 2)) return -1;
+  h_daemon_init(&p->prefill, p->dir, "prefill", ports[0], pool_size);
+  h_daemon_init(&p->decode, p->dir, "decode", ports[1], pool_size);
+  h_daemon_add_peer(&p->prefill, &p->decode);
+  h_daemon_add_peer(&p->decode, &p->prefill);
+  if (h_daemon_spawn(&p->prefill) || h_daemon_spawn(&p->decode)) return -1;
+  return h_pair_wait_up(p);
+}
+
+int h_pair_wait_up(h_pair *p) {
+  if (h_daemon_wait_peers(&p->prefill, H_READY_MS)) return -1;
+  return h_daemon_wait_peers(&p->decode, H_READY_MS);
+}
+
+int h_pair_stop(h_pair *p) {
+  /* Stop both even when the first fails; report the first failure. */
+  int a = h_daemon_stop(&p->prefill);
+  int b = h_daemon_stop(&p->decode);
+  return a ? a : b;
+}
+
+/* ================================================================ clients */
+
+int h_client_open(h_client *hc, const h_daemon *d) {
+  kvf_pool_info info;
+  void *addr = NULL;
+  int rc;
+  memset(hc, 0, sizeof *hc);
+  if ((rc = kvf_connect(d->sock, &hc->c)))
+    return h_fail("connect to %s (%s): %s", d->name, d->sock, kvf_err_name(rc));
+  snprintf(hc->node, sizeof hc->node, "%s", kvf_node(hc->c));
+  if (strcmp(hc->node, d->name))
+    rc = h_fail("kvf_node says %s, expected %s", hc->node, d->name);
+  else if ((rc = kvf_pool_find(hc->c, "kv", &info)))
+    rc = h_fail("%s: kvf_pool_find(kv): %s", d->name, kvf_err_name(rc));
+  else if ((rc = kvf_pool_map(hc->c, info.id, &addr, &hc->size)))
+    rc = h_fail("%s: kvf_pool_map(%u): %s", d->name, info.id, kvf_err_name(rc));
+  else if (hc->size != info.size)
+    rc = h_fail("%s: mapped %" PRIu64 " bytes, pool is %" PRIu64, d->name, hc->size, info.size);
+  if (rc) {
+    kvf_close(hc->c);
+    hc->c = NULL;
+    return -1;
+  }
+  hc->pool = info.id;
+  hc->base = addr;
+  return 0;
+}
+
+void h_client_close(h_client *hc) {
+  if (hc->c) kvf_close(hc->c);
+  memset(hc, 0, sizeof *hc);
+}
+
+static const char *ev_name(int type) {
+  return type == KVF_EV_RECV_DONE ? "RECV_DONE" : type == KVF_EV_SEND_DONE ? "SEND_DONE" : "?";
+}
+
+static int ev_match(const kvf_event *ev, const char *id, int type) {
+  return !strcmp(ev->xfer_id, id) && (type == 0 || ev->type == type);
+}
+
+static int take_stashed(h_client *hc, const char *id, int type, kvf_event *out) {
+  for (size_t i = 0; i < hc->nstash; i++) {
+    if (!ev_match(&hc->stash[i], id, type)) continue;
+    *out = hc->stash[i];
+    memmove(&hc->stash[i], &hc->stash[i + 1], (hc->nstash - i - 1) * sizeof hc->stash[0]);
+    hc->nstash--;
+    return 1;
+  }
+  return 0;
+}
+
+static int stash_or_take(h_client *hc, const kvf_event *ev, const char *id, int type,
+                         kvf_event *out, int *found) {
+  if (!*found && ev_match(ev, id, type)) {
+    *out = *ev;
+    *found = 1;
+  } else if (hc->nstash < H_STASH) {
+    hc->stash[hc->nstash++] = *ev;
+  } else {
+    return h_fail("%s: event stash full (stray events?)", hc->node);
+  }
+  return 0;
+}
+
+int h_wait_event(h_client *hc, const char *xfer_id, int type, int timeout_ms,
+                 kvf_event *out) {
+  kvf_event evs[16];
+  int found = take_stashed(hc, xfer_id, type, out);
+  uint64_t end = h_now_ms() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0);
+  while (!found) {
+    int left = h_left_ms(end);
+    int n = kvf_wait_events(hc->c, evs, 16, left);
+    if (n < 0) {
+      h_fail("%s: kvf_wait_events: %s", hc->node, kvf_err_name(n));
+      return n;
+    }
+    for (int i = 0; i < n; i++)
+      if (stash_or_take(hc, &evs[i], xfer_id, type, out, &found)) return -1;
+    if (!found && left == 0) {
+      h_fail("%s: no %s event for %s within %d ms (%zu other events waiting)", hc->node,
+             type ? ev_name(type) : "any", xfer_id, timeout_ms, hc->nstash);
+      return -ETIMEDOUT;
+    }
+  }
+  return 0;
+}
+
+int h_no_events(h_client *hc, int ms) {
+  kvf_event ev;
+  int n = 0;
+  if (hc->nstash) {
+    ev = hc->stash[0];
+  } else {
+    n = kvf_wait_events(hc->c, &ev, 1, ms);
+    if (n < 0) return h_fail("%s: kvf_wait_events: %s", hc->node, kvf_err_name(n));
+    if (n == 0) return 0;
+  }
+  return h_fail("%s: stray event type %d for %s status %s (%zu stashed)", hc->node, ev.type,
+                ev.xfer_id, kvf_err_name(ev.status), hc->nstash);
+}
+
+int h_inspect(kvf_client *c, int what, char **json) {
+  int rc = kvf_inspect(c, what, 1, json);
+  if (rc) return h_fail("kvf_inspect(%d): %s", what, kvf_err_name(rc));
+  return 0;
+}
+
+int h_status_u64(kvf_client *c, const char *key, uint64_t *out) {
+  char *json = NULL;
+  if (h_inspect(c, KVF_INSPECT_STATUS, &json)) return -1;
+  int rc = hj_u64(json, key, out);
+  if (rc) h_fail("STATUS has no number \"%s\": %s", key, json);
+  free(json);
+  return rc;
+}
+
+/* 1 when the STATUS document shows no active grant, send or transfer. */
+static int idle(const char *json) {
+  static const char *keys[] = {"grants_active", "sends_active", "transfers_active"};
+  for (size_t i = 0; i < 3; i++) {
+    uint64_t v;
+    if (hj_u64(json, keys[i], &v) || v != 0) return 0;
+  }
+  return 1;
+}
+
+int h_wait_idle(kvf_client *c, int timeout_ms) {
+  uint64_t end = h_now_ms() + (uint64_t)timeout_ms;
+  char *json = NULL, *xfers = NULL;
+  for (;;) {
+    free(json);
+    json = NULL;
+    if (h_inspect(c, KVF_INSPECT_STATUS, &json)) return -1;
+    if (idle(json)) break;
+    if (h_now_ms() > end) {
+      h_inspect(c, KVF_INSPECT_TRANSFERS, &xfers);
+      h_fail("%s still busy after %d ms (leak?): STATUS %s TRANSFERS %s", kvf_node(c),
+             timeout_ms, json, xfers ? xfers : "-");
+      free(xfers);
+      free(json);
+      return -1;
+    }
+    h_sleep_ms(20);
+  }
+  free(json);
+  return 0;
+}
+
+/* ================================================================ JSON */
+
+static const char *ws(const char *p) {
+  while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++;
+  return p;
+}
+
+static const char *skip_str(const char *p) {
+  for (p++; *p; p++) {
+    if (*p == '\\') {
+      if (!*++p) return NULL;
+    } else if (*p == '"') {
+      return p + 1;
+    }
+  }
+  return NULL;
+}
+
+const char *hj_skip(const char *p) {
+  p = ws(p);
+  if (*p == '"') return skip_str(p);
+  if (*p == '{' || *p == '[') {
+    int depth = 0;
+    while (*p) {
+      if (*p == '"') {
+        if (!(p = skip_str(p))) return NULL;
+        continue;
+      }
+      if (*p == '{' || *p == '[') depth++;
+      else if ((*p == '}' || *p == ']') && --depth == 0) return p + 1;
+      p++;
+    }
+    return NULL;
+  }
+  const char *s = p;
+  while (*p && !strchr(",}] \t\r\n", *p)) p++;
+  return p == s ? NULL : p;
+}
+
+const char *hj_get(const char *obj, const char *key) {
+  const char *p = ws(obj);
+  size_t kl = strlen(key);
+  if (*p != '{') return NULL;
+  p = ws(p + 1);
+  while (*p == '"') {
+    const char *k = p + 1, *e = skip_str(p);
+    if (!e) return NULL;
+    int match = (size_t)(e - 1 - k) == kl && !memcmp(k, key, kl);
+    p = ws(e);
+    if (*p != ':') return NULL;
+    p = ws(p + 1);
+    if (match) return p;
+    if (!(p = hj_skip(p))) return NULL;
+    p = ws(p);
+    if (*p != ',') break;
+    p = ws(p + 1);
+  }
+  return NULL;
+}
+
+int hj_str(const char *obj, const char *key, char *out, size_t cap) {
+  const char *v = hj_get(obj, key);
+  size_t n = 0;
+  if (!v || *v != '"' || cap == 0) return -1;
+  for (v++; *v && *v != '"'; v++) {
+    if (*v == '\\' && v[1]) v++;
+    if (n + 1 < cap) out[n++] = *v;
+  }
+  out[n] = 0;
+  return *v == '"' ? 0 : -1;
+}
+
+int hj_u64(const char *obj, const char *key, uint64_t *out) {
+  const char *v = hj_get(obj, key);
+  char *end;
+  if (!v || *v < '0' || *v > '9') return -1;
+  errno = 0;
+  *out = strtoull(v, &end, 10);
+  return errno ? -1 : 0;
+}
+
+const char *hj_next(const char **it) {
+  const char *p = ws(*it), *e;
+  if (*p == '[' || *p == ',') p = ws(p + 1);
+  if (*p == ']' || !*p) return NULL;
+  if (!(e = hj_skip(p))) return NULL;
+  *it = ws(e);
+  return p;
+}
+
+/* ================================================================ patterns */
+
+static inline uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+static inline uint64_t block_key(uint64_t seed, uint64_t index) {
+  return mix64(seed * 0x9e3779b97f4a7c15ull ^ mix64(index + 0x5bd1e995u));
+}
+
+/* Word j of a block: splitmix64 at position j, so any word is computable
+ * alone and a shifted copy never matches. */
+static inline uint64_t word_at(uint64_t key, uint64_t j) {
+  return mix64(key + (j + 1) * 0x9e3779b97f4a7c15ull);
+}
+
+void h_fill(void *p, uint64_t len, uint64_t seed, uint64_t index) {
+  uint8_t *b = p;
+  uint64_t key = block_key(seed, index), j;
+  for (j = 0; j < len / 8; j++) {
+    uint64_t w = word_at(key, j);
+    memcpy(b + j * 8, &w, 8);
+  }
+  if (len % 8) {
+    uint64_t w = word_at(key, j);
+    memcpy(b + j * 8, &w, len % 8);
+  }
+}
+
+#define H_POISON 0xA5
+
+void h_poison(void *p, uint64_t len) { memset(p, H_POISON, len); }
+
+int64_t h_verify(const void *p, uint64_t len, uint64_t seed, uint64_t index) {
+  const uint8_t *b = p;
+  uint64_t key = block_key(seed, index);
+  for (uint64_t j = 0; j * 8 < len; j++) {
+    uint64_t w = word_at(key, j), n = len - j * 8 < 8 ? len - j * 8 : 8;
+    if (memcmp(b + j * 8, &w, n) == 0) continue;
+    for (uint64_t k = 0; k < n; k++)
+      if (b[j * 8 + k] != ((const uint8_t *)&w)[k]) return (int64_t)(j * 8 + k);
+  }
+  return -1;
+}
+
+int64_t h_verify_poison(const void *p, uint64_t len) {
+  const uint8_t *b = p;
+  for (uint64_t i = 0; i < len; i++)
+    if (b[i] != H_POISON) return (int64_t)i;
+  return -1;
+}
+
+uint64_t h_layout(kvf_desc *d, size_t n, uint32_t pool, uint64_t base, uint64_t len,
+                  bool scatter, uint64_t seed) {
+  size_t slots = scatter ? n + n / 8 + 1 : n;
+  size_t *perm = malloc(slots * sizeof *perm);
+  uint64_t s = seed | 1;
+  if (!perm) abort();
+  for (size_t i = 0; i < slots; i++) perm[i] = i;
+  for (size_t i = slots; scatter && i > 1; i--) {
+    s = mix64(s + 0x9e3779b97f4a7c15ull);
+    size_t j = (size_t)(s % i), t = perm[i - 1];
+    perm[i - 1] = perm[j];
+    perm[j] = t;
+  }
+  for (size_t i = 0; i < n; i++)
+    d[i] = (kvf_desc){.pool = pool, .offset = base + perm[i] * len, .len = len};
+  free(perm);
+  return base + slots * len;
+}
+
+uint64_t h_desc_bytes(const kvf_desc *d, size_t n) {
+  uint64_t t = 0;
+  for (size_t i = 0; i < n; i++) t += d[i].len;
+  return t;
+}
+
+void h_id(char *out, size_t cap, const char *prefix) {
+  static atomic_ulong counter;
+  snprintf(out, cap, "%s-%d-%lu", prefix, (int)getpid(), atomic_fetch_add(&counter, 1) + 1);
+}
+
+/* ================================================================ transfers */
+
+int h_post_grant(h_client *rcv, const h_xfer *x, const char *src_node) {
+  int rc = kvf_grant(rcv->c, x->id, x->anon_src ? NULL : src_node, x->dst, x->ndst,
+                     x->deadline_ms);
+  if (rc) return h_fail("%s: kvf_grant(%s, %zu descs): %s", rcv->node, x->id, x->ndst,
+                        kvf_err_name(rc));
+  return 0;
+}
+
+int h_post_send(h_client *snd, const h_xfer *x, const char *dst_node) {
+  size_t parts = x->parts ? x->parts : 1;
+  if (parts > x->nsrc) return h_fail("test bug: %zu parts for %zu descs", parts, x->nsrc);
+  for (size_t k = 0; k < parts; k++) {
+    size_t a = k * x->nsrc / parts, b = (k + 1) * x->nsrc / parts;
+    unsigned flags = k + 1 < parts ? KVF_SEND_MORE : 0;
+    int rc = kvf_send(snd->c, x->id, dst_node, x->src + a, b - a, flags, x->deadline_ms);
+    if (rc) return h_fail("%s: kvf_send(%s, part %zu/%zu): %s", snd->node, x->id, k + 1,
+                          parts, kvf_err_name(rc));
+  }
+  return 0;
+}
+
+/* Fails unless every descriptor lies inside the client's mapping (the test
+ * itself must not fault on a bad layout). */
+static int check_inside(const h_client *hc, const kvf_desc *d, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (d[i].pool != hc->pool || d[i].offset > hc->size || d[i].len > hc->size - d[i].offset)
+      return h_fail("test bug: desc %zu (%" PRIu64 "+%" PRIu64 ") outside %s's pool", i,
+                    d[i].offset, d[i].len, hc->node);
+  return 0;
+}
+
+static void span(const kvf_desc *d, size_t n, uint64_t *lo, uint64_t *hi) {
+  *lo = UINT64_MAX;
+  *hi = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (d[i].offset < *lo) *lo = d[i].offset;
+    if (d[i].offset + d[i].len > *hi) *hi = d[i].offset + d[i].len;
+  }
+}
+
+int h_prepare(h_client *snd, h_client *rcv, const h_xfer *x) {
+  uint64_t lo, hi;
+  if (check_inside(snd, x->src, x->nsrc) || check_inside(rcv, x->dst, x->ndst)) return -1;
+  span(x->dst, x->ndst, &lo, &hi);
+  /* Same node: one pool; poisoning the span must not hit the sources. */
+  for (size_t i = 0; !strcmp(snd->node, rcv->node) && i < x->nsrc; i++)
+    if (x->src[i].offset < hi && x->src[i].offset + x->src[i].len > lo)
+      return h_fail("test bug: source %zu overlaps the destination span", i);
+  for (size_t i = 0; i < x->nsrc; i++)
+    h_fill(snd->base + x->src[i].offset, x->src[i].len, x->seed, i);
+  if (x->ndst) h_poison(rcv->base + lo, hi - lo);
+  return 0;
+}
+
+static int by_offset(const void *a, const void *b) {
+  uint64_t x = ((const kvf_desc *)a)->offset, y = ((const kvf_desc *)b)->offset;
+  return x < y ? -1 : x > y;
+}
+
+/* The bytes of the destination span not covered by any descriptor must
+ * still be poison: catches writes past a descriptor's end. */
+static int verify_gaps(h_client *rcv, const h_xfer *x) {
+  kvf_desc *sorted = malloc(x->ndst * sizeof *sorted);
+  uint64_t lo, hi, cur;
+  int rc = 0;
+  if (!sorted) abort();
+  memcpy(sorted, x->dst, x->ndst * sizeof *sorted);
+  qsort(sorted, x->ndst, sizeof *sorted, by_offset);
+  span(x->dst, x->ndst, &lo, &hi);
+  cur = lo;
+  for (size_t k = 0; k < x->ndst && !rc; k++) {
+    const kvf_desc *d = &sorted[k];
+    if (d->offset > cur) {
+      int64_t bad = h_verify_poison(rcv->base + cur, d->offset - cur);
+      if (bad >= 0)
+        rc = h_fail("%s: %s wrote outside its grant at pool offset %" PRIu64, rcv->node,
+                    x->id, cur + (uint64_t)bad);
+    }
+    if (d->offset + d->len > cur) cur = d->offset + d->len;
+  }
+  free(sorted);
+  return rc;
+}
+
+int h_verify_dst(h_client *rcv, const h_xfer *x) {
+  for (size_t i = 0; i < x->ndst; i++) {
+    int64_t bad = h_verify(rcv->base + x->dst[i].offset, x->dst[i].len, x->seed, i);
+    if (bad >= 0)
+      return h_fail("%s: %s: descriptor %zu/%zu (offset %" PRIu64 ", len %" PRIu64
+                    ") wrong at byte %" PRId64 " (got 0x%02x)",
+                    rcv->node, x->id, i, x->ndst, x->dst[i].offset, x->dst[i].len, bad,
+                    rcv->base[x->dst[i].offset + (uint64_t)bad]);
+  }
+  return verify_gaps(rcv, x);
+}
+
+int h_check_event(const kvf_event *ev, int type, const char *path, const char *peer,
+                  uint64_t bytes, uint64_t ndesc) {
+  if (ev->type != type)
+    return h_fail("%s: event type %d, expected %s", ev->xfer_id, ev->type, ev_name(type));
+  if (ev->status != 0)
+    return h_fail("%s: %s failed: %s (%s)", ev->xfer_id, ev_name(type),
+                  kvf_err_name(ev->status), ev->error);
+  if (path && strcmp(ev->path, path))
+    return h_fail("%s: %s path \"%s\", expected \"%s\"", ev->xfer_id, ev_name(type), ev->path,
+                  path);
+  if (peer && strcmp(ev->peer, peer))
+    return h_fail("%s: %s peer \"%s\", expected \"%s\"", ev->xfer_id, ev_name(type), ev->peer,
+                  peer);
+  if (ev->bytes != bytes || ev->descriptors != ndesc)
+    return h_fail("%s: %s says %" PRIu64 " bytes / %" PRIu64 " descriptors, expected %" PRIu64
+                  " / %" PRIu64,
+                  ev->xfer_id, ev_name(type), ev->bytes, ev->descriptors, bytes, ndesc);
+  return 0;
+}
+
+static int post_both(h_client *snd, h_client *rcv, const h_xfer *x) {
+  if (x->send_first)
+    return h_post_send(snd, x, rcv->node) || h_post_grant(rcv, x, snd->node) ? -1 : 0;
+  return h_post_grant(rcv, x, snd->node) || h_post_send(snd, x, rcv->node) ? -1 : 0;
+}
+
+int h_transfer(h_client *snd, h_client *rcv, const h_xfer *x) {
+  kvf_event rev, sev;
+  int local = !strcmp(snd->node, rcv->node);
+  const char *path = x->path ? x->path : local ? "local" : "tcp";
+  uint64_t bytes = h_desc_bytes(x->dst, x->ndst);
+  uint64_t end = h_now_ms() + (uint64_t)(x->timeout_ms ? x->timeout_ms : H_XFER_MS);
+  if (h_prepare(snd, rcv, x) || post_both(snd, rcv, x)) return -1;
+  if (h_wait_event(rcv, x->id, KVF_EV_RECV_DONE, h_left_ms(end), &rev) ||
+      h_wait_event(snd, x->id, KVF_EV_SEND_DONE, h_left_ms(end), &sev))
+    return -1;
+  if (h_check_event(&rev, KVF_EV_RECV_DONE, path, snd->node, bytes, x->ndst) ||
+      h_check_event(&sev, KVF_EV_SEND_DONE, path, rcv->node, bytes, x->nsrc))
+    return -1;
+  return h_verify_dst(rcv, x);
+}
+
+int h_quick(h_client *snd, h_client *rcv) {
+  enum { N = 16, LEN = 4096 };
+  kvf_desc src[N], dst[N];
+  char id[64];
+  static atomic_ulong seed = 1000;
+  h_id(id, sizeof id, "quick");
+  h_layout(src, N, snd->pool, snd->size - (2u << 20), LEN, true, 7);
+  h_layout(dst, N, rcv->pool, rcv->size - (1u << 20), LEN, true, 11);
+  h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N,
+              .seed = atomic_fetch_add(&seed, 1), .timeout_ms = 10000};
+  return h_transfer(snd, rcv, &x);
+}

@@ -1,0 +1,358 @@
+/* test_e2e.c - black-box handoffs between two real kvferryd daemons
+ * ("prefill" and "decode") on loopback, and between two clients of one
+ * daemon. Every transfer checks both events (status, path, peer, bytes,
+ * descriptors) and every destination byte, plus the gaps around the
+ * destinations (nothing written outside the grant). One daemon pair serves
+ * the whole group to keep the file well under a minute on two cores. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+
+#define MIB (1ull << 20)
+#define KIB (1ull << 10)
+
+typedef struct e2e {
+  h_pair p;
+  h_client pre; /* a client of "prefill", the usual sender */
+  h_client dec; /* a client of "decode", the usual receiver */
+} e2e;
+
+static e2e E;
+
+static int group_setup(void **state) {
+  (void)state;
+  /* 384M: the 256 MiB single-descriptor case plus the h_quick area. */
+  if (h_pair_start(&E.p, "384M")) return -1;
+  if (h_client_open(&E.pre, &E.p.prefill) || h_client_open(&E.dec, &E.p.decode)) return -1;
+  return 0;
+}
+
+static int group_teardown(void **state) {
+  (void)state;
+  h_client_close(&E.pre);
+  h_client_close(&E.dec);
+  return h_pair_stop(&E.p);
+}
+
+/* Sends n blocks of len bytes, scattered on both sides (different shuffles),
+ * from prefill to decode and verifies them. */
+static void scattered(const char *name, size_t n, uint64_t len, size_t parts, uint64_t seed) {
+  kvf_desc *src = calloc(n, sizeof *src), *dst = calloc(n, sizeof *dst);
+  char id[96];
+  assert_non_null(src);
+  assert_non_null(dst);
+  h_id(id, sizeof id, name);
+  h_layout(src, n, E.pre.pool, 0, len, true, seed);
+  h_layout(dst, n, E.dec.pool, 0, len, true, seed * 31 + 1);
+  h_xfer x = {.id = id, .src = src, .nsrc = n, .dst = dst, .ndst = n, .parts = parts,
+              .seed = seed, .timeout_ms = 60000};
+  int rc = h_transfer(&E.pre, &E.dec, &x);
+  free(src);
+  free(dst);
+  H_OK(rc);
+}
+
+/* ---------------------------------------------------------------- presets */
+
+typedef struct preset {
+  const char *name;
+  unsigned layers;
+  unsigned kv;               /* 2: separate K and V blocks; 1: MLA latent */
+  uint64_t block_bytes;
+  unsigned tokens_per_block;
+} preset;
+
+/* The geometries kvferry-bench knows (per TP rank, fp16/bf16). */
+static const preset LLAMA3_8B = {"llama3-8b", 32, 2, 32 * KIB, 16};
+static const preset LLAMA3_70B_TP8 = {"llama3-70b-tp8", 80, 2, 4 * KIB, 16};
+static const preset DEEPSEEK_V3 = {"deepseek-v3", 61, 1, 72 * KIB, 64};
+
+static size_t preset_descs(const preset *m, unsigned tokens) {
+  return (size_t)m->layers * m->kv * ((tokens + m->tokens_per_block - 1) / m->tokens_per_block);
+}
+
+static void test_preset_llama3_8b(void **state) {
+  scattered(LLAMA3_8B.name, preset_descs(&LLAMA3_8B, 1024), LLAMA3_8B.block_bytes, 1, 101);
+}
+
+static void test_preset_llama3_70b_tp8(void **state) {
+  scattered(LLAMA3_70B_TP8.name, preset_descs(&LLAMA3_70B_TP8, 1024),
+            LLAMA3_70B_TP8.block_bytes, 1, 102);
+}
+
+static void test_preset_deepseek_v3(void **state) {
+  scattered(DEEPSEEK_V3.name, preset_descs(&DEEPSEEK_V3, 1024), DEEPSEEK_V3.block_bytes, 1,
+            103);
+}
+
+/* ---------------------------------------------------------------- odd geometries */
+
+/* Sizes that are not page multiples land at unaligned offsets. */
+static void test_odd_size_1000(void **state) { scattered("odd1000", 3000, 1000, 1, 201); }
+
+static void test_odd_size_4097(void **state) { scattered("odd4097", 1000, 4097, 1, 202); }
+
+/* Per-descriptor overhead dominates: 20000 x 64 bytes. */
+static void test_tiny_20000(void **state) { scattered("tiny", 20000, 64, 1, 203); }
+
+static void test_huge_single_256m(void **state) {
+  /* Different offsets on the two sides, so a transport that assumed equal
+   * placement would be caught. */
+  kvf_desc src = {E.pre.pool, 0, 256 * MIB}, dst = {E.dec.pool, 4096, 256 * MIB};
+  char id[64];
+  h_id(id, sizeof id, "huge");
+  h_xfer x = {.id = id, .src = &src, .nsrc = 1, .dst = &dst, .ndst = 1, .seed = 204,
+              .timeout_ms = 90000};
+  H_OK(h_transfer(&E.pre, &E.dec, &x));
+}
+
+/* ---------------------------------------------------------------- coalescing */
+
+/* Back-to-back descriptors are coalesced inside the daemon; the pairing of
+ * the original descriptors must survive it (src i -> dst i). */
+static void contiguous_case(bool src_contig, bool dst_contig, uint64_t seed) {
+  enum { N = 4096 };
+  static kvf_desc src[N], dst[N];
+  char id[64];
+  h_id(id, sizeof id, "contig");
+  h_layout(src, N, E.pre.pool, 0, 4 * KIB, !src_contig, seed);
+  h_layout(dst, N, E.dec.pool, 0, 4 * KIB, !dst_contig, seed + 1);
+  h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N, .seed = seed};
+  H_OK(h_transfer(&E.pre, &E.dec, &x));
+}
+
+static void test_contiguous(void **state) {
+  contiguous_case(true, true, 301);
+  contiguous_case(true, false, 302);
+  contiguous_case(false, true, 303);
+}
+
+/* Contiguous runs of varied lengths, with the same length sequence on both
+ * sides but different run boundaries in the pool. */
+static void test_contiguous_mixed_sizes(void **state) {
+  enum { N = 600 };
+  static kvf_desc src[N], dst[N];
+  uint64_t so = 8192, dof = 12345;
+  char id[64];
+  for (size_t i = 0; i < N; i++) {
+    uint64_t len = 1 + (i * 7919) % 9000;
+    src[i] = (kvf_desc){E.pre.pool, so, len};
+    /* A one-byte hole every 50 descriptors on the receive side only. */
+    dst[i] = (kvf_desc){E.dec.pool, dof, len};
+    so += len;
+    dof += len + (i % 50 == 49);
+  }
+  h_id(id, sizeof id, "contigmix");
+  h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N, .seed = 304};
+  H_OK(h_transfer(&E.pre, &E.dec, &x));
+}
+
+/* ---------------------------------------------------------------- parts, order, naming */
+
+static void test_layer_by_layer(void **state) {
+  /* One kvf_send per layer (KVF_SEND_MORE on all but the last). */
+  scattered("layers", preset_descs(&LLAMA3_8B, 512), LLAMA3_8B.block_bytes,
+            LLAMA3_8B.layers, 401);
+}
+
+static void test_layer_by_layer_send_first(void **state) {
+  enum { N = 61 * 4 };
+  static kvf_desc src[N], dst[N];
+  char id[64];
+  h_id(id, sizeof id, "layers-sf");
+  h_layout(src, N, E.pre.pool, 0, DEEPSEEK_V3.block_bytes, true, 402);
+  h_layout(dst, N, E.dec.pool, 0, DEEPSEEK_V3.block_bytes, true, 403);
+  h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N, .parts = 61,
+              .send_first = true, .seed = 404};
+  H_OK(h_transfer(&E.pre, &E.dec, &x));
+}
+
+static void order_case(bool send_first, bool anon_src, uint64_t seed) {
+  enum { N = 256 };
+  static kvf_desc src[N], dst[N];
+  char id[64];
+  h_id(id, sizeof id, send_first ? "sendfirst" : "grantfirst");
+  h_layout(src, N, E.pre.pool, 0, 16 * KIB, true, seed);
+  h_layout(dst, N, E.dec.pool, 0, 16 * KIB, true, seed + 1);
+  h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N,
+              .send_first = send_first, .anon_src = anon_src, .seed = seed};
+  H_OK(h_transfer(&E.pre, &E.dec, &x));
+}
+
+static void test_grant_first_named_src(void **state) { order_case(false, false, 501); }
+static void test_grant_first_any_src(void **state) { order_case(false, true, 502); }
+static void test_send_first_named_src(void **state) { order_case(true, false, 503); }
+static void test_send_first_any_src(void **state) { order_case(true, true, 504); }
+
+/* A grant pushed ahead (named source) that waits a while before the send:
+ * the sender daemon must hold it until the send comes. */
+static void test_grant_long_before_send(void **state) {
+  enum { N = 128 };
+  static kvf_desc src[N], dst[N];
+  kvf_event rev, sev;
+  char id[64];
+  h_id(id, sizeof id, "early-grant");
+  h_layout(src, N, E.pre.pool, 0, 8 * KIB, true, 505);
+  h_layout(dst, N, E.dec.pool, 0, 8 * KIB, true, 506);
+  h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N, .seed = 507};
+  H_OK(h_prepare(&E.pre, &E.dec, &x));
+  H_OK(h_post_grant(&E.dec, &x, "prefill"));
+  h_sleep_ms(300); /* several heartbeats: the grant has reached prefill */
+  H_OK(h_post_send(&E.pre, &x, "decode"));
+  H_OK(h_wait_event(&E.dec, id, KVF_EV_RECV_DONE, 10000, &rev));
+  H_OK(h_wait_event(&E.pre, id, KVF_EV_SEND_DONE, 10000, &sev));
+  H_OK(h_check_event(&rev, KVF_EV_RECV_DONE, "tcp", "prefill", N * 8 * KIB, N));
+  H_OK(h_check_event(&sev, KVF_EV_SEND_DONE, "tcp", "decode", N * 8 * KIB, N));
+  H_OK(h_verify_dst(&E.dec, &x));
+}
+
+/* ---------------------------------------------------------------- concurrency */
+
+enum { WORKERS = 4, PER_WORKER = 3, W_N = 64 };
+
+typedef struct worker {
+  int idx;
+  int rc;
+  char err[1024];
+  h_client snd, rcv;
+  kvf_desc src[PER_WORKER][W_N], dst[PER_WORKER][W_N];
+  h_xfer x[PER_WORKER];
+  char id[PER_WORKER][64];
+} worker;
+
+/* Posts this worker's transfers all at once (alternating grant-first and
+ * send-first), then collects and verifies them. */
+static int worker_run(worker *w) {
+  kvf_event ev;
+  for (int k = 0; k < PER_WORKER; k++) {
+    uint64_t base = (uint64_t)(w->idx * PER_WORKER + k) * 4 * MIB;
+    h_id(w->id[k], sizeof w->id[k], "conc");
+    h_layout(w->src[k], W_N, w->snd.pool, base, 32 * KIB, true, 600 + (uint64_t)k);
+    h_layout(w->dst[k], W_N, w->rcv.pool, base, 32 * KIB, true, 700 + (uint64_t)k);
+    w->x[k] = (h_xfer){.id = w->id[k], .src = w->src[k], .nsrc = W_N, .dst = w->dst[k],
+                       .ndst = W_N, .send_first = k % 2, .seed = 800u + (uint64_t)(w->idx * 10 + k)};
+    if (h_prepare(&w->snd, &w->rcv, &w->x[k])) return -1;
+  }
+  for (int k = 0; k < PER_WORKER; k++) {
+    const h_xfer *x = &w->x[k];
+    if (x->send_first ? h_post_send(&w->snd, x, "decode") || h_post_grant(&w->rcv, x, "prefill")
+                      : h_post_grant(&w->rcv, x, "prefill") || h_post_send(&w->snd, x, "decode"))
+      return -1;
+  }
+  for (int k = 0; k < PER_WORKER; k++) {
+    const h_xfer *x = &w->x[k];
+    if (h_wait_event(&w->rcv, x->id, KVF_EV_RECV_DONE, 30000, &ev) ||
+        h_check_event(&ev, KVF_EV_RECV_DONE, "tcp", "prefill", W_N * 32 * KIB, W_N) ||
+        h_wait_event(&w->snd, x->id, KVF_EV_SEND_DONE, 30000, &ev) ||
+        h_check_event(&ev, KVF_EV_SEND_DONE, "tcp", "decode", W_N * 32 * KIB, W_N) ||
+        h_verify_dst(&w->rcv, x))
+      return -1;
+  }
+  return h_no_events(&w->snd, 0) || h_no_events(&w->rcv, 0) ? -1 : 0;
+}
+
+static void *worker_main(void *arg) {
+  worker *w = arg;
+  w->rc = -1;
+  if (h_client_open(&w->snd, &E.p.prefill) == 0 && h_client_open(&w->rcv, &E.p.decode) == 0)
+    w->rc = worker_run(w);
+  if (w->rc) snprintf(w->err, sizeof w->err, "%s", h_lasterr());
+  h_client_close(&w->snd);
+  h_client_close(&w->rcv);
+  return NULL;
+}
+
+static void test_concurrent_clients(void **state) {
+  worker *w = calloc(WORKERS, sizeof *w);
+  pthread_t th[WORKERS];
+  assert_non_null(w);
+  for (int i = 0; i < WORKERS; i++) {
+    w[i].idx = i;
+    assert_int_equal(pthread_create(&th[i], NULL, worker_main, &w[i]), 0);
+  }
+  /* Every wait inside a worker is bounded, so join is too. */
+  for (int i = 0; i < WORKERS; i++) pthread_join(th[i], NULL);
+  for (int i = 0; i < WORKERS; i++)
+    if (w[i].rc) {
+      char msg[1100];
+      snprintf(msg, sizeof msg, "worker %d: %s", i, w[i].err);
+      free(w);
+      fail_msg("%s", msg);
+    }
+  free(w);
+}
+
+/* ---------------------------------------------------------------- local */
+
+/* Two clients of the same daemon: path "local", peer is the node itself. */
+static void local_case(bool send_first, bool anon_src, uint64_t seed) {
+  enum { N = 512 };
+  static kvf_desc src[N], dst[N];
+  h_client other;
+  char id[64];
+  H_OK(h_client_open(&other, &E.p.prefill));
+  h_id(id, sizeof id, "local");
+  h_layout(src, N, E.pre.pool, 0, 16 * KIB, true, seed);
+  h_layout(dst, N, other.pool, 64 * MIB, 16 * KIB, true, seed + 1);
+  h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N, .seed = seed,
+              .send_first = send_first, .anon_src = anon_src, .path = "local"};
+  int rc = h_transfer(&E.pre, &other, &x);
+  h_client_close(&other);
+  H_OK(rc);
+}
+
+static void test_local_grant_first(void **state) { local_case(false, false, 901); }
+static void test_local_send_first_any_src(void **state) { local_case(true, true, 902); }
+
+/* ---------------------------------------------------------------- the end */
+
+/* After all of the above: nothing active, no stray or duplicate events, and
+ * the counters saw the transfers. */
+static void test_idle_no_stray_events(void **state) {
+  uint64_t done = 0, failed = 0;
+  H_OK(h_wait_idle(E.pre.c, 3000));
+  H_OK(h_wait_idle(E.dec.c, 3000));
+  H_OK(h_no_events(&E.pre, 200));
+  H_OK(h_no_events(&E.dec, 0));
+  H_OK(h_status_u64(E.dec.c, "transfers_done", &done));
+  H_OK(h_status_u64(E.dec.c, "transfers_failed", &failed));
+  assert_true(done >= 20);
+  assert_int_equal(failed, 0);
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_preset_llama3_8b),
+      cmocka_unit_test(test_preset_llama3_70b_tp8),
+      cmocka_unit_test(test_preset_deepseek_v3),
+      cmocka_unit_test(test_odd_size_1000),
+      cmocka_unit_test(test_odd_size_4097),
+      cmocka_unit_test(test_tiny_20000),
+      cmocka_unit_test(test_huge_single_256m),
+      cmocka_unit_test(test_contiguous),
+      cmocka_unit_test(test_contiguous_mixed_sizes),
+      cmocka_unit_test(test_layer_by_layer),
+      cmocka_unit_test(test_layer_by_layer_send_first),
+      cmocka_unit_test(test_grant_first_named_src),
+      cmocka_unit_test(test_grant_first_any_src),
+      cmocka_unit_test(test_send_first_named_src),
+      cmocka_unit_test(test_send_first_any_src),
+      cmocka_unit_test(test_grant_long_before_send),
+      cmocka_unit_test(test_concurrent_clients),
+      cmocka_unit_test(test_local_grant_first),
+      cmocka_unit_test(test_local_send_first_any_src),
+      cmocka_unit_test(test_idle_no_stray_events),
+  };
+  h_init();
+  return h_cleanup(cmocka_run_group_tests_name("e2e", tests, group_setup, group_teardown));
+}

@@ -1,0 +1,594 @@
+/* test_errors.c - black-box failure cases against two real kvferryd daemons
+ * ("prefill" and "decode") on loopback. Each case checks the specific error
+ * code, then that the daemons still serve (a fresh verified transfer). The
+ * crash cases SIGKILL a daemon or a client; the last case checks that every
+ * counter of active work is back to 0 (nothing leaked). */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "harness.h"
+
+#define KIB (1ull << 10)
+
+typedef struct errs {
+  h_pair p;
+  h_client pre; /* a client of "prefill", the usual sender */
+  h_client dec; /* a client of "decode", the usual receiver */
+} errs;
+
+static errs E;
+
+static int group_setup(void **state) {
+  (void)state;
+  if (h_pair_start(&E.p, "64M")) return -1;
+  if (h_client_open(&E.pre, &E.p.prefill) || h_client_open(&E.dec, &E.p.decode)) return -1;
+  return 0;
+}
+
+static int group_teardown(void **state) {
+  (void)state;
+  h_client_close(&E.pre);
+  h_client_close(&E.dec);
+  return h_pair_stop(&E.p);
+}
+
+/* Waits for id's event of type and fails unless its status is want. */
+static int expect_status(h_client *hc, const char *id, int type, int want, int ms,
+                         kvf_event *ev) {
+  kvf_event local;
+  if (!ev) ev = &local;
+  if (h_wait_event(hc, id, type, ms, ev)) return -1;
+  if (ev->type != type || ev->status != want)
+    return h_fail("%s: %s: event type %d status %s (%s), expected type %d status %s",
+                  hc->node, id, ev->type, kvf_err_name(ev->status), ev->error, type,
+                  kvf_err_name(want));
+  return 0;
+}
+
+static int expect_rc(int got, int want, const char *what) {
+  if (got == want) return 0;
+  return h_fail("%s returned %s, expected %s", what, kvf_err_name(got), kvf_err_name(want));
+}
+
+/* ---------------------------------------------------------------- sizes */
+
+/* Grant dst, send src in one part; both sides must fail with KVF_ESIZE. */
+static void size_mismatch(const kvf_desc *src, size_t ns, const kvf_desc *dst, size_t nd) {
+  char id[64];
+  h_id(id, sizeof id, "esize");
+  h_xfer x = {.id = id, .src = src, .nsrc = ns, .dst = dst, .ndst = nd, .deadline_ms = 20000};
+  H_OK(h_post_grant(&E.dec, &x, "prefill"));
+  H_OK(h_post_send(&E.pre, &x, "decode"));
+  H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_ESIZE, 5000, NULL));
+  H_OK(expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_ESIZE, 5000, NULL));
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+enum { SN = 32 };
+
+static void test_size_one_longer(void **state) {
+  kvf_desc src[SN], dst[SN];
+  h_layout(src, SN, E.pre.pool, 0, 4 * KIB, true, 1);
+  h_layout(dst, SN, E.dec.pool, 0, 4 * KIB, true, 2);
+  src[SN / 2].len += 1;
+  size_mismatch(src, SN, dst, SN);
+}
+
+/* Same total, different split: [100][200] into [200][100]. Back to back on
+ * both sides, so a daemon that coalesced before checking would miss it. */
+static void test_size_hidden_by_coalescing(void **state) {
+  kvf_desc src[2] = {{E.pre.pool, 0, 100}, {E.pre.pool, 100, 200}};
+  kvf_desc dst[2] = {{E.dec.pool, 0, 200}, {E.dec.pool, 200, 100}};
+  size_mismatch(src, 2, dst, 2);
+}
+
+static void test_too_many_descs(void **state) {
+  kvf_desc src[SN + 1], dst[SN];
+  h_layout(src, SN + 1, E.pre.pool, 0, 4 * KIB, true, 3);
+  h_layout(dst, SN, E.dec.pool, 0, 4 * KIB, true, 4);
+  size_mismatch(src, SN + 1, dst, SN);
+}
+
+static void test_too_few_descs(void **state) {
+  kvf_desc src[SN - 1], dst[SN];
+  h_layout(src, SN - 1, E.pre.pool, 0, 4 * KIB, true, 5);
+  h_layout(dst, SN, E.dec.pool, 0, 4 * KIB, true, 6);
+  size_mismatch(src, SN - 1, dst, SN);
+}
+
+/* ---------------------------------------------------------------- refused at once */
+
+static void test_send_unknown_peer(void **state) {
+  kvf_desc d = {E.pre.pool, 0, 4096};
+  H_OK(expect_rc(kvf_send(E.pre.c, "enopeer-1", "no-such-node", &d, 1, 0, 1000), KVF_ENOPEER,
+                 "kvf_send to an unknown node"));
+  /* A call that returns an error queues no event. */
+  H_OK(h_no_events(&E.pre, 200));
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+static void test_grant_unknown_src(void **state) {
+  kvf_desc d = {E.dec.pool, 0, 4096};
+  H_OK(expect_rc(kvf_grant(E.dec.c, "enopeer-2", "no-such-node", &d, 1, 1000), KVF_ENOPEER,
+                 "kvf_grant from an unknown node"));
+  H_OK(h_no_events(&E.dec, 200));
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+static void test_unknown_pool(void **state) {
+  kvf_desc d = {9999, 0, 4096};
+  H_OK(expect_rc(kvf_grant(E.dec.c, "enopool-1", "prefill", &d, 1, 1000), KVF_ENOPOOL,
+                 "kvf_grant into pool 9999"));
+  H_OK(expect_rc(kvf_send(E.pre.c, "enopool-2", "decode", &d, 1, 0, 1000), KVF_ENOPOOL,
+                 "kvf_send from pool 9999"));
+  H_OK(h_no_events(&E.pre, 0));
+  H_OK(h_no_events(&E.dec, 200));
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+/* Each bad range is the last of 8 descriptors: every one must be checked. */
+static void range_case(uint64_t off, uint64_t len) {
+  kvf_desc g[8], s[8];
+  char what[128];
+  h_layout(g, 8, E.dec.pool, 0, 4096, false, 0);
+  h_layout(s, 8, E.pre.pool, 0, 4096, false, 0);
+  g[7].offset = s[7].offset = off;
+  g[7].len = s[7].len = len;
+  snprintf(what, sizeof what, "grant/send of range %#llx+%#llx", (unsigned long long)off,
+           (unsigned long long)len);
+  H_OK(expect_rc(kvf_grant(E.dec.c, "erange-g", "prefill", g, 8, 1000), KVF_ERANGE, what));
+  H_OK(expect_rc(kvf_send(E.pre.c, "erange-s", "decode", s, 8, 0, 1000), KVF_ERANGE, what));
+}
+
+static void test_range_outside_pool(void **state) {
+  uint64_t size = E.dec.size;
+  assert_int_equal(size, E.pre.size);
+  range_case(size - 4096, 8192);       /* straddles the end */
+  range_case(size, 1);                 /* starts at the end */
+  range_case(UINT64_MAX - 10, 4096);   /* offset + len wraps */
+  range_case(4096, UINT64_MAX - 100);  /* len wraps */
+  H_OK(h_no_events(&E.pre, 0));
+  H_OK(h_no_events(&E.dec, 200));
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+static void test_duplicate_id(void **state) {
+  kvf_desc d[4];
+  h_client other_dec, other_pre;
+  char gid[64], sid[64];
+  h_id(gid, sizeof gid, "dup-g");
+  h_id(sid, sizeof sid, "dup-s");
+  h_layout(d, 4, E.dec.pool, 0, 4096, false, 0);
+  H_OK(h_client_open(&other_dec, &E.p.decode));
+  H_OK(h_client_open(&other_pre, &E.p.prefill));
+  H_OK(expect_rc(kvf_grant(E.dec.c, gid, "prefill", d, 4, 10000), 0, "first grant"));
+  H_OK(expect_rc(kvf_grant(E.dec.c, gid, "prefill", d, 4, 10000), KVF_EEXIST,
+                 "second grant, same client"));
+  H_OK(expect_rc(kvf_grant(other_dec.c, gid, "prefill", d, 4, 10000), KVF_EEXIST,
+                 "second grant, other client"));
+  /* Cancel only reaches this client's own transfers. */
+  H_OK(expect_rc(kvf_cancel(other_dec.c, gid), KVF_ENOENT, "cancel of another's grant"));
+  h_layout(d, 4, E.pre.pool, 0, 4096, false, 0);
+  H_OK(expect_rc(kvf_send(E.pre.c, sid, "decode", d, 2, KVF_SEND_MORE, 10000), 0, "first send"));
+  H_OK(expect_rc(kvf_send(other_pre.c, sid, "decode", d, 4, 0, 10000), KVF_EEXIST,
+                 "second send, other client"));
+  H_OK(expect_rc(kvf_cancel(E.dec.c, gid), 0, "cancel grant"));
+  H_OK(expect_rc(kvf_cancel(E.pre.c, sid), 0, "cancel send"));
+  H_OK(expect_status(&E.dec, gid, KVF_EV_RECV_DONE, KVF_ECANCELED, 5000, NULL));
+  H_OK(expect_status(&E.pre, sid, KVF_EV_SEND_DONE, KVF_ECANCELED, 5000, NULL));
+  H_OK(h_no_events(&other_dec, 0));
+  H_OK(h_no_events(&other_pre, 100));
+  h_client_close(&other_dec);
+  h_client_close(&other_pre);
+  /* Both ids are free again: a whole transfer under the grant's id. */
+  kvf_desc src[8], dst[8];
+  h_layout(src, 8, E.pre.pool, 0, 4096, true, 7);
+  h_layout(dst, 8, E.dec.pool, 0, 4096, true, 8);
+  h_xfer x = {.id = gid, .src = src, .nsrc = 8, .dst = dst, .ndst = 8, .seed = 9};
+  H_OK(h_transfer(&E.pre, &E.dec, &x));
+}
+
+static void test_cancel_unknown(void **state) {
+  H_OK(expect_rc(kvf_cancel(E.dec.c, "never-posted"), KVF_ENOENT, "cancel of unknown id"));
+  H_OK(expect_rc(kvf_cancel(E.pre.c, "never-posted"), KVF_ENOENT, "cancel of unknown id"));
+  /* A finished transfer is no longer active either. */
+  kvf_desc src[4], dst[4];
+  char id[64];
+  h_id(id, sizeof id, "finished");
+  h_layout(src, 4, E.pre.pool, 0, 4096, true, 10);
+  h_layout(dst, 4, E.dec.pool, 0, 4096, true, 11);
+  h_xfer x = {.id = id, .src = src, .nsrc = 4, .dst = dst, .ndst = 4, .seed = 12};
+  H_OK(h_transfer(&E.pre, &E.dec, &x));
+  H_OK(expect_rc(kvf_cancel(E.dec.c, id), KVF_ENOENT, "cancel of a finished grant"));
+  H_OK(expect_rc(kvf_cancel(E.pre.c, id), KVF_ENOENT, "cancel of a finished send"));
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+/* ---------------------------------------------------------------- deadlines */
+
+/* The event must not come early (timer slack allowed) nor much late. */
+static int check_elapsed(uint64_t t0, uint32_t deadline, const char *what) {
+  uint64_t ms = h_now_ms() - t0;
+  if (ms + 50 < deadline || ms > deadline + 2000)
+    return h_fail("%s: deadline %u ms expired after %llu ms", what, deadline,
+                  (unsigned long long)ms);
+  return 0;
+}
+
+static void test_deadline_grant_without_send(void **state) {
+  kvf_desc d[4];
+  char id[64];
+  h_id(id, sizeof id, "dl-grant");
+  h_layout(d, 4, E.dec.pool, 0, 4096, false, 0);
+  uint64_t t0 = h_now_ms();
+  H_OK(expect_rc(kvf_grant(E.dec.c, id, "prefill", d, 4, 300), 0, "grant"));
+  H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_EDEADLINE, 3000, NULL));
+  H_OK(check_elapsed(t0, 300, "grant"));
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+static void test_deadline_send_without_grant(void **state) {
+  kvf_desc d[4];
+  char id[64];
+  h_id(id, sizeof id, "dl-send");
+  h_layout(d, 4, E.pre.pool, 0, 4096, false, 0);
+  uint64_t t0 = h_now_ms();
+  H_OK(expect_rc(kvf_send(E.pre.c, id, "decode", d, 4, 0, 300), 0, "send"));
+  H_OK(expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_EDEADLINE, 3000, NULL));
+  H_OK(check_elapsed(t0, 300, "send"));
+  H_OK(h_no_events(&E.dec, 0));
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+/* ---------------------------------------------------------------- cancel */
+
+enum { CN = 16 };
+
+/* Grant, then the first half of the send (KVF_SEND_MORE): a transfer in
+ * flight that one side then cancels. */
+static void start_half(h_xfer *x, kvf_desc *src, kvf_desc *dst, char *id, const char *tag) {
+  h_id(id, 64, tag);
+  h_layout(src, CN, E.pre.pool, 0, 64 * KIB, true, 20);
+  h_layout(dst, CN, E.dec.pool, 0, 64 * KIB, true, 21);
+  *x = (h_xfer){.id = id, .src = src, .nsrc = CN / 2, .dst = dst, .ndst = CN,
+                .deadline_ms = 20000, .seed = 22};
+  H_OK(h_prepare(&E.pre, &E.dec, x));
+  H_OK(h_post_grant(&E.dec, x, "prefill"));
+  H_OK(expect_rc(kvf_send(E.pre.c, id, "decode", src, CN / 2, KVF_SEND_MORE, 20000), 0,
+                 "first half"));
+  h_sleep_ms(50); /* let the first half move */
+}
+
+static void test_cancel_by_receiver(void **state) {
+  kvf_desc src[CN], dst[CN];
+  char id[64];
+  h_xfer x;
+  start_half(&x, src, dst, id, "cancel-rx");
+  H_OK(expect_rc(kvf_cancel(E.dec.c, id), 0, "receiver cancel"));
+  H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_ECANCELED, 5000, NULL));
+  H_OK(expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_EREMOTECANCEL, 5000, NULL));
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+static void test_cancel_by_sender(void **state) {
+  kvf_desc src[CN], dst[CN];
+  char id[64];
+  h_xfer x;
+  start_half(&x, src, dst, id, "cancel-tx");
+  H_OK(expect_rc(kvf_cancel(E.pre.c, id), 0, "sender cancel"));
+  H_OK(expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_ECANCELED, 5000, NULL));
+  H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_EREMOTECANCEL, 5000, NULL));
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+/* A grant cancelled before any send is revoked on the sender's daemon too
+ * (it was pushed there ahead): a later send must not land in it. */
+static void test_cancelled_grant_revoked(void **state) {
+  kvf_desc src[CN], dst[CN];
+  kvf_event ev;
+  char id[64];
+  h_id(id, sizeof id, "revoked");
+  h_layout(src, CN, E.pre.pool, 0, 4096, true, 30);
+  h_layout(dst, CN, E.dec.pool, 0, 4096, true, 31);
+  h_xfer x = {.id = id, .src = src, .nsrc = CN, .dst = dst, .ndst = CN, .deadline_ms = 500,
+              .seed = 32};
+  H_OK(h_prepare(&E.pre, &E.dec, &x));
+  H_OK(h_post_grant(&E.dec, &x, "prefill"));
+  h_sleep_ms(200); /* the grant has been pushed to prefill */
+  H_OK(expect_rc(kvf_cancel(E.dec.c, id), 0, "cancel grant"));
+  H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_ECANCELED, 5000, NULL));
+  H_OK(h_post_send(&E.pre, &x, "decode"));
+  H_OK(h_wait_event(&E.pre, id, KVF_EV_SEND_DONE, 5000, &ev));
+  if (ev.status != KVF_EDEADLINE && ev.status != KVF_EREMOTECANCEL)
+    fail_msg("send into a cancelled grant ended with %s (%s)", kvf_err_name(ev.status), ev.error);
+  for (size_t i = 0; i < CN; i++)
+    if (h_verify_poison(E.dec.base + dst[i].offset, dst[i].len) >= 0)
+      fail_msg("data landed in cancelled grant, descriptor %zu", i);
+  H_OK(h_no_events(&E.dec, 0));
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+/* ---------------------------------------------------------------- garbage */
+
+static int raw_unix(const char *path) {
+  struct sockaddr_un a = {.sun_family = AF_UNIX};
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  snprintf(a.sun_path, sizeof a.sun_path, "%s", path);
+  if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+    if (fd >= 0) close(fd);
+    return h_fail("connect %s: %s", path, strerror(errno));
+  }
+  return fd;
+}
+
+static int raw_tcp(uint16_t port) {
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port),
+                          .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+    if (fd >= 0) close(fd);
+    return h_fail("connect 127.0.0.1:%u: %s", port, strerror(errno));
+  }
+  return fd;
+}
+
+/* Writes what it can: the daemon may close before taking it all. */
+static void raw_write(int fd, const void *p, size_t n) {
+  const uint8_t *b = p;
+  while (n > 0) {
+    ssize_t w = send(fd, b, n, MSG_NOSIGNAL);
+    if (w <= 0) return;
+    b += w;
+    n -= (size_t)w;
+  }
+}
+
+/* Succeeds when the daemon closes fd within ms (anything it says first,
+ * like an error reply or its own hello, is ignored). */
+static int expect_closed(int fd, int ms, const char *what) {
+  uint64_t end = h_now_ms() + (uint64_t)ms;
+  char buf[4096];
+  for (;;) {
+    struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    int r = poll(&pfd, 1, h_left_ms(end));
+    if (r == 0) return h_fail("%s: connection still open after %d ms", what, ms);
+    if (r < 0) continue;
+    ssize_t n = recv(fd, buf, sizeof buf, 0);
+    if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN)) return 0;
+  }
+}
+
+static void put_u32le(uint8_t *p, uint32_t v) {
+  p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8), p[2] = (uint8_t)(v >> 16), p[3] = (uint8_t)(v >> 24);
+}
+
+typedef int (*opener)(const void *where);
+static int open_api(const void *w) { return raw_unix(w); }
+static int open_peer(const void *w) { return raw_tcp(*(const uint16_t *)w); }
+
+/* The four bad inputs, each on its own connection. */
+static int garbage_cases(opener op, const void *where) {
+  uint8_t buf[4096];
+  int fd;
+  /* 1. Random bytes, then end of stream: whatever it made of them, the
+   *    daemon must drop the connection. */
+  if ((fd = op(where)) < 0) return -1;
+  h_fill(buf, sizeof buf, 0xbad, 1);
+  raw_write(fd, buf, sizeof buf);
+  shutdown(fd, SHUT_WR);
+  int rc = expect_closed(fd, 3000, "random bytes");
+  close(fd);
+  /* 2. A length prefix of 0xFFFFFFFF: over any maximum, refused at once. */
+  if (rc || (fd = op(where)) < 0) return -1;
+  put_u32le(buf, 0xFFFFFFFFu);
+  raw_write(fd, buf, 16);
+  rc = expect_closed(fd, 3000, "length 0xFFFFFFFF");
+  close(fd);
+  /* 3. A header announcing 100 bytes, 10 of them, then we hang up. */
+  if (rc || (fd = op(where)) < 0) return -1;
+  put_u32le(buf, 100);
+  raw_write(fd, buf, 14);
+  close(fd);
+  /* 4. A whole frame that is not a protobuf message: field 1 with wire
+   *    type 7, which does not exist. */
+  if ((fd = op(where)) < 0) return -1;
+  static const uint8_t bad[] = {0x08, 0x01, 0x0f, 0xff, 0xff, 0xff, 0xff, 0x0f};
+  put_u32le(buf, sizeof bad);
+  memcpy(buf + 4, bad, sizeof bad);
+  raw_write(fd, buf, 4 + sizeof bad);
+  rc = expect_closed(fd, 3000, "undecodable frame");
+  close(fd);
+  return rc;
+}
+
+/* The client count returns to what it was: nothing kept for dead sockets. */
+static int wait_clients(kvf_client *c, uint64_t want, int ms) {
+  uint64_t end = h_now_ms() + (uint64_t)ms, n = 0;
+  do {
+    if (h_status_u64(c, "clients", &n)) return -1;
+    if (n == want) return 0;
+    h_sleep_ms(20);
+  } while (h_now_ms() < end);
+  return h_fail("%s: %llu clients, expected %llu", kvf_node(c), (unsigned long long)n,
+                (unsigned long long)want);
+}
+
+static void test_garbage_api_socket(void **state) {
+  uint64_t clients;
+  char *json = NULL;
+  H_OK(h_status_u64(E.dec.c, "clients", &clients));
+  H_OK(garbage_cases(open_api, E.p.decode.sock));
+  H_OK(wait_clients(E.dec.c, clients, 3000));
+  H_OK(h_inspect(E.dec.c, KVF_INSPECT_STATUS, &json)); /* what kvferryctl status does */
+  free(json);
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+static void test_garbage_peer_port(void **state) {
+  char *json = NULL;
+  H_OK(garbage_cases(open_peer, &E.p.decode.port));
+  H_OK(h_inspect(E.dec.c, KVF_INSPECT_STATUS, &json));
+  free(json);
+  /* The real peer connection was not disturbed. */
+  H_OK(h_pair_wait_up(&E.p));
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+/* ---------------------------------------------------------------- crashes */
+
+/* The child: its own client of decode grants id (source prefill), reports
+ * the result through the pipe, then waits to be killed. */
+static void grant_child(int wfd, const char *id, const kvf_desc *d, size_t n) {
+  kvf_client *c = NULL;
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  int rc = kvf_connect(E.p.decode.sock, &c);
+  if (rc == 0) rc = kvf_grant(c, id, "prefill", d, n, 20000);
+  if (write(wfd, &rc, sizeof rc) != sizeof rc) _exit(2);
+  h_sleep_ms(30000); /* bounded, should the parent never kill us */
+  _exit(3);
+}
+
+static int read_child_rc(int rfd, int *rc) {
+  struct pollfd pfd = {.fd = rfd, .events = POLLIN};
+  if (poll(&pfd, 1, 10000) != 1 || read(rfd, rc, sizeof *rc) != sizeof *rc)
+    return h_fail("grant child did not report within 10 s");
+  return 0;
+}
+
+static void test_client_killed(void **state) {
+  kvf_desc src[CN], dst[CN];
+  kvf_event ev;
+  char id[64];
+  int pfd[2], crc = -1, st;
+  h_id(id, sizeof id, "client-killed");
+  h_layout(src, CN, E.pre.pool, 0, 64 * KIB, true, 40);
+  h_layout(dst, CN, E.dec.pool, 0, 64 * KIB, true, 41);
+  assert_int_equal(pipe(pfd), 0);
+  fflush(NULL);
+  pid_t pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) grant_child(pfd[1], id, dst, CN);
+  close(pfd[1]);
+  int r = read_child_rc(pfd[0], &crc);
+  close(pfd[0]);
+  if (r || crc) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &st, 0);
+    fail_msg("child grant: %s %s", kvf_err_name(crc), h_lasterr());
+  }
+  /* Half of the send, then the receiving client dies mid-transfer. */
+  H_OK(expect_rc(kvf_send(E.pre.c, id, "decode", src, CN / 2, KVF_SEND_MORE, 3000), 0,
+                 "first half"));
+  h_sleep_ms(50);
+  kill(pid, SIGKILL);
+  waitpid(pid, &st, 0);
+  H_OK(h_wait_event(&E.pre, id, KVF_EV_SEND_DONE, 6000, &ev));
+  if (ev.status == KVF_EDEADLINE)
+    fprintf(stderr, "note: client death reached the sender only as its deadline\n");
+  else if (ev.status != KVF_EREMOTECANCEL)
+    fail_msg("send to a dead client ended with %s (%s)", kvf_err_name(ev.status), ev.error);
+  /* The dead client's grant is gone: the id is free for another client. */
+  h_xfer x = {.id = id, .src = src, .nsrc = CN, .dst = dst, .ndst = CN, .seed = 42};
+  H_OK(h_transfer(&E.pre, &E.dec, &x));
+}
+
+/* 1 when prefill no longer shows decode "up". */
+static int decode_not_up(kvf_client *c) {
+  char *json = NULL, state_[32] = "";
+  const char *it, *e;
+  if (h_inspect(c, KVF_INSPECT_PEERS, &json)) return 0;
+  it = hj_get(json, "peers");
+  while (it && (e = hj_next(&it))) {
+    char name[64];
+    if (!hj_str(e, "name", name, sizeof name) && !strcmp(name, "decode"))
+      hj_str(e, "state", state_, sizeof state_);
+  }
+  free(json);
+  return state_[0] && strcmp(state_, "up") != 0;
+}
+
+static void test_peer_daemon_killed(void **state) {
+  kvf_desc src[CN], dst[CN];
+  kvf_event ev;
+  char id[64];
+  h_xfer x;
+  /* A long deadline: the failure must come from losing the peer. */
+  start_half(&x, src, dst, id, "peer-killed");
+  H_OK(h_daemon_kill9(&E.p.decode));
+  uint64_t t0 = h_now_ms();
+  H_OK(expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_EPEERLOST, 5000, NULL));
+  assert_true(h_now_ms() - t0 < 5000);
+  assert_true(decode_not_up(E.pre.c));
+  /* The decode engine learns its daemon is gone. */
+  int rc = h_wait_event(&E.dec, id, 0, 5000, &ev);
+  if (rc != KVF_EDAEMON)
+    fail_msg("decode client: kvf_wait_events gave %s, expected KVF_EDAEMON%s%s",
+             kvf_err_name(rc), rc == 0 ? "; event status " : "",
+             rc == 0 ? kvf_err_name(ev.status) : "");
+  h_client_close(&E.dec);
+  /* Restart on the same port; prefill reconnects by itself. */
+  H_OK(h_daemon_spawn(&E.p.decode));
+  H_OK(h_pair_wait_up(&E.p));
+  H_OK(h_client_open(&E.dec, &E.p.decode));
+  for (size_t i = 0; i < CN; i++) dst[i].pool = E.dec.pool;
+  /* The same id again: nothing of the failed transfer was left behind. */
+  x.nsrc = CN;
+  x.deadline_ms = 0;
+  H_OK(h_transfer(&E.pre, &E.dec, &x));
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+/* ---------------------------------------------------------------- the end */
+
+/* After every failure above: no grant, send or transfer left active on
+ * either daemon, and no stray events. */
+static void test_no_leaks(void **state) {
+  H_OK(h_wait_idle(E.pre.c, 3000));
+  H_OK(h_wait_idle(E.dec.c, 3000));
+  H_OK(h_no_events(&E.pre, 200));
+  H_OK(h_no_events(&E.dec, 0));
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_size_one_longer),
+      cmocka_unit_test(test_size_hidden_by_coalescing),
+      cmocka_unit_test(test_too_many_descs),
+      cmocka_unit_test(test_too_few_descs),
+      cmocka_unit_test(test_send_unknown_peer),
+      cmocka_unit_test(test_grant_unknown_src),
+      cmocka_unit_test(test_unknown_pool),
+      cmocka_unit_test(test_range_outside_pool),
+      cmocka_unit_test(test_duplicate_id),
+      cmocka_unit_test(test_cancel_unknown),
+      cmocka_unit_test(test_deadline_grant_without_send),
+      cmocka_unit_test(test_deadline_send_without_grant),
+      cmocka_unit_test(test_cancel_by_receiver),
+      cmocka_unit_test(test_cancel_by_sender),
+      cmocka_unit_test(test_cancelled_grant_revoked),
+      cmocka_unit_test(test_garbage_api_socket),
+      cmocka_unit_test(test_garbage_peer_port),
+      cmocka_unit_test(test_client_killed),
+      cmocka_unit_test(test_peer_daemon_killed),
+      cmocka_unit_test(test_no_leaks),
+  };
+  h_init();
+  return h_cleanup(cmocka_run_group_tests_name("errors", tests, group_setup, group_teardown));
+}
