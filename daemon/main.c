@@ -95,6 +95,18 @@ static bool env_peer_up(const kvf__peer *p) { return p->state == KVF__PEER_UP; }
 static const char *env_peer_name(const kvf__peer *p) { return p->cfg.name; }
 static kvf__transport *env_peer_transport(kvf__peer *p) { return p->tp; }
 
+/* The config's transports, in its order of preference. */
+static size_t pick_transports(kvf__transport **out, size_t cap) {
+  size_t n = 0;
+  char list[sizeof(kvfd.cfg.transports)];
+  snprintf(list, sizeof(list), "%s", kvfd.cfg.transports);
+  for (char *save = NULL, *w = strtok_r(list, ",", &save); w && n < cap; w = strtok_r(NULL, ",", &save)) {
+    if (strcmp(w, "tcp") == 0) out[n++] = tcp_tp;
+    else kvf__warn("transport %s is not available in this build; skipped", w);
+  }
+  return n;
+}
+
 static int start(void) {
   char err[512] = "";
   int rc = kvf__local_create(&local_tp);
@@ -114,8 +126,10 @@ static int start(void) {
       .local = local_tp,
   };
   kvf__xfer_init(kvfd.loop, &env);
+  kvf__transport *data_tps[8];
+  size_t n_data_tps = pick_transports(data_tps, 8);
   if ((rc = kvf__api_start(kvfd.loop, err, sizeof(err))) != 0 ||
-      (rc = kvf__peers_start(kvfd.loop, tcp_tp, err, sizeof(err))) != 0) {
+      (rc = kvf__peers_start(kvfd.loop, data_tps, n_data_tps, tcp_tp, err, sizeof(err))) != 0) {
     kvf__err("%s", err);
     return rc;
   }

@@ -45,6 +45,8 @@ struct kvf__pconn {
 static struct {
   uv_loop_t *loop;
   kvf__transport *tcp;
+  kvf__transport *tps[8];
+  size_t n_tps;
   uv_tcp_t listener;
   bool listening;
   int listen_port;
@@ -120,9 +122,10 @@ static void send_hello(kvf__pconn *c) {
   h.session = kvfd.session;
   h.data_streams = kvfd.cfg.tcp_streams;
   h.heartbeat_ms = kvfd.cfg.heartbeat_ms;
-  char *transports[] = {"tcp"};
-  h.transports = transports;
-  h.n_transports = 1;
+  char *names[8];
+  for (size_t i = 0; i < P.n_tps; i++) names[i] = (char *)P.tps[i]->ops->name;
+  h.transports = names;
+  h.n_transports = P.n_tps;
   Kvf__PoolInfo infos[KVF__MAX_POOLS_CFG], *ptrs[KVF__MAX_POOLS_CFG];
   for (size_t i = 0; i < kvfd.n_pools && i < KVF__MAX_POOLS_CFG; i++) {
     kvf__pool_info__init(&infos[i]);
@@ -182,6 +185,14 @@ static void schedule_reconnect(kvf__peer *p) {
   uv_timer_start(&p->reconnect, on_reconnect, ms, 0);
 }
 
+static void transports_down(kvf__peer *p) {
+  if (p->tp) p->tp->ops->peer_down(p->tp, p);
+  if (p->tp && p->tp != P.tcp) P.tcp->ops->peer_down(P.tcp, p);
+  p->tp = NULL;
+  if (p->hello) kvf__hello__free_unpacked(p->hello, NULL);
+  p->hello = NULL;
+}
+
 static void peer_down(kvf__peer *p, const char *why) {
   kvf__pconn *c = p->conn;
   p->conn = NULL;
@@ -191,7 +202,7 @@ static void peer_down(kvf__peer *p, const char *why) {
   kvf__warn("peer %s down: %s", p->cfg.name, why ? why : "closed");
   /* The transport first: once its threads let go of the memory, the
    * transfers can fail and their owners reuse the blocks. */
-  if (p->tp) p->tp->ops->peer_down(p->tp, p);
+  transports_down(p);
   kvf__xfer_on_peer_down(p);
   if (c) conn_close(c, NULL);
   schedule_reconnect(p);
@@ -232,6 +243,22 @@ static void adopt_parked(kvf__peer *p) {
   }
 }
 
+static bool peer_offers(const kvf__peer *p, const char *name) {
+  for (size_t i = 0; p->hello && i < p->hello->n_transports; i++)
+    if (strcmp(p->hello->transports[i], name) == 0) return true;
+  return false;
+}
+
+/* The first of our transports, in config order, that the peer offers too
+ * and that can reach it. */
+static kvf__transport *choose_transport(kvf__peer *p) {
+  for (size_t i = 0; i < P.n_tps; i++) {
+    kvf__transport *t = P.tps[i];
+    if (peer_offers(p, t->ops->name) && (!t->ops->usable || t->ops->usable(t, p))) return t;
+  }
+  return NULL;
+}
+
 static void peer_up(kvf__peer *p, kvf__pconn *c) {
   p->conn = c;
   p->state = KVF__PEER_UP;
@@ -240,8 +267,14 @@ static void peer_up(kvf__peer *p, kvf__pconn *c) {
   p->up_since_ns = p->last_rx_ns = kvf__now_ns();
   p->last_error[0] = 0;
   uv_timer_stop(&p->reconnect);
-  p->tp = P.tcp;
+  p->tp = choose_transport(p);
+  if (!p->tp) {
+    peer_down(p, "no transport in common with the peer");
+    return;
+  }
   int rc = p->tp->ops->peer_up(p->tp, p);
+  /* Inbound tcp data streams may come whichever transport carries ours. */
+  if (rc == 0 && p->tp != P.tcp) rc = P.tcp->ops->peer_up(P.tcp, p);
   kvf__info("peer %s up (%s connection, session %016llx, transport %s)", p->cfg.name,
             c->outbound ? "outbound" : "inbound", (unsigned long long)p->remote_session,
             p->tp->ops->name);
@@ -261,14 +294,31 @@ static bool wins_over(const kvf__pconn *c, const kvf__pconn *other) {
   return c->outbound == i_am_smaller;
 }
 
-static void establish(kvf__pconn *c, uint64_t session) {
+/* An owned copy of a Hello that outlives the frame it came in. */
+static Kvf__Hello *hello_copy(const Kvf__Hello *h) {
+  size_t n = kvf__hello__get_packed_size(h);
+  uint8_t *buf = malloc(n ? n : 1);
+  if (!buf) return NULL;
+  kvf__hello__pack(h, buf);
+  Kvf__Hello *copy = kvf__hello__unpack(NULL, n, buf);
+  free(buf);
+  return copy;
+}
+
+static void establish(kvf__pconn *c, const Kvf__Hello *h) {
   kvf__peer *p = c->peer;
+  uint64_t session = h->session;
   c->established = true;
   uv_timer_stop(&c->hs_timer);
   if (p->dialing == c) p->dialing = NULL;
   if (p->conn && p->remote_session != session) peer_down(p, "the peer restarted");
   p->remote_session = session;
   if (!p->conn) {
+    p->hello = hello_copy(h);
+    if (!p->hello) {
+      conn_close(c, "out of memory");
+      return;
+    }
     peer_up(p, c);
     return;
   }
@@ -297,7 +347,7 @@ static void on_hello(kvf__pconn *c, const Kvf__Hello *h) {
   }
   c->peer = p;
   if (!c->outbound) send_hello(c);
-  establish(c, h->session);
+  establish(c, h);
 }
 
 static void on_data_hello(kvf__pconn *c, const Kvf__DataHello *d) {
@@ -514,9 +564,12 @@ static int start_listener(char *err, size_t errlen) {
   return 0;
 }
 
-int kvf__peers_start(uv_loop_t *loop, kvf__transport *tcp, char *err, size_t errlen) {
+int kvf__peers_start(uv_loop_t *loop, kvf__transport **transports, size_t n, kvf__transport *tcp,
+                     char *err, size_t errlen) {
   P.loop = loop;
   P.tcp = tcp;
+  P.n_tps = n < 8 ? n : 8;
+  memcpy(P.tps, transports, P.n_tps * sizeof(*transports));
   P.n = kvfd.cfg.n_peers;
   P.peers = calloc(P.n ? P.n : 1, sizeof(kvf__peer));
   if (!P.peers) return -ENOMEM;
@@ -551,7 +604,7 @@ void kvf__peers_stop(void) {
       kvf__pconn *c = p->conn;
       p->conn = NULL;
       p->state = KVF__PEER_DOWN;
-      if (p->tp) p->tp->ops->peer_down(p->tp, p);
+      transports_down(p);
       kvf__xfer_on_peer_down(p);
       conn_close(c, NULL);
     }

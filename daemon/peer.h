@@ -21,6 +21,7 @@ struct kvf__peer {
   socklen_t addrlen;
   uint64_t remote_session;        /* the incarnation we are up with */
   uint32_t remote_streams;
+  Kvf__Hello *hello;              /* the peer's Hello, kept while it is up */
   kvf__transport *tp;             /* the data transport chosen for this peer */
   void *tcp;                      /* tcp.c's per-peer state */
   kvf__pconn *conn;               /* the established control connection */
@@ -33,7 +34,10 @@ struct kvf__peer {
   char last_error[128];
 };
 
-int kvf__peers_start(uv_loop_t *loop, kvf__transport *tcp, char *err, size_t errlen);
+/* transports: candidates in preference order; tcp is the one that data
+ * streams (DataHello) are handed to. */
+int kvf__peers_start(uv_loop_t *loop, kvf__transport **transports, size_t n, kvf__transport *tcp,
+                     char *err, size_t errlen);
 void kvf__peers_stop(void);
 kvf__peer *kvf__peer_find(const char *name);
 size_t kvf__peer_count(void);

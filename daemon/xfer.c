@@ -537,6 +537,11 @@ void kvf__xfer_on_landed(kvf__xfer *x) {
   maybe_complete_recv(x);
 }
 
+void kvf__xfer_on_delivered(kvf__xfer *x) {
+  x->send_done_seen = true;
+  kvf__xfer_on_landed(x);
+}
+
 void kvf__xfer_on_data_error(kvf__xfer *x, int status, const char *why) {
   fail(x, status, why, true, status);
 }

@@ -12,6 +12,10 @@
 
 typedef struct kvf__transport_ops {
   const char *name;            /* reported as the transfer's path */
+  /* Whether this transport can carry data to p, judged from p->hello (the
+   * peer's Hello). NULL: always. The first usable one in the config's
+   * transports order is chosen when the peer comes up. */
+  bool (*usable)(kvf__transport *t, kvf__peer *p);
   /* Sender: move runs (ownership passes to the transport). When the bytes of
    * this call are handed off (and, for last, all of the transfer), call
    * kvf__xfer_on_posted(x, status, last) on the loop. Returns 0 or an error,
