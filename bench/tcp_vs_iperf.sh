@@ -162,14 +162,24 @@ for o in walk(doc):
 sys.exit(1)' "$2"
 }
 
-wait_peer_up() { # SOCK OTHER LOG PID
+# The last lines of both daemons' logs, for any failure after they start.
+daemon_logs() {
+  for n in a b; do
+    echo "--- kvferryd $n ($TMP/$n.log):"
+    tail -n 20 "$TMP/$n.log"
+  done
+}
+
+wait_peer_up() { # SOCK OTHER PID
   i=0
   until peer_up "$1" "$2"; do
-    kill -0 "$4" 2>/dev/null || die "kvferryd ($3) exited:
-$(tail -n 20 "$3")"
+    kill -0 "$3" 2>/dev/null || die "a kvferryd exited before its peer came up
+$(daemon_logs)"
     i=$((i + 1))
-    [ "$i" -le 200 ] || die "peer $2 not up after 20 s; daemon log:
-$(tail -n 20 "$3")"
+    [ "$i" -le 200 ] || die "peer $2 not up after 20 s; peers as a and b see them:
+$("$BUILD/kvferryctl" -s "$TMP/a.sock" peers 2>&1)
+$("$BUILD/kvferryctl" -s "$TMP/b.sock" peers 2>&1)
+$(daemon_logs)"
     sleep 0.1
   done
 }
@@ -182,16 +192,15 @@ PIDS="$PIDS $PID_A"
 "$BUILD/kvferryd" -c "$TMP/b.conf" 2>"$TMP/b.log" &
 PID_B=$!
 PIDS="$PIDS $PID_B"
-wait_peer_up "$TMP/a.sock" b "$TMP/a.log" "$PID_A"
-wait_peer_up "$TMP/b.sock" a "$TMP/b.log" "$PID_B"
+wait_peer_up "$TMP/a.sock" b "$PID_A"
+wait_peer_up "$TMP/b.sock" a "$PID_B"
 
 say "kvferry-bench, llama3-8b, 4096 tokens, $REQUESTS requests"
 if ! "$BUILD/kvferry-bench" --from "$TMP/a.sock" --to "$TMP/b.sock" --model llama3-8b \
     --tokens 4096 --requests "$REQUESTS" --json >"$TMP/bench.json" 2>"$TMP/bench.err"; then
   cat "$TMP/bench.json" "$TMP/bench.err" >&2
-  say "daemon a:"; tail -n 20 "$TMP/a.log" >&2
-  say "daemon b:"; tail -n 20 "$TMP/b.log" >&2
-  die "kvferry-bench failed"
+  die "kvferry-bench failed
+$(daemon_logs)"
 fi
 cat "$TMP/bench.err" >&2
 

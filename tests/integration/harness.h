@@ -21,7 +21,7 @@
 #define H_MAX_PEERS 4
 #define H_STASH 256           /* events kept per client for later waits */
 #define H_READY_MS 10000      /* bound on daemon start and peers up */
-#define H_STOP_MS 5000        /* SIGTERM grace before SIGKILL */
+#define H_STOP_MS 10000       /* SIGTERM grace before SIGKILL (the daemon drains for up to 5 s) */
 #define H_XFER_MS 30000       /* default bound on a transfer's two events */
 
 /* Fails the current cmocka test with the harness's detail. */

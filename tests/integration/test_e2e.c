@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -215,6 +216,101 @@ static void test_grant_long_before_send(void **state) {
   H_OK(h_verify_dst(&E.dec, &x));
 }
 
+/* The first part of the send comes before the grant, the rest after. */
+static void test_grant_between_parts(void **state) {
+  enum { N = 96 };
+  static kvf_desc src[N], dst[N];
+  kvf_event rev, sev;
+  char id[64];
+  h_id(id, sizeof id, "between");
+  h_layout(src, N, E.pre.pool, 0, 12 * KIB, true, 511);
+  h_layout(dst, N, E.dec.pool, 0, 12 * KIB, true, 512);
+  h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N, .seed = 513};
+  H_OK(h_prepare(&E.pre, &E.dec, &x));
+  assert_int_equal(kvf_send(E.pre.c, id, "decode", src, N / 3, KVF_SEND_MORE, 0), 0);
+  h_sleep_ms(50);
+  H_OK(h_post_grant(&E.dec, &x, "prefill"));
+  assert_int_equal(kvf_send(E.pre.c, id, "decode", src + N / 3, N / 3, KVF_SEND_MORE, 0), 0);
+  assert_int_equal(kvf_send(E.pre.c, id, "decode", src + 2 * (N / 3), N - 2 * (N / 3), 0, 0), 0);
+  H_OK(h_wait_event(&E.dec, id, KVF_EV_RECV_DONE, 10000, &rev));
+  H_OK(h_wait_event(&E.pre, id, KVF_EV_SEND_DONE, 10000, &sev));
+  H_OK(h_check_event(&rev, KVF_EV_RECV_DONE, "tcp", "prefill", N * 12 * KIB, N));
+  H_OK(h_check_event(&sev, KVF_EV_SEND_DONE, "tcp", "decode", N * 12 * KIB, N));
+  H_OK(h_verify_dst(&E.dec, &x));
+}
+
+/* Many transfers in flight on one pair of clients; events are collected in
+ * the reverse order of posting, so most wait in the harness's stash. */
+static void test_many_outstanding(void **state) {
+  enum { T = 100, N = 8 };
+  static kvf_desc src[T][N], dst[T][N];
+  static h_xfer x[T];
+  static char id[T][64];
+  kvf_event ev;
+  for (int k = 0; k < T; k++) {
+    h_id(id[k], sizeof id[k], "many");
+    h_layout(src[k], N, E.pre.pool, (uint64_t)k * 64 * KIB, 4 * KIB, true, 520 + (uint64_t)k);
+    h_layout(dst[k], N, E.dec.pool, (uint64_t)k * 64 * KIB, 4 * KIB, true, 640 + (uint64_t)k);
+    x[k] = (h_xfer){.id = id[k], .src = src[k], .nsrc = N, .dst = dst[k], .ndst = N,
+                    .send_first = k % 2, .anon_src = k % 3 == 0, .seed = 760 + (uint64_t)k};
+    H_OK(h_prepare(&E.pre, &E.dec, &x[k]));
+  }
+  for (int k = 0; k < T; k++)
+    H_OK(x[k].send_first ? h_post_send(&E.pre, &x[k], "decode")
+                         : h_post_grant(&E.dec, &x[k], "prefill"));
+  for (int k = 0; k < T; k++)
+    H_OK(x[k].send_first ? h_post_grant(&E.dec, &x[k], "prefill")
+                         : h_post_send(&E.pre, &x[k], "decode"));
+  for (int k = T - 1; k >= 0; k--) {
+    H_OK(h_wait_event(&E.dec, id[k], KVF_EV_RECV_DONE, 20000, &ev));
+    H_OK(h_check_event(&ev, KVF_EV_RECV_DONE, "tcp", "prefill", N * 4 * KIB, N));
+    H_OK(h_wait_event(&E.pre, id[k], KVF_EV_SEND_DONE, 20000, &ev));
+    H_OK(h_check_event(&ev, KVF_EV_SEND_DONE, "tcp", "decode", N * 4 * KIB, N));
+    H_OK(h_verify_dst(&E.dec, &x[k]));
+  }
+}
+
+/* An engine's loop polls kvf_event_fd: readable while an event waits, not
+ * once it was taken. */
+static void test_event_fd(void **state) {
+  enum { N = 4 };
+  kvf_desc src[N], dst[N];
+  kvf_event ev;
+  char id[64];
+  int fd = kvf_event_fd(E.dec.c);
+  assert_true(fd >= 0);
+  struct pollfd p = {.fd = fd, .events = POLLIN};
+  assert_int_equal(poll(&p, 1, 0), 0);
+  h_id(id, sizeof id, "evfd");
+  h_layout(src, N, E.pre.pool, 0, 4 * KIB, true, 530);
+  h_layout(dst, N, E.dec.pool, 0, 4 * KIB, true, 531);
+  h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N, .seed = 532};
+  H_OK(h_prepare(&E.pre, &E.dec, &x));
+  H_OK(h_post_grant(&E.dec, &x, "prefill"));
+  H_OK(h_post_send(&E.pre, &x, "decode"));
+  assert_int_equal(poll(&p, 1, 10000), 1);
+  assert_true(p.revents & POLLIN);
+  H_OK(h_wait_event(&E.dec, id, KVF_EV_RECV_DONE, 0, &ev));
+  H_OK(h_check_event(&ev, KVF_EV_RECV_DONE, "tcp", "prefill", N * 4 * KIB, N));
+  assert_int_equal(poll(&p, 1, 0), 0);
+  H_OK(h_wait_event(&E.pre, id, KVF_EV_SEND_DONE, 10000, &ev));
+  H_OK(h_verify_dst(&E.dec, &x));
+}
+
+/* The longest id the API allows travels whole, in both events. */
+static void test_longest_id(void **state) {
+  enum { N = 4 };
+  kvf_desc src[N], dst[N];
+  char id[KVF_XFER_ID_MAX + 1];
+  memset(id, 'x', KVF_XFER_ID_MAX);
+  id[KVF_XFER_ID_MAX] = 0;
+  memcpy(id, "longest-", 8);
+  h_layout(src, N, E.pre.pool, 0, 4 * KIB, true, 540);
+  h_layout(dst, N, E.dec.pool, 0, 4 * KIB, true, 541);
+  h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N, .seed = 542};
+  H_OK(h_transfer(&E.pre, &E.dec, &x));
+}
+
 /* ---------------------------------------------------------------- concurrency */
 
 enum { WORKERS = 4, PER_WORKER = 3, W_N = 64 };
@@ -348,6 +444,10 @@ int main(void) {
       cmocka_unit_test(test_send_first_named_src),
       cmocka_unit_test(test_send_first_any_src),
       cmocka_unit_test(test_grant_long_before_send),
+      cmocka_unit_test(test_grant_between_parts),
+      cmocka_unit_test(test_many_outstanding),
+      cmocka_unit_test(test_event_fd),
+      cmocka_unit_test(test_longest_id),
       cmocka_unit_test(test_concurrent_clients),
       cmocka_unit_test(test_local_grant_first),
       cmocka_unit_test(test_local_send_first_any_src),

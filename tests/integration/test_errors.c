@@ -42,6 +42,13 @@ static int group_setup(void **state) {
   return 0;
 }
 
+/* Every case starts with both daemons up and connected, so that one
+ * failure does not cascade into the cases after it. */
+static int healthy(void **state) {
+  (void)state;
+  return h_pair_wait_up(&E.p);
+}
+
 static int group_teardown(void **state) {
   (void)state;
   h_client_close(&E.pre);
@@ -143,27 +150,29 @@ static void test_unknown_pool(void **state) {
   H_OK(h_quick(&E.pre, &E.dec));
 }
 
-/* Each bad range is the last of 8 descriptors: every one must be checked. */
-static void range_case(uint64_t off, uint64_t len) {
+/* The bad range is the last of n descriptors: every one must be checked. */
+static void range_case(uint64_t off, uint64_t len, size_t n) {
   kvf_desc g[8], s[8];
   char what[128];
-  h_layout(g, 8, E.dec.pool, 0, 4096, false, 0);
-  h_layout(s, 8, E.pre.pool, 0, 4096, false, 0);
-  g[7].offset = s[7].offset = off;
-  g[7].len = s[7].len = len;
+  h_layout(g, n, E.dec.pool, 0, 4096, false, 0);
+  h_layout(s, n, E.pre.pool, 0, 4096, false, 0);
+  g[n - 1].offset = s[n - 1].offset = off;
+  g[n - 1].len = s[n - 1].len = len;
   snprintf(what, sizeof what, "grant/send of range %#llx+%#llx", (unsigned long long)off,
            (unsigned long long)len);
-  H_OK(expect_rc(kvf_grant(E.dec.c, "erange-g", "prefill", g, 8, 1000), KVF_ERANGE, what));
-  H_OK(expect_rc(kvf_send(E.pre.c, "erange-s", "decode", s, 8, 0, 1000), KVF_ERANGE, what));
+  H_OK(expect_rc(kvf_grant(E.dec.c, "erange-g", "prefill", g, n, 1000), KVF_ERANGE, what));
+  H_OK(expect_rc(kvf_send(E.pre.c, "erange-s", "decode", s, n, 0, 1000), KVF_ERANGE, what));
 }
 
 static void test_range_outside_pool(void **state) {
   uint64_t size = E.dec.size;
   assert_int_equal(size, E.pre.size);
-  range_case(size - 4096, 8192);       /* straddles the end */
-  range_case(size, 1);                 /* starts at the end */
-  range_case(UINT64_MAX - 10, 4096);   /* offset + len wraps */
-  range_case(4096, UINT64_MAX - 100);  /* len wraps */
+  range_case(size - 4096, 8192, 8);       /* straddles the end */
+  range_case(size, 1, 8);                 /* starts at the end */
+  range_case(UINT64_MAX - 10, 4096, 8);   /* offset + len wraps */
+  /* len wraps offset + len; alone, so the list's total does not overflow
+   * (an overflowing total is KVF_EINVAL by design). */
+  range_case(4096, UINT64_MAX - 100, 1);
   H_OK(h_no_events(&E.pre, 0));
   H_OK(h_no_events(&E.dec, 200));
   H_OK(h_quick(&E.pre, &E.dec));
@@ -218,6 +227,54 @@ static void test_cancel_unknown(void **state) {
   H_OK(h_transfer(&E.pre, &E.dec, &x));
   H_OK(expect_rc(kvf_cancel(E.dec.c, id), KVF_ENOENT, "cancel of a finished grant"));
   H_OK(expect_rc(kvf_cancel(E.pre.c, id), KVF_ENOENT, "cancel of a finished send"));
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+/* Arguments the API rejects whatever the daemons hold. */
+static void test_bad_arguments(void **state) {
+  kvf_desc d = {E.dec.pool, 0, 4096}, zero = {E.dec.pool, 0, 0};
+  char longid[KVF_XFER_ID_MAX + 2];
+  memset(longid, 'y', sizeof longid - 1);
+  longid[sizeof longid - 1] = 0;
+  H_OK(expect_rc(kvf_grant(E.dec.c, longid, NULL, &d, 1, 1000), KVF_EINVAL, "128-byte id"));
+  H_OK(expect_rc(kvf_grant(E.dec.c, "", NULL, &d, 1, 1000), KVF_EINVAL, "empty id"));
+  H_OK(expect_rc(kvf_grant(E.dec.c, "einval-1", NULL, &d, 0, 1000), KVF_EINVAL, "no descs"));
+  H_OK(expect_rc(kvf_grant(E.dec.c, "einval-2", NULL, &zero, 1, 1000), KVF_EINVAL,
+                 "zero-length desc"));
+  d.pool = E.pre.pool;
+  H_OK(expect_rc(kvf_send(E.pre.c, "einval-3", "decode", &d, 1, 0x80, 1000), KVF_EINVAL,
+                 "unknown send flag"));
+  H_OK(expect_rc(kvf_send(E.pre.c, longid, "decode", &d, 1, 0, 1000), KVF_EINVAL,
+                 "128-byte id"));
+  /* The harness configures max-descs 100000. */
+  size_t many = 100001;
+  kvf_desc *lots = calloc(many, sizeof *lots);
+  assert_non_null(lots);
+  h_layout(lots, many, E.dec.pool, 0, 64, false, 0);
+  int rc = kvf_grant(E.dec.c, "elimit-1", NULL, lots, many, 1000);
+  free(lots);
+  H_OK(expect_rc(rc, KVF_ELIMIT, "grant of max-descs + 1 descriptors"));
+  H_OK(h_no_events(&E.pre, 0));
+  H_OK(h_no_events(&E.dec, 200));
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+/* The local path checks sizes too. */
+static void test_local_size_mismatch(void **state) {
+  kvf_desc src[SN], dst[SN];
+  h_client other;
+  char id[64];
+  H_OK(h_client_open(&other, &E.p.prefill));
+  h_id(id, sizeof id, "esize-local");
+  h_layout(src, SN, E.pre.pool, 0, 4 * KIB, true, 13);
+  h_layout(dst, SN, other.pool, 1 << 20, 4 * KIB, true, 14);
+  dst[SN - 1].len -= 1;
+  h_xfer x = {.id = id, .src = src, .nsrc = SN, .dst = dst, .ndst = SN, .deadline_ms = 20000};
+  int rc = h_post_grant(&other, &x, "prefill") || h_post_send(&E.pre, &x, "prefill") ||
+           expect_status(&other, id, KVF_EV_RECV_DONE, KVF_ESIZE, 5000, NULL) ||
+           expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_ESIZE, 5000, NULL);
+  h_client_close(&other);
+  H_OK(rc);
   H_OK(h_quick(&E.pre, &E.dec));
 }
 
@@ -296,6 +353,101 @@ static void test_cancel_by_sender(void **state) {
   H_OK(expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_ECANCELED, 5000, NULL));
   H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_EREMOTECANCEL, 5000, NULL));
   H_OK(h_quick(&E.pre, &E.dec));
+}
+
+/* The sender's deadline expires with only part of the send posted: it gets
+ * KVF_EDEADLINE; the receiver is failed too (the sender's expiry, or a
+ * cancel from it), long before its own 20 s deadline. */
+static void test_deadline_mid_transfer(void **state) {
+  kvf_desc src[CN], dst[CN];
+  kvf_event ev;
+  char id[64];
+  h_id(id, sizeof id, "dl-mid");
+  h_layout(src, CN, E.pre.pool, 0, 64 * KIB, true, 23);
+  h_layout(dst, CN, E.dec.pool, 0, 64 * KIB, true, 24);
+  h_xfer x = {.id = id, .src = src, .nsrc = CN, .dst = dst, .ndst = CN, .deadline_ms = 20000,
+              .seed = 25};
+  H_OK(h_post_grant(&E.dec, &x, "prefill"));
+  uint64_t t0 = h_now_ms();
+  H_OK(expect_rc(kvf_send(E.pre.c, id, "decode", src, CN / 2, KVF_SEND_MORE, 400), 0,
+                 "first half"));
+  H_OK(expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_EDEADLINE, 3000, NULL));
+  H_OK(check_elapsed(t0, 400, "partial send"));
+  H_OK(h_wait_event(&E.dec, id, KVF_EV_RECV_DONE, 3000, &ev));
+  if (ev.status != KVF_EDEADLINE && ev.status != KVF_EREMOTECANCEL)
+    fail_msg("receiver of an expired send got %s (%s)", kvf_err_name(ev.status), ev.error);
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+/* A deadline that expires while data is moving: either the transfer made
+ * it (then every byte is right) or both sides fail; never one side's
+ * success with the other's failure. Either way the data streams must stay
+ * usable for the next transfer. */
+static void test_deadline_during_data(void **state) {
+  enum { N = 48 };
+  static kvf_desc src[N], dst[N];
+  kvf_event rev, sev;
+  char id[64];
+  h_id(id, sizeof id, "dl-data");
+  h_layout(src, N, E.pre.pool, 0, 1 << 20, true, 26);
+  h_layout(dst, N, E.dec.pool, 0, 1 << 20, true, 27);
+  h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N, .deadline_ms = 10,
+              .seed = 28};
+  H_OK(h_prepare(&E.pre, &E.dec, &x));
+  H_OK(h_post_grant(&E.dec, &x, "prefill"));
+  H_OK(h_post_send(&E.pre, &x, "decode"));
+  H_OK(h_wait_event(&E.dec, id, KVF_EV_RECV_DONE, 5000, &rev));
+  H_OK(h_wait_event(&E.pre, id, KVF_EV_SEND_DONE, 5000, &sev));
+  fprintf(stderr, "note: 48 MiB with a 10 ms deadline: recv %s, send %s\n",
+          kvf_err_name(rev.status), kvf_err_name(sev.status));
+  if ((rev.status == 0) != (sev.status == 0))
+    fail_msg("sides disagree: recv %s (%s), send %s (%s)", kvf_err_name(rev.status), rev.error,
+             kvf_err_name(sev.status), sev.error);
+  if (rev.status == 0) H_OK(h_verify_dst(&E.dec, &x));
+  else if (rev.status != KVF_EDEADLINE && rev.status != KVF_EREMOTECANCEL)
+    fail_msg("receiver failed with %s (%s)", kvf_err_name(rev.status), rev.error);
+  H_OK(h_quick(&E.pre, &E.dec));
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+/* What kvferryctl shows while a transfer is in flight. */
+static int find_xfer(kvf_client *c, const char *id, const char *role, const char *peer) {
+  char *json = NULL, got_role[16] = "", got_peer[64] = "", xid[KVF_XFER_ID_MAX + 1];
+  const char *it, *e;
+  int found = 0;
+  if (h_inspect(c, KVF_INSPECT_TRANSFERS, &json)) return -1;
+  it = hj_get(json, "transfers");
+  while (it && !found && (e = hj_next(&it)))
+    if (!hj_str(e, "id", xid, sizeof xid) && !strcmp(xid, id)) {
+      found = 1;
+      hj_str(e, "role", got_role, sizeof got_role);
+      hj_str(e, "peer", got_peer, sizeof got_peer);
+    }
+  int rc = found && !strcmp(got_role, role) && !strcmp(got_peer, peer)
+               ? 0
+               : h_fail("%s: TRANSFERS lacks %s as role %s, peer %s: %s", kvf_node(c), id, role,
+                        peer, json);
+  free(json);
+  return rc;
+}
+
+static void test_inspect_active_transfer(void **state) {
+  kvf_desc src[CN], dst[CN];
+  uint64_t grants = 0, sends = 0;
+  char id[64];
+  h_xfer x;
+  start_half(&x, src, dst, id, "inspect");
+  H_OK(find_xfer(E.dec.c, id, "recv", "prefill"));
+  H_OK(find_xfer(E.pre.c, id, "send", "decode"));
+  H_OK(h_status_u64(E.dec.c, "grants_active", &grants));
+  H_OK(h_status_u64(E.pre.c, "sends_active", &sends));
+  assert_true(grants >= 1);
+  assert_true(sends >= 1);
+  H_OK(expect_rc(kvf_cancel(E.pre.c, id), 0, "sender cancel"));
+  H_OK(expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_ECANCELED, 5000, NULL));
+  H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_EREMOTECANCEL, 5000, NULL));
+  H_OK(h_wait_idle(E.pre.c, 3000));
+  H_OK(h_wait_idle(E.dec.c, 3000));
 }
 
 /* A grant cancelled before any send is revoked on the sender's daemon too
@@ -434,21 +586,78 @@ static void test_garbage_api_socket(void **state) {
   uint64_t clients;
   char *json = NULL;
   H_OK(h_status_u64(E.dec.c, "clients", &clients));
+  /* A connection that never says anything must not hold up the others. */
+  int idle = raw_unix(E.p.decode.sock);
+  assert_true(idle >= 0);
   H_OK(garbage_cases(open_api, E.p.decode.sock));
-  H_OK(wait_clients(E.dec.c, clients, 3000));
   H_OK(h_inspect(E.dec.c, KVF_INSPECT_STATUS, &json)); /* what kvferryctl status does */
   free(json);
-  H_OK(h_quick(&E.pre, &E.dec));
+  int rc = h_quick(&E.pre, &E.dec);
+  close(idle);
+  H_OK(rc);
+  H_OK(wait_clients(E.dec.c, clients, 3000));
 }
 
 static void test_garbage_peer_port(void **state) {
   char *json = NULL;
+  int idle = raw_tcp(E.p.decode.port);
+  assert_true(idle >= 0);
   H_OK(garbage_cases(open_peer, &E.p.decode.port));
   H_OK(h_inspect(E.dec.c, KVF_INSPECT_STATUS, &json));
   free(json);
   /* The real peer connection was not disturbed. */
   H_OK(h_pair_wait_up(&E.p));
-  H_OK(h_quick(&E.pre, &E.dec));
+  int rc = h_quick(&E.pre, &E.dec);
+  close(idle);
+  H_OK(rc);
+}
+
+/* A listening socket on 127.0.0.1 with a kernel-chosen port. */
+static int fake_listener(uint16_t *port) {
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t al = sizeof a;
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) || listen(fd, 8) ||
+      getsockname(fd, (struct sockaddr *)&a, &al)) {
+    if (fd >= 0) close(fd);
+    return h_fail("fake listener: %s", strerror(errno));
+  }
+  *port = ntohs(a.sin_port);
+  return fd;
+}
+
+static int accept_within(int lfd, int ms) {
+  struct pollfd pfd = {.fd = lfd, .events = POLLIN};
+  if (poll(&pfd, 1, ms) != 1) return h_fail("no connection attempt within %d ms", ms);
+  return accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+}
+
+/* A configured peer that accepts the connection but never says Hello: the
+ * daemon gives up on that connection and must dial again (a peer must never
+ * stay "connecting" with no attempt under way). */
+static void test_silent_peer_redialed(void **state) {
+  h_daemon d, ghost;
+  uint16_t port = 0, ghost_port = 0;
+  int lfd = fake_listener(&ghost_port), c1 = -1, c2 = -1;
+  assert_true(lfd >= 0);
+  H_OK(h_free_ports(&port, 1));
+  h_daemon_init(&ghost, E.p.dir, "ghost", ghost_port, "4M");
+  h_daemon_init(&d, E.p.dir, "lonely", port, "4M");
+  H_OK(h_daemon_add_peer(&d, &ghost));
+  int rc = h_daemon_spawn(&d);
+  if (rc == 0) c1 = accept_within(lfd, 5000);
+  /* Its handshake timeout plus reconnect-max-ms, with room to spare. */
+  if (c1 >= 0) c2 = accept_within(lfd, 15000);
+  int stop = h_daemon_stop(&d);
+  close(lfd);
+  if (c1 >= 0) close(c1);
+  if (c2 >= 0) close(c2);
+  H_OK(rc);
+  if (c1 < 0 || c2 < 0) {
+    h_daemon_log_tail(&d, 20);
+    fail_msg("lonely -> ghost: %s", h_lasterr());
+  }
+  H_OK(stop);
 }
 
 /* ---------------------------------------------------------------- crashes */
@@ -536,12 +745,11 @@ static void test_peer_daemon_killed(void **state) {
   H_OK(expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_EPEERLOST, 5000, NULL));
   assert_true(h_now_ms() - t0 < 5000);
   assert_true(decode_not_up(E.pre.c));
-  /* The decode engine learns its daemon is gone. */
-  int rc = h_wait_event(&E.dec, id, 0, 5000, &ev);
+  /* The decode engine learns its daemon is gone (no event for it). */
+  int rc = kvf_wait_events(E.dec.c, &ev, 1, 5000);
   if (rc != KVF_EDAEMON)
-    fail_msg("decode client: kvf_wait_events gave %s, expected KVF_EDAEMON%s%s",
-             kvf_err_name(rc), rc == 0 ? "; event status " : "",
-             rc == 0 ? kvf_err_name(ev.status) : "");
+    fail_msg("decode client: kvf_wait_events gave %d (%s), expected KVF_EDAEMON", rc,
+             rc > 0 ? ev.xfer_id : kvf_err_name(rc));
   h_client_close(&E.dec);
   /* Restart on the same port; prefill reconnects by itself. */
   H_OK(h_daemon_spawn(&E.p.decode));
@@ -553,6 +761,73 @@ static void test_peer_daemon_killed(void **state) {
   x.deadline_ms = 0;
   H_OK(h_transfer(&E.pre, &E.dec, &x));
   H_OK(h_quick(&E.pre, &E.dec));
+}
+
+/* A grant pushed ahead to prefill by a decode daemon that then dies must
+ * be dropped with that session: after the restart, a send of the same id
+ * has to wait for (and land in) the new grant, not the dead one. */
+static void test_stale_pushed_grant(void **state) {
+  kvf_desc src[CN], dst[CN];
+  char id[64];
+  h_id(id, sizeof id, "stale-grant");
+  h_layout(src, CN, E.pre.pool, 0, 16 * KIB, true, 50);
+  h_layout(dst, CN, E.dec.pool, 0, 16 * KIB, true, 51);
+  h_xfer x = {.id = id, .src = src, .nsrc = CN, .dst = dst, .ndst = CN, .seed = 52,
+              .send_first = true};
+  H_OK(h_post_grant(&E.dec, &x, "prefill"));
+  h_sleep_ms(200); /* pushed to prefill by now */
+  H_OK(h_daemon_kill9(&E.p.decode));
+  h_client_close(&E.dec);
+  H_OK(h_daemon_spawn(&E.p.decode));
+  H_OK(h_pair_wait_up(&E.p));
+  H_OK(h_client_open(&E.dec, &E.p.decode));
+  for (size_t i = 0; i < CN; i++) dst[i].pool = E.dec.pool;
+  H_OK(h_transfer(&E.pre, &E.dec, &x));
+}
+
+/* The mirror case: the sending daemon dies mid-transfer. */
+static void test_sender_daemon_killed(void **state) {
+  kvf_desc src[CN], dst[CN];
+  kvf_event ev;
+  char id[64];
+  h_xfer x;
+  start_half(&x, src, dst, id, "sender-killed");
+  H_OK(h_daemon_kill9(&E.p.prefill));
+  H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_EPEERLOST, 5000, NULL));
+  int rc = kvf_wait_events(E.pre.c, &ev, 1, 5000);
+  if (rc != KVF_EDAEMON)
+    fail_msg("prefill client: kvf_wait_events gave %d (%s), expected KVF_EDAEMON", rc,
+             rc > 0 ? ev.xfer_id : kvf_err_name(rc));
+  h_client_close(&E.pre);
+  H_OK(h_daemon_spawn(&E.p.prefill));
+  H_OK(h_pair_wait_up(&E.p));
+  H_OK(h_client_open(&E.pre, &E.p.prefill));
+  for (size_t i = 0; i < CN; i++) src[i].pool = E.pre.pool;
+  x.nsrc = CN;
+  x.deadline_ms = 0;
+  H_OK(h_transfer(&E.pre, &E.dec, &x));
+}
+
+/* A peer that stops answering without closing anything (SIGSTOP): only the
+ * heartbeat timeout (peer-timeout-ms 1000 here) can notice. After SIGCONT
+ * the stalled side fails its transfer too, and the peers reconnect. */
+static void test_peer_stalled(void **state) {
+  kvf_desc src[CN], dst[CN];
+  char id[64];
+  h_xfer x;
+  start_half(&x, src, dst, id, "stalled");
+  assert_int_equal(kill(E.p.decode.pid, SIGSTOP), 0);
+  uint64_t t0 = h_now_ms();
+  int rc = expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_EPEERLOST, 5000, NULL);
+  uint64_t took = h_now_ms() - t0;
+  kill(E.p.decode.pid, SIGCONT); /* before any assertion: never leave it stopped */
+  H_OK(rc);
+  fprintf(stderr, "note: stalled peer declared lost after %llu ms\n", (unsigned long long)took);
+  H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_EPEERLOST, 5000, NULL));
+  H_OK(h_pair_wait_up(&E.p));
+  x.nsrc = CN;
+  x.deadline_ms = 0;
+  H_OK(h_transfer(&E.pre, &E.dec, &x));
 }
 
 /* ---------------------------------------------------------------- the end */
@@ -568,26 +843,35 @@ static void test_no_leaks(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_size_one_longer),
-      cmocka_unit_test(test_size_hidden_by_coalescing),
-      cmocka_unit_test(test_too_many_descs),
-      cmocka_unit_test(test_too_few_descs),
-      cmocka_unit_test(test_send_unknown_peer),
-      cmocka_unit_test(test_grant_unknown_src),
-      cmocka_unit_test(test_unknown_pool),
-      cmocka_unit_test(test_range_outside_pool),
-      cmocka_unit_test(test_duplicate_id),
-      cmocka_unit_test(test_cancel_unknown),
-      cmocka_unit_test(test_deadline_grant_without_send),
-      cmocka_unit_test(test_deadline_send_without_grant),
-      cmocka_unit_test(test_cancel_by_receiver),
-      cmocka_unit_test(test_cancel_by_sender),
-      cmocka_unit_test(test_cancelled_grant_revoked),
-      cmocka_unit_test(test_garbage_api_socket),
-      cmocka_unit_test(test_garbage_peer_port),
-      cmocka_unit_test(test_client_killed),
-      cmocka_unit_test(test_peer_daemon_killed),
-      cmocka_unit_test(test_no_leaks),
+      cmocka_unit_test_setup(test_size_one_longer, healthy),
+      cmocka_unit_test_setup(test_size_hidden_by_coalescing, healthy),
+      cmocka_unit_test_setup(test_too_many_descs, healthy),
+      cmocka_unit_test_setup(test_too_few_descs, healthy),
+      cmocka_unit_test_setup(test_send_unknown_peer, healthy),
+      cmocka_unit_test_setup(test_grant_unknown_src, healthy),
+      cmocka_unit_test_setup(test_unknown_pool, healthy),
+      cmocka_unit_test_setup(test_range_outside_pool, healthy),
+      cmocka_unit_test_setup(test_bad_arguments, healthy),
+      cmocka_unit_test_setup(test_local_size_mismatch, healthy),
+      cmocka_unit_test_setup(test_duplicate_id, healthy),
+      cmocka_unit_test_setup(test_cancel_unknown, healthy),
+      cmocka_unit_test_setup(test_deadline_grant_without_send, healthy),
+      cmocka_unit_test_setup(test_deadline_send_without_grant, healthy),
+      cmocka_unit_test_setup(test_cancel_by_receiver, healthy),
+      cmocka_unit_test_setup(test_cancel_by_sender, healthy),
+      cmocka_unit_test_setup(test_cancelled_grant_revoked, healthy),
+      cmocka_unit_test_setup(test_deadline_mid_transfer, healthy),
+      cmocka_unit_test_setup(test_deadline_during_data, healthy),
+      cmocka_unit_test_setup(test_inspect_active_transfer, healthy),
+      cmocka_unit_test_setup(test_garbage_api_socket, healthy),
+      cmocka_unit_test_setup(test_garbage_peer_port, healthy),
+      cmocka_unit_test_setup(test_silent_peer_redialed, healthy),
+      cmocka_unit_test_setup(test_client_killed, healthy),
+      cmocka_unit_test_setup(test_peer_daemon_killed, healthy),
+      cmocka_unit_test_setup(test_stale_pushed_grant, healthy),
+      cmocka_unit_test_setup(test_sender_daemon_killed, healthy),
+      cmocka_unit_test_setup(test_peer_stalled, healthy),
+      cmocka_unit_test_setup(test_no_leaks, healthy),
   };
   h_init();
   return h_cleanup(cmocka_run_group_tests_name("errors", tests, group_setup, group_teardown));
