@@ -1,0 +1,375 @@
+/* ctl_doctor.c - `kvferryctl doctor`: checks the node for what kvferryd
+ * needs, one row per check, and `kvferryctl metrics`.
+ *
+ * A check is one entry of checks[] below: a name, what it verifies, and a
+ * function that gets the daemon's documents (fetched once) and returns a
+ * result with one line of detail. GPU and RDMA checks are added the same
+ * way, in the marked place. A check that needs the daemon skips itself
+ * when the daemon did not answer. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+
+#include "ctl.h"
+#include "ctl_gpu.h"
+
+#define HTTP_TIMEOUT_MS 5000
+
+enum result { R_OK, R_WARN, R_FAIL, R_SKIP };
+static const char *const result_names[] = {"ok", "warn", "FAIL", "skip"};
+
+/* What the checks look at; documents are NULL when the daemon did not
+ * answer. */
+struct doctor {
+  const char *socket;
+  int connect_rc;   /* kvf_connect's result */
+  char *status;     /* STATUS, POOLS and PEERS as JSON */
+  char *pools;
+  char *peers;
+};
+
+typedef enum result check_fn(const struct doctor *d, char *detail, size_t cap);
+
+/* ------------------------------------------------------------ helpers */
+
+static uint64_t host_pool_bytes(const struct doctor *d, size_t *n_host, size_t *n_huge,
+                                size_t *n_unlocked, char *unlocked, size_t cap) {
+  const char *it = cj_get(d->pools, "pools"), *e;
+  uint64_t total = 0;
+  *n_host = *n_huge = *n_unlocked = 0;
+  if (cap) unlocked[0] = '\0';
+  while (it && (e = cj_next(&it))) {
+    char kind[32] = "", backing[32] = "", name[64] = "";
+    uint64_t size = 0;
+    cj_str(e, "kind", kind, sizeof kind);
+    if (strcmp(kind, "host") != 0) continue;
+    cj_str(e, "backing", backing, sizeof backing);
+    cj_str(e, "name", name, sizeof name);
+    cj_u64(e, "size", &size);
+    total += size;
+    (*n_host)++;
+    if (strstr(backing, "hugetlb")) (*n_huge)++;
+    if (!cj_bool(e, "locked", false)) {
+      size_t used = strlen(unlocked);
+      snprintf(unlocked + used, cap - used, "%s%s", (*n_unlocked)++ ? ", " : "", name);
+    }
+  }
+  return total;
+}
+
+/* The soft RLIMIT_MEMLOCK of pid from /proc (UINT64_MAX: unlimited); -1
+ * when it cannot be read or pid is not a kvferryd we can see. */
+static int proc_memlock(uint64_t pid, uint64_t *limit) {
+  char path[64], comm[32] = "", line[256];
+  snprintf(path, sizeof path, "/proc/%" PRIu64 "/comm", pid);
+  FILE *f = fopen(path, "r");
+  if (!f) return -1;
+  bool ours = fgets(comm, sizeof comm, f) && strncmp(comm, "kvferryd", 8) == 0;
+  fclose(f);
+  if (!ours) return -1; /* another PID namespace, or a recycled pid */
+  snprintf(path, sizeof path, "/proc/%" PRIu64 "/limits", pid);
+  if (!(f = fopen(path, "r"))) return -1;
+  int rc = -1;
+  while (fgets(line, sizeof line, f)) {
+    char soft[32];
+    if (sscanf(line, "Max locked memory %31s", soft) != 1) continue;
+    *limit = strcmp(soft, "unlimited") == 0 ? UINT64_MAX : strtoull(soft, NULL, 10);
+    rc = 0;
+  }
+  fclose(f);
+  return rc;
+}
+
+static void format_bytes(uint64_t v, char *buf, size_t cap) {
+  if (v == UINT64_MAX) snprintf(buf, cap, "unlimited");
+  else if (v >= (1ull << 30)) snprintf(buf, cap, "%.1f GiB", (double)v / (1ull << 30));
+  else snprintf(buf, cap, "%.1f MiB", (double)v / (1ull << 20));
+}
+
+/* ------------------------------------------------------------ checks */
+
+static enum result check_socket(const struct doctor *d, char *detail, size_t cap) {
+  if (!d->status) {
+    snprintf(detail, cap, "%s: %s (is kvferryd running? systemctl status kvferryd)", d->socket,
+             kvf_strerror(d->connect_rc));
+    return R_FAIL;
+  }
+  char node[64] = "?", version[32] = "?";
+  cj_str(d->status, "node", node, sizeof node);
+  cj_str(d->status, "version", version, sizeof version);
+  snprintf(detail, cap, "%s answers: kvferryd %s, node %s", d->socket, version, node);
+  return R_OK;
+}
+
+static enum result check_memlock(const struct doctor *d, char *detail, size_t cap) {
+  size_t n_host, n_huge, n_unlocked;
+  char names[256], have[32], need[32];
+  uint64_t limit, pid = 0;
+  if (!d->status) {
+    /* No daemon: what a daemon started from this shell would get. */
+    struct rlimit rl;
+    getrlimit(RLIMIT_MEMLOCK, &rl);
+    format_bytes(rl.rlim_cur == RLIM_INFINITY ? UINT64_MAX : rl.rlim_cur, have, sizeof have);
+    snprintf(detail, cap, "daemon not reachable; this shell's limit is %s (the unit sets "
+             "LimitMEMLOCK=infinity)", have);
+    return rl.rlim_cur == RLIM_INFINITY ? R_OK : R_WARN;
+  }
+  uint64_t want = host_pool_bytes(d, &n_host, &n_huge, &n_unlocked, names, sizeof names);
+  if (cj_u64(d->status, "pid", &pid) != 0 || proc_memlock(pid, &limit) != 0) {
+    snprintf(detail, cap, "cannot read the limits of kvferryd (pid %" PRIu64 ") from /proc", pid);
+    return R_WARN;
+  }
+  format_bytes(limit, have, sizeof have);
+  format_bytes(want, need, sizeof need);
+  if (limit != UINT64_MAX && limit < want && n_unlocked == 0) {
+    /* root (CAP_IPC_LOCK) locks beyond the limit */
+    snprintf(detail, cap, "%s, below the %s of host pools, but they are locked (CAP_IPC_LOCK)",
+             have, need);
+    return R_OK;
+  }
+  if (limit != UINT64_MAX && limit < want) {
+    snprintf(detail, cap, "RLIMIT_MEMLOCK is %s but the host pools need %s: set "
+             "LimitMEMLOCK=infinity", have, need);
+    return R_FAIL;
+  }
+  snprintf(detail, cap, "%s (host pools: %s)", have, need);
+  return R_OK;
+}
+
+static enum result check_pools_locked(const struct doctor *d, char *detail, size_t cap) {
+  size_t n_host, n_huge, n_unlocked;
+  char names[256];
+  if (!d->status) return R_SKIP;
+  host_pool_bytes(d, &n_host, &n_huge, &n_unlocked, names, sizeof names);
+  if (n_host == 0) {
+    snprintf(detail, cap, "no host pools");
+    return R_SKIP;
+  }
+  if (n_unlocked) {
+    snprintf(detail, cap, "not locked in RAM: %s (mlock failed; see memlock and the log)", names);
+    return R_FAIL;
+  }
+  snprintf(detail, cap, "%zu host pools locked", n_host);
+  return R_OK;
+}
+
+/* HugePages_Total from /proc/meminfo, or -1. */
+static long huge_pages_reserved(void) {
+  FILE *f = fopen("/proc/meminfo", "r");
+  char line[128];
+  long total = -1;
+  if (!f) return -1;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "HugePages_Total: %ld", &total) == 1) break;
+  fclose(f);
+  return total;
+}
+
+static enum result check_hugepages(const struct doctor *d, char *detail, size_t cap) {
+  size_t n_host = 0, n_huge = 0, n_unlocked;
+  char names[8];
+  long reserved = huge_pages_reserved();
+  if (d->status) host_pool_bytes(d, &n_host, &n_huge, &n_unlocked, names, sizeof names);
+  if (d->status && n_host > 0 && n_huge == n_host) {
+    snprintf(detail, cap, "all %zu host pools on huge pages", n_host);
+    return R_OK;
+  }
+  if (reserved <= 0) {
+    snprintf(detail, cap, "no huge pages reserved (vm.nr_hugepages); host pools use 4 KiB "
+             "pages: more TLB misses and slower registration");
+    return R_WARN;
+  }
+  if (d->status && n_host > 0) {
+    snprintf(detail, cap, "%ld huge pages reserved, but %zu of %zu host pools use 4 KiB pages "
+             "(too few free, or a size not a multiple of 2 MiB)", reserved, n_host - n_huge, n_host);
+    return R_WARN;
+  }
+  snprintf(detail, cap, "%ld huge pages reserved", reserved);
+  return R_OK;
+}
+
+static enum result check_peers(const struct doctor *d, char *detail, size_t cap) {
+  if (!d->peers) return R_SKIP;
+  const char *it = cj_get(d->peers, "peers"), *e;
+  size_t n = 0, down = 0, used = 0;
+  detail[0] = '\0';
+  while (it && (e = cj_next(&it))) {
+    char name[64] = "", state[32] = "", err[128] = "";
+    n++;
+    cj_str(e, "name", name, sizeof name);
+    cj_str(e, "state", state, sizeof state);
+    if (strcmp(state, "up") == 0) continue;
+    cj_str(e, "last_error", err, sizeof err);
+    if (used < cap)
+      used += (size_t)snprintf(detail + used, cap - used, "%s%s %s%s%s%s", down++ ? "; " : "",
+                               name, state, err[0] ? " (" : "", err, err[0] ? ")" : "");
+  }
+  if (n == 0) {
+    snprintf(detail, cap, "no peers configured");
+    return R_SKIP;
+  }
+  if (down) return R_FAIL;
+  snprintf(detail, cap, "%zu of %zu peers up", n, n);
+  return R_OK;
+}
+
+static enum result check_metrics(const struct doctor *d, char *detail, size_t cap) {
+  char url[320] = "", err[256];
+  char *body = NULL;
+  if (!d->status) return R_SKIP;
+  if (cj_str(d->status, "metrics", url, sizeof url) != 0 || !url[0]) {
+    snprintf(detail, cap, "metrics-listen is off");
+    return R_SKIP;
+  }
+  if (ctl_http_get(url, HTTP_TIMEOUT_MS, &body, err, sizeof err) != 0) {
+    snprintf(detail, cap, "%s: %s", url, err);
+    return R_FAIL;
+  }
+  bool ok = strstr(body, "kvferry_build_info") != NULL;
+  snprintf(detail, cap, "%s %s", url, ok ? "answers" : "answers without kvferry metrics");
+  free(body);
+  return ok ? R_OK : R_FAIL;
+}
+
+/* GPU checks: ctl_gpu.c (results in this file's order). */
+static enum result check_cuda(const struct doctor *d, char *detail, size_t cap) {
+  return (enum result)ctl_gpu_driver(detail, cap);
+}
+static enum result check_gpu_dmabuf(const struct doctor *d, char *detail, size_t cap) {
+  return (enum result)ctl_gpu_dmabuf(detail, cap);
+}
+static enum result check_gpu_peermem(const struct doctor *d, char *detail, size_t cap) {
+  return (enum result)ctl_gpu_peermem(detail, cap);
+}
+static enum result check_gpu_iommu(const struct doctor *d, char *detail, size_t cap) {
+  return (enum result)ctl_gpu_iommu(detail, cap);
+}
+static enum result check_gpu_bar1(const struct doctor *d, char *detail, size_t cap) {
+  return (enum result)ctl_gpu_bar1(detail, cap);
+}
+static enum result check_gpu_nic_path(const struct doctor *d, char *detail, size_t cap) {
+  return (enum result)ctl_gpu_nic_path(detail, cap);
+}
+static enum result check_gpu_acs(const struct doctor *d, char *detail, size_t cap) {
+  return (enum result)ctl_gpu_acs(detail, cap);
+}
+static enum result check_gpu_pools(const struct doctor *d, char *detail, size_t cap) {
+  return (enum result)ctl_gpu_pools(d->pools, detail, cap);
+}
+
+/* The checks, in the order shown. To add one: write a check_fn and add a
+ * row; it gets the daemon's STATUS, POOLS and PEERS documents. */
+static const struct check {
+  const char *name;
+  const char *what;
+  check_fn *fn;
+} checks[] = {
+    {"socket", "the API socket answers", check_socket},
+    {"memlock", "RLIMIT_MEMLOCK of kvferryd covers its host pools", check_memlock},
+    {"pools-locked", "every host pool is locked in RAM", check_pools_locked},
+    {"hugepages", "huge pages are reserved and back the host pools", check_hugepages},
+    {"peers-up", "every configured peer daemon is connected", check_peers},
+    {"metrics", "the metrics endpoint answers", check_metrics},
+    {"cuda", "the NVIDIA driver loads and sees the GPUs", check_cuda},
+    {"gpu-dmabuf", "GPUs, driver and kernel export GPU memory as dmabuf", check_gpu_dmabuf},
+    {"nvidia-peermem", "nvidia_peermem is loaded where dmabuf is not available", check_gpu_peermem},
+    {"iommu", "the IOMMU is off or in passthrough for the GPUs", check_gpu_iommu},
+    {"gpu-bar1", "each GPU's BAR1 aperture covers its memory", check_gpu_bar1},
+    {"gpu-nic-pcie", "each GPU shares a PCIe switch with an RDMA NIC", check_gpu_nic_path},
+    {"pcie-acs", "no ACS P2P redirect on the bridges between GPUs and NICs", check_gpu_acs},
+    {"gpu-pools", "each cuda pool's NIC registration (dmabuf, peermem, else bounce)", check_gpu_pools},
+    /* RDMA checks (devices, ports active, GID) go here. */
+};
+#define N_CHECKS (sizeof checks / sizeof checks[0])
+
+/* ------------------------------------------------------------ running */
+
+static void fetch(struct doctor *d) {
+  kvf_client *c;
+  d->connect_rc = kvf_connect(d->socket, &c);
+  if (d->connect_rc != 0) return;
+  if (kvf_inspect(c, KVF_INSPECT_STATUS, 1, &d->status) != 0 ||
+      kvf_inspect(c, KVF_INSPECT_POOLS, 1, &d->pools) != 0 ||
+      kvf_inspect(c, KVF_INSPECT_PEERS, 1, &d->peers) != 0) {
+    free(d->status);
+    free(d->pools);
+    d->status = d->pools = NULL;
+    d->connect_rc = KVF_EPROTO;
+  }
+  kvf_close(c);
+}
+
+static void print_row(bool json, bool first, const struct check *ck, enum result r,
+                      const char *detail) {
+  if (!json) {
+    printf("%-14s %-5s %s\n", ck->name, result_names[r], detail[0] ? detail : ck->what);
+    return;
+  }
+  printf("%s{\"name\":", first ? "" : ",");
+  cj_put_str(stdout, ck->name);
+  printf(",\"what\":");
+  cj_put_str(stdout, ck->what);
+  printf(",\"result\":\"%s\",\"detail\":", r == R_FAIL ? "fail" : result_names[r]);
+  cj_put_str(stdout, detail);
+  printf("}");
+}
+
+int ctl_doctor(const char *socket, bool json) {
+  struct doctor d = {.socket = socket};
+  size_t failed = 0, warned = 0;
+  fetch(&d);
+  if (json) printf("{\"checks\":[");
+  else printf("%-14s %-5s %s\n", "CHECK", "RESULT", "DETAIL");
+  for (size_t i = 0; i < N_CHECKS; i++) {
+    char detail[1024] = "";
+    enum result r = checks[i].fn(&d, detail, sizeof detail);
+    if (r == R_SKIP && !detail[0]) snprintf(detail, sizeof detail, "daemon not reachable");
+    failed += r == R_FAIL;
+    warned += r == R_WARN;
+    print_row(json, i == 0, &checks[i], r, detail);
+  }
+  if (json) printf("],\"failed\":%zu,\"warnings\":%zu}\n", failed, warned);
+  else printf("\n%zu failed, %zu warnings\n", failed, warned);
+  free(d.status);
+  free(d.pools);
+  free(d.peers);
+  if (fflush(stdout) != 0) return CTL_ERROR;
+  return failed ? CTL_CHECK_FAILED : CTL_OK;
+}
+
+/* ------------------------------------------------------------ metrics */
+
+int ctl_metrics(const char *socket, bool json) {
+  kvf_client *c;
+  char *status = NULL, url[320] = "", err[256], *body = NULL;
+  int rc = kvf_connect(socket, &c);
+  if (rc) {
+    fprintf(stderr, "kvferryctl: cannot reach kvferryd at %s: %s\n", socket, kvf_strerror(rc));
+    return CTL_UNREACHABLE;
+  }
+  rc = kvf_inspect(c, KVF_INSPECT_STATUS, 1, &status);
+  kvf_close(c);
+  if (rc) {
+    fprintf(stderr, "kvferryctl: status: %s (%s)\n", kvf_strerror(rc), kvf_err_name(rc));
+    return CTL_ERROR;
+  }
+  cj_str(status, "metrics", url, sizeof url);
+  free(status);
+  if (!url[0]) {
+    fprintf(stderr, "kvferryctl: this kvferryd serves no metrics (set metrics-listen in "
+                    "kvferryd.conf, e.g. 127.0.0.1:9464)\n");
+    return CTL_ERROR;
+  }
+  if (ctl_http_get(url, HTTP_TIMEOUT_MS, &body, err, sizeof err) != 0) {
+    fprintf(stderr, "kvferryctl: %s: %s\n", url, err);
+    return CTL_ERROR;
+  }
+  if (json) rc = ctl_metrics_json(body, stdout) == 0 ? CTL_OK : CTL_ERROR;
+  else rc = ctl_print(body);
+  if (json && fflush(stdout) != 0) rc = CTL_ERROR;
+  free(body);
+  return rc;
+}

@@ -1,0 +1,320 @@
+"""The kvferry client: the calls of libkvferry (kvferry.h), Pythonic.
+
+Every call that fails raises KvferryError carrying the C error code, its
+name (kvf_err_name: "KVF_EDEADLINE", "ECONNREFUSED", ...) and message.
+Blocking calls release the GIL (ctypes does), so a worker thread may sit
+in wait_events() while others post grants and sends.
+"""
+import collections
+import ctypes
+import json as _json
+
+from . import _native
+from ._native import Desc as _CDesc
+
+RECV_DONE = _native.EV_RECV_DONE
+SEND_DONE = _native.EV_SEND_DONE
+
+_INSPECT = {"status": _native.INSPECT_STATUS, "pools": _native.INSPECT_POOLS,
+            "peers": _native.INSPECT_PEERS, "transfers": _native.INSPECT_TRANSFERS}
+
+
+def err_name(code):
+    """kvf_err_name: "OK", "KVF_ESIZE", "ENOENT", ... for a return code."""
+    return _native.lib().kvf_err_name(code).decode()
+
+
+def strerror(code):
+    """kvf_strerror: the message of a return code."""
+    return _native.lib().kvf_strerror(code).decode()
+
+
+class KvferryError(Exception):
+    """A libkvferry call failed. .code is the negative C code, .name its
+    name (kvf_err_name), .message its text (kvf_strerror)."""
+
+    def __init__(self, code, call="", detail=""):
+        self.code = code
+        self.name = err_name(code)
+        self.message = strerror(code)
+        self.call = call
+        self.detail = detail
+        where = "%s: " % call if call else ""
+        more = " (%s)" % detail if detail else ""
+        super().__init__("%s%s: %s%s" % (where, self.name, self.message, more))
+
+
+def _check(rc, call):
+    if rc < 0:
+        raise KvferryError(rc, call)
+    return rc
+
+
+def _bytes(s, what, required=True):
+    if s is None:
+        if required:
+            raise KvferryError(_native.ERRORS["KVF_EINVAL"], what, "missing")
+        return None
+    return s if isinstance(s, bytes) else str(s).encode()
+
+
+# A block range of a pool: what kvf_desc holds.
+Desc = collections.namedtuple("Desc", "pool offset len")
+
+
+def _desc_array(descs):
+    """descs (Desc, (pool, offset, len) tuples, or a ctypes array of
+    kvf_desc) as a ctypes array and its length."""
+    if isinstance(descs, ctypes.Array) and descs._type_ is _CDesc:
+        return descs, len(descs)
+    items = list(descs)
+    arr = (_CDesc * len(items))()
+    for i, (pool, offset, length) in enumerate(items):
+        arr[i].pool, arr[i].offset, arr[i].len = pool, offset, length
+    return arr, len(items)
+
+
+class Event(collections.namedtuple(
+        "Event", "type status xfer_id path peer bytes descriptors error")):
+    """A transfer's completion (kvf_event). type is RECV_DONE or SEND_DONE,
+    status 0 or a negative error code."""
+
+    @property
+    def ok(self):
+        return self.status == 0
+
+    @property
+    def kind(self):
+        return "recv_done" if self.type == RECV_DONE else "send_done"
+
+    @property
+    def error_name(self):
+        return err_name(self.status)
+
+    def raise_for_status(self):
+        """Raises KvferryError for a failed transfer; returns self otherwise."""
+        if self.status:
+            raise KvferryError(self.status, "transfer " + self.xfer_id, self.error)
+        return self
+
+    @classmethod
+    def _from_c(cls, ev):
+        return cls(ev.type, ev.status, ev.xfer_id.decode(errors="replace"), ev.path.decode(),
+                   ev.peer.decode(), ev.bytes, ev.descriptors,
+                   ev.error.decode(errors="replace"))
+
+
+class _Region:
+    """Bytes [offset, offset + size) of a mapped pool, exposed to array
+    libraries: host memory through the buffer protocol (memory, a
+    memoryview) and __array_interface__ (numpy), GPU memory through
+    __cuda_array_interface__ (torch.as_tensor, CuPy, Numba)."""
+
+    def __init__(self, pool, offset, size):
+        self._pool = pool
+        self.offset = offset
+        self.size = size
+
+    @property
+    def is_cuda(self):
+        return self._pool.kind.startswith("cuda:")
+
+    @property
+    def address(self):
+        """The address of the first byte: host virtual, or CUDA device."""
+        return self._pool._mapped_address() + self.offset
+
+    @property
+    def memory(self):
+        """A writable memoryview of the bytes (host pools only). Valid until
+        the client is closed."""
+        if self.is_cuda:
+            raise TypeError("pool %s is %s memory: use __cuda_array_interface__ "
+                            "(torch.as_tensor(pool, device='cuda'))" % (self._pool.name,
+                                                                        self._pool.kind))
+        buf = (ctypes.c_ubyte * self.size).from_address(self.address)
+        return memoryview(buf).cast("B")
+
+    def _interface(self):
+        return {"shape": (self.size,), "typestr": "|u1", "data": (self.address, False),
+                "strides": None, "version": 3}
+
+    @property
+    def __array_interface__(self):
+        if self.is_cuda:
+            raise AttributeError("__array_interface__: a GPU pool has no host address")
+        return self._interface()
+
+    @property
+    def __cuda_array_interface__(self):
+        if not self.is_cuda:
+            raise AttributeError("__cuda_array_interface__: a host pool; use .memory")
+        iface = self._interface()
+        # The daemon's RECV_DONE already means the data is in HBM.
+        iface["stream"] = None
+        return iface
+
+    def view(self, offset, size):
+        """A region of this one (bytes [offset, offset + size))."""
+        if offset < 0 or size < 0 or offset + size > self.size:
+            raise ValueError("view [%d, %d) outside a region of %d bytes" % (
+                offset, offset + size, self.size))
+        return _Region(self._pool, self.offset + offset, size)
+
+    def desc(self, offset=0, size=None):
+        """A Desc for bytes of this region, for grant() and send()."""
+        size = self.size - offset if size is None else size
+        if offset < 0 or size <= 0 or offset + size > self.size:
+            raise ValueError("range outside the region")
+        return Desc(self._pool.id, self.offset + offset, size)
+
+
+class Pool(_Region):
+    """A daemon-owned memory pool (kvf_pool_info). Its memory is mapped into
+    this process on first use (kvf_pool_map) and stays mapped until the
+    client is closed."""
+
+    def __init__(self, client, info):
+        self._client = client
+        self.id = info.id
+        self.name = info.name.decode()
+        self.kind = info.kind.decode()
+        self.backing = info.backing.decode()
+        super().__init__(self, 0, info.size)
+
+    def _mapped_address(self):
+        return self._client._map(self.id)[0]
+
+    def __repr__(self):
+        return "Pool(id=%d, name=%r, kind=%r, backing=%r, size=%d)" % (
+            self.id, self.name, self.kind, self.backing, self.size)
+
+
+class Client:
+    """A connection to the node's kvferryd (kvf_connect). Use as a context
+    manager, or call close()."""
+
+    def __init__(self, socket_path=None):
+        self._lib = _native.lib()
+        self._c = ctypes.c_void_p()
+        self._maps = {}
+        _check(self._lib.kvf_connect(_bytes(socket_path, "kvf_connect", False),
+                                     ctypes.byref(self._c)), "kvf_connect")
+
+    # ---- connection
+
+    def close(self):
+        """kvf_close. The daemon cancels this client's transfers; pool
+        memory from this client is unmapped."""
+        if self._c:
+            self._lib.kvf_close(self._c)
+            self._c = ctypes.c_void_p()
+            self._maps.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _handle(self):
+        if not self._c:
+            raise KvferryError(_native.ERRORS["KVF_EINVAL"], "kvferry", "the client is closed")
+        return self._c
+
+    @property
+    def node(self):
+        """The daemon's node name (kvf_node)."""
+        return self._lib.kvf_node(self._handle()).decode()
+
+    # ---- pools
+
+    def pools(self):
+        """Every pool of the daemon (kvf_pools)."""
+        n = _check(self._lib.kvf_pools(self._handle(), None, 0), "kvf_pools")
+        arr = (_native.PoolInfo * max(n, 1))()
+        n = _check(self._lib.kvf_pools(self._handle(), arr, len(arr)), "kvf_pools")
+        return [Pool(self, arr[i]) for i in range(min(n, len(arr)))]
+
+    def pool_find(self, name):
+        """The pool called name (kvf_pool_find)."""
+        info = _native.PoolInfo()
+        _check(self._lib.kvf_pool_find(self._handle(), _bytes(name, "kvf_pool_find"),
+                                       ctypes.byref(info)), "kvf_pool_find")
+        return Pool(self, info)
+
+    def pool_map(self, pool):
+        """Maps a pool (a Pool, or its id) now and returns (address, size)
+        (kvf_pool_map). Pool.memory and the array interfaces map on their
+        own; this is for callers that want the raw address."""
+        return self._map(pool.id if isinstance(pool, Pool) else int(pool))
+
+    def _map(self, pool_id):
+        if pool_id not in self._maps:
+            addr, size = ctypes.c_void_p(), ctypes.c_uint64()
+            _check(self._lib.kvf_pool_map(self._handle(), pool_id, ctypes.byref(addr),
+                                          ctypes.byref(size)), "kvf_pool_map")
+            self._maps[pool_id] = (addr.value, size.value)
+        return self._maps[pool_id]
+
+    # ---- transfers
+
+    def grant(self, xfer_id, src_node, descs, deadline_ms=0):
+        """Receiving side (kvf_grant): blocks of xfer_id go to descs.
+        src_node None accepts any sender; naming it pushes the grant ahead.
+        Completion: one RECV_DONE event."""
+        arr, n = _desc_array(descs)
+        _check(self._lib.kvf_grant(self._handle(), _bytes(xfer_id, "kvf_grant"),
+                                   _bytes(src_node, "kvf_grant", False), arr, n, deadline_ms),
+               "kvf_grant")
+
+    def send(self, xfer_id, dst_node, descs, more=False, deadline_ms=0, flags=0):
+        """Sending side (kvf_send): descs go to dst_node. more=True (or
+        flags=SEND_MORE) on every part but the last. Completion: one
+        SEND_DONE event."""
+        arr, n = _desc_array(descs)
+        flags |= _native.SEND_MORE if more else 0
+        _check(self._lib.kvf_send(self._handle(), _bytes(xfer_id, "kvf_send"),
+                                  _bytes(dst_node, "kvf_send"), arr, n, flags, deadline_ms),
+               "kvf_send")
+
+    def cancel(self, xfer_id):
+        """kvf_cancel: both sides get their event."""
+        _check(self._lib.kvf_cancel(self._handle(), _bytes(xfer_id, "kvf_cancel")), "kvf_cancel")
+
+    # ---- events
+
+    def event_fd(self):
+        """A descriptor that polls readable while events wait (for
+        selectors / asyncio add_reader); do not read or close it."""
+        return _check(self._lib.kvf_event_fd(self._handle()), "kvf_event_fd")
+
+    def wait_events(self, max_events=64, timeout_ms=-1):
+        """Takes up to max_events events (kvf_wait_events); timeout_ms 0
+        returns at once, -1 waits without bound. Returns a list of Event,
+        empty on timeout."""
+        arr = (_native.Event * max_events)()
+        n = _check(self._lib.kvf_wait_events(self._handle(), arr, max_events, timeout_ms),
+                   "kvf_wait_events")
+        return [Event._from_c(arr[i]) for i in range(n)]
+
+    # ---- introspection
+
+    def inspect(self, what="status", json=False):
+        """The daemon's view (kvf_inspect): "status", "pools", "peers" or
+        "transfers", as a table, or as a parsed JSON document with
+        json=True."""
+        out = ctypes.c_void_p()
+        _check(self._lib.kvf_inspect(self._handle(), _INSPECT[what], 1 if json else 0,
+                                     ctypes.byref(out)), "kvf_inspect")
+        try:
+            text = ctypes.string_at(out.value).decode()
+        finally:
+            _native.free(out)
+        return _json.loads(text) if json else text

@@ -1,0 +1,356 @@
+"""kvftest - helpers of the operations tests (tests/ops): real kvferryd
+processes in a temp dir, the Python binding from the source tree, and a
+unittest runner that prints TAP for tests/run.sh.
+
+Environment: BUILD (the build dir, default build; run.sh sets it),
+KVF_TEST_KEEP=1 keeps the temp dirs, KVF_OPS_MAKE overrides `make` for
+the install test. Every wait is bounded.
+"""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import unittest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BUILD = os.path.join(REPO, os.environ.get("BUILD", "build"))
+LIB = os.path.join(BUILD, "libkvferry.so")
+KVFERRYD = os.path.join(BUILD, "kvferryd")
+KVFERRYCTL = os.path.join(BUILD, "kvferryctl")
+READY_S = 10
+STOP_S = 10
+
+
+# ---------------------------------------------------------------- sanitizers
+
+def _needs_asan(path):
+    try:
+        with open(path, "rb") as f:
+            return b"libasan.so" in f.read()
+    except OSError:
+        return False
+
+
+def _asan_loaded():
+    with open("/proc/self/maps") as f:
+        return "libasan" in f.read()
+
+
+def _sanitizer_reexec():
+    """An ASan build's libkvferry can only be loaded into a process that
+    has the ASan runtime first: re-exec this test with it preloaded (and
+    leak checks off: the interpreter itself is not leak-clean). Children
+    get the environment as it was, so the daemons keep their leak checks."""
+    if _asan_loaded():
+        orig = os.environ.pop("KVF_ORIG_ENV_ASAN", None)
+        if orig is not None:
+            os.environ.pop("LD_PRELOAD", None)
+            if orig == "-":
+                os.environ.pop("ASAN_OPTIONS", None)
+            else:
+                os.environ["ASAN_OPTIONS"] = orig
+        return
+    if not _needs_asan(LIB):
+        return
+    cc = shutil.which("cc") or shutil.which("gcc")
+    runtime = subprocess.run([cc, "-print-file-name=libasan.so"], capture_output=True,
+                             text=True).stdout.strip() if cc else ""
+    if not runtime or not os.path.exists(runtime):
+        return  # the tests that load the library will fail and say why
+    env = dict(os.environ)
+    env["KVF_ORIG_ENV_ASAN"] = env.get("ASAN_OPTIONS", "-")
+    env["LD_PRELOAD"] = runtime
+    env["ASAN_OPTIONS"] = env.get("ASAN_OPTIONS", "") + ":detect_leaks=0"  # the last one wins
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable] + sys.argv, env)
+
+
+def sanitized():
+    """True in the ASan/UBSan build (compiled clients need the flags)."""
+    return _needs_asan(LIB)
+
+
+def python_env(**extra):
+    """The environment for a child Python that loads libkvferry: in the
+    sanitizer build it needs the ASan runtime preloaded, as this one has."""
+    env = dict(os.environ, **extra)
+    if sanitized():
+        with open("/proc/self/maps") as f:
+            runtime = next((l.split()[-1] for l in f if "libasan" in l), None)
+        if runtime:
+            env["LD_PRELOAD"] = runtime
+            env["ASAN_OPTIONS"] = env.get("ASAN_OPTIONS", "") + ":detect_leaks=0"
+    return env
+
+
+_sanitizer_reexec()
+os.environ.setdefault("KVFERRY_LIB", LIB)
+sys.path.insert(0, os.path.join(REPO, "client", "python"))
+
+
+# ---------------------------------------------------------------- temp dirs
+
+_dirs = []
+_failed = False
+
+
+def tempdir():
+    """A fresh dir under /tmp (short: daemons' sockets live there); kept
+    when a test fails. tests/run.sh shows the *.log files of dirs announced
+    like this."""
+    d = tempfile.mkdtemp(prefix="kvferry-ops.", dir="/tmp")
+    _dirs.append(d)
+    print("kvf-harness: temp dir %s" % d, file=sys.stderr, flush=True)
+    return d
+
+
+def _cleanup():
+    keep = os.environ.get("KVF_TEST_KEEP", "0") not in ("", "0")
+    for d in _dirs:
+        if _failed or keep:
+            print("kvf-harness: kept %s" % d, file=sys.stderr)
+        else:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def free_ports(n):
+    """n distinct free TCP ports on 127.0.0.1."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_until(pred, timeout, what, step=0.02):
+    end = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > end:
+            raise AssertionError("timed out after %.1fs waiting for %s" % (timeout, what))
+        time.sleep(step)
+
+
+# ---------------------------------------------------------------- daemons
+
+class Daemon:
+    """One kvferryd with a config in dir: node name, host pool "kv",
+    peer-listen on a free loopback port, optional metrics on loopback."""
+
+    def __init__(self, dir, name, pool="64M", metrics=False, extra=""):
+        self.dir, self.name = dir, name
+        self.conf = os.path.join(dir, name + ".conf")
+        self.sock = os.path.join(dir, name + ".sock")
+        self.log = os.path.join(dir, name + ".log")
+        self.port = free_ports(1)[0]
+        self.pool = pool
+        self.metrics = metrics
+        self.extra = extra
+        self.peers = []  # (name, port)
+        self.proc = None
+
+    def add_peer(self, other, port=None):
+        self.peers.append((other.name, port or other.port))
+
+    def config_text(self):
+        lines = ["# written by tests/ops", "node " + self.name, "api-socket " + self.sock,
+                 "peer-listen 127.0.0.1:%d" % self.port]
+        lines += ["peer %s 127.0.0.1:%d" % p for p in self.peers]
+        if self.pool:
+            lines.append("pool kv host " + self.pool)
+        if self.metrics:
+            lines.append("metrics-listen 127.0.0.1:0")
+        lines += ["heartbeat-ms 100", "peer-timeout-ms 1000", "reconnect-min-ms 50",
+                  "reconnect-max-ms 300", "transports tcp", self.extra]
+        return "\n".join(lines) + "\n"
+
+    def write_conf(self, text=None):
+        with open(self.conf, "w") as f:
+            f.write(text if text is not None else self.config_text())
+
+    def start(self, env=None, wait=True):
+        self.write_conf()
+        with open(self.log, "a") as log:
+            log.write("=== kvftest: starting %s\n" % self.name)
+            log.flush()
+            self.proc = subprocess.Popen([KVFERRYD, "-c", self.conf], stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=log, env=env)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def api_answers(self):
+        import kvferry
+        try:
+            kvferry.Client(self.sock).close()
+            return True
+        except kvferry.KvferryError:
+            return False
+
+    def wait_ready(self, timeout=READY_S):
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError("%s exited with %s during start:\n%s" % (
+                    self.name, self.proc.returncode, self.log_text()[-3000:]))
+            return self.api_answers()
+        wait_until(ready, timeout, "%s's API socket" % self.name)
+
+    def client(self):
+        import kvferry
+        return kvferry.Client(self.sock)
+
+    def status(self):
+        with self.client() as c:
+            return c.inspect("status", json=True)
+
+    def peers_up(self):
+        with self.client() as c:
+            peers = c.inspect("peers", json=True)["peers"]
+        return peers and all(p["state"] == "up" for p in peers)
+
+    def wait_peers_up(self, timeout=READY_S):
+        wait_until(self.peers_up, timeout, "%s's peers up" % self.name)
+
+    def metrics_url(self):
+        return self.status()["metrics"]
+
+    def signal(self, sig):
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout=STOP_S):
+        """SIGTERM; returns the exit status (fails on a hang)."""
+        if not self.proc or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError("%s did not exit within %ss of SIGTERM" % (self.name, timeout))
+
+    def kill(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def log_text(self):
+        try:
+            with open(self.log) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+
+def pair(dir, pool="64M", metrics=False, extra=""):
+    """"prefill" and "decode", peered, started, both peers up."""
+    pre = Daemon(dir, "prefill", pool, metrics, extra)
+    dec = Daemon(dir, "decode", pool, metrics, extra)
+    pre.add_peer(dec)
+    dec.add_peer(pre)
+    pre.start()
+    dec.start()
+    pre.wait_peers_up()
+    dec.wait_peers_up()
+    return pre, dec
+
+
+def wait_event(client, xfer_id, timeout=10.0, type=None):
+    """The next event of xfer_id (of that type, when given). Other events
+    are kept on the client for later calls."""
+    stash = client.__dict__.setdefault("_kvftest_stash", [])
+    match = lambda ev: ev.xfer_id == xfer_id and type in (None, ev.type)  # noqa: E731
+    end = time.monotonic() + timeout
+    while True:
+        for ev in stash:
+            if match(ev):
+                stash.remove(ev)
+                return ev
+        left = int(max(0, end - time.monotonic()) * 1000)
+        stash.extend(client.wait_events(16, left))
+        if not any(match(ev) for ev in stash) and time.monotonic() >= end:
+            raise AssertionError("no event for %s within %.1fs" % (xfer_id, timeout))
+
+
+def run(cmd, timeout=120, **kw):
+    """subprocess.run with text output; never hangs the suite."""
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+# ---------------------------------------------------------------- TAP
+
+class TapResult(unittest.TestResult):
+    """Prints one TAP line per test as it ends ("# " lines carry the
+    failure), which tests/run.sh counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    @staticmethod
+    def _name(test):
+        module = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+        return test.id().replace("__main__", module)
+
+    def _line(self, ok, test, extra=""):
+        self.n += 1
+        print("%s %d - %s%s" % ("ok" if ok else "not ok", self.n, self._name(test), extra),
+              flush=True)
+
+    def _diag(self, err):
+        text = "".join(traceback.format_exception(*err))
+        for line in text.rstrip().splitlines()[-30:]:
+            print("# " + line, flush=True)
+
+    def addSuccess(self, test):
+        super().addSuccess(test)
+        self._line(True, test)
+
+    def addFailure(self, test, err):
+        super().addFailure(test, err)
+        self._line(False, test)
+        self._diag(err)
+
+    def addError(self, test, err):
+        super().addError(test, err)
+        self._line(False, test)
+        self._diag(err)
+
+    def addSkip(self, test, reason):
+        super().addSkip(test, reason)
+        self.n += 1
+        print("ok %d # SKIP %s: %s" % (self.n, self._name(test), reason), flush=True)
+
+    def addExpectedFailure(self, test, err):
+        super().addExpectedFailure(test, err)
+        self._line(True, test, " # expected failure")
+
+    def addUnexpectedSuccess(self, test):
+        super().addUnexpectedSuccess(test)
+        self._line(False, test, " # unexpected success")
+
+
+def main():
+    """Runs the calling module's tests with TAP output; exits 1 on failure."""
+    global _failed
+    suite = unittest.defaultTestLoader.loadTestsFromModule(sys.modules["__main__"])
+    print("1..%d" % suite.countTestCases(), flush=True)
+    result = TapResult()
+    try:
+        suite.run(result)
+    finally:
+        _failed = not result.wasSuccessful()
+        _cleanup()
+    sys.exit(0 if result.wasSuccessful() else 1)
