@@ -1,0 +1,157 @@
+// copy_kernel.cu - the batched gather/scatter copy: one launch moves every
+// chunk of a batch (copy_args.h), whatever mix of devices, peers (NVLink or
+// PCIe peer access) and mapped host memory the addresses point at.
+//
+// Built by nvcc at build time (sm_90 SASS plus compute_90 PTX, so newer GPUs
+// JIT it), embedded in kvferryd (kernel_image.c) and loaded with
+// cuModuleLoadData. Entry points differ only in how many loads each thread
+// keeps in flight and in cache hints; gpu.c picks one (KVF_CUDA_KERNEL
+// overrides it for experiments).
+//
+// Grid: any number of CTAs, each walks chunks blockIdx.x, +gridDim.x, ...
+// All threads of a CTA work on one chunk at a time: thread t copies units
+// t, t+blockDim, ... so a warp's accesses are contiguous (coalesced).
+#include "copy_args.h"
+
+// Cache policies (P): 0 = L2 only (ld/st.global.cg), 1 = streaming, evict
+// first (.cs), 2 = read-only path for loads (ld.global.nc) and write-back
+// stores. The addresses come in as integers, so without these the compiler
+// emits generic ld/st; each of these is an ld.global/st.global.
+template <typename T, int P>
+__device__ __forceinline__ T load(const T *p) {
+  if (P == 1) return __ldcs(p);
+  if (P == 2) return __ldg(p);
+  return __ldcg(p);
+}
+
+template <typename T, int P>
+__device__ __forceinline__ void store(T *p, const T &v) {
+  if (P == 1) __stcs(p, v);
+  else if (P == 2) __stwb(p, v);
+  else __stcg(p, v);
+}
+
+template <typename T, int U, int CS>
+__device__ __forceinline__ void copy_units(const T *__restrict__ s, T *__restrict__ d, unsigned n) {
+  const unsigned stride = blockDim.x;
+  unsigned i = threadIdx.x;
+  for (; i + (U - 1) * stride < n; i += U * stride) {
+    T r[U];
+#pragma unroll
+    for (int k = 0; k < U; k++) r[k] = load<T, CS>(s + i + k * stride);
+#pragma unroll
+    for (int k = 0; k < U; k++) store<T, CS>(d + i + k * stride, r[k]);
+  }
+  for (; i < n; i += stride) store<T, CS>(d + i, load<T, CS>(s + i));
+}
+
+template <int U, int CS>
+__device__ __forceinline__ void copy_one(const kvf_chunk &ch, const kvf_split &sp) {
+  const unsigned char *s = (const unsigned char *)ch.src;
+  unsigned char *d = (unsigned char *)ch.dst;
+  // head and tail are < 16 bytes and blockDim >= 32
+  if (threadIdx.x < sp.head) d[threadIdx.x] = s[threadIdx.x];
+  const unsigned tail_off = sp.head + sp.units * sp.width;
+  if (threadIdx.x < sp.tail) d[tail_off + threadIdx.x] = s[tail_off + threadIdx.x];
+  s += sp.head;
+  d += sp.head;
+  switch (sp.width) {
+  case 16: copy_units<uint4, U, CS>((const uint4 *)s, (uint4 *)d, sp.units); break;
+  case 8: copy_units<unsigned long long, U, CS>((const unsigned long long *)s, (unsigned long long *)d, sp.units); break;
+  case 4: copy_units<unsigned, U, CS>((const unsigned *)s, (unsigned *)d, sp.units); break;
+  case 2: copy_units<unsigned short, U, CS>((const unsigned short *)s, (unsigned short *)d, sp.units); break;
+  default: copy_units<unsigned char, U, CS>(s, d, sp.units); break;
+  }
+}
+
+template <int U, int CS>
+__device__ __forceinline__ void copy_chunks(const kvf_chunk *__restrict__ chunks, unsigned n) {
+  for (unsigned c = blockIdx.x; c < n; c += gridDim.x) {
+    const kvf_chunk ch = chunks[c];
+    copy_one<U, CS>(ch, kvf_chunk_split(ch.src, ch.dst, ch.len));
+  }
+}
+
+// ---------------------------------------------------------------- bulk (TMA)
+// The 16-byte-aligned body of each chunk moves global -> shared -> global
+// with cp.async.bulk (Hopper's bulk copy engine), issued by one thread, two
+// shared stages so that the store of one overlaps the load of the next;
+// heads, tails and chunks whose two sides differ in alignment take the
+// thread path above. Launch with few threads and several CTAs per SM.
+#define KVF_TMA_STAGE 16384u
+
+__device__ __forceinline__ unsigned smem_u32(const void *p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void tma_wait(unsigned bar, unsigned phase) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "KVF_WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra KVF_WAIT_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(phase)
+      : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(1024) kvf_copy_tma(const kvf_chunk *__restrict__ chunks, unsigned n) {
+  __shared__ __align__(128) unsigned char buf[2][KVF_TMA_STAGE];
+  __shared__ __align__(8) unsigned long long bar[2];
+  unsigned phases = 0; // bit i: the parity stage i waits for next
+  int stage = 0;
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 2; i++) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bar[i])) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  for (unsigned c = blockIdx.x; c < n; c += gridDim.x) {
+    const kvf_chunk ch = chunks[c];
+    const kvf_split sp = kvf_chunk_split(ch.src, ch.dst, ch.len);
+    if (sp.width != 16 || sp.units == 0) {
+      copy_one<4, 0>(ch, sp);
+      continue;
+    }
+    const unsigned char *s = (const unsigned char *)ch.src;
+    unsigned char *d = (unsigned char *)ch.dst;
+    if (threadIdx.x < sp.head) d[threadIdx.x] = s[threadIdx.x];
+    const unsigned tail_off = sp.head + sp.units * 16;
+    if (threadIdx.x < sp.tail) d[tail_off + threadIdx.x] = s[tail_off + threadIdx.x];
+    if (threadIdx.x != 0) continue;
+    const unsigned long long src = ch.src + sp.head, dst = ch.dst + sp.head;
+    const unsigned bytes = sp.units * 16;
+    for (unsigned off = 0; off < bytes; off += KVF_TMA_STAGE) {
+      const unsigned k = bytes - off < KVF_TMA_STAGE ? bytes - off : KVF_TMA_STAGE;
+      const unsigned b = smem_u32(buf[stage]), m = smem_u32(&bar[stage]);
+      // the store that last read this stage must have read it
+      asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(m), "r"(k) : "memory");
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(b),
+                   "l"(src + off), "r"(k), "r"(m)
+                   : "memory");
+      tma_wait(m, (phases >> stage) & 1u);
+      phases ^= 1u << stage;
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst + off), "r"(b), "r"(k) : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      stage ^= 1;
+    }
+  }
+  if (threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(1024) kvf_copy_u4(const kvf_chunk *__restrict__ chunks, unsigned n) {
+  copy_chunks<4, 0>(chunks, n);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) kvf_copy_u8(const kvf_chunk *__restrict__ chunks, unsigned n) {
+  copy_chunks<8, 0>(chunks, n);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) kvf_copy_u8cs(const kvf_chunk *__restrict__ chunks, unsigned n) {
+  copy_chunks<8, 1>(chunks, n);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) kvf_copy_u8nc(const kvf_chunk *__restrict__ chunks, unsigned n) {
+  copy_chunks<8, 2>(chunks, n);
+}

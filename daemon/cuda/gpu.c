@@ -1,0 +1,884 @@
+/* gpu.c - see gpu.h. The CUDA driver comes in through cudrv.h (dlopen); the
+ * copy kernel through kernel_image.c (nvcc's fatbin, embedded at build
+ * time) and cuModuleLoadData. */
+#include "gpu.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "cudrv.h"
+#include "kernel_image.h"
+#include "log.h"
+
+#define STAGE_BYTES (64u << 20)     /* copy_all's staging, two halves */
+#define DEFAULT_THREADS 512u
+#define DEFAULT_CTAS_PER_SM 2u
+#define DEFAULT_KERNEL "kvf_copy_u8"
+
+typedef struct gdev {
+  CUdevice d;
+  CUcontext ctx;
+  kvf__gpu_info info;
+  CUmodule mod;
+  CUfunction fn;
+} gdev;
+
+static struct {
+  pthread_mutex_t mu;
+  bool inited;
+  bool ready;
+  char why[512];
+  kvf_cu cu;
+  int n;
+  gdev dev[KVF__GPU_MAX_DEV];
+  bool peer[KVF__GPU_MAX_DEV][KVF__GPU_MAX_DEV];
+  bool atomics[KVF__GPU_MAX_DEV][KVF__GPU_MAX_DEV];
+  bool kernel;               /* the copy kernel is loaded on every device */
+  char kernel_name[32];
+  unsigned threads, ctas_per_sm;
+  bool pull;
+  bool split;                /* GPU<->GPU: half the copies pushed, half pulled */
+  atomic_uint_fast64_t launches, chunks, bytes_kernel, bytes_staged, bytes_fallback, errors;
+  struct copier *free_copiers;
+} G = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+/* ------------------------------------------------------------ helpers */
+
+static int cu_fail(const char *what, CUresult r) {
+  char buf[200];
+  atomic_fetch_add(&G.errors, 1);
+  kvf__err("cuda: %s: %s", what, kvf__cu_errstr(&G.cu, r, buf, sizeof(buf)));
+  return -EIO;
+}
+
+#define CU_TRY(what, call)                           \
+  do {                                               \
+    CUresult r_ = (call);                            \
+    if (r_ != KVF_CU_SUCCESS) return cu_fail(what, r_); \
+  } while (0)
+
+static int use_dev(int dev) {
+  if (dev < 0 || dev >= G.n) return -ENODEV;
+  CU_TRY("cuCtxSetCurrent", G.cu.CtxSetCurrent(G.dev[dev].ctx));
+  return 0;
+}
+
+static unsigned env_uint(const char *name, unsigned def, unsigned lo, unsigned hi) {
+  const char *s = getenv(name);
+  if (!s || !*s) return def;
+  char *end;
+  unsigned long v = strtoul(s, &end, 10);
+  if (*end || v < lo || v > hi) return def;
+  return (unsigned)v;
+}
+
+/* ------------------------------------------------------------ planning (pure) */
+
+size_t kvf__gpu_plan_cut(uint64_t src, uint64_t dst, uint64_t len, kvf_chunk *out, size_t *n, size_t cap) {
+  size_t need = (size_t)((len + KVF__CHUNK_BYTES - 1) / KVF__CHUNK_BYTES);
+  if (len == 0 || *n + need > cap) return need;
+  for (uint64_t off = 0; off < len; off += KVF__CHUNK_BYTES) {
+    uint64_t k = len - off < KVF__CHUNK_BYTES ? len - off : KVF__CHUNK_BYTES;
+    out[(*n)++] = (kvf_chunk){.src = src + off, .dst = dst + off, .len = (unsigned)k};
+  }
+  return need;
+}
+
+static bool reaches(int exec, const kvf__gpu_end *e, bool (*peer)(int, int)) {
+  if (e->dev < 0) return e->mapped;
+  return e->dev == exec || peer(exec, e->dev);
+}
+
+int kvf__gpu_plan_exec(const kvf__gpu_end *src, const kvf__gpu_end *dst, bool (*peer)(int, int), bool pull) {
+  int first = pull ? dst->dev : src->dev, second = pull ? src->dev : dst->dev;
+  if (first >= 0 && reaches(first, src, peer) && reaches(first, dst, peer)) return first;
+  if (second >= 0 && reaches(second, src, peer) && reaches(second, dst, peer)) return second;
+  return -1;
+}
+
+unsigned kvf__gpu_plan_grid(size_t n, int sms, unsigned ctas_per_sm) {
+  size_t cap = (size_t)(sms > 0 ? sms : 1) * (ctas_per_sm ? ctas_per_sm : 1);
+  size_t g = n < cap ? n : cap;
+  return (unsigned)(g ? g : 1);
+}
+
+/* ------------------------------------------------------------ init */
+
+static void describe(char *buf, size_t len) {
+  size_t o = 0;
+  o += (size_t)snprintf(buf + o, len - o, "driver %d.%d, %d GPU%s:", G.cu.driver_version / 1000,
+                        G.cu.driver_version % 1000 / 10, G.n, G.n == 1 ? "" : "s");
+  for (int i = 0; i < G.n && o < len; i++) {
+    const kvf__gpu_info *in = &G.dev[i].info;
+    o += (size_t)snprintf(buf + o, len - o, "%s cuda:%d %s (%s, %d SMs, sm_%d%d, %llu MiB, dmabuf %s, gdr %s)",
+                          i ? ";" : "", i, in->name, in->bdf, in->sms, in->cc_major, in->cc_minor,
+                          (unsigned long long)(in->total_mem >> 20), in->dmabuf ? "yes" : "no",
+                          in->gdr_vmm ? "yes" : (in->gdr ? "no-vmm" : "no"));
+  }
+  for (int i = 0; i < G.n && o < len; i++)
+    for (int j = i + 1; j < G.n && o < len; j++)
+      o += (size_t)snprintf(buf + o, len - o, "; cuda:%d<->cuda:%d %s", i, j, kvf__gpu_link(i, j));
+  if (o < len)
+    snprintf(buf + o, len - o, "; copy kernel %s", G.kernel ? G.kernel_name : "NOT BUILT (no nvcc at build time): "
+                                                                             "cuMemcpy per block, slow");
+}
+
+static int load_kernels(char *err, size_t errlen) {
+  size_t len = 0;
+  const unsigned char *img = kvf__kernel_image(&len);
+  if (!img) {
+    snprintf(err, errlen, "this build has no copy kernel");
+    return -ENOENT;
+  }
+  const char *want = getenv("KVF_CUDA_KERNEL");
+  snprintf(G.kernel_name, sizeof(G.kernel_name), "%s", want && *want ? want : DEFAULT_KERNEL);
+  for (int i = 0; i < G.n; i++) {
+    char buf[200];
+    CUresult r = G.cu.CtxSetCurrent(G.dev[i].ctx);
+    if (r == KVF_CU_SUCCESS) r = G.cu.ModuleLoadData(&G.dev[i].mod, img);
+    if (r != KVF_CU_SUCCESS) {
+      snprintf(err, errlen, "cuModuleLoadData on cuda:%d: %s", i, kvf__cu_errstr(&G.cu, r, buf, sizeof(buf)));
+      return -EIO;
+    }
+    r = G.cu.ModuleGetFunction(&G.dev[i].fn, G.dev[i].mod, G.kernel_name);
+    if (r != KVF_CU_SUCCESS) {
+      snprintf(err, errlen, "kernel %s: %s", G.kernel_name, kvf__cu_errstr(&G.cu, r, buf, sizeof(buf)));
+      return -EIO;
+    }
+  }
+  return 0;
+}
+
+static int probe_devices(char *err, size_t errlen) {
+  char buf[200];
+  CUresult r = G.cu.DeviceGetCount(&G.n);
+  if (r != KVF_CU_SUCCESS || G.n <= 0) {
+    snprintf(err, errlen, "no CUDA device (%s)", r ? kvf__cu_errstr(&G.cu, r, buf, sizeof(buf)) : "count 0");
+    G.n = 0;
+    return -ENODEV;
+  }
+  if (G.n > KVF__GPU_MAX_DEV) G.n = KVF__GPU_MAX_DEV;
+  for (int i = 0; i < G.n; i++) {
+    gdev *g = &G.dev[i];
+    int v = 0;
+    if ((r = G.cu.DeviceGet(&g->d, i)) != KVF_CU_SUCCESS || (r = G.cu.DevicePrimaryCtxRetain(&g->ctx, g->d)) != KVF_CU_SUCCESS) {
+      snprintf(err, errlen, "cuda:%d: %s", i, kvf__cu_errstr(&G.cu, r, buf, sizeof(buf)));
+      G.n = i;
+      return -EIO;
+    }
+    G.cu.DeviceGetName(g->info.name, sizeof(g->info.name), g->d);
+    if (G.cu.DeviceGetPCIBusId(g->info.bdf, sizeof(g->info.bdf), g->d) != KVF_CU_SUCCESS)
+      snprintf(g->info.bdf, sizeof(g->info.bdf), "?");
+    for (char *c = g->info.bdf; *c; c++)
+      if (*c >= 'A' && *c <= 'F') *c = (char)(*c - 'A' + 'a'); /* as sysfs spells it */
+    G.cu.DeviceGetAttribute(&g->info.sms, KVF_CU_ATTR_MULTIPROCESSOR_COUNT, g->d);
+    G.cu.DeviceGetAttribute(&g->info.cc_major, KVF_CU_ATTR_CC_MAJOR, g->d);
+    G.cu.DeviceGetAttribute(&g->info.cc_minor, KVF_CU_ATTR_CC_MINOR, g->d);
+    v = 0;
+    G.cu.DeviceGetAttribute(&v, KVF_CU_ATTR_DMA_BUF_SUPPORTED, g->d);
+    g->info.dmabuf = v != 0;
+    v = 0;
+    G.cu.DeviceGetAttribute(&v, KVF_CU_ATTR_GDR_SUPPORTED, g->d);
+    g->info.gdr = v != 0;
+    v = 0;
+    G.cu.DeviceGetAttribute(&v, KVF_CU_ATTR_GDR_WITH_VMM_SUPPORTED, g->d);
+    g->info.gdr_vmm = v != 0;
+    size_t tm = 0;
+    G.cu.DeviceTotalMem(&tm, g->d);
+    g->info.total_mem = tm;
+    v = 0;
+    G.cu.DeviceGetAttribute(&v, KVF_CU_ATTR_VMM_SUPPORTED, g->d);
+    int fdok = 0;
+    G.cu.DeviceGetAttribute(&fdok, KVF_CU_ATTR_POSIX_FD_SUPPORTED, g->d);
+    if (!v || !fdok) {
+      snprintf(err, errlen, "cuda:%d (%s) lacks virtual memory management or POSIX fd export", i, g->info.name);
+      G.n = i + 1;
+      return -ENOTSUP;
+    }
+  }
+  /* Peer access both ways where the hardware allows; "KVF_CUDA_NO_PEER=1"
+   * pretends it does not (tests of the staged path). */
+  bool no_peer = getenv("KVF_CUDA_NO_PEER") && atoi(getenv("KVF_CUDA_NO_PEER"));
+  for (int i = 0; i < G.n; i++)
+    for (int j = 0; j < G.n; j++) {
+      if (i == j) continue;
+      int can = 0;
+      G.cu.DeviceCanAccessPeer(&can, G.dev[i].d, G.dev[j].d);
+      if (!can || no_peer) continue;
+      G.cu.CtxSetCurrent(G.dev[i].ctx);
+      r = G.cu.CtxEnablePeerAccess(G.dev[j].ctx, 0);
+      if (r != KVF_CU_SUCCESS && r != KVF_CU_ERROR_PEER_ACCESS_ALREADY_ENABLED) {
+        kvf__warn("cuda: peer access cuda:%d -> cuda:%d refused: %s; copies between them are staged", i, j,
+                  kvf__cu_errstr(&G.cu, r, buf, sizeof(buf)));
+        continue;
+      }
+      G.peer[i][j] = true;
+      /* Native peer atomics exist over NVLink, not over PCIe. */
+      CUresult (*p2pattr)(int *, int, CUdevice, CUdevice) =
+          (CUresult(*)(int *, int, CUdevice, CUdevice))dlsym(G.cu.lib, "cuDeviceGetP2PAttribute");
+      int at = 0;
+      if (p2pattr) p2pattr(&at, 3 /* NATIVE_ATOMIC_SUPPORTED */, G.dev[i].d, G.dev[j].d);
+      G.atomics[i][j] = at != 0;
+    }
+  return 0;
+}
+
+int kvf__gpu_init(int mode) {
+  pthread_mutex_lock(&G.mu);
+  if (G.inited) {
+    pthread_mutex_unlock(&G.mu);
+    return G.ready || mode != KVF__ON ? 0 : -ENODEV;
+  }
+  G.inited = true;
+  /* The bulk (TMA) variant issues from one thread: small CTAs, several per SM. */
+  bool tma = getenv("KVF_CUDA_KERNEL") && strstr(getenv("KVF_CUDA_KERNEL"), "tma");
+  G.threads = env_uint("KVF_CUDA_THREADS", tma ? 32 : DEFAULT_THREADS, 32, 1024);
+  G.threads -= G.threads % 32;
+  G.ctas_per_sm = env_uint("KVF_CUDA_CTAS_PER_SM", tma ? 6 : DEFAULT_CTAS_PER_SM, 1, 32);
+  G.pull = getenv("KVF_CUDA_PULL") && atoi(getenv("KVF_CUDA_PULL"));
+  /* Split GPU<->GPU copies between both GPUs' SMs (half pushed, half
+   * pulled): measured the fastest on an H200 NVLink pair; KVF_CUDA_SPLIT=0
+   * keeps the work on the source GPU. */
+  G.split = !getenv("KVF_CUDA_SPLIT") || atoi(getenv("KVF_CUDA_SPLIT"));
+  char err[400] = "";
+  int rc = 0;
+  if (mode == KVF__OFF) {
+    snprintf(G.why, sizeof(G.why), "disabled by the configuration (cuda off)");
+    kvf__info("cuda: off by configuration; cuda:N pools are unavailable");
+  } else if (kvf__cu_load(&G.cu, err, sizeof(err)) != 0 || probe_devices(err, sizeof(err)) != 0) {
+    snprintf(G.why, sizeof(G.why), "%s", err);
+    if (mode == KVF__ON) {
+      kvf__err("cuda: %s (cuda on: GPU support is required)", err);
+      rc = -ENODEV;
+    } else {
+      kvf__info("cuda: not available: %s; host pools only", err);
+    }
+  } else {
+    char kerr[300];
+    G.kernel = load_kernels(kerr, sizeof(kerr)) == 0;
+    if (!G.kernel && kvf__kernel_image(NULL))
+      kvf__warn("cuda: the copy kernel did not load (%s); GPU copies use cuMemcpy per block, far slower", kerr);
+    G.ready = true;
+    describe(G.why, sizeof(G.why));
+    kvf__info("cuda: %s", G.why);
+  }
+  pthread_mutex_unlock(&G.mu);
+  return rc;
+}
+
+bool kvf__gpu_ready(void) { return G.ready; }
+const char *kvf__gpu_why(void) { return G.why[0] ? G.why : "not initialized"; }
+int kvf__gpu_count(void) { return G.ready ? G.n : 0; }
+
+int kvf__gpu_info_get(int dev, kvf__gpu_info *out) {
+  if (!G.ready || dev < 0 || dev >= G.n) return -ENODEV;
+  *out = G.dev[dev].info;
+  return 0;
+}
+
+bool kvf__gpu_peer(int a, int b) {
+  if (!G.ready || a < 0 || b < 0 || a >= G.n || b >= G.n) return false;
+  return a == b || G.peer[a][b];
+}
+
+const char *kvf__gpu_link(int a, int b) {
+  if (a == b) return "same-gpu";
+  if (!kvf__gpu_peer(a, b) || !kvf__gpu_peer(b, a)) return "staged";
+  return G.atomics[a][b] ? "nvlink" : "pcie-p2p";
+}
+
+/* ------------------------------------------------------------ memory */
+
+int kvf__gpu_mem_alloc(int dev, uint64_t size, kvf__gpu_mem *m, char *err, size_t errlen) {
+  char buf[200];
+  memset(m, 0, sizeof(*m));
+  m->fd = -1;
+  if (!G.ready) {
+    snprintf(err, errlen, "no CUDA: %s", kvf__gpu_why());
+    return -ENODEV;
+  }
+  if (dev < 0 || dev >= G.n) {
+    snprintf(err, errlen, "cuda:%d does not exist (%d GPU%s)", dev, G.n, G.n == 1 ? "" : "s");
+    return -ENODEV;
+  }
+  gdev *g = &G.dev[dev];
+  kvf_cu_mem_prop prop;
+  memset(&prop, 0, sizeof(prop));
+  prop.type = KVF_CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = KVF_CU_MEM_HANDLE_TYPE_POSIX_FD;
+  prop.location.type = KVF_CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = g->d;
+  prop.allocFlags.gpuDirectRDMACapable = g->info.gdr_vmm ? 1 : 0;
+  size_t gran = 0;
+  CUresult r = G.cu.CtxSetCurrent(g->ctx);
+  if (r == KVF_CU_SUCCESS) r = G.cu.MemGetAllocationGranularity(&gran, &prop, KVF_CU_MEM_GRANULARITY_MINIMUM);
+  if (r != KVF_CU_SUCCESS || gran == 0) {
+    snprintf(err, errlen, "cuMemGetAllocationGranularity: %s", kvf__cu_errstr(&G.cu, r, buf, sizeof(buf)));
+    return -EIO;
+  }
+  m->size = (size + gran - 1) / gran * gran;
+  m->dev = dev;
+  r = G.cu.MemCreate(&m->handle, m->size, &prop, 0);
+  if (r != KVF_CU_SUCCESS && prop.allocFlags.gpuDirectRDMACapable) {
+    prop.allocFlags.gpuDirectRDMACapable = 0;   /* said so at start (gdr no) */
+    r = G.cu.MemCreate(&m->handle, m->size, &prop, 0);
+  }
+  if (r != KVF_CU_SUCCESS) {
+    snprintf(err, errlen, "cuMemCreate of %llu bytes on cuda:%d: %s", (unsigned long long)m->size, dev,
+             kvf__cu_errstr(&G.cu, r, buf, sizeof(buf)));
+    return r == 2 /* OUT_OF_MEMORY */ ? -ENOMEM : -EIO;
+  }
+  m->gdr_flag = prop.allocFlags.gpuDirectRDMACapable != 0;
+  const char *step = "cuMemAddressReserve";
+  CUdeviceptr va = 0;
+  r = G.cu.MemAddressReserve(&va, m->size, gran, 0, 0);
+  m->dptr = va;
+  if (r == KVF_CU_SUCCESS) {
+    step = "cuMemMap";
+    r = G.cu.MemMap(m->dptr, m->size, 0, m->handle, 0);
+    if (r != KVF_CU_SUCCESS) {
+      G.cu.MemAddressFree(m->dptr, m->size);
+      m->dptr = 0;
+    }
+  } else {
+    m->dptr = 0;
+  }
+  if (r == KVF_CU_SUCCESS) {
+    kvf_cu_access_desc acc[KVF__GPU_MAX_DEV];
+    size_t na = 0;
+    for (int j = 0; j < G.n; j++)
+      if (kvf__gpu_peer(j, dev))
+        acc[na++] = (kvf_cu_access_desc){{KVF_CU_MEM_LOCATION_TYPE_DEVICE, G.dev[j].d}, KVF_CU_MEM_ACCESS_RW};
+    step = "cuMemSetAccess";
+    r = G.cu.MemSetAccess(m->dptr, m->size, acc, na);
+  }
+  if (r == KVF_CU_SUCCESS) {
+    step = "cuMemExportToShareableHandle";
+    r = G.cu.MemExportToShareableHandle(&m->fd, m->handle, KVF_CU_MEM_HANDLE_TYPE_POSIX_FD, 0);
+  }
+  if (r != KVF_CU_SUCCESS) {
+    snprintf(err, errlen, "%s on cuda:%d: %s", step, dev, kvf__cu_errstr(&G.cu, r, buf, sizeof(buf)));
+    m->fd = -1;
+    kvf__gpu_mem_free(m);
+    return -EIO;
+  }
+  return 0;
+}
+
+void kvf__gpu_mem_free(kvf__gpu_mem *m) {
+  if (!G.ready || !m->handle) return;
+  G.cu.CtxSetCurrent(G.dev[m->dev].ctx);
+  if (m->dptr) {
+    G.cu.MemUnmap(m->dptr, m->size);
+    G.cu.MemAddressFree(m->dptr, m->size);
+  }
+  G.cu.MemRelease(m->handle);
+  if (m->fd >= 0) close(m->fd);
+  m->fd = -1;
+  m->handle = 0;
+  m->dptr = 0;
+}
+
+int kvf__gpu_mem_dmabuf(const kvf__gpu_mem *m, int *fd, uint64_t *offset) {
+  if (!G.ready || !m->dptr) return -ENODEV;
+  if (!G.cu.MemGetHandleForAddressRange || !G.dev[m->dev].info.dmabuf) return -ENOTSUP;
+  int f = -1;
+  if (use_dev(m->dev)) return -EIO;
+  CUresult r = G.cu.MemGetHandleForAddressRange(&f, m->dptr, m->size, KVF_CU_MEM_RANGE_HANDLE_DMA_BUF_FD, 0);
+  if (r != KVF_CU_SUCCESS) {
+    char buf[200];
+    kvf__warn("cuda: dmabuf export of cuda:%d memory failed: %s", m->dev, kvf__cu_errstr(&G.cu, r, buf, sizeof(buf)));
+    return r == 801 /* NOT_SUPPORTED */ ? -ENOTSUP : -EIO;
+  }
+  *fd = f;
+  *offset = 0;
+  return 0;
+}
+
+int kvf__gpu_host_register(void *p, size_t len, uint64_t *dev_alias) {
+  if (!G.ready) return -ENODEV;
+  if (use_dev(0)) return -EIO;
+  CUresult r = G.cu.MemHostRegister(p, len, KVF_CU_MEMHOSTREGISTER_PORTABLE | KVF_CU_MEMHOSTREGISTER_DEVICEMAP);
+  if (r != KVF_CU_SUCCESS && r != KVF_CU_ERROR_HOST_MEMORY_ALREADY_REGISTERED) {
+    char buf[200];
+    kvf__warn("cuda: cuMemHostRegister of %zu bytes failed: %s", len, kvf__cu_errstr(&G.cu, r, buf, sizeof(buf)));
+    return -EIO;
+  }
+  CUdeviceptr d = 0;
+  if (G.cu.MemHostGetDevicePointer(&d, p, 0) != KVF_CU_SUCCESS) {
+    G.cu.MemHostUnregister(p);
+    return -EIO;
+  }
+  *dev_alias = d;
+  return 0;
+}
+
+void kvf__gpu_host_unregister(void *p) {
+  if (!G.ready || use_dev(0)) return;
+  G.cu.MemHostUnregister(p);
+}
+
+void *kvf__gpu_host_alloc(size_t len, uint64_t *dev_alias) {
+  if (!G.ready || use_dev(0)) return NULL;
+  void *p = NULL;
+  CUresult r = G.cu.MemHostAlloc(&p, len, KVF_CU_MEMHOSTALLOC_PORTABLE | KVF_CU_MEMHOSTALLOC_DEVICEMAP);
+  if (r != KVF_CU_SUCCESS) {
+    cu_fail("cuMemHostAlloc (pinned staging)", r);
+    return NULL;
+  }
+  CUdeviceptr d = 0;
+  if (G.cu.MemHostGetDevicePointer(&d, p, 0) != KVF_CU_SUCCESS) {
+    G.cu.MemFreeHost(p);
+    return NULL;
+  }
+  *dev_alias = d;
+  return p;
+}
+
+void kvf__gpu_host_free(void *p) {
+  if (!G.ready || !p || use_dev(0)) return;
+  G.cu.MemFreeHost(p);
+}
+
+/* ------------------------------------------------------------ batches */
+
+typedef struct per_dev {
+  kvf_chunk *h;            /* pinned host copy of the chunk list */
+  size_t n, cap;
+  CUdeviceptr d;           /* device copy, d_cap chunks */
+  size_t d_cap;
+  CUstream st;
+  CUevent ev0, ev1;
+  bool launched;
+  uint64_t bytes;
+} per_dev;
+
+struct kvf__gpu_batch {
+  per_dev per[KVF__GPU_MAX_DEV];
+  float last_ms;
+};
+
+int kvf__gpu_batch_new(kvf__gpu_batch **out) {
+  if (!G.ready) return -ENODEV;
+  kvf__gpu_batch *b = calloc(1, sizeof(*b));
+  if (!b) return -ENOMEM;
+  b->last_ms = -1;
+  *out = b;
+  return 0;
+}
+
+void kvf__gpu_batch_free(kvf__gpu_batch *b) {
+  if (!b) return;
+  for (int i = 0; i < G.n; i++) {
+    per_dev *p = &b->per[i];
+    if (!p->h && !p->st) continue;
+    G.cu.CtxSetCurrent(G.dev[i].ctx);
+    if (p->st) {
+      G.cu.StreamSynchronize(p->st);
+      G.cu.StreamDestroy(p->st);
+    }
+    if (p->ev0) G.cu.EventDestroy(p->ev0);
+    if (p->ev1) G.cu.EventDestroy(p->ev1);
+    if (p->d) G.cu.MemFree(p->d);
+    if (p->h) G.cu.MemFreeHost(p->h);
+  }
+  free(b);
+}
+
+void kvf__gpu_batch_reset(kvf__gpu_batch *b) {
+  for (int i = 0; i < G.n; i++) {
+    b->per[i].n = 0;
+    b->per[i].bytes = 0;
+    b->per[i].launched = false;
+  }
+}
+
+size_t kvf__gpu_batch_chunks(const kvf__gpu_batch *b) {
+  size_t n = 0;
+  for (int i = 0; i < G.n; i++) n += b->per[i].n;
+  return n;
+}
+
+static int per_dev_setup(per_dev *p, int dev) {
+  if (p->st) return 0;
+  if (use_dev(dev)) return -EIO;
+  CU_TRY("cuStreamCreate", G.cu.StreamCreate(&p->st, KVF_CU_STREAM_NON_BLOCKING));
+  CU_TRY("cuEventCreate", G.cu.EventCreate(&p->ev0, KVF_CU_EVENT_DEFAULT));
+  CU_TRY("cuEventCreate", G.cu.EventCreate(&p->ev1, KVF_CU_EVENT_DEFAULT));
+  return 0;
+}
+
+static int grow_host(per_dev *p, size_t need) {
+  if (need <= p->cap) return 0;
+  size_t cap = p->cap ? p->cap : 1024;
+  while (cap < need) cap *= 2;
+  void *h = NULL;
+  CU_TRY("cuMemHostAlloc (chunk list)", G.cu.MemHostAlloc(&h, cap * sizeof(kvf_chunk), KVF_CU_MEMHOSTALLOC_PORTABLE));
+  if (p->n) memcpy(h, p->h, p->n * sizeof(kvf_chunk));
+  if (p->h) G.cu.MemFreeHost(p->h);
+  p->h = h;
+  p->cap = cap;
+  return 0;
+}
+
+int kvf__gpu_batch_add(kvf__gpu_batch *b, int exec, uint64_t src, uint64_t dst, uint64_t len) {
+  if (exec < 0 || exec >= G.n) return -EINVAL;
+  if (len == 0) return 0;
+  per_dev *p = &b->per[exec];
+  int rc = per_dev_setup(p, exec);
+  if (rc) return rc;
+  size_t need = (size_t)((len + KVF__CHUNK_BYTES - 1) / KVF__CHUNK_BYTES);
+  if (p->n + need > p->cap) {
+    if (use_dev(exec)) return -EIO;
+    if ((rc = grow_host(p, p->n + need)) != 0) return rc;
+  }
+  kvf__gpu_plan_cut(src, dst, len, p->h, &p->n, p->cap);
+  p->bytes += len;
+  return 0;
+}
+
+static int launch_dev(per_dev *p, int dev) {
+  gdev *g = &G.dev[dev];
+  if (use_dev(dev)) return -EIO;
+  if (!G.kernel) {
+    /* No kernel in this build: one cuMemcpyAsync per chunk. */
+    CU_TRY("cuEventRecord", G.cu.EventRecord(p->ev0, p->st));
+    for (size_t i = 0; i < p->n; i++)
+      CU_TRY("cuMemcpyAsync", G.cu.MemcpyAsync(p->h[i].dst, p->h[i].src, p->h[i].len, p->st));
+    CU_TRY("cuEventRecord", G.cu.EventRecord(p->ev1, p->st));
+    atomic_fetch_add(&G.bytes_fallback, p->bytes);
+    p->launched = true;
+    return 0;
+  }
+  if (p->n > p->d_cap) {
+    if (p->d) {
+      G.cu.StreamSynchronize(p->st);
+      G.cu.MemFree(p->d);
+      p->d = 0;
+      p->d_cap = 0;
+    }
+    size_t cap = p->cap;
+    CU_TRY("cuMemAlloc (chunk list)", G.cu.MemAlloc(&p->d, cap * sizeof(kvf_chunk)));
+    p->d_cap = cap;
+  }
+  CU_TRY("cuMemcpyHtoDAsync (chunk list)", G.cu.MemcpyHtoDAsync(p->d, p->h, p->n * sizeof(kvf_chunk), p->st));
+  unsigned n = (unsigned)p->n;
+  void *args[] = {&p->d, &n};
+  unsigned grid = kvf__gpu_plan_grid(p->n, g->info.sms, G.ctas_per_sm);
+  CU_TRY("cuEventRecord", G.cu.EventRecord(p->ev0, p->st));
+  CU_TRY("cuLaunchKernel (copy)", G.cu.LaunchKernel(g->fn, grid, 1, 1, G.threads, 1, 1, 0, p->st, args, NULL));
+  CU_TRY("cuEventRecord", G.cu.EventRecord(p->ev1, p->st));
+  atomic_fetch_add(&G.launches, 1);
+  atomic_fetch_add(&G.chunks, p->n);
+  atomic_fetch_add(&G.bytes_kernel, p->bytes);
+  p->launched = true;
+  return 0;
+}
+
+int kvf__gpu_batch_launch(kvf__gpu_batch *b) {
+  for (int i = 0; i < G.n; i++) {
+    per_dev *p = &b->per[i];
+    if (p->n == 0 || p->launched) continue;
+    int rc = launch_dev(p, i);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
+int kvf__gpu_batch_wait(kvf__gpu_batch *b) {
+  int rc = 0;
+  b->last_ms = -1;
+  for (int i = 0; i < G.n; i++) {
+    per_dev *p = &b->per[i];
+    if (!p->launched) continue;
+    if (use_dev(i)) return -EIO;
+    CUresult r = G.cu.StreamSynchronize(p->st);
+    if (r != KVF_CU_SUCCESS) {
+      rc = cu_fail("copy (cuStreamSynchronize)", r);
+      continue;
+    }
+    float ms = -1;
+    if (G.cu.EventElapsedTime(&ms, p->ev0, p->ev1) == KVF_CU_SUCCESS && ms > b->last_ms) b->last_ms = ms;
+    p->launched = false;
+  }
+  return rc;
+}
+
+float kvf__gpu_batch_ms(kvf__gpu_batch *b) { return b->last_ms; }
+
+/* ------------------------------------------------------------ copy_all */
+
+/* What copy_all needs per call, kept on a free list: creating streams and
+ * pinned buffers costs milliseconds. */
+typedef struct copier {
+  struct copier *next;
+  kvf__gpu_batch *main;
+  kvf__gpu_batch *gather[2], *scatter[2];
+  uint8_t *stage;          /* STAGE_BYTES pinned, mapped */
+  uint64_t stage_dev;
+} copier;
+
+static copier *copier_get(void) {
+  pthread_mutex_lock(&G.mu);
+  copier *c = G.free_copiers;
+  if (c) G.free_copiers = c->next;
+  pthread_mutex_unlock(&G.mu);
+  if (c) return c;
+  c = calloc(1, sizeof(*c));
+  if (!c || kvf__gpu_batch_new(&c->main) != 0) {
+    free(c);
+    return NULL;
+  }
+  return c;
+}
+
+static void copier_put(copier *c) {
+  pthread_mutex_lock(&G.mu);
+  c->next = G.free_copiers;
+  G.free_copiers = c;
+  pthread_mutex_unlock(&G.mu);
+}
+
+static void copier_free(copier *c) {
+  kvf__gpu_batch_free(c->main);
+  for (int i = 0; i < 2; i++) {
+    kvf__gpu_batch_free(c->gather[i]);
+    kvf__gpu_batch_free(c->scatter[i]);
+  }
+  kvf__gpu_host_free(c->stage);
+  free(c);
+}
+
+static int staging_setup(copier *c) {
+  if (c->stage) return 0;
+  for (int i = 0; i < 2; i++)
+    if ((!c->gather[i] && kvf__gpu_batch_new(&c->gather[i])) || (!c->scatter[i] && kvf__gpu_batch_new(&c->scatter[i])))
+      return -ENOMEM;
+  c->stage = kvf__gpu_host_alloc(STAGE_BYTES, &c->stage_dev);
+  return c->stage ? 0 : -ENOMEM;
+}
+
+/* Gathers half k of the staging buffer, then starts its scatter; waits
+ * for the scatter that last used the other half, which is filled next. */
+static int stage_flush(copier *c, int *k, uint64_t *used, bool *busy) {
+  int rc = kvf__gpu_batch_launch(c->gather[*k]);
+  if (rc == 0) rc = kvf__gpu_batch_wait(c->gather[*k]);
+  if (rc == 0) rc = kvf__gpu_batch_launch(c->scatter[*k]);
+  if (rc) return rc;
+  atomic_fetch_add(&G.bytes_staged, *used);
+  busy[*k] = true;
+  *k ^= 1;
+  *used = 0;
+  if (busy[*k]) {
+    busy[*k] = false;
+    rc = kvf__gpu_batch_wait(c->scatter[*k]);
+  }
+  kvf__gpu_batch_reset(c->gather[*k]);
+  kvf__gpu_batch_reset(c->scatter[*k]);
+  return rc;
+}
+
+/* Device -> host staging -> device, for devices without peer access. The
+ * two halves of the staging buffer alternate: the scatter out of one
+ * overlaps the gather into the other. */
+static int copy_staged(copier *c, const kvf__gpu_copy *v, size_t n, const bool *staged) {
+  int rc = staging_setup(c);
+  if (rc) return rc;
+  const uint64_t half = STAGE_BYTES / 2;
+  int k = 0;
+  uint64_t used = 0;
+  bool busy[2] = {false, false};
+  for (int h = 0; h < 2; h++) {
+    kvf__gpu_batch_reset(c->gather[h]);
+    kvf__gpu_batch_reset(c->scatter[h]);
+  }
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    if (!staged[i]) continue;
+    for (uint64_t off = 0; off < v[i].len && rc == 0;) {
+      uint64_t take = v[i].len - off < half - used ? v[i].len - off : half - used;
+      uint64_t slot = c->stage_dev + (uint64_t)k * half + used;
+      rc = kvf__gpu_batch_add(c->gather[k], v[i].src.dev, v[i].src.addr + off, slot, take);
+      if (rc == 0) rc = kvf__gpu_batch_add(c->scatter[k], v[i].dst.dev, slot, v[i].dst.addr + off, take);
+      used += take;
+      off += take;
+      if (rc == 0 && used == half) rc = stage_flush(c, &k, &used, busy);
+    }
+  }
+  if (rc == 0 && used) rc = stage_flush(c, &k, &used, busy);
+  for (int h = 0; h < 2; h++)
+    if (busy[h]) {
+      int r2 = kvf__gpu_batch_wait(c->scatter[h]);
+      if (rc == 0) rc = r2;
+    }
+  return rc;
+}
+
+static const char *route_of(const kvf__gpu_copy *c) {
+  if (c->src.dev < 0 && c->dst.dev < 0) return "host";
+  if (c->src.dev < 0) return "h2d";
+  if (c->dst.dev < 0) return "d2h";
+  return kvf__gpu_link(c->src.dev, c->dst.dev);
+}
+
+/* Host memory CUDA does not know: a synchronous cuMemcpy from/to pageable
+ * memory, correct but slow (and said so once). */
+static int copy_unmapped(const kvf__gpu_copy *c) {
+  static atomic_bool warned;
+  if (!atomic_exchange(&warned, true))
+    kvf__warn("cuda: a copy touches host memory not registered with CUDA; using pageable cuMemcpy (slow)");
+  int dev = c->src.dev >= 0 ? c->src.dev : c->dst.dev;
+  if (use_dev(dev)) return -EIO;
+  atomic_fetch_add(&G.bytes_fallback, c->len);
+  if (c->src.dev < 0) CU_TRY("cuMemcpyHtoD", G.cu.MemcpyHtoD(c->dst.addr, c->src.host, c->len));
+  else CU_TRY("cuMemcpyDtoH", G.cu.MemcpyDtoH(c->dst.host, c->src.addr, c->len));
+  return 0;
+}
+
+static _Thread_local float last_kernel_ms = -1;
+float kvf__gpu_last_kernel_ms(void) { return last_kernel_ms; }
+
+static bool same_class(const kvf__gpu_copy *a, const kvf__gpu_copy *b) {
+  return a->src.dev == b->src.dev && a->dst.dev == b->dst.dev && a->src.mapped == b->src.mapped &&
+         a->dst.mapped == b->dst.mapped;
+}
+
+/* The common case, fast: every copy between the same two places: chunks go
+ * straight into the batch's list of device exec, or, split between two
+ * GPUs, alternately into exec's and exec2's (exec2 < 0: no split). */
+static int add_uniform(copier *c, const kvf__gpu_copy *v, size_t n, int exec, int exec2) {
+  size_t need = 0;
+  for (size_t i = 0; i < n; i++) need += (size_t)((v[i].len + KVF__CHUNK_BYTES - 1) / KVF__CHUNK_BYTES);
+  int devs[2] = {exec, exec2 >= 0 ? exec2 : exec};
+  kvf_chunk *h[2];
+  for (int k = 0; k < 2; k++) {
+    per_dev *p = &c->main->per[devs[k]];
+    int rc = per_dev_setup(p, devs[k]);
+    if (rc == 0 && p->n + need > p->cap) rc = use_dev(devs[k]) ? -EIO : grow_host(p, p->n + need);
+    if (rc) return rc;
+    h[k] = p->h + p->n;
+  }
+  uint64_t bytes[2] = {0, 0};
+  kvf_chunk *start[2] = {h[0], h[1]};
+  for (size_t i = 0; i < n; i++) {
+    int k = exec2 >= 0 ? (int)(i & 1) : 0;
+    uint64_t len = v[i].len, s = v[i].src.addr, d = v[i].dst.addr;
+    bytes[k] += len;
+    if (len <= KVF__CHUNK_BYTES) {
+      *h[k]++ = (kvf_chunk){s, d, (unsigned)len, 0};
+      continue;
+    }
+    for (uint64_t off = 0; off < len; off += KVF__CHUNK_BYTES)
+      *h[k]++ = (kvf_chunk){s + off, d + off, (unsigned)(len - off < KVF__CHUNK_BYTES ? len - off : KVF__CHUNK_BYTES), 0};
+  }
+  for (int k = 0; k < (exec2 >= 0 ? 2 : 1); k++) {
+    per_dev *p = &c->main->per[devs[k]];
+    p->n += (size_t)(h[k] - start[k]);
+    p->bytes += bytes[k];
+  }
+  return 0;
+}
+
+int kvf__gpu_copy_all(const kvf__gpu_copy *v, size_t n, const char **route) {
+  last_kernel_ms = -1;
+  *route = n ? route_of(&v[0]) : "host";
+  bool uniform = true;
+  for (size_t i = 1; i < n && uniform; i++) uniform = same_class(&v[i], &v[0]);
+  if (!uniform)
+    for (size_t i = 1; i < n; i++)
+      if (!same_class(&v[i], &v[i - 1]) && strcmp(route_of(&v[i]), *route) != 0) *route = "mixed";
+  if (uniform && n && G.ready && (v[0].src.dev >= 0 || v[0].dst.dev >= 0)) {
+    int exec = kvf__gpu_plan_exec(&v[0].src, &v[0].dst, kvf__gpu_peer, G.pull), exec2 = -1;
+    /* GPU<->GPU with peer access both ways: half pushed, half pulled */
+    if (G.split && exec >= 0 && v[0].src.dev >= 0 && v[0].dst.dev >= 0 && v[0].src.dev != v[0].dst.dev &&
+        kvf__gpu_peer(v[0].dst.dev, v[0].src.dev) && kvf__gpu_peer(v[0].src.dev, v[0].dst.dev)) {
+      exec = v[0].src.dev;
+      exec2 = v[0].dst.dev;
+    }
+    if (exec >= 0) {
+      copier *c = copier_get();
+      if (!c) return -ENOMEM;
+      int rc = add_uniform(c, v, n, exec, exec2);
+      if (rc == 0) rc = kvf__gpu_batch_launch(c->main);
+      int r2 = kvf__gpu_batch_wait(c->main);
+      if (rc == 0) rc = r2;
+      last_kernel_ms = kvf__gpu_batch_ms(c->main);
+      kvf__gpu_batch_reset(c->main);
+      if (rc == 0) copier_put(c);
+      else copier_free(c);
+      return rc;
+    }
+  }
+  if (!G.ready) {
+    for (size_t i = 0; i < n; i++)
+      if (v[i].src.dev >= 0 || v[i].dst.dev >= 0) return -ENODEV;
+  }
+  copier *c = NULL;
+  bool *staged = NULL;
+  size_t n_staged = 0;
+  int rc = 0;
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    const kvf__gpu_copy *x = &v[i];
+    if (x->src.dev < 0 && x->dst.dev < 0) {
+      memcpy(x->dst.host, x->src.host, x->len);
+      continue;
+    }
+    if ((x->src.dev < 0 && !x->src.mapped) || (x->dst.dev < 0 && !x->dst.mapped)) {
+      rc = copy_unmapped(x);
+      continue;
+    }
+    if (!c && !(c = copier_get())) {
+      rc = -ENOMEM;
+      break;
+    }
+    int exec = kvf__gpu_plan_exec(&x->src, &x->dst, kvf__gpu_peer, G.split ? (i & 1) != 0 : G.pull);
+    if (exec >= 0) {
+      rc = kvf__gpu_batch_add(c->main, exec, x->src.addr, x->dst.addr, x->len);
+      continue;
+    }
+    if (!staged && !(staged = calloc(n, sizeof(bool)))) {
+      rc = -ENOMEM;
+      break;
+    }
+    staged[i] = true;
+    n_staged++;
+  }
+  if (c) {
+    if (rc == 0) rc = kvf__gpu_batch_launch(c->main);
+    if (rc == 0 && n_staged) rc = copy_staged(c, v, n, staged);
+    int r2 = kvf__gpu_batch_wait(c->main);
+    if (rc == 0) rc = r2;
+    last_kernel_ms = kvf__gpu_batch_ms(c->main);
+    kvf__gpu_batch_reset(c->main);
+    if (rc == 0) copier_put(c);
+    else copier_free(c); /* after an error its streams may be poisoned */
+  }
+  free(staged);
+  return rc;
+}
+
+void kvf__gpu_stats_get(kvf__gpu_stats *s) {
+  s->launches = atomic_load(&G.launches);
+  s->chunks = atomic_load(&G.chunks);
+  s->bytes_kernel = atomic_load(&G.bytes_kernel);
+  s->bytes_staged = atomic_load(&G.bytes_staged);
+  s->bytes_fallback = atomic_load(&G.bytes_fallback);
+  s->errors = atomic_load(&G.errors);
+}
+
+void kvf__gpu_shutdown(void) {
+  pthread_mutex_lock(&G.mu);
+  copier *c = G.free_copiers;
+  G.free_copiers = NULL;
+  pthread_mutex_unlock(&G.mu);
+  while (c) {
+    copier *next = c->next;
+    copier_free(c);
+    c = next;
+  }
+}

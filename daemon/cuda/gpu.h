@@ -1,0 +1,150 @@
+/* gpu.h - the daemon's CUDA side: driver (dlopen), devices and peer access,
+ * cuda:N pool memory (cuMemCreate, POSIX fd, GPUDirect RDMA capable), the
+ * batched copy kernel, and pinned staging.
+ *
+ * Without a driver or GPU everything here reports so (kvf__gpu_ready() is
+ * false, kvf__gpu_why() says why) and the daemon runs with host pools only.
+ *
+ * Thread safety: every function may be called from any thread (the loop,
+ * libuv's workers, the tcp threads); each sets the device's primary context
+ * current on the calling thread itself. A kvf__gpu_batch is used by one
+ * thread at a time. */
+#ifndef KVF_GPU_H
+#define KVF_GPU_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "copy_args.h"
+
+#define KVF__GPU_MAX_DEV 16
+
+/* ---------------------------------------------------------------- init */
+
+/* Loads the driver and the kernel; mode is enum kvf__tristate (auto: use a
+ * GPU when there is one; on: fail without; off: never touch CUDA). Logs one
+ * line saying what it found. Returns 0, or an error only when mode is on
+ * and CUDA is unusable. Idempotent. */
+int kvf__gpu_init(int mode);
+void kvf__gpu_shutdown(void);
+bool kvf__gpu_ready(void);
+/* Why there is no CUDA, or a summary of what there is ("2 GPUs, kernel sm_90"). */
+const char *kvf__gpu_why(void);
+int kvf__gpu_count(void);
+/* Device facts for status, doctor and the start line. */
+typedef struct kvf__gpu_info {
+  char name[96];
+  char bdf[32];           /* PCI bus id, "0000:19:00.0" */
+  int sms;
+  int cc_major, cc_minor;
+  bool dmabuf;            /* CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED */
+  bool gdr;               /* GPUDirect RDMA supported */
+  bool gdr_vmm;           /* ... for cuMemCreate memory */
+  uint64_t total_mem;
+} kvf__gpu_info;
+int kvf__gpu_info_get(int dev, kvf__gpu_info *out);
+/* Whether kernels on device a can read and write device b's pool memory
+ * (a == b, or peer access enabled). */
+bool kvf__gpu_peer(int a, int b);
+/* How devices a and b are linked for copies: "same-gpu", "nvlink" (peer
+ * access with NVLink), "pcie-p2p", or "staged" (through host memory). */
+const char *kvf__gpu_link(int a, int b);
+
+/* ---------------------------------------------------------------- pools */
+
+typedef struct kvf__gpu_mem {
+  int dev;
+  uint64_t size;          /* rounded up to the allocation granularity */
+  uint64_t dptr;          /* the daemon's mapping */
+  unsigned long long handle;
+  int fd;                 /* POSIX fd of the allocation, for clients */
+  bool gdr_flag;          /* allocated with gpuDirectRDMACapable */
+} kvf__gpu_mem;
+
+/* Allocates size bytes (rounded up) on dev, maps them in the daemon with
+ * read-write access for dev and every device with peer access to it, and
+ * exports a POSIX fd. */
+int kvf__gpu_mem_alloc(int dev, uint64_t size, kvf__gpu_mem *m, char *err, size_t errlen);
+void kvf__gpu_mem_free(kvf__gpu_mem *m);
+/* A dmabuf fd for [dptr, dptr+len) (page aligned), for ibv_reg_dmabuf_mr:
+ * 0, or -ENOTSUP (driver/kernel without dmabuf), or -EIO. The caller closes
+ * *fd. */
+int kvf__gpu_mem_dmabuf(const kvf__gpu_mem *m, int *fd, uint64_t *offset);
+/* Page-locks host memory and maps it for every device; *dev_alias is the
+ * address kernels use for it (equal to p on UVA systems). */
+int kvf__gpu_host_register(void *p, size_t len, uint64_t *dev_alias);
+void kvf__gpu_host_unregister(void *p);
+/* Pinned, device-mapped host memory (staging). */
+void *kvf__gpu_host_alloc(size_t len, uint64_t *dev_alias);
+void kvf__gpu_host_free(void *p);
+
+/* ---------------------------------------------------------------- copies */
+
+/* One end of a copy: dev >= 0 for device memory, -1 for host memory.
+ * addr is what kernels use (device address, or the host memory's device
+ * alias when mapped != 0); host is the CPU's pointer to host memory. */
+typedef struct kvf__gpu_end {
+  int dev;
+  bool mapped;            /* host memory registered with CUDA */
+  uint64_t addr;
+  uint8_t *host;
+} kvf__gpu_end;
+
+typedef struct kvf__gpu_copy {
+  kvf__gpu_end src, dst;
+  uint64_t len;
+} kvf__gpu_copy;
+
+/* A batch of copies launched together: one kernel launch per executing
+ * device (normally one). Reuse it: reset, add, launch, wait. */
+typedef struct kvf__gpu_batch kvf__gpu_batch;
+int kvf__gpu_batch_new(kvf__gpu_batch **out);
+void kvf__gpu_batch_free(kvf__gpu_batch *b);
+void kvf__gpu_batch_reset(kvf__gpu_batch *b);
+/* Adds src -> dst (device-visible addresses), run on device exec. */
+int kvf__gpu_batch_add(kvf__gpu_batch *b, int exec, uint64_t src, uint64_t dst, uint64_t len);
+size_t kvf__gpu_batch_chunks(const kvf__gpu_batch *b);
+/* Starts the copies (asynchronously); kvf__gpu_batch_wait completes them. */
+int kvf__gpu_batch_launch(kvf__gpu_batch *b);
+int kvf__gpu_batch_wait(kvf__gpu_batch *b);
+/* Kernel time of the last launch in ms (events), for benchmarks; -1 if unknown. */
+float kvf__gpu_batch_ms(kvf__gpu_batch *b);
+
+/* Copies everything, synchronously, by the best route for each pair:
+ * host->host by memcpy; one batched launch for everything a device can
+ * reach directly (peer access, mapped host memory); through pinned host
+ * staging otherwise. Fills *route with a name for the transfer's path
+ * ("nvlink", "pcie-p2p", "same-gpu", "staged", "h2d", "d2h", "host").
+ * Returns 0 or a negative errno (-EIO for CUDA failures, logged). */
+int kvf__gpu_copy_all(const kvf__gpu_copy *v, size_t n, const char **route);
+
+/* The kernel time (ms, events) of this thread's last kvf__gpu_copy_all
+ * launch on the main batch; -1 when none. For traces. */
+float kvf__gpu_last_kernel_ms(void);
+
+/* Counters for status and metrics (monotonic, any thread). */
+typedef struct kvf__gpu_stats {
+  uint64_t launches;
+  uint64_t chunks;
+  uint64_t bytes_kernel;   /* moved by the copy kernel */
+  uint64_t bytes_staged;   /* moved through pinned host staging */
+  uint64_t bytes_fallback; /* moved by cuMemcpy (no kernel or unmapped host memory) */
+  uint64_t errors;
+} kvf__gpu_stats;
+void kvf__gpu_stats_get(kvf__gpu_stats *s);
+
+/* ---------------------------------------------------------------- planning (pure) */
+
+/* Cuts [src, dst, len) into chunks of at most KVF__CHUNK_BYTES, appended to
+ * out[*n..cap). Returns the number of chunks needed (appends only if they
+ * fit; *n advances then). */
+size_t kvf__gpu_plan_cut(uint64_t src, uint64_t dst, uint64_t len, kvf_chunk *out, size_t *n, size_t cap);
+/* Which device runs a copy between the two ends, or -1 when no device can
+ * reach both (host->host, or devices without peer access: stage).
+ * pull: prefer the destination device for device->device. */
+int kvf__gpu_plan_exec(const kvf__gpu_end *src, const kvf__gpu_end *dst, bool (*peer)(int, int), bool pull);
+/* Grid size for n chunks on a device with sms multiprocessors. */
+unsigned kvf__gpu_plan_grid(size_t n, int sms, unsigned ctas_per_sm);
+
+#endif

@@ -1,0 +1,431 @@
+/* gpu_copy.c - the daemon's CUDA module on a real GPU, without daemons.
+ *
+ *   gpu_copy test    every route kvf__gpu_copy_all takes (same GPU, peer
+ *                    GPU, staged between GPUs, registered and unregistered
+ *                    host memory), odd geometries, every byte checked and
+ *                    nothing outside the destination ranges touched
+ *   gpu_copy bench [N BLOCK REPS REFS]
+ *                    the copy kernel alone on N scattered blocks GPU0 ->
+ *                    GPU1 (default 16384 x 32 KiB = 512 MiB), and with REFS
+ *                    (default 1) cuMemcpyPeerAsync of the same bytes
+ *                    contiguous, one cuMemcpyAsync per block, and pinned H2D
+ *                    / D2H; one JSON line per figure
+ *   gpu_copy pinned [BYTES REPS]
+ *                    pinned H2D and D2H on GPU 0 alone (one-GPU machines)
+ *
+ * Exit 0 when everything passed. Environment as the daemon's
+ * (KVF_CUDA_KERNEL, KVF_CUDA_PULL, KVF_CUDA_NO_PEER, KVF_CUDA_THREADS,
+ * KVF_CUDA_CTAS_PER_SM). */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "config.h"
+#include "cuda/cudrv.h"
+#include "cuda/gpu.h"
+#include "log.h"
+
+static kvf_cu cu;
+static int failures;
+
+#define CHECK(cond, ...)                     \
+  do {                                       \
+    if (!(cond)) {                           \
+      fprintf(stderr, "FAIL: " __VA_ARGS__); \
+      fprintf(stderr, "\n");                 \
+      failures++;                            \
+      return -1;                             \
+    }                                        \
+  } while (0)
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static uint64_t rnd(void) {
+  rng ^= rng << 13;
+  rng ^= rng >> 7;
+  rng ^= rng << 17;
+  return rng;
+}
+
+static void set_ctx(int dev) {
+  CUdevice d;
+  CUcontext c;
+  cu.DeviceGet(&d, dev);
+  cu.DevicePrimaryCtxRetain(&c, d);
+  cu.CtxSetCurrent(c);
+  cu.DevicePrimaryCtxRelease(d);
+}
+
+/* A region of memory as the test sees it: a device pool or host memory. */
+typedef struct region {
+  const char *name;
+  int dev;                 /* -1 host */
+  bool mapped;
+  uint8_t *host;           /* host memory */
+  uint64_t addr;           /* device address (or host alias) */
+  uint64_t size;
+  kvf__gpu_mem mem;
+} region;
+
+static int region_dev(region *r, const char *name, int dev, uint64_t size) {
+  char err[300];
+  memset(r, 0, sizeof(*r));
+  r->name = name;
+  r->dev = dev;
+  int rc = kvf__gpu_mem_alloc(dev, size, &r->mem, err, sizeof(err));
+  CHECK(rc == 0, "alloc %s: %s", name, err);
+  r->addr = r->mem.dptr;
+  r->size = r->mem.size;
+  r->mapped = true;
+  return 0;
+}
+
+static int region_host(region *r, const char *name, uint64_t size, bool do_register) {
+  memset(r, 0, sizeof(*r));
+  r->name = name;
+  r->dev = -1;
+  r->size = size;
+  r->host = aligned_alloc(4096, size);
+  CHECK(r->host, "malloc");
+  memset(r->host, 0, size);
+  if (do_register) {
+    CHECK(kvf__gpu_host_register(r->host, size, &r->addr) == 0, "register %s", name);
+    r->mapped = true;
+  }
+  return 0;
+}
+
+static void region_free(region *r) {
+  if (r->dev >= 0) kvf__gpu_mem_free(&r->mem);
+  else {
+    if (r->mapped) kvf__gpu_host_unregister(r->host);
+    free(r->host);
+  }
+}
+
+static int region_write(region *r, const uint8_t *src) {
+  if (r->dev < 0) {
+    memcpy(r->host, src, r->size);
+    return 0;
+  }
+  set_ctx(r->dev);
+  CHECK(cu.MemcpyHtoD(r->addr, src, r->size) == 0, "HtoD %s", r->name);
+  return 0;
+}
+
+static int region_read(region *r, uint8_t *dst) {
+  if (r->dev < 0) {
+    memcpy(dst, r->host, r->size);
+    return 0;
+  }
+  set_ctx(r->dev);
+  CHECK(cu.MemcpyDtoH(dst, r->addr, r->size) == 0, "DtoH %s", r->name);
+  return 0;
+}
+
+static kvf__gpu_end end_of(const region *r, uint64_t off) {
+  kvf__gpu_end e = {r->dev, r->mapped, r->addr + off, r->host ? r->host + off : NULL};
+  return e;
+}
+
+/* Copies n random blocks of random odd sizes (or block bytes when
+ * block != 0) from src to disjoint places in dst and checks dst whole. */
+static int check_route(region *src, region *dst, size_t n, uint64_t block, const char *want_route) {
+  uint64_t size = src->size < dst->size ? src->size : dst->size;
+  uint8_t *s = malloc(src->size), *d = malloc(dst->size), *want = malloc(dst->size);
+  kvf__gpu_copy *v = calloc(n, sizeof(*v));
+  CHECK(s && d && want && v, "malloc");
+  for (uint64_t i = 0; i < src->size; i++) s[i] = (uint8_t)rnd();
+  memset(want, 0xa7, dst->size);
+  int rc = region_write(src, s);
+  if (rc == 0) rc = region_write(dst, want);
+  uint64_t slot = size / n;
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    uint64_t len = block ? block : n == 1 ? slot - 64 : 1 + rnd() % (slot - 32 < 70000 ? slot - 32 : 70000);
+    if (len > slot - 16) len = slot - 16;
+    uint64_t doff = (uint64_t)i * slot + rnd() % 16;                   /* disjoint */
+    uint64_t soff = block ? ((rnd() % (src->size / block)) * block) : rnd() % (src->size - len);
+    v[i] = (kvf__gpu_copy){end_of(src, soff), end_of(dst, doff), len};
+    memcpy(want + doff, s + soff, len);
+  }
+  const char *route = "?";
+  if (rc == 0) {
+    rc = kvf__gpu_copy_all(v, n, &route);
+    if (rc) fprintf(stderr, "FAIL: copy_all %s -> %s: %d\n", src->name, dst->name, rc), failures++;
+  }
+  if (rc == 0) rc = region_read(dst, d);
+  if (rc == 0) {
+    uint64_t bad = 0;
+    while (bad < dst->size && d[bad] == want[bad]) bad++;
+    if (bad < dst->size) {
+      fprintf(stderr, "FAIL: %s -> %s (%zu copies, route %s): byte %" PRIu64 " is 0x%02x, want 0x%02x\n", src->name,
+              dst->name, n, route, bad, d[bad], want[bad]);
+      failures++;
+      rc = -1;
+    }
+  }
+  if (rc == 0 && want_route && strcmp(route, want_route) != 0) {
+    fprintf(stderr, "FAIL: %s -> %s took route %s, expected %s\n", src->name, dst->name, route, want_route);
+    failures++;
+    rc = -1;
+  }
+  printf("%s %s -> %s: %zu copies%s, route %s\n", rc ? "FAIL" : "ok  ", src->name, dst->name, n,
+         block ? "" : " of odd sizes", route);
+  free(s);
+  free(d);
+  free(want);
+  free(v);
+  return rc;
+}
+
+static int run_tests(void) {
+  int n = kvf__gpu_count();
+  region g0, g0b, g1, hm, hu;
+  const uint64_t SZ = 64ull << 20;
+  if (region_dev(&g0, "cuda:0", 0, SZ) || region_dev(&g0b, "cuda:0(b)", 0, SZ) || region_host(&hm, "host(registered)", SZ, true) ||
+      region_host(&hu, "host(unregistered)", SZ, false))
+    return -1;
+  check_route(&g0, &g0b, 5000, 0, "same-gpu");
+  check_route(&g0, &g0b, 1, 0, "same-gpu");
+  check_route(&g0, &g0b, 2048, 32768, "same-gpu");
+  check_route(&hm, &g0, 3000, 0, "h2d");
+  check_route(&g0, &hm, 3000, 0, "d2h");
+  check_route(&hu, &g0, 300, 0, "h2d");
+  check_route(&g0, &hu, 300, 0, "d2h");
+  check_route(&hm, &hu, 100, 0, "host");
+  if (n >= 2) {
+    if (region_dev(&g1, "cuda:1", 1, SZ)) return -1;
+    const char *link = kvf__gpu_link(0, 1);
+    check_route(&g0, &g1, 5000, 0, link);
+    check_route(&g1, &g0, 5000, 0, link);
+    check_route(&g0, &g1, 2048, 32768, link);
+    /* one run longer than the staging half (32 MiB): cut across halves */
+    check_route(&g0, &g1, 1, 0, link);
+    region_free(&g1);
+  } else {
+    printf("skip GPU->GPU: one GPU\n");
+  }
+  region_free(&g0);
+  region_free(&g0b);
+  region_free(&hm);
+  region_free(&hu);
+  return failures ? -1 : 0;
+}
+
+/* ------------------------------------------------------------ bench */
+
+static int cmp_f(const void *a, const void *b) {
+  float x = *(const float *)a, y = *(const float *)b;
+  return (x > y) - (x < y);
+}
+
+static float median(float *v, int n) {
+  qsort(v, (size_t)n, sizeof(float), cmp_f);
+  return v[n / 2];
+}
+
+static void report(const char *what, uint64_t bytes, float ms, const char *extra) {
+  printf("{\"what\": \"%s\", \"bytes\": %" PRIu64 ", \"ms\": %.4f, \"gbps\": %.2f%s%s}\n", what, bytes, ms,
+         (double)bytes / (ms * 1e-3) / 1e9, extra ? ", " : "", extra ? extra : "");
+  fflush(stdout);
+}
+
+static int run_pinned(uint64_t bytes, int reps) {
+  region a;
+  if (region_dev(&a, "cuda:0", 0, bytes)) return -1;
+  set_ctx(0);
+  CUstream st;
+  CUevent e0, e1;
+  cu.StreamCreate(&st, KVF_CU_STREAM_NON_BLOCKING);
+  cu.EventCreate(&e0, 0);
+  cu.EventCreate(&e1, 0);
+  void *pinned = NULL;
+  if (cu.MemHostAlloc(&pinned, bytes, KVF_CU_MEMHOSTALLOC_PORTABLE) != 0) return -1;
+  memset(pinned, 0x3c, bytes);
+  float *ms = calloc((size_t)reps, sizeof(float));
+  for (int dir = 0; dir < 2; dir++) {
+    for (int r = -2; r < reps; r++) {
+      cu.EventRecord(e0, st);
+      if (dir == 0) cu.MemcpyHtoDAsync(a.addr, pinned, bytes, st);
+      else cu.MemcpyDtoHAsync(pinned, a.addr, bytes, st);
+      cu.EventRecord(e1, st);
+      cu.StreamSynchronize(st);
+      if (r >= 0) cu.EventElapsedTime(&ms[r], e0, e1);
+    }
+    report(dir == 0 ? "pinned_h2d" : "pinned_d2h", bytes, median(ms, reps), NULL);
+  }
+  cu.MemFreeHost(pinned);
+  free(ms);
+  region_free(&a);
+  return 0;
+}
+
+static int run_bench(size_t nblocks, uint64_t block, int reps, int refs) {
+  if (kvf__gpu_count() < 2) {
+    fprintf(stderr, "bench needs 2 GPUs\n");
+    return -1;
+  }
+  uint64_t bytes = nblocks * block;
+  region a, b;
+  /* pools twice the data: blocks land scattered, as in a paged KV cache */
+  if (region_dev(&a, "cuda:0", 0, 2 * bytes) || region_dev(&b, "cuda:1", 1, 2 * bytes)) return -1;
+  uint64_t slots = a.size / block;
+  uint64_t *perm_s = malloc(slots * sizeof(uint64_t)), *perm_d = malloc(slots * sizeof(uint64_t));
+  for (uint64_t i = 0; i < slots; i++) perm_s[i] = perm_d[i] = i;
+  for (uint64_t i = 0; i < slots; i++) {
+    uint64_t j = i + rnd() % (slots - i), t = perm_s[i];
+    perm_s[i] = perm_s[j];
+    perm_s[j] = t;
+    j = i + rnd() % (slots - i);
+    t = perm_d[i];
+    perm_d[i] = perm_d[j];
+    perm_d[j] = t;
+  }
+  /* random data, not zeros */
+  uint8_t *h = malloc(a.size);
+  for (uint64_t i = 0; i < a.size; i += 8) {
+    uint64_t v = rnd();
+    memcpy(h + i, &v, 8);
+  }
+  region_write(&a, h);
+  kvf__gpu_batch *bt;
+  if (kvf__gpu_batch_new(&bt)) return -1;
+  bool pull = getenv("KVF_CUDA_PULL") && atoi(getenv("KVF_CUDA_PULL"));
+  int exec = pull ? 1 : 0;
+  bool split = !getenv("KVF_CUDA_SPLIT") || atoi(getenv("KVF_CUDA_SPLIT")); /* as the daemon */
+  float *ms = calloc((size_t)reps, sizeof(float));
+  char extra[200];
+  const char *kname = getenv("KVF_CUDA_KERNEL") ? getenv("KVF_CUDA_KERNEL") : "default";
+  /* 1. the copy kernel alone, scattered blocks */
+  for (int r = -3; r < reps; r++) {
+    kvf__gpu_batch_reset(bt);
+    for (size_t i = 0; i < nblocks; i++)
+      kvf__gpu_batch_add(bt, split ? (int)(i & 1) : exec, a.addr + perm_s[i] * block, b.addr + perm_d[i] * block, block);
+    if (kvf__gpu_batch_launch(bt) || kvf__gpu_batch_wait(bt)) return -1;
+    if (r >= 0) ms[r] = kvf__gpu_batch_ms(bt);
+  }
+  snprintf(extra, sizeof(extra), "\"blocks\": %zu, \"block\": %" PRIu64 ", \"kernel\": \"%s\", \"exec\": \"%s\"", nblocks,
+           block, kname, split ? "split" : pull ? "dst (pull)" : "src (push)");
+  report("kernel_scattered", bytes, median(ms, reps), extra);
+  /* verify the last copy */
+  uint8_t *got = malloc(b.size);
+  region_read(&b, got);
+  for (size_t i = 0; i < nblocks; i++)
+    if (memcmp(got + perm_d[i] * block, h + perm_s[i] * block, block) != 0) {
+      fprintf(stderr, "FAIL: bench block %zu differs\n", i);
+      failures++;
+      break;
+    }
+  /* 2. the kernel on one contiguous run of the same bytes */
+  for (int r = -3; r < reps; r++) {
+    kvf__gpu_batch_reset(bt);
+    kvf__gpu_batch_add(bt, exec, a.addr, b.addr, bytes);
+    if (kvf__gpu_batch_launch(bt) || kvf__gpu_batch_wait(bt)) return -1;
+    if (r >= 0) ms[r] = kvf__gpu_batch_ms(bt);
+  }
+  report("kernel_contiguous", bytes, median(ms, reps), extra);
+  if (!refs) {
+    kvf__gpu_batch_free(bt);
+    region_free(&a);
+    region_free(&b);
+    free(h);
+    free(got);
+    free(ms);
+    free(perm_s);
+    free(perm_d);
+    return failures ? -1 : 0;
+  }
+  /* 3. cuMemcpyPeerAsync, contiguous (the copy engines) */
+  set_ctx(0);
+  CUstream st;
+  CUevent e0, e1;
+  cu.StreamCreate(&st, KVF_CU_STREAM_NON_BLOCKING);
+  cu.EventCreate(&e0, 0);
+  cu.EventCreate(&e1, 0);
+  CUcontext c0, c1;
+  CUdevice d0, d1;
+  cu.DeviceGet(&d0, 0);
+  cu.DeviceGet(&d1, 1);
+  cu.DevicePrimaryCtxRetain(&c0, d0);
+  cu.DevicePrimaryCtxRetain(&c1, d1);
+  for (int r = -3; r < reps; r++) {
+    cu.EventRecord(e0, st);
+    cu.MemcpyPeerAsync(b.addr, c1, a.addr, c0, bytes, st);
+    cu.EventRecord(e1, st);
+    cu.StreamSynchronize(st);
+    if (r >= 0) cu.EventElapsedTime(&ms[r], e0, e1);
+  }
+  report("memcpy_peer_contiguous", bytes, median(ms, reps), NULL);
+  /* 4. one cuMemcpyAsync per block (what a naive engine does) */
+  int few = reps < 5 ? reps : 5;
+  for (int r = -1; r < few; r++) {
+    cu.EventRecord(e0, st);
+    for (size_t i = 0; i < nblocks; i++) cu.MemcpyAsync(b.addr + perm_d[i] * block, a.addr + perm_s[i] * block, block, st);
+    cu.EventRecord(e1, st);
+    cu.StreamSynchronize(st);
+    if (r >= 0) cu.EventElapsedTime(&ms[r], e0, e1);
+  }
+  report("memcpy_async_per_block", bytes, median(ms, few), NULL);
+  /* 5. pinned host <-> device (the tcp-bounce path's other ceiling) */
+  void *pinned = NULL;
+  cu.MemHostAlloc(&pinned, bytes, KVF_CU_MEMHOSTALLOC_PORTABLE);
+  if (pinned) {
+    for (int r = -2; r < reps; r++) {
+      cu.EventRecord(e0, st);
+      cu.MemcpyHtoDAsync(a.addr, pinned, bytes, st);
+      cu.EventRecord(e1, st);
+      cu.StreamSynchronize(st);
+      if (r >= 0) cu.EventElapsedTime(&ms[r], e0, e1);
+    }
+    report("pinned_h2d", bytes, median(ms, reps), NULL);
+    for (int r = -2; r < reps; r++) {
+      cu.EventRecord(e0, st);
+      cu.MemcpyDtoHAsync(pinned, a.addr, bytes, st);
+      cu.EventRecord(e1, st);
+      cu.StreamSynchronize(st);
+      if (r >= 0) cu.EventElapsedTime(&ms[r], e0, e1);
+    }
+    report("pinned_d2h", bytes, median(ms, reps), NULL);
+    cu.MemFreeHost(pinned);
+  }
+  cu.DevicePrimaryCtxRelease(d0);
+  cu.DevicePrimaryCtxRelease(d1);
+  kvf__gpu_batch_free(bt);
+  region_free(&a);
+  region_free(&b);
+  free(h);
+  free(got);
+  free(ms);
+  free(perm_s);
+  free(perm_d);
+  return failures ? -1 : 0;
+}
+
+int main(int argc, char **argv) {
+  const char *mode = argc > 1 ? argv[1] : "test";
+  kvf__log_init(KVF__LOG_INFO);
+  char err[256];
+  if (kvf__cu_load(&cu, err, sizeof(err)) != 0) {
+    printf("SKIP: %s\n", err);
+    return 77;
+  }
+  if (kvf__gpu_init(KVF__ON) != 0) return 1;
+  int rc;
+  if (strcmp(mode, "bench") == 0) {
+    size_t n = argc > 2 ? (size_t)strtoull(argv[2], NULL, 10) : 16384;
+    uint64_t block = argc > 3 ? strtoull(argv[3], NULL, 10) : 32768;
+    int reps = argc > 4 ? atoi(argv[4]) : 20;
+    rc = run_bench(n, block, reps > 0 ? reps : 20, argc > 5 ? atoi(argv[5]) : 1);
+  } else if (strcmp(mode, "pinned") == 0) {
+    uint64_t bytes = argc > 2 ? strtoull(argv[2], NULL, 10) : 512ull << 20;
+    int reps = argc > 3 ? atoi(argv[3]) : 20;
+    rc = run_pinned(bytes, reps > 0 ? reps : 20);
+  } else {
+    rc = run_tests();
+  }
+  kvf__gpu_shutdown();
+  printf("%s: %d failure(s)\n", mode, failures);
+  return rc || failures ? 1 : 0;
+}
