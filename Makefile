@@ -6,6 +6,10 @@
 #   make demo         two daemons on loopback, one verified KV-cache handoff
 #   make demo-up / demo-down   the same daemons, left running (build/demo/env)
 #   make bench-tcp    kvferry vs iperf3 on loopback (bench/tcp_vs_iperf.sh)
+#   make check-rdma / demo-rdma / bench-rdma   in the soft-RoCE VM (see "rdma" below)
+#   make check-gpu    on a GPU machine: tests/gpu (see "cuda" below)
+#   make install      PREFIX=/usr/local DESTDIR= (and BINDIR, SBINDIR, LIBDIR,
+#                     INCLUDEDIR, MANDIR, SYSCONFDIR, ...: see "install" below)
 
 SAN ?= 0
 ifeq ($(SAN),1)
@@ -22,7 +26,7 @@ CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Wshadow -Wno-unused
 	-fvisibility=hidden -pthread $(OPT) $(SANFLAGS)
 INC := -I$(BUILD)/proto -Iproto -Iclient -Idaemon
 DEPFLAGS = -MMD -MP
-LDLIBS_D := -luv -lprotobuf-c -lpthread -ldl
+LDLIBS_D := -luv -lprotobuf-c -lpthread -ldl -lsystemd -libverbs -lrdmacm
 LDLIBS_C := -lprotobuf-c -lpthread
 
 PROTO_C := $(BUILD)/proto/kvferry.pb-c.c
@@ -30,9 +34,9 @@ PROTO_H := $(BUILD)/proto/kvferry.pb-c.h
 
 COMMON_SRC := proto/frame.c
 ERR_SRC := client/errors.c
-DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c daemon/transport/*.c))
+DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c daemon/transport/*.c daemon/cuda/*.c))
 LIB_SRC := $(wildcard client/lib*.c) client/errors.c
-CTL_SRC := client/kvferryctl.c
+CTL_SRC := client/kvferryctl.c $(wildcard client/ctl_*.c)
 BENCH_SRC := bench/kvferry-bench.c
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
@@ -50,14 +54,18 @@ TESTLIB_SRC := $(wildcard tests/integration/harness.c)
 BINS := $(BUILD)/kvferryd $(BUILD)/kvferryctl $(BUILD)/kvferry-bench \
 	$(BUILD)/libkvferry.so $(BUILD)/libkvferry.a
 
+# Operations tests (tests/ops): Python, stdlib only, TAP on stdout.
+OPS_TESTS := $(wildcard tests/ops/test_*.py)
+MAN_PAGES := $(addprefix $(BUILD)/man/,kvferryd.8 kvferryd.conf.5 kvferryctl.1 libkvferry.3)
+
 .PHONY: all deps check unit integration demo demo-up demo-down bench-tcp clean
 .DEFAULT_GOAL := all
 
-all: deps $(BINS) $(UNIT_BIN) $(INTEG_BIN)
+all: deps $(BINS) $(UNIT_BIN) $(INTEG_BIN) $(MAN_PAGES)
 
 # Installs the Debian packages the build and tests need, only when missing.
 deps:
-	@scripts/install-deps.sh
+	@[ "$(SKIP_DEPS)" = 1 ] || scripts/install-deps.sh
 
 $(PROTO_C) $(PROTO_H): proto/kvferry.proto | deps
 	@mkdir -p $(BUILD)/proto
@@ -110,7 +118,11 @@ $(BUILD)/tests/%: tests/integration/%.c $(TESTLIB_SRC) $(BUILD)/libkvferry.a
 	  $(BUILD)/libkvferry.a $(LDLIBS_C) -lcmocka
 
 check: all
-	@BUILD=$(BUILD) tests/run.sh $(UNIT_BIN) $(INTEG_BIN)
+	@BUILD=$(BUILD) tests/run.sh $(UNIT_BIN) $(INTEG_BIN) $(OPS_TESTS)
+
+# Operations only: systemd, signals, metrics, kvferryctl, install, Python.
+check-ops: all
+	@BUILD=$(BUILD) tests/run.sh $(OPS_TESTS)
 
 unit: all
 	@BUILD=$(BUILD) tests/run.sh $(UNIT_BIN)
@@ -134,5 +146,157 @@ bench-tcp: all
 
 clean:
 	rm -rf build build-san
+
+# ---------------------------------------------------------------- man pages
+# kvferryd.conf(5) lists every key from the daemon's own table (its --help),
+# so it cannot drift from the parser; the other pages are written by hand.
+# Paths (@SYSCONFDIR@ ...) are filled in by `make install`.
+VERSION := $(shell sed -n 's/^\#define KVF__VERSION "\(.*\)"/\1/p' daemon/kvferryd.h)
+
+man: $(MAN_PAGES)
+
+$(BUILD)/man/kvferryd.conf.5: docs/kvferryd.conf.5.in scripts/gen-conf-man.py $(BUILD)/kvferryd
+	@mkdir -p $(dir $@)
+	scripts/gen-conf-man.py $(BUILD)/kvferryd $< $@
+
+$(BUILD)/man/%: docs/%
+	@mkdir -p $(dir $@)
+	sed 's|@VERSION@|$(VERSION)|g' $< > $@
+
+# ---------------------------------------------------------------- install
+# GNU-style directories; everything lands under $(DESTDIR) when set.
+# PREFIX=/usr puts the configuration in /etc; any other prefix in $(PREFIX)/etc.
+PREFIX ?= /usr/local
+EXEC_PREFIX ?= $(PREFIX)
+BINDIR ?= $(EXEC_PREFIX)/bin
+SBINDIR ?= $(EXEC_PREFIX)/sbin
+LIBDIR ?= $(EXEC_PREFIX)/lib
+INCLUDEDIR ?= $(PREFIX)/include
+DATAROOTDIR ?= $(PREFIX)/share
+MANDIR ?= $(DATAROOTDIR)/man
+DOCDIR ?= $(DATAROOTDIR)/doc/kvferry
+SYSCONFDIR ?= $(if $(filter /usr,$(PREFIX)),/etc,$(PREFIX)/etc)
+PKGCONFIGDIR ?= $(LIBDIR)/pkgconfig
+SYSTEMDUNITDIR ?= $(PREFIX)/lib/systemd/system
+SYSUSERSDIR ?= $(PREFIX)/lib/sysusers.d
+PYVER := $(shell python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+# Debian's layout: /usr/lib/python3/dist-packages for packages, the versioned
+# dist-packages under any other prefix (e.g. /usr/local).
+PYTHONDIR ?= $(if $(filter /usr,$(PREFIX)),/usr/lib/python3/dist-packages,$(PREFIX)/lib/python$(PYVER)/dist-packages)
+LIB_SONAME := libkvferry.so.1
+LIB_REAL := libkvferry.so.1.0.0
+
+INSTALL ?= install
+SUBST = sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@BINDIR@|$(BINDIR)|g' -e 's|@SBINDIR@|$(SBINDIR)|g' \
+	-e 's|@LIBDIR@|$(LIBDIR)|g' -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|g' -e 's|@SYSCONFDIR@|$(SYSCONFDIR)|g' \
+	-e 's|@DOCDIR@|$(DOCDIR)|g' -e 's|@SYSTEMDUNITDIR@|$(SYSTEMDUNITDIR)|g' -e 's|@VERSION@|$(VERSION)|g'
+
+.PHONY: man install uninstall check-ops check-gpu
+install: all
+	$(INSTALL) -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(SBINDIR) $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR) \
+	  $(DESTDIR)$(PKGCONFIGDIR) $(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man3 $(DESTDIR)$(MANDIR)/man5 \
+	  $(DESTDIR)$(MANDIR)/man8 $(DESTDIR)$(SYSTEMDUNITDIR) $(DESTDIR)$(SYSUSERSDIR) \
+	  $(DESTDIR)$(SYSCONFDIR)/kvferry $(DESTDIR)$(DOCDIR) $(DESTDIR)$(PYTHONDIR)/kvferry
+	$(INSTALL) -m 0755 $(BUILD)/kvferryd $(DESTDIR)$(SBINDIR)/kvferryd
+	$(INSTALL) -m 0755 $(BUILD)/kvferryctl $(BUILD)/kvferry-bench $(DESTDIR)$(BINDIR)/
+	$(INSTALL) -m 0755 $(BUILD)/libkvferry.so $(DESTDIR)$(LIBDIR)/$(LIB_REAL)
+	ln -sf $(LIB_REAL) $(DESTDIR)$(LIBDIR)/$(LIB_SONAME)
+	ln -sf $(LIB_SONAME) $(DESTDIR)$(LIBDIR)/libkvferry.so
+	$(INSTALL) -m 0644 $(BUILD)/libkvferry.a $(DESTDIR)$(LIBDIR)/libkvferry.a
+	$(INSTALL) -m 0644 client/kvferry.h $(DESTDIR)$(INCLUDEDIR)/kvferry.h
+	$(SUBST) kvferry.pc.in > $(DESTDIR)$(PKGCONFIGDIR)/kvferry.pc
+	$(SUBST) $(BUILD)/man/kvferryctl.1 > $(DESTDIR)$(MANDIR)/man1/kvferryctl.1
+	$(SUBST) $(BUILD)/man/libkvferry.3 > $(DESTDIR)$(MANDIR)/man3/libkvferry.3
+	$(SUBST) $(BUILD)/man/kvferryd.conf.5 > $(DESTDIR)$(MANDIR)/man5/kvferryd.conf.5
+	$(SUBST) $(BUILD)/man/kvferryd.8 > $(DESTDIR)$(MANDIR)/man8/kvferryd.8
+	$(SUBST) systemd/kvferryd.service.in > $(DESTDIR)$(SYSTEMDUNITDIR)/kvferryd.service
+	$(INSTALL) -m 0644 systemd/kvferry.sysusers $(DESTDIR)$(SYSUSERSDIR)/kvferry.conf
+	$(INSTALL) -m 0644 config/kvferryd.conf $(DESTDIR)$(DOCDIR)/kvferryd.conf.example
+	@# An operator's configuration is never overwritten.
+	@if [ -e $(DESTDIR)$(SYSCONFDIR)/kvferry/kvferryd.conf ]; then \
+	  echo "kept $(DESTDIR)$(SYSCONFDIR)/kvferry/kvferryd.conf (example in $(DOCDIR))"; \
+	else $(INSTALL) -m 0644 config/kvferryd.conf $(DESTDIR)$(SYSCONFDIR)/kvferry/kvferryd.conf; fi
+	$(INSTALL) -m 0644 client/python/kvferry/*.py $(DESTDIR)$(PYTHONDIR)/kvferry/
+	@if [ -z "$(DESTDIR)" ]; then \
+	  ldconfig 2>/dev/null || true; \
+	  echo "next: systemd-sysusers; systemctl daemon-reload; systemctl enable --now kvferryd"; fi
+
+uninstall:
+	rm -f $(DESTDIR)$(SBINDIR)/kvferryd $(DESTDIR)$(BINDIR)/kvferryctl $(DESTDIR)$(BINDIR)/kvferry-bench \
+	  $(DESTDIR)$(LIBDIR)/$(LIB_REAL) $(DESTDIR)$(LIBDIR)/$(LIB_SONAME) $(DESTDIR)$(LIBDIR)/libkvferry.so \
+	  $(DESTDIR)$(LIBDIR)/libkvferry.a $(DESTDIR)$(INCLUDEDIR)/kvferry.h $(DESTDIR)$(PKGCONFIGDIR)/kvferry.pc \
+	  $(DESTDIR)$(MANDIR)/man1/kvferryctl.1 $(DESTDIR)$(MANDIR)/man3/libkvferry.3 \
+	  $(DESTDIR)$(MANDIR)/man5/kvferryd.conf.5 $(DESTDIR)$(MANDIR)/man8/kvferryd.8 \
+	  $(DESTDIR)$(SYSTEMDUNITDIR)/kvferryd.service $(DESTDIR)$(SYSUSERSDIR)/kvferry.conf \
+	  $(DESTDIR)$(DOCDIR)/kvferryd.conf.example
+	rm -rf $(DESTDIR)$(PYTHONDIR)/kvferry
+	@echo "kept $(DESTDIR)$(SYSCONFDIR)/kvferry/kvferryd.conf"
+
+# ---------------------------------------------------------------- cuda
+# CUDA is loaded at run time (dlopen), so nothing links against it and one
+# build runs with and without GPUs. The copy kernel is compiled here by nvcc
+# (sm_90 machine code plus compute_90 PTX, which newer GPUs JIT) and embedded
+# in kvferryd (daemon/cuda/kernel_image.c); NVCC=path picks one, NVCC= builds
+# without it (GPU copies then use cuMemcpy per block, and kvferryd says so).
+# The GPU tests and tools (tests/gpu/*.c) build everywhere; CI runs none of
+# them, `make check` runs tests/unit/test_cuda_args (the CPU side).
+#   make check-gpu    on a machine with GPUs (two for GPU->GPU):
+#                     tests/gpu/run.sh, then the Python GPU tests
+# SKIP_DEPS=1 skips scripts/install-deps.sh (machines without a registry).
+NVCC ?= $(shell command -v nvcc 2>/dev/null || { [ -x /usr/local/cuda/bin/nvcc ] && echo /usr/local/cuda/bin/nvcc; })
+NVCC_FLAGS ?= -O3 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+KERNEL_FATBIN := $(if $(NVCC),$(BUILD)/cuda/copy_kernel.fatbin)
+ifneq ($(NVCC),)
+$(KERNEL_FATBIN): daemon/cuda/copy_kernel.cu daemon/cuda/copy_args.h
+	@mkdir -p $(dir $@)
+	$(NVCC) -fatbin $(NVCC_FLAGS) -Idaemon/cuda -o $@ $<
+$(BUILD)/obj/daemon/cuda/kernel_image.o: $(KERNEL_FATBIN)
+$(BUILD)/obj/daemon/cuda/kernel_image.o: CFLAGS_BASE += -DKVF_KERNEL_FATBIN='"$(abspath $(KERNEL_FATBIN))"'
+else
+$(info kvferry: nvcc not found: building without the CUDA copy kernel (GPU copies fall back to cuMemcpy per block; kvferryd says so at start))
+endif
+
+GPU_SRC := $(wildcard tests/gpu/*.c)
+GPU_BIN := $(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu/%,$(GPU_SRC))
+GPU_PY_TESTS := $(wildcard tests/gpu/test_*.py)
+all: $(GPU_BIN)
+
+$(BUILD)/tests/gpu/%: tests/gpu/%.c $(DAEMON_OBJ) $(BUILD)/libkvferry.a $(PROTO_H)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(INC) -Itests/gpu -o $@ $< $(DAEMON_OBJ) $(BUILD)/libkvferry.a $(LDLIBS_D) -lm
+
+check-gpu: all
+	@BUILD=$(BUILD) tests/gpu/run.sh
+	@BUILD=$(BUILD) tests/run.sh $(GPU_PY_TESTS)
+
+# ---------------------------------------------------------------- rdma
+# The rdma transport's tests, demo and benchmark run in the soft-RoCE VM
+# (../shared/rdma-vm/run, see its README; it needs root), one boot each:
+#   make check-rdma   the black-box suite over rdma, then tests/rdma (100k
+#                     descriptors, two devices per node, link down and daemons
+#                     killed mid-transfer): tests/rdma/run.sh
+#   make demo-rdma    `make demo TRANSPORT=rdma` inside the VM, on two nodes
+#   make bench-rdma   bench/rdma_vs_perftest.sh (a benchmark, not a test)
+RDMA_VM ?= $(abspath ../shared/rdma-vm/run)
+RDMA_TEST_SRC := $(wildcard tests/rdma/test_*.c)
+RDMA_TEST_BIN := $(patsubst tests/rdma/%.c,$(BUILD)/tests/rdma/%,$(RDMA_TEST_SRC))
+all: $(RDMA_TEST_BIN)
+
+$(BUILD)/tests/rdma/%: tests/rdma/%.c $(TESTLIB_SRC) $(BUILD)/libkvferry.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) -Iclient -Itests/integration -o $@ $< $(TESTLIB_SRC) \
+	  $(BUILD)/libkvferry.a $(LDLIBS_C) -lcmocka
+
+check-rdma: all
+	@BUILD=$(BUILD) RDMA_VM=$(RDMA_VM) tests/rdma/run.sh
+
+demo-rdma: all
+	$(RDMA_VM) --nodes 2 --mem 4G --timeout 600 -- \
+	  env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make --no-print-directory demo TRANSPORT=rdma BUILD=$(BUILD)
+
+bench-rdma: all
+	@BUILD=$(BUILD) RDMA_VM=$(RDMA_VM) bench/rdma_vs_perftest.sh
+
+.PHONY: check-rdma demo-rdma bench-rdma
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -9,6 +9,12 @@
  *
  * Only the public API (client/kvferry.h) is used. One thread: both clients'
  * event fds are polled together.
+ *
+ * cuda:N pools (--pool-from/--pool-to naming one): kvf_pool_map returns a
+ * device pointer; the bench keeps a host shadow of the pool, fills and
+ * poisons it there, and copies it to the GPU before each wave and back
+ * after it (CUDA driver API, loaded with dlopen as the library does), all
+ * outside the timed window.
  */
 /* getopt_long and CLOCK_MONOTONIC; the Makefile passes it too. */
 #ifndef _GNU_SOURCE
@@ -29,6 +35,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "cuda/cudrv.h"
 #include "kvferry.h"
 
 #define GOLDEN 0x9e3779b97f4a7c15ULL
@@ -63,6 +70,7 @@ typedef struct opts {
   uint64_t tokens, requests, concurrency, seed;
   uint32_t deadline_ms;
   bool layerwise, send_first, grant_any, json, quiet;
+  bool time_from_send;   /* latency starts at the send (the grant is posted before, untimed) */
 } opts;
 
 /* ------------------------------------------------------------ state */
@@ -73,8 +81,10 @@ typedef struct side {
   kvf_client *c;
   const char *node;
   kvf_pool_info pool;
-  uint8_t *base;         /* this process's mapping of the pool */
+  uint8_t *base;         /* this process's mapping of the pool (the shadow for GPU pools) */
   uint64_t size;
+  int gpu;               /* cuda:N pool: N, else -1 */
+  CUdeviceptr dptr;      /* its device pointer */
   uint64_t num_blocks;   /* per (layer, K/V) array */
   uint32_t *ids;         /* the free list, reshuffled each wave */
   uint64_t rng;
@@ -87,6 +97,7 @@ typedef struct req {
   const uint32_t *src_ids, *dst_ids;
   kvf_desc *src, *dst;
   int64_t t_post, t_recv;
+  int64_t t_posted;      /* the grant and send calls returned */
   bool got_recv, got_send;
 } req;
 
@@ -97,6 +108,7 @@ typedef struct bench {
   uint64_t block_bytes, blocks, ndesc, req_bytes;
   req *slots;            /* one per request in flight */
   double *lat_us;        /* per completed request */
+  double *post_us;       /* time in the grant and send calls, per request */
   uint64_t done;
   int64_t timed_ns;
   char path[32];
@@ -327,8 +339,15 @@ static int open_side(bench *b, side *s, const char *pool_name) {
   void *addr = NULL;
   rc = kvf_pool_map(s->c, s->pool.id, &addr, &s->size);
   if (rc < 0)
-    return fail(b, "map pool '%s' (kind %s) of %s node %s: %s (%s); the bench needs host pools",
-                s->pool.name, s->pool.kind, s->role, s->node, kvf_err_name(rc), kvf_strerror(rc));
+    return fail(b, "map pool '%s' (kind %s) of %s node %s: %s (%s)", s->pool.name, s->pool.kind, s->role,
+                s->node, kvf_err_name(rc), kvf_strerror(rc));
+  s->gpu = -1;
+  if (strncmp(s->pool.kind, "cuda:", 5) == 0) {
+    s->gpu = atoi(s->pool.kind + 5);
+    s->dptr = (CUdeviceptr)(uintptr_t)addr;
+    addr = calloc(1, s->size);
+    if (!addr) return fail(b, "out of memory for the host shadow of pool '%s'", s->pool.name);
+  }
   s->base = addr;
   s->fd = kvf_event_fd(s->c);
   if (s->fd < 0) return fail_api(b, "kvf_event_fd", s->fd);
@@ -363,15 +382,19 @@ static int setup(bench *b) {
   b->blocks = (b->o.tokens + g->block_tokens - 1) / g->block_tokens;
   b->ndesc = g->layers * g->kv_count * b->blocks;
   b->req_bytes = b->ndesc * b->block_bytes;
-  b->src = (side){.role = "prefill", .sock = b->o.from, .fd = -1,
+  b->src = (side){.role = "prefill", .sock = b->o.from, .fd = -1, .gpu = -1,
                   .rng = mix64(b->o.seed ^ 0x707265666c6c ^ GOLDEN)};
-  b->dst = (side){.role = "decode", .sock = b->o.to, .fd = -1,
+  b->dst = (side){.role = "decode", .sock = b->o.to, .fd = -1, .gpu = -1,
                   .rng = mix64(b->o.seed ^ 0x6465636f6465 ^ (GOLDEN << 1))};
   if (open_side(b, &b->src, b->o.pool_from) < 0 || open_side(b, &b->dst, b->o.pool_to) < 0)
     return -1;
   /* Node names are unique in a cluster: same node and pool id means the
    * same memory, mapped twice. */
   b->shared = strcmp(b->src.node, b->dst.node) == 0 && b->src.pool.id == b->dst.pool.id;
+  if (b->shared && b->dst.gpu >= 0) { /* one pool: one shadow */
+    free(b->dst.base);
+    b->dst.base = b->src.base;
+  }
   uint64_t need = b->o.concurrency * b->blocks;
   if (size_side(b, &b->src, b->shared ? 2 * need : need) < 0) return -1;
   if (!b->shared && size_side(b, &b->dst, need) < 0) return -1;
@@ -379,7 +402,8 @@ static int setup(bench *b) {
   size_t w = (size_t)b->o.concurrency;
   b->slots = calloc(w, sizeof *b->slots);
   b->lat_us = calloc((size_t)b->o.requests, sizeof *b->lat_us);
-  if (!b->slots || !b->lat_us) return fail(b, "out of memory");
+  b->post_us = calloc((size_t)b->o.requests, sizeof *b->post_us);
+  if (!b->slots || !b->lat_us || !b->post_us) return fail(b, "out of memory");
   for (size_t i = 0; i < w; i++) {
     b->slots[i].src = malloc(b->ndesc * sizeof(kvf_desc));
     b->slots[i].dst = malloc(b->ndesc * sizeof(kvf_desc));
@@ -396,8 +420,11 @@ static void teardown(bench *b) {
     }
   free(b->slots);
   free(b->lat_us);
+  free(b->post_us);
   free(b->src.ids);
   free(b->dst.ids);
+  if (b->src.gpu >= 0) free(b->src.base);
+  if (b->dst.gpu >= 0 && !b->shared) free(b->dst.base);
   /* Closing cancels whatever a failed run left in flight. */
   if (b->src.c) kvf_close(b->src.c);
   if (b->dst.c) kvf_close(b->dst.c);
@@ -437,8 +464,15 @@ static int post_send(bench *b, const req *r) {
 
 static int post_request(bench *b, req *r) {
   r->t_post = now_ns();
-  if (b->o.send_first) return post_send(b, r) < 0 || post_grant(b, r) < 0 ? -1 : 0;
-  return post_grant(b, r) < 0 || post_send(b, r) < 0 ? -1 : 0;
+  int rc;
+  if (b->o.time_from_send) { /* decode posted its grant ahead, as engines do */
+    if (post_grant(b, r) < 0) return -1;
+    r->t_post = now_ns();
+    rc = post_send(b, r);
+  } else if (b->o.send_first) rc = post_send(b, r) < 0 || post_grant(b, r) < 0 ? -1 : 0;
+  else rc = post_grant(b, r) < 0 || post_send(b, r) < 0 ? -1 : 0;
+  r->t_posted = now_ns();
+  return rc;
 }
 
 static req *find_req(bench *b, size_t n, const char *id) {
@@ -530,8 +564,38 @@ static int wait_wave(bench *b, size_t n, int64_t limit) {
   return 0;
 }
 
+/* ------------------------------------------------------------ GPU pools */
+
+static kvf_cu cu;
+
+/* Copies a GPU pool's shadow to the GPU (to_dev) or back. */
+static int gpu_sync(bench *b, side *s, bool to_dev) {
+  if (s->gpu < 0) return 0;
+  static int loaded;
+  char err[256];
+  if (!loaded) {
+    if (kvf__cu_load(&cu, err, sizeof(err)) != 0) return fail(b, "CUDA for the %s pool: %s", s->role, err);
+    loaded = 1;
+  }
+  CUdevice d;
+  CUcontext ctx, old = NULL;
+  cu.CtxGetCurrent(&old);
+  CUresult r = cu.DeviceGet(&d, s->gpu);
+  if (r == 0) r = cu.DevicePrimaryCtxRetain(&ctx, d);
+  if (r == 0) {
+    cu.CtxSetCurrent(ctx);
+    r = to_dev ? cu.MemcpyHtoD(s->dptr, s->base, s->size) : cu.MemcpyDtoH(s->base, s->dptr, s->size);
+    cu.CtxSetCurrent(old);
+    cu.DevicePrimaryCtxRelease(d);
+  }
+  if (r) return fail(b, "copying the %s pool %s the GPU: %s", s->role, to_dev ? "to" : "from",
+                     kvf__cu_errstr(&cu, r, err, sizeof(err)));
+  return 0;
+}
+
 static int run_wave(bench *b, uint64_t first, size_t n) {
   prepare_wave(b, first, n);
+  if (gpu_sync(b, &b->src, true) < 0 || (!b->shared && gpu_sync(b, &b->dst, true) < 0)) return -1;
   for (size_t i = 0; i < n; i++) {
     if (post_request(b, &b->slots[i]) < 0) return -1;
     /* Completions of earlier requests must not wait for the posting loop. */
@@ -544,7 +608,9 @@ static int run_wave(bench *b, uint64_t first, size_t n) {
     const req *r = &b->slots[i];
     if (r->t_recv > t1) t1 = r->t_recv;
     b->lat_us[r->index] = (double)(r->t_recv - r->t_post) / 1e3;
+    b->post_us[r->index] = (double)(r->t_posted - r->t_post) / 1e3;
   }
+  if (gpu_sync(b, &b->dst, false) < 0) return -1;
   for (size_t i = 0; i < n; i++)
     if (verify_request(b, &b->slots[i]) < 0) return -1;
   /* Counted only once verified, so seconds and bytes cover the same waves. */
@@ -590,7 +656,7 @@ static void json_str(FILE *f, const char *s) {
 
 typedef struct summary {
   uint64_t bytes, descs;
-  double seconds, gbps, p50, p99;
+  double seconds, gbps, p50, p99, post_p50;
   bool ok;
 } summary;
 
@@ -600,6 +666,8 @@ static summary summarize(bench *b) {
   s.gbps = s.seconds > 0 ? (double)s.bytes / s.seconds / 1e9 : 0;
   if (b->done) qsort(b->lat_us, (size_t)b->done, sizeof *b->lat_us, cmp_double);
   s.p50 = percentile(b->lat_us, b->done, 50);
+  if (b->done) qsort(b->post_us, (size_t)b->done, sizeof *b->post_us, cmp_double);
+  s.post_p50 = percentile(b->post_us, b->done, 50);
   s.p99 = percentile(b->lat_us, b->done, 99);
   return s;
 }
@@ -609,8 +677,8 @@ static void report_json(const bench *b, const summary *s) {
   json_str(stdout, b->path[0] ? b->path : "none");
   printf(", \"bytes\": %" PRIu64 ", \"descriptors\": %" PRIu64 ", \"requests\": %" PRIu64
          ", \"seconds\": %.6f, \"gbps\": %.3f, \"gbit_s\": %.3f, \"p50_us\": %.1f, \"p99_us\": %.1f"
-         ", \"verified\": %s, \"model\": ",
-         s->bytes, s->descs, b->done, s->seconds, s->gbps, s->gbps * 8, s->p50, s->p99,
+         ", \"post_p50_us\": %.1f, \"verified\": %s, \"model\": ",
+         s->bytes, s->descs, b->done, s->seconds, s->gbps, s->gbps * 8, s->p50, s->p99, s->post_p50,
          s->ok ? "true" : "false");
   json_str(stdout, b->o.g.model);
   printf(", \"block_bytes\": %" PRIu64 ", \"concurrency\": %" PRIu64, b->block_bytes,
@@ -653,10 +721,13 @@ static void usage(FILE *f) {
     "  --tokens N           tokens per request (default 4096)\n"
     "  --requests N         requests in the run (default 1)\n"
     "  --concurrency N      requests in flight at once (default 1)\n"
-    "  --pool-from NAME     prefill pool (default: first host pool)\n"
+    "  --pool-from NAME     prefill pool (default: first host pool; cuda:N pools\n"
+    "                       are filled and checked through a host shadow)\n"
     "  --pool-to NAME       decode pool (default: first host pool)\n"
     "  --layerwise          send each request in parts, one per layer\n"
     "  --send-first         post the send before the grant\n"
+    "  --time-from-send     post the grant first, untimed; latency runs from the\n"
+    "                       send to RECV_DONE\n"
     "  --grant-any          grant without naming the prefill node\n"
     "  --deadline-ms N      per-transfer deadline (default 30000; 0: the daemon's)\n"
     "  --seed N             data and layout seed (default 1)\n"
@@ -681,7 +752,7 @@ static int parse_u64(const char *name, const char *s, uint64_t min, uint64_t max
 
 enum { O_FROM = 256, O_TO, O_MODEL, O_LAYERS, O_KVH, O_HDIM, O_BTOK, O_DTYPE, O_MLA, O_TOKENS,
        O_REQS, O_CONC, O_PFROM, O_PTO, O_LAYERWISE, O_SENDFIRST, O_GRANTANY, O_DEADLINE, O_SEED,
-       O_JSON, O_QUIET, O_HELP };
+       O_JSON, O_QUIET, O_HELP, O_TFS };
 
 static const struct option long_opts[] = {
   {"from", required_argument, 0, O_FROM}, {"to", required_argument, 0, O_TO},
@@ -694,7 +765,8 @@ static const struct option long_opts[] = {
   {"layerwise", no_argument, 0, O_LAYERWISE}, {"send-first", no_argument, 0, O_SENDFIRST},
   {"grant-any", no_argument, 0, O_GRANTANY}, {"deadline-ms", required_argument, 0, O_DEADLINE},
   {"seed", required_argument, 0, O_SEED}, {"json", no_argument, 0, O_JSON},
-  {"quiet", no_argument, 0, O_QUIET}, {"help", no_argument, 0, O_HELP}, {0, 0, 0, 0},
+  {"quiet", no_argument, 0, O_QUIET}, {"help", no_argument, 0, O_HELP},
+  {"time-from-send", no_argument, 0, O_TFS}, {0, 0, 0, 0},
 };
 
 /* Geometry flags as given; 0 = not given, the preset's value stands. */
@@ -794,6 +866,7 @@ static int parse_args(int argc, char **argv, opts *o) {
     else if (c == O_GRANTANY) o->grant_any = true;
     else if (c == O_JSON) o->json = true;
     else if (c == O_QUIET) o->quiet = true;
+    else if (c == O_TFS) o->time_from_send = true;
     else if (c == O_HELP) { usage(stdout); return 1; }
     else { usage(stderr); return -1; }
     if (rc < 0) return -1;

@@ -62,6 +62,7 @@ static const struct err_entry errno_names[] = {
   ERRNO_NAME(ENOTCONN),     ERRNO_NAME(ETIMEDOUT),   ERRNO_NAME(ECONNREFUSED),
   ERRNO_NAME(EHOSTUNREACH), ERRNO_NAME(EALREADY),    ERRNO_NAME(EINPROGRESS),
   ERRNO_NAME(ECANCELED),    ERRNO_NAME(ENODATA),     ERRNO_NAME(ESRCH),
+  ERRNO_NAME(ESHUTDOWN),
 };
 
 static const struct err_entry *lookup(const struct err_entry *table, size_t n, int code) {

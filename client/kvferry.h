@@ -76,8 +76,18 @@ typedef struct kvf_pool_info {
 int kvf_pools(kvf_client *c, kvf_pool_info *out, size_t cap);
 /* Finds a pool by name. */
 int kvf_pool_find(kvf_client *c, const char *name, kvf_pool_info *out);
-/* Maps a host pool into this process (once; later calls return the same
- * mapping). The mapping lives until kvf_close. */
+/* Maps a pool into this process (once; later calls return the same
+ * mapping). The mapping lives until kvf_close.
+ *
+ * Host pools: *addr is an ordinary pointer (mmap of the daemon's memfd).
+ * cuda:N pools: *addr is a CUDA device pointer (a CUdeviceptr cast to void *)
+ * valid in this process on GPU N and on every GPU with peer access to it:
+ * use it with kernels, cudaMemcpy or torch (e.g. via __cuda_array_interface__);
+ * the CPU cannot dereference it. The library loads the NVIDIA driver with
+ * dlopen, imports the pool's fd (cuMemImportFromShareableHandle + cuMemMap),
+ * holds GPU N's primary context (the CUDA runtime's) while mapped, and
+ * leaves the calling thread's current context unchanged. Returns -ENODEV
+ * when this process has no usable CUDA driver. */
 int kvf_pool_map(kvf_client *c, uint32_t pool, void **addr, uint64_t *size);
 
 typedef struct kvf_desc {

@@ -1,11 +1,13 @@
 /* kvferryctl - asks the local kvferryd what it is doing.
  *
- *   kvferryctl [-s SOCKET] [--json] status|pools|peers|transfers
+ *   kvferryctl [-s SOCKET] [--json] status|pools|peers|transfers|metrics|doctor
  *
- * The daemon renders the tables and the JSON; this tool only forwards the
- * question and prints the answer. Options may come before or after the
- * command. Exit status: 0 success, 1 the daemon failed or was unreachable,
- * 2 usage error. */
+ * The daemon renders the status, pools, peers and transfers tables and
+ * their JSON; this tool forwards the question and prints the answer.
+ * metrics reads the daemon's Prometheus endpoint, doctor runs the node
+ * checks (ctl_doctor.c). Options may come before or after the command.
+ * Exit statuses are in ctl.h and kvferryctl(1). */
+#include "ctl.h"
 #include "kvferry.h"
 
 #include <stdbool.h>
@@ -15,21 +17,24 @@
 
 #define DEFAULT_SOCKET "/run/kvferry/kvferryd.sock"
 
-#define SYNOPSIS "kvferryctl [-s SOCKET] [--json] status|pools|peers|transfers"
+#define SYNOPSIS "kvferryctl [-s SOCKET] [--json] COMMAND"
 
-enum { EXIT_OK = 0, EXIT_DAEMON = 1, EXIT_USAGE = 2 };
+enum { EXIT_OK = CTL_OK, EXIT_DAEMON = CTL_ERROR, EXIT_USAGE = CTL_USAGE };
 
 struct command {
   const char *name;
-  int what; /* enum kvf_inspect */
+  int what;                                   /* enum kvf_inspect, for inspect views */
+  int (*run)(const char *socket, bool json);  /* else this */
   const char *help;
 };
 
 static const struct command commands[] = {
-  {"status", KVF_INSPECT_STATUS, "the daemon: node, version, transports, counters"},
-  {"pools", KVF_INSPECT_POOLS, "memory pools and how they are registered"},
-  {"peers", KVF_INSPECT_PEERS, "peer daemons and the state of each connection"},
-  {"transfers", KVF_INSPECT_TRANSFERS, "active grants and sends, with their path"},
+  {"status", KVF_INSPECT_STATUS, NULL, "the daemon: node, version, transports, counters"},
+  {"pools", KVF_INSPECT_POOLS, NULL, "memory pools and how they are registered"},
+  {"peers", KVF_INSPECT_PEERS, NULL, "peer daemons and the state of each connection"},
+  {"transfers", KVF_INSPECT_TRANSFERS, NULL, "active grants and sends, with their path"},
+  {"metrics", -1, ctl_metrics, "the daemon's Prometheus metrics (--json: parsed)"},
+  {"doctor", -1, ctl_doctor, "check this node for what kvferryd needs"},
 };
 
 #define N_COMMANDS (sizeof(commands) / sizeof(commands[0]))
@@ -54,7 +59,9 @@ static void usage(FILE *f) {
           "Commands:\n");
   for (size_t i = 0; i < N_COMMANDS; i++)
     fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].help);
-  fprintf(f, "\nExit status: 0 success, 1 daemon error or unreachable, 2 usage error.\n");
+  fprintf(f, "\nExit status: 0 success, 1 the daemon answered with an error (or metrics are\n"
+             "off), 2 usage error, 3 no daemon answers on the socket, 4 doctor: a check\n"
+             "failed.\n");
 }
 
 /* Prints "kvferryctl: PROBLEM [ARG]" and where to find help, to stderr. */
@@ -108,7 +115,7 @@ static const char *socket_path(const struct options *opt) {
 
 /* Prints the daemon's text as rendered, ending it with a newline if the
  * daemon did not, so that the shell prompt starts on its own line. */
-static int print_text(const char *text) {
+int ctl_print(const char *text) {
   size_t n = strlen(text);
   fputs(text, stdout);
   if (n > 0 && text[n - 1] != '\n') fputc('\n', stdout);
@@ -124,7 +131,7 @@ static int run(const struct command *cmd, const char *path, bool json) {
   int rc = kvf_connect(path, &c);
   if (rc < 0) {
     fprintf(stderr, "kvferryctl: cannot reach kvferryd at %s: %s\n", path, kvf_strerror(rc));
-    return EXIT_DAEMON;
+    return CTL_UNREACHABLE;
   }
   char *text = NULL;
   rc = kvf_inspect(c, cmd->what, json, &text);
@@ -133,7 +140,7 @@ static int run(const struct command *cmd, const char *path, bool json) {
     fprintf(stderr, "kvferryctl: %s: %s (%s)\n", cmd->name, kvf_strerror(rc), kvf_err_name(rc));
     return EXIT_DAEMON;
   }
-  int status = print_text(text);
+  int status = ctl_print(text);
   free(text);
   return status;
 }
@@ -149,5 +156,6 @@ int main(int argc, char **argv) {
   if (!opt.command) return usage_error("missing COMMAND", NULL);
   const struct command *cmd = find_command(opt.command);
   if (!cmd) return usage_error("unknown command", opt.command);
+  if (cmd->run) return cmd->run(socket_path(&opt), opt.json);
   return run(cmd, socket_path(&opt), opt.json);
 }

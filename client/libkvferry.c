@@ -11,6 +11,7 @@
 
 #include "frame.h"
 #include "kvferry.pb-c.h"
+#include "libkvferry_cuda.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -56,10 +57,16 @@ struct queued_event {
 
 struct mapping {
   uint32_t pool;
-  void *addr;
+  void *addr;           /* host address, or a CUDA device pointer (gpu set) */
   uint64_t size;
+  void *gpu;            /* cuda:N pools: libkvferry_cuda.c's state */
   struct mapping *next;
 };
+
+static void unmap(void *addr, uint64_t size, void *gpu) {
+  if (gpu) kvf__cuda_unmap(gpu);
+  else munmap(addr, size);
+}
 
 /* An fd received by SCM_RIGHTS. The daemon attaches it to the first byte of
  * its frame, so it belongs to a frame that starts inside the stream range
@@ -523,7 +530,7 @@ static void client_free(kvf_client *c) {
   while (c->maps) {
     struct mapping *m = c->maps;
     c->maps = m->next;
-    munmap(m->addr, m->size);
+    unmap(m->addr, m->size, m->gpu);
     free(m);
   }
   close(c->event_fd);
@@ -633,17 +640,17 @@ static bool lookup_mapping(kvf_client *c, uint32_t pool, void **addr, uint64_t *
 
 /* Caches a fresh mapping. If another thread mapped the same pool meanwhile,
  * its mapping wins and ours is undone, so every caller sees one address. */
-static int cache_mapping(kvf_client *c, uint32_t pool, void *addr, uint64_t size) {
+static int cache_mapping(kvf_client *c, uint32_t pool, void *addr, uint64_t size, void *gpu) {
   struct mapping *fresh = malloc(sizeof(*fresh));
   if (!fresh) {
-    munmap(addr, size);
+    unmap(addr, size, gpu);
     return -ENOMEM;
   }
-  *fresh = (struct mapping){.pool = pool, .addr = addr, .size = size};
+  *fresh = (struct mapping){.pool = pool, .addr = addr, .size = size, .gpu = gpu};
   pthread_mutex_lock(&c->mu);
   if (find_mapping(c, pool)) {
     pthread_mutex_unlock(&c->mu);
-    munmap(addr, size);
+    unmap(addr, size, gpu);
     free(fresh);
     return 0;
   }
@@ -680,11 +687,12 @@ KVF_API int kvf_pool_map(kvf_client *c, uint32_t pool, void **addr, uint64_t *si
   if (rc) return rc;
   const Kvf__PoolInfo *info = msg->response->map->pool;
   uint64_t pool_size = info ? info->size : 0;
+  bool gpu = info && info->kind && strncmp(info->kind, "cuda:", 5) == 0;
   kvf__api_message__free_unpacked(msg, NULL);
-  void *p = NULL;
-  rc = map_pool_fd(fd, pool_size, &p);
+  void *p = NULL, *gpu_state = NULL;
+  rc = gpu ? kvf__cuda_map_fd(fd, pool_size, &p, &gpu_state) : map_pool_fd(fd, pool_size, &p);
   if (fd >= 0) close(fd); /* the mapping keeps the memory alive */
-  if (!rc) rc = cache_mapping(c, pool, p, pool_size);
+  if (!rc) rc = cache_mapping(c, pool, p, pool_size, gpu_state);
   if (rc) return rc;
   return lookup_mapping(c, pool, addr, size) ? 0 : KVF_EPROTO;
 }

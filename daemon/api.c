@@ -20,6 +20,7 @@
 #include "desc.h"
 #include "frame.h"
 #include "inspect.h"
+#include "metrics.h"
 #include "pool.h"
 #include "xfer.h"
 
@@ -132,7 +133,10 @@ static void reply_status(kvf__session *s, uint64_t seq, int status, const char *
   r.seq = seq;
   r.status = status;
   r.error = (char *)(error ? error : "");
-  if (status) kvfd.stats.api_errors++;
+  if (status) {
+    kvfd.stats.api_errors++;
+    kvf__metrics_api_error(status);
+  }
   reply_fd(s, &r, -1);
 }
 
@@ -261,10 +265,18 @@ static int check_quota(kvf__session *s, char *err, size_t errlen) {
   return KVF_ELIMIT;
 }
 
+/* After SIGTERM the transfers in flight may finish, but none may start. */
+static int check_draining(char *err, size_t errlen) {
+  if (!kvfd.draining) return 0;
+  snprintf(err, errlen, "kvferryd is stopping; no new transfers");
+  return -ESHUTDOWN;
+}
+
 static void on_grant(kvf__session *s, uint64_t seq, const Kvf__GrantReq *g) {
   char err[256] = "";
   kvf__descs d;
-  int rc = check_quota(s, err, sizeof(err));
+  int rc = check_draining(err, sizeof(err));
+  if (rc == 0) rc = check_quota(s, err, sizeof(err));
   if (rc == 0) rc = take_descs(g->descs, &d, err, sizeof(err));
   if (rc == 0) {
     rc = kvf__xfer_grant(s, g->xfer_id, g->src_node, &d, g->deadline_ms, err, sizeof(err));
@@ -276,7 +288,11 @@ static void on_grant(kvf__session *s, uint64_t seq, const Kvf__GrantReq *g) {
 static void on_send(kvf__session *s, uint64_t seq, const Kvf__SendReq *q) {
   char err[256] = "";
   kvf__descs d;
-  int rc = kvf__xfer_sending(s, q->xfer_id) ? 0 : check_quota(s, err, sizeof(err));
+  int rc = 0;
+  if (!kvf__xfer_sending(s, q->xfer_id)) {
+    rc = check_draining(err, sizeof(err));
+    if (rc == 0) rc = check_quota(s, err, sizeof(err));
+  }
   if (rc == 0) rc = take_descs(q->descs, &d, err, sizeof(err));
   if (rc == 0) {
     rc = kvf__xfer_send(s, q->xfer_id, q->dst_node, &d, q->more, q->deadline_ms, err, sizeof(err));
@@ -465,11 +481,15 @@ int kvf__api_start(uv_loop_t *loop, char *err, size_t errlen) {
   return 0;
 }
 
-void kvf__api_stop(void) {
+void kvf__api_stop_accepting(void) {
   if (A.listening) {
     uv_close((uv_handle_t *)&A.server, NULL);
     unlink(kvfd.cfg.api_socket);
     A.listening = false;
   }
+}
+
+void kvf__api_stop(void) {
+  kvf__api_stop_accepting();
   while (A.head) session_close(A.head, NULL);
 }

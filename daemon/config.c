@@ -42,6 +42,8 @@ enum opt_type {
   OPT_TRANSPORTS, /* comma list of transport names, normalized */
   OPT_PEER,       /* repeatable: NAME HOST:PORT */
   OPT_POOL,       /* repeatable: NAME KIND SIZE */
+  OPT_DEVICES,    /* auto or a comma list of NAME[:PORT] (RDMA devices) */
+  OPT_AUTO_U32,   /* auto or decimal .min...max, stored as int32_t (-1 = auto) */
   OPT_NTYPES
 };
 
@@ -54,6 +56,7 @@ struct opt {
   const char *def;  /* default as config text; "" = empty / none */
   const char *json; /* key in the JSON dump when not .name */
   const char *help;
+  bool reload;      /* SIGHUP applies it at run time; else it needs a restart */
 };
 
 /* Where a parse is: for "FILE:LINE: message" errors. */
@@ -92,11 +95,11 @@ static const struct opt opts[] = {
     {.name = "api-socket", .type = OPT_PATH, .off = F(api_socket),
      .max = CAP(api_socket) - 1, .def = "/run/kvferry/kvferryd.sock",
      .help = "Unix socket of the local client API (at most 107 bytes)."},
-    {.name = "api-allow-users", .type = OPT_UIDS, .off = F(allow_uids),
+    {.name = "api-allow-users", .reload = true, .type = OPT_UIDS, .off = F(allow_uids),
      .off2 = F(n_allow_uids), .def = "",
      .help = "Users (names or uids) allowed on the API socket besides root and "
              "kvferryd's own user; empty = only those two."},
-    {.name = "api-allow-groups", .type = OPT_GIDS, .off = F(allow_gids),
+    {.name = "api-allow-groups", .reload = true, .type = OPT_GIDS, .off = F(allow_gids),
      .off2 = F(n_allow_gids), .def = "",
      .help = "Groups (names or gids) whose members may use the API socket; "
              "empty = none."},
@@ -104,25 +107,25 @@ static const struct opt opts[] = {
      .off2 = F(listen_port), .def = "0.0.0.0:7470",
      .help = "Address for peer daemons; IPv6 as [::1]:7470, port 0 = any, "
              "off = accept no peers."},
-    {.name = "peer", .type = OPT_PEER, .json = "peers", .def = "",
+    {.name = "peer", .reload = true, .type = OPT_PEER, .json = "peers", .def = "",
      .help = "A static peer daemon; repeat the line for each peer."},
     {.name = "pool", .type = OPT_POOL, .json = "pools", .def = "",
      .help = "A memory pool allocated at start, in host RAM or on GPU N; SIZE is a "
              "multiple of 4K. Repeat the line for each pool."},
-    {.name = "default-deadline-ms", .type = OPT_U32, .off = F(default_deadline_ms),
+    {.name = "default-deadline-ms", .reload = true, .type = OPT_U32, .off = F(default_deadline_ms),
      .min = 1, .max = 86400000, .def = "30000",
      .help = "Deadline of a transfer whose client gave none."},
-    {.name = "heartbeat-ms", .type = OPT_U32, .off = F(heartbeat_ms),
+    {.name = "heartbeat-ms", .reload = true, .type = OPT_U32, .off = F(heartbeat_ms),
      .min = 10, .max = 60000, .def = "500",
      .help = "Interval of heartbeats to each connected peer."},
-    {.name = "peer-timeout-ms", .type = OPT_U32, .off = F(peer_timeout_ms),
+    {.name = "peer-timeout-ms", .reload = true, .type = OPT_U32, .off = F(peer_timeout_ms),
      .min = 50, .max = 600000, .def = "3000",
      .help = "A peer silent this long is dead (its transfers fail); must exceed "
              "2 x heartbeat-ms."},
-    {.name = "reconnect-min-ms", .type = OPT_U32, .off = F(reconnect_min_ms),
+    {.name = "reconnect-min-ms", .reload = true, .type = OPT_U32, .off = F(reconnect_min_ms),
      .min = 1, .max = 60000, .def = "100",
      .help = "First delay before reconnecting to a lost peer (then doubled)."},
-    {.name = "reconnect-max-ms", .type = OPT_U32, .off = F(reconnect_max_ms),
+    {.name = "reconnect-max-ms", .reload = true, .type = OPT_U32, .off = F(reconnect_max_ms),
      .min = 1, .max = 600000, .def = "5000",
      .help = "Longest delay between reconnect attempts; >= reconnect-min-ms."},
     {.name = "tcp-streams", .type = OPT_U32, .off = F(tcp_streams),
@@ -131,16 +134,16 @@ static const struct opt opts[] = {
     {.name = "max-frame", .type = OPT_SIZE32, .off = F(max_frame),
      .min = 4096, .max = 1u << 30, .def = "64M",
      .help = "Largest control message accepted (checked before unpacking)."},
-    {.name = "max-descs", .type = OPT_U32, .off = F(max_descs),
+    {.name = "max-descs", .reload = true, .type = OPT_U32, .off = F(max_descs),
      .min = 1, .max = 16777216, .def = "1048576",
      .help = "Most block descriptors in one send or receive grant."},
-    {.name = "max-clients", .type = OPT_U32, .off = F(max_clients),
+    {.name = "max-clients", .reload = true, .type = OPT_U32, .off = F(max_clients),
      .min = 1, .max = 65536, .def = "256",
      .help = "Most simultaneous local API connections."},
-    {.name = "max-transfers-per-client", .type = OPT_U32,
+    {.name = "max-transfers-per-client", .reload = true, .type = OPT_U32,
      .off = F(max_transfers_per_client), .min = 1, .max = 1048576, .def = "4096",
      .help = "Most transfers one client may have in flight."},
-    {.name = "max-peers", .type = OPT_U32, .off = F(max_peers),
+    {.name = "max-peers", .reload = true, .type = OPT_U32, .off = F(max_peers),
      .min = 1, .max = KVF__MAX_PEERS_CFG, .def = "64",
      .help = "Most peer daemons known at once (static and discovered)."},
     {.name = "hugepages", .type = OPT_ENUM, .off = F(hugepages),
@@ -149,12 +152,60 @@ static const struct opt opts[] = {
              "off = never."},
     {.name = "mlock", .type = OPT_BOOL, .off = F(mlock), .def = "yes",
      .help = "Lock host pools in RAM (best effort: a failure is logged)."},
-    {.name = "log-level", .type = OPT_ENUM, .off = F(log_level),
+    {.name = "cuda", .type = OPT_ENUM, .off = F(cuda), .words = tristate_words, .def = "auto",
+     .help = "GPU support (cuda:N pools, GPU copies; the driver is loaded at run time): "
+             "auto = when a driver and GPU are found (said at start), on = required, "
+             "off = never load CUDA."},
+    {.name = "log-level", .reload = true, .type = OPT_ENUM, .off = F(log_level),
      .words = level_words, .def = "info",
      .help = "Most verbose level logged to stderr."},
     {.name = "transports", .type = OPT_TRANSPORTS, .off = F(transports),
      .words = transport_words, .def = "tcp",
      .help = "Transports to peers, in order of preference."},
+    {.name = "metrics-listen", .type = OPT_ADDR, .off = F(metrics_host),
+     .off2 = F(metrics_port), .def = "off",
+     .help = "HTTP address of the Prometheus metrics endpoint (GET /metrics); "
+             "unauthenticated, so keep it on loopback, e.g. 127.0.0.1:9464. "
+             "Port 0 = any, off = no endpoint."},
+    {.name = "stop-timeout-ms", .reload = true, .type = OPT_U32, .off = F(stop_timeout_ms),
+     .min = 0, .max = 600000, .def = "5000",
+     .help = "On SIGTERM, how long transfers in flight may still finish before they "
+             "are failed; new clients and transfers are refused meanwhile. Keep it "
+             "below the service's TimeoutStopSec."},
+    {.name = "rdma-devices", .type = OPT_DEVICES, .off = F(rdma_devices), .def = "auto",
+     .help = "RDMA devices the rdma transport uses, e.g. mlx5_0,mlx5_1 or rxe0:1 "
+             "(port 1 when not named); auto = every device with an active RoCE port "
+             "whose IP matches rdma-listen (or peer-listen)."},
+    {.name = "rdma-gid-index", .type = OPT_AUTO_U32, .off = F(rdma_gid_index), .min = 0,
+     .max = 1023, .def = "auto",
+     .help = "GID index on every rdma device; its address is where the CM listener "
+             "binds. auto = the RoCE v2 GID of an IPv4 address (the one matching "
+             "rdma-listen when set)."},
+    {.name = "rdma-listen", .type = OPT_ADDR, .off = F(rdma_listen_host),
+     .off2 = F(rdma_listen_port), .def = "0.0.0.0:0",
+     .help = "RDMA CM listener: HOST picks the device (auto) and GID by IP, "
+             "0.0.0.0 = the peer-listen address; PORT 0 = any (peers learn it "
+             "from the Hello). off = same as 0.0.0.0:0."},
+    {.name = "rdma-qps-per-peer", .type = OPT_U32, .off = F(rdma_qps_per_peer),
+     .min = 1, .max = 64, .def = "2",
+     .help = "Reliable-connected queue pairs dialed to each peer on each device; "
+             "transfers are spread over all of them."},
+    {.name = "rdma-queue-depth", .type = OPT_U32, .off = F(rdma_queue_depth),
+     .min = 16, .max = 16384, .def = "512",
+     .help = "Work requests in flight per queue pair (send queue and the receives "
+             "posted for completion notices)."},
+    {.name = "rdma-inline", .type = OPT_SIZE32, .off = F(rdma_inline),
+     .min = 0, .max = 4096, .def = "64",
+     .help = "Writes of at most this many bytes are posted inline (copied into the "
+             "work request); 0 = never. Capped by what the device supports."},
+    {.name = "rdma-slice", .type = OPT_SIZE32, .off = F(rdma_slice),
+     .min = 4096, .max = 1u << 30, .def = "1M",
+     .help = "Largest single RDMA WRITE; longer runs are cut into slices so one "
+             "big block still uses every queue pair and device."},
+    {.name = "rdma-poll-us", .type = OPT_U32, .off = F(rdma_poll_us),
+     .min = 0, .max = 100000, .def = "20",
+     .help = "How long a progress thread keeps polling after its last completion "
+             "before it sleeps on the completion channel; 0 = sleep at once."},
 };
 #define N_OPTS (sizeof(opts) / sizeof(opts[0]))
 
@@ -524,16 +575,21 @@ static int parse_ids(const struct opt *o, kvf__config *cfg, char **argv, int arg
   return 0;
 }
 
+/* Every OPT_ADDR host field has this size. */
+#define ADDR_HOST_CAP CAP(listen_host)
+_Static_assert(CAP(metrics_host) == ADDR_HOST_CAP, "OPT_ADDR host fields differ in size");
+_Static_assert(CAP(rdma_listen_host) == ADDR_HOST_CAP, "OPT_ADDR host fields differ in size");
+
 static int parse_addr(const struct opt *o, kvf__config *cfg, char **argv, int argc,
                       struct pctx *pc) {
   char *host = field(cfg, o->off);
   uint16_t *port = field(cfg, o->off2);
   if (strcmp(argv[0], "off") == 0) {
-    memset(host, 0, CAP(listen_host));
+    memset(host, 0, ADDR_HOST_CAP);
     *port = 0;
     return 0;
   }
-  return parse_hostport(o->name, argv[0], host, CAP(listen_host), port, true, pc);
+  return parse_hostport(o->name, argv[0], host, ADDR_HOST_CAP, port, true, pc);
 }
 
 static int parse_transports(const struct opt *o, kvf__config *cfg, char **argv, int argc,
@@ -553,6 +609,57 @@ static int parse_transports(const struct opt *o, kvf__config *cfg, char **argv, 
     strcat(out, items[i]);
   }
   set_str(field(cfg, o->off), CAP(transports), out);
+  return 0;
+}
+
+/* One RDMA device: NAME (valid_name) with an optional :PORT (1..255). */
+static bool valid_device(char *item) {
+  char *colon = strchr(item, ':');
+  uint64_t port;
+  if (colon) *colon = '\0';
+  bool ok = valid_name(item) && (!colon || (parse_dec(colon + 1, &port) == 0 && port >= 1 &&
+                                            port <= 255));
+  if (colon) *colon = ':';
+  return ok;
+}
+
+static int parse_devices(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                         struct pctx *pc) {
+  char *items[MAX_ITEMS], out[CAP(rdma_devices)] = "";
+  int n = split_items(argv, argc, items);
+  if (n <= 0) return fail(pc, -EINVAL, "%s: expected auto or a list like mlx5_0,mlx5_1", o->name);
+  if (n == 1 && strcmp(items[0], "auto") == 0) {
+    set_str(field(cfg, o->off), CAP(rdma_devices), "");
+    return 0;
+  }
+  for (int i = 0; i < n; i++) {
+    if (!valid_device(items[i]))
+      return fail(pc, -EINVAL, "%s: '%s' is not NAME or NAME:PORT (port 1..255)", o->name,
+                  show(pc, items[i]));
+    if (strlen(out) + strlen(items[i]) + 2 > sizeof out)
+      return fail(pc, -ERANGE, "%s: list longer than %zu bytes", o->name, sizeof out - 1);
+    strcat(out, i ? "," : "");
+    strcat(out, items[i]);
+  }
+  set_str(field(cfg, o->off), CAP(rdma_devices), out);
+  return 0;
+}
+
+static int parse_auto_u32(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                          struct pctx *pc) {
+  uint64_t v;
+  if (strcmp(argv[0], "auto") == 0) {
+    *(int32_t *)field(cfg, o->off) = -1;
+    return 0;
+  }
+  int rc = parse_dec(argv[0], &v);
+  if (rc == -EINVAL)
+    return fail(pc, -EINVAL, "%s: '%s' is not auto or a decimal number", o->name,
+                show(pc, argv[0]));
+  if (rc || v < o->min || v > o->max)
+    return fail(pc, -ERANGE, "%s: %s is out of range %" PRIu64 "..%" PRIu64, o->name,
+                show(pc, argv[0]), o->min, o->max);
+  *(int32_t *)field(cfg, o->off) = (int32_t)v;
   return 0;
 }
 
@@ -627,6 +734,17 @@ static void dump_str(const struct opt *o, const kvf__config *cfg, FILE *out) {
     fprintf(out, "# %s (not set)\n", o->name); /* "node" alone would not parse */
   else
     fprintf(out, "%s %s\n", o->name, s);
+}
+
+static void dump_devices(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  const char *s = cfield(cfg, o->off);
+  fprintf(out, "%s %s\n", o->name, s[0] ? s : "auto");
+}
+
+static void dump_auto_u32(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  int32_t v = *(const int32_t *)cfield(cfg, o->off);
+  if (v < 0) fprintf(out, "%s auto\n", o->name);
+  else fprintf(out, "%s %" PRId32 "\n", o->name, v);
 }
 
 static void dump_u32(const struct opt *o, const kvf__config *cfg, FILE *out) {
@@ -743,6 +861,17 @@ static void json_strfield(const struct opt *o, const kvf__config *cfg, FILE *out
   json_str(out, cfield(cfg, o->off));
 }
 
+static void json_devices(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  const char *s = cfield(cfg, o->off);
+  json_str(out, s[0] ? s : "auto");
+}
+
+static void json_auto_u32(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  int32_t v = *(const int32_t *)cfield(cfg, o->off);
+  if (v < 0) fputs("\"auto\"", out);
+  else fprintf(out, "%" PRId32, v);
+}
+
 static void json_u32(const struct opt *o, const kvf__config *cfg, FILE *out) {
   fprintf(out, "%" PRIu32, *(const uint32_t *)cfield(cfg, o->off));
 }
@@ -808,6 +937,9 @@ static const struct opt_kind kinds[OPT_NTYPES] = {
                         json_strfield},
     [OPT_PEER] = {"NAME HOST:PORT", 2, 2, true, parse_peer, dump_peers, json_peers},
     [OPT_POOL] = {"NAME host|cuda:N SIZE", 3, 3, true, parse_pool, dump_pools, json_pools},
+    [OPT_DEVICES] = {"auto|DEV[:PORT][,...]", 1, MAX_WORDS, false, parse_devices, dump_devices,
+                     json_devices},
+    [OPT_AUTO_U32] = {"auto|N", 1, 1, false, parse_auto_u32, dump_auto_u32, json_auto_u32},
 };
 
 /* The argument as --help and arity errors show it. */
@@ -967,6 +1099,11 @@ static int validate_bounds(const kvf__config *cfg, char *err, size_t errlen) {
                      o->name, v, o->min, o->max);
     } else if (o->type == OPT_ENUM && !strcmp(enum_word(o, cfg), "?")) {
       return vfail(err, errlen, "%s has an unknown value", o->name);
+    } else if (o->type == OPT_AUTO_U32) {
+      int32_t v = *(const int32_t *)cfield(cfg, o->off);
+      if (v < -1 || (v >= 0 && ((uint64_t)v < o->min || (uint64_t)v > o->max)))
+        return vfail(err, errlen, "%s %" PRId32 " is out of range auto or %" PRIu64 "..%" PRIu64,
+                     o->name, v, o->min, o->max);
     }
   }
   return 0;
@@ -1017,19 +1154,20 @@ int kvf__config_validate(const kvf__config *cfg, char *err, size_t errlen) {
 static void help_bounds(const struct opt *o, char *buf, size_t cap) {
   char lo[32], hi[32];
   buf[0] = '\0';
-  if (o->type == OPT_U32)
+  if (o->type == OPT_U32 || o->type == OPT_AUTO_U32)
     snprintf(buf, cap, " (%" PRIu64 "..%" PRIu64 ")", o->min, o->max);
   else if (o->type == OPT_SIZE32)
     snprintf(buf, cap, " (%s..%s)", format_size(o->min, lo), format_size(o->max, hi));
 }
 
 static void help_default(const struct opt *o, char *buf, size_t cap) {
+  const char *reload = o->reload ? "; SIGHUP reloads" : "";
   if (kinds[o->type].repeatable)
-    snprintf(buf, cap, "repeatable, none by default");
+    snprintf(buf, cap, "repeatable, none by default%s", reload);
   else if (o->type == OPT_NAME)
-    snprintf(buf, cap, "required");
+    snprintf(buf, cap, "required%s", reload);
   else
-    snprintf(buf, cap, "default: %s", o->def[0] ? o->def : "empty");
+    snprintf(buf, cap, "default: %s%s", o->def[0] ? o->def : "empty", reload);
 }
 
 /* Writes text word-wrapped to 80 columns, each line indented by 6. */
@@ -1079,4 +1217,90 @@ void kvf__config_dump(const kvf__config *cfg, FILE *out, bool json) {
     return;
   }
   for (size_t i = 0; i < N_OPTS; i++) kinds[opts[i].type].dump(&opts[i], cfg, out);
+}
+
+/* ---- reload (SIGHUP) ---------------------------------------------------- */
+
+bool kvf__config_key_reloadable(const char *key) {
+  const struct opt *o = find_opt(key);
+  return o && o->reload;
+}
+
+/* Bytes of the field at .off for the scalar and string types. */
+static size_t value_size(const struct opt *o) {
+  switch (o->type) {
+  case OPT_NAME: return KVF__NAME_MAX + 1;
+  case OPT_PATH: return (size_t)o->max + 1;
+  case OPT_U32:
+  case OPT_SIZE32: return sizeof(uint32_t);
+  case OPT_BOOL: return sizeof(bool);
+  case OPT_ENUM: return sizeof(int);
+  case OPT_UIDS: return sizeof(uid_t) * KVF__MAX_IDS_CFG;
+  case OPT_GIDS: return sizeof(gid_t) * KVF__MAX_IDS_CFG;
+  case OPT_ADDR: return ADDR_HOST_CAP;
+  case OPT_TRANSPORTS: return CAP(transports);
+  case OPT_DEVICES: return CAP(rdma_devices);
+  case OPT_AUTO_U32: return sizeof(int32_t);
+  default: return 0;
+  }
+}
+
+/* Gives dst the value src has for key o. */
+static void copy_value(const struct opt *o, kvf__config *dst, const kvf__config *src) {
+  if (o->type == OPT_PEER) {
+    memcpy(dst->peers, src->peers, sizeof dst->peers);
+    dst->n_peers = src->n_peers;
+  } else if (o->type == OPT_POOL) {
+    memcpy(dst->pools, src->pools, sizeof dst->pools);
+    dst->n_pools = src->n_pools;
+  } else {
+    memcpy(field(dst, o->off), cfield(src, o->off), value_size(o));
+    if (o->type == OPT_UIDS || o->type == OPT_GIDS)
+      *(size_t *)field(dst, o->off2) = *(const size_t *)cfield(src, o->off2);
+    else if (o->type == OPT_ADDR)
+      *(uint16_t *)field(dst, o->off2) = *(const uint16_t *)cfield(src, o->off2);
+  }
+}
+
+/* The key's value as its dump writes it, on one line ("; " between the
+ * lines of repeatable keys, without the key names). malloc'd; NULL when out
+ * of memory. */
+static char *value_text(const struct opt *o, const kvf__config *cfg) {
+  char *buf = NULL, *line, *save = NULL;
+  size_t len = 0;
+  FILE *f = open_memstream(&buf, &len);
+  if (!f) return NULL;
+  kinds[o->type].dump(o, cfg, f);
+  if (fclose(f) != 0) return NULL;
+  char *out = calloc(1, len + sizeof "(none)");
+  if (!out) {
+    free(buf);
+    return NULL;
+  }
+  size_t klen = strlen(o->name);
+  for (line = strtok_r(buf, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+    if (strncmp(line, o->name, klen) == 0 && (line[klen] == ' ' || line[klen] == '\0'))
+      line += klen + (line[klen] == ' ');
+    else if (line[0] == '#')
+      line = "(not set)";
+    if (!line[0]) continue;
+    if (out[0]) strcat(out, "; ");
+    strcat(out, line);
+  }
+  free(buf);
+  if (!out[0]) strcpy(out, "(none)");
+  return out;
+}
+
+void kvf__config_prepare_reload(kvf__config *next, const kvf__config *cur,
+                                kvf__config_change_fn *report, void *arg) {
+  for (size_t i = 0; i < N_OPTS; i++) {
+    const struct opt *o = &opts[i];
+    char *from = value_text(o, cur), *to = value_text(o, next);
+    bool differs = !from || !to || strcmp(from, to) != 0;
+    if (differs && !o->reload) copy_value(o, next, cur);
+    if (differs && report) report(o->name, from ? from : "?", to ? to : "?", o->reload, arg);
+    free(from);
+    free(to);
+  }
 }

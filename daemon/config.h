@@ -55,8 +55,22 @@ typedef struct kvf__config {
   uint32_t max_peers;
   int hugepages;                   /* enum kvf__tristate */
   bool mlock;
+  int cuda;                        /* enum kvf__tristate: GPU support */
   int log_level;                   /* enum kvf__log_level */
   char transports[64];             /* e.g. "tcp" (later "rdma,tcp"), in preference order */
+  char metrics_host[256];          /* metrics-listen; empty = no metrics endpoint */
+  uint16_t metrics_port;
+  uint32_t stop_timeout_ms;        /* SIGTERM: how long in-flight transfers may finish */
+  /* rdma transport (daemon/transport/rdma.c) */
+  char rdma_devices[256];          /* "" = auto, else "name[:port],..." */
+  int32_t rdma_gid_index;          /* -1 = auto (the RoCE v2 IPv4 GID) */
+  char rdma_listen_host[256];      /* rdma-listen; empty or wildcard = auto */
+  uint16_t rdma_listen_port;
+  uint32_t rdma_qps_per_peer;
+  uint32_t rdma_queue_depth;
+  uint32_t rdma_inline;
+  uint32_t rdma_slice;
+  uint32_t rdma_poll_us;
 } kvf__config;
 
 /* Sets every key to its default. */
@@ -75,6 +89,17 @@ void kvf__config_print_help(FILE *out);
 /* Writes the effective configuration as "key value" lines, or as a JSON
  * object when json is true. */
 void kvf__config_dump(const kvf__config *cfg, FILE *out, bool json);
+/* SIGHUP: next is a freshly loaded and validated configuration that is to
+ * replace cur. Keys that cannot change at run time (the table says which)
+ * get cur's value back in next. report, when not NULL, is called for every
+ * key whose value differs, with both values as one line of text and
+ * applied = false for the keys that were kept. */
+typedef void kvf__config_change_fn(const char *key, const char *from, const char *to,
+                                   bool applied, void *arg);
+void kvf__config_prepare_reload(kvf__config *next, const kvf__config *cur,
+                                kvf__config_change_fn *report, void *arg);
+/* Whether SIGHUP applies key (false for unknown keys). */
+bool kvf__config_key_reloadable(const char *key);
 /* Parses sizes like 4096, 64K, 512M, 2G (binary units). */
 int kvf__parse_size(const char *s, uint64_t *out);
 

@@ -29,8 +29,9 @@ void kvf__descs_free(kvf__descs *d) {
 
 int kvf__descs_from_wire(kvf__descs *d, const Kvf__DescList *w, size_t max) {
   memset(d, 0, sizeof(*d));
-  if (!w || w->n_pool == 0) return KVF_EINVAL;
+  if (!w) return KVF_EINVAL;
   if (w->n_pool != w->n_offset || w->n_pool != w->n_length) return KVF_EPROTO;
+  if (w->n_pool == 0) return KVF_EINVAL;
   if (w->n_pool > max) return KVF_ELIMIT;
   int rc = descs_alloc(d, w->n_pool);
   if (rc) return rc;

@@ -7,10 +7,13 @@
 #include <unistd.h>
 
 #include "api.h"
+#include "cuda/gpu.h"
 #include "kvferryd.h"
+#include "metrics.h"
 #include "peer.h"
 #include "pool.h"
 #include "sbuf.h"
+#include "transport/transport.h"
 #include "xfer.h"
 
 static void peer_addr(const kvf__peer *p, char *buf, size_t len) {
@@ -24,8 +27,10 @@ static void pools_json(kvf__sbuf *b) {
     const kvf__pool *p = kvfd.pools[i];
     kvf__sb_printf(b, "%s{\"id\": %u, \"name\": ", i ? ", " : "", p->id);
     kvf__sb_json_str(b, p->name);
-    kvf__sb_printf(b, ", \"kind\": \"%s\", \"size\": %llu, \"backing\": \"%s\", \"locked\": %s}", p->kind,
-                   (unsigned long long)p->size, p->backing, p->locked ? "true" : "false");
+    kvf__sb_printf(b, ", \"kind\": \"%s\", \"size\": %llu, \"backing\": \"%s\", \"locked\": %s, "
+                      "\"registration\": \"%s\", \"cuda_mapped\": %s}",
+                   p->kind, (unsigned long long)p->size, p->backing, p->locked ? "true" : "false", p->nic_reg,
+                   kvf__pool_gpu(p) || p->dev_alias ? "true" : "false");
   }
   kvf__sb_printf(b, "]");
 }
@@ -34,6 +39,20 @@ static size_t peers_up(void) {
   size_t n = 0;
   for (size_t i = 0; i < kvf__peer_count(); i++) n += kvf__peer_at(i)->state == KVF__PEER_UP;
   return n;
+}
+
+/* "running", or "stopping" once SIGTERM came (transfers draining). */
+static const char *run_state(void) { return kvfd.draining || kvfd.stopping ? "stopping" : "running"; }
+
+/* The rdma transport's devices, ports, GIDs, QPs and posting cost (its own
+ * JSON fragment); "rdma": null when it is not running. */
+static void rdma_status(kvf__sbuf *b, int json) {
+  kvf__transport *t = kvf__rdma_transport();
+  char *frag = t ? malloc(64 << 10) : NULL;
+  if (frag) t->ops->inspect(t, frag, 64 << 10);
+  if (json) kvf__sb_printf(b, frag ? ", \"rdma\": {%s}" : ", \"rdma\": null", frag);
+  else kvf__sb_printf(b, "rdma            %s\n", frag ? frag : "off");
+  free(frag);
 }
 
 static void render_status(kvf__sbuf *b, int json) {
@@ -52,6 +71,9 @@ static void render_status(kvf__sbuf *b, int json) {
                    xc.grants, xc.sends, xc.pregrants, xc.intents, (unsigned long long)st->transfers_done,
                    (unsigned long long)st->transfers_failed, (unsigned long long)st->bytes_sent,
                    (unsigned long long)st->bytes_received, kvfd.n_pools);
+    kvf__sb_printf(b, "metrics         %s\nstate           %s\ncuda            %s\n",
+                   kvf__metrics_url()[0] ? kvf__metrics_url() : "off", run_state(), kvf__gpu_why());
+    rdma_status(b, json);
     return;
   }
   kvf__sb_printf(b, "{\"node\": ");
@@ -63,13 +85,27 @@ static void render_status(kvf__sbuf *b, int json) {
                     "\"transfers_active\": %zu, \"grants_active\": %zu, \"sends_active\": %zu, "
                     "\"pregrants\": %zu, \"waiting_sends\": %zu, \"transfers_done\": %llu, "
                     "\"transfers_failed\": %llu, \"bytes_sent\": %llu, \"bytes_received\": %llu, "
-                    "\"api_errors\": %llu, \"peer_errors\": %llu, \"transports\": [\"tcp\", \"local\"], \"pools\": ",
+                    "\"api_errors\": %llu, \"peer_errors\": %llu, \"transports\": [%s\"tcp\", \"local\"], \"pools\": ",
                  kvf__peers_listen_port(), kvf__api_sessions(), kvf__peer_count(), peers_up(), xc.active,
                  xc.grants, xc.sends, xc.pregrants, xc.intents, (unsigned long long)st->transfers_done,
                  (unsigned long long)st->transfers_failed, (unsigned long long)st->bytes_sent,
                  (unsigned long long)st->bytes_received, (unsigned long long)st->api_errors,
-                 (unsigned long long)st->peer_errors);
+                 (unsigned long long)st->peer_errors, kvf__rdma_transport() ? "\"rdma\", " : "");
   pools_json(b);
+  kvf__sb_printf(b, ", \"metrics\": ");
+  kvf__sb_json_str(b, kvf__metrics_url());
+  kvf__sb_printf(b, ", \"state\": \"%s\"", run_state());
+  kvf__gpu_stats gs;
+  kvf__gpu_stats_get(&gs);
+  kvf__sb_printf(b, ", \"cuda\": {\"ready\": %s, \"gpus\": %d, \"detail\": ", kvf__gpu_ready() ? "true" : "false",
+                 kvf__gpu_count());
+  kvf__sb_json_str(b, kvf__gpu_why());
+  kvf__sb_printf(b, ", \"kernel_launches\": %llu, \"kernel_chunks\": %llu, \"kernel_bytes\": %llu, "
+                    "\"staged_bytes\": %llu, \"fallback_bytes\": %llu, \"errors\": %llu}",
+                 (unsigned long long)gs.launches, (unsigned long long)gs.chunks, (unsigned long long)gs.bytes_kernel,
+                 (unsigned long long)gs.bytes_staged, (unsigned long long)gs.bytes_fallback,
+                 (unsigned long long)gs.errors);
+  rdma_status(b, json);
   kvf__sb_printf(b, "}\n");
 }
 
@@ -80,11 +116,13 @@ static void render_pools(kvf__sbuf *b, int json) {
     kvf__sb_printf(b, "}\n");
     return;
   }
-  kvf__sb_printf(b, "%-4s %-20s %-8s %14s %-14s %s\n", "ID", "NAME", "KIND", "SIZE", "BACKING", "LOCKED");
+  kvf__sb_printf(b, "%-4s %-20s %-8s %14s %-14s %-6s %s\n", "ID", "NAME", "KIND", "SIZE", "BACKING", "LOCKED",
+                 "NIC REGISTRATION");
   for (size_t i = 0; i < kvfd.n_pools; i++) {
     const kvf__pool *p = kvfd.pools[i];
-    kvf__sb_printf(b, "%-4u %-20s %-8s %14llu %-14s %s\n", p->id, p->name, p->kind,
-                   (unsigned long long)p->size, p->backing, p->locked ? "yes" : "no");
+    kvf__sb_printf(b, "%-4u %-20s %-8s %14llu %-14s %-6s %s\n", p->id, p->name, p->kind,
+                   (unsigned long long)p->size, p->backing, p->locked ? "yes" : "no",
+                   kvf__pool_gpu(p) && strcmp(p->nic_reg, "none") == 0 ? "none (tcp-bounce)" : p->nic_reg);
   }
 }
 

@@ -41,6 +41,7 @@ typedef struct kvf__daemon {
   kvf__pool **pools;
   size_t n_pools;
   kvf__stats stats;
+  bool draining;            /* SIGTERM: no new clients or transfers; in-flight ones finish */
   bool stopping;
 } kvf__daemon;
 

@@ -1,5 +1,7 @@
 /* main.c - kvferryd: arguments, config, pools, transports, the loop, and
- * signals. Foreground; logs go to stderr. */
+ * signals (lifecycle.c). Foreground; logs go to stderr. Under systemd
+ * (Type=notify) READY=1 goes out only once pools, transports, the API
+ * socket, the peer listener and the metrics endpoint are all up. */
 #include <errno.h>
 #include <getopt.h>
 #include <signal.h>
@@ -11,14 +13,17 @@
 #include <unistd.h>
 
 #include "api.h"
+#include "cuda/gpu.h"
 #include "kvferryd.h"
+#include "lifecycle.h"
+#include "metrics.h"
+#include "notify.h"
 #include "peer.h"
 #include "pool.h"
 #include "transport/transport.h"
 #include "xfer.h"
 
-static kvf__transport *tcp_tp, *local_tp;
-static uv_signal_t sig_term, sig_int, sig_hup;
+static kvf__transport *tcp_tp, *local_tp, *rdma_tp;
 
 static void usage(FILE *out) {
   fprintf(out, "usage: kvferryd -c FILE [--check]\n"
@@ -27,7 +32,7 @@ static void usage(FILE *out) {
                "      --check         parse and validate the configuration, print it, exit\n"
                "  -h, --help          this text and every configuration key\n"
                "  -V, --version       print the version\n\n"
-               "Configuration keys:\n");
+               "Signals: SIGTERM/SIGINT drain and stop, SIGHUP reloads the configuration.\n\n");
   if (out == stdout) kvf__config_print_help(out);
 }
 
@@ -61,6 +66,28 @@ static int create_pools(void) {
   return 0;
 }
 
+/* One line per GPU pool saying how NICs reach it (NCCL's "GDR" line, in
+ * spirit): never a silent bounce. After the transports registered pools. */
+static void report_gpu_pools(void) {
+  for (size_t i = 0; i < kvfd.n_pools; i++) {
+    kvf__pool *p = kvfd.pools[i];
+    /* registrations of an rdma transport that then did not start are gone */
+    if (!rdma_tp && strcmp(p->nic_reg, "bounce") != 0) snprintf(p->nic_reg, sizeof(p->nic_reg), "none");
+    if (!kvf__pool_gpu(p)) continue;
+    kvf__gpu_info gi;
+    if (kvf__gpu_info_get(p->cuda_dev, &gi) != 0) continue;
+    bool direct = strcmp(p->nic_reg, "dmabuf") == 0 || strcmp(p->nic_reg, "peermem") == 0;
+    if (strcmp(p->nic_reg, "none") == 0)
+      kvf__info("pool %s: %s %s (%s): no rdma transport: remote transfers bounce through pinned host memory "
+                "(tcp-bounce); GPU dmabuf %s",
+                p->name, p->kind, gi.name, gi.bdf, gi.dmabuf ? "supported" : "unsupported");
+    else
+      kvf__log(direct ? KVF__LOG_INFO : KVF__LOG_WARN, "pool %s: %s %s (%s): NIC registration %s%s", p->name,
+               p->kind, gi.name, gi.bdf, p->nic_reg,
+               direct ? " (GPUDirect RDMA)" : ": remote transfers bounce through pinned host memory (tcp-bounce)");
+  }
+}
+
 static void close_walk(uv_handle_t *h, void *arg) {
   if (!uv_is_closing(h)) uv_close(h, NULL);
 }
@@ -74,19 +101,12 @@ static void stop(void) {
   kvf__api_stop();
   kvf__peers_stop();
   kvf__xfer_shutdown();
-  uv_signal_stop(&sig_term);
-  uv_signal_stop(&sig_int);
-  uv_signal_stop(&sig_hup);
+  kvf__metrics_http_stop();
+  kvf__notify_watchdog_stop();
+  kvf__lifecycle_close();
   tcp_tp->ops->destroy(tcp_tp);
   local_tp->ops->destroy(local_tp);
-}
-
-static void on_signal(uv_signal_t *s, int signum) {
-  if (signum == SIGHUP) {
-    kvf__info("SIGHUP: configuration reload is not supported yet; nothing changed");
-    return;
-  }
-  stop();
+  if (rdma_tp) rdma_tp->ops->destroy(rdma_tp);
 }
 
 
@@ -95,14 +115,44 @@ static bool env_peer_up(const kvf__peer *p) { return p->state == KVF__PEER_UP; }
 static const char *env_peer_name(const kvf__peer *p) { return p->cfg.name; }
 static kvf__transport *env_peer_transport(kvf__peer *p) { return p->tp; }
 
-/* The config's transports, in its order of preference. */
+static bool wants_transport(const char *name) {
+  char list[sizeof(kvfd.cfg.transports)];
+  snprintf(list, sizeof(list), "%s", kvfd.cfg.transports);
+  for (char *save = NULL, *w = strtok_r(list, ",", &save); w; w = strtok_r(NULL, ",", &save))
+    if (strcmp(w, name) == 0) return true;
+  return false;
+}
+
+/* rdma when configured: pools get registered with every device here, at
+ * start, never on the transfer path. No device (CI, laptops) is said once
+ * and the daemon goes on with the other transports; a device that cannot
+ * take the pools (RLIMIT_MEMLOCK) stops the start. */
+static int create_rdma(void) {
+  char err[512] = "";
+  if (!wants_transport("rdma")) return 0;
+  int rc = kvf__rdma_create(&rdma_tp, err, sizeof(err));
+  if (rc == -ENODEV) {
+    kvf__warn("rdma unavailable (%s); using the other transports", err);
+    return 0;
+  }
+  if (rc) kvf__err("rdma: %s", err[0] ? err : kvf_strerror(rc));
+  return rc;
+}
+
+/* The config's transports, in its order of preference. When none of them
+ * can run (rdma alone, without a device) tcp carries the data, so that the
+ * daemon still works; it says so. */
 static size_t pick_transports(kvf__transport **out, size_t cap) {
   size_t n = 0;
   char list[sizeof(kvfd.cfg.transports)];
   snprintf(list, sizeof(list), "%s", kvfd.cfg.transports);
   for (char *save = NULL, *w = strtok_r(list, ",", &save); w && n < cap; w = strtok_r(NULL, ",", &save)) {
     if (strcmp(w, "tcp") == 0) out[n++] = tcp_tp;
-    else kvf__warn("transport %s is not available in this build; skipped", w);
+    else if (strcmp(w, "rdma") == 0 && rdma_tp) out[n++] = rdma_tp;
+  }
+  if (n == 0 && cap > 0) {
+    kvf__warn("none of the transports '%s' can run here; falling back to tcp", kvfd.cfg.transports);
+    out[n++] = tcp_tp;
   }
   return n;
 }
@@ -115,6 +165,7 @@ static int start(void) {
     kvf__err("cannot create transports: %s", kvf_strerror(rc));
     return rc;
   }
+  if ((rc = create_rdma()) != 0) return rc;
   kvf__xfer_env env = {
       .emit = env_emit,
       .peer_send = kvf__peer_send,
@@ -129,16 +180,37 @@ static int start(void) {
   kvf__transport *data_tps[8];
   size_t n_data_tps = pick_transports(data_tps, 8);
   if ((rc = kvf__api_start(kvfd.loop, err, sizeof(err))) != 0 ||
-      (rc = kvf__peers_start(kvfd.loop, data_tps, n_data_tps, tcp_tp, err, sizeof(err))) != 0) {
+      (rc = kvf__peers_start(kvfd.loop, data_tps, n_data_tps, tcp_tp, err, sizeof(err))) != 0 ||
+      (rc = kvf__metrics_http_start(kvfd.loop, err, sizeof(err))) != 0) {
     kvf__err("%s", err);
     return rc;
   }
-  uv_signal_init(kvfd.loop, &sig_term);
-  uv_signal_init(kvfd.loop, &sig_int);
-  uv_signal_init(kvfd.loop, &sig_hup);
-  uv_signal_start(&sig_term, on_signal, SIGTERM);
-  uv_signal_start(&sig_int, on_signal, SIGINT);
-  uv_signal_start(&sig_hup, on_signal, SIGHUP);
+  return 0;
+}
+
+/* Everything before the loop runs, with a STATUS= line for each step so
+ * that `systemctl status` shows where a slow or failed start stands. */
+static int boot(const char *path) {
+  kvf__notify_status("allocating %zu pools", kvfd.cfg.n_pools);
+  int rc = kvf__gpu_init(kvfd.cfg.cuda); /* before the pools: cuda:N needs it */
+  if (rc == 0) rc = create_pools();
+  if (rc == 0) {
+    kvf__notify_status("starting transports, the API socket and the peers");
+    rc = start();
+  }
+  if (rc == 0) report_gpu_pools();
+  if (rc) {
+    kvf__notify_failed(rc, "start failed: %s (see the log)", kvf_strerror(rc));
+    return rc;
+  }
+  kvf__lifecycle_start(kvfd.loop, path, stop);
+  kvf__notify_watchdog_start(kvfd.loop);
+  kvf__info("kvferryd %s node %s ready: api %s, peers on %s:%d, %zu peers configured, metrics %s",
+            KVF__VERSION, kvfd.cfg.node, kvfd.cfg.api_socket, kvfd.cfg.listen_host,
+            kvf__peers_listen_port(), kvfd.cfg.n_peers,
+            kvf__metrics_url()[0] ? kvf__metrics_url() : "off");
+  kvf__notify_ready("ready: node %s, %zu pools, %zu peers configured", kvfd.cfg.node, kvfd.n_pools,
+                    kvfd.cfg.n_peers);
   return 0;
 }
 
@@ -163,7 +235,10 @@ int main(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
-  if (load_config(path) != 0) return 1;
+  if (load_config(path) != 0) {
+    kvf__notify_failed(-EINVAL, "bad configuration in %s (see the log)", path);
+    return 1;
+  }
   if (check) {
     kvf__config_dump(&kvfd.cfg, stdout, false);
     return 0;
@@ -175,16 +250,15 @@ int main(int argc, char **argv) {
   kvfd.session &= 0xffffffffffull; /* leaves room for handle counters */
   kvfd.start_ns = kvf__now_ns();
   kvfd.loop = uv_default_loop();
-  if (create_pools() != 0 || start() != 0) return 1;
-  kvf__info("kvferryd %s node %s ready: api %s, peers on %s:%d, %zu peers configured", KVF__VERSION,
-            kvfd.cfg.node, kvfd.cfg.api_socket, kvfd.cfg.listen_host, kvf__peers_listen_port(),
-            kvfd.cfg.n_peers);
+  if (boot(path) != 0) return 1;
   uv_run(kvfd.loop, UV_RUN_DEFAULT);
   uv_walk(kvfd.loop, close_walk, NULL);
   uv_run(kvfd.loop, UV_RUN_DEFAULT);
   uv_loop_close(kvfd.loop);
   for (size_t i = 0; i < kvfd.n_pools; i++) kvf__pool_destroy(kvfd.pools[i]);
   free(kvfd.pools);
+  kvf__gpu_shutdown();
+  kvf__metrics_reset();
   kvf__info("stopped");
   return 0;
 }

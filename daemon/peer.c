@@ -59,6 +59,7 @@ static struct {
 static void conn_close(kvf__pconn *c, const char *why);
 static void peer_down(kvf__peer *p, const char *why);
 static void dial(kvf__peer *p);
+static void schedule_reconnect(kvf__peer *p);
 
 const char *kvf__peer_state_name(int state) {
   switch (state) {
@@ -70,12 +71,23 @@ const char *kvf__peer_state_name(int state) {
 
 kvf__peer *kvf__peer_find(const char *name) {
   for (size_t i = 0; i < P.n; i++)
-    if (strcmp(P.peers[i].cfg.name, name) == 0) return &P.peers[i];
+    if (!P.peers[i].removed && strcmp(P.peers[i].cfg.name, name) == 0) return &P.peers[i];
   return NULL;
 }
 
-size_t kvf__peer_count(void) { return P.n; }
-kvf__peer *kvf__peer_at(size_t i) { return i < P.n ? &P.peers[i] : NULL; }
+/* Peers a reload removed keep their slot (transfers may still point at
+ * it) but are not listed. */
+size_t kvf__peer_count(void) {
+  size_t n = 0;
+  for (size_t i = 0; i < P.n; i++) n += !P.peers[i].removed;
+  return n;
+}
+
+kvf__peer *kvf__peer_at(size_t i) {
+  for (size_t k = 0; k < P.n; k++)
+    if (!P.peers[k].removed && i-- == 0) return &P.peers[k];
+  return NULL;
+}
 int kvf__peers_listen_port(void) { return P.listen_port; }
 
 /* -------------------------------------------------------------- writing */
@@ -137,6 +149,8 @@ static void send_hello(kvf__pconn *c) {
   }
   h.pools = ptrs;
   h.n_pools = kvfd.n_pools;
+  /* Where our RDMA devices listen and the rkeys of our pools on each. */
+  h.rdma = (Kvf__RdmaInfo *)kvf__rdma_hello_info();
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_HELLO;
   m.hello = &h;
@@ -169,9 +183,17 @@ static void conn_close(kvf__pconn *c, const char *why) {
   c->closing = true;
   if (c->parked) unpark(c);
   kvf__peer *p = c->peer;
-  if (p && p->dialing == c) p->dialing = NULL;
+  bool was_dialing = p && p->dialing == c;
+  if (was_dialing) p->dialing = NULL;
   if (p && p->conn == c) peer_down(p, why);
   else if (why && p) kvf__debug("peer %s: closed a connection: %s", p->cfg.name, why);
+  /* A dial that ended before its Hello (refused, timed out, closed) must
+   * be retried, or the peer would stay "connecting" for good. */
+  if (was_dialing && p->state != KVF__PEER_UP) {
+    p->state = KVF__PEER_DOWN;
+    if (why && !p->last_error[0]) snprintf(p->last_error, sizeof(p->last_error), "%s", why);
+    schedule_reconnect(p);
+  }
   uv_timer_stop(&c->hs_timer);
   uv_close((uv_handle_t *)&c->hs_timer, on_hs_timer_closed);
 }
@@ -179,7 +201,7 @@ static void conn_close(kvf__pconn *c, const char *why) {
 static void on_reconnect(uv_timer_t *t) { dial(t->data); }
 
 static void schedule_reconnect(kvf__peer *p) {
-  if (kvfd.stopping) return;
+  if (kvfd.stopping || p->removed) return;
   uint32_t ms = p->backoff_ms ? p->backoff_ms : kvfd.cfg.reconnect_min_ms;
   p->backoff_ms = ms * 2 > kvfd.cfg.reconnect_max_ms ? kvfd.cfg.reconnect_max_ms : ms * 2;
   uv_timer_start(&p->reconnect, on_reconnect, ms, 0);
@@ -463,10 +485,6 @@ static void on_connected(uv_connect_t *req, int status) {
     snprintf(p->last_error, sizeof(p->last_error), "connect: %s", uv_strerror(status));
     kvf__debug("peer %s: connect failed: %s", p->cfg.name, uv_strerror(status));
     conn_close(c, NULL);
-    if (p->state != KVF__PEER_UP) {
-      p->state = KVF__PEER_DOWN;
-      schedule_reconnect(p);
-    }
     return;
   }
   uv_tcp_nodelay(&c->tcp, 1);
@@ -475,7 +493,7 @@ static void on_connected(uv_connect_t *req, int status) {
 }
 
 static void dial(kvf__peer *p) {
-  if (p->state == KVF__PEER_UP || p->dialing || kvfd.stopping) return;
+  if (p->state == KVF__PEER_UP || p->dialing || kvfd.stopping || p->removed) return;
   kvf__pconn *c = conn_new(true);
   if (!c) {
     schedule_reconnect(p);
@@ -486,11 +504,7 @@ static void dial(kvf__peer *p) {
   p->state = KVF__PEER_CONNECTING;
   c->creq.data = c;
   int rc = uv_tcp_connect(&c->creq, &c->tcp, (struct sockaddr *)&p->addr, on_connected);
-  if (rc) {
-    conn_close(c, NULL);
-    p->state = KVF__PEER_DOWN;
-    schedule_reconnect(p);
-  }
+  if (rc) conn_close(c, uv_strerror(rc));
 }
 
 static void on_accept(uv_stream_t *server, int status) {
@@ -571,7 +585,8 @@ int kvf__peers_start(uv_loop_t *loop, kvf__transport **transports, size_t n, kvf
   P.n_tps = n < 8 ? n : 8;
   memcpy(P.tps, transports, P.n_tps * sizeof(*transports));
   P.n = kvfd.cfg.n_peers;
-  P.peers = calloc(P.n ? P.n : 1, sizeof(kvf__peer));
+  /* Room for every peer a reload may add: kvf__peer pointers stay valid. */
+  P.peers = calloc(KVF__MAX_PEERS_CFG, sizeof(kvf__peer));
   if (!P.peers) return -ENOMEM;
   for (size_t i = 0; i < P.n; i++) {
     kvf__peer *p = &P.peers[i];
@@ -585,6 +600,9 @@ int kvf__peers_start(uv_loop_t *loop, kvf__transport **transports, size_t n, kvf
   }
   int rc = start_listener(err, errlen);
   if (rc) return rc;
+  /* Pool setup may have taken seconds since the loop last read the clock;
+   * handshake timers started now must not fire at the first iteration. */
+  uv_update_time(loop);
   uv_timer_init(loop, &P.hb);
   uv_timer_start(&P.hb, on_heartbeat, kvfd.cfg.heartbeat_ms, kvfd.cfg.heartbeat_ms);
   for (size_t i = 0; i < P.n; i++) dial(&P.peers[i]);
@@ -616,4 +634,99 @@ void kvf__peers_stop(void) {
   uv_timer_stop(&P.hb);
   uv_close((uv_handle_t *)&P.hb, NULL);
   if (P.listening) uv_close((uv_handle_t *)&P.listener, NULL);
+}
+
+/* ------------------------------------------------------------ reload */
+
+static void send_goodbye(kvf__peer *p, const char *why) {
+  Kvf__Goodbye g = KVF__GOODBYE__INIT;
+  g.reason = (char *)why;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_GOODBYE;
+  m.goodbye = &g;
+  kvf__peer_send(p, &m);
+}
+
+/* Ends every connection of p (its transfers fail) and stops redialing. */
+static void drop_peer(kvf__peer *p, const char *why) {
+  bool was_removed = p->removed;
+  p->removed = true; /* no reconnect is scheduled while we tear down */
+  if (p->state == KVF__PEER_UP) {
+    send_goodbye(p, why);
+    peer_down(p, why);
+  }
+  if (p->dialing) conn_close(p->dialing, NULL);
+  for (kvf__pconn *c = P.parked, *next; c; c = next) {
+    next = c->next_parked;
+    if (c->peer == p) conn_close(c, NULL);
+  }
+  uv_timer_stop(&p->reconnect);
+  p->state = KVF__PEER_DOWN;
+  p->removed = was_removed;
+}
+
+/* The slot of name, removed ones included; else a fresh one, or NULL. */
+static kvf__peer *slot_for(const char *name) {
+  for (size_t i = 0; i < P.n; i++)
+    if (strcmp(P.peers[i].cfg.name, name) == 0) return &P.peers[i];
+  for (size_t i = 0; i < P.n; i++) /* recycle a removed peer's slot */
+    if (P.peers[i].removed && P.peers[i].state == KVF__PEER_DOWN && !P.peers[i].dialing)
+      return &P.peers[i];
+  if (P.n == KVF__MAX_PEERS_CFG) return NULL;
+  kvf__peer *p = &P.peers[P.n++];
+  memset(p, 0, sizeof *p);
+  p->removed = true; /* until configured below */
+  uv_timer_init(P.loop, &p->reconnect);
+  p->reconnect.data = p;
+  return p;
+}
+
+static bool in_config(const char *name) {
+  for (size_t i = 0; i < kvfd.cfg.n_peers; i++)
+    if (strcmp(kvfd.cfg.peers[i].name, name) == 0) return true;
+  return false;
+}
+
+/* Brings one configured peer in line: new, revived or readdressed. */
+static void reload_one(const kvf__peer_cfg *pc) {
+  kvf__peer *p = slot_for(pc->name);
+  if (!p) {
+    kvf__err("reload: no room for peer %s (%d peers over this daemon's life); restart kvferryd",
+             pc->name, KVF__MAX_PEERS_CFG);
+    return;
+  }
+  bool same_addr = !strcmp(p->cfg.host, pc->host) && p->cfg.port == pc->port;
+  if (!p->removed && !strcmp(p->cfg.name, pc->name) && same_addr) return; /* unchanged */
+  struct sockaddr_storage addr;
+  socklen_t len;
+  if (resolve(pc->host, pc->port, &addr, &len) != 0) {
+    kvf__err("reload: peer %s: cannot resolve %s; left as it was", pc->name, pc->host);
+    return;
+  }
+  bool added = p->removed;
+  if (!added) drop_peer(p, "its address changed in the configuration");
+  if (strcmp(p->cfg.name, pc->name) != 0) { /* a recycled slot starts afresh */
+    p->ups = p->downs = 0;
+    p->last_error[0] = '\0';
+  }
+  p->cfg = *pc;
+  p->addr = addr;
+  p->addrlen = len;
+  p->backoff_ms = 0;
+  p->removed = false;
+  kvf__info("reload: peer %s %s (%s:%u)", pc->name, added ? "added" : "readdressed", pc->host,
+            pc->port);
+  dial(p);
+}
+
+void kvf__peers_reload(void) {
+  for (size_t i = 0; i < P.n; i++) {
+    kvf__peer *p = &P.peers[i];
+    if (p->removed || in_config(p->cfg.name)) continue;
+    drop_peer(p, "removed from the configuration");
+    p->removed = true;
+    kvf__info("reload: peer %s removed", p->cfg.name);
+  }
+  for (size_t i = 0; i < kvfd.cfg.n_peers; i++) reload_one(&kvfd.cfg.peers[i]);
+  uv_timer_start(&P.hb, on_heartbeat, kvfd.cfg.heartbeat_ms, kvfd.cfg.heartbeat_ms);
 }

@@ -32,6 +32,7 @@ struct kvf__peer {
   uint64_t up_since_ns;
   uint64_t ups, downs;
   char last_error[128];
+  bool removed;                   /* dropped from the config by a reload; slot kept */
 };
 
 /* transports: candidates in preference order; tcp is the one that data
@@ -46,6 +47,11 @@ int kvf__peer_send(kvf__peer *p, const Kvf__PeerMsg *m);
 /* A transport saw the peer's data path break: drop and reconnect. */
 void kvf__peer_fail(kvf__peer *p, const char *why);
 const char *kvf__peer_state_name(int state);
+/* SIGHUP: makes the peers match kvfd.cfg (already the new configuration):
+ * dials added peers, says goodbye to removed ones (their transfers fail
+ * with KVF_EPEERLOST), redials a peer whose address changed, and applies
+ * heartbeat-ms. Problems are logged; the peer concerned stays as it was. */
+void kvf__peers_reload(void);
 /* The address the peer listener bound (port resolved when 0 was asked). */
 int kvf__peers_listen_port(void);
 

@@ -1,5 +1,7 @@
 /* pool.c - host pools: memfd (hugetlb when available), MAP_SHARED, mlocked
- * best effort. The fd is what clients map; wire addresses are offsets. */
+ * best effort. cuda:N pools: cuMemCreate on GPU N, exported as a POSIX fd
+ * (daemon/cuda/gpu.c). The fd is what clients map; wire addresses are
+ * offsets. */
 #include "pool.h"
 
 #include <errno.h>
@@ -9,6 +11,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "cuda/gpu.h"
 #include "kvferry.h"
 #include "log.h"
 
@@ -45,19 +48,61 @@ static int make_memfd(const char *name, uint64_t size, int hugepages, char *back
   return fd;
 }
 
+/* GPU N's memory, mapped in the daemon, exported as a POSIX fd. */
+static int create_cuda(kvf__pool *p, int dev, uint64_t size, char *err, size_t errlen) {
+  if (!kvf__gpu_ready()) {
+    snprintf(err, errlen, "pool %s: kind %s needs CUDA, which is unavailable here: %s", p->name, p->kind,
+             kvf__gpu_why());
+    return -ENODEV;
+  }
+  kvf__gpu_mem m;
+  char why[300];
+  int rc = kvf__gpu_mem_alloc(dev, size, &m, why, sizeof(why));
+  if (rc) {
+    snprintf(err, errlen, "pool %s: %s", p->name, why);
+    return rc;
+  }
+  if (m.size != size)
+    kvf__info("pool %s: %llu bytes rounded up to %llu (the GPU's allocation granularity)", p->name,
+              (unsigned long long)size, (unsigned long long)m.size);
+  p->size = m.size;
+  p->fd = m.fd;
+  p->base = (uint8_t *)(uintptr_t)m.dptr;
+  p->cu_handle = m.handle;
+  p->locked = true; /* device memory is never paged */
+  snprintf(p->backing, sizeof(p->backing), m.gdr_flag ? "cumem-gdr" : "cumem");
+  return 0;
+}
+
+static int cuda_dev_of(const char *kind) {
+  if (strncmp(kind, "cuda:", 5) != 0) return -1;
+  return atoi(kind + 5); /* the config parser checked "cuda:N" */
+}
+
 int kvf__pool_create(const kvf__pool_cfg *pc, uint32_t id, int hugepages, bool want_mlock,
                      kvf__pool **out, char *err, size_t errlen) {
-  if (strcmp(pc->kind, "host") != 0) {
-    snprintf(err, errlen, "pool %s: kind %s is not supported by this build (GPU pools need the CUDA support)",
-             pc->name, pc->kind);
+  int dev = cuda_dev_of(pc->kind);
+  if (strcmp(pc->kind, "host") != 0 && dev < 0) {
+    snprintf(err, errlen, "pool %s: kind %s is not supported", pc->name, pc->kind);
     return -ENOTSUP;
   }
   kvf__pool *p = calloc(1, sizeof(*p));
   if (!p) return -ENOMEM;
   p->id = id;
   p->size = pc->size;
+  p->cuda_dev = dev;
+  snprintf(p->nic_reg, sizeof(p->nic_reg), "none");
   snprintf(p->name, sizeof(p->name), "%s", pc->name);
   snprintf(p->kind, sizeof(p->kind), "%s", pc->kind);
+  if (dev >= 0) {
+    int rc = create_cuda(p, dev, pc->size, err, errlen);
+    if (rc) {
+      free(p);
+      return rc;
+    }
+    *out = p;
+    return 0;
+  }
   char memname[96];
   snprintf(memname, sizeof(memname), "kvferry-pool-%s", pc->name);
   p->fd = make_memfd(memname, p->size, hugepages, p->backing, sizeof(p->backing));
@@ -84,15 +129,44 @@ int kvf__pool_create(const kvf__pool_cfg *pc, uint32_t id, int hugepages, bool w
       kvf__warn("pool %s: mlock of %llu bytes failed (%s); raise RLIMIT_MEMLOCK (LimitMEMLOCK=infinity)",
                 p->name, (unsigned long long)p->size, strerror(errno));
   }
+  /* With GPUs here, kernels read and write host pools directly (one launch
+   * for host<->GPU transfers too); without registration such copies go
+   * through pageable cuMemcpy, which works, slowly, and is said once. */
+  if (kvf__gpu_ready() && kvf__gpu_host_register(p->base, p->size, &p->dev_alias) != 0) {
+    p->dev_alias = 0;
+    kvf__warn("pool %s: cannot register with CUDA; host<->GPU copies from it will be slow", p->name);
+  }
   *out = p;
   return 0;
 }
 
 void kvf__pool_destroy(kvf__pool *p) {
   if (!p) return;
+  if (kvf__pool_gpu(p)) {
+    kvf__gpu_mem m = {.dev = p->cuda_dev, .size = p->size, .dptr = (uint64_t)(uintptr_t)p->base,
+                      .handle = p->cu_handle, .fd = p->fd};
+    kvf__gpu_mem_free(&m);
+    free(p);
+    return;
+  }
+  if (p->dev_alias) kvf__gpu_host_unregister(p->base);
   munmap(p->base, p->size);
   close(p->fd);
   free(p);
+}
+
+int kvf__pool_dmabuf(const kvf__pool *p, int *fd, uint64_t *offset) {
+  if (!kvf__pool_gpu(p)) return -EINVAL;
+  kvf__gpu_mem m = {.dev = p->cuda_dev, .size = p->size, .dptr = (uint64_t)(uintptr_t)p->base,
+                    .handle = p->cu_handle, .fd = p->fd};
+  return kvf__gpu_mem_dmabuf(&m, fd, offset);
+}
+
+void kvf__pool_gpu_end(const kvf__pool *p, uint64_t offset, struct kvf__gpu_end *e) {
+  e->dev = p->cuda_dev;
+  e->mapped = kvf__pool_gpu(p) || p->dev_alias != 0;
+  e->host = kvf__pool_gpu(p) ? NULL : p->base + offset;
+  e->addr = (kvf__pool_gpu(p) ? (uint64_t)(uintptr_t)p->base : p->dev_alias) + offset;
 }
 
 int kvf__pool_check_range(const kvf__pool *p, uint64_t offset, uint64_t len) {

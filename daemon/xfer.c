@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "map.h"
+#include "metrics.h"
 
 /* A grant pushed to us before the send came. */
 typedef struct pregrant {
@@ -122,7 +123,10 @@ static void xfer_destroy(kvf__xfer *x) {
   uv_close((uv_handle_t *)&x->timer, free_after_close);
 }
 
-const char *kvf__xfer_path(const kvf__xfer *x) { return x->tp ? x->tp->ops->name : "none"; }
+const char *kvf__xfer_path(const kvf__xfer *x) {
+  if (x->path) return x->path;
+  return x->tp ? x->tp->ops->name : "none";
+}
 
 static void emit(kvf__xfer *x, int status, const char *error) {
   if (!x->owner) return;
@@ -140,6 +144,7 @@ static void emit(kvf__xfer *x, int status, const char *error) {
 
 static void succeed(kvf__xfer *x) {
   emit(x, 0, NULL);
+  kvf__metrics_transfer(x, 0);
   kvfd.stats.transfers_done++;
   if (x->role == KVF__RECV) kvfd.stats.bytes_received += x->bytes;
   else kvfd.stats.bytes_sent += x->bytes;
@@ -160,8 +165,9 @@ static void send_grant(kvf__xfer *x) {
   g.xfer_id = x->id;
   g.handle = x->handle;
   g.descs = &dl;
-  uint64_t left_ms = x->deadline_ms;
-  g.deadline_ms = (uint32_t)left_ms;
+  /* What is left of our deadline: a grant sent late must not outlive ours. */
+  uint64_t used_ms = (kvf__now_ns() - x->created_ns) / 1000000ull;
+  g.deadline_ms = used_ms < x->deadline_ms ? (uint32_t)(x->deadline_ms - used_ms) : 1;
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_GRANT;
   m.grant = &g;
@@ -196,6 +202,7 @@ static void send_recv_result(kvf__xfer *x, int status, const char *why) {
 
 static void finish_failure(kvf__xfer *x) {
   emit(x, x->status, x->error);
+  kvf__metrics_transfer(x, x->status);
   kvfd.stats.transfers_failed++;
   xfer_destroy(x);
 }
@@ -440,7 +447,11 @@ int kvf__xfer_grant(kvf__session *s, const char *id, const char *src_node,
   x->handle = X.next_handle++;
   char key[KVF__NAME_MAX + 64];
   handle_key(key, sizeof(key), x, x->handle);
-  kvf__map_put(&X.by_handle, key, x);
+  if (kvf__map_put(&X.by_handle, key, x) != 0) {
+    x->handle = 0;
+    xfer_destroy(x);
+    return -ENOMEM;
+  }
   if (src_node && src_node[0]) snprintf(x->peer_name, sizeof(x->peer_name), "%s", src_node);
   rendezvous_grant(x, src);
   return 0;
@@ -469,17 +480,32 @@ bool kvf__xfer_sending(kvf__session *s, const char *id) {
   return x && x->owner == s;
 }
 
-void kvf__xfer_session_gone(kvf__session *s) {
+/* Fails every transfer for which orphan(x) holds. Failing x may destroy its
+ * local twin (and only that), so the walk steps over the twin first. */
+static void fail_each(bool (*match)(kvf__xfer *, void *), void *arg, int status, const char *why,
+                      bool notify, int remote_status) {
   kvf__xfer *x = X.head;
   while (x) {
     kvf__xfer *next = x->next;
-    if (x->owner == s) {
-      if (X.env.session_xfers) X.env.session_xfers(s, -1);
-      x->owner = NULL;
-      fail(x, KVF_ECANCELED, "the client went away", true, KVF_EREMOTECANCEL);
+    if (match(x, arg) && x->state != KVF__X_DRAIN) {
+      if (next && next == x->twin) next = next->next;
+      fail(x, status, why, notify, remote_status);
     }
     x = next;
   }
+}
+
+static bool is_orphan(kvf__xfer *x, void *arg) { return x->owner == NULL; }
+
+/* The owner goes first from all its transfers, so that failing one half of
+ * a local pair never reports to the client that is gone. */
+void kvf__xfer_session_gone(kvf__session *s) {
+  for (kvf__xfer *x = X.head; x; x = x->next)
+    if (x->owner == s) {
+      if (X.env.session_xfers) X.env.session_xfers(s, -1);
+      x->owner = NULL;
+    }
+  fail_each(is_orphan, NULL, KVF_ECANCELED, "the client went away", true, KVF_EREMOTECANCEL);
 }
 
 /* ----------------------------------------------------- transport callbacks */
@@ -522,6 +548,7 @@ void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
   }
   if (!x->last_posted || x->parts_out > 0) return;
   if (x->twin) complete_local(x);
+  else if (x->result_ok) succeed(x);
   else send_done(x);
 }
 
@@ -628,7 +655,10 @@ static void on_send_done(kvf__peer *p, const Kvf__SendDone *d) {
 static void on_recv_result(kvf__peer *p, const Kvf__RecvResult *r) {
   kvf__xfer *x = by_handle(p, KVF__SEND, r->handle);
   if (!x || x->state == KVF__X_DRAIN) return;
-  if (r->status == 0 && x->state == KVF__X_RESULT) succeed(x);
+  /* With one-sided writes the receiver may confirm before our own last
+   * completion reached the loop: remember it, finish in on_posted. */
+  if (r->status == 0 && x->state == KVF__X_FLUSH) x->result_ok = true;
+  else if (r->status == 0 && x->state == KVF__X_RESULT) succeed(x);
   else fail(x, r->status ? r->status : KVF_EPROTO, r->error, false, 0);
 }
 
@@ -691,14 +721,11 @@ static void sweep_tables(kvf__peer *p, bool expired_only) {
   }
 }
 
+static bool of_peer(kvf__xfer *x, void *p) { return x->peer == p; }
+
 void kvf__xfer_on_peer_down(kvf__peer *p) {
   sweep_tables(p, false);
-  kvf__xfer *x = X.head;
-  while (x) {
-    kvf__xfer *next = x->next;
-    if (x->peer == p) fail(x, KVF_EPEERLOST, "lost the peer daemon", false, 0);
-    x = next;
-  }
+  fail_each(of_peer, p, KVF_EPEERLOST, "lost the peer daemon", false, 0);
 }
 
 static void on_sweep(uv_timer_t *t) { sweep_tables(NULL, true); }
@@ -719,14 +746,11 @@ int kvf__xfer_init(uv_loop_t *loop, const kvf__xfer_env *env) {
   return 0;
 }
 
+static bool any_xfer(kvf__xfer *x, void *arg) { return true; }
+
 void kvf__xfer_shutdown(void) {
-  kvf__xfer *x = X.head;
-  while (x) {
-    kvf__xfer *next = x->next;
-    x->owner = NULL;
-    fail(x, KVF_ECANCELED, "the daemon is stopping", true, KVF_EREMOTECANCEL);
-    x = next;
-  }
+  for (kvf__xfer *x = X.head; x; x = x->next) x->owner = NULL;
+  fail_each(any_xfer, NULL, KVF_ECANCELED, "the daemon is stopping", true, KVF_EREMOTECANCEL);
   sweep_tables(NULL, false);
   if (X.sweep_on) uv_close((uv_handle_t *)&X.sweep, NULL);
   X.sweep_on = false;

@@ -45,6 +45,7 @@ struct kvf__xfer {
   unsigned parts_out;         /* send: transport posts not yet called back */
   bool send_done_seen;        /* recv: the sender said all bytes are out */
   bool landed;                /* recv: the transport saw every byte */
+  bool result_ok;             /* send: the receiver confirmed before our last completion */
   int status;                 /* the failure to report once drained */
   char error[128];
   bool notify_remote;         /* tell the peer when we fail */
@@ -53,6 +54,8 @@ struct kvf__xfer {
   uint32_t deadline_ms;
   uv_timer_t timer;
   void *tp_state;             /* the transport's own per-transfer state */
+  const char *path;           /* set by the transport when more precise than its
+                                 name ("local-nvlink", "tcp-bounce"); static */
   kvf__xfer *prev, *next;     /* every live transfer */
 };
 

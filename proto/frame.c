@@ -44,6 +44,7 @@ int kvf__framebuf_space(kvf__framebuf *fb, size_t want, uint8_t **p, size_t *ava
 void kvf__framebuf_commit(kvf__framebuf *fb, size_t n) { fb->len += n; }
 
 int kvf__framebuf_append(kvf__framebuf *fb, const void *p, size_t n) {
+  if (n == 0) return 0;
   uint8_t *dst;
   size_t avail;
   int rc = kvf__framebuf_space(fb, n, &dst, &avail);

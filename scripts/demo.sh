@@ -6,19 +6,21 @@
 #                                (default args: --model llama3-8b --tokens 4096 --json)
 #   demo.sh up                   start both in the background; writes
 #                                $BUILD/demo/env (PREFILL_SOCK DECODE_SOCK
-#                                PREFILL_PEER DECODE_PEER PREFILL_PID DECODE_PID)
+#                                PREFILL_PEER DECODE_PEER PREFILL_PID DECODE_PID
+#                                PREFILL_METRICS DECODE_METRICS: metrics URLs)
 #   demo.sh down                 stop what `up` started, remove the env file
 #
 # Environment: BUILD (default build), TRANSPORT (default tcp; written as
-# `transports TRANSPORT`). With TRANSPORT=rdma the daemons listen on
-# $NODE0_IP and $NODE1_IP instead of 127.0.0.1. Ports 7471/7472 when free,
-# else any free ports. Configs and logs live in $BUILD/demo/.
+# `transports TRANSPORT`), LOG_LEVEL (default info), POOL_SIZE (default 1G).
+# With TRANSPORT=rdma the daemons listen on $NODE0_IP and $NODE1_IP instead
+# of 127.0.0.1. Ports 7471/7472 when free, else any free ports. Configs and
+# logs live in $BUILD/demo/.
 set -euo pipefail
 
 BUILD=${BUILD:-build}
 TRANSPORT=${TRANSPORT:-tcp}
 POOL_SIZE=${POOL_SIZE:-1G}   # llama3-8b, 4096 tokens = 512 MiB of KV per side
-READY_S=15                   # bound on start and on the peers coming up
+READY_S=60                   # bound on start (1 GiB pools take seconds) and peers up
 STOP_S=10                    # SIGTERM grace before SIGKILL
 
 die() { echo "demo: $*" >&2; exit 1; }
@@ -27,9 +29,10 @@ die() { echo "demo: $*" >&2; exit 1; }
 mkdir -p "$BUILD/demo"
 DEMO=$(cd "$BUILD/demo" && pwd)
 ENV_FILE=$DEMO/env
-# Unix socket paths are limited to 107 bytes; fall back to a short dir.
+# Unix socket paths are limited to 107 bytes, and 9p (the rdma VM's view of
+# the tree) cannot hold sockets: fall back to a short local dir.
 SOCK_DIR=$DEMO
-if [ ${#SOCK_DIR} -gt 90 ]; then
+if [ ${#SOCK_DIR} -gt 90 ] || [ "$(findmnt -n -o FSTYPE -T "$DEMO" 2>/dev/null)" = 9p ]; then
   SOCK_DIR=${XDG_RUNTIME_DIR:-/tmp}/kvferry-demo-$(id -u)
   mkdir -p "$SOCK_DIR"
 fi
@@ -70,8 +73,15 @@ peer-listen $2
 peer $3 $4
 pool kv host $POOL_SIZE
 transports $TRANSPORT
-log-level info
+log-level ${LOG_LEVEL:-info}
+metrics-listen 127.0.0.1:0
 EOF
+}
+
+# metrics_url SOCK: the daemon's metrics URL (it bound port 0: no races).
+metrics_url() {
+  "$BUILD/kvferryctl" -s "$1" --json status |
+    python3 -c 'import json, sys; print(json.load(sys.stdin)["metrics"])'
 }
 
 # start NAME DETACH: starts kvferryd on $DEMO/NAME.conf, sets STARTED_PID.
@@ -128,6 +138,12 @@ stop() {
   return $rc
 }
 
+# The EXIT trap while starting: no half-started pair is left behind.
+kill_started() {
+  local p
+  for p in ${PREFILL_PID:-} ${DECODE_PID:-}; do kill -KILL "$p" 2>/dev/null || true; done
+}
+
 configure() {
   PORT0=$(pick_port "$HOST0" 7471)
   PORT1=$(pick_port "$HOST1" 7472)
@@ -154,7 +170,7 @@ cmd_run() {
   [ $# -gt 0 ] || set -- --model llama3-8b --tokens 4096 --json
   PREFILL_PID="" DECODE_PID=""
   # Whatever happens, leave no daemon behind.
-  trap 'for p in $PREFILL_PID $DECODE_PID; do kill -KILL "$p" 2>/dev/null || true; done' EXIT
+  trap kill_started EXIT
   start_both 0
   local rc=0
   echo "demo: $BUILD/kvferry-bench --from $PREFILL_SOCK --to $DECODE_SOCK $*"
@@ -179,8 +195,10 @@ cmd_up() {
     cmd_down
   fi
   PREFILL_PID="" DECODE_PID=""
-  trap 'for p in $PREFILL_PID $DECODE_PID; do kill -KILL "$p" 2>/dev/null || true; done' EXIT
+  trap kill_started EXIT
   start_both 1
+  PREFILL_METRICS=$(metrics_url "$PREFILL_SOCK")
+  DECODE_METRICS=$(metrics_url "$DECODE_SOCK")
   trap - EXIT
   cat >"$ENV_FILE" <<EOF
 PREFILL_SOCK=$PREFILL_SOCK
@@ -189,6 +207,8 @@ PREFILL_PEER=$PREFILL_PEER
 DECODE_PEER=$DECODE_PEER
 PREFILL_PID=$PREFILL_PID
 DECODE_PID=$DECODE_PID
+PREFILL_METRICS=$PREFILL_METRICS
+DECODE_METRICS=$DECODE_METRICS
 EOF
   echo "demo: up; variables in $ENV_FILE, logs in $DEMO/*.log"
 }

@@ -2,8 +2,11 @@
 # Installs the Debian packages kvferry builds and tests with, only those that
 # are missing; quiet when nothing is to do. Idempotent.
 set -e
+# systemd (systemd-analyze, systemd-sysusers), groff-base and curl: the
+# operations tests verify the unit, render the man pages and scrape metrics.
 PKGS="build-essential pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-libibverbs-dev librdmacm-dev libcmocka-dev iperf3 libsystemd-dev python3 iproute2"
+libibverbs-dev librdmacm-dev libcmocka-dev iperf3 libsystemd-dev python3 iproute2
+systemd groff-base curl"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

@@ -46,5 +46,13 @@ int kvf__tcp_create(kvf__transport **out);
 int kvf__local_create(kvf__transport **out);
 /* tcp: a peer connection that opened with DataHello becomes a data stream. */
 int kvf__tcp_adopt_stream(kvf__transport *t, kvf__peer *p, int fd, uint32_t stream);
+/* rdma (rdma.c): discovers devices, registers every pool with each, starts
+ * the CM listeners and progress threads. -ENODEV when no usable device (err
+ * says why; the daemon goes on without rdma); other errors are fatal. */
+int kvf__rdma_create(kvf__transport **out, char *err, size_t errlen);
+/* What our Hello carries for rdma (NULL when rdma is not running). */
+const Kvf__RdmaInfo *kvf__rdma_hello_info(void);
+/* The running rdma transport, for status; NULL when there is none. */
+kvf__transport *kvf__rdma_transport(void);
 
 #endif

@@ -23,7 +23,7 @@ static const char *const all_keys[] = {
     "node", "api-socket", "api-allow-users", "api-allow-groups", "peer-listen", "peer",
     "pool", "default-deadline-ms", "heartbeat-ms", "peer-timeout-ms", "reconnect-min-ms",
     "reconnect-max-ms", "tcp-streams", "max-frame", "max-descs", "max-clients",
-    "max-transfers-per-client", "max-peers", "hugepages", "mlock", "log-level", "transports",
+    "max-transfers-per-client", "max-peers", "hugepages", "mlock", "cuda", "log-level", "transports",
 };
 
 #define assert_contains(hay, needle)                                                      \

@@ -1,0 +1,182 @@
+#!/usr/bin/env bash
+# rdma_vs_perftest.sh - kvferry's rdma transport against perftest, in ONE run
+# of the soft-RoCE VM (../shared/rdma-vm, two nodes, rxe0 <-> rxe1), so that
+# every figure shares the same emulated CPUs, kernel and devices:
+#
+#   1. ib_write_bw, 32 KiB writes, rxe0 -> rxe1             bandwidth bar
+#   2. kvferry-bench over rdma: llama3-8b, 4096 tokens       512 MiB requests of
+#      (scattered 32 KiB blocks), REQUESTS requests          scattered 32 KiB blocks
+#   3. ib_write_lat, 32 KiB, rxe0 -> rxe1                   latency bar
+#   4. kvferry-bench, one 32 KiB block per request,         1-block handoff
+#      LAT_REQUESTS requests: p50 / p99 of post -> RECV_DONE
+#   5. one transfer of 100,000 1 KiB descriptors, and the   posting cost
+#      daemon's posting cost per descriptor from its status
+#
+# The VM is emulated (TCG): compare figures only within one run.
+# Prints a table, then (last line of stdout) the same as one JSON line.
+#
+# Usage (as root, on the host): make && bench/rdma_vs_perftest.sh
+# It boots the VM and runs itself inside. Environment: BUILD (default build),
+# REQUESTS (4), LAT_REQUESTS (200), PERF_SECONDS (5), POOL (1G per daemon),
+# VM_MEM (6G), RDMA_VM (the VM's run script), EXTRA_CONF (config lines for
+# both daemons, e.g. $'rdma-qps-per-peer 1\nrdma-poll-us 0').
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+REQUESTS=${REQUESTS:-4}
+LAT_REQUESTS=${LAT_REQUESTS:-200}
+PERF_SECONDS=${PERF_SECONDS:-5}
+POOL=${POOL:-1G}
+VM_MEM=${VM_MEM:-6G}
+RDMA_VM=${RDMA_VM:-$(cd .. && pwd)/shared/rdma-vm/run}
+EXTRA_CONF=${EXTRA_CONF:-}
+
+say() { echo "rdma_vs_perftest: $*" >&2; }
+die() { say "$*"; exit 1; }
+
+for bin in kvferryd kvferryctl kvferry-bench; do
+  [ -x "$BUILD/$bin" ] || die "$BUILD/$bin is missing (run make first)"
+done
+
+# ---------------------------------------------------------------- host side
+if [ -z "${RDMA_VM_NODES:-}" ]; then
+  [ -x "$RDMA_VM" ] || die "no VM runner at $RDMA_VM (set RDMA_VM)"
+  HOST_CPU=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
+  export BUILD REQUESTS LAT_REQUESTS PERF_SECONDS POOL EXTRA_CONF
+  export HOST_CPU HOST_NPROC=$(nproc) HOST_KERNEL=$(uname -r)
+  exec "$RDMA_VM" --nodes 2 --mem "$VM_MEM" --timeout 900 -- bench/rdma_vs_perftest.sh
+fi
+
+# ---------------------------------------------------------------- in the VM
+TMP=$(mktemp -d /tmp/kvferry-rdma-bench.XXXXXX)
+PIDS=""
+cleanup() {
+  for pid in $PIDS; do kill "$pid" 2>/dev/null || true; done
+  for pid in $PIDS; do wait "$pid" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+
+DATE=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+PORT0=7471 PORT1=7472
+
+# perftest's client line after the "#bytes" header; field $1 of it.
+perf_field() { awk -v f="$2" '/^ *#bytes/ {h = 1; next} h && NF > 3 {print $f; exit}' "$1"; }
+
+perftest_pair() { # TOOL OUT ARGS...
+  local tool=$1 out=$2
+  shift 2
+  node1 "$tool" -d "$NODE1_DEV" -x 1 "$@" >"$TMP/$tool.server" 2>&1 &
+  local spid=$!
+  sleep 1
+  node0 "$tool" -d "$NODE0_DEV" -x 1 "$@" "$NODE1_IP" >"$out" 2>&1 || { cat "$out" >&2; die "$tool failed"; }
+  wait "$spid" || true
+}
+
+say "ib_write_bw, 32 KiB, ${PERF_SECONDS}s"
+perftest_pair ib_write_bw "$TMP/bw" -s 32768 -D "$PERF_SECONDS" --report_gbits
+BW_GBIT=$(perf_field "$TMP/bw" 4)
+say "ib_write_lat, 32 KiB, 1000 iterations"
+perftest_pair ib_write_lat "$TMP/lat" -s 32768 -n 1000
+LAT_TYP=$(perf_field "$TMP/lat" 5)
+LAT_AVG=$(perf_field "$TMP/lat" 6)
+
+# ---------------------------------------------------------------- kvferry
+write_conf() { # NAME IP PORT PEER PEER_IP PEER_PORT
+  cat >"$TMP/$1.conf" <<EOF
+node $1
+api-socket $TMP/$1.sock
+peer-listen $2:$3
+peer $4 $5:$6
+pool kv host $POOL
+transports rdma
+max-descs 200000
+log-level info
+$EXTRA_CONF
+EOF
+}
+
+ctl() { "$BUILD/kvferryctl" -s "$TMP/$1.sock" "${@:2}"; }
+
+# Peers up and every rdma QP connected, on the daemon named $1.
+rdma_ready() {
+  ctl "$1" status --json 2>/dev/null | python3 -c '
+import json, sys
+try:
+    r = json.load(sys.stdin).get("rdma") or {}
+except ValueError:
+    sys.exit(1)
+qps = [q for p in r.get("peers", []) for q in p.get("qps", [])]
+sys.exit(0 if qps and all(q["state"] == "connected" for q in qps) else 1)'
+}
+
+start_daemons() {
+  write_conf prefill "$NODE0_IP" $PORT0 decode "$NODE1_IP" $PORT1
+  write_conf decode "$NODE1_IP" $PORT1 prefill "$NODE0_IP" $PORT0
+  "$BUILD/kvferryd" -c "$TMP/prefill.conf" 2>"$TMP/prefill.log" &
+  PIDS="$PIDS $!"
+  "$BUILD/kvferryd" -c "$TMP/decode.conf" 2>"$TMP/decode.log" &
+  PIDS="$PIDS $!"
+  local i=0
+  until rdma_ready prefill && rdma_ready decode; do
+    i=$((i + 1))
+    [ $i -le 600 ] || { tail -n 20 "$TMP"/*.log >&2; die "daemons not connected over rdma after 60 s"; }
+    sleep 0.1
+  done
+}
+
+bench() { # OUT ARGS...
+  local out=$1
+  shift
+  "$BUILD/kvferry-bench" --from "$TMP/prefill.sock" --to "$TMP/decode.sock" --json "$@" >"$out" 2>"$out.err" ||
+    { cat "$out" "$out.err" >&2; tail -n 20 "$TMP"/*.log >&2; die "kvferry-bench $* failed"; }
+}
+
+start_daemons
+say "kvferry-bench, llama3-8b, 4096 tokens, $REQUESTS requests"
+bench "$TMP/kv.json" --model llama3-8b --tokens 4096 --requests "$REQUESTS"
+say "kvferry-bench, one 32 KiB block, $LAT_REQUESTS requests"
+bench "$TMP/one.json" --model llama3-8b --layers 1 --mla --tokens 16 --requests "$LAT_REQUESTS"
+say "kvferry-bench, one transfer of 100000 x 1 KiB descriptors"
+bench "$TMP/100k.json" --layers 1 --mla --kv-heads 1 --head-dim 512 --block-tokens 1 --tokens 100000 --requests 1
+ctl prefill status --json >"$TMP/status.json"
+
+# ---------------------------------------------------------------- report
+python3 - "$TMP" "$BW_GBIT" "$LAT_TYP" "$LAT_AVG" "$DATE" <<'EOF'
+import json, os, sys
+tmp, bw_gbit, lat_typ, lat_avg, date = sys.argv[1:]
+def last_json(path):
+    return json.loads([l for l in open(path).read().splitlines() if l.strip()][-1])
+kv, one, big = (last_json(os.path.join(tmp, n)) for n in ("kv.json", "one.json", "100k.json"))
+post = json.load(open(os.path.join(tmp, "status.json")))["rdma"]["post"]
+bw = float(bw_gbit) / 8          # GB/s (1e9 bytes)
+lat_typ, lat_avg = float(lat_typ), float(lat_avg)
+k = float(kv["gbps"])
+per_desc = post["last_loop_ns_per_wr"] + post["last_build_ns_per_wr"]
+host = "%s CPUs, %s, Linux %s" % (os.environ.get("HOST_NPROC", "?"), os.environ.get("HOST_CPU", "?"),
+                                 os.environ.get("HOST_KERNEL", "?"))
+print("kvferry rdma vs perftest, soft-RoCE VM (rxe0 -> rxe1), %s" % date)
+print("host: %s; guest: %s vCPUs (TCG), Linux %s" % (host, os.cpu_count(), os.uname().release))
+print("%-52s %12s" % ("", "value"))
+print("%-52s %9.1f MB/s" % ("ib_write_bw, 32 KiB", bw * 1e3))
+print("%-52s %9.1f MB/s" % ("kvferry rdma, llama3-8b 4096 tok (%d x %.0f MiB)" % (kv["requests"], kv["bytes"] / kv["requests"] / 2**20), k * 1e3))
+print("%-52s %12.3f" % ("  ratio kvferry / ib_write_bw (goal >= 0.97)", k / bw if bw else 0))
+print("%-52s %9.1f us" % ("ib_write_lat, 32 KiB, typical (avg %.1f)" % lat_avg, lat_typ))
+print("%-52s %9.1f us" % ("kvferry 1-block handoff p50 (p99 %.1f)" % one["p99_us"], one["p50_us"]))
+print("%-52s %9.1f us" % ("  handoff - ib_write_lat (goal <= 10)", one["p50_us"] - lat_typ))
+print("%-52s %9.1f ns" % ("posting cost per descriptor, 100k (loop + build)", per_desc))
+print("%-52s %9.1f ns" % ("  of which on the loop (ticket, slicing, checks)", post["last_loop_ns_per_wr"]))
+print("%-52s %9.1f ns" % ("  of which building work requests", post["last_build_ns_per_wr"]))
+print("%-52s %9.1f ns" % ("  ibv_post_send per descriptor (rxe: runs the NIC)", post["last_doorbell_ns_per_wr"]))
+print("%-52s %9.1f MB/s" % ("  100k x 1 KiB transfer rate", float(big["gbps"]) * 1e3))
+print("paths: %s / %s / %s; verified: %s %s %s" % (kv["path"], one["path"], big["path"], kv["verified"],
+      one["verified"], big["verified"]))
+print(json.dumps({
+    "date": date, "host": host, "ib_write_bw_gbps": round(bw, 4), "kvferry_gbps": k,
+    "bw_ratio": round(k / bw, 3) if bw else None, "ib_write_lat_typical_us": lat_typ,
+    "ib_write_lat_avg_us": lat_avg, "handoff_p50_us": one["p50_us"], "handoff_p99_us": one["p99_us"],
+    "handoff_minus_lat_us": round(one["p50_us"] - lat_typ, 1), "post_ns_per_desc": round(per_desc, 1),
+    "post_loop_ns": post["last_loop_ns_per_wr"], "post_build_ns": post["last_build_ns_per_wr"],
+    "post_doorbell_ns": post["last_doorbell_ns_per_wr"], "descs_100k_gbps": big["gbps"],
+    "path": kv["path"], "verified": kv["verified"] and one["verified"] and big["verified"]}))
+EOF

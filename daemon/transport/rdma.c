@@ -1,0 +1,2257 @@
+/* rdma.c - the rdma transport: one-sided RDMA WRITE over reliable-connected
+ * queue pairs, set up through librdmacm (rdma-core).
+ *
+ * Setup. At start each device (named by rdma-devices, or every active RoCE
+ * port whose address matches ours) is opened through librdmacm's device list,
+ * every pool is registered with it once (never on the transfer path), and a
+ * CM listener is bound to the IP of the device's GID - never a wildcard, as
+ * several daemons may share one host. The Hello carries, per device, that
+ * address and port and one (addr, rkey) per pool. When a peer comes up, this
+ * daemon dials rdma-qps-per-peer QPs from its device i to the peer's device
+ * i (modulo the peer's count) and uses them only to write; the peer dials its
+ * own QPs to us. The CM request's private data names both daemons' sessions:
+ * the acceptor finds the peer by it (or parks the request until that peer's
+ * Hello is in) and refuses stale incarnations.
+ *
+ * Data path. ops->post turns the coalesced runs into a ticket (runs cut at
+ * rdma-slice) queued on the peer. One progress thread per device claims
+ * chunks of runs from the queue for each of its QPs that has room, builds a
+ * linked list of RDMA_WRITE work requests of which only the last is
+ * signalled, and rings the doorbell once per list. QPs and devices take
+ * chunks as fast as they finish theirs, which stripes a transfer over all of
+ * them. The last run of a transfer is held back until every other write of
+ * that transfer completed (on whatever QP or device) and then goes as
+ * RDMA_WRITE_WITH_IMM carrying the low 32 bits of the grant handle: its
+ * completion at the receiver proves that all the data is placed.
+ *
+ * Receiver. Accepted QPs keep zero-length receives posted; a WRITE_WITH_IMM
+ * completion goes to the loop, which maps the 32-bit token to the open grant
+ * (checking that it belongs to the peer of that QP) and calls
+ * kvf__xfer_on_delivered.
+ *
+ * Threads. The progress threads own the QPs and CQs of their device (one CQ
+ * per peer and device); after rdma-poll-us without work they sleep on the
+ * device's completion channel. The loop owns the CM (its event channel is a
+ * uv_poll), the peers and the grants. Threads hand results to the loop
+ * through a queue and a uv_async; the loop hands links to a thread by
+ * command and waits for the thread to let go of a link before destroying it.
+ *
+ * Failure. A work completion in error, a QP async error or a CM disconnect
+ * fails the peer (kvf__peer_fail): its transfers end with KVF_EPEERLOST and
+ * the peer reconnects. peer_down detaches and destroys the peer's QPs and
+ * CQs and completes its outstanding tickets with KVF_EPEERLOST. Writes that
+ * failed never release a transfer's final WRITE_WITH_IMM. MRs belong to the
+ * pools and live until the daemon exits.
+ *
+ * Note: a grant's memory is reachable through the pool's rkey for as long as
+ * the pool is registered; grant_close stops completions from being accepted,
+ * but a sender that has not yet seen the cancel may still be writing. */
+#include "transport.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <infiniband/verbs.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <rdma/rdma_cma.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <x86intrin.h>
+#endif
+
+#include "map.h"
+#include "peer.h"
+#include "pool.h"
+#include "xfer.h"
+
+#define MAX_DEVS 8
+#define MAX_QPS 128             /* per link: dialed and accepted */
+#define CHAIN_MAX 32            /* work requests per ibv_post_send (one doorbell) */
+#define CQ_BATCH 32
+#define RESOLVE_MS 2000
+#define CONNECT_MS 10000        /* all dialed QPs established within this */
+#define ACK_TIMEOUT 14          /* 4.096 us << 14 = 67 ms per try: with 6 retries a
+                                   dead path errors the QP in about half a second */
+#define RETRY_COUNT 6             /* not 7: rxe (like the RNR count) reads 7 as infinite */
+#define REDIAL_MS 250             /* first retry of a dialed QP that did not connect */
+#define RNR_RETRY 7             /* infinite: a receiver short of receives slows us */
+#define PARK_MS 5000            /* how long a CM request may wait for its peer */
+#define PRIV_MAGIC 0x5246564bu  /* "KVFR" */
+#define PRIV_VERSION 1
+#define PRIV_LEN 24
+#define INFO_VERSION 1
+#define TAG_RECV UINT64_MAX     /* wr_id of every receive */
+#define CAP_IPC_LOCK_BIT 14
+
+/* ------------------------------------------------------------ types */
+
+enum ev_kind { EV_TICKET = 1, EV_IMM, EV_FAIL };
+
+/* Thread -> loop. */
+typedef struct tevent {
+  struct tevent *next;
+  int kind;
+  kvf__peer *peer;
+  uint64_t gen;
+  uint32_t imm;
+  char why[160];
+} tevent;
+
+typedef struct rdev rdev;
+typedef struct rpeer rpeer;
+typedef struct rlink rlink;
+typedef struct rqp rqp;
+typedef struct xstate xstate;
+
+/* One ops->post call. Its parts: n_body plain writes and, for the last post
+ * of a transfer, the tail. It is called back once every part is done. */
+typedef struct ticket {
+  tevent ev;                    /* EV_TICKET; first member */
+  struct ticket *next_q;        /* the peer's body or tail queue (qlock) */
+  struct ticket *prev_live, *next_live; /* tickets not yet called back (loop) */
+  kvf__xfer *x;
+  xstate *xs;
+  rpeer *rp;                    /* NULL once the peer is gone (loop) */
+  kvf__run *runs;               /* owned; each at most rdma-slice */
+  size_t n_runs;
+  size_t n_body;                /* runs[0..n_body) are plain writes */
+  size_t next;                  /* next body run to claim (qlock) */
+  bool last, has_tail;
+  kvf__run tail;                /* WRITE_WITH_IMM; len 0 when the post had no run */
+  uint32_t imm;
+  size_t total;                 /* n_body + has_tail */
+  atomic_size_t done;
+  atomic_int status;
+  atomic_uint_fast64_t build_ns, bell_ns, wrs;
+  uint64_t loop_ns;
+} ticket;
+
+/* Per transfer (x->tp_state), while it has tickets out. */
+struct xstate {
+  rpeer *rp;
+  atomic_long pending;          /* body writes handed over, not yet completed */
+  _Atomic(ticket *) tail;       /* the last part, waiting for pending == 0 */
+  unsigned out;                 /* tickets not yet called back (loop) */
+};
+
+typedef struct inflight {       /* one posted chain */
+  ticket *tk;
+  uint64_t seq;                 /* wr_id of its last, signalled, work request */
+  uint32_t wrs;                 /* send queue slots it holds */
+  uint32_t runs;                /* body runs it completes */
+  bool tail;
+} inflight;
+
+struct rqp {
+  rlink *lk;
+  struct rdma_cm_id *id;
+  struct ibv_qp *qp;            /* NULL until created */
+  uint32_t qp_num;
+  bool outbound;
+  bool established;             /* loop */
+  bool gone;                    /* loop: an accepted QP the peer dropped (kept until the link goes) */
+  atomic_bool ready;            /* dialed and established: the thread may post */
+  /* progress thread only, once published */
+  bool dead;
+  uint32_t max_inline;
+  uint32_t sq_cap, sq_used;
+  uint32_t rq_cap, rq_posted;
+  uint64_t seq;
+  inflight *ring;
+  uint32_t ring_head, ring_n;
+  struct ibv_send_wr wr[CHAIN_MAX];
+  struct ibv_sge sge[CHAIN_MAX];
+};
+
+/* A peer on one of our devices: its CQ and QPs. */
+struct rlink {
+  rlink *next;                  /* the device thread's list */
+  rpeer *rp;
+  rdev *dev;
+  char peer_dev[64];
+  struct sockaddr_storage dst;  /* the peer device's CM address */
+  struct ibv_cq *cq;
+  uint32_t depth;
+  uint64_t *raddr;              /* per peer pool, on the peer device */
+  uint32_t *rkey;
+  size_t n_rpools;
+  unsigned n_out;
+  unsigned n_ready;             /* dialed QPs established (loop) */
+  unsigned redial;              /* dialed QPs to try again (loop) */
+  uint32_t redial_ms;
+  uint64_t redial_at;
+  rqp *all[MAX_QPS];            /* every QP, for teardown (loop) */
+  unsigned n_all;
+  _Atomic(rqp *) qps[MAX_QPS];  /* those the thread may touch */
+  atomic_uint n_qps;
+  bool attached;
+  bool detached;                /* the thread let go (dev->lock) */
+  bool cq_failed;               /* thread */
+};
+
+struct rpeer {
+  kvf__peer *p;
+  uint64_t gen;
+  uint64_t session;             /* the peer's, from its Hello */
+  rlink *links[MAX_DEVS];
+  int n_links;
+  pthread_mutex_t qlock;
+  ticket *qhead, *qtail;        /* body work, in post order */
+  ticket *thead, *ttail;        /* tails cleared to go */
+  atomic_uint queued;           /* tickets in either queue */
+  uint64_t *pool_size;          /* the peer's pools, by id */
+  size_t n_pools;
+  bool gpu_pools;                /* the peer has cuda pools (path rdma-gdr) */
+  bool *pool_gpu;
+  uint64_t up_ns;
+  bool said_ready;
+};
+
+typedef struct cmd {
+  struct cmd *next;
+  int kind;
+  rlink *lk;
+} cmd;
+enum { CMD_ATTACH = 1, CMD_DETACH, CMD_STOP };
+
+struct rdev {
+  int index;
+  char name[64];
+  uint8_t port;
+  struct ibv_context *ctx;
+  struct ibv_pd *pd;
+  struct ibv_comp_channel *ch;
+  struct ibv_mr **mrs;          /* per pool */
+  uint32_t *lkey;
+  union ibv_gid gid;
+  uint32_t gid_index;
+  struct sockaddr_storage addr; /* the GID's address: CM listener and source */
+  char ip[INET6_ADDRSTRLEN];
+  uint16_t cm_port;
+  struct rdma_cm_id *listener;
+  uint32_t max_cqe, max_qp_wr;
+  uv_poll_t async_poll;
+  bool async_on;
+  pthread_t thr;
+  bool started;
+  int efd, epfd;
+  pthread_mutex_t lock;         /* cmds, link->detached */
+  pthread_cond_t cond;
+  cmd *cmds, *cmds_tail;
+  rlink *links;                 /* thread only */
+  atomic_uint_fast64_t wrs, bytes, chains, imms, cqes, build_ns, bell_ns, sleeps;
+};
+
+typedef struct rgrant {
+  kvf__xfer *x;
+  kvf__peer *peer;
+} rgrant;
+
+typedef struct parked {         /* a CM request whose peer is not up yet */
+  struct parked *next;
+  struct rdma_cm_id *id;
+  rdev *dev;
+  uint64_t session;
+  uint64_t since_ns;
+} parked;
+
+/* What the loop needs of a CM event after it is acked. */
+typedef struct cm_ev {
+  enum rdma_cm_event_type type;
+  struct rdma_cm_id *id;
+  void *ctx;                    /* id->context, read before the ack */
+  int status;
+  uint8_t priv[PRIV_LEN];
+  size_t priv_len;
+} cm_ev;
+
+typedef struct rdma_transport {
+  kvf__transport base;
+  rdev devs[MAX_DEVS];
+  int n_devs;
+  struct ibv_context **all;
+  struct rdma_event_channel *cm;
+  uv_poll_t cm_poll;
+  uv_async_t async;
+  uv_timer_t sweep;
+  bool handles;
+  pthread_mutex_t ev_lock;
+  tevent *ev_head, *ev_tail;
+  rpeer *peers[KVF__MAX_PEERS_CFG];
+  size_t n_peers;
+  kvf__map grants;              /* "%08x" token -> rgrant */
+  parked *parked;
+  ticket *live;
+  uint64_t gen;
+  uint8_t **pool_base;          /* pool memory, by pool id */
+  bool any_gpu;                 /* some pool of ours is GPU memory */
+  /* The reaper destroys dead links' QPs, ids and CQs: with the path gone
+   * rdma_destroy_id can block for seconds, which the loop must not. */
+  pthread_t reaper;
+  bool reaper_on, reaper_stop;
+  pthread_mutex_t reap_lock;
+  pthread_cond_t reap_cond;
+  rlink *reap_head;
+  Kvf__RdmaInfo info;
+  Kvf__RdmaDevice hdev[MAX_DEVS];
+  Kvf__RdmaDevice *hdev_ptr[MAX_DEVS];
+  Kvf__RdmaMr *hmr;
+  Kvf__RdmaMr **hmr_ptr;
+  /* loop-side counters of the posting cost */
+  uint64_t posts, post_runs, post_ns;
+  uint64_t last_wrs, last_loop_ns, last_build_ns, last_bell_ns;
+} rdma_transport;
+
+static rdma_transport *R;
+
+static void fail_peer_soon(rpeer *rp, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* ------------------------------------------------------------ helpers */
+
+static uint64_t mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* The hot path's clock: the TSC scaled to ns once at start, because
+ * clock_gettime may be a syscall or an emulated HPET read (the soft-RoCE VM)
+ * and would cost more than what it measures. Only differences are used. */
+static double ns_per_tick = 1.0;
+
+static uint64_t fast_ns(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  return (uint64_t)((double)__rdtsc() * ns_per_tick);
+#else
+  return mono_ns();
+#endif
+}
+
+static void calibrate_clock(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  uint64_t t0 = mono_ns(), c0 = __rdtsc();
+  struct timespec nap = {0, 20 * 1000000L};
+  nanosleep(&nap, NULL);
+  uint64_t t1 = mono_ns(), c1 = __rdtsc();
+  if (c1 > c0) ns_per_tick = (double)(t1 - t0) / (double)(c1 - c0);
+#endif
+}
+
+static int set_nonblock(int fd) {
+  int fl = fcntl(fd, F_GETFL);
+  return fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0 ? -errno : 0;
+}
+
+static const char *peer_name(const rpeer *rp) { return rp->p->cfg.name; }
+
+static void put_u32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static void put_u64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static uint32_t get_u32(const uint8_t *p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static uint64_t get_u64(const uint8_t *p) {
+  return (uint64_t)get_u32(p) | (uint64_t)get_u32(p + 4) << 32;
+}
+
+static void addr_text(const struct sockaddr_storage *ss, char *buf, size_t len) {
+  const void *a = ss->ss_family == AF_INET6 ? (const void *)&((const struct sockaddr_in6 *)ss)->sin6_addr
+                                            : (const void *)&((const struct sockaddr_in *)ss)->sin_addr;
+  if (!inet_ntop(ss->ss_family, a, buf, (socklen_t)len)) snprintf(buf, len, "?");
+}
+
+static void set_port(struct sockaddr_storage *ss, uint16_t port) {
+  if (ss->ss_family == AF_INET6) ((struct sockaddr_in6 *)ss)->sin6_port = htons(port);
+  else ((struct sockaddr_in *)ss)->sin_port = htons(port);
+}
+
+/* ------------------------------------------------------------ events to the loop */
+
+static void push_event(tevent *e) {
+  e->next = NULL;
+  pthread_mutex_lock(&R->ev_lock);
+  if (R->ev_tail) R->ev_tail->next = e;
+  else R->ev_head = e;
+  R->ev_tail = e;
+  pthread_mutex_unlock(&R->ev_lock);
+  uv_async_send(&R->async);
+}
+
+static tevent *new_event(int kind, const rpeer *rp) {
+  tevent *e = calloc(1, sizeof(*e));
+  if (!e) abort(); /* a lost completion would hang a transfer: fail loudly */
+  e->kind = kind;
+  e->peer = rp->p;
+  e->gen = rp->gen;
+  return e;
+}
+
+/* From any thread: the loop fails the peer (if still that incarnation). */
+static void fail_peer_soon(rpeer *rp, const char *fmt, ...) {
+  tevent *e = new_event(EV_FAIL, rp);
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(e->why, sizeof(e->why), fmt, ap);
+  va_end(ap);
+  push_event(e);
+}
+
+/* ------------------------------------------------------------ ticket accounting */
+
+/* k parts of tk are over (status 0: completed). The last part queues the
+ * ticket's callback. Any thread. */
+static void credit(ticket *tk, size_t k, int status) {
+  if (k == 0) return;
+  if (status) {
+    int zero = 0;
+    atomic_compare_exchange_strong(&tk->status, &zero, status);
+  }
+  if (atomic_fetch_add(&tk->done, k) + k == tk->total) push_event(&tk->ev);
+}
+
+static void wake(rdev *d) {
+  uint64_t one = 1;
+  ssize_t w = write(d->efd, &one, sizeof(one));
+  (void)w; /* a full counter already wakes the thread */
+}
+
+static void wake_peer(rpeer *rp) {
+  for (int i = 0; i < rp->n_links; i++) wake(rp->links[i]->dev);
+}
+
+/* Queues the transfer's tail once its last part is posted and every other
+ * write completed. Under qlock, so that abort and drain see it either still
+ * waiting or queued. */
+static void release_tail(xstate *xs, rpeer *rp) {
+  pthread_mutex_lock(&rp->qlock);
+  ticket *t = atomic_exchange(&xs->tail, NULL);
+  if (t) {
+    t->next_q = NULL;
+    if (rp->ttail) rp->ttail->next_q = t;
+    else rp->thead = t;
+    rp->ttail = t;
+    atomic_fetch_add(&rp->queued, 1);
+  }
+  pthread_mutex_unlock(&rp->qlock);
+}
+
+/* k body writes of xs completed successfully (failed ones never count, so a
+ * failure never lets the tail tell the receiver that all data is placed). */
+static void body_done(xstate *xs, rpeer *rp, long k) {
+  if (k && atomic_fetch_sub(&xs->pending, k) == k && atomic_load(&xs->tail)) release_tail(xs, rp);
+}
+
+/* ------------------------------------------------------------ progress thread: completions */
+
+static rqp *qp_by_num(rlink *lk, uint32_t num) {
+  unsigned n = atomic_load(&lk->n_qps);
+  for (unsigned i = 0; i < n; i++) {
+    rqp *q = atomic_load(&lk->qps[i]);
+    if (q && q->qp_num == num) return q;
+  }
+  return NULL;
+}
+
+static void ring_push(rqp *q, ticket *tk, uint32_t wrs, uint32_t runs, bool tail) {
+  uint32_t i = (q->ring_head + q->ring_n) % q->sq_cap;
+  q->ring[i] = (inflight){tk, q->seq, wrs, runs, tail};
+  q->ring_n++;
+  q->sq_used += wrs;
+}
+
+static inflight ring_pop(rqp *q) {
+  inflight f = q->ring[q->ring_head];
+  q->ring_head = (q->ring_head + 1) % q->sq_cap;
+  q->ring_n--;
+  q->sq_used -= f.wrs;
+  return f;
+}
+
+/* The chains up to wr_id seq completed (RC completes in order). */
+static void retire(rlink *lk, rqp *q, uint64_t seq) {
+  while (q->ring_n && q->ring[q->ring_head].seq <= seq) {
+    inflight f = ring_pop(q);
+    if (f.runs) body_done(f.tk->xs, lk->rp, f.runs);
+    credit(f.tk, f.runs + f.tail, 0);
+  }
+}
+
+/* Everything in flight on q is lost. */
+static void flush_ring(rqp *q, int status) {
+  while (q->ring_n) {
+    inflight f = ring_pop(q);
+    credit(f.tk, f.runs + f.tail, status);
+  }
+}
+
+/* A dialed QP carries our writes: its failure fails the peer. An accepted
+ * one only brings the peer's completion notices; the peer sees the failure
+ * on its side (or is gone), so it just stops here. */
+static void qp_failed(rlink *lk, rqp *q, const char *why) {
+  if (q->dead) return;
+  q->dead = true;
+  flush_ring(q, KVF_EPEERLOST);
+  if (q->outbound)
+    fail_peer_soon(lk->rp, "rdma: QP %u (%s -> %s %s) failed: %s", q->qp_num, lk->dev->name,
+                   peer_name(lk->rp), lk->peer_dev, why);
+}
+
+static void on_recv_wc(rlink *lk, rqp *q, const struct ibv_wc *wc) {
+  q->rq_posted--;
+  if (wc->status != IBV_WC_SUCCESS) {
+    if (wc->status != IBV_WC_WR_FLUSH_ERR) qp_failed(lk, q, ibv_wc_status_str(wc->status));
+    return;
+  }
+  if (wc->opcode != IBV_WC_RECV_RDMA_WITH_IMM) return;
+  atomic_fetch_add_explicit(&lk->dev->imms, 1, memory_order_relaxed);
+  tevent *e = new_event(EV_IMM, lk->rp);
+  e->imm = ntohl(wc->imm_data);
+  push_event(e);
+}
+
+static void on_wc(rlink *lk, const struct ibv_wc *wc) {
+  rqp *q = qp_by_num(lk, wc->qp_num);
+  if (!q) return;
+  if (wc->wr_id == TAG_RECV) on_recv_wc(lk, q, wc);
+  else if (wc->status != IBV_WC_SUCCESS) qp_failed(lk, q, ibv_wc_status_str(wc->status));
+  else retire(lk, q, wc->wr_id);
+}
+
+/* Zero-length receives: a WRITE_WITH_IMM consumes one without touching
+ * memory. The loop posts the first ones, the thread keeps them topped up. */
+static int post_recvs(rqp *q, uint32_t n) {
+  struct ibv_recv_wr wr[CHAIN_MAX], *bad;
+  while (n > 0) {
+    uint32_t k = n < CHAIN_MAX ? n : CHAIN_MAX;
+    for (uint32_t i = 0; i < k; i++)
+      wr[i] = (struct ibv_recv_wr){.wr_id = TAG_RECV, .next = i + 1 < k ? &wr[i + 1] : NULL};
+    int rc = ibv_post_recv(q->qp, wr, &bad);
+    if (rc) return -rc;
+    q->rq_posted += k;
+    n -= k;
+  }
+  return 0;
+}
+
+static void replenish(rlink *lk) {
+  unsigned n = atomic_load(&lk->n_qps);
+  for (unsigned i = 0; i < n; i++) {
+    rqp *q = atomic_load(&lk->qps[i]);
+    if (!q || q->dead || q->rq_posted >= q->rq_cap) continue;
+    int rc = post_recvs(q, q->rq_cap - q->rq_posted);
+    if (rc) qp_failed(lk, q, strerror(-rc));
+  }
+}
+
+static bool poll_link(rlink *lk) {
+  struct ibv_wc wc[CQ_BATCH];
+  int n, total = 0;
+  while ((n = ibv_poll_cq(lk->cq, CQ_BATCH, wc)) > 0) {
+    for (int i = 0; i < n; i++) on_wc(lk, &wc[i]);
+    total += n;
+    if (n < CQ_BATCH) break;
+  }
+  if (n < 0 && !lk->cq_failed) {
+    lk->cq_failed = true;
+    fail_peer_soon(lk->rp, "rdma: polling the CQ of %s on %s failed", peer_name(lk->rp), lk->dev->name);
+  }
+  if (total == 0) return false;
+  atomic_fetch_add_explicit(&lk->dev->cqes, (uint64_t)total, memory_order_relaxed);
+  replenish(lk);
+  return true;
+}
+
+/* ------------------------------------------------------------ progress thread: posting */
+
+/* Takes the next piece of work for a QP with room: a tail first (it ends a
+ * transfer), else up to room body runs of the oldest ticket. */
+static ticket *claim(rpeer *rp, uint32_t room, size_t *first, size_t *cnt, bool *tail) {
+  if (atomic_load(&rp->queued) == 0) return NULL;
+  ticket *tk = NULL;
+  pthread_mutex_lock(&rp->qlock);
+  if ((tk = rp->thead) != NULL) {
+    rp->thead = tk->next_q;
+    if (!rp->thead) rp->ttail = NULL;
+    atomic_fetch_sub(&rp->queued, 1);
+    *tail = true;
+  } else if ((tk = rp->qhead) != NULL) {
+    size_t left = tk->n_body - tk->next;
+    *first = tk->next;
+    *cnt = left < room ? left : room;
+    if (*cnt > CHAIN_MAX) *cnt = CHAIN_MAX;
+    tk->next += *cnt;
+    *tail = false;
+    if (tk->next == tk->n_body) {
+      rp->qhead = tk->next_q;
+      if (!rp->qhead) rp->qtail = NULL;
+      atomic_fetch_sub(&rp->queued, 1);
+    }
+  }
+  pthread_mutex_unlock(&rp->qlock);
+  return tk;
+}
+
+static uint64_t build_chain(rlink *lk, rqp *q, const kvf__run *r, size_t n) {
+  const uint32_t *lkey = lk->dev->lkey;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < n; i++, r++) {
+    struct ibv_sge *s = &q->sge[i];
+    struct ibv_send_wr *w = &q->wr[i];
+    s->addr = (uintptr_t)(R->pool_base[r->src_pool] + r->src_off);
+    s->length = (uint32_t)r->len;
+    s->lkey = lkey[r->src_pool];
+    w->wr_id = 0;
+    w->next = i + 1 < n ? w + 1 : NULL;
+    w->sg_list = s;
+    w->num_sge = 1;
+    w->opcode = IBV_WR_RDMA_WRITE;
+    w->send_flags = r->len <= q->max_inline ? IBV_SEND_INLINE : 0;
+    w->wr.rdma.remote_addr = lk->raddr[r->dst_pool] + r->dst_off;
+    w->wr.rdma.rkey = lk->rkey[r->dst_pool];
+    bytes += r->len;
+  }
+  return bytes;
+}
+
+static void account(rdev *d, ticket *tk, uint64_t wrs, uint64_t bytes, uint64_t build, uint64_t bell) {
+  atomic_fetch_add_explicit(&d->wrs, wrs, memory_order_relaxed);
+  atomic_fetch_add_explicit(&d->bytes, bytes, memory_order_relaxed);
+  atomic_fetch_add_explicit(&d->chains, 1, memory_order_relaxed);
+  atomic_fetch_add_explicit(&d->build_ns, build, memory_order_relaxed);
+  atomic_fetch_add_explicit(&d->bell_ns, bell, memory_order_relaxed);
+  atomic_fetch_add_explicit(&tk->wrs, wrs, memory_order_relaxed);
+  atomic_fetch_add_explicit(&tk->build_ns, build, memory_order_relaxed);
+  atomic_fetch_add_explicit(&tk->bell_ns, bell, memory_order_relaxed);
+}
+
+/* Signals the chain's last request and rings the doorbell once. On failure
+ * nothing of the chain counts as done: the QP is failed. */
+static int ring_doorbell(rlink *lk, rqp *q, ticket *tk, size_t n, uint32_t runs, bool tail,
+                         uint64_t t0, uint64_t bytes) {
+  struct ibv_send_wr *last = &q->wr[n - 1], *bad = NULL;
+  last->send_flags |= IBV_SEND_SIGNALED;
+  last->wr_id = ++q->seq;
+  uint64_t t1 = fast_ns();
+  int rc = ibv_post_send(q->qp, q->wr, &bad);
+  account(lk->dev, tk, n, bytes, t1 - t0, fast_ns() - t1);
+  if (rc) {
+    credit(tk, runs + tail, KVF_EPEERLOST);
+    qp_failed(lk, q, strerror(rc));
+    return -rc;
+  }
+  ring_push(q, tk, (uint32_t)n, runs, tail);
+  return 0;
+}
+
+static int post_chunk(rlink *lk, rqp *q, ticket *tk, size_t first, size_t cnt) {
+  uint64_t t0 = fast_ns();
+  uint64_t bytes = build_chain(lk, q, tk->runs + first, cnt);
+  return ring_doorbell(lk, q, tk, cnt, (uint32_t)cnt, false, t0, bytes);
+}
+
+/* The transfer's last write, with the token of the receiver's grant. */
+static int post_tail(rlink *lk, rqp *q, ticket *tk) {
+  uint64_t t0 = fast_ns();
+  struct ibv_send_wr *w = &q->wr[0];
+  if (tk->tail.len) {
+    build_chain(lk, q, &tk->tail, 1);
+  } else {
+    *w = (struct ibv_send_wr){.num_sge = 0};
+    w->wr.rdma.remote_addr = lk->n_rpools ? lk->raddr[0] : 0;
+    w->wr.rdma.rkey = lk->n_rpools ? lk->rkey[0] : 0;
+  }
+  w->opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+  w->imm_data = htonl(tk->imm);
+  return ring_doorbell(lk, q, tk, 1, 0, true, t0, tk->tail.len);
+}
+
+static bool pump_qp(rlink *lk, rqp *q) {
+  bool any = false;
+  while (!q->dead && q->sq_used < q->sq_cap) {
+    size_t first = 0, cnt = 0;
+    bool tail = false;
+    ticket *tk = claim(lk->rp, q->sq_cap - q->sq_used, &first, &cnt, &tail);
+    if (!tk) break;
+    if (tail) post_tail(lk, q, tk);
+    else post_chunk(lk, q, tk, first, cnt);
+    any = true;
+  }
+  return any;
+}
+
+static bool pump_link(rlink *lk) {
+  bool any = false;
+  unsigned n = atomic_load(&lk->n_qps);
+  for (unsigned i = 0; i < n; i++) {
+    rqp *q = atomic_load(&lk->qps[i]);
+    if (q && q->outbound && atomic_load(&q->ready)) any |= pump_qp(lk, q);
+  }
+  return any;
+}
+
+/* ------------------------------------------------------------ progress thread: main */
+
+static void detach_link(rdev *d, rlink *lk) {
+  for (rlink **pp = &d->links; *pp; pp = &(*pp)->next)
+    if (*pp == lk) {
+      *pp = lk->next;
+      break;
+    }
+  unsigned n = atomic_load(&lk->n_qps);
+  for (unsigned i = 0; i < n; i++) {
+    rqp *q = atomic_load(&lk->qps[i]);
+    if (q) flush_ring(q, KVF_EPEERLOST);
+  }
+  pthread_mutex_lock(&d->lock);
+  lk->detached = true;
+  pthread_cond_broadcast(&d->cond);
+  pthread_mutex_unlock(&d->lock);
+}
+
+/* Returns true on CMD_STOP. */
+static bool run_cmds(rdev *d) {
+  pthread_mutex_lock(&d->lock);
+  cmd *c = d->cmds;
+  d->cmds = d->cmds_tail = NULL;
+  pthread_mutex_unlock(&d->lock);
+  bool stop = false;
+  while (c) {
+    cmd *next = c->next;
+    if (c->kind == CMD_ATTACH) {
+      c->lk->next = d->links;
+      d->links = c->lk;
+    } else if (c->kind == CMD_DETACH) {
+      detach_link(d, c->lk);
+    } else {
+      stop = true;
+    }
+    free(c);
+    c = next;
+  }
+  return stop;
+}
+
+static bool cmds_waiting(rdev *d) {
+  pthread_mutex_lock(&d->lock);
+  bool any = d->cmds != NULL;
+  pthread_mutex_unlock(&d->lock);
+  return any;
+}
+
+/* Arms every CQ, looks once more (a completion before the arm raised no
+ * event), then blocks until a completion event or a wake from the loop. */
+static void sleep_until_work(rdev *d) {
+  bool busy = false;
+  for (rlink *lk = d->links; lk; lk = lk->next) ibv_req_notify_cq(lk->cq, 0);
+  for (rlink *lk = d->links; lk; lk = lk->next) busy |= poll_link(lk);
+  if (busy || cmds_waiting(d)) return;
+  struct epoll_event ev[2];
+  atomic_fetch_add_explicit(&d->sleeps, 1, memory_order_relaxed);
+  if (epoll_wait(d->epfd, ev, 2, -1) < 0 && errno != EINTR) usleep(1000);
+  struct ibv_cq *cq;
+  void *ctx;
+  while (ibv_get_cq_event(d->ch, &cq, &ctx) == 0) ibv_ack_cq_events(cq, 1);
+  uint64_t v;
+  ssize_t r = read(d->efd, &v, sizeof(v));
+  (void)r; /* EAGAIN: it was the completion channel */
+}
+
+static void *progress_main(void *arg) {
+  rdev *d = arg;
+  uint64_t spin_ns = (uint64_t)kvfd.cfg.rdma_poll_us * 1000, idle = fast_ns();
+  while (!run_cmds(d)) {
+    bool busy = false;
+    for (rlink *lk = d->links; lk; lk = lk->next) busy |= poll_link(lk);
+    for (rlink *lk = d->links; lk; lk = lk->next) busy |= pump_link(lk);
+    if (busy) {
+      idle = spin_ns ? fast_ns() : 0;
+      continue;
+    }
+    if (spin_ns && fast_ns() - idle < spin_ns) continue;
+    sleep_until_work(d);
+    idle = spin_ns ? fast_ns() : 0;
+  }
+  return NULL;
+}
+
+static void send_cmd(rdev *d, int kind, rlink *lk) {
+  cmd *c = calloc(1, sizeof(*c));
+  if (!c) abort(); /* a lost detach would leave a thread on freed memory */
+  c->kind = kind;
+  c->lk = lk;
+  pthread_mutex_lock(&d->lock);
+  if (d->cmds_tail) d->cmds_tail->next = c;
+  else d->cmds = c;
+  d->cmds_tail = c;
+  pthread_mutex_unlock(&d->lock);
+  wake(d);
+}
+
+/* Returns once the device thread no longer touches lk. */
+static void detach_and_wait(rlink *lk) {
+  rdev *d = lk->dev;
+  send_cmd(d, CMD_DETACH, lk);
+  pthread_mutex_lock(&d->lock);
+  while (!lk->detached) pthread_cond_wait(&d->cond, &d->lock);
+  pthread_mutex_unlock(&d->lock);
+  lk->attached = false;
+}
+
+/* ------------------------------------------------------------ the loop: posting */
+
+static rpeer *rpeer_of(const kvf__peer *p) {
+  for (size_t i = 0; i < R->n_peers; i++)
+    if (R->peers[i]->p == p) return R->peers[i];
+  return NULL;
+}
+
+/* Every run must land inside a pool the peer announced and come from one of
+ * ours (all registered). */
+static int check_runs(const rpeer *rp, const kvf__runs *runs) {
+  for (size_t i = 0; i < runs->n; i++) {
+    const kvf__run *r = &runs->v[i];
+    if (r->src_pool >= kvfd.n_pools || r->dst_pool >= rp->n_pools) return KVF_ENOPOOL;
+    uint64_t size = rp->pool_size[r->dst_pool];
+    if (r->len == 0 || r->dst_off > size || r->len > size - r->dst_off) return KVF_ERANGE;
+  }
+  return 0;
+}
+
+/* GPUDirect: the NIC reads or writes GPU memory on either end. */
+static bool runs_touch_gpu(const rpeer *rp, const kvf__runs *runs) {
+  for (size_t i = 0; i < runs->n; i++)
+    if (kvf__pool_gpu(kvfd.pools[runs->v[i].src_pool]) || rp->pool_gpu[runs->v[i].dst_pool]) return true;
+  return false;
+}
+
+/* Takes the runs (no copy) or, when some exceed rdma-slice, a sliced copy. */
+static int take_runs(ticket *tk, kvf__runs *runs) {
+  uint64_t slice = kvfd.cfg.rdma_slice;
+  size_t extra = 0;
+  for (size_t i = 0; i < runs->n; i++)
+    if (runs->v[i].len > slice) extra += (size_t)((runs->v[i].len - 1) / slice);
+  if (extra == 0) {
+    tk->runs = runs->v;
+    tk->n_runs = runs->n;
+    memset(runs, 0, sizeof(*runs));
+    return 0;
+  }
+  kvf__run *v = malloc((runs->n + extra) * sizeof(*v));
+  if (!v) return -ENOMEM;
+  size_t k = 0;
+  for (size_t i = 0; i < runs->n; i++) {
+    const kvf__run *r = &runs->v[i];
+    for (uint64_t off = 0; off < r->len; off += slice) {
+      uint64_t len = r->len - off < slice ? r->len - off : slice;
+      v[k++] = (kvf__run){r->src_pool, r->dst_pool, r->src_off + off, r->dst_off + off, len};
+    }
+  }
+  tk->runs = v;
+  tk->n_runs = k;
+  return 0;
+}
+
+static ticket *ticket_new(kvf__xfer *x, kvf__runs *runs, bool last) {
+  ticket *tk = calloc(1, sizeof(*tk));
+  if (!tk || take_runs(tk, runs) != 0) {
+    free(tk);
+    return NULL;
+  }
+  tk->ev.kind = EV_TICKET;
+  tk->x = x;
+  tk->last = last;
+  tk->n_body = tk->n_runs;
+  tk->imm = (uint32_t)x->handle;
+  if (last) {
+    tk->has_tail = true;
+    if (tk->n_runs) tk->tail = tk->runs[--tk->n_body];
+  }
+  tk->total = tk->n_body + tk->has_tail;
+  return tk;
+}
+
+static xstate *xstate_of(kvf__xfer *x, rpeer *rp) {
+  xstate *xs = x->tp_state;
+  if (xs) return xs;
+  xs = calloc(1, sizeof(*xs));
+  if (!xs) return NULL;
+  xs->rp = rp;
+  x->tp_state = xs;
+  return xs;
+}
+
+static void live_link(ticket *tk) {
+  tk->next_live = R->live;
+  if (R->live) R->live->prev_live = tk;
+  R->live = tk;
+}
+
+static void live_unlink(ticket *tk) {
+  if (tk->prev_live) tk->prev_live->next_live = tk->next_live;
+  else R->live = tk->next_live;
+  if (tk->next_live) tk->next_live->prev_live = tk->prev_live;
+}
+
+static void enqueue_body(rpeer *rp, ticket *tk) {
+  pthread_mutex_lock(&rp->qlock);
+  if (rp->qtail) rp->qtail->next_q = tk;
+  else rp->qhead = tk;
+  rp->qtail = tk;
+  atomic_fetch_add(&rp->queued, 1);
+  pthread_mutex_unlock(&rp->qlock);
+}
+
+/* Order matters: pending grows before the body can complete, and the tail
+ * is published before that, so exactly one of us (a thread reaching
+ * pending == 0, or this check) releases it. */
+static void hand_over(rpeer *rp, xstate *xs, ticket *tk) {
+  atomic_fetch_add(&xs->pending, (long)tk->n_body);
+  if (tk->has_tail) atomic_store(&xs->tail, tk);
+  if (tk->n_body) enqueue_body(rp, tk);
+  if (tk->has_tail && atomic_load(&xs->pending) == 0) release_tail(xs, rp);
+  if (tk->total == 0) push_event(&tk->ev); /* nothing to move: called back at once */
+  else wake_peer(rp);
+}
+
+static int rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) {
+  uint64_t t0 = fast_ns();
+  rpeer *rp = x->peer ? rpeer_of(x->peer) : NULL;
+  if (!rp) return KVF_EPEERLOST;
+  int rc = check_runs(rp, runs);
+  if (rc) return rc;
+  if (!x->path && (R->any_gpu || rp->gpu_pools) && runs_touch_gpu(rp, runs)) x->path = "rdma-gdr";
+  size_t n = runs->n;
+  xstate *xs = xstate_of(x, rp);
+  ticket *tk = xs ? ticket_new(x, runs, last) : NULL;
+  if (!tk) {
+    if (xs && xs->out == 0) {
+      x->tp_state = NULL;
+      free(xs);
+    }
+    return -ENOMEM;
+  }
+  tk->xs = xs;
+  tk->rp = rp;
+  xs->out++;
+  live_link(tk);
+  hand_over(rp, xs, tk);
+  tk->loop_ns = fast_ns() - t0;
+  R->posts++;
+  R->post_runs += n;
+  R->post_ns += tk->loop_ns;
+  return 0;
+}
+
+static ticket *unqueue(ticket **head, ticket **tail, ticket *want) {
+  ticket *prev = NULL;
+  for (ticket *tk = *head; tk; prev = tk, tk = tk->next_q) {
+    if (tk != want) continue;
+    if (prev) prev->next_q = tk->next_q;
+    else *head = tk->next_q;
+    if (*tail == tk) *tail = prev;
+    return tk;
+  }
+  return NULL;
+}
+
+/* Takes back what of tk no thread has claimed: its unclaimed body runs and
+ * its tail when not posted yet. Returns how many parts that is. qlock held
+ * (or no thread left on rp). */
+static size_t take_back(rpeer *rp, ticket *tk) {
+  size_t k = tk->n_body - tk->next;
+  tk->next = tk->n_body;
+  if (k && unqueue(&rp->qhead, &rp->qtail, tk)) atomic_fetch_sub(&rp->queued, 1);
+  if (tk->has_tail) {
+    ticket *expect = tk;
+    if (atomic_compare_exchange_strong(&tk->xs->tail, &expect, NULL)) {
+      k++;
+    } else if (unqueue(&rp->thead, &rp->ttail, tk)) {
+      atomic_fetch_sub(&rp->queued, 1);
+      k++;
+    }
+  }
+  return k;
+}
+
+/* Stops the transfer's unclaimed work; what is in flight completes and the
+ * callbacks come as usual. */
+static void rdma_abort(kvf__transport *t, kvf__xfer *x) {
+  rpeer *rp = x->peer ? rpeer_of(x->peer) : NULL;
+  if (!rp || !x->tp_state) return;
+  pthread_mutex_lock(&rp->qlock);
+  for (ticket *tk = R->live; tk; tk = tk->next_live)
+    if (tk->x == x && tk->rp == rp) credit(tk, take_back(rp, tk), KVF_ECANCELED);
+  pthread_mutex_unlock(&rp->qlock);
+}
+
+/* ------------------------------------------------------------ the loop: events */
+
+static void ticket_done(ticket *tk) {
+  live_unlink(tk);
+  xstate *xs = tk->xs;
+  kvf__xfer *x = tk->x;
+  bool last = tk->last;
+  int st = atomic_load(&tk->status);
+  uint64_t wrs = atomic_load(&tk->wrs);
+  if (wrs) {
+    R->last_wrs = wrs;
+    R->last_loop_ns = tk->loop_ns;
+    R->last_build_ns = atomic_load(&tk->build_ns);
+    R->last_bell_ns = atomic_load(&tk->bell_ns);
+    kvf__debug("rdma: %s: %llu work requests; posting cost per request: %.0f ns on the loop, "
+               "%.0f ns building, %.0f ns in ibv_post_send",
+               x->id, (unsigned long long)wrs, (double)tk->loop_ns / (double)wrs,
+               (double)R->last_build_ns / (double)wrs, (double)R->last_bell_ns / (double)wrs);
+  }
+  free(tk->runs);
+  free(tk);
+  if (--xs->out == 0) {
+    x->tp_state = NULL;
+    free(xs);
+  }
+  kvf__xfer_on_posted(x, st == KVF_ECANCELED ? 0 : st, last);
+}
+
+static void grant_key(char *buf, size_t len, uint32_t token) { snprintf(buf, len, "%08x", token); }
+
+static void on_imm(const tevent *e) {
+  rpeer *rp = rpeer_of(e->peer);
+  char key[16];
+  if (!rp || rp->gen != e->gen) return;
+  grant_key(key, sizeof(key), e->imm);
+  rgrant *g = kvf__map_get(&R->grants, key);
+  if (!g || g->peer != e->peer) {
+    kvf__debug("rdma: completion notice %08x from %s matches no open grant", e->imm, peer_name(rp));
+    return;
+  }
+  kvf__xfer_on_delivered(g->x);
+}
+
+static void handle_event(tevent *e) {
+  rpeer *rp;
+  switch (e->kind) {
+  case EV_TICKET:
+    ticket_done((ticket *)e);
+    return;
+  case EV_IMM:
+    on_imm(e);
+    break;
+  case EV_FAIL:
+    rp = rpeer_of(e->peer);
+    if (rp && rp->gen == e->gen) kvf__peer_fail(e->peer, e->why);
+    break;
+  }
+  free(e);
+}
+
+static void on_async(uv_async_t *a) {
+  pthread_mutex_lock(&R->ev_lock);
+  tevent *e = R->ev_head;
+  R->ev_head = R->ev_tail = NULL;
+  pthread_mutex_unlock(&R->ev_lock);
+  while (e) {
+    tevent *next = e->next;
+    handle_event(e);
+    e = next;
+  }
+}
+
+/* ------------------------------------------------------------ grants */
+
+static int rdma_grant_open(kvf__transport *t, kvf__xfer *x) {
+  char key[16];
+  for (size_t i = 0; R->any_gpu && !x->path && i < x->dst.n; i++)
+    if (x->dst.pool[i] < kvfd.n_pools && kvf__pool_gpu(kvfd.pools[x->dst.pool[i]])) x->path = "rdma-gdr";
+  grant_key(key, sizeof(key), (uint32_t)x->handle);
+  rgrant *g = malloc(sizeof(*g));
+  if (!g) return -ENOMEM;
+  g->x = x;
+  g->peer = x->peer;
+  int rc = kvf__map_put(&R->grants, key, g);
+  if (rc) {
+    free(g);
+    kvf__warn("rdma: grant token %s of %s is still in use; refusing the grant", key, x->id);
+    return rc == -EEXIST ? KVF_EEXIST : rc;
+  }
+  return 0;
+}
+
+static void rdma_grant_close(kvf__transport *t, kvf__xfer *x) {
+  char key[16];
+  grant_key(key, sizeof(key), (uint32_t)x->handle);
+  rgrant *g = kvf__map_get(&R->grants, key);
+  if (g && g->x == x) free(kvf__map_del(&R->grants, key));
+}
+
+/* ------------------------------------------------------------ connections */
+
+static bool rdma_usable(kvf__transport *t, kvf__peer *p) {
+  const Kvf__RdmaInfo *ri = p->hello ? p->hello->rdma : NULL;
+  return R->n_devs > 0 && ri && ri->version == INFO_VERSION && ri->n_devices > 0;
+}
+
+static void priv_encode(uint8_t *b, uint64_t dst_session) {
+  put_u32(b, PRIV_MAGIC);
+  put_u32(b + 4, PRIV_VERSION);
+  put_u64(b + 8, kvfd.session);
+  put_u64(b + 16, dst_session);
+}
+
+static int priv_decode(const uint8_t *b, size_t len, uint64_t *src, uint64_t *dst) {
+  if (len < PRIV_LEN || get_u32(b) != PRIV_MAGIC || get_u32(b + 4) != PRIV_VERSION) return KVF_EPROTO;
+  *src = get_u64(b + 8);
+  *dst = get_u64(b + 16);
+  return 0;
+}
+
+static rqp *qp_new(rlink *lk, bool outbound) {
+  if (lk->n_all == MAX_QPS) return NULL;
+  rqp *q = calloc(1, sizeof(*q));
+  if (!q) return NULL;
+  q->lk = lk;
+  q->outbound = outbound;
+  lk->all[lk->n_all++] = q;
+  return q;
+}
+
+/* From here on the progress thread sees q (its CQ entries, its queues). */
+static void publish(rlink *lk, rqp *q) {
+  unsigned n = atomic_load(&lk->n_qps);
+  atomic_store(&lk->qps[n], q);
+  atomic_store(&lk->n_qps, n + 1);
+}
+
+static int create_qp(rlink *lk, rqp *q) {
+  rdev *d = lk->dev;
+  if (q->id->verbs != d->ctx) return -EXDEV;
+  struct ibv_qp_init_attr a = {
+      .qp_context = q,
+      .send_cq = lk->cq,
+      .recv_cq = lk->cq,
+      .qp_type = IBV_QPT_RC,
+      .cap = {.max_send_wr = q->outbound ? lk->depth : 1,
+              .max_recv_wr = q->outbound ? 1 : lk->depth,
+              .max_send_sge = 1,
+              .max_recv_sge = 1,
+              .max_inline_data = q->outbound ? kvfd.cfg.rdma_inline : 0},
+  };
+  struct ibv_qp_init_attr want = a;
+  if (rdma_create_qp(q->id, d->pd, &a) != 0) {
+    if (want.cap.max_inline_data == 0) return -errno;
+    a = want; /* the device may not inline: go without */
+    a.cap.max_inline_data = 0;
+    if (rdma_create_qp(q->id, d->pd, &a) != 0) return -errno;
+  }
+  q->qp = q->id->qp;
+  q->qp_num = q->qp->qp_num;
+  q->max_inline = a.cap.max_inline_data;
+  if (q->outbound) {
+    q->sq_cap = lk->depth;
+    q->ring = calloc(q->sq_cap, sizeof(*q->ring));
+    if (!q->ring) return -ENOMEM;
+  } else {
+    q->rq_cap = lk->depth;
+    int rc = post_recvs(q, q->rq_cap);
+    if (rc) return rc;
+  }
+  publish(lk, q);
+  return 0;
+}
+
+static const char *qp_error_text(int rc, char *buf, size_t len) {
+  if (rc == -EXDEV) return "the address resolves to another device";
+  snprintf(buf, len, "%s", strerror(-rc));
+  return buf;
+}
+
+/* A dialed QP that never connected (the path is still coming back, or the
+ * peer is not listening yet) is retried with backoff, up to CONNECT_MS after
+ * the peer came up, instead of failing the peer at once: fast cycles of
+ * peer failures would only churn the control connection. The old QP stays
+ * (inert) until the link goes. */
+static void redial_later(rqp *q, const char *what, const char *detail) {
+  rlink *lk = q->lk;
+  kvf__debug("rdma: %s: %s (%s -> %s) failed: %s; trying again", peer_name(lk->rp), what, lk->dev->name,
+             lk->peer_dev, detail);
+  q->gone = true;
+  if (q->qp) ibv_modify_qp(q->qp, &(struct ibv_qp_attr){.qp_state = IBV_QPS_ERR}, IBV_QP_STATE);
+  if (q->id) q->id->context = NULL;
+  lk->redial_ms = lk->redial_ms ? (lk->redial_ms * 2 > 1000 ? 1000 : lk->redial_ms * 2) : REDIAL_MS;
+  lk->redial_at = kvf__now_ns() + (uint64_t)lk->redial_ms * 1000000ull;
+  lk->redial++;
+}
+
+/* Fails the peer from the loop's next turn, not from inside a CM or
+ * peer_up handler that still holds q. */
+static void dial_failed(rqp *q, const char *what, const char *detail) {
+  rlink *lk = q->lk;
+  if (!q->outbound) { /* see qp_failed */
+    kvf__debug("rdma: %s: dropped an accepted QP on %s: %s: %s", peer_name(lk->rp), lk->dev->name, what, detail);
+    q->gone = true;
+    if (q->qp) ibv_modify_qp(q->qp, &(struct ibv_qp_attr){.qp_state = IBV_QPS_ERR}, IBV_QP_STATE);
+    return;
+  }
+  if (!q->established && kvf__now_ns() - lk->rp->up_ns < (uint64_t)CONNECT_MS * 1000000ull) {
+    redial_later(q, what, detail);
+    return;
+  }
+  fail_peer_soon(lk->rp, "rdma: %s with %s (%s -> %s %s) failed: %s", what, peer_name(lk->rp), lk->dev->name,
+                 lk->peer_dev, q->outbound ? "dialed" : "accepted", detail);
+}
+
+static int dial(rlink *lk) {
+  rqp *q = qp_new(lk, true);
+  if (!q) return -ENOMEM;
+  if (rdma_create_id(R->cm, &q->id, q, RDMA_PS_TCP) != 0) return -errno;
+  uint8_t timeout = ACK_TIMEOUT;
+  /* A dead path must error the QP well before transfer deadlines. */
+  if (rdma_set_option(q->id, RDMA_OPTION_ID, RDMA_OPTION_ID_ACK_TIMEOUT, &timeout, sizeof(timeout)))
+    kvf__debug("rdma: cannot set the ACK timeout (%s); using the CM's", strerror(errno));
+  struct sockaddr_storage src = lk->dev->addr;
+  set_port(&src, 0);
+  /* Fails at once when the path is down: the peer is failed (and retried
+   * with backoff) from the loop's next turn, like any later CM failure. */
+  if (rdma_resolve_addr(q->id, (struct sockaddr *)&src, (struct sockaddr *)&lk->dst, RESOLVE_MS) != 0)
+    dial_failed(q, "address resolution", strerror(errno));
+  return 0;
+}
+
+static void on_route_resolved(rqp *q) {
+  char buf[96];
+  int rc = create_qp(q->lk, q);
+  if (rc) {
+    dial_failed(q, "creating a QP", qp_error_text(rc, buf, sizeof(buf)));
+    return;
+  }
+  uint8_t priv[PRIV_LEN];
+  priv_encode(priv, q->lk->rp->session);
+  struct rdma_conn_param cp = {.private_data = priv,
+                               .private_data_len = PRIV_LEN,
+                               .retry_count = RETRY_COUNT,
+                               .rnr_retry_count = RNR_RETRY};
+  if (rdma_connect(q->id, &cp) != 0) dial_failed(q, "rdma_connect", strerror(errno));
+}
+
+static bool peer_ready(const rpeer *rp) {
+  for (int i = 0; i < rp->n_links; i++)
+    if (rp->links[i]->n_ready < rp->links[i]->n_out) return false;
+  return true;
+}
+
+static void on_established(rqp *q) {
+  rpeer *rp = q->lk->rp;
+  q->established = true;
+  if (!q->outbound) return;
+  atomic_store(&q->ready, true);
+  wake(q->lk->dev);
+  q->lk->n_ready++;
+  if (peer_ready(rp) && !rp->said_ready) {
+    rp->said_ready = true;
+    kvf__info("rdma: peer %s ready: %d device(s) x %u QP(s), %.1f ms to connect", peer_name(rp),
+              rp->n_links, kvfd.cfg.rdma_qps_per_peer, (double)(kvf__now_ns() - rp->up_ns) / 1e6);
+  }
+}
+
+static rdev *dev_of(struct ibv_context *ctx) {
+  for (int i = 0; i < R->n_devs; i++)
+    if (R->devs[i].ctx == ctx) return &R->devs[i];
+  return NULL;
+}
+
+static void reject(struct rdma_cm_id *id) {
+  rdma_reject(id, NULL, 0);
+  rdma_destroy_id(id);
+}
+
+static rlink *link_on(rpeer *rp, const rdev *d) {
+  for (int i = 0; i < rp->n_links; i++)
+    if (rp->links[i]->dev == d) return rp->links[i];
+  return NULL;
+}
+
+/* An inbound QP of the peer: it only receives the peer's completion notices. */
+static void accept_on(rpeer *rp, rdev *d, struct rdma_cm_id *id) {
+  char buf[96];
+  rlink *lk = link_on(rp, d);
+  rqp *q = lk ? qp_new(lk, false) : NULL;
+  if (!q) {
+    reject(id);
+    return;
+  }
+  q->id = id;
+  id->context = q;
+  int rc = create_qp(lk, q);
+  if (rc) {
+    rdma_reject(id, NULL, 0);
+    dial_failed(q, "creating a QP", qp_error_text(rc, buf, sizeof(buf)));
+    return;
+  }
+  struct rdma_conn_param cp = {.retry_count = RETRY_COUNT, .rnr_retry_count = RNR_RETRY};
+  if (rdma_accept(id, &cp) != 0) dial_failed(q, "rdma_accept", strerror(errno));
+}
+
+static rpeer *rpeer_by_session(uint64_t session) {
+  for (size_t i = 0; i < R->n_peers; i++)
+    if (R->peers[i]->session == session) return R->peers[i];
+  return NULL;
+}
+
+/* The peer dialed before its Hello reached us: hold the request a while. */
+static void park(struct rdma_cm_id *id, rdev *d, uint64_t session) {
+  parked *pk = calloc(1, sizeof(*pk));
+  if (!pk) {
+    reject(id);
+    return;
+  }
+  id->context = NULL;
+  pk->id = id;
+  pk->dev = d;
+  pk->session = session;
+  pk->since_ns = kvf__now_ns();
+  pk->next = R->parked;
+  R->parked = pk;
+}
+
+static void on_connect_request(const cm_ev *ev) {
+  uint64_t src, dst;
+  rdev *d = dev_of(ev->id->verbs);
+  if (!d || priv_decode(ev->priv, ev->priv_len, &src, &dst) != 0 || dst != kvfd.session) {
+    kvf__debug("rdma: refused a connection request (unknown, or for an earlier start of this daemon)");
+    reject(ev->id);
+    return;
+  }
+  rpeer *rp = rpeer_by_session(src);
+  if (rp) accept_on(rp, d, ev->id);
+  else park(ev->id, d, src);
+}
+
+/* Parked requests of this peer (adopt) or too old / of no peer (drop). */
+static void sweep_parked(rpeer *adopt, bool drop_all) {
+  uint64_t now = kvf__now_ns();
+  parked **pp = &R->parked;
+  while (*pp) {
+    parked *pk = *pp;
+    bool mine = adopt && pk->session == adopt->session;
+    bool old = now - pk->since_ns > (uint64_t)PARK_MS * 1000000ull;
+    if (!mine && !old && !drop_all) {
+      pp = &pk->next;
+      continue;
+    }
+    *pp = pk->next;
+    if (mine) accept_on(adopt, pk->dev, pk->id);
+    else reject(pk->id);
+    free(pk);
+  }
+}
+
+static void on_cm_event(const cm_ev *ev) {
+  if (ev->type == RDMA_CM_EVENT_CONNECT_REQUEST) {
+    on_connect_request(ev);
+    return;
+  }
+  for (int i = 0; i < R->n_devs; i++)
+    if (ev->id == R->devs[i].listener) {
+      if (ev->type == RDMA_CM_EVENT_DEVICE_REMOVAL) kvf__err("rdma: device %s was removed", R->devs[i].name);
+      return;
+    }
+  rqp *q = ev->ctx;
+  if (!q) return; /* a parked request, or a QP of a peer already down */
+  char detail[96];
+  snprintf(detail, sizeof(detail), "%s (status %d)", rdma_event_str(ev->type), ev->status);
+  kvf__debug("rdma: %s QP %u %s %s on %s: %s", q->outbound ? "dialed" : "accepted", q->qp_num,
+             q->outbound ? "to" : "from", peer_name(q->lk->rp), q->lk->dev->name, detail);
+  switch (ev->type) {
+  case RDMA_CM_EVENT_ADDR_RESOLVED:
+    if (rdma_resolve_route(q->id, RESOLVE_MS) != 0) dial_failed(q, "route resolution", strerror(errno));
+    break;
+  case RDMA_CM_EVENT_ROUTE_RESOLVED: on_route_resolved(q); break;
+  case RDMA_CM_EVENT_ESTABLISHED: on_established(q); break;
+  case RDMA_CM_EVENT_ADDR_ERROR:
+  case RDMA_CM_EVENT_ROUTE_ERROR:
+  case RDMA_CM_EVENT_UNREACHABLE:
+  case RDMA_CM_EVENT_REJECTED:
+  case RDMA_CM_EVENT_CONNECT_ERROR:
+  case RDMA_CM_EVENT_DISCONNECTED:
+  case RDMA_CM_EVENT_DEVICE_REMOVAL:
+    dial_failed(q, q->established ? "the connection" : "connecting", detail);
+    break;
+  default: break;
+  }
+}
+
+static void on_cm_readable(uv_poll_t *h, int status, int events) {
+  struct rdma_cm_event *raw;
+  while (rdma_get_cm_event(R->cm, &raw) == 0) {
+    cm_ev ev = {.type = raw->event, .id = raw->id, .ctx = raw->id->context, .status = raw->status};
+    size_t n = raw->param.conn.private_data_len;
+    if (raw->event == RDMA_CM_EVENT_CONNECT_REQUEST && raw->param.conn.private_data) {
+      ev.priv_len = n < PRIV_LEN ? n : PRIV_LEN;
+      memcpy(ev.priv, raw->param.conn.private_data, ev.priv_len);
+    }
+    /* Acked before handling: a handler may destroy ids, which waits for
+     * their events to be acked. */
+    rdma_ack_cm_event(raw);
+    on_cm_event(&ev);
+  }
+}
+
+/* ------------------------------------------------------------ peers */
+
+static void destroy_link(rlink *lk) {
+  uint64_t t0 = kvf__now_ns();
+  for (unsigned i = 0; i < lk->n_all; i++) {
+    rqp *q = lk->all[i];
+    if (q->id) {
+      if (q->established) rdma_disconnect(q->id);
+      if (q->qp) rdma_destroy_qp(q->id);
+      rdma_destroy_id(q->id);
+    }
+    free(q->ring);
+    free(q);
+  }
+  if (lk->cq) ibv_destroy_cq(lk->cq);
+  kvf__debug("rdma: destroyed %u QP(s) and a CQ of %s in %.1f ms", lk->n_all, lk->dev->name,
+             (double)(kvf__now_ns() - t0) / 1e6);
+  free(lk->raddr);
+  free(lk->rkey);
+  free(lk);
+}
+
+static void *reaper_main(void *arg) {
+  pthread_mutex_lock(&R->reap_lock);
+  for (;;) {
+    while (!R->reap_head && !R->reaper_stop) pthread_cond_wait(&R->reap_cond, &R->reap_lock);
+    rlink *lk = R->reap_head;
+    if (!lk) break;
+    R->reap_head = lk->next;
+    pthread_mutex_unlock(&R->reap_lock);
+    destroy_link(lk);
+    pthread_mutex_lock(&R->reap_lock);
+  }
+  pthread_mutex_unlock(&R->reap_lock);
+  return NULL;
+}
+
+/* The loop's part of a link's end: every QP to the error state (no more
+ * DMA from our pools), no more CM events for its ids; the reaper destroys
+ * the rest. Without a reaper (start failed), at once. */
+static void reap_link(rlink *lk) {
+  for (unsigned i = 0; i < lk->n_all; i++) {
+    rqp *q = lk->all[i];
+    if (q->qp) ibv_modify_qp(q->qp, &(struct ibv_qp_attr){.qp_state = IBV_QPS_ERR}, IBV_QP_STATE);
+    if (q->id) q->id->context = NULL;
+  }
+  if (!R->reaper_on) {
+    destroy_link(lk);
+    return;
+  }
+  pthread_mutex_lock(&R->reap_lock);
+  lk->next = R->reap_head;
+  R->reap_head = lk;
+  pthread_cond_signal(&R->reap_cond);
+  pthread_mutex_unlock(&R->reap_lock);
+}
+
+/* Completes every ticket of rp with KVF_EPEERLOST for what never ran; what
+ * was in flight the threads completed when they let go of the links. */
+static void drain_peer(rpeer *rp) {
+  for (ticket *tk = R->live; tk; tk = tk->next_live) {
+    if (tk->rp != rp) continue;
+    size_t k = take_back(rp, tk);
+    tk->rp = NULL;
+    tk->xs->rp = NULL;
+    credit(tk, k, KVF_EPEERLOST);
+  }
+}
+
+static void unregister_peer(rpeer *rp) {
+  for (size_t i = 0; i < R->n_peers; i++)
+    if (R->peers[i] == rp) {
+      R->peers[i] = R->peers[--R->n_peers];
+      return;
+    }
+}
+
+static void rdma_peer_down(kvf__transport *t, kvf__peer *p) {
+  rpeer *rp = rpeer_of(p);
+  if (!rp) return;
+  unregister_peer(rp);
+  for (int i = 0; i < rp->n_links; i++)
+    if (rp->links[i]->attached) detach_and_wait(rp->links[i]);
+  for (int i = 0; i < rp->n_links; i++) reap_link(rp->links[i]);
+  drain_peer(rp);
+  pthread_mutex_destroy(&rp->qlock);
+  free(rp->pool_size);
+  free(rp->pool_gpu);
+  free(rp);
+}
+
+static int find_mrs(rlink *lk, const Kvf__RdmaDevice *rd, const rpeer *rp) {
+  lk->n_rpools = rp->n_pools;
+  lk->raddr = calloc(rp->n_pools ? rp->n_pools : 1, sizeof(*lk->raddr));
+  lk->rkey = calloc(rp->n_pools ? rp->n_pools : 1, sizeof(*lk->rkey));
+  if (!lk->raddr || !lk->rkey) return -ENOMEM;
+  size_t found = 0;
+  for (size_t i = 0; i < rd->n_mrs; i++) {
+    const Kvf__RdmaMr *m = rd->mrs[i];
+    if (m->pool >= rp->n_pools || m->length < rp->pool_size[m->pool]) continue;
+    lk->raddr[m->pool] = m->addr;
+    lk->rkey[m->pool] = m->rkey;
+    found++;
+  }
+  return found >= rp->n_pools ? 0 : KVF_EPROTO;
+}
+
+static int parse_dst(rlink *lk, const Kvf__RdmaDevice *rd) {
+  struct addrinfo hints = {.ai_flags = AI_NUMERICHOST, .ai_socktype = SOCK_STREAM}, *res;
+  char port[8];
+  snprintf(port, sizeof(port), "%u", rd->cm_port);
+  if (!rd->cm_addr || getaddrinfo(rd->cm_addr, port, &hints, &res) != 0) return KVF_EPROTO;
+  memcpy(&lk->dst, res->ai_addr, res->ai_addrlen);
+  freeaddrinfo(res);
+  return 0;
+}
+
+/* CQ entries: every dialed QP's sends and every accepted QP's receives
+ * (plus one each for the other direction), within what the device allows. */
+static int make_cq(rlink *lk, const Kvf__RdmaInfo *ri) {
+  rdev *d = lk->dev;
+  uint32_t qps = lk->n_out + (ri->qps_per_peer ? ri->qps_per_peer : lk->n_out);
+  uint32_t depth = kvfd.cfg.rdma_queue_depth;
+  if (depth > d->max_qp_wr) depth = d->max_qp_wr;
+  if ((uint64_t)qps * (depth + 1) > d->max_cqe) depth = d->max_cqe / qps - 1;
+  if (depth < 2) return -ENOSPC;
+  lk->depth = depth;
+  lk->cq = ibv_create_cq(d->ctx, (int)(qps * (depth + 1)), lk, d->ch, 0);
+  return lk->cq ? 0 : -errno;
+}
+
+static int link_new(rpeer *rp, rdev *d, const Kvf__RdmaDevice *rd, const Kvf__RdmaInfo *ri) {
+  rlink *lk = calloc(1, sizeof(*lk));
+  if (!lk) return -ENOMEM;
+  lk->rp = rp;
+  lk->dev = d;
+  lk->n_out = kvfd.cfg.rdma_qps_per_peer;
+  snprintf(lk->peer_dev, sizeof(lk->peer_dev), "%s", rd->name ? rd->name : "?");
+  rp->links[rp->n_links++] = lk;
+  int rc = find_mrs(lk, rd, rp);
+  if (rc == 0) rc = parse_dst(lk, rd);
+  if (rc) {
+    kvf__warn("rdma: peer %s announced device %s without a usable address or rkeys", peer_name(rp),
+              lk->peer_dev);
+    return rc;
+  }
+  if ((rc = make_cq(lk, ri)) != 0) return rc;
+  send_cmd(d, CMD_ATTACH, lk);
+  lk->attached = true;
+  for (unsigned i = 0; i < lk->n_out && rc == 0; i++) rc = dial(lk);
+  return rc;
+}
+
+static rpeer *rpeer_new(kvf__peer *p) {
+  rpeer *rp = calloc(1, sizeof(*rp));
+  if (!rp) return NULL;
+  const Kvf__Hello *h = p->hello;
+  rp->p = p;
+  rp->gen = ++R->gen;
+  rp->session = p->remote_session;
+  rp->up_ns = kvf__now_ns();
+  rp->n_pools = h->n_pools;
+  rp->pool_size = calloc(h->n_pools ? h->n_pools : 1, sizeof(*rp->pool_size));
+  rp->pool_gpu = calloc(h->n_pools ? h->n_pools : 1, sizeof(*rp->pool_gpu));
+  if (!rp->pool_size || !rp->pool_gpu) {
+    free(rp->pool_size);
+    free(rp->pool_gpu);
+    free(rp);
+    return NULL;
+  }
+  for (size_t i = 0; i < h->n_pools; i++) {
+    const Kvf__PoolInfo *pi = h->pools[i];
+    if (pi->id >= h->n_pools) continue;
+    rp->pool_size[pi->id] = pi->size;
+    rp->pool_gpu[pi->id] = pi->kind && strncmp(pi->kind, "cuda", 4) == 0;
+    rp->gpu_pools |= rp->pool_gpu[pi->id];
+  }
+  pthread_mutex_init(&rp->qlock, NULL);
+  R->peers[R->n_peers++] = rp;
+  return rp;
+}
+
+/* Dials our QPs to the peer; the data path opens as they get established
+ * (posts queue meanwhile). A failure here is cleaned up by peer_down. */
+static int rdma_peer_up(kvf__transport *t, kvf__peer *p) {
+  const Kvf__RdmaInfo *ri = p->hello ? p->hello->rdma : NULL;
+  if (!ri || ri->n_devices == 0 || R->n_peers == KVF__MAX_PEERS_CFG) return KVF_EPROTO;
+  rpeer *rp = rpeer_new(p);
+  if (!rp) return -ENOMEM;
+  for (int i = 0; i < R->n_devs; i++) {
+    int rc = link_new(rp, &R->devs[i], ri->devices[(size_t)i % ri->n_devices], ri);
+    if (rc) {
+      kvf__warn("rdma: peer %s: cannot set up device %s: %s", peer_name(rp), R->devs[i].name,
+                rc < -4000 ? kvf_strerror(rc) : strerror(-rc));
+      return rc;
+    }
+  }
+  sweep_parked(rp, false);
+  return 0;
+}
+
+/* Once a second: drop parked requests nobody claimed, and fail peers whose
+ * QPs do not connect (a CM that keeps retrying would hold them forever). */
+static void on_sweep(uv_timer_t *tm) {
+  sweep_parked(NULL, false);
+  uint64_t now = kvf__now_ns();
+  for (size_t i = 0; i < R->n_peers; i++) {
+    rpeer *rp = R->peers[i];
+    for (int l = 0; l < rp->n_links; l++) {
+      rlink *lk = rp->links[l];
+      for (; lk->redial && now >= lk->redial_at; lk->redial--)
+        if (dial(lk) != 0) break;
+    }
+    if (!peer_ready(rp) && now - rp->up_ns > (uint64_t)CONNECT_MS * 1000000ull) {
+      kvf__peer_fail(rp->p, "rdma: queue pairs not connected in time");
+      return; /* the array changed */
+    }
+  }
+}
+
+/* ------------------------------------------------------------ device async events */
+
+static void on_dev_async(uv_poll_t *h, int status, int events) {
+  rdev *d = h->data;
+  struct ibv_async_event ev;
+  while (ibv_get_async_event(d->ctx, &ev) == 0) {
+    enum ibv_event_type type = ev.event_type;
+    kvf__peer *p = NULL;
+    uint64_t gen = 0;
+    if ((type == IBV_EVENT_QP_FATAL || type == IBV_EVENT_QP_REQ_ERR || type == IBV_EVENT_QP_ACCESS_ERR) &&
+        ev.element.qp && ev.element.qp->qp_context) {
+      rqp *q = ev.element.qp->qp_context;
+      p = q->lk->rp->p;
+      gen = q->lk->rp->gen;
+    } else if (type == IBV_EVENT_CQ_ERR && ev.element.cq && ev.element.cq->cq_context) {
+      rlink *lk = ev.element.cq->cq_context;
+      p = lk->rp->p;
+      gen = lk->rp->gen;
+    }
+    int port = ev.element.port_num;
+    ibv_ack_async_event(&ev); /* before acting: tearing down waits for the ack */
+    if (type == IBV_EVENT_PORT_ERR || type == IBV_EVENT_PORT_ACTIVE)
+      kvf__warn("rdma: %s port %d is %s", d->name, port, type == IBV_EVENT_PORT_ACTIVE ? "active" : "down");
+    else if (type == IBV_EVENT_DEVICE_FATAL)
+      kvf__err("rdma: %s: fatal device error", d->name);
+    rpeer *rp = p ? rpeer_of(p) : NULL;
+    if (rp && rp->gen == gen) {
+      char why[128];
+      snprintf(why, sizeof(why), "rdma: %s on %s", ibv_event_type_str(type), d->name);
+      kvf__peer_fail(p, why);
+    }
+  }
+}
+
+/* ------------------------------------------------------------ devices */
+
+static bool is_wildcard(const char *host) {
+  return !host[0] || strcmp(host, "0.0.0.0") == 0 || strcmp(host, "::") == 0;
+}
+
+/* The address whose GID we want: rdma-listen's host, else peer-listen's. */
+static bool wanted_ip(struct in6_addr *out) {
+  const char *h = !is_wildcard(kvfd.cfg.rdma_listen_host) ? kvfd.cfg.rdma_listen_host
+                  : !is_wildcard(kvfd.cfg.listen_host)     ? kvfd.cfg.listen_host
+                                                           : NULL;
+  struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *res;
+  if (!h || getaddrinfo(h, NULL, &hints, &res) != 0) return false;
+  if (res->ai_family == AF_INET) {
+    memset(out, 0, sizeof(*out));
+    out->s6_addr[10] = out->s6_addr[11] = 0xff;
+    memcpy(&out->s6_addr[12], &((struct sockaddr_in *)res->ai_addr)->sin_addr, 4);
+  } else {
+    *out = ((struct sockaddr_in6 *)res->ai_addr)->sin6_addr;
+  }
+  freeaddrinfo(res);
+  return true;
+}
+
+static bool v4_mapped(const union ibv_gid *g) {
+  static const uint8_t prefix[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+  return memcmp(g->raw, prefix, 12) == 0;
+}
+
+/* A GID we can reach through the CM: RoCE v2, with an IPv4 or a global
+ * IPv6 address. */
+static bool usable_gid(const struct ibv_gid_entry *e) {
+  if (e->gid_type != IBV_GID_TYPE_ROCE_V2) return false;
+  return v4_mapped(&e->gid) || !(e->gid.raw[0] == 0xfe && (e->gid.raw[1] & 0xc0) == 0x80);
+}
+
+static void gid_to_addr(rdev *d) {
+  memset(&d->addr, 0, sizeof(d->addr));
+  if (v4_mapped(&d->gid)) {
+    struct sockaddr_in *s = (struct sockaddr_in *)&d->addr;
+    s->sin_family = AF_INET;
+    memcpy(&s->sin_addr, &d->gid.raw[12], 4);
+  } else {
+    struct sockaddr_in6 *s = (struct sockaddr_in6 *)&d->addr;
+    s->sin6_family = AF_INET6;
+    memcpy(&s->sin6_addr, d->gid.raw, 16);
+  }
+  addr_text(&d->addr, d->ip, sizeof(d->ip));
+}
+
+/* Picks the GID: the configured index, else the first usable one (matching
+ * want when given). */
+static int pick_gid(rdev *d, uint32_t tbl_len, const struct in6_addr *want) {
+  struct ibv_gid_entry e;
+  if (kvfd.cfg.rdma_gid_index >= 0) {
+    if (ibv_query_gid_ex(d->ctx, d->port, (uint32_t)kvfd.cfg.rdma_gid_index, &e, 0) != 0 || !usable_gid(&e))
+      return -ENOENT;
+    d->gid = e.gid;
+    d->gid_index = e.gid_index;
+    return 0;
+  }
+  for (uint32_t i = 0; i < tbl_len; i++) {
+    if (ibv_query_gid_ex(d->ctx, d->port, i, &e, 0) != 0 || !usable_gid(&e)) continue;
+    if (want && memcmp(e.gid.raw, want->s6_addr, 16) != 0) continue;
+    if (!want && !v4_mapped(&e.gid)) continue;
+    d->gid = e.gid;
+    d->gid_index = e.gid_index;
+    return 0;
+  }
+  return -ENOENT;
+}
+
+/* Adds (ctx, port) when the port is active RoCE with a GID we can use.
+ * why gets the reason when it is not. */
+static int add_device(struct ibv_context *ctx, uint8_t port, const struct in6_addr *want, char *why,
+                      size_t wlen) {
+  const char *name = ibv_get_device_name(ctx->device);
+  struct ibv_port_attr pa;
+  struct ibv_device_attr da;
+  if (R->n_devs == MAX_DEVS) return snprintf(why, wlen, "more than %d devices", MAX_DEVS), -E2BIG;
+  if (ibv_query_port(ctx, port, &pa) != 0 || ibv_query_device(ctx, &da) != 0)
+    return snprintf(why, wlen, "%s port %u cannot be queried", name, port), -ENODEV;
+  if (pa.state != IBV_PORT_ACTIVE)
+    return snprintf(why, wlen, "%s port %u is not active", name, port), -ENODEV;
+  if (pa.link_layer != IBV_LINK_LAYER_ETHERNET)
+    return snprintf(why, wlen, "%s port %u is not RoCE (InfiniBand needs IPoIB support)", name, port), -ENODEV;
+  rdev *d = &R->devs[R->n_devs];
+  memset(d, 0, sizeof(*d));
+  d->efd = d->epfd = -1;
+  pthread_mutex_init(&d->lock, NULL);
+  pthread_cond_init(&d->cond, NULL);
+  d->ctx = ctx;
+  d->port = port;
+  snprintf(d->name, sizeof(d->name), "%s", name);
+  if (pick_gid(d, (uint32_t)pa.gid_tbl_len, want) != 0)
+    return snprintf(why, wlen, "%s port %u has no RoCE v2 GID %s", name, port,
+                    kvfd.cfg.rdma_gid_index >= 0 ? "with an IP at rdma-gid-index" : "for our address"),
+           -ENODEV;
+  gid_to_addr(d);
+  d->max_cqe = (uint32_t)da.max_cqe;
+  d->max_qp_wr = (uint32_t)da.max_qp_wr;
+  d->index = R->n_devs++;
+  return 0;
+}
+
+static int open_named(const struct in6_addr *want, char *err, size_t errlen) {
+  char list[sizeof(kvfd.cfg.rdma_devices)];
+  snprintf(list, sizeof(list), "%s", kvfd.cfg.rdma_devices);
+  for (char *save = NULL, *w = strtok_r(list, ",", &save); w; w = strtok_r(NULL, ",", &save)) {
+    char *colon = strchr(w, ':');
+    uint8_t port = colon ? (uint8_t)atoi(colon + 1) : 1;
+    if (colon) *colon = 0;
+    struct ibv_context *ctx = NULL;
+    for (int i = 0; R->all[i]; i++)
+      if (strcmp(ibv_get_device_name(R->all[i]->device), w) == 0) ctx = R->all[i];
+    if (!ctx) return snprintf(err, errlen, "rdma-devices: no device named %s", w), -ENODEV;
+    /* A named device need not carry our address: it may be a second rail. */
+    int rc = add_device(ctx, port, NULL, err, errlen);
+    if (rc) return rc;
+  }
+  (void)want;
+  return 0;
+}
+
+static int open_auto(const struct in6_addr *want, char *err, size_t errlen) {
+  char why[160] = "no RDMA device has an active RoCE port";
+  for (int i = 0; R->all[i]; i++) {
+    struct ibv_device_attr da;
+    if (ibv_query_device(R->all[i], &da) != 0) continue;
+    for (uint8_t port = 1; port <= da.phys_port_cnt; port++) add_device(R->all[i], port, want, why, sizeof(why));
+  }
+  if (R->n_devs) return 0;
+  char ip[INET6_ADDRSTRLEN] = "";
+  if (want) inet_ntop(AF_INET6, want, ip, sizeof(ip));
+  snprintf(err, errlen, "%s%s%s (set rdma-devices or rdma-listen)", want ? "no RoCE v2 GID for " : why,
+           want ? ip : "", want ? " on any device" : "");
+  return -ENODEV;
+}
+
+static int open_devices(char *err, size_t errlen) {
+  int n = 0;
+  R->all = rdma_get_devices(&n);
+  if (!R->all || n == 0) {
+    snprintf(err, errlen, "no RDMA device found");
+    return -ENODEV;
+  }
+  struct in6_addr want;
+  bool have = wanted_ip(&want);
+  if (kvfd.cfg.rdma_devices[0]) return open_named(have ? &want : NULL, err, errlen);
+  return open_auto(have ? &want : NULL, err, errlen);
+}
+
+static bool has_ipc_lock(void) {
+  FILE *f = fopen("/proc/self/status", "r");
+  char line[256];
+  unsigned long long caps = 0;
+  if (!f) return false;
+  while (fgets(line, sizeof(line), f))
+    if (sscanf(line, "CapEff: %llx", &caps) == 1) break;
+  fclose(f);
+  return caps & (1ull << CAP_IPC_LOCK_BIT);
+}
+
+/* Each registration pins the pool again, counted against RLIMIT_MEMLOCK
+ * unless we hold CAP_IPC_LOCK. */
+static int check_memlock(char *err, size_t errlen) {
+  uint64_t need = 0;
+  for (size_t i = 0; i < kvfd.n_pools; i++) /* GPU memory pins no host pages */
+    if (!kvf__pool_gpu(kvfd.pools[i])) need += kvfd.pools[i]->size;
+  need *= (uint64_t)R->n_devs;
+  struct rlimit rl;
+  if (need == 0 || has_ipc_lock() || getrlimit(RLIMIT_MEMLOCK, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY ||
+      rl.rlim_cur >= need)
+    return 0;
+  snprintf(err, errlen,
+           "RLIMIT_MEMLOCK is %llu bytes but registering the pools with %d device(s) pins %llu; set "
+           "LimitMEMLOCK=infinity in the service (or ulimit -l unlimited), or grant CAP_IPC_LOCK",
+           (unsigned long long)rl.rlim_cur, R->n_devs, (unsigned long long)need);
+  return -ENOMEM;
+}
+
+static bool access_ok(const char *path) { return access(path, F_OK) == 0; }
+
+/* A cuda pool, GPUDirect: dmabuf (cuMemGetHandleForAddressRange +
+ * ibv_reg_dmabuf_mr) first, then ibv_reg_mr of the device address (works
+ * with nvidia-peermem loaded); p->nic_reg says which. NULL when neither. */
+static struct ibv_mr *register_gpu_pool(rdev *d, kvf__pool *p, char *why, size_t whylen) {
+  const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+  int fd = -1;
+  uint64_t off = 0;
+  int rc = kvf__pool_dmabuf(p, &fd, &off);
+  struct ibv_mr *mr = NULL;
+  if (rc == 0) {
+    mr = ibv_reg_dmabuf_mr(d->pd, off, p->size, (uint64_t)(uintptr_t)p->base, fd, access);
+    int e = errno;
+    close(fd);
+    if (mr) {
+      snprintf(p->nic_reg, sizeof(p->nic_reg), "dmabuf");
+      return mr;
+    }
+    snprintf(why, whylen, "ibv_reg_dmabuf_mr: %s", strerror(e));
+  } else {
+    snprintf(why, whylen, "no dmabuf export (%s)", strerror(-rc));
+  }
+  mr = ibv_reg_mr(d->pd, p->base, p->size, access);
+  if (mr) {
+    snprintf(p->nic_reg, sizeof(p->nic_reg), "peermem");
+    return mr;
+  }
+  size_t used = strlen(why);
+  snprintf(why + used, whylen - used, "; ibv_reg_mr of GPU memory: %s (nvidia-peermem %s)", strerror(errno),
+           access_ok("/sys/module/nvidia_peermem") ? "loaded" : "not loaded");
+  snprintf(p->nic_reg, sizeof(p->nic_reg), "bounce");
+  return NULL;
+}
+
+static int register_pools(rdev *d, char *err, size_t errlen) {
+  d->mrs = calloc(kvfd.n_pools ? kvfd.n_pools : 1, sizeof(*d->mrs));
+  d->lkey = calloc(kvfd.n_pools ? kvfd.n_pools : 1, sizeof(*d->lkey));
+  if (!d->mrs || !d->lkey) return -ENOMEM;
+  for (size_t i = 0; i < kvfd.n_pools; i++) {
+    kvf__pool *p = kvfd.pools[i];
+    if (kvf__pool_gpu(p)) {
+      char why[256] = "";
+      d->mrs[i] = register_gpu_pool(d, p, why, sizeof(why));
+      if (!d->mrs[i]) {
+        /* No half-registered daemon: without GPUDirect for this pool, rdma
+         * steps aside (start fails with -ENODEV) and tcp carries the
+         * transfers, staged through pinned memory (tcp-bounce); said. */
+        snprintf(err, errlen, "pool %s (%s) cannot be registered with %s: %s; GPU pools are bounce-only", p->name,
+                 p->kind, d->name, why);
+        return -ENODEV;
+      }
+      d->lkey[i] = d->mrs[i]->lkey;
+      continue;
+    }
+    snprintf(p->nic_reg, sizeof(p->nic_reg), "host");
+    d->mrs[i] = ibv_reg_mr(d->pd, p->base, p->size, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    if (!d->mrs[i]) {
+      int e = errno;
+      snprintf(err, errlen, "registering pool %s (%llu bytes) with %s failed: %s%s", p->name,
+               (unsigned long long)p->size, d->name, strerror(e),
+               e == ENOMEM || e == EPERM ? " (raise RLIMIT_MEMLOCK: LimitMEMLOCK=infinity)" : "");
+      return -e;
+    }
+    d->lkey[i] = d->mrs[i]->lkey;
+  }
+  return 0;
+}
+
+static int setup_device(rdev *d, char *err, size_t errlen) {
+  d->pd = ibv_alloc_pd(d->ctx);
+  d->ch = d->pd ? ibv_create_comp_channel(d->ctx) : NULL;
+  if (!d->ch || set_nonblock(d->ch->fd) || set_nonblock(d->ctx->async_fd)) {
+    snprintf(err, errlen, "%s: cannot allocate a protection domain or completion channel", d->name);
+    return -ENOMEM;
+  }
+  return register_pools(d, err, errlen);
+}
+
+static int start_listener(rdev *d, char *err, size_t errlen) {
+  struct sockaddr_storage a = d->addr;
+  set_port(&a, kvfd.cfg.rdma_listen_port);
+  if (rdma_create_id(R->cm, &d->listener, d, RDMA_PS_TCP) != 0 ||
+      rdma_bind_addr(d->listener, (struct sockaddr *)&a) != 0 || rdma_listen(d->listener, 64) != 0) {
+    snprintf(err, errlen, "CM listener of %s on %s port %u: %s", d->name, d->ip, kvfd.cfg.rdma_listen_port,
+             strerror(errno));
+    return -errno;
+  }
+  if (d->listener->verbs != d->ctx) {
+    snprintf(err, errlen, "address %s belongs to another device than %s", d->ip, d->name);
+    return -EXDEV;
+  }
+  d->cm_port = ntohs(rdma_get_src_port(d->listener));
+  return 0;
+}
+
+static int start_thread(rdev *d, char *err, size_t errlen) {
+  d->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  d->epfd = epoll_create1(EPOLL_CLOEXEC);
+  struct epoll_event a = {.events = EPOLLIN}, b = {.events = EPOLLIN};
+  if (d->efd < 0 || d->epfd < 0 || epoll_ctl(d->epfd, EPOLL_CTL_ADD, d->efd, &a) != 0 ||
+      epoll_ctl(d->epfd, EPOLL_CTL_ADD, d->ch->fd, &b) != 0) {
+    snprintf(err, errlen, "%s: progress thread setup: %s", d->name, strerror(errno));
+    return -errno;
+  }
+  if (pthread_create(&d->thr, NULL, progress_main, d) != 0) {
+    snprintf(err, errlen, "%s: cannot start its progress thread", d->name);
+    return -EAGAIN;
+  }
+  d->started = true;
+  return 0;
+}
+
+static int start_handles(void) {
+  uv_async_init(kvfd.loop, &R->async, on_async);
+  uv_poll_init(kvfd.loop, &R->cm_poll, R->cm->fd);
+  uv_poll_start(&R->cm_poll, UV_READABLE, on_cm_readable);
+  uv_timer_init(kvfd.loop, &R->sweep);
+  uv_timer_start(&R->sweep, on_sweep, 250, 250);
+  uv_unref((uv_handle_t *)&R->sweep);
+  for (int i = 0; i < R->n_devs; i++) {
+    rdev *d = &R->devs[i];
+    uv_poll_init(kvfd.loop, &d->async_poll, d->ctx->async_fd);
+    d->async_poll.data = d;
+    uv_poll_start(&d->async_poll, UV_READABLE, on_dev_async);
+    d->async_on = true;
+  }
+  R->handles = true;
+  return 0;
+}
+
+static int start(char *err, size_t errlen) {
+  int rc = open_devices(err, errlen);
+  if (rc == 0) rc = check_memlock(err, errlen);
+  if (rc) return rc;
+  calibrate_clock();
+  R->pool_base = calloc(kvfd.n_pools ? kvfd.n_pools : 1, sizeof(*R->pool_base));
+  if (!R->pool_base) return -ENOMEM;
+  for (size_t i = 0; i < kvfd.n_pools; i++) {
+    R->pool_base[i] = kvfd.pools[i]->base;
+    R->any_gpu |= kvf__pool_gpu(kvfd.pools[i]);
+  }
+  for (int i = 0; rc == 0 && i < R->n_devs; i++) rc = setup_device(&R->devs[i], err, errlen);
+  if (rc) return rc;
+  R->cm = rdma_create_event_channel();
+  if (!R->cm || set_nonblock(R->cm->fd)) {
+    snprintf(err, errlen, "cannot open the RDMA CM (rdma_ucm loaded?)");
+    return -ENODEV;
+  }
+  for (int i = 0; rc == 0 && i < R->n_devs; i++) rc = start_listener(&R->devs[i], err, errlen);
+  if (rc == 0) rc = start_handles();
+  for (int i = 0; rc == 0 && i < R->n_devs; i++) rc = start_thread(&R->devs[i], err, errlen);
+  if (rc == 0 && pthread_create(&R->reaper, NULL, reaper_main, NULL) != 0) {
+    snprintf(err, errlen, "cannot start the reaper thread");
+    rc = -EAGAIN;
+  }
+  R->reaper_on = rc == 0;
+  return rc;
+}
+
+/* ------------------------------------------------------------ Hello */
+
+static int build_hello(void) {
+  size_t n = (size_t)R->n_devs * (kvfd.n_pools ? kvfd.n_pools : 1);
+  R->hmr = calloc(n, sizeof(*R->hmr));
+  R->hmr_ptr = calloc(n, sizeof(*R->hmr_ptr));
+  if (!R->hmr || !R->hmr_ptr) return -ENOMEM;
+  kvf__rdma_info__init(&R->info);
+  R->info.version = INFO_VERSION;
+  R->info.qps_per_peer = kvfd.cfg.rdma_qps_per_peer;
+  for (int i = 0; i < R->n_devs; i++) {
+    rdev *d = &R->devs[i];
+    Kvf__RdmaDevice *h = &R->hdev[i];
+    kvf__rdma_device__init(h);
+    h->name = d->name;
+    h->port = d->port;
+    h->gid.data = d->gid.raw;
+    h->gid.len = sizeof(d->gid.raw);
+    h->gid_index = d->gid_index;
+    h->cm_addr = d->ip;
+    h->cm_port = d->cm_port;
+    h->mrs = &R->hmr_ptr[(size_t)i * kvfd.n_pools];
+    h->n_mrs = kvfd.n_pools;
+    for (size_t k = 0; k < kvfd.n_pools; k++) {
+      Kvf__RdmaMr *m = &R->hmr[(size_t)i * kvfd.n_pools + k];
+      kvf__rdma_mr__init(m);
+      m->pool = (uint32_t)k;
+      m->addr = (uint64_t)(uintptr_t)kvfd.pools[k]->base;
+      m->rkey = d->mrs[k]->rkey;
+      m->length = kvfd.pools[k]->size;
+      h->mrs[k] = m;
+    }
+    R->hdev_ptr[i] = h;
+  }
+  R->info.devices = R->hdev_ptr;
+  R->info.n_devices = (size_t)R->n_devs;
+  return 0;
+}
+
+const Kvf__RdmaInfo *kvf__rdma_hello_info(void) { return R && R->n_devs ? &R->info : NULL; }
+
+kvf__transport *kvf__rdma_transport(void) { return R ? &R->base : NULL; }
+
+/* ------------------------------------------------------------ status */
+
+typedef struct jbuf {
+  char *p;
+  size_t len, n;
+} jbuf;
+
+static void jb(jbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void jb(jbuf *b, const char *fmt, ...) {
+  if (b->n >= b->len) return;
+  va_list ap;
+  va_start(ap, fmt);
+  int k = vsnprintf(b->p + b->n, b->len - b->n, fmt, ap);
+  va_end(ap);
+  if (k > 0) b->n += (size_t)k;
+}
+
+static double per(uint64_t ns, uint64_t n) { return n ? (double)ns / (double)n : 0; }
+
+static void inspect_devices(jbuf *b) {
+  jb(b, "\"devices\": [");
+  for (int i = 0; i < R->n_devs; i++) {
+    rdev *d = &R->devs[i];
+    struct ibv_port_attr pa;
+    const char *state = ibv_query_port(d->ctx, d->port, &pa) == 0 && pa.state == IBV_PORT_ACTIVE ? "active" : "down";
+    char gid[INET6_ADDRSTRLEN];
+    inet_ntop(AF_INET6, d->gid.raw, gid, sizeof(gid));
+    jb(b, "%s{\"name\": \"%s\", \"port\": %u, \"state\": \"%s\", \"gid\": \"%s\", \"gid_index\": %u, "
+          "\"cm\": \"%s:%u\", \"pools_registered\": %zu, \"work_requests\": %llu, \"bytes\": %llu, "
+          "\"doorbells\": %llu, \"completions\": %llu, \"notices\": %llu, \"sleeps\": %llu}",
+       i ? ", " : "", d->name, d->port, state, gid, d->gid_index, d->ip, d->cm_port, kvfd.n_pools,
+       (unsigned long long)atomic_load(&d->wrs), (unsigned long long)atomic_load(&d->bytes),
+       (unsigned long long)atomic_load(&d->chains), (unsigned long long)atomic_load(&d->cqes),
+       (unsigned long long)atomic_load(&d->imms), (unsigned long long)atomic_load(&d->sleeps));
+  }
+  jb(b, "]");
+}
+
+static void inspect_peers(jbuf *b) {
+  jb(b, ", \"peers\": [");
+  for (size_t i = 0; i < R->n_peers; i++) {
+    rpeer *rp = R->peers[i];
+    jb(b, "%s{\"name\": \"%s\", \"qps\": [", i ? ", " : "", peer_name(rp));
+    int k = 0;
+    for (int l = 0; l < rp->n_links; l++) {
+      rlink *lk = rp->links[l];
+      for (unsigned j = 0; j < lk->n_all; j++) {
+        rqp *q = lk->all[j];
+        if (q->gone) continue;
+        jb(b, "%s{\"device\": \"%s\", \"peer_device\": \"%s\", \"qp\": %u, \"dir\": \"%s\", \"state\": \"%s\"}",
+           k++ ? ", " : "", lk->dev->name, lk->peer_dev, q->qp_num, q->outbound ? "out" : "in",
+           q->established ? "connected" : "connecting");
+      }
+    }
+    jb(b, "]}");
+  }
+  jb(b, "]");
+}
+
+/* The posting cost: on the loop (ticket, slicing, checks) per run, in the
+ * progress threads (building work requests, then ibv_post_send, which on
+ * soft-RoCE also runs the emulated NIC) per work request. */
+static void inspect_post(jbuf *b) {
+  uint64_t wrs = 0, build = 0, bell = 0;
+  for (int i = 0; i < R->n_devs; i++) {
+    wrs += atomic_load(&R->devs[i].wrs);
+    build += atomic_load(&R->devs[i].build_ns);
+    bell += atomic_load(&R->devs[i].bell_ns);
+  }
+  jb(b, ", \"post\": {\"calls\": %llu, \"runs\": %llu, \"work_requests\": %llu, \"loop_ns_per_run\": %.1f, "
+        "\"build_ns_per_wr\": %.1f, \"doorbell_ns_per_wr\": %.1f, \"last_work_requests\": %llu, "
+        "\"last_loop_ns_per_wr\": %.1f, \"last_build_ns_per_wr\": %.1f, \"last_doorbell_ns_per_wr\": %.1f}",
+     (unsigned long long)R->posts, (unsigned long long)R->post_runs, (unsigned long long)wrs,
+     per(R->post_ns, R->post_runs), per(build, wrs), per(bell, wrs), (unsigned long long)R->last_wrs,
+     per(R->last_loop_ns, R->last_wrs), per(R->last_build_ns, R->last_wrs), per(R->last_bell_ns, R->last_wrs));
+}
+
+static void rdma_inspect(kvf__transport *t, char *buf, size_t len) {
+  jbuf b = {buf, len, 0};
+  if (len) buf[0] = 0;
+  jb(&b, "\"name\": \"rdma\", \"qps_per_peer\": %u, \"queue_depth\": %u, \"slice\": %u, \"inline\": %u, ",
+     kvfd.cfg.rdma_qps_per_peer, kvfd.cfg.rdma_queue_depth, kvfd.cfg.rdma_slice, kvfd.cfg.rdma_inline);
+  inspect_devices(&b);
+  inspect_peers(&b);
+  inspect_post(&b);
+  size_t parked_n = 0;
+  for (parked *pk = R->parked; pk; pk = pk->next) parked_n++;
+  jb(&b, ", \"open_grants\": %zu, \"parked_requests\": %zu", R->grants.n, parked_n);
+}
+
+/* ------------------------------------------------------------ teardown */
+
+static void stop_device(rdev *d) {
+  if (d->started) {
+    send_cmd(d, CMD_STOP, NULL);
+    pthread_join(d->thr, NULL);
+    d->started = false;
+  }
+  if (d->listener) rdma_destroy_id(d->listener);
+  d->listener = NULL;
+  if (d->async_on) {
+    uv_poll_stop(&d->async_poll);
+    uv_close((uv_handle_t *)&d->async_poll, NULL);
+    d->async_on = false;
+  }
+}
+
+static void free_device(rdev *d) {
+  for (size_t i = 0; d->mrs && i < kvfd.n_pools; i++)
+    if (d->mrs[i]) ibv_dereg_mr(d->mrs[i]);
+  free(d->mrs);
+  free(d->lkey);
+  if (d->ch) ibv_destroy_comp_channel(d->ch);
+  if (d->pd) ibv_dealloc_pd(d->pd);
+  if (d->efd >= 0) close(d->efd);
+  if (d->epfd >= 0) close(d->epfd);
+  pthread_mutex_destroy(&d->lock);
+  pthread_cond_destroy(&d->cond);
+}
+
+static void free_grants(void) {
+  for (size_t i = 0; i < R->grants.nb; i++)
+    for (kvf__map_ent *e = R->grants.b[i]; e; e = e->next) free(e->val);
+  kvf__map_free(&R->grants);
+}
+
+/* Everything, in the order the libraries need: threads off the QPs, QPs and
+ * ids before the event channel, MRs before the PD. */
+static void stop_reaper(void) {
+  if (!R->reaper_on) return;
+  pthread_mutex_lock(&R->reap_lock);
+  R->reaper_stop = true;
+  pthread_cond_signal(&R->reap_cond);
+  pthread_mutex_unlock(&R->reap_lock);
+  pthread_join(R->reaper, NULL); /* it destroys what is queued first */
+  R->reaper_on = false;
+}
+
+static void teardown(void) {
+  while (R->n_peers) rdma_peer_down(&R->base, R->peers[0]->p);
+  stop_reaper();
+  sweep_parked(NULL, true);
+  for (int i = 0; i < R->n_devs; i++) stop_device(&R->devs[i]);
+  if (R->handles) {
+    uv_poll_stop(&R->cm_poll);
+    uv_close((uv_handle_t *)&R->cm_poll, NULL);
+    on_async(&R->async); /* deliver what is left */
+    uv_close((uv_handle_t *)&R->async, NULL);
+    uv_timer_stop(&R->sweep);
+    uv_close((uv_handle_t *)&R->sweep, NULL);
+    R->handles = false;
+  }
+  for (int i = 0; i < R->n_devs; i++) free_device(&R->devs[i]);
+  if (R->cm) rdma_destroy_event_channel(R->cm);
+  if (R->all) rdma_free_devices(R->all);
+  free_grants();
+  free(R->pool_base);
+  free(R->hmr);
+  free(R->hmr_ptr);
+  pthread_mutex_destroy(&R->ev_lock);
+  pthread_mutex_destroy(&R->reap_lock);
+  pthread_cond_destroy(&R->reap_cond);
+}
+
+static void rdma_destroy(kvf__transport *t) {
+  teardown();
+  R = NULL;
+}
+
+static const kvf__transport_ops rdma_ops = {
+    .name = "rdma",
+    .usable = rdma_usable,
+    .post = rdma_post,
+    .abort = rdma_abort,
+    .grant_open = rdma_grant_open,
+    .grant_close = rdma_grant_close,
+    .peer_up = rdma_peer_up,
+    .peer_down = rdma_peer_down,
+    .inspect = rdma_inspect,
+    .destroy = rdma_destroy,
+};
+
+static void log_devices(void) {
+  for (int i = 0; i < R->n_devs; i++) {
+    rdev *d = &R->devs[i];
+    kvf__info("rdma: device %s port %u, GID[%u] %s, CM listening on %s:%u, %zu pool(s) registered", d->name,
+              d->port, d->gid_index, d->ip, d->ip, d->cm_port, kvfd.n_pools);
+  }
+}
+
+int kvf__rdma_create(kvf__transport **out, char *err, size_t errlen) {
+  static rdma_transport rt;
+  memset(&rt, 0, sizeof(rt));
+  R = &rt;
+  rt.base.ops = &rdma_ops;
+  pthread_mutex_init(&rt.ev_lock, NULL);
+  pthread_mutex_init(&rt.reap_lock, NULL);
+  pthread_cond_init(&rt.reap_cond, NULL);
+  int rc = start(err, errlen);
+  if (rc == 0) rc = build_hello();
+  if (rc) {
+    teardown();
+    R = NULL;
+    return rc;
+  }
+  log_devices();
+  *out = &rt.base;
+  return 0;
+}
