@@ -13,6 +13,7 @@
 #include "kvferry.pb-c.h"
 #include "libkvferry_cuda.h"
 
+#include <endian.h>
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
@@ -99,6 +100,8 @@ struct kvf_client {
   struct inbound in;
 
   pthread_mutex_t write_mu; /* a request frame is written whole */
+  uint8_t *wbuf;            /* under write_mu: frame buffer kept for the next request */
+  size_t wcap;
 
   pthread_mutex_t mu;        /* guards every field below */
   pthread_cond_t responded;  /* a response arrived, or the connection died */
@@ -340,17 +343,34 @@ static int start_reader(kvf_client *c) {
 
 /* ------------------------------------------------------------ requests */
 
+/* Frames up to this size are packed into a buffer kept for the next request:
+ * a fresh buffer of a few hundred KiB per kvf_send (descriptor lists) costs a
+ * page fault per 4 KiB once malloc hands the memory back to the kernel. */
+#define WBUF_KEEP (4u << 20)
+
 static int send_request(kvf_client *c, Kvf__ApiRequest *req) {
   size_t len = kvf__api_request__get_packed_size(req);
   if (len > c->max_frame) return KVF_ELIMIT;
-  uint8_t *frame = malloc(KVF__FRAME_HDR + len);
-  if (!frame) return -ENOMEM;
+  size_t total = KVF__FRAME_HDR + len;
+  pthread_mutex_lock(&c->write_mu);
+  uint8_t *frame = c->wbuf;
+  if (total > c->wcap) {
+    frame = malloc(total);
+    if (!frame) {
+      pthread_mutex_unlock(&c->write_mu);
+      return -ENOMEM;
+    }
+    if (total <= WBUF_KEEP) {
+      free(c->wbuf);
+      c->wbuf = frame;
+      c->wcap = total;
+    }
+  }
   kvf__frame_put_header(frame, (uint32_t)len);
   kvf__api_request__pack(req, frame + KVF__FRAME_HDR);
-  pthread_mutex_lock(&c->write_mu);
-  int rc = kvf__send_all(c->sock, frame, KVF__FRAME_HDR + len, -1);
+  int rc = kvf__send_all(c->sock, frame, total, -1);
+  if (frame != c->wbuf) free(frame);
   pthread_mutex_unlock(&c->write_mu);
-  free(frame);
   if (rc == -EAGAIN) return -ETIMEDOUT; /* only during hello (SO_SNDTIMEO) */
   if (rc) {
     /* A partly written frame leaves the stream unusable: end it, so that
@@ -538,6 +558,7 @@ static void client_free(kvf_client *c) {
   pthread_cond_destroy(&c->responded);
   pthread_mutex_destroy(&c->mu);
   pthread_mutex_destroy(&c->write_mu);
+  free(c->wbuf);
   free(c);
 }
 
@@ -699,26 +720,41 @@ KVF_API int kvf_pool_map(kvf_client *c, uint32_t pool, void **addr, uint64_t *si
 
 /* ------------------------------------------------------------ transfers */
 
-/* Builds the three parallel arrays in one allocation: 100k descriptors cost
- * one malloc, not 100k. Free with free_desc_list. */
+/* DescList.packed (proto/kvferry.proto): one 20-byte little-endian record
+ * per descriptor, u32 pool then u64 offset then u64 length. */
+#define DESC_WIRE_SIZE 20u
+
+static void put_le32(uint8_t *p, uint32_t v) {
+  v = htole32(v);
+  memcpy(p, &v, sizeof v);
+}
+
+static void put_le64(uint8_t *p, uint64_t v) {
+  v = htole64(v);
+  memcpy(p, &v, sizeof v);
+}
+
+/* Packs the descriptors into DescList.packed in one allocation: 100k
+ * descriptors cost one malloc and no varint work. Free with free_desc_list. */
 static int build_desc_list(const kvf_desc *descs, size_t n, Kvf__DescList *list) {
-  const size_t per_desc = 2 * sizeof(uint64_t) + sizeof(uint32_t);
-  if (n > SIZE_MAX / per_desc) return KVF_ELIMIT;
-  uint64_t *mem = malloc(n * per_desc);
-  if (!mem) return -ENOMEM;
-  list->offset = mem;
-  list->length = mem + n;
-  list->pool = (uint32_t *)(mem + 2 * n); /* after the u64s: stays aligned */
-  for (size_t i = 0; i < n; i++) {
-    list->pool[i] = descs[i].pool;
-    list->offset[i] = descs[i].offset;
-    list->length[i] = descs[i].len;
+  if (n > SIZE_MAX / DESC_WIRE_SIZE) return KVF_ELIMIT;
+  uint8_t *p = malloc(n * DESC_WIRE_SIZE);
+  if (!p) return -ENOMEM;
+  list->packed.data = p;
+  list->packed.len = n * DESC_WIRE_SIZE;
+  for (size_t i = 0; i < n; i++, p += DESC_WIRE_SIZE) {
+    put_le32(p, descs[i].pool);
+    put_le64(p + 4, descs[i].offset);
+    put_le64(p + 12, descs[i].len);
   }
-  list->n_pool = list->n_offset = list->n_length = n;
   return 0;
 }
 
-static void free_desc_list(Kvf__DescList *list) { free(list->offset); }
+static void free_desc_list(Kvf__DescList *list) {
+  free(list->packed.data);
+  list->packed.data = NULL;
+  list->packed.len = 0;
+}
 
 static int check_transfer(const kvf_client *c, const char *xfer_id, const kvf_desc *descs,
                           size_t n) {

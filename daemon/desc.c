@@ -1,6 +1,7 @@
 /* desc.c - descriptor lists, pairing, coalescing, range sets (see desc.h). */
 #include "desc.h"
 
+#include <endian.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,27 +28,54 @@ void kvf__descs_free(kvf__descs *d) {
   memset(d, 0, sizeof(*d));
 }
 
+/* Little-endian field access without unaligned loads: records are 20 bytes,
+ * so every other one starts off an 8-byte boundary. */
+static uint32_t get_le32(const uint8_t *p) {
+  uint32_t v;
+  memcpy(&v, p, sizeof v);
+  return le32toh(v);
+}
+
+static uint64_t get_le64(const uint8_t *p) {
+  uint64_t v;
+  memcpy(&v, p, sizeof v);
+  return le64toh(v);
+}
+
+static void put_le32(uint8_t *p, uint32_t v) {
+  v = htole32(v);
+  memcpy(p, &v, sizeof v);
+}
+
+static void put_le64(uint8_t *p, uint64_t v) {
+  v = htole64(v);
+  memcpy(p, &v, sizeof v);
+}
+
 int kvf__descs_from_wire(kvf__descs *d, const Kvf__DescList *w, size_t max) {
   memset(d, 0, sizeof(*d));
   if (!w) return KVF_EINVAL;
-  if (w->n_pool != w->n_offset || w->n_pool != w->n_length) return KVF_EPROTO;
-  if (w->n_pool == 0) return KVF_EINVAL;
-  if (w->n_pool > max) return KVF_ELIMIT;
-  int rc = descs_alloc(d, w->n_pool);
+  if (w->packed.len % KVF__DESC_WIRE_SIZE) return KVF_EPROTO;
+  size_t n = w->packed.len / KVF__DESC_WIRE_SIZE;
+  if (n == 0) return KVF_EINVAL;
+  if (n > max) return KVF_ELIMIT;
+  int rc = descs_alloc(d, n);
   if (rc) return rc;
-  d->n = w->n_pool;
-  memcpy(d->pool, w->pool, d->n * sizeof(*d->pool));
-  memcpy(d->offset, w->offset, d->n * sizeof(*d->offset));
-  memcpy(d->length, w->length, d->n * sizeof(*d->length));
+  d->n = n;
+  const uint8_t *p = w->packed.data;
   uint64_t total = 0;
-  for (size_t i = 0; i < d->n; i++) {
+  for (size_t i = 0; i < n; i++, p += KVF__DESC_WIRE_SIZE) {
+    uint64_t len = get_le64(p + 12);
     /* Zero-length descriptors pair ambiguously and an overflowing total
      * would defeat every later size check. */
-    if (d->length[i] == 0 || total + d->length[i] < total) {
+    if (len == 0 || total + len < total) {
       kvf__descs_free(d);
       return KVF_EINVAL;
     }
-    total += d->length[i];
+    total += len;
+    d->pool[i] = get_le32(p);
+    d->offset[i] = get_le64(p + 4);
+    d->length[i] = len;
   }
   d->total = total;
   return 0;
@@ -83,12 +111,26 @@ int kvf__descs_append(kvf__descs *dst, const kvf__descs *src) {
   return 0;
 }
 
-void kvf__descs_to_wire(const kvf__descs *d, Kvf__DescList *w) {
+int kvf__descs_to_wire(const kvf__descs *d, Kvf__DescList *w) {
   kvf__desc_list__init(w);
-  w->n_pool = w->n_offset = w->n_length = d->n;
-  w->pool = d->pool;
-  w->offset = d->offset;
-  w->length = d->length;
+  if (d->n == 0) return 0;
+  if (d->n > SIZE_MAX / KVF__DESC_WIRE_SIZE) return KVF_ELIMIT;
+  uint8_t *p = malloc(d->n * KVF__DESC_WIRE_SIZE);
+  if (!p) return -ENOMEM;
+  w->packed.data = p;
+  w->packed.len = d->n * KVF__DESC_WIRE_SIZE;
+  for (size_t i = 0; i < d->n; i++, p += KVF__DESC_WIRE_SIZE) {
+    put_le32(p, d->pool[i]);
+    put_le64(p + 4, d->offset[i]);
+    put_le64(p + 12, d->length[i]);
+  }
+  return 0;
+}
+
+void kvf__descs_wire_free(Kvf__DescList *w) {
+  free(w->packed.data);
+  w->packed.data = NULL;
+  w->packed.len = 0;
 }
 
 static int runs_push(kvf__runs *r, const kvf__run *run) {

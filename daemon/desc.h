@@ -9,7 +9,7 @@
 
 #include "kvferry.pb-c.h"
 
-/* Parallel arrays, as on the wire. */
+/* Parallel arrays (the wire carries packed records: DescList.packed). */
 typedef struct kvf__descs {
   uint32_t *pool;
   uint64_t *offset;
@@ -44,7 +44,13 @@ typedef struct kvf__rangeset {
   size_t n;
 } kvf__rangeset;
 
-/* Copies a wire list; checks the arrays agree, n <= max, lengths > 0. */
+/* One descriptor in DescList.packed (proto/kvferry.proto): u32 pool,
+ * u64 offset, u64 length, little-endian, no padding. */
+#define KVF__DESC_WIRE_SIZE 20u
+
+/* Decodes DescList.packed into d: KVF_EPROTO when its length is not a
+ * multiple of KVF__DESC_WIRE_SIZE, KVF_EINVAL when w is NULL or empty or a
+ * length is 0 or the total overflows, KVF_ELIMIT when n > max. */
 int kvf__descs_from_wire(kvf__descs *d, const Kvf__DescList *w, size_t max);
 /* Checks every descriptor against the pools of this daemon: KVF_ENOPOOL,
  * KVF_ERANGE; *bad is the first offending index. */
@@ -53,8 +59,10 @@ int kvf__descs_check(const kvf__descs *d, kvf__range_check_fn fn, void *ctx, siz
 /* Appends src to dst (for parts). */
 int kvf__descs_append(kvf__descs *dst, const kvf__descs *src);
 void kvf__descs_free(kvf__descs *d);
-/* A wire view of d (pointers into d; valid while d lives). */
-void kvf__descs_to_wire(const kvf__descs *d, Kvf__DescList *w);
+/* Encodes d into w->packed, a buffer this allocates (none when d is empty);
+ * release it with kvf__descs_wire_free. 0, -ENOMEM or KVF_ELIMIT. */
+int kvf__descs_to_wire(const kvf__descs *d, Kvf__DescList *w);
+void kvf__descs_wire_free(Kvf__DescList *w);
 
 /* Pairs src[0..src->n) with dst[*cursor..] in order and appends coalesced
  * runs. KVF_ESIZE when a length differs or dst runs out; *cursor advances

@@ -158,10 +158,13 @@ static int send_msg(kvf__peer *p, Kvf__PeerMsg *m) {
   return X.env.peer_send(p, m);
 }
 
-static void send_grant(kvf__xfer *x) {
+/* Nonzero only when the descriptors could not be packed (out of memory); a
+ * lost peer is noticed and handled by the peer layer. */
+static int send_grant(kvf__xfer *x) {
   Kvf__Grant g = KVF__GRANT__INIT;
   Kvf__DescList dl;
-  kvf__descs_to_wire(&x->dst, &dl);
+  int rc = kvf__descs_to_wire(&x->dst, &dl);
+  if (rc) return rc;
   g.xfer_id = x->id;
   g.handle = x->handle;
   g.descs = &dl;
@@ -172,6 +175,8 @@ static void send_grant(kvf__xfer *x) {
   m.body_case = KVF__PEER_MSG__BODY_GRANT;
   m.grant = &g;
   send_msg(x->peer, &m);
+  kvf__descs_wire_free(&dl);
+  return 0;
 }
 
 static void send_cancel(kvf__xfer *x, int status, const char *why) {
@@ -298,8 +303,7 @@ static int bind_remote_recv(kvf__xfer *x, kvf__peer *p) {
   int rc = x->tp->ops->grant_open(x->tp, x);
   if (rc) return rc;
   x->state = KVF__X_ACTIVE;
-  send_grant(x);
-  return 0;
+  return send_grant(x);
 }
 
 static void send_intent(kvf__xfer *x) {
@@ -588,7 +592,9 @@ static void on_intent(kvf__peer *p, const Kvf__SendIntent *si) {
   if (!valid_id(si->xfer_id)) return;
   kvf__xfer *x = kvf__map_get(&X.recv_by_id, si->xfer_id);
   if (x && x->state != KVF__X_DRAIN && x->peer == p) {
-    send_grant(x); /* our pushed grant crossed their intent; say it again */
+    /* our pushed grant crossed their intent; say it again */
+    int rc = send_grant(x);
+    if (rc) fail(x, rc, "could not send the grant", true, rc);
     return;
   }
   bool named_other = x && x->peer_name[0] && strcmp(x->peer_name, X.env.peer_name(p)) != 0;

@@ -16,21 +16,43 @@
 
 /* ---- helpers ---------------------------------------------------------- */
 
-/* A wire list over caller arrays. */
-static Kvf__DescList wire(uint32_t *pool, uint64_t *off, uint64_t *len, size_t n) {
+/* Encodes one DescList.packed record byte by byte, independently of
+ * daemon/desc.c: u32 pool, u64 offset, u64 length, little-endian. */
+static void enc_rec(uint8_t *r, uint32_t pool, uint64_t off, uint64_t len) {
+  for (int b = 0; b < 4; b++) r[b] = (uint8_t)(pool >> (8 * b));
+  for (int b = 0; b < 8; b++) r[4 + b] = (uint8_t)(off >> (8 * b));
+  for (int b = 0; b < 8; b++) r[12 + b] = (uint8_t)(len >> (8 * b));
+}
+
+static uint64_t dec_le(const uint8_t *p, int nbytes) {
+  uint64_t v = 0;
+  for (int b = 0; b < nbytes; b++) v |= (uint64_t)p[b] << (8 * b);
+  return v;
+}
+
+/* A wire list of n records from caller arrays (own buffer; unwire frees). */
+static Kvf__DescList wire(const uint32_t *pool, const uint64_t *off, const uint64_t *len, size_t n) {
   Kvf__DescList w = KVF__DESC_LIST__INIT;
-  w.n_pool = w.n_offset = w.n_length = n;
-  w.pool = pool;
-  w.offset = off;
-  w.length = len;
+  uint8_t *buf = malloc(n ? n * 20 : 1);
+  assert_non_null(buf);
+  for (size_t i = 0; i < n; i++) enc_rec(buf + i * 20, pool[i], off[i], len[i]);
+  w.packed.data = buf;
+  w.packed.len = n * 20;
   return w;
+}
+
+static void unwire(Kvf__DescList *w) {
+  free(w->packed.data);
+  w->packed.data = NULL;
+  w->packed.len = 0;
 }
 
 /* Builds a list from arrays through the validated path. */
 static void mk(kvf__descs *d, const uint32_t *pool, const uint64_t *off, const uint64_t *len,
                size_t n) {
-  Kvf__DescList w = wire((uint32_t *)pool, (uint64_t *)off, (uint64_t *)len, n);
+  Kvf__DescList w = wire(pool, off, len, n);
   assert_int_equal(kvf__descs_from_wire(d, &w, 1u << 20), 0);
+  unwire(&w);
 }
 
 /* n blocks of len bytes in pool, at base + i*stride. */
@@ -73,50 +95,85 @@ static void test_from_wire_ok(void **state) {
   assert_int_equal(kvf__descs_from_wire(&d, &w, 3), 0); /* n == max is fine */
   assert_int_equal(d.n, 3);
   assert_int_equal(d.total, 60);
-  /* A copy: not the wire's arrays. */
-  assert_ptr_not_equal(d.pool, p);
-  assert_ptr_not_equal(d.offset, o);
-  assert_ptr_not_equal(d.length, l);
+  /* A copy: not the wire's bytes, which may go away. */
+  assert_true((void *)d.pool != (void *)w.packed.data);
+  assert_true((void *)d.offset != (void *)w.packed.data);
+  assert_true((void *)d.length != (void *)w.packed.data);
   assert_memory_equal(d.pool, p, sizeof p);
   assert_memory_equal(d.offset, o, sizeof o);
   assert_memory_equal(d.length, l, sizeof l);
-  /* Back to a wire view. */
+  /* Back to the wire: the same bytes, in a buffer of its own. */
   Kvf__DescList v;
-  kvf__descs_to_wire(&d, &v);
-  assert_int_equal(v.n_pool, 3);
-  assert_int_equal(v.n_offset, 3);
-  assert_int_equal(v.n_length, 3);
-  assert_ptr_equal(v.pool, d.pool);
-  assert_ptr_equal(v.length, d.length);
+  assert_int_equal(kvf__descs_to_wire(&d, &v), 0);
+  assert_int_equal(v.packed.len, 3 * 20);
+  assert_non_null(v.packed.data);
+  assert_ptr_not_equal(v.packed.data, w.packed.data);
+  assert_memory_equal(v.packed.data, w.packed.data, 3 * 20);
+  kvf__descs_wire_free(&v);
+  assert_null(v.packed.data);
+  assert_int_equal(v.packed.len, 0);
+  kvf__descs_wire_free(&v); /* idempotent */
+  unwire(&w);
   kvf__descs_free(&d);
   assert_null(d.pool);
   assert_int_equal(d.n, 0);
   kvf__descs_free(&d); /* idempotent */
 }
 
-static void test_from_wire_mismatched(void **state) {
-  uint32_t p[] = {0, 0, 0};
-  uint64_t o[] = {0, 1, 2};
-  uint64_t l[] = {1, 1, 1};
+/* The byte layout, spelled out: bytes 0x01..0x14 are one record. */
+static void test_from_wire_layout(void **state) {
+  uint8_t rec[1 + 2 * 20];
+  Kvf__DescList w = KVF__DESC_LIST__INIT;
+  for (size_t i = 0; i < 20; i++) rec[1 + i] = (uint8_t)(i + 1);
+  for (size_t i = 0; i < 20; i++) rec[21 + i] = (uint8_t)(0xff - i);
+  /* Misaligned on purpose: records are read byte-wise. */
+  w.packed.data = rec + 1;
+  w.packed.len = 2 * 20;
   kvf__descs d;
-  Kvf__DescList w = wire(p, o, l, 3);
-  w.n_offset = 2;
+  assert_int_equal(kvf__descs_from_wire(&d, &w, 100), KVF_EINVAL); /* total overflows */
+  w.packed.len = 20;
+  assert_int_equal(kvf__descs_from_wire(&d, &w, 100), 0);
+  assert_int_equal(d.n, 1);
+  assert_true(d.pool[0] == 0x04030201u);
+  assert_true(d.offset[0] == 0x0c0b0a0908070605ull);
+  assert_true(d.length[0] == 0x14131211100f0e0dull);
+  assert_true(d.total == 0x14131211100f0e0dull);
+  kvf__descs_free(&d);
+  w.packed.data = rec + 21;
+  assert_int_equal(kvf__descs_from_wire(&d, &w, 100), 0);
+  assert_true(d.pool[0] == 0xfcfdfeffu);
+  assert_true(d.offset[0] == 0xf4f5f6f7f8f9fafbull);
+  assert_true(d.length[0] == 0xecedeeeff0f1f2f3ull);
+  kvf__descs_free(&d);
+}
+
+/* A length that is not whole records is malformed, whatever else holds. */
+static void test_from_wire_bad_length(void **state) {
+  uint32_t p[] = {0, 0, 0, 0};
+  uint64_t o[] = {0, 1, 2, 3};
+  uint64_t l[] = {1, 1, 1, 1};
+  Kvf__DescList w = wire(p, o, l, 4);
+  kvf__descs d;
+  size_t bad_lens[] = {1, 19, 21, 39, 41, 59, 61, 79};
+  for (size_t i = 0; i < sizeof bad_lens / sizeof bad_lens[0]; i++) {
+    w.packed.len = bad_lens[i];
+    assert_int_equal(kvf__descs_from_wire(&d, &w, 100), KVF_EPROTO);
+    assert_null(d.pool);
+    assert_int_equal(d.n, 0);
+  }
+  /* Less than one record is malformed, not empty. */
+  w.packed.len = 19;
   assert_int_equal(kvf__descs_from_wire(&d, &w, 100), KVF_EPROTO);
-  assert_null(d.pool);
-  w = wire(p, o, l, 3);
-  w.n_length = 2;
-  assert_int_equal(kvf__descs_from_wire(&d, &w, 100), KVF_EPROTO);
-  w = wire(p, o, l, 2);
-  w.n_length = 3;
-  assert_int_equal(kvf__descs_from_wire(&d, &w, 100), KVF_EPROTO);
-  w = wire(p, o, l, 3);
-  w.n_pool = 1;
-  assert_int_equal(kvf__descs_from_wire(&d, &w, 100), KVF_EPROTO);
-  /* Mismatch is reported before the limit. */
-  w = wire(p, o, l, 3);
-  w.n_offset = 1;
+  /* Malformed is reported before the limit. */
+  w.packed.len = 61;
   assert_int_equal(kvf__descs_from_wire(&d, &w, 2), KVF_EPROTO);
   assert_int_equal(d.n, 0);
+  /* Whole records again: fine. */
+  w.packed.len = 60;
+  assert_int_equal(kvf__descs_from_wire(&d, &w, 100), 0);
+  assert_int_equal(d.n, 3);
+  kvf__descs_free(&d);
+  unwire(&w);
 }
 
 static void test_from_wire_empty(void **state) {
@@ -126,6 +183,12 @@ static void test_from_wire_empty(void **state) {
   assert_int_equal(kvf__descs_from_wire(&d, NULL, 100), KVF_EINVAL);
   assert_int_equal(d.n, 0);
   assert_null(d.pool);
+  /* An empty list packs to nothing. */
+  kvf__descs e = {0};
+  assert_int_equal(kvf__descs_to_wire(&e, &w), 0);
+  assert_int_equal(w.packed.len, 0);
+  assert_null(w.packed.data);
+  kvf__descs_wire_free(&w);
 }
 
 static void test_from_wire_zero_length(void **state) {
@@ -137,12 +200,15 @@ static void test_from_wire_zero_length(void **state) {
   assert_int_equal(kvf__descs_from_wire(&d, &w, 100), KVF_EINVAL);
   assert_null(d.pool); /* freed on failure */
   assert_int_equal(d.n, 0);
+  unwire(&w);
   uint64_t l0[] = {0};
   w = wire(p, o, l0, 1);
   assert_int_equal(kvf__descs_from_wire(&d, &w, 100), KVF_EINVAL);
+  unwire(&w);
   uint64_t llast[] = {1, 1, 0};
   w = wire(p, o, llast, 3);
   assert_int_equal(kvf__descs_from_wire(&d, &w, 100), KVF_EINVAL);
+  unwire(&w);
 }
 
 static void test_from_wire_too_many(void **state) {
@@ -157,6 +223,7 @@ static void test_from_wire_too_many(void **state) {
   assert_int_equal(kvf__descs_from_wire(&d, &w, 4), 0);
   assert_int_equal(d.total, 4);
   kvf__descs_free(&d);
+  unwire(&w);
 }
 
 static void test_from_wire_overflow(void **state) {
@@ -167,15 +234,77 @@ static void test_from_wire_overflow(void **state) {
   Kvf__DescList w = wire(p, o, l, 2);
   assert_int_equal(kvf__descs_from_wire(&d, &w, 100), KVF_EINVAL);
   assert_null(d.pool);
+  unwire(&w);
   uint64_t l2[] = {UINT64_MAX, 1};
   w = wire(p, o, l2, 2);
   assert_int_equal(kvf__descs_from_wire(&d, &w, 100), KVF_EINVAL);
+  unwire(&w);
   /* Exactly UINT64_MAX in total is representable and accepted. */
   uint64_t l3[] = {UINT64_MAX - 1, 1};
   w = wire(p, o, l3, 2);
   assert_int_equal(kvf__descs_from_wire(&d, &w, 100), 0);
   assert_true(d.total == UINT64_MAX);
   kvf__descs_free(&d);
+  unwire(&w);
+}
+
+/* to_wire -> from_wire of 100k descriptors whose every byte varies: pool ids
+ * above 2^16, offsets above 2^40, one length using all 8 bytes. The packed
+ * bytes are checked against the layout independently of desc.c. */
+static void test_wire_round_trip_100k(void **state) {
+  enum { N = 100000 };
+  kvf__descs a = {0};
+  a.pool = malloc(N * sizeof(*a.pool));
+  a.offset = malloc(N * sizeof(*a.offset));
+  a.length = malloc(N * sizeof(*a.length));
+  assert_non_null(a.pool);
+  assert_non_null(a.offset);
+  assert_non_null(a.length);
+  a.n = N;
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  for (size_t i = 0; i < N; i++) {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17; /* xorshift64 */
+    a.pool[i] = (uint32_t)(x >> 32) | 0x10000u;              /* > 2^16 */
+    a.offset[i] = (x | (1ull << 41)) ^ ((uint64_t)i << 56);  /* > 2^40 */
+    /* 99,999 lengths below 2^40 leave room for one of 8 full bytes. */
+    a.length[i] = ((x * 0xff51afd7ed558ccdull) & ((1ull << 40) - 1)) | 1;
+    a.total += a.length[i];
+  }
+  a.total -= a.length[N / 2];
+  a.length[N / 2] = 0xf0e1d2c3b4a59687ull;
+  a.total += a.length[N / 2];
+  Kvf__DescList w;
+  assert_int_equal(kvf__descs_to_wire(&a, &w), 0);
+  assert_int_equal(w.packed.len, (size_t)N * 20);
+  const uint8_t *r = w.packed.data;
+  for (size_t i = 0; i < N; i++, r += 20) {
+    if (dec_le(r, 4) != a.pool[i] || dec_le(r + 4, 8) != a.offset[i] ||
+        dec_le(r + 12, 8) != a.length[i])
+      fail_msg("record %zu does not match the layout", i);
+  }
+  /* Every byte position of a record takes many values. */
+  for (size_t b = 0; b < 20; b++) {
+    uint8_t seen[256] = {0};
+    size_t distinct = 0;
+    for (size_t i = 0; i < N; i++) {
+      uint8_t v = w.packed.data[i * 20 + b];
+      if (!seen[v]) seen[v] = 1, distinct++;
+    }
+    /* Some bits are pinned (pool > 2^16, offset > 2^40, odd lengths); the
+     * top bytes of lengths below 2^40 take only the one large length's. */
+    assert_true(distinct >= (b >= 17 ? 2 : 100));
+  }
+  kvf__descs d;
+  assert_int_equal(kvf__descs_from_wire(&d, &w, N - 1), KVF_ELIMIT);
+  assert_int_equal(kvf__descs_from_wire(&d, &w, N), 0);
+  assert_int_equal(d.n, N);
+  assert_true(d.total == a.total);
+  assert_memory_equal(d.pool, a.pool, N * sizeof(*a.pool));
+  assert_memory_equal(d.offset, a.offset, N * sizeof(*a.offset));
+  assert_memory_equal(d.length, a.length, N * sizeof(*a.length));
+  kvf__descs_free(&d);
+  kvf__descs_wire_free(&w);
+  kvf__descs_free(&a);
 }
 
 /* ---- descs_check --------------------------------------------------------- */
@@ -673,11 +802,13 @@ static void test_rangeset_empty_and_many(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_from_wire_ok),
-      cmocka_unit_test(test_from_wire_mismatched),
+      cmocka_unit_test(test_from_wire_layout),
+      cmocka_unit_test(test_from_wire_bad_length),
       cmocka_unit_test(test_from_wire_empty),
       cmocka_unit_test(test_from_wire_zero_length),
       cmocka_unit_test(test_from_wire_too_many),
       cmocka_unit_test(test_from_wire_overflow),
+      cmocka_unit_test(test_wire_round_trip_100k),
       cmocka_unit_test(test_descs_check),
       cmocka_unit_test(test_descs_check_index),
       cmocka_unit_test(test_append),

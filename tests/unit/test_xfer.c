@@ -175,6 +175,26 @@ static kvf__transport *f_peer_transport(kvf__peer *p) { return &TN; }
 
 /* ---- helpers ---------------------------------------------------------- */
 
+/* A list from caller arrays through the wire form (DescList.packed: 20-byte
+ * little-endian records, encoded here byte by byte), as a client sends it. */
+static kvf__descs from_arrays(const uint32_t *p, const uint64_t *o, const uint64_t *l, size_t n) {
+  uint8_t *buf = malloc(n ? n * 20 : 1);
+  assert_non_null(buf);
+  for (size_t i = 0; i < n; i++) {
+    uint8_t *r = buf + i * 20;
+    for (int b = 0; b < 4; b++) r[b] = (uint8_t)(p[i] >> (8 * b));
+    for (int b = 0; b < 8; b++) r[4 + b] = (uint8_t)(o[i] >> (8 * b));
+    for (int b = 0; b < 8; b++) r[12 + b] = (uint8_t)(l[i] >> (8 * b));
+  }
+  Kvf__DescList w = KVF__DESC_LIST__INIT;
+  w.packed.data = buf;
+  w.packed.len = n * 20;
+  kvf__descs d;
+  assert_int_equal(kvf__descs_from_wire(&d, &w, 1u << 20), 0);
+  free(buf);
+  return d;
+}
+
 /* n blocks of len in pool at base + i*stride. */
 static kvf__descs mkd(size_t n, uint32_t pool, uint64_t base, uint64_t stride, uint64_t len) {
   uint32_t *p = calloc(n, sizeof(*p));
@@ -188,13 +208,7 @@ static kvf__descs mkd(size_t n, uint32_t pool, uint64_t base, uint64_t stride, u
     o[i] = base + i * stride;
     l[i] = len;
   }
-  Kvf__DescList w = KVF__DESC_LIST__INIT;
-  w.n_pool = w.n_offset = w.n_length = n;
-  w.pool = p;
-  w.offset = o;
-  w.length = l;
-  kvf__descs d;
-  assert_int_equal(kvf__descs_from_wire(&d, &w, 1u << 20), 0);
+  kvf__descs d = from_arrays(p, o, l, n);
   free(p);
   free(o);
   free(l);
@@ -210,14 +224,7 @@ static kvf__descs mkd_len(size_t n, const uint64_t *len) {
     o[i] = off;
     off += len[i] + 4096;
   }
-  Kvf__DescList w = KVF__DESC_LIST__INIT;
-  w.n_pool = w.n_offset = w.n_length = n;
-  w.pool = p;
-  w.offset = o;
-  w.length = (uint64_t *)len;
-  kvf__descs d;
-  assert_int_equal(kvf__descs_from_wire(&d, &w, 1u << 20), 0);
-  return d;
+  return from_arrays(p, o, len, n);
 }
 
 static char errbuf[512];
@@ -241,7 +248,7 @@ static int do_send(kvf__session *s, const char *id, const char *dst, kvf__descs 
 static void in_grant(kvf__peer *p, const char *id, uint64_t handle, const kvf__descs *d) {
   Kvf__Grant g = KVF__GRANT__INIT;
   Kvf__DescList dl;
-  kvf__descs_to_wire(d, &dl);
+  assert_int_equal(kvf__descs_to_wire(d, &dl), 0);
   g.xfer_id = (char *)id;
   g.handle = handle;
   g.descs = &dl;
@@ -250,6 +257,7 @@ static void in_grant(kvf__peer *p, const char *id, uint64_t handle, const kvf__d
   m.body_case = KVF__PEER_MSG__BODY_GRANT;
   m.grant = &g;
   kvf__xfer_on_peer_msg(p, &m);
+  kvf__descs_wire_free(&dl);
 }
 
 static void in_intent(kvf__peer *p, const char *id, uint32_t deadline_ms) {
@@ -664,14 +672,16 @@ static void test_remote_pushed_grant(void **state) {
   /* The deadline travels (the full one, or what is left of it). */
   assert_in_range(g->deadline_ms, DEFAULT_DEADLINE - 100, DEFAULT_DEADLINE);
   assert_non_null(g->descs);
-  assert_int_equal(g->descs->n_pool, 3);
-  assert_int_equal(g->descs->n_offset, 3);
-  assert_int_equal(g->descs->n_length, 3);
+  assert_int_equal(g->descs->packed.len, 3 * 20);
+  kvf__descs gd;
+  assert_int_equal(kvf__descs_from_wire(&gd, g->descs, 100), 0);
+  assert_int_equal(gd.n, 3);
   for (size_t i = 0; i < 3; i++) {
-    assert_int_equal(g->descs->pool[i], 2);
-    assert_int_equal(g->descs->offset[i], (1u << 20) + i * 8192);
-    assert_int_equal(g->descs->length[i], 4096);
+    assert_int_equal(gd.pool[i], 2);
+    assert_int_equal(gd.offset[i], (1u << 20) + i * 8192);
+    assert_int_equal(gd.length[i], 4096);
   }
+  kvf__descs_free(&gd);
   uint64_t h = g->handle;
 
   /* SendDone or Cancel from another peer with our handle: ignored. */
@@ -738,7 +748,7 @@ static void test_intent_before_grant(void **state) {
   assert_int_equal(F.nopened, 1);
   Kvf__Grant *g = last_msg(F.pb, KVF__PEER_MSG__BODY_GRANT)->grant;
   assert_string_equal(g->xfer_id, "R4");
-  assert_int_equal(g->descs->n_pool, 2);
+  assert_int_equal(g->descs->packed.len, 2 * 20);
   in_send_done(F.pb, g->handle, 200, 2);
   kvf__xfer_on_landed(F.opened[0]);
   expect_event("R4", RECV_DONE, SR, 0);
@@ -932,13 +942,7 @@ static void test_remote_parts(void **state) {
   uint32_t gp[] = {1, 1, 2, 1, 1, 2};
   uint64_t go[] = {0, 50000, 0, 90000, 99000, 7000};
   uint64_t gl[] = {100, 200, 300, 400, 500, 600};
-  Kvf__DescList w = KVF__DESC_LIST__INIT;
-  w.n_pool = w.n_offset = w.n_length = 6;
-  w.pool = gp;
-  w.offset = go;
-  w.length = gl;
-  kvf__descs dst;
-  assert_int_equal(kvf__descs_from_wire(&dst, &w, 100), 0);
+  kvf__descs dst = from_arrays(gp, go, gl, 6);
   in_grant(F.pb, "S3", 0x77, &dst);
   kvf__descs_free(&dst);
 
@@ -1287,7 +1291,7 @@ static void test_sweep_expires_tables(void **state) {
   kvf__descs dst = mkd(1, 1, 0, 64, 64);
   Kvf__Grant g = KVF__GRANT__INIT;
   Kvf__DescList dl;
-  kvf__descs_to_wire(&dst, &dl);
+  assert_int_equal(kvf__descs_to_wire(&dst, &dl), 0);
   g.xfer_id = "W1";
   g.handle = 0x601;
   g.descs = &dl;
@@ -1296,6 +1300,7 @@ static void test_sweep_expires_tables(void **state) {
   m.body_case = KVF__PEER_MSG__BODY_GRANT;
   m.grant = &g;
   kvf__xfer_on_peer_msg(F.pb, &m);
+  kvf__descs_wire_free(&dl);
   kvf__descs_free(&dst);
   in_intent(F.pb, "W2", 10);
   kvf__xfer_counts c;
@@ -1614,6 +1619,12 @@ static void test_bogus_peer_messages(void **state) {
   m.grant = &g;
   kvf__xfer_on_peer_msg(F.pb, &m);
   g.descs = NULL;
+  kvf__xfer_on_peer_msg(F.pb, &m);
+  /* A grant whose descriptor bytes are not whole 20-byte records. */
+  uint8_t junk[2 * 20 - 1] = {0};
+  dl.packed.data = junk;
+  dl.packed.len = sizeof junk;
+  g.descs = &dl;
   kvf__xfer_on_peer_msg(F.pb, &m);
   /* Not for xfer.c. */
   Kvf__Heartbeat hb = KVF__HEARTBEAT__INIT;
