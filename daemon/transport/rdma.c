@@ -37,11 +37,19 @@
  * command and waits for the thread to let go of a link before destroying it.
  *
  * Failure. A work completion in error, a QP async error or a CM disconnect
- * fails the peer (kvf__peer_fail): its transfers end with KVF_EPEERLOST and
- * the peer reconnects. peer_down detaches and destroys the peer's QPs and
- * CQs and completes its outstanding tickets with KVF_EPEERLOST. Writes that
- * failed never release a transfer's final WRITE_WITH_IMM. MRs belong to the
- * pools and live until the daemon exits.
+ * on a dialed QP resets the peer's data path (reset_peer): every transfer in
+ * flight to it ends with KVF_EPEERLOST at once, its QPs are rebuilt and later
+ * transfers flow again, while the control connection stays (a daemon that is
+ * gone is noticed there, and peer_down follows). Dialing is retried with
+ * backoff; posts wait at most UNREADY_MS for a QP, and a peer whose QPs do
+ * not connect within CONNECT_MS is failed (kvf__peer_fail). Accepted QPs only
+ * carry the peer's completion notices: their failures are the peer's to
+ * handle. peer_down detaches the peer's links from the threads, moves its
+ * QPs to the error state (no more DMA from our pools), completes its
+ * outstanding tickets with KVF_EPEERLOST and leaves the blocking destruction
+ * of QPs, ids and CQs to a reaper thread. Writes that failed never release a
+ * transfer's final WRITE_WITH_IMM. MRs belong to the pools and live until the
+ * daemon exits.
  *
  * Note: a grant's memory is reachable through the pool's rkey for as long as
  * the pool is registered; grant_close stops completions from being accepted,
@@ -77,9 +85,13 @@
 #define MAX_DEVS 8
 #define MAX_QPS 128             /* per link: dialed and accepted */
 #define CHAIN_MAX 32            /* work requests per ibv_post_send (one doorbell) */
+#define QP_WINDOW (4u << 20)    /* bytes in flight per QP before it claims more: a
+                                   transfer spreads over every QP and device
+                                   instead of filling the first send queue */
 #define CQ_BATCH 32
-#define RESOLVE_MS 2000
-#define CONNECT_MS 10000        /* all dialed QPs established within this */
+#define RESOLVE_MS 1000          /* address and route resolution; retried (REDIAL_MS) */
+#define CONNECT_MS 15000        /* else the peer is failed (last resort) */
+#define UNREADY_MS 2000         /* posts wait this long for a QP, then fail */
 #define ACK_TIMEOUT 14          /* 4.096 us << 14 = 67 ms per try: with 6 retries a
                                    dead path errors the QP in about half a second */
 #define RETRY_COUNT 6             /* not 7: rxe (like the RNR count) reads 7 as infinite */
@@ -138,7 +150,6 @@ typedef struct ticket {
 
 /* Per transfer (x->tp_state), while it has tickets out. */
 struct xstate {
-  rpeer *rp;
   atomic_long pending;          /* body writes handed over, not yet completed */
   _Atomic(ticket *) tail;       /* the last part, waiting for pending == 0 */
   unsigned out;                 /* tickets not yet called back (loop) */
@@ -150,6 +161,7 @@ typedef struct inflight {       /* one posted chain */
   uint32_t wrs;                 /* send queue slots it holds */
   uint32_t runs;                /* body runs it completes */
   bool tail;
+  uint64_t bytes;
 } inflight;
 
 struct rqp {
@@ -159,12 +171,13 @@ struct rqp {
   uint32_t qp_num;
   bool outbound;
   bool established;             /* loop */
-  bool gone;                    /* loop: an accepted QP the peer dropped (kept until the link goes) */
+  bool gone;                    /* loop: failed and replaced or dropped; inert until the link goes */
   atomic_bool ready;            /* dialed and established: the thread may post */
   /* progress thread only, once published */
   bool dead;
   uint32_t max_inline;
   uint32_t sq_cap, sq_used;
+  uint64_t bytes_out;           /* in flight */
   uint32_t rq_cap, rq_posted;
   uint64_t seq;
   inflight *ring;
@@ -213,8 +226,10 @@ struct rpeer {
   size_t n_pools;
   bool gpu_pools;                /* the peer has cuda pools (path rdma-gdr) */
   bool *pool_gpu;
-  uint64_t up_ns;
+  uint64_t up_ns;               /* the current set of QPs was dialed */
   bool said_ready;
+  bool degraded;                /* said that some links stay down */
+  unsigned resets;
 };
 
 typedef struct cmd {
@@ -315,6 +330,9 @@ typedef struct rdma_transport {
 static rdma_transport *R;
 
 static void fail_peer_soon(rpeer *rp, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void reset_peer(rpeer *rp, const char *why);
+static void relisten(rdev *d);
+static int start_listener(rdev *d, uint16_t port, char *err, size_t errlen);
 
 /* ------------------------------------------------------------ helpers */
 
@@ -465,11 +483,12 @@ static rqp *qp_by_num(rlink *lk, uint32_t num) {
   return NULL;
 }
 
-static void ring_push(rqp *q, ticket *tk, uint32_t wrs, uint32_t runs, bool tail) {
+static void ring_push(rqp *q, ticket *tk, uint32_t wrs, uint32_t runs, bool tail, uint64_t bytes) {
   uint32_t i = (q->ring_head + q->ring_n) % q->sq_cap;
-  q->ring[i] = (inflight){tk, q->seq, wrs, runs, tail};
+  q->ring[i] = (inflight){tk, q->seq, wrs, runs, tail, bytes};
   q->ring_n++;
   q->sq_used += wrs;
+  q->bytes_out += bytes;
 }
 
 static inflight ring_pop(rqp *q) {
@@ -477,6 +496,7 @@ static inflight ring_pop(rqp *q) {
   q->ring_head = (q->ring_head + 1) % q->sq_cap;
   q->ring_n--;
   q->sq_used -= f.wrs;
+  q->bytes_out -= f.bytes;
   return f;
 }
 
@@ -604,26 +624,56 @@ static ticket *claim(rpeer *rp, uint32_t room, size_t *first, size_t *cnt, bool 
   return tk;
 }
 
+/* The QP's chain of work requests is linked and typed once (RDMA WRITE,
+ * one SGE each); building a chain then writes only what differs per run. */
+static void init_chain(rqp *q) {
+  for (size_t i = 0; i < CHAIN_MAX; i++)
+    q->wr[i] = (struct ibv_send_wr){.next = i + 1 < CHAIN_MAX ? &q->wr[i + 1] : NULL,
+                                    .sg_list = &q->sge[i],
+                                    .num_sge = 1,
+                                    .opcode = IBV_WR_RDMA_WRITE};
+}
+
 static uint64_t build_chain(rlink *lk, rqp *q, const kvf__run *r, size_t n) {
-  const uint32_t *lkey = lk->dev->lkey;
-  uint64_t bytes = 0;
+  /* Runs of a chain nearly always share their pools: keep the last pool's
+   * keys and bases at hand instead of looking them up per run. */
+  uint32_t sp = r->src_pool, dp = r->dst_pool, lkey = lk->dev->lkey[sp], rkey = lk->rkey[dp];
+  uintptr_t base = (uintptr_t)R->pool_base[sp];
+  uint64_t raddr = lk->raddr[dp], bytes = 0;
+  uint32_t max_inline = q->max_inline;
   for (size_t i = 0; i < n; i++, r++) {
+    if (r->src_pool != sp) {
+      sp = r->src_pool;
+      lkey = lk->dev->lkey[sp];
+      base = (uintptr_t)R->pool_base[sp];
+    }
+    if (r->dst_pool != dp) {
+      dp = r->dst_pool;
+      rkey = lk->rkey[dp];
+      raddr = lk->raddr[dp];
+    }
     struct ibv_sge *s = &q->sge[i];
     struct ibv_send_wr *w = &q->wr[i];
-    s->addr = (uintptr_t)(R->pool_base[r->src_pool] + r->src_off);
+    s->addr = base + r->src_off;
     s->length = (uint32_t)r->len;
-    s->lkey = lkey[r->src_pool];
-    w->wr_id = 0;
-    w->next = i + 1 < n ? w + 1 : NULL;
-    w->sg_list = s;
-    w->num_sge = 1;
-    w->opcode = IBV_WR_RDMA_WRITE;
-    w->send_flags = r->len <= q->max_inline ? IBV_SEND_INLINE : 0;
-    w->wr.rdma.remote_addr = lk->raddr[r->dst_pool] + r->dst_off;
-    w->wr.rdma.rkey = lk->rkey[r->dst_pool];
+    s->lkey = lkey;
+    w->send_flags = r->len <= max_inline ? IBV_SEND_INLINE : 0;
+    w->wr.rdma.remote_addr = raddr + r->dst_off;
+    w->wr.rdma.rkey = rkey;
     bytes += r->len;
   }
+  q->wr[n - 1].next = NULL;
   return bytes;
+}
+
+/* Puts back what a posted chain changed in the template. */
+static void restore_chain(rqp *q, size_t n) {
+  struct ibv_send_wr *last = &q->wr[n - 1];
+  last->next = n < CHAIN_MAX ? last + 1 : NULL;
+  last->wr_id = 0;
+  q->wr[0].opcode = IBV_WR_RDMA_WRITE;
+  q->wr[0].num_sge = 1;
+  q->wr[0].imm_data = 0;
 }
 
 static void account(rdev *d, ticket *tk, uint64_t wrs, uint64_t bytes, uint64_t build, uint64_t bell) {
@@ -647,12 +697,13 @@ static int ring_doorbell(rlink *lk, rqp *q, ticket *tk, size_t n, uint32_t runs,
   uint64_t t1 = fast_ns();
   int rc = ibv_post_send(q->qp, q->wr, &bad);
   account(lk->dev, tk, n, bytes, t1 - t0, fast_ns() - t1);
+  restore_chain(q, n);
   if (rc) {
     credit(tk, runs + tail, KVF_EPEERLOST);
     qp_failed(lk, q, strerror(rc));
     return -rc;
   }
-  ring_push(q, tk, (uint32_t)n, runs, tail);
+  ring_push(q, tk, (uint32_t)n, runs, tail, bytes);
   return 0;
 }
 
@@ -668,8 +719,10 @@ static int post_tail(rlink *lk, rqp *q, ticket *tk) {
   struct ibv_send_wr *w = &q->wr[0];
   if (tk->tail.len) {
     build_chain(lk, q, &tk->tail, 1);
-  } else {
-    *w = (struct ibv_send_wr){.num_sge = 0};
+  } else { /* nothing left to write: a zero-length write carries the notice */
+    w->next = NULL;
+    w->num_sge = 0;
+    w->send_flags = 0;
     w->wr.rdma.remote_addr = lk->n_rpools ? lk->raddr[0] : 0;
     w->wr.rdma.rkey = lk->n_rpools ? lk->rkey[0] : 0;
   }
@@ -680,7 +733,7 @@ static int post_tail(rlink *lk, rqp *q, ticket *tk) {
 
 static bool pump_qp(rlink *lk, rqp *q) {
   bool any = false;
-  while (!q->dead && q->sq_used < q->sq_cap) {
+  while (!q->dead && q->sq_used < q->sq_cap && q->bytes_out < QP_WINDOW) {
     size_t first = 0, cnt = 0;
     bool tail = false;
     ticket *tk = claim(lk->rp, q->sq_cap - q->sq_used, &first, &cnt, &tail);
@@ -819,13 +872,16 @@ static rpeer *rpeer_of(const kvf__peer *p) {
 }
 
 /* Every run must land inside a pool the peer announced and come from one of
- * ours (all registered). */
-static int check_runs(const rpeer *rp, const kvf__runs *runs) {
+ * ours (all registered). *extra gets how many more runs slicing makes. */
+static int check_runs(const rpeer *rp, const kvf__runs *runs, size_t *extra) {
+  uint64_t slice = kvfd.cfg.rdma_slice;
+  *extra = 0;
   for (size_t i = 0; i < runs->n; i++) {
     const kvf__run *r = &runs->v[i];
     if (r->src_pool >= kvfd.n_pools || r->dst_pool >= rp->n_pools) return KVF_ENOPOOL;
     uint64_t size = rp->pool_size[r->dst_pool];
     if (r->len == 0 || r->dst_off > size || r->len > size - r->dst_off) return KVF_ERANGE;
+    if (r->len > slice) *extra += (size_t)((r->len - 1) / slice);
   }
   return 0;
 }
@@ -837,12 +893,10 @@ static bool runs_touch_gpu(const rpeer *rp, const kvf__runs *runs) {
   return false;
 }
 
-/* Takes the runs (no copy) or, when some exceed rdma-slice, a sliced copy. */
-static int take_runs(ticket *tk, kvf__runs *runs) {
+/* Takes the runs (no copy) or, when some exceed rdma-slice (extra more
+ * runs), a sliced copy. */
+static int take_runs(ticket *tk, kvf__runs *runs, size_t extra) {
   uint64_t slice = kvfd.cfg.rdma_slice;
-  size_t extra = 0;
-  for (size_t i = 0; i < runs->n; i++)
-    if (runs->v[i].len > slice) extra += (size_t)((runs->v[i].len - 1) / slice);
   if (extra == 0) {
     tk->runs = runs->v;
     tk->n_runs = runs->n;
@@ -864,9 +918,9 @@ static int take_runs(ticket *tk, kvf__runs *runs) {
   return 0;
 }
 
-static ticket *ticket_new(kvf__xfer *x, kvf__runs *runs, bool last) {
+static ticket *ticket_new(kvf__xfer *x, kvf__runs *runs, size_t extra, bool last) {
   ticket *tk = calloc(1, sizeof(*tk));
-  if (!tk || take_runs(tk, runs) != 0) {
+  if (!tk || take_runs(tk, runs, extra) != 0) {
     free(tk);
     return NULL;
   }
@@ -883,12 +937,11 @@ static ticket *ticket_new(kvf__xfer *x, kvf__runs *runs, bool last) {
   return tk;
 }
 
-static xstate *xstate_of(kvf__xfer *x, rpeer *rp) {
+static xstate *xstate_of(kvf__xfer *x) {
   xstate *xs = x->tp_state;
   if (xs) return xs;
   xs = calloc(1, sizeof(*xs));
   if (!xs) return NULL;
-  xs->rp = rp;
   x->tp_state = xs;
   return xs;
 }
@@ -930,12 +983,13 @@ static int rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last
   uint64_t t0 = fast_ns();
   rpeer *rp = x->peer ? rpeer_of(x->peer) : NULL;
   if (!rp) return KVF_EPEERLOST;
-  int rc = check_runs(rp, runs);
+  size_t extra = 0;
+  int rc = check_runs(rp, runs, &extra);
   if (rc) return rc;
   if (!x->path && (R->any_gpu || rp->gpu_pools) && runs_touch_gpu(rp, runs)) x->path = "rdma-gdr";
   size_t n = runs->n;
-  xstate *xs = xstate_of(x, rp);
-  ticket *tk = xs ? ticket_new(x, runs, last) : NULL;
+  xstate *xs = xstate_of(x);
+  ticket *tk = xs ? ticket_new(x, runs, extra, last) : NULL;
   if (!tk) {
     if (xs && xs->out == 0) {
       x->tp_state = NULL;
@@ -1051,7 +1105,7 @@ static void handle_event(tevent *e) {
     break;
   case EV_FAIL:
     rp = rpeer_of(e->peer);
-    if (rp && rp->gen == e->gen) kvf__peer_fail(e->peer, e->why);
+    if (rp && rp->gen == e->gen) reset_peer(rp, e->why);
     break;
   }
   free(e);
@@ -1159,6 +1213,7 @@ static int create_qp(rlink *lk, rqp *q) {
   q->qp_num = q->qp->qp_num;
   q->max_inline = a.cap.max_inline_data;
   if (q->outbound) {
+    init_chain(q);
     q->sq_cap = lk->depth;
     q->ring = calloc(q->sq_cap, sizeof(*q->ring));
     if (!q->ring) return -ENOMEM;
@@ -1177,6 +1232,19 @@ static const char *qp_error_text(int rc, char *buf, size_t len) {
   return buf;
 }
 
+/* Frees a dialed QP that has no verbs QP yet (address or route resolution
+ * failed): no thread knows it and its id holds no connection. */
+static void forget_qp(rlink *lk, rqp *q) {
+  for (unsigned i = 0; i < lk->n_all; i++)
+    if (lk->all[i] == q) {
+      lk->all[i] = lk->all[--lk->n_all];
+      break;
+    }
+  if (q->id) rdma_destroy_id(q->id);
+  free(q->ring);
+  free(q);
+}
+
 /* A dialed QP that never connected (the path is still coming back, or the
  * peer is not listening yet) is retried with backoff, up to CONNECT_MS after
  * the peer came up, instead of failing the peer at once: fast cycles of
@@ -1186,10 +1254,16 @@ static void redial_later(rqp *q, const char *what, const char *detail) {
   rlink *lk = q->lk;
   kvf__debug("rdma: %s: %s (%s -> %s) failed: %s; trying again", peer_name(lk->rp), what, lk->dev->name,
              lk->peer_dev, detail);
-  q->gone = true;
-  if (q->qp) ibv_modify_qp(q->qp, &(struct ibv_qp_attr){.qp_state = IBV_QPS_ERR}, IBV_QP_STATE);
-  if (q->id) q->id->context = NULL;
-  lk->redial_ms = lk->redial_ms ? (lk->redial_ms * 2 > 1000 ? 1000 : lk->redial_ms * 2) : REDIAL_MS;
+  if (!q->qp) { /* never reached the thread and never connected: gone at once */
+    forget_qp(lk, q);
+  } else {
+    q->gone = true;
+    ibv_modify_qp(q->qp, &(struct ibv_qp_attr){.qp_state = IBV_QPS_ERR}, IBV_QP_STATE);
+    if (q->id) q->id->context = NULL;
+  }
+  /* 250 ms doubling to 1 s; every 5 s once the peer runs without this link */
+  bool late = kvf__now_ns() - lk->rp->up_ns > (uint64_t)CONNECT_MS * 1000000ull;
+  lk->redial_ms = late ? 5000 : lk->redial_ms ? (lk->redial_ms * 2 > 1000 ? 1000 : lk->redial_ms * 2) : REDIAL_MS;
   lk->redial_at = kvf__now_ns() + (uint64_t)lk->redial_ms * 1000000ull;
   lk->redial++;
 }
@@ -1204,7 +1278,7 @@ static void dial_failed(rqp *q, const char *what, const char *detail) {
     if (q->qp) ibv_modify_qp(q->qp, &(struct ibv_qp_attr){.qp_state = IBV_QPS_ERR}, IBV_QP_STATE);
     return;
   }
-  if (!q->established && kvf__now_ns() - lk->rp->up_ns < (uint64_t)CONNECT_MS * 1000000ull) {
+  if (!q->established) {
     redial_later(q, what, detail);
     return;
   }
@@ -1452,8 +1526,10 @@ static void reap_link(rlink *lk) {
   for (unsigned i = 0; i < lk->n_all; i++) {
     rqp *q = lk->all[i];
     if (q->qp) ibv_modify_qp(q->qp, &(struct ibv_qp_attr){.qp_state = IBV_QPS_ERR}, IBV_QP_STATE);
+    if (q->qp) q->qp->qp_context = NULL; /* async events of it until destroyed: ignored */
     if (q->id) q->id->context = NULL;
   }
+  if (lk->cq) lk->cq->cq_context = NULL;
   if (!R->reaper_on) {
     destroy_link(lk);
     return;
@@ -1472,7 +1548,6 @@ static void drain_peer(rpeer *rp) {
     if (tk->rp != rp) continue;
     size_t k = take_back(rp, tk);
     tk->rp = NULL;
-    tk->xs->rp = NULL;
     credit(tk, k, KVF_EPEERLOST);
   }
 }
@@ -1485,14 +1560,20 @@ static void unregister_peer(rpeer *rp) {
     }
 }
 
+/* Threads off the peer's links, its QPs to the reaper, its tickets done. */
+static void drop_links(rpeer *rp) {
+  for (int i = 0; i < rp->n_links; i++)
+    if (rp->links[i]->attached) detach_and_wait(rp->links[i]);
+  for (int i = 0; i < rp->n_links; i++) reap_link(rp->links[i]);
+  rp->n_links = 0;
+  drain_peer(rp);
+}
+
 static void rdma_peer_down(kvf__transport *t, kvf__peer *p) {
   rpeer *rp = rpeer_of(p);
   if (!rp) return;
   unregister_peer(rp);
-  for (int i = 0; i < rp->n_links; i++)
-    if (rp->links[i]->attached) detach_and_wait(rp->links[i]);
-  for (int i = 0; i < rp->n_links; i++) reap_link(rp->links[i]);
-  drain_peer(rp);
+  drop_links(rp);
   pthread_mutex_destroy(&rp->qlock);
   free(rp->pool_size);
   free(rp->pool_gpu);
@@ -1592,11 +1673,11 @@ static rpeer *rpeer_new(kvf__peer *p) {
 
 /* Dials our QPs to the peer; the data path opens as they get established
  * (posts queue meanwhile). A failure here is cleaned up by peer_down. */
-static int rdma_peer_up(kvf__transport *t, kvf__peer *p) {
-  const Kvf__RdmaInfo *ri = p->hello ? p->hello->rdma : NULL;
-  if (!ri || ri->n_devices == 0 || R->n_peers == KVF__MAX_PEERS_CFG) return KVF_EPROTO;
-  rpeer *rp = rpeer_new(p);
-  if (!rp) return -ENOMEM;
+/* One link per device of ours, each dialing its QPs. */
+static int make_links(rpeer *rp) {
+  const Kvf__RdmaInfo *ri = rp->p->hello->rdma;
+  rp->up_ns = kvf__now_ns();
+  rp->said_ready = rp->degraded = false;
   for (int i = 0; i < R->n_devs; i++) {
     int rc = link_new(rp, &R->devs[i], ri->devices[(size_t)i % ri->n_devices], ri);
     if (rc) {
@@ -1605,14 +1686,54 @@ static int rdma_peer_up(kvf__transport *t, kvf__peer *p) {
       return rc;
     }
   }
-  sweep_parked(rp, false);
   return 0;
+}
+
+static int rdma_peer_up(kvf__transport *t, kvf__peer *p) {
+  const Kvf__RdmaInfo *ri = p->hello ? p->hello->rdma : NULL;
+  if (!ri || ri->n_devices == 0 || R->n_peers == KVF__MAX_PEERS_CFG) return KVF_EPROTO;
+  rpeer *rp = rpeer_new(p);
+  if (!rp) return -ENOMEM;
+  int rc = make_links(rp);
+  if (rc == 0) sweep_parked(rp, false);
+  return rc;
+}
+
+/* A dialed QP broke (completion error, QP fatal, disconnect): every
+ * transfer in flight to the peer fails with KVF_EPEERLOST at once and the
+ * peer's QPs are rebuilt, while the control connection stays: a data-path
+ * failure does not reset the control plane (both daemons reconnecting at
+ * the same moment only churns it). Posts meanwhile queue, and fail after
+ * UNREADY_MS without a QP; a rebuild that cannot connect in CONNECT_MS
+ * fails the peer. */
+static void reset_peer(rpeer *rp, const char *why) {
+  kvf__warn("peer %s: %s; failing its rdma transfers and reconnecting", peer_name(rp), why);
+  rp->resets++;
+  drop_links(rp);
+  rp->gen = ++R->gen; /* what the old QPs still report is stale */
+  if (make_links(rp) != 0) kvf__peer_fail(rp->p, "rdma: cannot rebuild the queue pairs");
+}
+
+static bool any_ready(const rpeer *rp) {
+  for (int i = 0; i < rp->n_links; i++)
+    if (rp->links[i]->n_ready) return true;
+  return false;
+}
+
+/* No QP to carry them: posts that wait longer than UNREADY_MS fail. */
+static void fail_queued(rpeer *rp) {
+  pthread_mutex_lock(&rp->qlock);
+  for (ticket *tk = R->live; tk; tk = tk->next_live)
+    if (tk->rp == rp) credit(tk, take_back(rp, tk), KVF_EPEERLOST);
+  pthread_mutex_unlock(&rp->qlock);
 }
 
 /* Once a second: drop parked requests nobody claimed, and fail peers whose
  * QPs do not connect (a CM that keeps retrying would hold them forever). */
 static void on_sweep(uv_timer_t *tm) {
   sweep_parked(NULL, false);
+  for (int i = 0; i < R->n_devs; i++)
+    if (!R->devs[i].listener) relisten(&R->devs[i]);
   uint64_t now = kvf__now_ns();
   for (size_t i = 0; i < R->n_peers; i++) {
     rpeer *rp = R->peers[i];
@@ -1621,14 +1742,33 @@ static void on_sweep(uv_timer_t *tm) {
       for (; lk->redial && now >= lk->redial_at; lk->redial--)
         if (dial(lk) != 0) break;
     }
-    if (!peer_ready(rp) && now - rp->up_ns > (uint64_t)CONNECT_MS * 1000000ull) {
+    if (!any_ready(rp) && atomic_load(&rp->queued) && now - rp->up_ns > (uint64_t)UNREADY_MS * 1000000ull)
+      fail_queued(rp);
+    if (peer_ready(rp) || now - rp->up_ns <= (uint64_t)CONNECT_MS * 1000000ull) continue;
+    if (!any_ready(rp)) {
       kvf__peer_fail(rp->p, "rdma: queue pairs not connected in time");
       return; /* the array changed */
+    }
+    if (!rp->degraded) {
+      rp->degraded = true;
+      kvf__warn("rdma: peer %s: some devices did not reconnect in %d s; carrying on with the others "
+                "and retrying them", peer_name(rp), CONNECT_MS / 1000);
     }
   }
 }
 
 /* ------------------------------------------------------------ device async events */
+
+/* After its port went down and up (or its GIDs changed) a device's CM
+ * listener hears no more requests (seen with rxe on Linux 6.1): listen again
+ * on the same address and port, which the peers already know. */
+static void relisten(rdev *d) {
+  char err[256];
+  if (d->listener) rdma_destroy_id(d->listener);
+  d->listener = NULL;
+  if (start_listener(d, d->cm_port, err, sizeof(err)) != 0) kvf__warn("rdma: %s; retrying", err);
+  else kvf__info("rdma: %s listening again on %s:%u", d->name, d->ip, d->cm_port);
+}
 
 static void on_dev_async(uv_poll_t *h, int status, int events) {
   rdev *d = h->data;
@@ -1640,8 +1780,10 @@ static void on_dev_async(uv_poll_t *h, int status, int events) {
     if ((type == IBV_EVENT_QP_FATAL || type == IBV_EVENT_QP_REQ_ERR || type == IBV_EVENT_QP_ACCESS_ERR) &&
         ev.element.qp && ev.element.qp->qp_context) {
       rqp *q = ev.element.qp->qp_context;
-      p = q->lk->rp->p;
-      gen = q->lk->rp->gen;
+      if (q->outbound) { /* accepted QPs: see qp_failed */
+        p = q->lk->rp->p;
+        gen = q->lk->rp->gen;
+      }
     } else if (type == IBV_EVENT_CQ_ERR && ev.element.cq && ev.element.cq->cq_context) {
       rlink *lk = ev.element.cq->cq_context;
       p = lk->rp->p;
@@ -1651,13 +1793,14 @@ static void on_dev_async(uv_poll_t *h, int status, int events) {
     ibv_ack_async_event(&ev); /* before acting: tearing down waits for the ack */
     if (type == IBV_EVENT_PORT_ERR || type == IBV_EVENT_PORT_ACTIVE)
       kvf__warn("rdma: %s port %d is %s", d->name, port, type == IBV_EVENT_PORT_ACTIVE ? "active" : "down");
+    if ((type == IBV_EVENT_PORT_ACTIVE || type == IBV_EVENT_GID_CHANGE) && port == d->port) relisten(d);
     else if (type == IBV_EVENT_DEVICE_FATAL)
       kvf__err("rdma: %s: fatal device error", d->name);
     rpeer *rp = p ? rpeer_of(p) : NULL;
     if (rp && rp->gen == gen) {
       char why[128];
       snprintf(why, sizeof(why), "rdma: %s on %s", ibv_event_type_str(type), d->name);
-      kvf__peer_fail(p, why);
+      reset_peer(rp, why);
     }
   }
 }
@@ -1922,14 +2065,16 @@ static int setup_device(rdev *d, char *err, size_t errlen) {
   return register_pools(d, err, errlen);
 }
 
-static int start_listener(rdev *d, char *err, size_t errlen) {
+static int start_listener(rdev *d, uint16_t port, char *err, size_t errlen) {
   struct sockaddr_storage a = d->addr;
-  set_port(&a, kvfd.cfg.rdma_listen_port);
+  set_port(&a, port);
   if (rdma_create_id(R->cm, &d->listener, d, RDMA_PS_TCP) != 0 ||
       rdma_bind_addr(d->listener, (struct sockaddr *)&a) != 0 || rdma_listen(d->listener, 64) != 0) {
-    snprintf(err, errlen, "CM listener of %s on %s port %u: %s", d->name, d->ip, kvfd.cfg.rdma_listen_port,
-             strerror(errno));
-    return -errno;
+    int e = errno;
+    snprintf(err, errlen, "CM listener of %s on %s port %u: %s", d->name, d->ip, port, strerror(e));
+    if (d->listener) rdma_destroy_id(d->listener);
+    d->listener = NULL;
+    return -e;
   }
   if (d->listener->verbs != d->ctx) {
     snprintf(err, errlen, "address %s belongs to another device than %s", d->ip, d->name);
@@ -1992,7 +2137,7 @@ static int start(char *err, size_t errlen) {
     snprintf(err, errlen, "cannot open the RDMA CM (rdma_ucm loaded?)");
     return -ENODEV;
   }
-  for (int i = 0; rc == 0 && i < R->n_devs; i++) rc = start_listener(&R->devs[i], err, errlen);
+  for (int i = 0; rc == 0 && i < R->n_devs; i++) rc = start_listener(&R->devs[i], kvfd.cfg.rdma_listen_port, err, errlen);
   if (rc == 0) rc = start_handles();
   for (int i = 0; rc == 0 && i < R->n_devs; i++) rc = start_thread(&R->devs[i], err, errlen);
   if (rc == 0 && pthread_create(&R->reaper, NULL, reaper_main, NULL) != 0) {
@@ -2088,7 +2233,7 @@ static void inspect_peers(jbuf *b) {
   jb(b, ", \"peers\": [");
   for (size_t i = 0; i < R->n_peers; i++) {
     rpeer *rp = R->peers[i];
-    jb(b, "%s{\"name\": \"%s\", \"qps\": [", i ? ", " : "", peer_name(rp));
+    jb(b, "%s{\"name\": \"%s\", \"resets\": %u, \"qps\": [", i ? ", " : "", peer_name(rp), rp->resets);
     int k = 0;
     for (int l = 0; l < rp->n_links; l++) {
       rlink *lk = rp->links[l];

@@ -47,6 +47,23 @@ add_rail() {
   rdma link add rxe3 type rxe netdev m1
 }
 add_rail || { say "could not add the second rail"; exit 1; }
+
+# Taking a link down flushes the routes through it: bringing it back up must
+# restore the policy route of its table, as the VM's setup made it.
+cat >/tmp/kvf-link <<'SH'
+#!/bin/sh
+# kvf-link DEV up|down
+ip link set "$1" "$2" || exit 1
+[ "$2" = up ] || exit 0
+case $1 in
+  n0) ip route replace 10.0.0.0/24 dev n0 src 10.0.0.1 table 100 ;;
+  n1) ip route replace 10.0.0.0/24 dev n1 src 10.0.0.2 table 101 ;;
+  m0) ip route replace 10.0.1.0/24 dev m0 src 10.0.1.1 table 110 ;;
+  m1) ip route replace 10.0.1.0/24 dev m1 src 10.0.1.2 table 111 ;;
+esac
+SH
+chmod +x /tmp/kvf-link
+export KVF_TEST_LINK_CTL=/tmp/kvf-link
 rdma link | sed 's/^/check-rdma: /' >&2
 
 export KVF_TEST_TRANSPORT=rdma
