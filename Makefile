@@ -8,6 +8,7 @@
 #   make bench-tcp    kvferry vs iperf3 on loopback (bench/tcp_vs_iperf.sh)
 #   make check-rdma / demo-rdma / bench-rdma   in the soft-RoCE VM (see "rdma" below)
 #   make check-gpu    on a GPU machine: tests/gpu (see "cuda" below)
+#   make fuzz         libFuzzer targets, FUZZ_SECONDS each (see "fuzz" below)
 #   make install      PREFIX=/usr/local DESTDIR= (and BINDIR, SBINDIR, LIBDIR,
 #                     INCLUDEDIR, MANDIR, SYSCONFDIR, ...: see "install" below)
 
@@ -298,5 +299,61 @@ bench-rdma: all
 	@BUILD=$(BUILD) RDMA_VM=$(RDMA_VM) bench/rdma_vs_perftest.sh
 
 .PHONY: check-rdma demo-rdma bench-rdma
+
+# ---------------------------------------------------------------- fuzz
+# libFuzzer targets (tests/fuzz/README.md), built by clang with ASan+UBSan
+# into $(BUILD)/fuzz: fuzz_api (the local API, bytes to requests to
+# transfers), fuzz_peer (peer messages and tcp data batches), fuzz_config
+# (kvferryd.conf). They run one after another, each FUZZ_SECONDS (0: no
+# limit) or FUZZ_RUNS executions, from the committed seeds
+# (tests/fuzz/corpus) and seeds generated from the current wire format; any
+# crash, leak, hang or broken invariant fails the make (input and log in
+# $(BUILD)/fuzz/artifacts, $(BUILD)/fuzz/logs).
+#   make fuzz [FUZZ_SECONDS=N] [FUZZ_RUNS=N] [FUZZ_TARGETS=fuzz_api] [FUZZ_MAX_LEN=4096]
+#             [FUZZ_ARGS=...]
+#   make fuzz-build     the targets only
+#   make fuzz-corpus    regenerate the committed seeds (tests/fuzz/corpus)
+FUZZ_CC ?= clang
+FUZZ_RUNS ?=
+FUZZ_SECONDS ?= $(if $(FUZZ_RUNS),0,10)
+FUZZ_MAX_LEN ?= 4096
+FUZZ_ARGS ?=
+FUZZ_TARGETS ?= fuzz_api fuzz_peer fuzz_config
+FUZZ_DIR := $(BUILD)/fuzz
+FUZZ_CFLAGS := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Wshadow -Wno-unused-parameter -pthread -g -O1 \
+	-fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
+FUZZ_OBJ := $(patsubst %.c,$(FUZZ_DIR)/obj/%.o,$(DAEMON_SRC) $(COMMON_SRC) $(ERR_SRC) tests/fuzz/fuzz_common.c) \
+	$(FUZZ_DIR)/obj/proto/kvferry.pb-c.o
+FUZZ_BIN := $(addprefix $(FUZZ_DIR)/,fuzz_api fuzz_peer fuzz_config)
+
+$(FUZZ_DIR)/obj/%.o: %.c $(PROTO_H)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link $(INC) -Itests/fuzz $(DEPFLAGS) -c $< -o $@
+
+$(FUZZ_DIR)/obj/proto/kvferry.pb-c.o: $(PROTO_C)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -Wno-error -fsanitize=fuzzer-no-link $(INC) -c $< -o $@
+
+$(FUZZ_DIR)/fuzz_%: tests/fuzz/fuzz_%.c $(FUZZ_OBJ)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer $(INC) -Itests/fuzz -o $@ $< $(FUZZ_OBJ) $(LDLIBS_D)
+
+# The seed generator is an ordinary program on the ordinary objects.
+$(FUZZ_DIR)/gen_corpus: tests/fuzz/gen_corpus.c $(DAEMON_OBJ) $(PROTO_H)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) $(INC) -o $@ $< $(DAEMON_OBJ) $(LDLIBS_D)
+
+fuzz-build: deps $(FUZZ_BIN) $(FUZZ_DIR)/gen_corpus
+
+fuzz: fuzz-build
+	@rm -rf $(FUZZ_DIR)/seeds
+	@$(FUZZ_DIR)/gen_corpus $(FUZZ_DIR)/seeds config/kvferryd.conf
+	@BUILD=$(BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_RUNS=$(FUZZ_RUNS) FUZZ_MAX_LEN=$(FUZZ_MAX_LEN) \
+	  FUZZ_ARGS='$(FUZZ_ARGS)' \
+	  tests/fuzz/run.sh $(FUZZ_TARGETS)
+
+fuzz-corpus: $(FUZZ_DIR)/gen_corpus
+	$(FUZZ_DIR)/gen_corpus tests/fuzz/corpus config/kvferryd.conf
+
+.PHONY: fuzz fuzz-build fuzz-corpus
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

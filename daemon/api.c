@@ -39,6 +39,8 @@ struct kvf__session {
   bool closing;
   uint32_t n_xfers;
   char name[64];
+  kvf__api_sink *sink;    /* detached session (tests, fuzzing): no socket */
+  void *sink_arg;
   kvf__session *prev, *next;
 };
 
@@ -90,8 +92,21 @@ static uv_pipe_t *fd_handle(int fd) {
   return p;
 }
 
+/* A detached session's frames go to its sink, whole, in order. */
+static int sink_write(kvf__session *s, const Kvf__ApiMessage *m, int fd) {
+  size_t n = kvf__api_message__get_packed_size(m);
+  uint8_t *buf = malloc(KVF__FRAME_HDR + n);
+  if (!buf) return -ENOMEM;
+  kvf__frame_put_header(buf, (uint32_t)n);
+  kvf__api_message__pack(m, buf + KVF__FRAME_HDR);
+  s->sink(s, buf, KVF__FRAME_HDR + n, fd, s->sink_arg);
+  free(buf);
+  return 0;
+}
+
 static int session_write(kvf__session *s, const Kvf__ApiMessage *m, int fd) {
   if (s->closing) return KVF_EDAEMON;
+  if (s->sink) return sink_write(s, m, fd);
   if (uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe) > MAX_WRITE_QUEUE) {
     session_close(s, "the client stopped reading its events");
     return KVF_ELIMIT;
@@ -245,7 +260,9 @@ static int check_range(void *ctx, uint32_t pool, uint64_t off, uint64_t len) {
 static int take_descs(const Kvf__DescList *w, kvf__descs *d, char *err, size_t errlen) {
   int rc = kvf__descs_from_wire(d, w, kvfd.cfg.max_descs);
   if (rc == KVF_ELIMIT) snprintf(err, errlen, "more than max-descs (%u) descriptors", kvfd.cfg.max_descs);
-  else if (rc) snprintf(err, errlen, "malformed descriptor list (empty, zero length or inconsistent arrays)");
+  else if (rc == KVF_EPROTO)
+    snprintf(err, errlen, "malformed descriptor list (not whole %u-byte records)", KVF__DESC_WIRE_SIZE);
+  else if (rc) snprintf(err, errlen, "malformed descriptor list (empty, zero length or total overflow)");
   if (rc) return rc;
   size_t bad = 0;
   rc = kvf__descs_check(d, check_range, NULL, &bad);
@@ -358,7 +375,7 @@ static void session_close(kvf__session *s, const char *why) {
   else A.head = s->next;
   if (s->next) s->next->prev = s->prev;
   A.n--;
-  uv_close((uv_handle_t *)&s->pipe, on_session_closed);
+  if (!s->sink) uv_close((uv_handle_t *)&s->pipe, on_session_closed);
 }
 
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
@@ -372,13 +389,9 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
   *buf = uv_buf_init((char *)p, (unsigned)avail);
 }
 
-static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
-  kvf__session *s = st->data;
-  if (nread < 0) {
-    session_close(s, nread == UV_EOF ? NULL : uv_strerror((int)nread));
-    return;
-  }
-  kvf__framebuf_commit(&s->fb, (size_t)nread);
+/* Decodes and answers every whole frame held in s->fb: the one path from
+ * a client's bytes to on_request (the socket's reads and kvf__api_feed). */
+static void drain_frames(kvf__session *s) {
   while (!s->closing) {
     const uint8_t *payload;
     uint32_t len;
@@ -400,6 +413,16 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
   }
 }
 
+static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
+  kvf__session *s = st->data;
+  if (nread < 0) {
+    session_close(s, nread == UV_EOF ? NULL : uv_strerror((int)nread));
+    return;
+  }
+  kvf__framebuf_commit(&s->fb, (size_t)nread);
+  drain_frames(s);
+}
+
 static void credentials(kvf__session *s) {
   struct ucred cred;
   socklen_t len = sizeof(cred);
@@ -414,6 +437,24 @@ static void credentials(kvf__session *s) {
   }
 }
 
+/* Counts the session in and decides, from its credentials and the
+ * limits, whether it is refused (every request then gets that status). */
+static void session_admit(kvf__session *s) {
+  s->id = ++A.next_id;
+  s->next = A.head;
+  if (A.head) A.head->prev = s;
+  A.head = s;
+  A.n++;
+  if (!uid_allowed(s->uid, s->gid)) {
+    s->refused = KVF_EPERM;
+    kvf__warn("refused client pid %d uid %u: not in api-allow-users/api-allow-groups", (int)s->pid,
+              (unsigned)s->uid);
+  } else if (A.n > kvfd.cfg.max_clients) {
+    s->refused = KVF_ELIMIT;
+    kvf__warn("refused client pid %d: max-clients (%u) reached", (int)s->pid, kvfd.cfg.max_clients);
+  }
+}
+
 static void on_connection(uv_stream_t *server, int status) {
   if (status < 0) return;
   kvf__session *s = calloc(1, sizeof(*s));
@@ -425,21 +466,38 @@ static void on_connection(uv_stream_t *server, int status) {
     uv_close((uv_handle_t *)&s->pipe, on_session_closed);
     return;
   }
-  s->id = ++A.next_id;
-  s->next = A.head;
-  if (A.head) A.head->prev = s;
-  A.head = s;
-  A.n++;
   credentials(s);
-  if (!uid_allowed(s->uid, s->gid)) {
-    s->refused = KVF_EPERM;
-    kvf__warn("refused client pid %d uid %u: not in api-allow-users/api-allow-groups", (int)s->pid,
-              (unsigned)s->uid);
-  } else if (A.n > kvfd.cfg.max_clients) {
-    s->refused = KVF_ELIMIT;
-    kvf__warn("refused client pid %d: max-clients (%u) reached", (int)s->pid, kvfd.cfg.max_clients);
-  }
+  session_admit(s);
   uv_read_start((uv_stream_t *)&s->pipe, on_alloc, on_read);
+}
+
+kvf__session *kvf__api_session_detached(pid_t pid, uid_t uid, gid_t gid, kvf__api_sink *sink,
+                                        void *arg) {
+  kvf__session *s = sink ? calloc(1, sizeof(*s)) : NULL;
+  if (!s) return NULL;
+  kvf__framebuf_init(&s->fb, kvfd.cfg.max_frame);
+  s->sink = sink;
+  s->sink_arg = arg;
+  s->pid = pid;
+  s->uid = uid;
+  s->gid = gid;
+  session_admit(s);
+  return s;
+}
+
+int kvf__api_feed(kvf__session *s, const void *data, size_t n) {
+  if (s->closing) return KVF_EDAEMON;
+  if (kvf__framebuf_append(&s->fb, data, n) != 0) return -ENOMEM;
+  drain_frames(s);
+  return s->closing ? KVF_EDAEMON : 0;
+}
+
+bool kvf__api_session_closed(const kvf__session *s) { return s->closing; }
+
+void kvf__api_session_free(kvf__session *s) {
+  session_close(s, NULL);
+  kvf__framebuf_free(&s->fb);
+  free(s);
 }
 
 /* Refuses to steal the socket of a daemon that is still running. */

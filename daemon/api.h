@@ -13,4 +13,20 @@ void kvf__api_emit(kvf__session *s, const Kvf__Event *ev);
 void kvf__api_session_xfers(kvf__session *s, int delta);
 size_t kvf__api_sessions(void);
 
+/* A session with no socket (tests, tests/fuzz): bytes given to
+ * kvf__api_feed take the path a client's reads take (frame buffer, max-frame,
+ * ApiRequest unpack, the requests, the transfers), and every frame the daemon
+ * would write to the client (u32 length + ApiMessage) goes to sink, with the
+ * pool fd a MapResp carries (-1 for none; not to be closed). Credentials
+ * and max-clients are checked as for a connection. */
+typedef void kvf__api_sink(kvf__session *s, const uint8_t *frame, size_t len, int fd, void *arg);
+kvf__session *kvf__api_session_detached(pid_t pid, uid_t uid, gid_t gid, kvf__api_sink *sink,
+                                        void *arg);
+/* 0, or KVF_EDAEMON once the session is closed (a bad frame, a refused
+ * client, no hello): it reads nothing more. */
+int kvf__api_feed(kvf__session *s, const void *data, size_t n);
+bool kvf__api_session_closed(const kvf__session *s);
+/* Closes a detached session (its transfers fail) and frees it. */
+void kvf__api_session_free(kvf__session *s);
+
 #endif

@@ -105,6 +105,34 @@ static void ent_decode(const uint8_t in[ENT_LEN], batch_ent *e) {
   e->offset = get64(in + 8);
 }
 
+/* The receiver's checks, before it reads a payload byte (pure: also
+ * kvf__tcp_batch_check's). The header's own fields: */
+static int check_header(const batch_hdr *h) {
+  return h->magic != DATA_MAGIC || h->count == 0 || h->count > BATCH_FRAMES ? KVF_EPROTO : 0;
+}
+
+/* count raw entries, each 1..SLICE bytes; *bytes is the payload that follows. */
+static int decode_entries(const uint8_t *raw, uint32_t count, batch_ent *e, uint64_t *bytes) {
+  *bytes = 0;
+  for (uint32_t i = 0; i < count; i++) {
+    ent_decode(raw + (size_t)i * ENT_LEN, &e[i]);
+    if (e[i].len == 0 || e[i].len > SLICE) return KVF_EPROTO;
+    *bytes += e[i].len;
+  }
+  return 0;
+}
+
+/* The first entry outside the grant's ranges; count when all lie inside. */
+static uint32_t first_outside(const kvf__rangeset *rs, const batch_ent *e, uint32_t count) {
+  uint32_t i = 0;
+  while (i < count && kvf__rangeset_contains(rs, e[i].pool, e[i].offset, e[i].len)) i++;
+  return i;
+}
+
+_Static_assert(BHDR_LEN == KVF__TCP_BATCH_HDR && ENT_LEN == KVF__TCP_BATCH_ENT &&
+                   BATCH_FRAMES == KVF__TCP_BATCH_MAX,
+               "transport.h's batch constants differ from tcp.c's");
+
 /* ---------------------------------------------------- work and completions */
 
 /* One kvf__transport_ops.post call: done when every stream finished its
@@ -568,11 +596,11 @@ static rgrant *pin_grant(tcp_peer *tp, const batch_hdr *h, const batch_ent *e) {
   pthread_mutex_lock(&T->g_lock);
   rgrant *g = kvf__map_get(&T->grants, key);
   if (g && (g->closed || g->peer != tp->p)) g = NULL;
-  for (uint32_t i = 0; g && i < h->count; i++) {
-    if (kvf__rangeset_contains(&g->rs, e[i].pool, e[i].offset, e[i].len)) continue;
+  uint32_t bad = g ? first_outside(&g->rs, e, h->count) : h->count;
+  if (bad < h->count) {
     kvf__warn("peer %s wrote outside grant %016llx (pool %u offset %llu len %u): refused",
-              tp->p->cfg.name, (unsigned long long)h->handle, e[i].pool,
-              (unsigned long long)e[i].offset, e[i].len);
+              tp->p->cfg.name, (unsigned long long)h->handle, e[bad].pool,
+              (unsigned long long)e[bad].offset, e[bad].len);
     post_event(EV_DATA_ERROR, NULL, h->handle, KVF_EPERM, tp);
     g = NULL;
   }
@@ -592,18 +620,30 @@ static void unpin_grant(rgrant *g, tcp_peer *tp, uint64_t handle, uint64_t len) 
 
 /* Reads and checks a batch's entries; *bytes is the payload that follows. */
 static int read_entries(stream *s, const batch_hdr *h, batch_ent *e, uint64_t *bytes) {
-  if (h->magic != DATA_MAGIC || h->count == 0 || h->count > BATCH_FRAMES) return KVF_EPROTO;
+  int rc = check_header(h);
+  if (rc) return rc;
   uint8_t raw[BATCH_FRAMES][ENT_LEN];
   struct iovec iov = {raw, (size_t)h->count * ENT_LEN};
-  int rc = read_exact(s->fd, &iov, 1, NULL, NULL);
+  rc = read_exact(s->fd, &iov, 1, NULL, NULL);
   if (rc) return rc;
-  *bytes = 0;
-  for (uint32_t i = 0; i < h->count; i++) {
-    ent_decode(raw[i], &e[i]);
-    if (e[i].len == 0 || e[i].len > SLICE) return KVF_EPROTO;
-    *bytes += e[i].len;
-  }
-  return 0;
+  return decode_entries(&raw[0][0], h->count, e, bytes);
+}
+
+int kvf__tcp_batch_check(const uint8_t *buf, size_t len, const kvf__rangeset *rs, uint64_t *handle,
+                         uint32_t *count, uint64_t *bytes, kvf__range *ents) {
+  batch_hdr h;
+  batch_ent e[BATCH_FRAMES];
+  if (len < BHDR_LEN) return KVF_EPROTO;
+  bhdr_decode(buf, &h);
+  int rc = check_header(&h);
+  if (rc == 0 && len - BHDR_LEN < (size_t)h.count * ENT_LEN) rc = KVF_EPROTO;
+  if (rc == 0) rc = decode_entries(buf + BHDR_LEN, h.count, e, bytes);
+  if (rc) return rc;
+  *handle = h.handle;
+  *count = h.count;
+  for (uint32_t i = 0; ents && i < h.count; i++) /* end may wrap when outside */
+    ents[i] = (kvf__range){.pool = e[i].pool, .start = e[i].offset, .end = e[i].offset + e[i].len};
+  return first_outside(rs, e, h.count) < h.count ? KVF_EPERM : 0;
 }
 
 /* ---- receiving into GPU pools (staged) */
