@@ -78,6 +78,7 @@
 #endif
 
 #include "map.h"
+#include "metrics.h"
 #include "peer.h"
 #include "pool.h"
 #include "xfer.h"
@@ -2119,6 +2120,26 @@ static int start_handles(void) {
   return 0;
 }
 
+/* Scrape-time gauges: queue pairs per peer and device, and the devices. */
+static void rdma_metrics(kvf__sbuf *b) {
+  kvf__metrics_family(b, "kvferry_rdma_devices", "gauge", "RDMA devices in use.");
+  kvf__sb_printf(b, "kvferry_rdma_devices %d\n", R->n_devs);
+  kvf__metrics_family(b, "kvferry_rdma_queue_pairs", "gauge",
+                      "Connected RDMA queue pairs, by peer and local device.");
+  for (size_t i = 0; i < R->n_peers; i++) {
+    rpeer *rp = R->peers[i];
+    for (int j = 0; rp && j < rp->n_links; j++) {
+      rlink *lk = rp->links[j];
+      if (!lk) continue;
+      kvf__sb_printf(b, "kvferry_rdma_queue_pairs{peer=");
+      kvf__metrics_label(b, peer_name(rp));
+      kvf__sb_printf(b, ",device=");
+      kvf__metrics_label(b, lk->dev->name);
+      kvf__sb_printf(b, "} %u\n", atomic_load(&lk->n_qps));
+    }
+  }
+}
+
 static int start(char *err, size_t errlen) {
   int rc = open_devices(err, errlen);
   if (rc == 0) rc = check_memlock(err, errlen);
@@ -2145,6 +2166,7 @@ static int start(char *err, size_t errlen) {
     rc = -EAGAIN;
   }
   R->reaper_on = rc == 0;
+  if (rc == 0) kvf__metrics_add_collector(rdma_metrics);
   return rc;
 }
 
