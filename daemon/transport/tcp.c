@@ -767,9 +767,10 @@ static void *receiver_main(void *arg) {
     if (!atomic_load(&s->tp->stop)) post_event(EV_STREAM_ERROR, NULL, 0, KVF_EPEERLOST, s->tp);
     return NULL;
   }
+  int rc;
   for (;;) {
     if (s->stage && socket_idle(s->fd, have)) rstage_drain(s);
-    int rc = read_header(s->fd, hdr, &have);
+    rc = read_header(s->fd, hdr, &have);
     if (rc) break;
     batch_hdr h;
     bhdr_decode(hdr, &h);
@@ -780,7 +781,13 @@ static void *receiver_main(void *arg) {
     if (rc) break;
   }
   rstage_drain(s);
-  if (!atomic_load(&s->tp->stop)) post_event(EV_STREAM_ERROR, NULL, 0, KVF_EPEERLOST, s->tp);
+  /* The sender closing its stream is how its own teardown looks from here
+   * (e.g. a stream of an earlier incarnation of the peer's state): the
+   * control connection tells whether the peer is alive, so only a broken
+   * protocol takes the peer down. Failing it on every close made two
+   * daemons that reconnect at once flap. */
+  if (!atomic_load(&s->tp->stop) && rc != -ECONNRESET)
+    post_event(EV_STREAM_ERROR, NULL, 0, KVF_EPEERLOST, s->tp);
   return NULL;
 }
 
