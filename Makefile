@@ -291,6 +291,31 @@ $(BUILD)/tests/rdma/%: tests/rdma/%.c $(TESTLIB_SRC) $(BUILD)/libkvferry.a
 check-rdma: all
 	@BUILD=$(BUILD) RDMA_VM=$(RDMA_VM) tests/rdma/run.sh
 
+# What a device does with type 2 memory windows, against the real verbs
+# (tests/rdma/mw_probe.c; tests/rdma/run.sh prints it first).
+$(BUILD)/tests/rdma/mw_probe: tests/rdma/mw_probe.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) -o $@ $< -libverbs
+all: $(BUILD)/tests/rdma/mw_probe
+
+# ---------------------------------------------------------------- failpoints
+# $(BUILD)/tests/kvferryd-rogue: the daemon's sources again, with
+# -DKVF_FAILPOINTS (daemon/failpoint.h) and their own objects, for the tests
+# of a peer that misbehaves (tests/integration/test_rogue.c). kvferryd
+# itself is built without failpoints.
+ROGUE_SRC := daemon/main.c $(filter-out daemon/cuda/kernel_image.c,$(DAEMON_SRC)) $(COMMON_SRC) $(ERR_SRC)
+ROGUE_OBJ := $(patsubst %.c,$(BUILD)/rogue/%.o,$(ROGUE_SRC)) $(BUILD)/obj/daemon/cuda/kernel_image.o \
+	$(BUILD)/obj/proto/kvferry.pb-c.o
+all: $(BUILD)/tests/kvferryd-rogue
+
+$(BUILD)/rogue/%.o: %.c $(PROTO_H)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) -DKVF_FAILPOINTS $(INC) $(DEPFLAGS) -c $< -o $@
+
+$(BUILD)/tests/kvferryd-rogue: $(ROGUE_OBJ)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) -o $@ $^ $(LDLIBS_D)
+
 demo-rdma: all
 	$(RDMA_VM) --nodes 2 --mem 4G --timeout 600 -- \
 	  env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make --no-print-directory demo TRANSPORT=rdma BUILD=$(BUILD)
@@ -355,5 +380,40 @@ fuzz-corpus: $(FUZZ_DIR)/gen_corpus
 	$(FUZZ_DIR)/gen_corpus tests/fuzz/corpus config/kvferryd.conf
 
 .PHONY: fuzz fuzz-build fuzz-corpus
+
+# ---------------------------------------------------------------- chaos
+# The chaos suite (tests/chaos/README.md): kill -9 a daemon or a client at a
+# random moment of a transfer; loss, a cut link and a link down between two
+# daemons in their own network namespaces (nftables; root); netem delay and
+# reordering in the soft-RoCE VM. Every byte of every transfer is verified,
+# each daemon's counters (kvferryctl status --json) and open fds return to
+# their baseline after each trial, and each daemon exits 0 on SIGTERM at the
+# end (LeakSanitizer with SAN=1). One summary line; non-zero exit on a hang,
+# leak, corruption or anything unexpected.
+#   make chaos [TRIALS=30] [CHAOS_ARGS="--seed N ..."]
+#   make chaos-vm [VM_TRIALS=5]     netem trials inside ../shared/rdma-vm
+TRIALS ?= 30
+VM_TRIALS ?= 5
+CHAOS_ARGS ?=
+CHAOS_BIN := $(BUILD)/tests/chaos/chaos_client
+all: $(CHAOS_BIN)
+
+$(CHAOS_BIN): tests/chaos/chaos_client.c $(BUILD)/libkvferry.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) -Iclient -o $@ $< $(BUILD)/libkvferry.a $(LDLIBS_C)
+
+chaos: all
+	@BUILD=$(BUILD) python3 tests/chaos/chaos.py --trials $(TRIALS) $(CHAOS_ARGS)
+
+chaos-vm: all
+	@if [ -x "$(RDMA_VM)" ]; then \
+	  $(RDMA_VM) --nodes 2 --mem 3G --timeout 900 -- \
+	    env BUILD=$(BUILD) python3 tests/chaos/chaos.py --vm --trials $(VM_TRIALS) $(CHAOS_ARGS); \
+	else \
+	  echo "chaos-vm: SKIPPED: no VM runner at $(RDMA_VM)"; \
+	  echo "chaos: trials 0, completed 0, failed-as-expected 0, hung 0, leaked 0, corrupted 0, skipped $(VM_TRIALS)"; \
+	fi
+
+.PHONY: chaos chaos-vm
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -234,6 +234,25 @@ static enum result check_metrics(const struct doctor *d, char *detail, size_t ca
   return ok ? R_OK : R_FAIL;
 }
 
+/* Peers must prove the cluster key (cluster-key-file); without one any
+ * host that reaches the peer port can join. */
+static enum result check_cluster_key(const struct doctor *d, char *detail, size_t cap) {
+  char mode[32] = "";
+  uint64_t refused = 0;
+  if (!d->status) return R_SKIP;
+  if (cj_str(d->status, "auth", mode, sizeof mode) != 0) {
+    snprintf(detail, cap, "this kvferryd does not report peer authentication");
+    return R_WARN;
+  }
+  cj_u64(d->status, "auth_failures", &refused);
+  if (strcmp(mode, "cluster-key") != 0) {
+    snprintf(detail, cap, "cluster-key-file is off: peers are not authenticated");
+    return R_WARN;
+  }
+  snprintf(detail, cap, "peers prove the cluster key; %" PRIu64 " refused since start", refused);
+  return R_OK;
+}
+
 /* GPU checks: ctl_gpu.c (results in this file's order). */
 static enum result check_cuda(const struct doctor *d, char *detail, size_t cap) {
   return (enum result)ctl_gpu_driver(detail, cap);
@@ -260,6 +279,23 @@ static enum result check_gpu_pools(const struct doctor *d, char *detail, size_t 
   return (enum result)ctl_gpu_pools(d->pools, detail, cap);
 }
 
+/* Whether a peer can write only the ranges of its grants over rdma (memory
+ * windows whose bounds the device enforces) or more (see rdma-memory-windows
+ * in kvferryd.conf(5)). */
+static enum result check_rdma_writes(const struct doctor *d, char *detail, size_t cap) {
+  if (!d->status) return R_SKIP;
+  const char *mw = cj_get(cj_get(d->status, "rdma"), "memory_windows");
+  char what[512] = "";
+  if (!mw) {
+    snprintf(detail, cap, "the rdma transport is not running");
+    return R_SKIP;
+  }
+  cj_str(mw, "protection", what, sizeof what);
+  bool ok = cj_bool(mw, "in_use", false) && cj_bool(mw, "bounds_enforced", false);
+  snprintf(detail, cap, "%s", what[0] ? what : "the daemon does not say");
+  return ok ? R_OK : R_WARN;
+}
+
 /* The checks, in the order shown. To add one: write a check_fn and add a
  * row; it gets the daemon's STATUS, POOLS and PEERS documents. */
 static const struct check {
@@ -273,6 +309,7 @@ static const struct check {
     {"hugepages", "huge pages are reserved and back the host pools", check_hugepages},
     {"peers-up", "every configured peer daemon is connected", check_peers},
     {"metrics", "the metrics endpoint answers", check_metrics},
+    {"cluster-key", "peers authenticate with a cluster key", check_cluster_key},
     {"cuda", "the NVIDIA driver loads and sees the GPUs", check_cuda},
     {"gpu-dmabuf", "GPUs, driver and kernel export GPU memory as dmabuf", check_gpu_dmabuf},
     {"nvidia-peermem", "nvidia_peermem is loaded where dmabuf is not available", check_gpu_peermem},
@@ -281,6 +318,8 @@ static const struct check {
     {"gpu-nic-pcie", "each GPU shares a PCIe switch with an RDMA NIC", check_gpu_nic_path},
     {"pcie-acs", "no ACS P2P redirect on the bridges between GPUs and NICs", check_gpu_acs},
     {"gpu-pools", "each cuda pool's NIC registration (dmabuf, peermem, else bounce)", check_gpu_pools},
+    {"rdma-writes", "a peer can RDMA-write only the ranges of its grants (memory windows)",
+     check_rdma_writes},
     /* RDMA checks (devices, ports active, GID) go here. */
 };
 #define N_CHECKS (sizeof checks / sizeof checks[0])

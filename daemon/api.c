@@ -25,7 +25,12 @@
 #include "xfer.h"
 
 #define READ_CHUNK (256u << 10)
-#define MAX_WRITE_QUEUE (256u << 20)
+/* A refused client is answered once (its hello) and closed; until then it
+ * holds no client slot, only this much of the daemon's memory, and at most
+ * MAX_REFUSED such connections wait at once (more are closed unanswered). */
+#define REFUSED_FRAME_MAX 4096u
+#define REFUSED_READ 4096u
+#define MAX_REFUSED 64u
 
 struct kvf__session {
   uv_pipe_t pipe;
@@ -50,7 +55,9 @@ static struct {
   bool listening;
   kvf__session *head;
   size_t n;
+  size_t n_refused;       /* of n: refused, waiting for their hello */
   uint32_t next_id;
+  kvf__ratelimit refused_rl;
 } A;
 
 size_t kvf__api_sessions(void) { return A.n; }
@@ -104,13 +111,23 @@ static int sink_write(kvf__session *s, const Kvf__ApiMessage *m, int fd) {
   return 0;
 }
 
+/* Replies and events a client has not read yet stay in the daemon's
+ * memory: past 4 x max-frame the client is taken for one that stopped
+ * reading, and dropped (its transfers fail; nobody else waits on it). */
+static bool backlog_full(kvf__session *s) {
+  size_t queued = uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe);
+  if (queued <= 4 * (size_t)kvfd.cfg.max_frame) return false;
+  kvf__warn("client %u (%s, pid %d, uid %u): %zu bytes of replies and events unread "
+            "(more than 4 x max-frame); disconnected",
+            s->id, s->name, (int)s->pid, (unsigned)s->uid, queued);
+  session_close(s, NULL);
+  return true;
+}
+
 static int session_write(kvf__session *s, const Kvf__ApiMessage *m, int fd) {
   if (s->closing) return KVF_EDAEMON;
   if (s->sink) return sink_write(s, m, fd);
-  if (uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe) > MAX_WRITE_QUEUE) {
-    session_close(s, "the client stopped reading its events");
-    return KVF_ELIMIT;
-  }
+  if (backlog_full(s)) return KVF_ELIMIT;
   size_t n = kvf__api_message__get_packed_size(m);
   wreq *w = malloc(sizeof(*w) + KVF__FRAME_HDR + n);
   if (!w) return -ENOMEM;
@@ -183,13 +200,20 @@ static bool uid_allowed(uid_t uid, gid_t gid) {
   return false;
 }
 
+/* A refused client's first request, whatever it is, gets the refusal. */
+static void refuse(kvf__session *s, uint64_t seq) {
+  char err[160];
+  if (s->refused == KVF_EPERM)
+    snprintf(err, sizeof(err), "uid %u may not use kvferryd (api-allow-users, api-allow-groups)",
+             (unsigned)s->uid);
+  else
+    snprintf(err, sizeof(err), "max-clients (%u) clients are connected; try again later",
+             kvfd.cfg.max_clients);
+  reply_status(s, seq, s->refused, err);
+  session_close(s, NULL);
+}
+
 static void on_hello(kvf__session *s, uint64_t seq, const Kvf__HelloReq *h) {
-  if (s->refused) {
-    reply_status(s, seq, s->refused, s->refused == KVF_EPERM ? "this user may not use kvferryd"
-                                                            : "too many clients");
-    session_close(s, NULL);
-    return;
-  }
   if (h->version != KVF__API_VERSION) {
     reply_status(s, seq, KVF_EVERSION, "the daemon speaks API version 1");
     session_close(s, NULL);
@@ -335,6 +359,10 @@ static void on_inspect(kvf__session *s, uint64_t seq, const Kvf__InspectReq *q) 
 }
 
 static void on_request(kvf__session *s, const Kvf__ApiRequest *q) {
+  if (s->refused) {
+    refuse(s, q->seq);
+    return;
+  }
   if (q->body_case == KVF__API_REQUEST__BODY_HELLO) {
     if (s->hello_done) reply_status(s, q->seq, KVF_EPROTO, "hello twice");
     else on_hello(s, q->seq, q->hello);
@@ -375,6 +403,7 @@ static void session_close(kvf__session *s, const char *why) {
   else A.head = s->next;
   if (s->next) s->next->prev = s->prev;
   A.n--;
+  if (s->refused) A.n_refused--;
   if (!s->sink) uv_close((uv_handle_t *)&s->pipe, on_session_closed);
 }
 
@@ -382,7 +411,7 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
   kvf__session *s = h->data;
   uint8_t *p;
   size_t avail;
-  if (kvf__framebuf_space(&s->fb, READ_CHUNK, &p, &avail) != 0) {
+  if (kvf__framebuf_space(&s->fb, s->refused ? REFUSED_READ : READ_CHUNK, &p, &avail) != 0) {
     *buf = uv_buf_init(NULL, 0);
     return;
   }
@@ -398,8 +427,12 @@ static void drain_frames(kvf__session *s) {
     int rc = kvf__framebuf_next(&s->fb, &payload, &len);
     if (rc == 0) return;
     if (rc < 0) {
+      char why[128];
+      snprintf(why, sizeof(why), "sent a frame of %u bytes, more than %s (%u); dropped",
+               kvf__frame_get_u32(s->fb.data + s->fb.off), s->refused ? "a refused client may send" : "max-frame",
+               s->fb.max);
       kvfd.stats.api_errors++;
-      session_close(s, "sent a frame larger than max-frame; dropped");
+      session_close(s, why);
       return;
     }
     Kvf__ApiRequest *q = kvf__api_request__unpack(NULL, len, payload);
@@ -438,21 +471,38 @@ static void credentials(kvf__session *s) {
 }
 
 /* Counts the session in and decides, from its credentials and the
- * limits, whether it is refused (every request then gets that status). */
+ * limits, whether it is refused (its first request then gets that status,
+ * and it is closed). Refused sessions take no client slot. */
 static void session_admit(kvf__session *s) {
   s->id = ++A.next_id;
   s->next = A.head;
   if (A.head) A.head->prev = s;
   A.head = s;
   A.n++;
-  if (!uid_allowed(s->uid, s->gid)) {
-    s->refused = KVF_EPERM;
-    kvf__warn("refused client pid %d uid %u: not in api-allow-users/api-allow-groups", (int)s->pid,
-              (unsigned)s->uid);
-  } else if (A.n > kvfd.cfg.max_clients) {
-    s->refused = KVF_ELIMIT;
-    kvf__warn("refused client pid %d: max-clients (%u) reached", (int)s->pid, kvfd.cfg.max_clients);
-  }
+  if (!uid_allowed(s->uid, s->gid)) s->refused = KVF_EPERM;
+  else if (A.n - A.n_refused > kvfd.cfg.max_clients) s->refused = KVF_ELIMIT;
+  if (!s->refused) return;
+  A.n_refused++;
+  s->fb.max = REFUSED_FRAME_MAX < s->fb.max ? REFUSED_FRAME_MAX : s->fb.max;
+  if (A.n_refused > MAX_REFUSED) return; /* closed at once; too_many_refused says so */
+  if (s->refused == KVF_EPERM)
+    kvf__warn("refused client pid %d uid %u gid %u: not root, kvferryd's user, in "
+              "api-allow-users or in api-allow-groups", (int)s->pid, (unsigned)s->uid,
+              (unsigned)s->gid);
+  else
+    kvf__warn("refused client pid %d uid %u: max-clients (%u) clients are connected", (int)s->pid,
+              (unsigned)s->uid, kvfd.cfg.max_clients);
+}
+
+/* Refused connections that never say hello must not pile up. */
+static bool too_many_refused(kvf__session *s) {
+  uint64_t dropped;
+  if (!s->refused || A.n_refused <= MAX_REFUSED) return false;
+  if (kvf__log_ratelimit(&A.refused_rl, &dropped))
+    kvf__warn("closed client pid %d uid %u unanswered: %u refused connections are still open "
+              "(%llu more closed since the last such line)", (int)s->pid, (unsigned)s->uid,
+              MAX_REFUSED, (unsigned long long)dropped);
+  return true;
 }
 
 static void on_connection(uv_stream_t *server, int status) {
@@ -468,6 +518,10 @@ static void on_connection(uv_stream_t *server, int status) {
   }
   credentials(s);
   session_admit(s);
+  if (too_many_refused(s)) {
+    session_close(s, NULL);
+    return;
+  }
   uv_read_start((uv_stream_t *)&s->pipe, on_alloc, on_read);
 }
 

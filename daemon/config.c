@@ -10,6 +10,7 @@
 #define _GNU_SOURCE
 #endif
 #include "config.h"
+#include "desc.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -44,6 +45,7 @@ enum opt_type {
   OPT_POOL,       /* repeatable: NAME KIND SIZE */
   OPT_DEVICES,    /* auto or a comma list of NAME[:PORT] (RDMA devices) */
   OPT_AUTO_U32,   /* auto or decimal .min...max, stored as int32_t (-1 = auto) */
+  OPT_FILE,       /* an absolute path of at most .max bytes, or off (stored as "") */
   OPT_NTYPES
 };
 
@@ -109,6 +111,15 @@ static const struct opt opts[] = {
              "off = accept no peers."},
     {.name = "peer", .reload = true, .type = OPT_PEER, .json = "peers", .def = "",
      .help = "A static peer daemon; repeat the line for each peer."},
+    {.name = "cluster-key-file", .type = OPT_FILE, .off = F(cluster_key_file),
+     .max = CAP(cluster_key_file) - 1, .def = "off",
+     .help = "File holding the cluster key, the same bytes on every node (16..4096 bytes, "
+             "e.g. head -c 32 /dev/urandom). It must be a regular file owned by kvferryd's "
+             "user with mode 0600, else kvferryd does not start. Peers prove that they hold "
+             "the key (HMAC-SHA256 challenge-response; the key never crosses the network) "
+             "before they are up and on every data connection; a peer with another key, or "
+             "none, is refused and logged. off = peers are not authenticated (warned at "
+             "start). A change needs a restart."},
     {.name = "pool", .type = OPT_POOL, .json = "pools", .def = "",
      .help = "A memory pool allocated at start, in host RAM or on GPU N; SIZE is a "
              "multiple of 4K. Repeat the line for each pool."},
@@ -133,7 +144,9 @@ static const struct opt opts[] = {
      .help = "TCP connections per peer that the tcp transport stripes data over."},
     {.name = "max-frame", .type = OPT_SIZE32, .off = F(max_frame),
      .min = 4096, .max = 1u << 30, .def = "64M",
-     .help = "Largest control message accepted (checked before unpacking)."},
+     .help = "Largest control message accepted (checked before unpacking); must hold "
+             "max-descs descriptors (20 bytes each) plus 512. A client that leaves more "
+             "than 4 x max-frame of replies and events unread is disconnected."},
     {.name = "max-descs", .reload = true, .type = OPT_U32, .off = F(max_descs),
      .min = 1, .max = 16777216, .def = "1048576",
      .help = "Most block descriptors in one send or receive grant."},
@@ -145,7 +158,14 @@ static const struct opt opts[] = {
      .help = "Most transfers one client may have in flight."},
     {.name = "max-peers", .reload = true, .type = OPT_U32, .off = F(max_peers),
      .min = 1, .max = KVF__MAX_PEERS_CFG, .def = "64",
-     .help = "Most peer daemons known at once (static and discovered)."},
+     .help = "Most peer lines in the configuration; a file (or a reload) with more "
+             "is refused."},
+    {.name = "max-pending-peers", .reload = true, .type = OPT_U32, .off = F(max_pending_peers),
+     .min = 1, .max = 65536, .def = "1024",
+     .help = "Most inbound peer connections (control or tcp data stream) that have "
+             "not yet identified themselves; more are closed at once and logged (at "
+             "most once a second). Each waits at most 5 s for its Hello. Keep it "
+             "above max-peers x (1 + the peers' tcp-streams)."},
     {.name = "hugepages", .type = OPT_ENUM, .off = F(hugepages),
      .words = tristate_words, .def = "auto",
      .help = "Huge pages for host pools: auto = if available, on = required, "
@@ -206,6 +226,23 @@ static const struct opt opts[] = {
      .min = 0, .max = 100000, .def = "20",
      .help = "How long a progress thread keeps polling after its last completion "
              "before it sleeps on the completion channel; 0 = sleep at once."},
+    {.name = "rdma-memory-windows", .type = OPT_ENUM, .off = F(rdma_memory_windows),
+     .words = tristate_words, .def = "auto",
+     .help = "Limit a peer's RDMA writes to the ranges of its open grants: pools are "
+             "registered without remote access, and each grant binds one type 2 memory "
+             "window per range on the peer's queue pairs, invalidated when the transfer "
+             "ends. auto = when every device supports them, on = required (else kvferryd "
+             "does not start), off = one pool-wide rkey per pool, with which a peer can "
+             "write any byte of a registered pool at any time. kvferryctl status and "
+             "doctor say which is in effect, and whether each device checks writes "
+             "against a window's bounds (tested at start; rxe on Linux 6.1 does not)."},
+    {.name = "rdma-mw-max-windows", .type = OPT_U32, .off = F(rdma_mw_max_windows),
+     .min = 1, .max = 16777216, .def = "16384",
+     .help = "Most memory windows bound for one grant (each costs a bind work request "
+             "and a device object; rxe in a VM binds about 40k a second). A grant with "
+             "more separate ranges gets windows that also span the smallest gaps between "
+             "its ranges, so the peer may write those gaps too while the grant is open; "
+             "this is logged and counted (merged_grants in the status)."},
 };
 #define N_OPTS (sizeof(opts) / sizeof(opts[0]))
 
@@ -645,6 +682,26 @@ static int parse_devices(const struct opt *o, kvf__config *cfg, char **argv, int
   return 0;
 }
 
+/* An absolute path (a service's working directory is nobody's business)
+ * or off. */
+static int parse_file(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                      struct pctx *pc) {
+  size_t n = strlen(argv[0]);
+  if (strcmp(argv[0], "off") == 0) {
+    set_str(field(cfg, o->off), (size_t)o->max + 1, "");
+    return 0;
+  }
+  if (argv[0][0] != '/')
+    return fail(pc, -EINVAL, "%s: '%s' is not an absolute path or off", o->name, show(pc, argv[0]));
+  if (n > o->max)
+    return fail(pc, -ERANGE, "%s: path is %zu bytes, at most %" PRIu64, o->name, n, o->max);
+  for (const char *p = argv[0]; *p; p++)
+    if ((unsigned char)*p < 0x20 || *p == 0x7f)
+      return fail(pc, -EINVAL, "%s: control character in path", o->name);
+  set_str(field(cfg, o->off), (size_t)o->max + 1, argv[0]);
+  return 0;
+}
+
 static int parse_auto_u32(const struct opt *o, kvf__config *cfg, char **argv, int argc,
                           struct pctx *pc) {
   uint64_t v;
@@ -739,6 +796,11 @@ static void dump_str(const struct opt *o, const kvf__config *cfg, FILE *out) {
 static void dump_devices(const struct opt *o, const kvf__config *cfg, FILE *out) {
   const char *s = cfield(cfg, o->off);
   fprintf(out, "%s %s\n", o->name, s[0] ? s : "auto");
+}
+
+static void dump_file(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  const char *s = cfield(cfg, o->off);
+  fprintf(out, "%s %s\n", o->name, s[0] ? s : "off");
 }
 
 static void dump_auto_u32(const struct opt *o, const kvf__config *cfg, FILE *out) {
@@ -866,6 +928,11 @@ static void json_devices(const struct opt *o, const kvf__config *cfg, FILE *out)
   json_str(out, s[0] ? s : "auto");
 }
 
+static void json_file(const struct opt *o, const kvf__config *cfg, FILE *out) {
+  const char *s = cfield(cfg, o->off);
+  json_str(out, s[0] ? s : "off");
+}
+
 static void json_auto_u32(const struct opt *o, const kvf__config *cfg, FILE *out) {
   int32_t v = *(const int32_t *)cfield(cfg, o->off);
   if (v < 0) fputs("\"auto\"", out);
@@ -940,6 +1007,7 @@ static const struct opt_kind kinds[OPT_NTYPES] = {
     [OPT_DEVICES] = {"auto|DEV[:PORT][,...]", 1, MAX_WORDS, false, parse_devices, dump_devices,
                      json_devices},
     [OPT_AUTO_U32] = {"auto|N", 1, 1, false, parse_auto_u32, dump_auto_u32, json_auto_u32},
+    [OPT_FILE] = {"PATH|off", 1, 1, false, parse_file, dump_file, json_file},
 };
 
 /* The argument as --help and arity errors show it. */
@@ -1141,11 +1209,24 @@ static int validate_timing(const kvf__config *cfg, char *err, size_t errlen) {
   return 0;
 }
 
+/* A request or grant of max-descs descriptors must fit in one frame, or a
+ * grant the daemon accepted could never be sent to the sender. */
+static int validate_limits(const kvf__config *cfg, char *err, size_t errlen) {
+  uint64_t need = (uint64_t)cfg->max_descs * KVF__DESC_WIRE_SIZE + KVF__FRAME_SLACK;
+  if (need <= cfg->max_frame) return 0;
+  return vfail(err, errlen, "max-descs %" PRIu32 " needs max-frame of at least %" PRIu64
+               " (%u bytes a descriptor + %u), but max-frame is %" PRIu32 "; raise max-frame "
+               "or lower max-descs to at most %" PRIu64, cfg->max_descs, need, KVF__DESC_WIRE_SIZE,
+               KVF__FRAME_SLACK, cfg->max_frame,
+               ((uint64_t)cfg->max_frame - KVF__FRAME_SLACK) / KVF__DESC_WIRE_SIZE);
+}
+
 int kvf__config_validate(const kvf__config *cfg, char *err, size_t errlen) {
   if (err && errlen) err[0] = '\0';
   int rc = validate_bounds(cfg, err, errlen);
   if (!rc) rc = validate_names(cfg, err, errlen);
   if (!rc) rc = validate_timing(cfg, err, errlen);
+  if (!rc) rc = validate_limits(cfg, err, errlen);
   return rc;
 }
 
@@ -1241,6 +1322,7 @@ static size_t value_size(const struct opt *o) {
   case OPT_TRANSPORTS: return CAP(transports);
   case OPT_DEVICES: return CAP(rdma_devices);
   case OPT_AUTO_U32: return sizeof(int32_t);
+  case OPT_FILE: return (size_t)o->max + 1;
   default: return 0;
   }
 }

@@ -13,6 +13,11 @@
 #define KVF__MAX_PEERS_CFG 256
 #define KVF__MAX_POOLS_CFG 64
 #define KVF__MAX_IDS_CFG 64
+/* Bytes of a request, grant or send frame besides its descriptors (ids,
+ * node name, seq, deadline, protobuf tags): max-frame must hold
+ * max-descs x 20 + this (config validation; tests/unit/test_config.c
+ * packs the largest such frames to prove it). */
+#define KVF__FRAME_SLACK 512u
 
 typedef struct kvf__peer_cfg {
   char name[KVF__NAME_MAX + 1];
@@ -53,6 +58,7 @@ typedef struct kvf__config {
   uint32_t max_clients;
   uint32_t max_transfers_per_client;
   uint32_t max_peers;
+  uint32_t max_pending_peers;      /* inbound peer connections before their Hello */
   int hugepages;                   /* enum kvf__tristate */
   bool mlock;
   int cuda;                        /* enum kvf__tristate: GPU support */
@@ -71,6 +77,10 @@ typedef struct kvf__config {
   uint32_t rdma_inline;
   uint32_t rdma_slice;
   uint32_t rdma_poll_us;
+  int rdma_memory_windows;         /* enum kvf__tristate: a type 2 memory window per grant range */
+  uint32_t rdma_mw_max_windows;    /* windows per grant; more ranges are merged across gaps */
+  /* peer authentication (daemon/auth.c) */
+  char cluster_key_file[256];      /* "" = off: peers are not authenticated */
 } kvf__config;
 
 /* Sets every key to its default. */

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "api.h"
+#include "auth.h"
 #include "cuda/gpu.h"
 #include "kvferryd.h"
 #include "metrics.h"
@@ -52,7 +53,28 @@ static void rdma_status(kvf__sbuf *b, int json) {
   if (frag) t->ops->inspect(t, frag, 64 << 10);
   if (json) kvf__sb_printf(b, frag ? ", \"rdma\": {%s}" : ", \"rdma\": null", frag);
   else kvf__sb_printf(b, "rdma            %s\n", frag ? frag : "off");
+  /* What a peer can write into our pools (memory windows or not). */
+  if (!json && t) kvf__sb_printf(b, "rdma writes     %s\n", kvf__rdma_protection());
   free(frag);
+}
+
+/* "cluster-key" when peers must prove the cluster key, else "off". */
+static const char *auth_mode(void) { return kvf__auth_enabled() ? "cluster-key" : "off"; }
+
+/* Bytes that active grants reserve, over all pools (0 when idle). */
+static unsigned long long granted_bytes(void) {
+  unsigned long long n = 0;
+  for (const kvf__xfer *x = kvf__xfer_first(); x; x = x->next)
+    if (x->role == KVF__RECV && x->state != KVF__X_DRAIN) n += x->dst.total;
+  return n;
+}
+
+/* The tcp transport's open grants and data streams (JSON only). */
+static void tcp_status(kvf__sbuf *b) {
+  kvf__transport *t = kvf__tcp_transport();
+  char frag[256] = "";
+  if (t) t->ops->inspect(t, frag, sizeof(frag));
+  kvf__sb_printf(b, t ? ", \"tcp\": {%s}" : ", \"tcp\": null", frag);
 }
 
 static void render_status(kvf__sbuf *b, int json) {
@@ -73,6 +95,8 @@ static void render_status(kvf__sbuf *b, int json) {
                    (unsigned long long)st->bytes_received, kvfd.n_pools);
     kvf__sb_printf(b, "metrics         %s\nstate           %s\ncuda            %s\n",
                    kvf__metrics_url()[0] ? kvf__metrics_url() : "off", run_state(), kvf__gpu_why());
+    kvf__sb_printf(b, "auth            %s (%llu refused)\n", auth_mode(),
+                   (unsigned long long)st->auth_failures);
     rdma_status(b, json);
     return;
   }
@@ -95,6 +119,8 @@ static void render_status(kvf__sbuf *b, int json) {
   kvf__sb_printf(b, ", \"metrics\": ");
   kvf__sb_json_str(b, kvf__metrics_url());
   kvf__sb_printf(b, ", \"state\": \"%s\"", run_state());
+  kvf__sb_printf(b, ", \"auth\": \"%s\", \"auth_failures\": %llu", auth_mode(),
+                 (unsigned long long)st->auth_failures);
   kvf__gpu_stats gs;
   kvf__gpu_stats_get(&gs);
   kvf__sb_printf(b, ", \"cuda\": {\"ready\": %s, \"gpus\": %d, \"detail\": ", kvf__gpu_ready() ? "true" : "false",
@@ -106,6 +132,8 @@ static void render_status(kvf__sbuf *b, int json) {
                  (unsigned long long)gs.bytes_staged, (unsigned long long)gs.bytes_fallback,
                  (unsigned long long)gs.errors);
   rdma_status(b, json);
+  kvf__sb_printf(b, ", \"granted_bytes\": %llu", granted_bytes());
+  tcp_status(b);
   kvf__sb_printf(b, "}\n");
 }
 

@@ -31,6 +31,7 @@ typedef struct kvf__stats {
   uint64_t descriptors;
   uint64_t api_errors;
   uint64_t peer_errors;
+  uint64_t auth_failures;   /* peers refused by the cluster key check (auth.h) */
 } kvf__stats;
 
 typedef struct kvf__daemon {

@@ -107,3 +107,17 @@ void kvf__log(int level, const char *fmt, ...) {
   write_all(STDERR_FILENO, buf, n);
   errno = saved_errno;
 }
+
+bool kvf__log_ratelimit(kvf__ratelimit *rl, uint64_t *dropped) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+  if (rl->last_ns && now - rl->last_ns < 1000000000ull) {
+    rl->dropped++;
+    return false;
+  }
+  rl->last_ns = now;
+  *dropped = rl->dropped;
+  rl->dropped = 0;
+  return true;
+}

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "api.h"
+#include "auth.h"
 #include "cuda/gpu.h"
 #include "kvferryd.h"
 #include "lifecycle.h"
@@ -45,6 +46,24 @@ static int load_config(const char *path) {
     return -1;
   }
   return 0;
+}
+
+/* The cluster key is read once, before anything listens (a change needs a
+ * restart): a bad key file stops the start, --check included. */
+static int load_key(void) {
+  char err[512];
+  if (!kvfd.cfg.cluster_key_file[0]) return 0;
+  if (kvf__auth_load(kvfd.cfg.cluster_key_file, err, sizeof(err)) == 0) return 0;
+  fprintf(stderr, "kvferryd: %s\n", err);
+  return -1;
+}
+
+static void report_auth(void) {
+  if (kvf__auth_enabled())
+    kvf__info("peers authenticate with the cluster key in %s", kvfd.cfg.cluster_key_file);
+  else if (kvfd.cfg.listen_host[0] || kvfd.cfg.n_peers)
+    kvf__warn("cluster-key-file is off: peers are not authenticated; any host that reaches "
+              "this daemon's peer port can join as a peer (see kvferryd.conf(5))");
 }
 
 static int create_pools(void) {
@@ -235,22 +254,27 @@ int main(int argc, char **argv) {
     usage(stderr);
     return 2;
   }
-  if (load_config(path) != 0) {
+  if (load_config(path) != 0 || load_key() != 0) {
     kvf__notify_failed(-EINVAL, "bad configuration in %s (see the log)", path);
     return 1;
   }
   if (check) {
+    kvf__auth_forget();
     kvf__config_dump(&kvfd.cfg, stdout, false);
     return 0;
   }
   kvf__log_init(kvfd.cfg.log_level);
+  report_auth();
   signal(SIGPIPE, SIG_IGN);
   if (getrandom(&kvfd.session, sizeof(kvfd.session), 0) != sizeof(kvfd.session))
     kvfd.session = kvf__now_ns() ^ (uint64_t)getpid() << 32;
   kvfd.session &= 0xffffffffffull; /* leaves room for handle counters */
   kvfd.start_ns = kvf__now_ns();
   kvfd.loop = uv_default_loop();
-  if (boot(path) != 0) return 1;
+  if (boot(path) != 0) {
+    kvf__auth_forget();
+    return 1;
+  }
   uv_run(kvfd.loop, UV_RUN_DEFAULT);
   uv_walk(kvfd.loop, close_walk, NULL);
   uv_run(kvfd.loop, UV_RUN_DEFAULT);
@@ -259,6 +283,7 @@ int main(int argc, char **argv) {
   free(kvfd.pools);
   kvf__gpu_shutdown();
   kvf__metrics_reset();
+  kvf__auth_forget();
   kvf__info("stopped");
   return 0;
 }

@@ -283,7 +283,8 @@ static void render_errors(kvf__sbuf *b) {
   const kvf__stats *st = &kvfd.stats;
   kvf__metrics_family(b, "kvferry_errors_total", "counter",
                       "Errors by kind: api (refused requests, bad frames), peer_protocol, "
-                      "peer_down (lost peer connections), transfer (failed transfers).");
+                      "peer_down (lost peer connections), transfer (failed transfers), "
+                      "auth (peers refused by the cluster key check).");
   kvf__sb_printf(b, "kvferry_errors_total{kind=\"api\"} %llu\n", (unsigned long long)st->api_errors);
   kvf__sb_printf(b, "kvferry_errors_total{kind=\"peer_protocol\"} %llu\n",
                  (unsigned long long)st->peer_errors);
@@ -291,6 +292,8 @@ static void render_errors(kvf__sbuf *b) {
                  (unsigned long long)peer_downs());
   kvf__sb_printf(b, "kvferry_errors_total{kind=\"transfer\"} %llu\n",
                  (unsigned long long)st->transfers_failed);
+  kvf__sb_printf(b, "kvferry_errors_total{kind=\"auth\"} %llu\n",
+                 (unsigned long long)st->auth_failures);
   kvf__metrics_family(b, "kvferry_api_errors_total", "counter",
                       "Local API requests answered with an error, by error name.");
   for (size_t i = 0; i < M.ne; i++)

@@ -9,7 +9,12 @@
  * KVF_EPEERLOST and we redial with exponential backoff.
  *
  * A connection that opens with DataHello is a tcp data stream: it leaves
- * the loop and goes to a receiver thread of the tcp transport. */
+ * the loop and goes to a receiver thread of the tcp transport.
+ *
+ * With a cluster key (cluster-key-file, auth.h), both kinds of connection
+ * prove the key by challenge-response first; until then nothing of the
+ * connection counts: no peer up, no pools or rkeys sent, no data stream
+ * adopted. Without a key the protocol is as it always was. */
 #include "peer.h"
 
 #include <errno.h>
@@ -20,6 +25,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "auth.h"
 #include "frame.h"
 #include "transport/transport.h"
 #include "xfer.h"
@@ -27,6 +33,22 @@
 #define HANDSHAKE_MS 5000
 #define READ_CHUNK (256u << 10)
 #define MAX_WRITE_QUEUE (256u << 20)
+/* Before its Hello a connection is nobody's: it may send frames of at most
+ * this much (the largest Hello, 64 pools and 8 RDMA devices, is ~20 KiB),
+ * read in small chunks, so max-pending-peers of them hold little memory. */
+#define PENDING_FRAME_MAX (64u << 10)
+#define PENDING_READ 4096u
+
+/* Where a connection stands with the cluster key (auth.h). */
+enum auth_state {
+  AUTH_OFF = 0, /* no key: the protocol as without authentication */
+  AUTH_HELLO,   /* waiting for the peer's first Hello (or DataHello) */
+  AUTH_PROOF,   /* acceptor: sent nonce and proof, waiting for the dialer's Auth */
+  AUTH_FULL,    /* proofs checked: waiting for the peer's full Hello */
+  AUTH_DATA,    /* data stream receiver: sent the challenge, waiting for Auth */
+  AUTH_DONE,
+  AUTH_REFUSED, /* refused: closing, deaf to the peer */
+};
 
 struct kvf__pconn {
   uv_tcp_t tcp;
@@ -36,10 +58,15 @@ struct kvf__pconn {
   bool established;
   bool closing;
   bool parked;            /* a data stream waiting for its peer to be up */
+  bool pending;           /* inbound, not yet established: counts in P.n_pending */
   uint32_t stream;
   uv_timer_t hs_timer;
   uv_connect_t creq;
   struct kvf__pconn *next_parked;
+  uint8_t auth;                        /* enum auth_state */
+  uint8_t nonce[KVF__AUTH_NONCE];      /* ours, for this connection */
+  uint8_t peer_nonce[KVF__AUTH_NONCE];
+  uv_shutdown_t shut;                  /* a refusal notice is flushed, then closed */
 };
 
 static struct {
@@ -54,12 +81,15 @@ static struct {
   size_t n;
   uv_timer_t hb;
   kvf__pconn *parked;
+  size_t n_pending;       /* inbound connections not yet established (limits) */
+  kvf__ratelimit pending_rl;
 } P;
 
 static void conn_close(kvf__pconn *c, const char *why);
 static void peer_down(kvf__peer *p, const char *why);
 static void dial(kvf__peer *p);
 static void schedule_reconnect(kvf__peer *p);
+static void auth_abandoned(kvf__pconn *c, const char *why);
 
 const char *kvf__peer_state_name(int state) {
   switch (state) {
@@ -178,9 +208,18 @@ static void unpark(kvf__pconn *c) {
     }
 }
 
+/* The connection no longer counts against max-pending-peers. */
+static void unpend(kvf__pconn *c) {
+  if (!c->pending) return;
+  c->pending = false;
+  P.n_pending--;
+}
+
 static void conn_close(kvf__pconn *c, const char *why) {
   if (c->closing) return;
+  if (c->auth == AUTH_PROOF || c->auth == AUTH_DATA) auth_abandoned(c, why);
   c->closing = true;
+  unpend(c);
   if (c->parked) unpark(c);
   kvf__peer *p = c->peer;
   bool was_dialing = p && p->dialing == c;
@@ -331,6 +370,8 @@ static void establish(kvf__pconn *c, const Kvf__Hello *h) {
   kvf__peer *p = c->peer;
   uint64_t session = h->session;
   c->established = true;
+  c->fb.max = kvfd.cfg.max_frame;
+  unpend(c);
   uv_timer_stop(&c->hs_timer);
   if (p->dialing == c) p->dialing = NULL;
   if (p->conn && p->remote_session != session) peer_down(p, "the peer restarted");
@@ -355,31 +396,40 @@ static void establish(kvf__pconn *c, const Kvf__Hello *h) {
 
 /* ---------------------------------------------------------- messages */
 
-static void on_hello(kvf__pconn *c, const Kvf__Hello *h) {
+/* The configured peer a Hello comes from; NULL when refused (closed). */
+static kvf__peer *hello_peer(kvf__pconn *c, const Kvf__Hello *h) {
   if (h->version != KVF__PEER_VERSION) {
     kvf__warn("refused peer %s: protocol version %u, we speak %u", h->node, h->version, KVF__PEER_VERSION);
     conn_close(c, "version mismatch");
-    return;
+    return NULL;
   }
   kvf__peer *p = kvf__peer_find(h->node);
   if (!p || (c->peer && c->peer != p)) {
     kvf__warn("refused a peer calling itself '%s': not in this daemon's configuration", h->node);
     conn_close(c, NULL);
+    return NULL;
+  }
+  return p;
+}
+
+static void auth_keyless_refuses(kvf__pconn *c, const Kvf__Hello *h);
+
+static void on_hello(kvf__pconn *c, const Kvf__Hello *h) {
+  kvf__peer *p = hello_peer(c, h);
+  if (!p) return;
+  c->peer = p;
+  if (h->nonce.len) { /* the peer has a cluster key, we have none */
+    auth_keyless_refuses(c, h);
     return;
   }
-  c->peer = p;
   if (!c->outbound) send_hello(c);
   establish(c, h);
 }
 
-static void on_data_hello(kvf__pconn *c, const Kvf__DataHello *d) {
-  kvf__peer *p = kvf__peer_find(d->node);
-  if (!p || d->version != KVF__PEER_VERSION || d->session != kvfd.session) {
-    conn_close(c, NULL);
-    return;
-  }
-  c->peer = p;
-  c->stream = d->stream;
+/* A data stream whose sender is known (and proved the key, when we have
+ * one): to a receiver thread, now or once the peer is up. */
+static void data_stream_ready(kvf__pconn *c) {
+  kvf__peer *p = c->peer;
   uv_read_stop((uv_stream_t *)&c->tcp);
   /* The dialer learned our session from our Hello, which may reach it
    * before we have read its Hello: park until the peer is up. */
@@ -392,10 +442,244 @@ static void on_data_hello(kvf__pconn *c, const Kvf__DataHello *d) {
   P.parked = c;
 }
 
+static void auth_challenge_data(kvf__pconn *c);
+
+static void on_data_hello(kvf__pconn *c, const Kvf__DataHello *d) {
+  kvf__peer *p = kvf__peer_find(d->node);
+  if (!p || d->version != KVF__PEER_VERSION || d->session != kvfd.session) {
+    conn_close(c, NULL);
+    return;
+  }
+  c->peer = p;
+  c->stream = d->stream;
+  if (c->auth == AUTH_HELLO) auth_challenge_data(c);
+  else data_stream_ready(c);
+}
+
 static void on_goodbye(kvf__pconn *c, const Kvf__Goodbye *g) {
   kvf__peer *p = c->peer;
   if (p && p->conn == c) peer_down(p, "the peer said goodbye");
   else conn_close(c, NULL);
+}
+
+/* ---------------------------------------------------------- cluster key
+ *
+ * The handshake of auth.h. Before both proofs are checked a connection
+ * sends only version, node, nonce and proof: pools, transports and rkeys
+ * go out in the full Hellos that follow. Every refusal is logged with the
+ * peer's address and the node it claims, counted (auth_failures) and, on
+ * our dials, retried with the usual backoff. */
+
+/* "ADDR:PORT" of the other end. */
+static void conn_addr(kvf__pconn *c, char *buf, size_t len) {
+  struct sockaddr_storage ss;
+  int n = sizeof(ss);
+  char ip[INET6_ADDRSTRLEN] = "?";
+  if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &n) != 0) {
+    snprintf(buf, len, "(unknown address)");
+  } else if (ss.ss_family == AF_INET6) {
+    uv_ip6_name((struct sockaddr_in6 *)&ss, ip, sizeof(ip));
+    snprintf(buf, len, "[%s]:%u", ip, ntohs(((struct sockaddr_in6 *)&ss)->sin6_port));
+  } else {
+    uv_ip4_name((struct sockaddr_in *)&ss, ip, sizeof(ip));
+    snprintf(buf, len, "%s:%u", ip, ntohs(((struct sockaddr_in *)&ss)->sin_port));
+  }
+}
+
+/* A name a stranger sent, made safe for one log line. */
+static const char *printable(const char *s, char *buf, size_t cap) {
+  size_t n = 0;
+  for (; s && *s && n + 1 < cap; s++) buf[n++] = (*s >= 0x20 && *s < 0x7f) ? *s : '?';
+  buf[n] = '\0';
+  return n ? buf : "(no name)";
+}
+
+/* Logs and counts a refusal; the caller closes. */
+static void auth_fail(kvf__pconn *c, const char *node, const char *why) {
+  char addr[80], name[72];
+  conn_addr(c, addr, sizeof(addr));
+  c->auth = AUTH_REFUSED;
+  kvfd.stats.auth_failures++;
+  kvf__warn("refused peer %s at %s: %s", printable(node, name, sizeof(name)), addr, why);
+  if (c->peer && c->peer->state != KVF__PEER_UP)
+    snprintf(c->peer->last_error, sizeof(c->peer->last_error), "%s", why);
+}
+
+/* The connection ended while we waited for the peer's proof. */
+static void auth_abandoned(kvf__pconn *c, const char *why) {
+  char text[160];
+  snprintf(text, sizeof(text), "the peer did not authenticate (%s; a cluster key mismatch, or it has none)",
+           why ? why : "closed");
+  auth_fail(c, c->peer ? c->peer->cfg.name : NULL, text);
+}
+
+static void auth_send(kvf__pconn *c, const uint8_t *proof, const uint8_t *nonce) {
+  Kvf__Auth a = KVF__AUTH__INIT;
+  if (proof) a.proof = (ProtobufCBinaryData){KVF__AUTH_PROOF, (uint8_t *)proof};
+  if (nonce) a.nonce = (ProtobufCBinaryData){KVF__AUTH_NONCE, (uint8_t *)nonce};
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_AUTH;
+  m.auth = &a;
+  conn_send(c, &m);
+}
+
+/* The Hello before authentication: who we are and our nonce, nothing else. */
+static void auth_send_hello(kvf__pconn *c, const uint8_t *nonce, const uint8_t *proof) {
+  Kvf__Hello h = KVF__HELLO__INIT;
+  h.version = KVF__PEER_VERSION;
+  h.node = kvfd.cfg.node;
+  if (nonce) h.nonce = (ProtobufCBinaryData){KVF__AUTH_NONCE, (uint8_t *)nonce};
+  if (proof) h.proof = (ProtobufCBinaryData){KVF__AUTH_PROOF, (uint8_t *)proof};
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_HELLO;
+  m.hello = &h;
+  conn_send(c, &m);
+}
+
+static void on_notice_flushed(uv_shutdown_t *req, int status) {
+  kvf__pconn *c = req->data;
+  /* Cancelled: the handle is already being closed (by conn_close, or by
+   * the final walk at exit, which must not see a second uv_close). */
+  if (status != UV_ECANCELED) conn_close(c, NULL);
+}
+
+/* Refusing a dialer whose key setup differs from ours: our short Hello
+ * (with a nonce when we have a key) tells it why, then we close once it is
+ * written. */
+static void auth_notice_and_close(kvf__pconn *c) {
+  uv_read_stop((uv_stream_t *)&c->tcp);
+  if (kvf__auth_enabled() && kvf__auth_nonce(c->nonce) == 0) auth_send_hello(c, c->nonce, NULL);
+  else auth_send_hello(c, NULL, NULL);
+  c->shut.data = c;
+  if (c->closing || uv_shutdown(&c->shut, (uv_stream_t *)&c->tcp, on_notice_flushed) != 0)
+    conn_close(c, NULL);
+}
+
+/* We have no key and the peer has one (its Hello carries a nonce). */
+static void auth_keyless_refuses(kvf__pconn *c, const Kvf__Hello *h) {
+  const char *why = "it uses a cluster key and this daemon has none (set cluster-key-file)";
+  auth_fail(c, h->node, why);
+  if (c->outbound) conn_close(c, why);
+  else auth_notice_and_close(c);
+}
+
+static void hello_proof(kvf__pconn *c, enum kvf__auth_role role, uint8_t out[KVF__AUTH_PROOF]) {
+  size_t klen;
+  const uint8_t *key = kvf__auth_key(&klen);
+  const char *peer = c->peer->cfg.name;
+  if (c->outbound) kvf__auth_hello_proof(key, klen, role, c->nonce, c->peer_nonce, peer, kvfd.cfg.node, out);
+  else kvf__auth_hello_proof(key, klen, role, c->peer_nonce, c->nonce, kvfd.cfg.node, peer, out);
+}
+
+static bool proof_ok(kvf__pconn *c, enum kvf__auth_role role, const ProtobufCBinaryData *got) {
+  uint8_t want[KVF__AUTH_PROOF];
+  hello_proof(c, role, want);
+  bool ok = got->len == KVF__AUTH_PROOF && kvf__auth_equal(want, got->data, KVF__AUTH_PROOF);
+  explicit_bzero(want, sizeof(want));
+  return ok;
+}
+
+/* Dialer: the acceptor's first Hello carries its nonce and its proof. */
+static void auth_dialer_hello(kvf__pconn *c, const Kvf__Hello *h) {
+  uint8_t proof[KVF__AUTH_PROOF];
+  if (!hello_peer(c, h)) return;
+  const char *why = !h->nonce.len ? "it has no cluster key and this daemon requires one"
+                    : h->nonce.len != KVF__AUTH_NONCE ? "malformed authentication"
+                                                      : NULL;
+  if (!why) memcpy(c->peer_nonce, h->nonce.data, KVF__AUTH_NONCE);
+  if (!why && !proof_ok(c, KVF__AUTH_ACCEPTOR, &h->proof)) why = "cluster key mismatch";
+  if (why) {
+    auth_fail(c, c->peer->cfg.name, why);
+    conn_close(c, why);
+    return;
+  }
+  hello_proof(c, KVF__AUTH_DIALER, proof);
+  auth_send(c, proof, NULL);
+  c->auth = AUTH_FULL;
+  send_hello(c);
+}
+
+/* Acceptor: the dialer's first Hello; we answer with nonce and proof. */
+static void auth_acceptor_hello(kvf__pconn *c, const Kvf__Hello *h) {
+  uint8_t proof[KVF__AUTH_PROOF];
+  kvf__peer *p = hello_peer(c, h);
+  if (!p) return;
+  c->peer = p;
+  if (!h->nonce.len) {
+    auth_fail(c, h->node, "it has no cluster key and this daemon requires one");
+    auth_notice_and_close(c);
+    return;
+  }
+  if (h->nonce.len != KVF__AUTH_NONCE || kvf__auth_nonce(c->nonce) != 0) {
+    auth_fail(c, h->node, h->nonce.len != KVF__AUTH_NONCE ? "malformed authentication" : "no random bytes");
+    conn_close(c, NULL);
+    return;
+  }
+  memcpy(c->peer_nonce, h->nonce.data, KVF__AUTH_NONCE);
+  hello_proof(c, KVF__AUTH_ACCEPTOR, proof);
+  auth_send_hello(c, c->nonce, proof);
+  c->auth = AUTH_PROOF;
+}
+
+/* Acceptor: the dialer's proof. */
+static void auth_acceptor_check(kvf__pconn *c, const Kvf__Auth *a) {
+  if (proof_ok(c, KVF__AUTH_DIALER, &a->proof)) {
+    c->auth = AUTH_FULL;
+    return;
+  }
+  auth_fail(c, c->peer->cfg.name, "cluster key mismatch");
+  conn_close(c, NULL);
+}
+
+/* Both proofs are checked: the full Hello establishes as without a key. */
+static void auth_full_hello(kvf__pconn *c, const Kvf__Hello *h) {
+  if (!hello_peer(c, h)) return;
+  c->auth = AUTH_DONE;
+  if (!c->outbound) send_hello(c);
+  establish(c, h);
+}
+
+/* Data stream receiver: a nonce the sender must prove the key over. */
+static void auth_challenge_data(kvf__pconn *c) {
+  if (kvf__auth_nonce(c->nonce) != 0) {
+    conn_close(c, NULL);
+    return;
+  }
+  auth_send(c, NULL, c->nonce);
+  c->auth = AUTH_DATA;
+}
+
+static void auth_data_check(kvf__pconn *c, const Kvf__Auth *a) {
+  uint8_t want[KVF__AUTH_PROOF];
+  size_t klen;
+  const uint8_t *key = kvf__auth_key(&klen);
+  kvf__auth_data_proof(key, klen, c->nonce, kvfd.session, c->stream, kvfd.cfg.node, c->peer->cfg.name, want);
+  bool ok = a->proof.len == KVF__AUTH_PROOF && kvf__auth_equal(want, a->proof.data, KVF__AUTH_PROOF);
+  explicit_bzero(want, sizeof(want));
+  if (!ok) {
+    auth_fail(c, c->peer->cfg.name, "cluster key mismatch on a data stream");
+    conn_close(c, NULL);
+    return;
+  }
+  c->auth = AUTH_DONE;
+  data_stream_ready(c);
+}
+
+/* A frame before authentication completed. */
+static void auth_frame(kvf__pconn *c, const Kvf__PeerMsg *m) {
+  int body = m->body_case;
+  if (c->auth == AUTH_REFUSED) return; /* closing after a notice */
+  if (c->auth == AUTH_HELLO && body == KVF__PEER_MSG__BODY_HELLO && c->outbound) auth_dialer_hello(c, m->hello);
+  else if (c->auth == AUTH_HELLO && body == KVF__PEER_MSG__BODY_HELLO) auth_acceptor_hello(c, m->hello);
+  else if (c->auth == AUTH_HELLO && body == KVF__PEER_MSG__BODY_DATA_HELLO && !c->outbound)
+    on_data_hello(c, m->data_hello);
+  else if (c->auth == AUTH_PROOF && body == KVF__PEER_MSG__BODY_AUTH) auth_acceptor_check(c, m->auth);
+  else if (c->auth == AUTH_FULL && body == KVF__PEER_MSG__BODY_HELLO) auth_full_hello(c, m->hello);
+  else if (c->auth == AUTH_DATA && body == KVF__PEER_MSG__BODY_AUTH) auth_data_check(c, m->auth);
+  else {
+    kvfd.stats.peer_errors++;
+    conn_close(c, "protocol error: unexpected message during authentication");
+  }
 }
 
 /* One frame from a connection; returns false when the connection closed. */
@@ -407,9 +691,11 @@ static bool on_frame(kvf__pconn *c, const uint8_t *buf, uint32_t len) {
     conn_close(c, "protocol error");
     return false;
   }
-  bool first = !c->peer;
-  if (c->peer) c->peer->last_rx_ns = kvf__now_ns();
-  if (first && m->body_case == KVF__PEER_MSG__BODY_HELLO && !c->established) on_hello(c, m->hello);
+  bool first = !c->peer, pre_auth = c->auth != AUTH_OFF && c->auth != AUTH_DONE;
+  if (c->peer && !pre_auth) c->peer->last_rx_ns = kvf__now_ns();
+  /* With a key, nothing counts before the peer proved it. */
+  if (pre_auth) auth_frame(c, m);
+  else if (first && m->body_case == KVF__PEER_MSG__BODY_HELLO && !c->established) on_hello(c, m->hello);
   else if (first && m->body_case == KVF__PEER_MSG__BODY_DATA_HELLO && !c->outbound) on_data_hello(c, m->data_hello);
   else if (first || (!c->established && m->body_case != KVF__PEER_MSG__BODY_HELLO)) {
     kvfd.stats.peer_errors++;
@@ -429,7 +715,7 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
   kvf__pconn *c = h->data;
   uint8_t *p;
   size_t avail;
-  if (kvf__framebuf_space(&c->fb, READ_CHUNK, &p, &avail) != 0) {
+  if (kvf__framebuf_space(&c->fb, c->established ? READ_CHUNK : PENDING_READ, &p, &avail) != 0) {
     *buf = uv_buf_init(NULL, 0);
     return;
   }
@@ -450,8 +736,10 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
     if (rc == 0) return;
     if (rc < 0) {
       kvfd.stats.peer_errors++;
-      kvf__warn("peer %s: frame larger than max-frame (%u); closing",
-                c->peer ? c->peer->cfg.name : "(unknown)", kvfd.cfg.max_frame);
+      kvf__warn("peer %s: frame larger than %s (%u): %u bytes; closing",
+                c->peer ? c->peer->cfg.name : "(unknown)",
+                c->established ? "max-frame" : "a peer may send before its Hello", c->fb.max,
+                kvf__frame_get_u32(c->fb.data + c->fb.off));
       conn_close(c, "oversized frame");
       return;
     }
@@ -468,7 +756,8 @@ static kvf__pconn *conn_new(bool outbound) {
   kvf__pconn *c = calloc(1, sizeof(*c));
   if (!c) return NULL;
   c->outbound = outbound;
-  kvf__framebuf_init(&c->fb, kvfd.cfg.max_frame);
+  c->auth = kvf__auth_enabled() ? AUTH_HELLO : AUTH_OFF;
+  kvf__framebuf_init(&c->fb, kvfd.cfg.max_frame < PENDING_FRAME_MAX ? kvfd.cfg.max_frame : PENDING_FRAME_MAX);
   uv_tcp_init(P.loop, &c->tcp);
   c->tcp.data = c;
   uv_timer_init(P.loop, &c->hs_timer);
@@ -489,7 +778,9 @@ static void on_connected(uv_connect_t *req, int status) {
   }
   uv_tcp_nodelay(&c->tcp, 1);
   uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
-  send_hello(c);
+  if (c->auth == AUTH_OFF) send_hello(c);
+  else if (kvf__auth_nonce(c->nonce) == 0) auth_send_hello(c, c->nonce, NULL);
+  else conn_close(c, "no random bytes for a nonce");
 }
 
 static void dial(kvf__peer *p) {
@@ -507,6 +798,28 @@ static void dial(kvf__peer *p) {
   if (rc) conn_close(c, uv_strerror(rc));
 }
 
+/* Connections that have not said who they are yet are bounded by
+ * max-pending-peers (each also by the handshake timeout): past it a new one
+ * is closed at once, so strangers cannot exhaust descriptors or memory. */
+static bool admit_pending(kvf__pconn *c) {
+  uint64_t dropped;
+  char addr[80];
+  if (P.n_pending < kvfd.cfg.max_pending_peers) {
+    c->pending = true;
+    P.n_pending++;
+    return true;
+  }
+  kvfd.stats.peer_errors++;
+  if (kvf__log_ratelimit(&P.pending_rl, &dropped)) {
+    conn_addr(c, addr, sizeof(addr));
+    kvf__warn("refused a peer connection from %s: max-pending-peers (%u) connections have not "
+              "said Hello yet (%llu more refused since the last such line)",
+              addr, kvfd.cfg.max_pending_peers, (unsigned long long)dropped);
+  }
+  conn_close(c, NULL);
+  return false;
+}
+
 static void on_accept(uv_stream_t *server, int status) {
   if (status < 0) return;
   kvf__pconn *c = conn_new(false);
@@ -515,6 +828,7 @@ static void on_accept(uv_stream_t *server, int status) {
     conn_close(c, NULL);
     return;
   }
+  if (!admit_pending(c)) return;
   uv_tcp_nodelay(&c->tcp, 1);
   uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
 }

@@ -23,6 +23,9 @@
 
 #include "map.h"
 #include "metrics.h"
+#ifdef KVF_FAILPOINTS
+#include "failpoint.h"
+#endif
 
 /* A grant pushed to us before the send came. */
 typedef struct pregrant {
@@ -31,6 +34,10 @@ typedef struct pregrant {
   uint64_t handle;
   kvf__descs dst;
   uint64_t expires_ns;
+  int refused;            /* we refused this grant: the send fails with it */
+  char why[128];
+  uint8_t *win;           /* Grant.windows (rdma memory windows), owned */
+  size_t win_len;
 } pregrant;
 
 /* A peer's send waiting for our grant. */
@@ -103,6 +110,7 @@ static void free_after_close(uv_handle_t *h) {
   kvf__xfer *x = h->data;
   kvf__descs_free(&x->dst);
   kvf__descs_free(&x->early);
+  free(x->tp_grant);
   free(x);
 }
 
@@ -171,6 +179,8 @@ static int send_grant(kvf__xfer *x) {
   /* What is left of our deadline: a grant sent late must not outlive ours. */
   uint64_t used_ms = (kvf__now_ns() - x->created_ns) / 1000000ull;
   g.deadline_ms = used_ms < x->deadline_ms ? (uint32_t)(x->deadline_ms - used_ms) : 1;
+  g.windows.data = x->tp_grant;
+  g.windows.len = x->tp_grant_len;
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_GRANT;
   m.grant = &g;
@@ -246,6 +256,9 @@ static int post_part(kvf__xfer *x, const kvf__descs *part, bool last) {
   kvf__runs runs = {0};
   int rc = kvf__pair(part, grant_of(x), &x->cursor, &runs);
   if (rc == 0 && last && x->cursor != grant_of(x)->n) rc = KVF_ESIZE;
+#ifdef KVF_FAILPOINTS
+  if (rc == 0 && last && x->peer && kvf__failpoint(KVF__FP_WRITE_OUTSIDE)) kvf__failpoint_runs(grant_of(x), &runs);
+#endif
   if (rc == 0) rc = x->tp->ops->post(x->tp, x, &runs, last);
   kvf__runs_free(&runs);
   if (rc) {
@@ -301,9 +314,21 @@ static int bind_remote_recv(kvf__xfer *x, kvf__peer *p) {
   snprintf(x->peer_name, sizeof(x->peer_name), "%s", X.env.peer_name(p));
   x->tp = X.env.peer_transport(p);
   int rc = x->tp->ops->grant_open(x->tp, x);
-  if (rc) return rc;
+  if (rc < 0) return rc;
   x->state = KVF__X_ACTIVE;
-  return send_grant(x);
+  x->grant_pending = rc > 0; /* kvf__xfer_on_grant_ready sends it */
+  return rc > 0 ? 0 : send_grant(x);
+}
+
+/* The sender's copy of a Grant's windows. */
+static int copy_windows(uint8_t **out, size_t *len, const ProtobufCBinaryData *w) {
+  *out = NULL;
+  *len = 0;
+  if (!w->len) return 0;
+  if (!(*out = malloc(w->len))) return -ENOMEM;
+  memcpy(*out, w->data, w->len);
+  *len = w->len;
+  return 0;
 }
 
 static void send_intent(kvf__xfer *x) {
@@ -324,6 +349,7 @@ static pregrant *take_pregrant(const char *peer, const char *id) {
 
 static void pregrant_free(pregrant *g) {
   kvf__descs_free(&g->dst);
+  free(g->win);
   free(g);
 }
 
@@ -347,7 +373,15 @@ static void rendezvous_send(kvf__xfer *x) {
     return;
   }
   pregrant *g = take_pregrant(x->peer_name, x->id);
+  if (g && g->refused) {
+    fail(x, g->refused, g->why, false, 0);
+    pregrant_free(g);
+    return;
+  }
   if (g) {
+    x->tp_grant = g->win;
+    x->tp_grant_len = g->win_len;
+    g->win = NULL;
     int rc = bind_remote_send(x, g->handle, &g->dst);
     pregrant_free(g);
     if (rc) fail(x, rc, "duplicate grant handle", true, KVF_EPROTO);
@@ -547,7 +581,11 @@ void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
     return;
   }
   if (status) {
-    fail(x, status, "the transport failed", true, status);
+    fail(x, status,
+         status == KVF_EPERM ? "the receiver refused a write (outside its memory windows, or after they were "
+                               "invalidated)"
+                             : "the transport failed",
+         true, status);
     return;
   }
   if (!x->last_posted || x->parts_out > 0) return;
@@ -577,6 +615,13 @@ void kvf__xfer_on_data_error(kvf__xfer *x, int status, const char *why) {
   fail(x, status, why, true, status);
 }
 
+void kvf__xfer_on_grant_ready(kvf__xfer *x, int status, const char *why) {
+  x->grant_pending = false;
+  if (x->state == KVF__X_DRAIN) return;
+  int rc = status ? status : send_grant(x);
+  if (rc) fail(x, rc, status ? why : "could not send the grant", true, rc);
+}
+
 /* -------------------------------------------------------- peer messages */
 
 static kvf__xfer *by_handle(kvf__peer *p, int role, uint64_t handle) {
@@ -592,7 +637,8 @@ static void on_intent(kvf__peer *p, const Kvf__SendIntent *si) {
   if (!valid_id(si->xfer_id)) return;
   kvf__xfer *x = kvf__map_get(&X.recv_by_id, si->xfer_id);
   if (x && x->state != KVF__X_DRAIN && x->peer == p) {
-    /* our pushed grant crossed their intent; say it again */
+    /* our pushed grant crossed their intent; say it again (or soon) */
+    if (x->grant_pending) return;
     int rc = send_grant(x);
     if (rc) fail(x, rc, "could not send the grant", true, rc);
     return;
@@ -615,13 +661,68 @@ static void on_intent(kvf__peer *p, const Kvf__SendIntent *si) {
   in->expires_ns = deadline_ns(si->deadline_ms);
 }
 
+/* Keeps a grant (or our refusal of it) until the send for it comes. */
+static void keep_pregrant(kvf__peer *p, const Kvf__Grant *g, kvf__descs *dst, int refused,
+                          const char *why) {
+  pregrant *old = take_pregrant(X.env.peer_name(p), g->xfer_id);
+  if (old) pregrant_free(old);
+  pregrant *ng = calloc(1, sizeof(*ng));
+  char key[KVF__NAME_MAX + KVF_XFER_ID_MAX + 4];
+  pair_key(key, sizeof(key), X.env.peer_name(p), g->xfer_id);
+  if (!ng || kvf__map_put(&X.pregrants, key, ng) != 0) {
+    free(ng);
+    kvf__descs_free(dst);
+    return;
+  }
+  snprintf(ng->peer, sizeof(ng->peer), "%s", X.env.peer_name(p));
+  snprintf(ng->id, sizeof(ng->id), "%s", g->xfer_id);
+  ng->handle = g->handle;
+  ng->dst = *dst;
+  ng->expires_ns = deadline_ns(g->deadline_ms);
+  ng->refused = refused;
+  snprintf(ng->why, sizeof(ng->why), "%s", why ? why : "");
+  if (copy_windows(&ng->win, &ng->win_len, &g->windows) != 0) ng->refused = -ENOMEM;
+}
+
+/* A grant with more descriptors than our max-descs (the receiver's may be
+ * larger): the receiver's grant fails with the reason (Cancel on its
+ * handle), and so does our send, now or when it comes. The connection
+ * stays up. */
+static void refuse_grant(kvf__peer *p, const Kvf__Grant *g, int rc) {
+  char why[192];
+  snprintf(why, sizeof(why), "grant of %zu descriptors refused by %s: its max-descs is %u",
+           g->descs->packed.len / KVF__DESC_WIRE_SIZE, own_node(), kvfd.cfg.max_descs);
+  kvf__warn("peer %s: transfer '%s': %s", X.env.peer_name(p), g->xfer_id, why);
+  kvfd.stats.peer_errors++;
+  Kvf__Cancel c = KVF__CANCEL__INIT;
+  c.handle = g->handle;
+  c.xfer_id = g->xfer_id;
+  c.status = rc;
+  c.error = why;
+  c.to_sender = false;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_CANCEL;
+  m.cancel = &c;
+  send_msg(p, &m);
+  kvf__xfer *x = kvf__map_get(&X.send_by_id, g->xfer_id);
+  if (x && x->peer == p && x->state == KVF__X_WAIT) {
+    fail(x, rc, why, false, 0);
+    return;
+  }
+  kvf__descs none = {0};
+  keep_pregrant(p, g, &none, rc, why);
+}
+
 static void on_grant(kvf__peer *p, const Kvf__Grant *g) {
   kvf__descs dst;
   if (!valid_id(g->xfer_id) || !g->handle) return;
-  if (kvf__descs_from_wire(&dst, g->descs, kvfd.cfg.max_descs) != 0) return;
+  int rc = kvf__descs_from_wire(&dst, g->descs, kvfd.cfg.max_descs);
+  if (rc == KVF_ELIMIT) refuse_grant(p, g, rc);
+  if (rc) return; /* malformed: no daemon sends that; ignored */
   kvf__xfer *x = kvf__map_get(&X.send_by_id, g->xfer_id);
   if (x && x->peer == p && x->state == KVF__X_WAIT) {
-    int rc = bind_remote_send(x, g->handle, &dst);
+    rc = copy_windows(&x->tp_grant, &x->tp_grant_len, &g->windows);
+    if (rc == 0) rc = bind_remote_send(x, g->handle, &dst);
     kvf__descs_free(&dst);
     if (rc) fail(x, rc, "duplicate grant handle", true, KVF_EPROTO);
     return;
@@ -630,21 +731,7 @@ static void on_grant(kvf__peer *p, const Kvf__Grant *g) {
     kvf__descs_free(&dst); /* a repeat of the grant we already use */
     return;
   }
-  pregrant *old = take_pregrant(X.env.peer_name(p), g->xfer_id);
-  if (old) pregrant_free(old);
-  pregrant *ng = calloc(1, sizeof(*ng));
-  char key[KVF__NAME_MAX + KVF_XFER_ID_MAX + 4];
-  pair_key(key, sizeof(key), X.env.peer_name(p), g->xfer_id);
-  if (!ng || kvf__map_put(&X.pregrants, key, ng) != 0) {
-    free(ng);
-    kvf__descs_free(&dst);
-    return;
-  }
-  snprintf(ng->peer, sizeof(ng->peer), "%s", X.env.peer_name(p));
-  snprintf(ng->id, sizeof(ng->id), "%s", g->xfer_id);
-  ng->handle = g->handle;
-  ng->dst = dst;
-  ng->expires_ns = deadline_ns(g->deadline_ms);
+  keep_pregrant(p, g, &dst, 0, NULL);
 }
 
 static void on_send_done(kvf__peer *p, const Kvf__SendDone *d) {

@@ -54,6 +54,11 @@ struct kvf__xfer {
   uint32_t deadline_ms;
   uv_timer_t timer;
   void *tp_state;             /* the transport's own per-transfer state */
+  uint8_t *tp_grant;          /* the transport's part of the Grant (Grant.windows: rdma's
+                                 memory windows): set by grant_open on the receiver, from
+                                 the Grant on the sender; owned */
+  size_t tp_grant_len;
+  bool grant_pending;         /* recv: grant_open is not done; the Grant waits */
   const char *path;           /* set by the transport when more precise than its
                                  name ("local-nvlink", "tcp-bounce"); static */
   kvf__xfer *prev, *next;     /* every live transfer */
@@ -96,6 +101,9 @@ void kvf__xfer_on_landed(kvf__xfer *x);
  * completes the receive without waiting for SendDone. */
 void kvf__xfer_on_delivered(kvf__xfer *x);
 void kvf__xfer_on_data_error(kvf__xfer *x, int status, const char *why);
+/* A grant_open that returned a positive value is done: 0 sends the Grant,
+ * else the grant fails with status (why: for its owner). */
+void kvf__xfer_on_grant_ready(kvf__xfer *x, int status, const char *why);
 
 /* Introspection. */
 typedef struct kvf__xfer_counts {

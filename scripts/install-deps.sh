@@ -5,10 +5,10 @@ set -e
 # systemd (systemd-analyze, systemd-sysusers), groff-base and curl: the
 # operations tests verify the unit, render the man pages and scrape metrics.
 # clang and libclang-rt-dev (libFuzzer and the sanitizer runtimes of the
-# default clang): `make fuzz`.
+# default clang): `make fuzz`. nftables: `make chaos`'s network faults.
 PKGS="build-essential pkg-config libuv1-dev libprotobuf-c-dev protobuf-c-compiler
 libibverbs-dev librdmacm-dev libcmocka-dev iperf3 libsystemd-dev python3 iproute2
-systemd groff-base curl clang libclang-rt-dev"
+systemd groff-base curl clang libclang-rt-dev nftables"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

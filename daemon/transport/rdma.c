@@ -77,11 +77,16 @@
 #include <x86intrin.h>
 #endif
 
+#include "auth.h"
 #include "map.h"
 #include "metrics.h"
 #include "peer.h"
 #include "pool.h"
+#include "rdma_mw.h"
 #include "xfer.h"
+#ifdef KVF_FAILPOINTS
+#include "failpoint.h"
+#endif
 
 #define MAX_DEVS 8
 #define MAX_QPS 128             /* per link: dialed and accepted */
@@ -102,6 +107,9 @@
 #define PRIV_MAGIC 0x5246564bu  /* "KVFR" */
 #define PRIV_VERSION 1
 #define PRIV_LEN 24
+/* With a cluster key the request also carries 16 bytes of the sender's
+ * proof (auth.h): 40 of the 56 bytes of private data RDMA_PS_TCP leaves. */
+#define PRIV_AUTH_LEN (PRIV_LEN + KVF__AUTH_RDMA_PROOF)
 #define INFO_VERSION 1
 #define TAG_RECV UINT64_MAX     /* wr_id of every receive */
 #define CAP_IPC_LOCK_BIT 14
@@ -126,6 +134,13 @@ typedef struct rlink rlink;
 typedef struct rqp rqp;
 typedef struct xstate xstate;
 
+/* Memory windows, sender side: the body runs of a ticket that go through
+ * windows bound on one QP (a type 2 window takes writes only from there). */
+typedef struct lane {
+  rqp *q;                       /* compared, never followed, by the threads */
+  size_t next, end;             /* runs[next..end) not yet claimed (qlock) */
+} lane;
+
 /* One ops->post call. Its parts: n_body plain writes and, for the last post
  * of a transfer, the tail. It is called back once every part is done. */
 typedef struct ticket {
@@ -142,6 +157,17 @@ typedef struct ticket {
   bool last, has_tail;
   kvf__run tail;                /* WRITE_WITH_IMM; len 0 when the post had no run */
   uint32_t imm;
+  /* Memory windows (the grant has them): runs are grouped by lane; each
+   * run's rkey is its window's; the tail goes on its window's QP. */
+  uint32_t *rkeys;
+  lane *lanes;
+  size_t n_lanes;
+  size_t left;                  /* lanes: body runs not yet claimed (qlock) */
+  uint32_t tail_rkey;
+  rqp *tail_q;                  /* NULL: any QP */
+  rdev *tail_dev;               /* its device, to wake */
+  uint32_t tail_qpn;            /* tail_q, by number and device index */
+  uint16_t tail_devi;
   size_t total;                 /* n_body + has_tail */
   atomic_size_t done;
   atomic_int status;
@@ -174,6 +200,10 @@ struct rqp {
   bool established;             /* loop */
   bool gone;                    /* loop: failed and replaced or dropped; inert until the link goes */
   atomic_bool ready;            /* dialed and established: the thread may post */
+  /* memory windows, accepted QPs (loop): binds go on their send queue */
+  int peer_dev;                 /* the dialing device, by index in the peer's Hello; -1 unknown */
+  uint32_t remote_qpn;          /* the dialing QP */
+  uint32_t bind_cap, bind_used; /* send queue slots for binds */
   /* progress thread only, once published */
   bool dead;
   uint32_t max_inline;
@@ -195,6 +225,8 @@ struct rlink {
   char peer_dev[64];
   struct sockaddr_storage dst;  /* the peer device's CM address */
   struct ibv_cq *cq;
+  struct ibv_cq *bcq;           /* memory windows: the accepted QPs' binds (loop only) */
+  unsigned binds_out;           /* bind chains in flight on bcq */
   uint32_t depth;
   uint64_t *raddr;              /* per peer pool, on the peer device */
   uint32_t *rkey;
@@ -256,6 +288,9 @@ struct rdev {
   uint16_t cm_port;
   struct rdma_cm_id *listener;
   uint32_t max_cqe, max_qp_wr;
+  bool mw2;                     /* type 2 memory windows */
+  int mw_bounds;                /* enum kvf__mw_bounds, from the start check */
+  char mw_check[160];           /* what the check saw */
   uv_poll_t async_poll;
   bool async_on;
   pthread_t thr;
@@ -268,10 +303,37 @@ struct rdev {
   atomic_uint_fast64_t wrs, bytes, chains, imms, cqes, build_ns, bell_ns, sleeps;
 };
 
+typedef struct bchain bchain;
+
 typedef struct rgrant {
   kvf__xfer *x;
   kvf__peer *peer;
+  /* memory windows (loop): one per planned range, bound round-robin on
+   * the peer's accepted QPs */
+  kvf__range *win;
+  size_t n_win;
+  struct ibv_mw **mw;
+  rqp **qs;                     /* while binding: the QPs, NULL once lost */
+  size_t nq;
+  size_t *cur;                  /* per QP: its next window (i = j, j + nq, ...) */
+  size_t posted;
+  unsigned chains_out;
+  bchain *chains;
+  int status;
+  bool binding, closed;
+  bool restart;                 /* a QP failed under the binds: start over */
+  unsigned tries;
+  uint64_t since_ns;
+  struct rgrant *next_b;        /* R->binding, or R->zombies once closed */
 } rgrant;
+
+/* Bind work requests posted in one call; the last one's wr_id. */
+struct bchain {
+  bchain *next;
+  rgrant *g;
+  rqp *q;
+  uint32_t n;
+};
 
 typedef struct parked {         /* a CM request whose peer is not up yet */
   struct parked *next;
@@ -287,7 +349,7 @@ typedef struct cm_ev {
   struct rdma_cm_id *id;
   void *ctx;                    /* id->context, read before the ack */
   int status;
-  uint8_t priv[PRIV_LEN];
+  uint8_t priv[PRIV_AUTH_LEN];
   size_t priv_len;
 } cm_ev;
 
@@ -326,6 +388,17 @@ typedef struct rdma_transport {
   /* loop-side counters of the posting cost */
   uint64_t posts, post_runs, post_ns;
   uint64_t last_wrs, last_loop_ns, last_build_ns, last_bell_ns;
+  /* memory windows (loop) */
+  bool mw;                      /* in use: pools take no remote writes but through them */
+  char mw_why[200];             /* why not, when not */
+  char protection[400];         /* one line for status, doctor and the log */
+  rgrant *binding;              /* grants whose windows are being bound */
+  rgrant *zombies;              /* closed grants with binds still in flight */
+  uv_timer_t mw_timer;
+  bool mw_timer_on;
+  uint64_t mw_live, mw_bound, mw_grants, mw_merged, mw_failed, mw_bind_ns;
+  size_t last_win;
+  uint64_t last_bind_ns;
 } rdma_transport;
 
 static rdma_transport *R;
@@ -455,6 +528,7 @@ static void wake_peer(rpeer *rp) {
  * write completed. Under qlock, so that abort and drain see it either still
  * waiting or queued. */
 static void release_tail(xstate *xs, rpeer *rp) {
+  rdev *only = NULL;
   pthread_mutex_lock(&rp->qlock);
   ticket *t = atomic_exchange(&xs->tail, NULL);
   if (t) {
@@ -463,8 +537,10 @@ static void release_tail(xstate *xs, rpeer *rp) {
     else rp->thead = t;
     rp->ttail = t;
     atomic_fetch_add(&rp->queued, 1);
+    only = t->tail_dev;
   }
   pthread_mutex_unlock(&rp->qlock);
+  if (only) wake(only); /* its QP's thread may be asleep */
 }
 
 /* k body writes of xs completed successfully (failed ones never count, so a
@@ -543,12 +619,27 @@ static void on_recv_wc(rlink *lk, rqp *q, const struct ibv_wc *wc) {
   push_event(e);
 }
 
+/* The peer refused a write (a remote access error: outside its memory
+ * windows, or through one already invalidated). RC completes in order, so
+ * the failing chain is the oldest in flight: its transfer fails with
+ * KVF_EPERM, the others with KVF_EPEERLOST as the QP goes. */
+static void refused(rqp *q) {
+  if (!q->ring_n) return;
+  inflight f = ring_pop(q);
+  credit(f.tk, f.runs + f.tail, KVF_EPERM);
+}
+
 static void on_wc(rlink *lk, const struct ibv_wc *wc) {
   rqp *q = qp_by_num(lk, wc->qp_num);
   if (!q) return;
-  if (wc->wr_id == TAG_RECV) on_recv_wc(lk, q, wc);
-  else if (wc->status != IBV_WC_SUCCESS) qp_failed(lk, q, ibv_wc_status_str(wc->status));
-  else retire(lk, q, wc->wr_id);
+  if (wc->wr_id == TAG_RECV) {
+    on_recv_wc(lk, q, wc);
+  } else if (wc->status != IBV_WC_SUCCESS) {
+    if (wc->status == IBV_WC_REM_ACCESS_ERR && q->outbound && !q->dead) refused(q);
+    qp_failed(lk, q, ibv_wc_status_str(wc->status));
+  } else {
+    retire(lk, q, wc->wr_id);
+  }
 }
 
 /* Zero-length receives: a WRITE_WITH_IMM consumes one without touching
@@ -597,30 +688,59 @@ static bool poll_link(rlink *lk) {
 
 /* ------------------------------------------------------------ progress thread: posting */
 
-/* Takes the next piece of work for a QP with room: a tail first (it ends a
- * transfer), else up to room body runs of the oldest ticket. */
-static ticket *claim(rpeer *rp, uint32_t room, size_t *first, size_t *cnt, bool *tail) {
-  if (atomic_load(&rp->queued) == 0) return NULL;
-  ticket *tk = NULL;
-  pthread_mutex_lock(&rp->qlock);
-  if ((tk = rp->thead) != NULL) {
-    rp->thead = tk->next_q;
-    if (!rp->thead) rp->ttail = NULL;
-    atomic_fetch_sub(&rp->queued, 1);
-    *tail = true;
-  } else if ((tk = rp->qhead) != NULL) {
-    size_t left = tk->n_body - tk->next;
-    *first = tk->next;
-    *cnt = left < room ? left : room;
-    if (*cnt > CHAIN_MAX) *cnt = CHAIN_MAX;
-    tk->next += *cnt;
-    *tail = false;
-    if (tk->next == tk->n_body) {
-      rp->qhead = tk->next_q;
-      if (!rp->qhead) rp->qtail = NULL;
+static void unlink_q(ticket **head, ticket **tail, ticket *prev, ticket *tk) {
+  if (prev) prev->next_q = tk->next_q;
+  else *head = tk->next_q;
+  if (*tail == tk) *tail = prev;
+}
+
+/* The oldest tail q may post: one for any QP, or one whose window is
+ * bound on q. qlock held. */
+static ticket *claim_tail(rpeer *rp, rqp *q) {
+  for (ticket *prev = NULL, *tk = rp->thead; tk; prev = tk, tk = tk->next_q)
+    if (!tk->tail_q || tk->tail_q == q) {
+      unlink_q(&rp->thead, &rp->ttail, prev, tk);
+      atomic_fetch_sub(&rp->queued, 1);
+      return tk;
+    }
+  return NULL;
+}
+
+/* Up to room body runs for q: of the oldest ticket, or (memory windows) of
+ * the oldest whose runs for q's lane are not all claimed. qlock held. */
+static ticket *claim_body(rpeer *rp, rqp *q, uint32_t room, size_t *first, size_t *cnt) {
+  if (room > CHAIN_MAX) room = CHAIN_MAX;
+  for (ticket *prev = NULL, *tk = rp->qhead; tk; prev = tk, tk = tk->next_q) {
+    size_t *next = &tk->next, end = tk->n_body;
+    lane *l = NULL;
+    for (size_t i = 0; i < tk->n_lanes && !l; i++)
+      if (tk->lanes[i].q == q && tk->lanes[i].next < tk->lanes[i].end) l = &tk->lanes[i];
+    if (tk->lanes && !l) continue;
+    if (l) {
+      next = &l->next;
+      end = l->end;
+    }
+    *first = *next;
+    *cnt = end - *next < room ? end - *next : room;
+    *next += *cnt;
+    bool drained = l ? (tk->left -= *cnt) == 0 : *next == end;
+    if (drained) {
+      unlink_q(&rp->qhead, &rp->qtail, prev, tk);
       atomic_fetch_sub(&rp->queued, 1);
     }
+    return tk;
   }
+  return NULL;
+}
+
+/* Takes the next piece of work for q, which has room: a tail first (it
+ * ends a transfer), else body runs. */
+static ticket *claim(rpeer *rp, rqp *q, uint32_t room, size_t *first, size_t *cnt, bool *tail) {
+  if (atomic_load(&rp->queued) == 0) return NULL;
+  pthread_mutex_lock(&rp->qlock);
+  ticket *tk = claim_tail(rp, q);
+  *tail = tk != NULL;
+  if (!tk) tk = claim_body(rp, q, room, first, cnt);
   pthread_mutex_unlock(&rp->qlock);
   return tk;
 }
@@ -635,7 +755,8 @@ static void init_chain(rqp *q) {
                                     .opcode = IBV_WR_RDMA_WRITE};
 }
 
-static uint64_t build_chain(rlink *lk, rqp *q, const kvf__run *r, size_t n) {
+/* rkeys: per run, when the grant has memory windows; else the pools'. */
+static uint64_t build_chain(rlink *lk, rqp *q, const kvf__run *r, size_t n, const uint32_t *rkeys) {
   /* Runs of a chain nearly always share their pools: keep the last pool's
    * keys and bases at hand instead of looking them up per run. */
   uint32_t sp = r->src_pool, dp = r->dst_pool, lkey = lk->dev->lkey[sp], rkey = lk->rkey[dp];
@@ -660,7 +781,7 @@ static uint64_t build_chain(rlink *lk, rqp *q, const kvf__run *r, size_t n) {
     s->lkey = lkey;
     w->send_flags = r->len <= max_inline ? IBV_SEND_INLINE : 0;
     w->wr.rdma.remote_addr = raddr + r->dst_off;
-    w->wr.rdma.rkey = rkey;
+    w->wr.rdma.rkey = rkeys ? rkeys[i] : rkey;
     bytes += r->len;
   }
   q->wr[n - 1].next = NULL;
@@ -710,7 +831,7 @@ static int ring_doorbell(rlink *lk, rqp *q, ticket *tk, size_t n, uint32_t runs,
 
 static int post_chunk(rlink *lk, rqp *q, ticket *tk, size_t first, size_t cnt) {
   uint64_t t0 = fast_ns();
-  uint64_t bytes = build_chain(lk, q, tk->runs + first, cnt);
+  uint64_t bytes = build_chain(lk, q, tk->runs + first, cnt, tk->rkeys ? tk->rkeys + first : NULL);
   return ring_doorbell(lk, q, tk, cnt, (uint32_t)cnt, false, t0, bytes);
 }
 
@@ -719,7 +840,7 @@ static int post_tail(rlink *lk, rqp *q, ticket *tk) {
   uint64_t t0 = fast_ns();
   struct ibv_send_wr *w = &q->wr[0];
   if (tk->tail.len) {
-    build_chain(lk, q, &tk->tail, 1);
+    build_chain(lk, q, &tk->tail, 1, tk->rkeys ? &tk->tail_rkey : NULL);
   } else { /* nothing left to write: a zero-length write carries the notice */
     w->next = NULL;
     w->num_sge = 0;
@@ -737,7 +858,7 @@ static bool pump_qp(rlink *lk, rqp *q) {
   while (!q->dead && q->sq_used < q->sq_cap && q->bytes_out < QP_WINDOW) {
     size_t first = 0, cnt = 0;
     bool tail = false;
-    ticket *tk = claim(lk->rp, q->sq_cap - q->sq_used, &first, &cnt, &tail);
+    ticket *tk = claim(lk->rp, q, q->sq_cap - q->sq_used, &first, &cnt, &tail);
     if (!tk) break;
     if (tail) post_tail(lk, q, tk);
     else post_chunk(lk, q, tk, first, cnt);
@@ -938,6 +1059,148 @@ static ticket *ticket_new(kvf__xfer *x, kvf__runs *runs, size_t extra, bool last
   return tk;
 }
 
+/* ---- memory windows, sender side */
+
+/* Our QP that a window's record names (its receiving end holds it). */
+static rqp *window_qp(const rpeer *rp, const kvf__mw_rec *w) {
+  for (int i = 0; i < rp->n_links; i++) {
+    rlink *lk = rp->links[i];
+    if (lk->dev->index != (int)w->dev) continue;
+    for (unsigned j = 0; j < lk->n_all; j++) {
+      rqp *q = lk->all[j];
+      if (q->outbound && !q->gone && q->qp && q->qp_num == w->qpn) return q;
+    }
+  }
+  return NULL;
+}
+
+#define MAX_LANES 256
+
+#ifdef KVF_FAILPOINTS
+/* Failpoint write-wrong-qp: the tail goes on another of our QPs than the
+ * one its window is bound on (a type 2 window takes writes only there). */
+static void rogue_tail_qp(ticket *tk, const rpeer *rp) {
+  for (int i = 0; i < rp->n_links; i++)
+    for (unsigned j = 0; j < rp->links[i]->n_all; j++) {
+      rqp *q = rp->links[i]->all[j];
+      if (!q->outbound || q->gone || !q->established || q == tk->tail_q) continue;
+      kvf__warn("failpoint write-wrong-qp: the last write goes on QP %u instead of %u", q->qp_num,
+                tk->tail_q->qp_num);
+      tk->tail_q = q;
+      tk->tail_dev = q->lk->dev;
+      return;
+    }
+}
+#endif
+
+/* A Grant's windows, decoded once per post for the searches, each with its
+ * lane: our QP that the window's record names. */
+typedef struct wtable {
+  kvf__mw_rec *v;
+  uint32_t *lane;
+  size_t n, nl;
+  rqp *qs[MAX_LANES];           /* by lane; NULL: that QP is gone */
+} wtable;
+
+static int wtable_build(wtable *t, const rpeer *rp, const kvf__xfer *x) {
+  t->n = x->tp_grant_len / KVF__MW_REC;
+  if (kvf__mw_recs_check(x->tp_grant, x->tp_grant_len) != 0) return KVF_EPROTO;
+  t->v = malloc((t->n ? t->n : 1) * sizeof(*t->v));
+  t->lane = malloc((t->n ? t->n : 1) * sizeof(*t->lane));
+  if (!t->v || !t->lane) return -ENOMEM;
+  kvf__mw_recs_decode(x->tp_grant, t->n, t->v);
+  const kvf__mw_rec *first[MAX_LANES]; /* a lane is a (device, QP) of the records; few */
+  for (size_t i = 0; i < t->n; i++) {
+    const kvf__mw_rec *w = &t->v[i];
+    size_t l = 0;
+    while (l < t->nl && (first[l]->qpn != w->qpn || first[l]->dev != w->dev)) l++;
+    t->lane[i] = l < MAX_LANES ? (uint32_t)l : UINT32_MAX;
+    if (l < t->nl || l == MAX_LANES) continue;
+    first[l] = w;
+    t->qs[t->nl++] = window_qp(rp, w);
+  }
+  return 0;
+}
+
+/* The window that holds run r: 0, KVF_ERANGE when none does, KVF_EPEERLOST
+ * when the QP it is bound through is gone. */
+static int wtable_find(const wtable *t, const kvf__run *r, const kvf__mw_rec **w, uint32_t *ln) {
+  bool rogue = false;
+#ifdef KVF_FAILPOINTS
+  rogue = kvf__failpoint(KVF__FP_WRITE_OUTSIDE); /* writes outside with a window it holds */
+#endif
+  long i = kvf__mw_find(t->v, t->n, r->dst_pool, r->dst_off, r->len, rogue);
+  if (i < 0) return KVF_ERANGE;
+  *w = &t->v[i];
+  *ln = t->lane[i];
+  return *ln < t->nl && t->qs[*ln] ? 0 : KVF_EPEERLOST;
+}
+
+/* The grant has memory windows: each run goes through the window that
+ * holds it, posted on the QP whose receiving end the window is bound to;
+ * body runs are grouped into one lane per QP. */
+static int ticket_windows(ticket *tk, const rpeer *rp, const kvf__xfer *x) {
+  wtable t = {0};
+  size_t nb = tk->n_body, cnt[MAX_LANES] = {0}, at[MAX_LANES];
+  int rc = wtable_build(&t, rp, x);
+  uint16_t *lane_of = malloc((nb ? nb : 1) * sizeof(*lane_of));
+  uint32_t *key = malloc((nb ? nb : 1) * sizeof(*key)), *rkeys = malloc((nb ? nb : 1) * sizeof(*rkeys));
+  kvf__run *v = malloc((nb ? nb : 1) * sizeof(*v));
+  if (rc == 0 && !(lane_of && key && rkeys && v)) rc = -ENOMEM;
+  const kvf__mw_rec *w = NULL;
+  uint32_t ln = 0;
+  for (size_t i = 0; rc == 0 && i < nb; i++) {
+    if ((rc = wtable_find(&t, &tk->runs[i], &w, &ln)) != 0) break;
+    lane_of[i] = (uint16_t)ln;
+    key[i] = w->rkey;
+    cnt[ln]++;
+  }
+  if (rc == 0 && tk->has_tail && tk->tail.len && (rc = wtable_find(&t, &tk->tail, &w, &ln)) == 0) {
+    tk->tail_q = t.qs[ln];
+    tk->tail_dev = tk->tail_q->lk->dev;
+    tk->tail_rkey = w->rkey;
+    tk->tail_qpn = w->qpn;
+    tk->tail_devi = w->dev;
+  }
+#ifdef KVF_FAILPOINTS
+  if (rc == 0 && tk->tail_q && kvf__failpoint(KVF__FP_WRONG_QP)) rogue_tail_qp(tk, rp);
+#endif
+  if (rc == 0 && t.nl && !(tk->lanes = calloc(t.nl, sizeof(*tk->lanes)))) rc = -ENOMEM;
+  if (rc == 0) { /* counting sort: lane by lane, in post order within each */
+    for (size_t l = 0, off = 0; l < t.nl; off += cnt[l++]) {
+      at[l] = off;
+      tk->lanes[l] = (lane){t.qs[l], off, off + cnt[l]};
+    }
+    for (size_t i = 0; i < nb; i++) {
+      size_t k = at[lane_of[i]]++;
+      v[k] = tk->runs[i];
+      rkeys[k] = key[i];
+    }
+    free(tk->runs);
+    tk->runs = v;
+    tk->n_runs = nb;
+    tk->rkeys = rkeys;
+    tk->n_lanes = t.nl;
+    tk->left = nb;
+    v = NULL;
+    rkeys = NULL;
+  }
+  free(t.v);
+  free(t.lane);
+  free(lane_of);
+  free(key);
+  free(rkeys);
+  free(v);
+  return rc;
+}
+
+static void ticket_free(ticket *tk) {
+  free(tk->runs);
+  free(tk->rkeys);
+  free(tk->lanes);
+  free(tk);
+}
+
 static xstate *xstate_of(kvf__xfer *x) {
   xstate *xs = x->tp_state;
   if (xs) return xs;
@@ -991,12 +1254,17 @@ static int rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last
   size_t n = runs->n;
   xstate *xs = xstate_of(x);
   ticket *tk = xs ? ticket_new(x, runs, extra, last) : NULL;
+  rc = tk ? 0 : -ENOMEM;
+  if (tk && x->tp_grant_len && (rc = ticket_windows(tk, rp, x)) != 0) {
+    ticket_free(tk);
+    tk = NULL;
+  }
   if (!tk) {
     if (xs && xs->out == 0) {
       x->tp_state = NULL;
       free(xs);
     }
-    return -ENOMEM;
+    return rc;
   }
   tk->xs = xs;
   tk->rp = rp;
@@ -1026,8 +1294,10 @@ static ticket *unqueue(ticket **head, ticket **tail, ticket *want) {
  * its tail when not posted yet. Returns how many parts that is. qlock held
  * (or no thread left on rp). */
 static size_t take_back(rpeer *rp, ticket *tk) {
-  size_t k = tk->n_body - tk->next;
+  size_t k = tk->lanes ? tk->left : tk->n_body - tk->next;
   tk->next = tk->n_body;
+  tk->left = 0;
+  for (size_t i = 0; i < tk->n_lanes; i++) tk->lanes[i].next = tk->lanes[i].end;
   if (k && unqueue(&rp->qhead, &rp->qtail, tk)) atomic_fetch_sub(&rp->queued, 1);
   if (tk->has_tail) {
     ticket *expect = tk;
@@ -1054,6 +1324,72 @@ static void rdma_abort(kvf__transport *t, kvf__xfer *x) {
 
 /* ------------------------------------------------------------ the loop: events */
 
+#ifdef KVF_FAILPOINTS
+/* Failpoint late-write (kvferryd-rogue only): once a transfer that went
+ * through memory windows succeeded, its last write goes again, 1 s
+ * later, through the same window, which the receiver invalidated when the
+ * transfer ended: it must be refused (a remote access error here). */
+typedef struct late_write {
+  uv_timer_t tm;
+  kvf__peer *p;
+  kvf__run run;
+  kvf__mw_rec w;
+} late_write;
+
+static void late_free(uv_handle_t *h) { free(h->data); }
+
+static void late_fire(uv_timer_t *tm) {
+  late_write *l = tm->data;
+  rpeer *rp = rpeer_of(l->p);
+  rqp *q = rp ? window_qp(rp, &l->w) : NULL;
+  ticket *tk = q ? calloc(1, sizeof(*tk)) : NULL;
+  xstate *xs = tk ? calloc(1, sizeof(*xs)) : NULL;
+  if (tk) tk->runs = malloc(sizeof(*tk->runs));
+  if (tk) tk->rkeys = malloc(sizeof(*tk->rkeys));
+  if (tk) tk->lanes = malloc(sizeof(*tk->lanes));
+  if (!xs || !tk->runs || !tk->rkeys || !tk->lanes) {
+    kvf__warn("failpoint late-write: the window's QP is gone; not written");
+    if (tk) ticket_free(tk);
+    free(xs);
+  } else {
+    kvf__warn("failpoint late-write: writing %llu bytes at pool %u offset %llu through window rkey %08x "
+              "of a finished transfer", (unsigned long long)l->run.len, l->run.dst_pool,
+              (unsigned long long)l->run.dst_off, l->w.rkey);
+    tk->ev.kind = EV_TICKET;
+    tk->runs[0] = l->run;
+    tk->rkeys[0] = l->w.rkey;
+    tk->lanes[0] = (lane){q, 0, 1};
+    tk->n_runs = tk->n_body = tk->total = tk->n_lanes = tk->left = 1;
+    tk->xs = xs;
+    tk->rp = rp;
+    xs->out = 1;
+    live_link(tk);
+    hand_over(rp, xs, tk);
+  }
+  uv_close((uv_handle_t *)tm, late_free);
+}
+
+/* true when tk was the failpoint's own (done with here). */
+static bool late_ticket_done(ticket *tk, int st) {
+  if (!tk->x) {
+    kvf__warn("failpoint late-write: the late write %s", st ? "was refused" : "LANDED");
+    free(tk->xs);
+    ticket_free(tk);
+    return true;
+  }
+  if (!tk->last || st || !tk->tail_q || !tk->rp || !kvf__failpoint(KVF__FP_LATE_WRITE)) return false;
+  late_write *l = calloc(1, sizeof(*l));
+  if (!l) return false;
+  l->p = tk->rp->p;
+  l->run = tk->tail;
+  l->w = (kvf__mw_rec){.rkey = tk->tail_rkey, .qpn = tk->tail_qpn, .dev = tk->tail_devi};
+  uv_timer_init(kvfd.loop, &l->tm);
+  l->tm.data = l;
+  uv_timer_start(&l->tm, late_fire, 1000, 0);
+  return false;
+}
+#endif
+
 static void ticket_done(ticket *tk) {
   live_unlink(tk);
   xstate *xs = tk->xs;
@@ -1061,6 +1397,9 @@ static void ticket_done(ticket *tk) {
   bool last = tk->last;
   int st = atomic_load(&tk->status);
   uint64_t wrs = atomic_load(&tk->wrs);
+#ifdef KVF_FAILPOINTS
+  if (late_ticket_done(tk, st)) return;
+#endif
   if (wrs) {
     R->last_wrs = wrs;
     R->last_loop_ns = tk->loop_ns;
@@ -1071,8 +1410,7 @@ static void ticket_done(ticket *tk) {
                x->id, (unsigned long long)wrs, (double)tk->loop_ns / (double)wrs,
                (double)R->last_build_ns / (double)wrs, (double)R->last_bell_ns / (double)wrs);
   }
-  free(tk->runs);
-  free(tk);
+  ticket_free(tk);
   if (--xs->out == 0) {
     x->tp_state = NULL;
     free(xs);
@@ -1124,6 +1462,432 @@ static void on_async(uv_async_t *a) {
   }
 }
 
+/* ------------------------------------------------------------ memory windows: binding
+ *
+ * With memory windows (R->mw) a grant is opened asynchronously: its
+ * destination ranges (merged, at most rdma-mw-max-windows) each get a type 2
+ * window, bound round-robin on the peer's accepted QPs of every device (a
+ * type 2 window takes writes only through the QP it is bound on, and the
+ * sender writes through its end of that QP). The loop owns it all: binds go
+ * on the accepted QPs' send queues, whose completions land in a CQ of their
+ * own (lk->bcq) that only the loop polls (mw_timer, every millisecond while
+ * binds are in flight). Once every bind completed the Grant goes out with
+ * the windows (kvf__xfer_on_grant_ready). When the transfer ends, however
+ * it ends, grant_close deallocates the windows (which invalidates them)
+ * before the memory goes back to the client. */
+
+#define BIND_WAIT_MS 2000       /* grant_close waits this long for binds in flight */
+#define BIND_TRIES 4            /* binds that fail with their QP start over on others */
+
+static void on_mw_timer(uv_timer_t *tm);
+
+static void mw_timer_arm(void) {
+  if (R->mw_timer_on || (!R->binding && !R->zombies)) return;
+  uv_timer_start(&R->mw_timer, on_mw_timer, 1, 1);
+  R->mw_timer_on = true;
+}
+
+/* Accepted QPs the peer dials: its devices times its QPs per device. */
+static size_t accepted_expected(const rpeer *rp) {
+  const Kvf__RdmaInfo *ri = rp->p->hello ? rp->p->hello->rdma : NULL;
+  return ri ? ri->n_devices * (ri->qps_per_peer ? ri->qps_per_peer : 1) : 1;
+}
+
+/* The peer's QPs that can hold windows: accepted, connected, and known by
+ * which of its devices dialed them. */
+static size_t bind_qps(const rpeer *rp, rqp **qs, size_t cap) {
+  size_t n = 0;
+  for (int i = 0; i < rp->n_links; i++) {
+    rlink *lk = rp->links[i];
+    for (unsigned j = 0; lk->bcq && j < lk->n_all && n < cap; j++) {
+      rqp *q = lk->all[j];
+      if (!q->outbound && q->established && !q->gone && q->qp && q->peer_dev >= 0) qs[n++] = q;
+    }
+  }
+  return n;
+}
+
+static void grant_failed(rgrant *g, int status, const char *why) {
+  if (g->status) return;
+  g->status = status;
+  kvf__warn("rdma: binding the memory windows of %s failed: %s", g->x->id, why);
+}
+
+/* A QP failed under g's binds (the peer may be rebuilding its QPs right
+ * now): once the binds in flight are back, g starts over on the QPs then
+ * connected; after BIND_TRIES, g fails. */
+static void bind_retry(rgrant *g, const char *why) {
+  if (g->status || g->restart) return;
+  if (g->tries + 1 >= BIND_TRIES) {
+    grant_failed(g, KVF_EPEERLOST, why);
+    return;
+  }
+  kvf__debug("rdma: %s: binding its memory windows again: %s", g->x->id, why);
+  g->restart = true;
+}
+
+static void bind_reset(rgrant *g) {
+  for (size_t i = 0; g->mw && i < g->n_win; i++)
+    if (g->mw[i]) {
+      ibv_dealloc_mw(g->mw[i]);
+      R->mw_live--;
+    }
+  free(g->mw);
+  free(g->qs);
+  free(g->cur);
+  g->mw = NULL;
+  g->qs = NULL;
+  g->cur = NULL;
+  g->nq = 0;
+  g->posted = 0;
+  g->restart = false;
+  g->tries++;
+}
+
+/* Picks the QPs (all of the peer's once they are connected, or what is
+ * connected CONNECT_MS after the peer came up) and allocates the windows. */
+static void bind_start(rgrant *g) {
+  rpeer *rp = rpeer_of(g->peer);
+  rqp *qs[MAX_LANES];
+  if (!rp) {
+    grant_failed(g, KVF_EPEERLOST, "the peer is gone");
+    return;
+  }
+  size_t n = bind_qps(rp, qs, MAX_LANES);
+  bool late = kvf__now_ns() - rp->up_ns > (uint64_t)CONNECT_MS * 1000000ull;
+  if (n < accepted_expected(rp) && !late) return;
+  if (n == 0) {
+    grant_failed(g, KVF_EPEERLOST, "none of the peer's queue pairs is connected");
+    return;
+  }
+  g->qs = malloc(n * sizeof(*g->qs));
+  g->cur = malloc(n * sizeof(*g->cur));
+  g->mw = calloc(g->n_win, sizeof(*g->mw));
+  if (!g->qs || !g->cur || !g->mw) {
+    grant_failed(g, -ENOMEM, "out of memory");
+    return;
+  }
+  g->nq = n;
+  for (size_t j = 0; j < n; j++) {
+    g->qs[j] = qs[j];
+    g->cur[j] = j;
+  }
+}
+
+/* Windows are allocated chain by chain, so that a big grant does not hold
+ * the loop for all of them at once. */
+static struct ibv_mw *window_alloc(rgrant *g, size_t i, rqp *q) {
+  if (g->mw[i]) return g->mw[i];
+  g->mw[i] = ibv_alloc_mw(q->lk->dev->pd, IBV_MW_TYPE_2);
+  if (g->mw[i]) {
+    R->mw_live++;
+    return g->mw[i];
+  }
+  int e = errno;
+  char why[160];
+  snprintf(why, sizeof(why), "ibv_alloc_mw (window %zu of %zu): %s", i + 1, g->n_win, strerror(e));
+  grant_failed(g, e == ENOMEM ? KVF_ELIMIT : -e, why);
+  return NULL;
+}
+
+/* Window i bound on q, as the Grant tells the sender. */
+static void window_record(rgrant *g, size_t i, rqp *q, uint32_t rkey) {
+  const kvf__range *w = &g->win[i];
+  kvf__mw_rec r = {.pool = w->pool, .off = w->start, .len = w->end - w->start, .rkey = rkey,
+                   .qpn = q->remote_qpn, .dev = (uint16_t)q->peer_dev};
+  kvf__mw_rec_put(g->x->tp_grant + i * KVF__MW_REC, &r);
+}
+
+/* Posts one chain of binds (what fits) of g's windows for its QP j. */
+static int bind_chain(rgrant *g, size_t j) {
+  rqp *q = g->qs[j];
+  struct ibv_send_wr wr[CHAIN_MAX], *bad = NULL;
+  bchain *c = calloc(1, sizeof(*c));
+  if (!c) return -ENOMEM;
+  uint32_t k = 0, room = q->bind_cap - q->bind_used;
+  for (; k < CHAIN_MAX && k < room && g->cur[j] < g->n_win; k++, g->cur[j] += g->nq) {
+    size_t i = g->cur[j];
+    const kvf__range *w = &g->win[i];
+    if (!window_alloc(g, i, q)) break;
+    uint32_t rkey = ibv_inc_rkey(g->mw[i]->rkey);
+    wr[k] = (struct ibv_send_wr){
+        .next = &wr[k + 1], .opcode = IBV_WR_BIND_MW,
+        .bind_mw = {.mw = g->mw[i], .rkey = rkey,
+                    .bind_info = {.mr = q->lk->dev->mrs[w->pool], .addr = (uintptr_t)R->pool_base[w->pool] + w->start,
+                                  .length = w->end - w->start, .mw_access_flags = IBV_ACCESS_REMOTE_WRITE}}};
+    window_record(g, i, q, rkey);
+  }
+  if (k == 0) {
+    free(c);
+    return 0; /* g failed */
+  }
+  /* Only the last is signalled; a failure flushes the others with wr_id 0. */
+  wr[k - 1].next = NULL;
+  wr[k - 1].send_flags = IBV_SEND_SIGNALED;
+  wr[k - 1].wr_id = (uintptr_t)c;
+  int rc = ibv_post_send(q->qp, wr, &bad);
+  if (rc) {
+    free(c);
+    return -rc;
+  }
+  *c = (bchain){g->chains, g, q, k};
+  g->chains = c;
+  g->chains_out++;
+  g->posted += k;
+  q->bind_used += k;
+  q->lk->binds_out++;
+  return 0;
+}
+
+static void bind_pump(rgrant *g) {
+  for (size_t j = 0; j < g->nq && !g->status && !g->restart; j++) {
+    rqp *q = g->qs[j];
+    if (!q) {
+      bind_retry(g, "a queue pair of the peer went away");
+      return;
+    }
+    while (g->cur[j] < g->n_win && q->bind_used < q->bind_cap && !g->status) {
+      int rc = bind_chain(g, j);
+      if (rc) {
+        bind_retry(g, strerror(-rc));
+        return;
+      }
+    }
+  }
+}
+
+static void chain_done(bchain *c, bool ok) {
+  rgrant *g = c->g;
+  for (bchain **pp = &g->chains; *pp; pp = &(*pp)->next)
+    if (*pp == c) {
+      *pp = c->next;
+      break;
+    }
+  c->q->bind_used -= c->n;
+  c->q->lk->binds_out--;
+  g->chains_out--;
+  if (!ok && !g->closed) bind_retry(g, "a bind work request failed");
+  free(c);
+}
+
+/* A bind failed on q (or was flushed: q is in the error state). No more
+ * windows go on it, and it is disconnected so that the peer rebuilds its
+ * QPs (else it would keep writing into a QP that takes nothing). */
+static void bind_qp_broken(rlink *lk, uint32_t qp_num, enum ibv_wc_status st) {
+  for (unsigned i = 0; i < lk->n_all; i++) {
+    rqp *q = lk->all[i];
+    if (q->outbound || q->gone || !q->qp || q->qp_num != qp_num) continue;
+    kvf__warn("rdma: %s: binding a memory window on QP %u (%s) failed: %s; dropping that QP", peer_name(lk->rp),
+              q->qp_num, lk->dev->name, ibv_wc_status_str(st));
+    q->gone = true;
+    if (q->established && q->id) rdma_disconnect(q->id);
+    return;
+  }
+}
+
+static bool poll_binds(rlink *lk) {
+  struct ibv_wc wc[CQ_BATCH];
+  int n, total = 0;
+  while ((n = ibv_poll_cq(lk->bcq, CQ_BATCH, wc)) > 0) {
+    for (int i = 0; i < n; i++) {
+      if (wc[i].status != IBV_WC_SUCCESS) bind_qp_broken(lk, wc[i].qp_num, wc[i].status);
+      if (wc[i].wr_id) chain_done((bchain *)(uintptr_t)wc[i].wr_id, wc[i].status == IBV_WC_SUCCESS);
+    }
+    total += n;
+  }
+  return total > 0;
+}
+
+static void poll_all_binds(void) {
+  for (size_t i = 0; i < R->n_peers; i++)
+    for (int l = 0; l < R->peers[i]->n_links; l++) {
+      rlink *lk = R->peers[i]->links[l];
+      if (lk->bcq && lk->binds_out) poll_binds(lk);
+    }
+}
+
+static bool bind_finished(const rgrant *g) {
+  return g->chains_out == 0 && (g->status || (!g->restart && g->qs && g->posted == g->n_win));
+}
+
+static void unlist(rgrant **head, rgrant *g) {
+  for (rgrant **pp = head; *pp; pp = &(*pp)->next_b)
+    if (*pp == g) {
+      *pp = g->next_b;
+      return;
+    }
+}
+
+/* A bound grant: its windows stay until grant_close (or until the QPs
+ * they are bound on go: mw_forget_link). */
+static void bind_done(rgrant *g) {
+  unlist(&R->binding, g);
+  g->binding = false;
+  free(g->cur);
+  g->cur = NULL;
+  if (g->status) {
+    R->mw_failed++;
+  } else {
+    uint64_t ns = kvf__now_ns() - g->since_ns;
+    R->mw_bound += g->n_win;
+    R->mw_bind_ns += ns;
+    R->last_win = g->n_win;
+    R->last_bind_ns = ns;
+    kvf__debug("rdma: %s: %zu memory windows bound in %.1f ms", g->x->id, g->n_win, (double)ns / 1e6);
+  }
+}
+
+static void reap_zombies(void) {
+  for (rgrant *g = R->zombies, *next; g; g = next) {
+    next = g->next_b;
+    if (g->chains_out) continue;
+    unlist(&R->zombies, g);
+    free(g);
+  }
+}
+
+/* Every millisecond while binds are in flight. A grant's callback may
+ * close any grant (the peer may fail), so after each the scan restarts. */
+static void on_mw_timer(uv_timer_t *tm) {
+  poll_all_binds();
+  reap_zombies();
+  for (rgrant *g = R->binding; g; g = g->next_b) {
+    if (g->restart && !g->chains_out && !g->status) bind_reset(g);
+    if (!g->qs && !g->status) bind_start(g);
+    if (g->qs && !g->status && !g->restart) bind_pump(g);
+  }
+  for (;;) {
+    rgrant *g = R->binding;
+    while (g && !bind_finished(g)) g = g->next_b;
+    if (!g) break;
+    bind_done(g);
+    kvf__xfer_on_grant_ready(g->x, g->status, g->status ? "binding the grant's memory windows failed" : NULL);
+  }
+  if (!R->binding && !R->zombies) {
+    uv_timer_stop(&R->mw_timer);
+    R->mw_timer_on = false;
+  }
+}
+
+/* Plans g's windows and starts binding them; 1: the Grant waits for them. */
+static int mw_grant_open(rgrant *g, kvf__xfer *x) {
+  kvf__rangeset rs = {0};
+  size_t merged = 0;
+  int rc = kvf__rangeset_build(&rs, &x->dst);
+  if (rc == 0) rc = kvf__mw_plan(&rs, kvfd.cfg.rdma_mw_max_windows, &g->win, &g->n_win, &merged);
+  size_t ranges = rs.n;
+  kvf__rangeset_free(&rs);
+  if (rc == 0 && g->n_win == 0) rc = KVF_EINVAL;
+  if (rc == 0 && !(x->tp_grant = calloc(g->n_win, KVF__MW_REC))) rc = -ENOMEM;
+  if (rc) return rc;
+  x->tp_grant_len = g->n_win * KVF__MW_REC;
+  if (merged) {
+    R->mw_merged++;
+    kvf__warn("rdma: grant %s has %zu separate ranges, more than rdma-mw-max-windows (%u): its %zu memory "
+              "windows also span the %zu smallest gaps between them", x->id, ranges, kvfd.cfg.rdma_mw_max_windows,
+              g->n_win, merged);
+  }
+  R->mw_grants++;
+  g->since_ns = kvf__now_ns();
+  g->binding = true;
+  g->next_b = R->binding;
+  R->binding = g;
+  mw_timer_arm();
+  return 1;
+}
+
+/* Waits (bounded) for g's binds in flight: a window must not become valid
+ * after it was deallocated, nor be deallocated under its bind. */
+static void wait_binds(rgrant *g) {
+  uint64_t end = kvf__now_ns() + (uint64_t)BIND_WAIT_MS * 1000000ull;
+  while (g->chains_out && kvf__now_ns() < end)
+    if (!poll_binds(g->chains->q->lk)) {
+      struct timespec nap = {0, 50000};
+      nanosleep(&nap, NULL);
+    }
+}
+
+/* Invalidates and frees g's windows. false: binds are still in flight (a
+ * stuck device); g then waits among the zombies for them. */
+static bool mw_release(rgrant *g) {
+  if (g->binding) unlist(&R->binding, g);
+  g->binding = false;
+  if (g->chains_out) wait_binds(g);
+  for (size_t i = 0; g->mw && i < g->n_win; i++)
+    if (g->mw[i]) {
+      ibv_dealloc_mw(g->mw[i]);
+      R->mw_live--;
+    }
+  free(g->mw);
+  free(g->win);
+  free(g->qs);
+  free(g->cur);
+  g->mw = NULL;
+  g->win = NULL;
+  g->qs = NULL;
+  g->cur = NULL;
+  g->nq = 0;
+  g->closed = true;
+  if (!g->chains_out) return true;
+  kvf__warn("rdma: binds of a closed grant still in flight after %d ms", BIND_WAIT_MS);
+  g->next_b = R->zombies;
+  R->zombies = g;
+  mw_timer_arm();
+  return false;
+}
+
+/* The windows of g bound on lk's QPs: binds in flight never complete, a
+ * grant still binding fails, and the windows go at once. They can take no
+ * write any more, and a type 2 window holds its QP: rxe's destroy_qp waits
+ * (up to 50 s) for the windows bound on it to go. */
+static void forget_windows(rgrant *g, rlink *lk) {
+  for (bchain *c = g->chains, *next; c; c = next) {
+    next = c->next;
+    if (c->q->lk == lk) chain_done(c, false);
+  }
+  for (size_t j = 0; j < g->nq; j++) {
+    if (!g->qs[j] || g->qs[j]->lk != lk) continue;
+    g->qs[j] = NULL;
+    if (g->binding) bind_retry(g, "a queue pair of the peer went away");
+    for (size_t i = j; g->mw && i < g->n_win; i += g->nq)
+      if (g->mw[i]) {
+        ibv_dealloc_mw(g->mw[i]);
+        g->mw[i] = NULL;
+        R->mw_live--;
+      }
+  }
+}
+
+/* The link goes (peer down or reset); its QPs are in the error state. */
+static void mw_forget_link(rlink *lk) {
+  for (size_t i = 0; i < R->grants.nb; i++)
+    for (kvf__map_ent *e = R->grants.b[i]; e; e = e->next) forget_windows(e->val, lk);
+  for (rgrant *g = R->zombies; g; g = g->next_b) forget_windows(g, lk);
+}
+
+/* An accepted QP is connected: which QP and device of the peer dialed it
+ * (the Grant names windows by them). */
+static void accepted_ready(rqp *q) {
+  struct ibv_qp_attr a;
+  struct ibv_qp_init_attr ia;
+  const Kvf__RdmaInfo *ri = q->lk->rp->p->hello ? q->lk->rp->p->hello->rdma : NULL;
+  struct sockaddr *sa = rdma_get_peer_addr(q->id);
+  if (!R->mw || !ri || !sa || ibv_query_qp(q->qp, &a, IBV_QP_DEST_QPN, &ia) != 0) return;
+  q->remote_qpn = a.dest_qp_num;
+  uint8_t want[16], have[16];
+  size_t alen = sa->sa_family == AF_INET6 ? 16 : 4;
+  memcpy(want, sa->sa_family == AF_INET6 ? (void *)&((struct sockaddr_in6 *)sa)->sin6_addr
+                                         : (void *)&((struct sockaddr_in *)sa)->sin_addr, alen);
+  for (size_t j = 0; j < ri->n_devices; j++)
+    if (ri->devices[j]->cm_addr &&
+        inet_pton(sa->sa_family, ri->devices[j]->cm_addr, have) == 1 && memcmp(want, have, alen) == 0) {
+      q->peer_dev = (int)j;
+      return;
+    }
+  kvf__debug("rdma: %s: an accepted QP comes from an address none of its devices announced",
+             peer_name(q->lk->rp));
+}
+
 /* ------------------------------------------------------------ grants */
 
 static int rdma_grant_open(kvf__transport *t, kvf__xfer *x) {
@@ -1131,7 +1895,7 @@ static int rdma_grant_open(kvf__transport *t, kvf__xfer *x) {
   for (size_t i = 0; R->any_gpu && !x->path && i < x->dst.n; i++)
     if (x->dst.pool[i] < kvfd.n_pools && kvf__pool_gpu(kvfd.pools[x->dst.pool[i]])) x->path = "rdma-gdr";
   grant_key(key, sizeof(key), (uint32_t)x->handle);
-  rgrant *g = malloc(sizeof(*g));
+  rgrant *g = calloc(1, sizeof(*g));
   if (!g) return -ENOMEM;
   g->x = x;
   g->peer = x->peer;
@@ -1141,14 +1905,22 @@ static int rdma_grant_open(kvf__transport *t, kvf__xfer *x) {
     kvf__warn("rdma: grant token %s of %s is still in use; refusing the grant", key, x->id);
     return rc == -EEXIST ? KVF_EEXIST : rc;
   }
-  return 0;
+  if (!R->mw) return 0;
+  rc = mw_grant_open(g, x);
+  if (rc < 0) {
+    kvf__map_del(&R->grants, key);
+    if (mw_release(g)) free(g);
+  }
+  return rc;
 }
 
 static void rdma_grant_close(kvf__transport *t, kvf__xfer *x) {
   char key[16];
   grant_key(key, sizeof(key), (uint32_t)x->handle);
   rgrant *g = kvf__map_get(&R->grants, key);
-  if (g && g->x == x) free(kvf__map_del(&R->grants, key));
+  if (!g || g->x != x) return;
+  kvf__map_del(&R->grants, key);
+  if (mw_release(g)) free(g);
 }
 
 /* ------------------------------------------------------------ connections */
@@ -1158,11 +1930,36 @@ static bool rdma_usable(kvf__transport *t, kvf__peer *p) {
   return R->n_devs > 0 && ri && ri->version == INFO_VERSION && ri->n_devices > 0;
 }
 
-static void priv_encode(uint8_t *b, uint64_t dst_session) {
+/* Fills b (PRIV_AUTH_LEN bytes of room); returns the length to send. */
+static size_t priv_encode(uint8_t *b, uint64_t dst_session) {
+  size_t klen;
   put_u32(b, PRIV_MAGIC);
   put_u32(b + 4, PRIV_VERSION);
   put_u64(b + 8, kvfd.session);
   put_u64(b + 16, dst_session);
+  if (!kvf__auth_enabled()) return PRIV_LEN;
+  const uint8_t *key = kvf__auth_key(&klen); /* before klen is read */
+  kvf__auth_rdma_proof(key, klen, kvfd.session, dst_session, b + PRIV_LEN);
+  return PRIV_AUTH_LEN;
+}
+
+/* Cluster key: the request's proof, checked before rdma_accept. A CM
+ * request is one message (a challenge would cost a round trip per QP), so
+ * the proof binds the two daemons' sessions rather than nonces: it proves
+ * the key, and the session maps to the peer that proved it on the control
+ * connection (node and QP index add nothing to that). A request recorded on
+ * the wire could be replayed to the same start of this daemon while that
+ * start of the sender lives; an attacker able to record it can also inject
+ * RoCE packets, which only a protected fabric stops. The CM pads private
+ * data, so a missing proof reads as zeros and fails like a wrong one. */
+static bool priv_auth_ok(const uint8_t *b, size_t len, uint64_t src, uint64_t dst) {
+  uint8_t want[KVF__AUTH_RDMA_PROOF];
+  size_t klen;
+  if (!kvf__auth_enabled()) return true;
+  if (len < PRIV_AUTH_LEN) return false;
+  const uint8_t *key = kvf__auth_key(&klen); /* before klen is read */
+  kvf__auth_rdma_proof(key, klen, src, dst, want);
+  return kvf__auth_equal(want, b + PRIV_LEN, sizeof(want));
 }
 
 static int priv_decode(const uint8_t *b, size_t len, uint64_t *src, uint64_t *dst) {
@@ -1178,6 +1975,7 @@ static rqp *qp_new(rlink *lk, bool outbound) {
   if (!q) return NULL;
   q->lk = lk;
   q->outbound = outbound;
+  q->peer_dev = -1;
   lk->all[lk->n_all++] = q;
   return q;
 }
@@ -1192,12 +1990,15 @@ static void publish(rlink *lk, rqp *q) {
 static int create_qp(rlink *lk, rqp *q) {
   rdev *d = lk->dev;
   if (q->id->verbs != d->ctx) return -EXDEV;
+  /* With memory windows an accepted QP's send queue carries the binds of
+   * the peer's grants, into the loop's own CQ. */
+  bool binds = !q->outbound && lk->bcq;
   struct ibv_qp_init_attr a = {
       .qp_context = q,
-      .send_cq = lk->cq,
+      .send_cq = binds ? lk->bcq : lk->cq,
       .recv_cq = lk->cq,
       .qp_type = IBV_QPT_RC,
-      .cap = {.max_send_wr = q->outbound ? lk->depth : 1,
+      .cap = {.max_send_wr = q->outbound || binds ? lk->depth : 1,
               .max_recv_wr = q->outbound ? 1 : lk->depth,
               .max_send_sge = 1,
               .max_recv_sge = 1,
@@ -1213,6 +2014,7 @@ static int create_qp(rlink *lk, rqp *q) {
   q->qp = q->id->qp;
   q->qp_num = q->qp->qp_num;
   q->max_inline = a.cap.max_inline_data;
+  q->bind_cap = binds ? lk->depth : 0;
   if (q->outbound) {
     init_chain(q);
     q->sq_cap = lk->depth;
@@ -1311,10 +2113,10 @@ static void on_route_resolved(rqp *q) {
     dial_failed(q, "creating a QP", qp_error_text(rc, buf, sizeof(buf)));
     return;
   }
-  uint8_t priv[PRIV_LEN];
-  priv_encode(priv, q->lk->rp->session);
+  uint8_t priv[PRIV_AUTH_LEN];
+  size_t priv_len = priv_encode(priv, q->lk->rp->session);
   struct rdma_conn_param cp = {.private_data = priv,
-                               .private_data_len = PRIV_LEN,
+                               .private_data_len = (uint8_t)priv_len,
                                .retry_count = RETRY_COUNT,
                                .rnr_retry_count = RNR_RETRY};
   if (rdma_connect(q->id, &cp) != 0) dial_failed(q, "rdma_connect", strerror(errno));
@@ -1329,7 +2131,10 @@ static bool peer_ready(const rpeer *rp) {
 static void on_established(rqp *q) {
   rpeer *rp = q->lk->rp;
   q->established = true;
-  if (!q->outbound) return;
+  if (!q->outbound) {
+    accepted_ready(q);
+    return;
+  }
   atomic_store(&q->ready, true);
   wake(q->lk->dev);
   q->lk->n_ready++;
@@ -1408,6 +2213,16 @@ static void on_connect_request(const cm_ev *ev) {
     reject(ev->id);
     return;
   }
+  if (!priv_auth_ok(ev->priv, ev->priv_len, src, dst)) {
+    struct sockaddr *sa = rdma_get_peer_addr(ev->id);
+    char ip[64] = "?";
+    if (sa) addr_text((const struct sockaddr_storage *)sa, ip, sizeof(ip));
+    kvfd.stats.auth_failures++;
+    kvf__warn("rdma: refused a connection request from %s (session %016llx): cluster key mismatch, "
+              "or the peer has none", ip, (unsigned long long)src);
+    reject(ev->id);
+    return;
+  }
   rpeer *rp = rpeer_by_session(src);
   if (rp) accept_on(rp, d, ev->id);
   else park(ev->id, d, src);
@@ -1473,7 +2288,7 @@ static void on_cm_readable(uv_poll_t *h, int status, int events) {
     cm_ev ev = {.type = raw->event, .id = raw->id, .ctx = raw->id->context, .status = raw->status};
     size_t n = raw->param.conn.private_data_len;
     if (raw->event == RDMA_CM_EVENT_CONNECT_REQUEST && raw->param.conn.private_data) {
-      ev.priv_len = n < PRIV_LEN ? n : PRIV_LEN;
+      ev.priv_len = n < PRIV_AUTH_LEN ? n : PRIV_AUTH_LEN;
       memcpy(ev.priv, raw->param.conn.private_data, ev.priv_len);
     }
     /* Acked before handling: a handler may destroy ids, which waits for
@@ -1498,6 +2313,7 @@ static void destroy_link(rlink *lk) {
     free(q);
   }
   if (lk->cq) ibv_destroy_cq(lk->cq);
+  if (lk->bcq) ibv_destroy_cq(lk->bcq);
   kvf__debug("rdma: destroyed %u QP(s) and a CQ of %s in %.1f ms", lk->n_all, lk->dev->name,
              (double)(kvf__now_ns() - t0) / 1e6);
   free(lk->raddr);
@@ -1530,6 +2346,7 @@ static void reap_link(rlink *lk) {
     if (q->qp) q->qp->qp_context = NULL; /* async events of it until destroyed: ignored */
     if (q->id) q->id->context = NULL;
   }
+  if (lk->bcq) mw_forget_link(lk);
   if (lk->cq) lk->cq->cq_context = NULL;
   if (!R->reaper_on) {
     destroy_link(lk);
@@ -1618,7 +2435,13 @@ static int make_cq(rlink *lk, const Kvf__RdmaInfo *ri) {
   if (depth < 2) return -ENOSPC;
   lk->depth = depth;
   lk->cq = ibv_create_cq(d->ctx, (int)(qps * (depth + 1)), lk, d->ch, 0);
-  return lk->cq ? 0 : -errno;
+  if (!lk->cq) return -errno;
+  if (!R->mw) return 0;
+  /* Binds: every accepted QP's send queue, flushed whole on an error. */
+  uint32_t acc = (ri->qps_per_peer ? ri->qps_per_peer : lk->n_out) *
+                 (uint32_t)((ri->n_devices + (size_t)R->n_devs - 1) / (size_t)R->n_devs);
+  lk->bcq = ibv_create_cq(d->ctx, (int)(acc * (depth + 1)), lk, NULL, 0);
+  return lk->bcq ? 0 : -errno;
 }
 
 static int link_new(rpeer *rp, rdev *d, const Kvf__RdmaDevice *rd, const Kvf__RdmaInfo *ri) {
@@ -1992,8 +2815,14 @@ static bool access_ok(const char *path) { return access(path, F_OK) == 0; }
 /* A cuda pool, GPUDirect: dmabuf (cuMemGetHandleForAddressRange +
  * ibv_reg_dmabuf_mr) first, then ibv_reg_mr of the device address (works
  * with nvidia-peermem loaded); p->nic_reg says which. NULL when neither. */
+/* With memory windows the pools take remote writes only through windows
+ * bound on them; else through the pool's own rkey. */
+static int pool_access(void) {
+  return IBV_ACCESS_LOCAL_WRITE | (R->mw ? IBV_ACCESS_MW_BIND : IBV_ACCESS_REMOTE_WRITE);
+}
+
 static struct ibv_mr *register_gpu_pool(rdev *d, kvf__pool *p, char *why, size_t whylen) {
-  const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+  const int access = pool_access();
   int fd = -1;
   uint64_t off = 0;
   int rc = kvf__pool_dmabuf(p, &fd, &off);
@@ -2043,7 +2872,7 @@ static int register_pools(rdev *d, char *err, size_t errlen) {
       continue;
     }
     snprintf(p->nic_reg, sizeof(p->nic_reg), "host");
-    d->mrs[i] = ibv_reg_mr(d->pd, p->base, p->size, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+    d->mrs[i] = ibv_reg_mr(d->pd, p->base, p->size, pool_access());
     if (!d->mrs[i]) {
       int e = errno;
       snprintf(err, errlen, "registering pool %s (%llu bytes) with %s failed: %s%s", p->name,
@@ -2063,7 +2892,72 @@ static int setup_device(rdev *d, char *err, size_t errlen) {
     snprintf(err, errlen, "%s: cannot allocate a protection domain or completion channel", d->name);
     return -ENOMEM;
   }
-  return register_pools(d, err, errlen);
+  return 0;
+}
+
+/* ---- memory windows: whether to use them (rdma-memory-windows) */
+
+static void append(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void append(char *buf, size_t len, const char *fmt, ...) {
+  size_t used = strlen(buf);
+  va_list ap;
+  va_start(ap, fmt);
+  if (used < len) vsnprintf(buf + used, len - used, fmt, ap);
+  va_end(ap);
+}
+
+/* The one line that status, doctor and the start log give. */
+static void say_protection(void) {
+  char weak[160] = "", unknown[160] = "";
+  for (int i = 0; R->mw && i < R->n_devs; i++) {
+    const rdev *d = &R->devs[i];
+    if (d->mw_bounds == KVF__MW_BOUNDS_IGNORED) append(weak, sizeof(weak), "%s%s", weak[0] ? ", " : "", d->name);
+    if (d->mw_bounds == KVF__MW_BOUNDS_UNKNOWN)
+      append(unknown, sizeof(unknown), "%s%s (%s)", unknown[0] ? ", " : "", d->name, d->mw_check);
+  }
+  char *p = R->protection;
+  size_t n = sizeof(R->protection);
+  if (!R->mw)
+    snprintf(p, n, "no memory windows (%s): a peer can write any byte of a registered pool at any time", R->mw_why);
+  else if (weak[0])
+    snprintf(p, n, "memory windows (type 2) per grant, but %s does not check a write against a window's bounds "
+             "(tested at start): a peer can write any byte of the pools its open grants write to, while they are "
+             "open", weak);
+  else if (unknown[0])
+    snprintf(p, n, "memory windows (type 2) per grant; whether the device checks a write against a window's "
+             "bounds could not be tested at start on %s", unknown);
+  else
+    snprintf(p, n, "memory windows (type 2): a peer can write only the ranges of its open grants");
+}
+
+/* Type 2 windows of every device, and what each does with a write that
+ * leaves one (a loopback test, before the pools are registered). */
+static int decide_windows(char *err, size_t errlen) {
+  int mode = kvfd.cfg.rdma_memory_windows;
+  char missing[200] = "";
+  for (int i = 0; mode != KVF__OFF && i < R->n_devs; i++) {
+    rdev *d = &R->devs[i];
+    struct ibv_device_attr_ex ax;
+    uint64_t f = ibv_query_device_ex(d->ctx, NULL, &ax) == 0
+                     ? (uint64_t)ax.orig_attr.device_cap_flags | ax.device_cap_flags_ex
+                     : 0;
+    d->mw2 = f & (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B);
+    if (d->mw2) d->mw_bounds = kvf__mw_check_bounds(d->ctx, d->pd, d->port, d->gid_index, d->mw_check,
+                                                    sizeof(d->mw_check));
+    if (!d->mw2)
+      append(missing, sizeof(missing), "%snot supported by %s", missing[0] ? "; " : "", d->name);
+    else if (d->mw_bounds == KVF__MW_BROKEN)
+      append(missing, sizeof(missing), "%s%s: %s", missing[0] ? "; " : "", d->name, d->mw_check);
+  }
+  R->mw = mode != KVF__OFF && !missing[0];
+  if (mode == KVF__OFF) snprintf(R->mw_why, sizeof(R->mw_why), "rdma-memory-windows off");
+  else snprintf(R->mw_why, sizeof(R->mw_why), "%s", missing);
+  if (mode == KVF__ON && !R->mw) {
+    snprintf(err, errlen, "rdma-memory-windows on, but the devices cannot take them: %s", missing);
+    return -EOPNOTSUPP;
+  }
+  say_protection();
+  return 0;
 }
 
 static int start_listener(rdev *d, uint16_t port, char *err, size_t errlen) {
@@ -2109,6 +3003,7 @@ static int start_handles(void) {
   uv_timer_init(kvfd.loop, &R->sweep);
   uv_timer_start(&R->sweep, on_sweep, 250, 250);
   uv_unref((uv_handle_t *)&R->sweep);
+  uv_timer_init(kvfd.loop, &R->mw_timer);
   for (int i = 0; i < R->n_devs; i++) {
     rdev *d = &R->devs[i];
     uv_poll_init(kvfd.loop, &d->async_poll, d->ctx->async_fd);
@@ -2152,6 +3047,8 @@ static int start(char *err, size_t errlen) {
     R->any_gpu |= kvf__pool_gpu(kvfd.pools[i]);
   }
   for (int i = 0; rc == 0 && i < R->n_devs; i++) rc = setup_device(&R->devs[i], err, errlen);
+  if (rc == 0) rc = decide_windows(err, errlen);
+  for (int i = 0; rc == 0 && i < R->n_devs; i++) rc = register_pools(&R->devs[i], err, errlen);
   if (rc) return rc;
   R->cm = rdma_create_event_channel();
   if (!R->cm || set_nonblock(R->cm->fd)) {
@@ -2198,7 +3095,7 @@ static int build_hello(void) {
       kvf__rdma_mr__init(m);
       m->pool = (uint32_t)k;
       m->addr = (uint64_t)(uintptr_t)kvfd.pools[k]->base;
-      m->rkey = d->mrs[k]->rkey;
+      m->rkey = R->mw ? 0 : d->mrs[k]->rkey; /* windows: no pool-wide write access */
       m->length = kvfd.pools[k]->size;
       h->mrs[k] = m;
     }
@@ -2206,6 +3103,7 @@ static int build_hello(void) {
   }
   R->info.devices = R->hdev_ptr;
   R->info.n_devices = (size_t)R->n_devs;
+  R->info.memory_windows = R->mw;
   return 0;
 }
 
@@ -2232,6 +3130,44 @@ static void jb(jbuf *b, const char *fmt, ...) {
 
 static double per(uint64_t ns, uint64_t n) { return n ? (double)ns / (double)n : 0; }
 
+/* A string value, escaped (device checks quote the verbs' words). */
+static void jb_str(jbuf *b, const char *s) {
+  jb(b, "\"");
+  for (; *s; s++) {
+    if (*s == '"' || *s == '\\') jb(b, "\\%c", *s);
+    else if ((unsigned char)*s >= 0x20) jb(b, "%c", *s);
+  }
+  jb(b, "\"");
+}
+
+static void inspect_device_windows(jbuf *b, const rdev *d) {
+  const char *use = R->mw                                        ? "type 2 in use"
+                    : kvfd.cfg.rdma_memory_windows == KVF__OFF ? "off by config"
+                    : d->mw2                                   ? "unusable"
+                                                               : "not supported";
+  jb(b, ", \"memory_windows\": \"%s\", \"mw_bounds\": \"%s\", \"mw_check\": ", use,
+     d->mw2 ? kvf__mw_bounds_name(d->mw_bounds) : "-");
+  jb_str(b, d->mw_check);
+}
+
+/* The memory windows: in use or not, what that means, and how many. */
+static void inspect_windows(jbuf *b) {
+  static const char *const modes[] = {"auto", "on", "off"};
+  bool enforced = R->mw;
+  for (int i = 0; i < R->n_devs; i++) enforced &= R->devs[i].mw_bounds == KVF__MW_BOUNDS_ENFORCED;
+  size_t binding = 0;
+  for (rgrant *g = R->binding; g; g = g->next_b) binding++;
+  jb(b, ", \"memory_windows\": {\"mode\": \"%s\", \"in_use\": %s, \"bounds_enforced\": %s, \"protection\": ",
+     modes[kvfd.cfg.rdma_memory_windows % 3], R->mw ? "true" : "false", enforced ? "true" : "false");
+  jb_str(b, R->protection);
+  jb(b, ", \"max_per_grant\": %u, \"live\": %llu, \"bound\": %llu, \"grants\": %llu, \"binding\": %zu, "
+        "\"merged_grants\": %llu, \"failed_grants\": %llu, \"bind_us_per_window\": %.2f, "
+        "\"last_grant_windows\": %zu, \"last_bind_ms\": %.3f}",
+     kvfd.cfg.rdma_mw_max_windows, (unsigned long long)R->mw_live, (unsigned long long)R->mw_bound,
+     (unsigned long long)R->mw_grants, binding, (unsigned long long)R->mw_merged, (unsigned long long)R->mw_failed,
+     per(R->mw_bind_ns, R->mw_bound) / 1000.0, R->last_win, (double)R->last_bind_ns / 1e6);
+}
+
 static void inspect_devices(jbuf *b) {
   jb(b, "\"devices\": [");
   for (int i = 0; i < R->n_devs; i++) {
@@ -2242,11 +3178,13 @@ static void inspect_devices(jbuf *b) {
     inet_ntop(AF_INET6, d->gid.raw, gid, sizeof(gid));
     jb(b, "%s{\"name\": \"%s\", \"port\": %u, \"state\": \"%s\", \"gid\": \"%s\", \"gid_index\": %u, "
           "\"cm\": \"%s:%u\", \"pools_registered\": %zu, \"work_requests\": %llu, \"bytes\": %llu, "
-          "\"doorbells\": %llu, \"completions\": %llu, \"notices\": %llu, \"sleeps\": %llu}",
+          "\"doorbells\": %llu, \"completions\": %llu, \"notices\": %llu, \"sleeps\": %llu",
        i ? ", " : "", d->name, d->port, state, gid, d->gid_index, d->ip, d->cm_port, kvfd.n_pools,
        (unsigned long long)atomic_load(&d->wrs), (unsigned long long)atomic_load(&d->bytes),
        (unsigned long long)atomic_load(&d->chains), (unsigned long long)atomic_load(&d->cqes),
        (unsigned long long)atomic_load(&d->imms), (unsigned long long)atomic_load(&d->sleeps));
+    inspect_device_windows(b, d);
+    jb(b, "}");
   }
   jb(b, "]");
 }
@@ -2301,7 +3239,10 @@ static void rdma_inspect(kvf__transport *t, char *buf, size_t len) {
   size_t parked_n = 0;
   for (parked *pk = R->parked; pk; pk = pk->next) parked_n++;
   jb(&b, ", \"open_grants\": %zu, \"parked_requests\": %zu", R->grants.n, parked_n);
+  inspect_windows(&b);
 }
+
+const char *kvf__rdma_protection(void) { return R ? R->protection : NULL; }
 
 /* ------------------------------------------------------------ teardown */
 
@@ -2333,10 +3274,17 @@ static void free_device(rdev *d) {
   pthread_cond_destroy(&d->cond);
 }
 
+/* Before the PDs go: every window deallocated. */
 static void free_grants(void) {
   for (size_t i = 0; i < R->grants.nb; i++)
-    for (kvf__map_ent *e = R->grants.b[i]; e; e = e->next) free(e->val);
+    for (kvf__map_ent *e = R->grants.b[i]; e; e = e->next)
+      if (mw_release(e->val)) free(e->val);
   kvf__map_free(&R->grants);
+  while (R->zombies) {
+    rgrant *g = R->zombies;
+    R->zombies = g->next_b;
+    free(g);
+  }
 }
 
 /* Everything, in the order the libraries need: threads off the QPs, QPs and
@@ -2363,12 +3311,14 @@ static void teardown(void) {
     uv_close((uv_handle_t *)&R->async, NULL);
     uv_timer_stop(&R->sweep);
     uv_close((uv_handle_t *)&R->sweep, NULL);
+    uv_timer_stop(&R->mw_timer);
+    uv_close((uv_handle_t *)&R->mw_timer, NULL);
     R->handles = false;
   }
+  free_grants();
   for (int i = 0; i < R->n_devs; i++) free_device(&R->devs[i]);
   if (R->cm) rdma_destroy_event_channel(R->cm);
   if (R->all) rdma_free_devices(R->all);
-  free_grants();
   free(R->pool_base);
   free(R->hmr);
   free(R->hmr_ptr);
@@ -2401,6 +3351,8 @@ static void log_devices(void) {
     kvf__info("rdma: device %s port %u, GID[%u] %s, CM listening on %s:%u, %zu pool(s) registered", d->name,
               d->port, d->gid_index, d->ip, d->ip, d->cm_port, kvfd.n_pools);
   }
+  if (R->mw) kvf__info("rdma: writes: %s", R->protection);
+  else kvf__warn("rdma: writes: %s", R->protection);
 }
 
 int kvf__rdma_create(kvf__transport **out, char *err, size_t errlen) {

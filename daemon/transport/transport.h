@@ -26,7 +26,12 @@ typedef struct kvf__transport_ops {
    * source memory any more. */
   void (*abort)(kvf__transport *t, kvf__xfer *x);
   /* Receiver: accept writes for x's grant from x->peer / stop accepting.
-   * grant_close returns once no write into the grant is in progress. */
+   * grant_open returns 0 (open: the Grant may go), a positive value (open,
+   * but the Grant waits: kvf__xfer_on_grant_ready(x, status, why) follows on
+   * the loop unless grant_close comes first; rdma binds memory windows) or
+   * an error. It may set x->tp_grant, which the Grant carries to the
+   * sender's transport. grant_close returns once no write into the grant is
+   * in progress and none can start (rdma: its memory windows invalidated). */
   int (*grant_open)(kvf__transport *t, kvf__xfer *x);
   void (*grant_close)(kvf__transport *t, kvf__xfer *x);
   /* Peer lifecycle: set up / tear down data connections. peer_down returns
@@ -67,5 +72,10 @@ int kvf__rdma_create(kvf__transport **out, char *err, size_t errlen);
 const Kvf__RdmaInfo *kvf__rdma_hello_info(void);
 /* The running rdma transport, for status; NULL when there is none. */
 kvf__transport *kvf__rdma_transport(void);
+/* One line on what a peer can write into our pools over rdma (memory
+ * windows or not); NULL when rdma is not running. */
+const char *kvf__rdma_protection(void);
+/* The tcp transport, for status; NULL before it is created. */
+kvf__transport *kvf__tcp_transport(void);
 
 #endif

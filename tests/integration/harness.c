@@ -263,7 +263,7 @@ static int wait_api(h_daemon *d, int timeout_ms) {
 
 int h_daemon_spawn(h_daemon *d) {
   char exe[H_PATH_MAX];
-  snprintf(exe, sizeof exe, "%s/kvferryd", build_dir());
+  snprintf(exe, sizeof exe, "%s/%s", build_dir(), d->exe[0] ? d->exe : "kvferryd");
   if (access(exe, X_OK) != 0)
     return h_fail("%s not found (run from the repository root, or set BUILD)", exe);
   if (h_daemon_write_conf(d) != 0) return -1;
@@ -371,7 +371,9 @@ void h_daemon_log_tail(const h_daemon *d, int lines) {
           ok ? p : "(unreadable)\n", n && buf[n - 1] != '\n' ? "\n" : "", d->log);
 }
 
-int h_pair_start(h_pair *p, const char *pool_size) {
+int h_pair_start(h_pair *p, const char *pool_size) { return h_pair_start_ex(p, pool_size, NULL, NULL); }
+
+int h_pair_start_ex(h_pair *p, const char *pool_size, const char *prefill_exe, const char *extra) {
   uint16_t ports[2];
   memset(p, 0, sizeof *p);
   if (h_mkdtemp(p->dir, sizeof p->dir) || h_free_ports(ports, 2)) return -1;
@@ -379,6 +381,9 @@ int h_pair_start(h_pair *p, const char *pool_size) {
   h_daemon_init(&p->decode, p->dir, "decode", ports[1], pool_size);
   h_daemon_add_peer(&p->prefill, &p->decode);
   h_daemon_add_peer(&p->decode, &p->prefill);
+  snprintf(p->prefill.exe, sizeof p->prefill.exe, "%s", prefill_exe ? prefill_exe : "");
+  snprintf(p->prefill.extra, sizeof p->prefill.extra, "%s", extra ? extra : "");
+  snprintf(p->decode.extra, sizeof p->decode.extra, "%s", extra ? extra : "");
   if (h_daemon_spawn(&p->prefill) || h_daemon_spawn(&p->decode)) return -1;
   return h_pair_wait_up(p);
 }
@@ -860,7 +865,7 @@ static void abandon(h_client *snd, h_client *rcv, const char *id) {
 int h_transfer(h_client *snd, h_client *rcv, const h_xfer *x) {
   kvf_event rev, sev;
   int local = !strcmp(snd->node, rcv->node);
-  const char *path = x->path ? x->path : local ? "local" : "tcp";
+  const char *path = x->any_path ? NULL : x->path ? x->path : local ? "local" : "tcp";
   uint64_t bytes = h_desc_bytes(x->dst, x->ndst);
   uint64_t end = h_now_ms() + (uint64_t)(x->timeout_ms ? x->timeout_ms : H_XFER_MS);
   if (h_prepare(snd, rcv, x)) return -1;
@@ -875,7 +880,7 @@ int h_transfer(h_client *snd, h_client *rcv, const h_xfer *x) {
   return h_verify_dst(rcv, x);
 }
 
-int h_quick(h_client *snd, h_client *rcv) {
+static int quick(h_client *snd, h_client *rcv, bool any_path) {
   enum { N = 16, LEN = 4096 };
   kvf_desc src[N], dst[N];
   char id[64];
@@ -884,6 +889,9 @@ int h_quick(h_client *snd, h_client *rcv) {
   h_layout(src, N, snd->pool, snd->size - (2u << 20), LEN, true, 7);
   h_layout(dst, N, rcv->pool, rcv->size - (1u << 20), LEN, true, 11);
   h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N,
-              .seed = atomic_fetch_add(&seed, 1), .timeout_ms = 10000};
+              .seed = atomic_fetch_add(&seed, 1), .timeout_ms = 10000, .any_path = any_path};
   return h_transfer(snd, rcv, &x);
 }
+
+int h_quick(h_client *snd, h_client *rcv) { return quick(snd, rcv, false); }
+int h_quick_any_path(h_client *snd, h_client *rcv) { return quick(snd, rcv, true); }

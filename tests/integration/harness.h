@@ -68,6 +68,7 @@ typedef struct h_daemon {
   char pool_size[32];                  /* of the host pool "kv" */
   char extra[1024];                    /* more config lines, verbatim */
   unsigned starts;
+  char exe[64];                        /* the binary under $BUILD; "" = kvferryd */
 } h_daemon;
 
 void h_daemon_init(h_daemon *d, const char *dir, const char *name, uint16_t port,
@@ -96,6 +97,9 @@ typedef struct h_pair {
 } h_pair;
 
 int h_pair_start(h_pair *p, const char *pool_size);
+/* The same, with prefill running $BUILD/prefill_exe (NULL: kvferryd; e.g.
+ * "tests/kvferryd-rogue") and extra config lines (NULL: none) for both. */
+int h_pair_start_ex(h_pair *p, const char *pool_size, const char *prefill_exe, const char *extra);
 int h_pair_wait_up(h_pair *p);
 int h_pair_stop(h_pair *p);
 
@@ -174,6 +178,7 @@ typedef struct h_xfer {
   uint32_t deadline_ms;       /* 0: the daemon's default */
   uint64_t seed;
   const char *path;           /* expected event path; NULL: "tcp" or "local" */
+  bool any_path;              /* do not check the path (a daemon the VM gives no rdma) */
   int timeout_ms;             /* bound on both events; 0: H_XFER_MS */
 } h_xfer;
 
@@ -194,5 +199,7 @@ int h_transfer(h_client *snd, h_client *rcv, const h_xfer *x);
 /* A small verified transfer (16 x 4 KiB, scattered) in the last MiB of the
  * pools: "the daemons still serve". */
 int h_quick(h_client *snd, h_client *rcv);
+/* The same, whatever path the daemons chose. */
+int h_quick_any_path(h_client *snd, h_client *rcv);
 
 #endif

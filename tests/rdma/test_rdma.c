@@ -2,7 +2,8 @@
  * daemons in the soft-RoCE VM (tests/rdma/run.sh sets it up; make
  * check-rdma): a 100k-descriptor transfer, striping over two devices per
  * node, a link taken down mid-transfer (one rail, then the second of two),
- * and the receiving or the sending daemon killed mid-transfer. Every
+ * the receiving or the sending daemon killed mid-transfer, and a pair with
+ * a cluster key (proofs in the CM private data). Every
  * transfer that succeeds has every byte verified (harness h_transfer); every
  * failure must be KVF_EPEERLOST well before the transfer's deadline, and the
  * peers must carry verified transfers again afterwards.
@@ -18,9 +19,12 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <unistd.h>
 
 #include "harness.h"
 
@@ -250,6 +254,38 @@ static void test_100k_descriptors(void **state) {
   assert_true(wrs >= 100000);
 }
 
+/* Memory windows: a grant of 16384 separate 4 KiB ranges (every other
+ * slot) gets 16384 windows, rdma-mw-max-windows' default, bound before the
+ * Grant goes; prints what binding them cost. The daemons leave no window
+ * behind. */
+static void test_16k_windows(void **state) {
+  enum { NW = 16384 };
+  static kvf_desc src[NW], dst[NW];
+  char id[64];
+  if (rdma_number(&E.dec, "memory_windows", "live") < 0) fail_msg("decode's status has no memory_windows");
+  for (size_t i = 0; i < NW; i++) {
+    src[i] = (kvf_desc){.pool = E.pre.pool, .offset = i * 4 * KIB, .len = 4 * KIB};
+    dst[i] = (kvf_desc){.pool = E.dec.pool, .offset = 64 * MIB + i * 8 * KIB, .len = 4 * KIB};
+  }
+  h_id(id, sizeof id, "16k-windows");
+  h_xfer x = {.id = id, .src = src, .nsrc = NW, .dst = dst, .ndst = NW, .seed = 303, .timeout_ms = 180000};
+  uint64_t t0 = h_now_ms();
+  H_OK(h_transfer(&E.pre, &E.dec, &x));
+  double wins = rdma_number(&E.dec, "memory_windows", "last_grant_windows");
+  double ms = rdma_number(&E.dec, "memory_windows", "last_bind_ms");
+  fprintf(stderr, "note: 16384 separate ranges: %.0f memory windows bound in %.1f ms (%.0f binds/s); "
+                  "the transfer took %llu ms\n", wins, ms, ms > 0 ? wins / ms * 1000 : 0,
+          (unsigned long long)(h_now_ms() - t0));
+  char *json = NULL;
+  H_OK(h_inspect(E.dec.c, KVF_INSPECT_STATUS, &json));
+  const char *r = hj_get(json, "rdma"), *mw = r ? hj_get(r, "memory_windows") : NULL;
+  const char *use = mw ? hj_get(mw, "in_use") : NULL;
+  bool on = use && !strncmp(use, "true", 4);
+  free(json);
+  if (on) assert_int_equal((int)wins, NW);
+  assert_true(rdma_number(&E.dec, "memory_windows", "live") == 0);
+}
+
 /* Big single descriptors are sliced (rdma-slice) so they too use every QP. */
 static void test_large_descriptors(void **state) { verified("large", 8, 24 * MIB + 4096, 302); }
 
@@ -285,6 +321,8 @@ static void test_sender_killed(void **state) {
   H_OK(h_daemon_kill9(&E.p.prefill));
   H_OK(expect_lost(&E.dec, b.id, KVF_EV_RECV_DONE, t0));
   H_OK(wait_no_qps(&E.dec, &all));
+  /* nor any memory window of its grants */
+  assert_true(rdma_number(&E.dec, "memory_windows", "live") == 0);
   h_client_close(&E.pre);
   H_OK(h_daemon_spawn(&E.p.prefill));
   H_OK(h_pair_wait_up(&E.p));
@@ -318,9 +356,63 @@ static void test_second_rail_down(void **state) {
   link_down_case(link, 2, "rail2-down");
 }
 
+/* ---------------------------------------------------------------- cluster key */
+
+/* A fresh 32-byte key file of mode 0600 in dir. */
+static int write_key(const char *dir, char *path, size_t cap) {
+  uint8_t key[32];
+  snprintf(path, cap, "%s/cluster.key", dir);
+  if (getrandom(key, sizeof key, 0) != (ssize_t)sizeof key) return h_fail("getrandom failed");
+  int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0 || write(fd, key, sizeof key) != (ssize_t)sizeof key) return h_fail("cannot write %s", path);
+  close(fd);
+  return 0;
+}
+
+/* Both daemons with one cluster-key-file: every CM request then carries the
+ * sender's truncated proof in its private data (rdma.c), which the acceptor
+ * checks before rdma_accept; the QPs must connect and carry data. */
+static int setup_keyed(void **state) {
+  uint16_t ports[2];
+  char key[H_PATH_MAX + 16];
+  unsetenv("KVF_TEST_RDMA_DEVICES");
+  memset(&E.p, 0, sizeof E.p);
+  if (h_mkdtemp(E.p.dir, sizeof E.p.dir) || h_free_ports(ports, 2) ||
+      write_key(E.p.dir, key, sizeof key))
+    return -1;
+  h_daemon_init(&E.p.prefill, E.p.dir, "prefill", ports[0], "512M");
+  h_daemon_init(&E.p.decode, E.p.dir, "decode", ports[1], "512M");
+  snprintf(E.p.prefill.extra, sizeof E.p.prefill.extra, "cluster-key-file %s", key);
+  snprintf(E.p.decode.extra, sizeof E.p.decode.extra, "cluster-key-file %s", key);
+  h_daemon_add_peer(&E.p.prefill, &E.p.decode);
+  h_daemon_add_peer(&E.p.decode, &E.p.prefill);
+  if (h_daemon_spawn(&E.p.prefill) || h_daemon_spawn(&E.p.decode) || h_pair_wait_up(&E.p) ||
+      h_client_open(&E.pre, &E.p.prefill) || h_client_open(&E.dec, &E.p.decode))
+    return -1;
+  E.up = true;
+  return wait_rdma_ready((size_t)qps_per_pair(1));
+}
+
+static void test_cluster_key_over_rdma(void **state) {
+  h_client *both[2] = {&E.pre, &E.dec};
+  for (int i = 0; i < 2; i++) {
+    char *json = NULL, auth[32] = "";
+    uint64_t refused = 1;
+    H_OK(h_inspect(both[i]->c, KVF_INSPECT_STATUS, &json));
+    hj_str(json, "auth", auth, sizeof auth);
+    hj_u64(json, "auth_failures", &refused);
+    free(json);
+    assert_string_equal(auth, "cluster-key");
+    assert_int_equal(refused, 0);
+  }
+  verified("keyed", 2048, 32 * KIB, 501);
+  verified("keyed-big", 4, 8 * MIB, 502);
+}
+
 int main(void) {
   const struct CMUnitTest one[] = {
       cmocka_unit_test(test_100k_descriptors),
+      cmocka_unit_test(test_16k_windows),
       cmocka_unit_test(test_large_descriptors),
       cmocka_unit_test(test_link_down_mid_transfer),
       cmocka_unit_test(test_receiver_killed),
@@ -334,5 +426,7 @@ int main(void) {
   if (getenv("KVF_TEST_FILTER") && *getenv("KVF_TEST_FILTER")) cmocka_set_test_filter(getenv("KVF_TEST_FILTER")); /* e.g. "*killed*" */
   int failed = cmocka_run_group_tests_name("rdma, one device per node", one, setup_one, teardown);
   failed += cmocka_run_group_tests_name("rdma, two devices per node", two, setup_two, teardown);
+  const struct CMUnitTest keyed[] = {cmocka_unit_test(test_cluster_key_over_rdma)};
+  failed += cmocka_run_group_tests_name("rdma with a cluster key", keyed, setup_keyed, teardown);
   return h_cleanup(failed);
 }

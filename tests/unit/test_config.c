@@ -13,6 +13,8 @@
 #include <unistd.h>
 
 #include "config.h"
+#include "desc.h"
+#include "kvferry.h"
 #include "log.h"
 
 #define ERRLEN 512
@@ -21,10 +23,14 @@
  * all know each of them. */
 static const char *const all_keys[] = {
     "node", "api-socket", "api-allow-users", "api-allow-groups", "peer-listen", "peer",
-    "pool", "default-deadline-ms", "heartbeat-ms", "peer-timeout-ms", "reconnect-min-ms",
-    "reconnect-max-ms", "tcp-streams", "max-frame", "max-descs", "max-clients",
-    "max-transfers-per-client", "max-peers", "hugepages", "mlock", "cuda", "log-level", "transports",
+    "cluster-key-file", "pool", "default-deadline-ms", "heartbeat-ms", "peer-timeout-ms",
+    "reconnect-min-ms", "reconnect-max-ms", "tcp-streams", "max-frame", "max-descs",
+    "max-clients", "max-transfers-per-client", "max-peers", "max-pending-peers", "hugepages",
+    "mlock", "cuda", "log-level", "transports", "metrics-listen", "stop-timeout-ms",
+    "rdma-devices", "rdma-gid-index", "rdma-listen", "rdma-qps-per-peer", "rdma-queue-depth",
+    "rdma-inline", "rdma-slice", "rdma-poll-us", "rdma-memory-windows", "rdma-mw-max-windows",
 };
+#define N_KEYS (sizeof all_keys / sizeof all_keys[0])
 
 #define assert_contains(hay, needle)                                                      \
   do {                                                                                    \
@@ -99,6 +105,7 @@ static void test_defaults(void **state) {
   assert_int_equal(c->max_clients, 256);
   assert_int_equal(c->max_transfers_per_client, 4096);
   assert_int_equal(c->max_peers, 64);
+  assert_int_equal(c->max_pending_peers, 1024);
   assert_int_equal(c->hugepages, KVF__AUTO);
   assert_true(c->mlock);
   assert_int_equal(c->log_level, KVF__LOG_INFO);
@@ -112,6 +119,7 @@ static const char every_key[] =
     "api-allow-groups root,4242\n"
     "peer-listen [::1]:7000\n"
     "peer beta 10.0.0.2:7470\n"
+    "cluster-key-file /etc/kvferry/cluster.key\n"
     "pool kv cuda:3 1G\n"
     "default-deadline-ms 1000\n"
     "heartbeat-ms 100\n"
@@ -124,6 +132,7 @@ static const char every_key[] =
     "max-clients 5\n"
     "max-transfers-per-client 6\n"
     "max-peers 7\n"
+    "max-pending-peers 9\n"
     "hugepages off\n"
     "mlock no\n"
     "log-level debug\n"
@@ -147,6 +156,7 @@ static void test_every_key(void **state) {
   assert_string_equal(c->peers[0].name, "beta");
   assert_string_equal(c->peers[0].host, "10.0.0.2");
   assert_int_equal(c->peers[0].port, 7470);
+  assert_string_equal(c->cluster_key_file, "/etc/kvferry/cluster.key");
   assert_int_equal(c->n_pools, 1);
   assert_string_equal(c->pools[0].name, "kv");
   assert_string_equal(c->pools[0].kind, "cuda:3");
@@ -162,6 +172,7 @@ static void test_every_key(void **state) {
   assert_int_equal(c->max_clients, 5);
   assert_int_equal(c->max_transfers_per_client, 6);
   assert_int_equal(c->max_peers, 7);
+  assert_int_equal(c->max_pending_peers, 9);
   assert_int_equal(c->hugepages, KVF__OFF);
   assert_false(c->mlock);
   assert_int_equal(c->log_level, KVF__LOG_DEBUG);
@@ -286,11 +297,71 @@ static void test_timing_validated(void **state) {
   assert_int_equal(parse_str(c, "node a\nmax-peers 1\npeer b h:1\npeer c h:2\n", err), 0);
   assert_int_equal(kvf__config_validate(c, err, sizeof err), -EINVAL);
   assert_contains(err, "max-peers");
+  /* max-descs descriptors must fit in one frame: 20 bytes each plus the
+   * slack. The defaults fit; 4K holds 179 of them and not 180. */
+  assert_int_equal(parse_str(c, "node a\nmax-descs 16777216\nmax-frame 1G\n", err), 0);
+  assert_int_equal(kvf__config_validate(c, err, sizeof err), 0);
+  assert_int_equal(parse_str(c, "node a\nmax-descs 16777216\n", err), 0);
+  assert_int_equal(kvf__config_validate(c, err, sizeof err), -EINVAL);
+  assert_contains(err, "max-descs 16777216 needs max-frame of at least 335544832");
+  assert_contains(err, "lower max-descs to at most 3355417");
+  assert_int_equal(parse_str(c, "node a\nmax-frame 4K\nmax-descs 179\n", err), 0);
+  assert_int_equal(kvf__config_validate(c, err, sizeof err), 0);
+  assert_int_equal(parse_str(c, "node a\nmax-frame 4K\nmax-descs 180\n", err), 0);
+  assert_int_equal(kvf__config_validate(c, err, sizeof err), -EINVAL);
+  assert_contains(err, "max-frame");
   /* Configurations built in code get the table's bounds too. */
   assert_int_equal(parse_str(c, "node a\n", err), 0);
   c->tcp_streams = 0;
   assert_int_equal(kvf__config_validate(c, err, sizeof err), -EINVAL);
   assert_contains(err, "tcp-streams");
+}
+
+/* The frames that carry descriptor lists, at their largest (longest id
+ * and node name, every field set): what KVF__FRAME_SLACK must cover. */
+static void test_frame_slack(void **state) {
+  enum { N = 1000 };
+  static uint8_t packed[N * KVF__DESC_WIRE_SIZE];
+  char id[KVF_XFER_ID_MAX + 1] = {0}, node[KVF__NAME_MAX + 1] = {0};
+  memset(id, 'i', sizeof id - 1);
+  memset(node, 'n', sizeof node - 1);
+  Kvf__DescList dl = KVF__DESC_LIST__INIT;
+  dl.packed.data = packed;
+  dl.packed.len = sizeof packed;
+  Kvf__GrantReq gr = KVF__GRANT_REQ__INIT;
+  gr.xfer_id = id;
+  gr.src_node = node;
+  gr.descs = &dl;
+  gr.deadline_ms = UINT32_MAX;
+  Kvf__SendReq sr = KVF__SEND_REQ__INIT;
+  sr.xfer_id = id;
+  sr.dst_node = node;
+  sr.descs = &dl;
+  sr.more = 1;
+  sr.deadline_ms = UINT32_MAX;
+  Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
+  q.seq = UINT64_MAX;
+  q.body_case = KVF__API_REQUEST__BODY_GRANT;
+  q.grant = &gr;
+  size_t grant_req = kvf__api_request__get_packed_size(&q);
+  q.body_case = KVF__API_REQUEST__BODY_SEND;
+  q.send = &sr;
+  size_t send_req = kvf__api_request__get_packed_size(&q);
+  Kvf__Grant g = KVF__GRANT__INIT;
+  g.xfer_id = id;
+  g.handle = UINT64_MAX;
+  g.descs = &dl;
+  g.deadline_ms = UINT32_MAX;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_GRANT;
+  m.grant = &g;
+  size_t peer_grant = kvf__peer_msg__get_packed_size(&m);
+  size_t limit = sizeof packed + KVF__FRAME_SLACK;
+  if (grant_req > limit || send_req > limit || peer_grant > limit)
+    fail_msg("frames of %u descriptors: grant %zu, send %zu, peer grant %zu bytes; limit %zu", N,
+             grant_req, send_req, peer_grant, limit);
+  /* ...with room to spare: a field added later must not quietly eat it. */
+  assert_true(grant_req + 128 < limit && send_req + 128 < limit && peer_grant + 128 < limit);
 }
 
 static void test_addresses(void **state) {
@@ -317,6 +388,24 @@ static void test_addresses(void **state) {
   assert_int_equal(parse_str(c, "peer-listen off\n", err), 0);
   assert_string_equal(c->listen_host, "");
   assert_int_equal(c->listen_port, 0);
+}
+
+/* cluster-key-file: an absolute path or off (the file itself is checked
+ * at start: tests/unit/test_auth.c). */
+static void test_cluster_key_file(void **state) {
+  kvf__config *c = *state;
+  char err[ERRLEN];
+  assert_int_equal(parse_str(c, "node a\n", err), 0);
+  assert_string_equal(c->cluster_key_file, ""); /* off by default */
+  assert_int_equal(parse_str(c, "cluster-key-file /k\ncluster-key-file off\n", err), 0);
+  assert_string_equal(c->cluster_key_file, "");
+  expect_error("cluster-key-file cluster.key\n", -EINVAL, 1, "not an absolute path or off");
+  expect_error("cluster-key-file\n", -EINVAL, 1, "PATH|off");
+  expect_error("cluster-key-file /a /b\n", -EINVAL, 1, NULL);
+  char long_path[400] = "cluster-key-file /";
+  memset(long_path + strlen(long_path), 'k', 300);
+  strcat(long_path, "\n");
+  expect_error(long_path, -ERANGE, 1, "at most 255");
 }
 
 static void test_comments_and_blanks(void **state) {
@@ -381,11 +470,16 @@ static void test_missing_node(void **state) {
 
 static void test_help_lists_every_key(void **state) {
   char *help = capture(help_fn, NULL);
-  for (size_t i = 0; i < sizeof all_keys / sizeof all_keys[0]; i++) {
+  for (size_t i = 0; i < N_KEYS; i++) {
     char want[64];
     snprintf(want, sizeof want, "\n  %s ", all_keys[i]);
     assert_contains(help, want);
   }
+  /* ...and nothing else: a key added to the table must be added here. */
+  size_t n = 0;
+  for (const char *p = help; (p = strstr(p, "\n  ")) != NULL; p++)
+    if (p[3] >= 'a' && p[3] <= 'z') n++;
+  assert_int_equal(n, N_KEYS);
   assert_contains(help, "(1..64)");       /* bounds */
   assert_contains(help, "default: 64M");  /* defaults */
   assert_contains(help, "auto|on|off");   /* enum words */
@@ -631,7 +725,9 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_duplicates_rejected_by_validate, setup_cfg,
                                       teardown_cfg),
       cmocka_unit_test_setup_teardown(test_timing_validated, setup_cfg, teardown_cfg),
+      cmocka_unit_test(test_frame_slack),
       cmocka_unit_test_setup_teardown(test_addresses, setup_cfg, teardown_cfg),
+      cmocka_unit_test_setup_teardown(test_cluster_key_file, setup_cfg, teardown_cfg),
       cmocka_unit_test_setup_teardown(test_comments_and_blanks, setup_cfg, teardown_cfg),
       cmocka_unit_test_setup_teardown(test_repeated_keys, setup_cfg, teardown_cfg),
       cmocka_unit_test_setup_teardown(test_too_many_repeats, setup_cfg, teardown_cfg),

@@ -1637,6 +1637,36 @@ static void test_bogus_peer_messages(void **state) {
   assert_clean();
 }
 
+/* A grant with more descriptors than our max-descs (the receiver's may be
+ * larger): Cancel(KVF_ELIMIT) on its handle tells the receiver, and our
+ * send fails with the same reason, whether it came first or comes later. */
+static void test_grant_over_max_descs(void **state) {
+  kvf__descs dst = mkd(3, 7, 0, 8192, 4096);
+  assert_int_equal(do_send(SS, "M1", "B", mkd(2, 0, 0, 4096, 4096), true, 0), 0);
+  uint32_t saved = kvfd.cfg.max_descs;
+  kvfd.cfg.max_descs = 2;
+  in_grant(F.pb, "M1", 0x71, &dst);
+  in_grant(F.pb, "M2", 0x72, &dst); /* pushed ahead of its send */
+  kvfd.cfg.max_descs = saved;
+  kvf__descs_free(&dst);
+  expect_event("M1", SEND_DONE, SS, KVF_ELIMIT);
+  assert_non_null(strstr(event_for("M1", SEND_DONE)->error, "grant of 3 descriptors refused by A"));
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_CANCEL), 2);
+  Kvf__Cancel *c = F.msg[1].m->cancel;
+  assert_int_equal(c->status, KVF_ELIMIT);
+  assert_int_equal(c->handle, 0x71);
+  assert_false(c->to_sender);
+  assert_non_null(strstr(c->error, "its max-descs is 2"));
+  assert_int_equal(last_msg(F.pb, KVF__PEER_MSG__BODY_CANCEL)->cancel->handle, 0x72);
+  assert_int_equal(F.npost, 0);
+  /* M2's send fails at once: no SendIntent, no wait for its deadline. */
+  assert_int_equal(do_send(SS, "M2", "B", mkd(2, 0, 0, 4096, 4096), true, 0), 0);
+  expect_event("M2", SEND_DONE, SS, KVF_ELIMIT);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_SEND_INTENT), 1);
+  assert_int_equal(F.nev, 2);
+  assert_clean();
+}
+
 /* grant_open failing: pushed grant fails quietly; answering an intent tells
  * the sender. */
 static void test_grant_open_fails(void **state) {
@@ -1719,6 +1749,7 @@ int main(void) {
       T(test_data_error),
       T(test_errors),
       T(test_bogus_peer_messages),
+      T(test_grant_over_max_descs),
       T(test_grant_open_fails),
       T(test_many),
   };

@@ -1,0 +1,29 @@
+/* failpoint.h - faults for tests, compiled only with -DKVF_FAILPOINTS (the
+ * $(BUILD)/tests/kvferryd-rogue build; kvferryd itself has none of this).
+ * KVF_FAILPOINT in the environment names the active ones, comma separated:
+ *   write-outside-grant  the sending daemon moves one write of each remote
+ *                        transfer (of its last part) to just past the end of
+ *                        the grant's last range in that pool: a rogue peer
+ *                        writing outside its grant (rdma: through one of the
+ *                        grant's memory windows)
+ *   late-write           rdma, memory windows: 1 s after a transfer
+ *                        succeeded, its last write goes again through its
+ *                        (by then invalidated) window
+ *   write-wrong-qp       rdma, memory windows: the last write of each
+ *                        transfer goes through its window but on another QP
+ *                        than the one the window is bound on */
+#ifndef KVF_FAILPOINT_H
+#define KVF_FAILPOINT_H
+
+#include <stdbool.h>
+
+#include "desc.h"
+
+enum { KVF__FP_WRITE_OUTSIDE = 1, KVF__FP_LATE_WRITE = 2, KVF__FP_WRONG_QP = 3 };
+
+bool kvf__failpoint(int which);
+/* write-outside-grant: moves the run of runs that ends highest to start at
+ * the end of grant's last range in its pool (logged). */
+void kvf__failpoint_runs(const kvf__descs *grant, kvf__runs *runs);
+
+#endif

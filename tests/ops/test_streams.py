@@ -1,0 +1,72 @@
+#!/usr/bin/env python3
+"""A tcp data stream that the peer closes while both daemons stay up (what
+the losing side of two daemons dialing each other at once does to the
+streams it had opened) is joined and freed at once: its fd and memory must
+not wait for the next time the peer goes down. Found by the chaos suite
+(tests/chaos): every such flap left tcp-streams fds open on the other
+daemon."""
+import os
+import socket
+import struct
+import time
+import unittest
+
+import kvftest
+
+
+def varint(v):
+    out = b""
+    while True:
+        b, v = v & 0x7F, v >> 7
+        out += bytes([b | (0x80 if v else 0)])
+        if not v:
+            return out
+
+
+def field(num, wire_type, payload):
+    return varint(num << 3 | wire_type) + payload
+
+
+def data_hello(node, session, stream):
+    """A framed PeerMsg{data_hello: {version 1, node, session, stream}}
+    (proto/kvferry.proto), encoded by hand: no protobuf module needed."""
+    body = (field(1, 0, varint(1)) + field(2, 2, varint(len(node)) + node) +
+            field(3, 0, varint(session)) + field(4, 0, varint(stream)))
+    msg = field(2, 2, varint(len(body)) + body)
+    return struct.pack("<I", len(msg)) + msg
+
+
+def open_fds(d):
+    return len(os.listdir("/proc/%d/fd" % d.proc.pid))
+
+
+def streams_in(d):
+    return (d.status().get("tcp") or {}).get("streams_in")
+
+
+class ClosedStreams(unittest.TestCase):
+    def test_closed_inbound_streams_are_freed(self):
+        pre, dec = kvftest.pair(kvftest.tempdir(), pool="8M")
+        try:
+            with pre.client() as c:
+                session = int(c.inspect("peers", json=True)["peers"][0]["session"], 16)
+            kvftest.wait_until(lambda: streams_in(dec) == 4, 5, "decode's 4 inbound streams")
+            fds = open_fds(dec)
+            for i in range(8):  # streams of a torn-down incarnation, one after another
+                s = socket.create_connection(("127.0.0.1", dec.port), timeout=5)
+                s.sendall(data_hello(b"prefill", session, 100 + i))
+                self.assertEqual(s.recv(4), b"\0\0\0\0", "the stream's ACK")
+                s.close()
+            try:
+                kvftest.wait_until(lambda: open_fds(dec) == fds and streams_in(dec) == 4, 5, "")
+            except AssertionError:
+                self.fail("decode has %d fds and %s inbound streams, not %d and 4" % (
+                    open_fds(dec), streams_in(dec), fds))
+            self.assertTrue(pre.peers_up() and dec.peers_up())
+        finally:
+            self.assertEqual(pre.stop(), 0)
+            self.assertEqual(dec.stop(), 0)
+
+
+if __name__ == "__main__":
+    kvftest.main()
