@@ -189,17 +189,22 @@ static int send_grant(kvf__xfer *x) {
   return 0;
 }
 
-static void send_cancel(kvf__xfer *x, int status, const char *why) {
+static void cancel_to(kvf__peer *p, uint64_t handle, const char *id, int status, const char *why,
+                      bool to_sender) {
   Kvf__Cancel c = KVF__CANCEL__INIT;
-  c.handle = x->handle;
-  c.xfer_id = x->id;
+  c.handle = handle;
+  c.xfer_id = (char *)id;
   c.status = status;
   c.error = (char *)why;
-  c.to_sender = x->role == KVF__RECV;
+  c.to_sender = to_sender;
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_CANCEL;
   m.cancel = &c;
-  send_msg(x->peer, &m);
+  send_msg(p, &m);
+}
+
+static void send_cancel(kvf__xfer *x, int status, const char *why) {
+  cancel_to(x->peer, x->handle, x->id, status, why, x->role == KVF__RECV);
 }
 
 static void send_recv_result(kvf__xfer *x, int status, const char *why) {
@@ -694,16 +699,7 @@ static void refuse_grant(kvf__peer *p, const Kvf__Grant *g, int rc) {
            g->descs->packed.len / KVF__DESC_WIRE_SIZE, own_node(), kvfd.cfg.max_descs);
   kvf__warn("peer %s: transfer '%s': %s", X.env.peer_name(p), g->xfer_id, why);
   kvfd.stats.peer_errors++;
-  Kvf__Cancel c = KVF__CANCEL__INIT;
-  c.handle = g->handle;
-  c.xfer_id = g->xfer_id;
-  c.status = rc;
-  c.error = why;
-  c.to_sender = false;
-  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
-  m.body_case = KVF__PEER_MSG__BODY_CANCEL;
-  m.cancel = &c;
-  send_msg(p, &m);
+  cancel_to(p, g->handle, g->xfer_id, rc, why, false);
   kvf__xfer *x = kvf__map_get(&X.send_by_id, g->xfer_id);
   if (x && x->peer == p && x->state == KVF__X_WAIT) {
     fail(x, rc, why, false, 0);
