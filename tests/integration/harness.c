@@ -16,6 +16,7 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <arpa/inet.h>
 #include <time.h>
@@ -895,3 +896,55 @@ static int quick(h_client *snd, h_client *rcv, bool any_path) {
 
 int h_quick(h_client *snd, h_client *rcv) { return quick(snd, rcv, false); }
 int h_quick_any_path(h_client *snd, h_client *rcv) { return quick(snd, rcv, true); }
+
+/* ------------------------------------------------------------ raw sockets */
+
+int h_raw_unix(const char *path) {
+  struct sockaddr_un a = {.sun_family = AF_UNIX};
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  snprintf(a.sun_path, sizeof a.sun_path, "%s", path);
+  if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+    int e = errno; /* before close() can change it */
+    if (fd >= 0) close(fd);
+    return h_fail("connect %s: %s", path, strerror(e));
+  }
+  return fd;
+}
+
+int h_raw_tcp(uint16_t port) {
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port),
+                          .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+    int e = errno;
+    if (fd >= 0) close(fd);
+    return h_fail("connect 127.0.0.1:%u: %s", port, strerror(e));
+  }
+  return fd;
+}
+
+void h_raw_write(int fd, const void *p, size_t n) {
+  const uint8_t *b = p;
+  while (n > 0) {
+    ssize_t w = send(fd, b, n, MSG_NOSIGNAL);
+    if (w <= 0) return;
+    b += w;
+    n -= (size_t)w;
+  }
+}
+
+int h_expect_rc(int got, int want, const char *what) {
+  if (got == want) return 0;
+  return h_fail("%s returned %s, expected %s", what, kvf_err_name(got), kvf_err_name(want));
+}
+
+int h_wait_clients(kvf_client *c, uint64_t want, int ms) {
+  uint64_t end = h_now_ms() + (uint64_t)ms, n = 0;
+  do {
+    if (h_status_u64(c, "clients", &n)) return -1;
+    if (n == want) return 0;
+    h_sleep_ms(20);
+  } while (h_now_ms() < end);
+  return h_fail("%s: %llu clients, expected %llu", kvf_node(c), (unsigned long long)n,
+                (unsigned long long)want);
+}

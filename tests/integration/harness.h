@@ -202,4 +202,15 @@ int h_quick(h_client *snd, h_client *rcv);
 /* The same, whatever path the daemons chose. */
 int h_quick_any_path(h_client *snd, h_client *rcv);
 
+/* Raw connections for abuse tests: a connected fd, or -1 (said). */
+int h_raw_unix(const char *path);
+int h_raw_tcp(uint16_t port);
+/* Writes what the socket takes; stops quietly when the peer closes. */
+void h_raw_write(int fd, const void *p, size_t n);
+/* 0 when got == want, else says what returned what. */
+int h_expect_rc(int got, int want, const char *what);
+/* Waits until the daemon of c counts want clients (nothing kept for dead
+ * sockets). */
+int h_wait_clients(kvf_client *c, uint64_t want, int ms);
+
 #endif

@@ -69,11 +69,6 @@ static int expect_status(h_client *hc, const char *id, int type, int want, int m
   return 0;
 }
 
-static int expect_rc(int got, int want, const char *what) {
-  if (got == want) return 0;
-  return h_fail("%s returned %s, expected %s", what, kvf_err_name(got), kvf_err_name(want));
-}
-
 /* ---------------------------------------------------------------- sizes */
 
 /* Grant dst, send src in one part; both sides must fail with KVF_ESIZE. */
@@ -124,7 +119,7 @@ static void test_too_few_descs(void **state) {
 
 static void test_send_unknown_peer(void **state) {
   kvf_desc d = {E.pre.pool, 0, 4096};
-  H_OK(expect_rc(kvf_send(E.pre.c, "enopeer-1", "no-such-node", &d, 1, 0, 1000), KVF_ENOPEER,
+  H_OK(h_expect_rc(kvf_send(E.pre.c, "enopeer-1", "no-such-node", &d, 1, 0, 1000), KVF_ENOPEER,
                  "kvf_send to an unknown node"));
   /* A call that returns an error queues no event. */
   H_OK(h_no_events(&E.pre, 200));
@@ -133,7 +128,7 @@ static void test_send_unknown_peer(void **state) {
 
 static void test_grant_unknown_src(void **state) {
   kvf_desc d = {E.dec.pool, 0, 4096};
-  H_OK(expect_rc(kvf_grant(E.dec.c, "enopeer-2", "no-such-node", &d, 1, 1000), KVF_ENOPEER,
+  H_OK(h_expect_rc(kvf_grant(E.dec.c, "enopeer-2", "no-such-node", &d, 1, 1000), KVF_ENOPEER,
                  "kvf_grant from an unknown node"));
   H_OK(h_no_events(&E.dec, 200));
   H_OK(h_quick(&E.pre, &E.dec));
@@ -141,9 +136,9 @@ static void test_grant_unknown_src(void **state) {
 
 static void test_unknown_pool(void **state) {
   kvf_desc d = {9999, 0, 4096};
-  H_OK(expect_rc(kvf_grant(E.dec.c, "enopool-1", "prefill", &d, 1, 1000), KVF_ENOPOOL,
+  H_OK(h_expect_rc(kvf_grant(E.dec.c, "enopool-1", "prefill", &d, 1, 1000), KVF_ENOPOOL,
                  "kvf_grant into pool 9999"));
-  H_OK(expect_rc(kvf_send(E.pre.c, "enopool-2", "decode", &d, 1, 0, 1000), KVF_ENOPOOL,
+  H_OK(h_expect_rc(kvf_send(E.pre.c, "enopool-2", "decode", &d, 1, 0, 1000), KVF_ENOPOOL,
                  "kvf_send from pool 9999"));
   H_OK(h_no_events(&E.pre, 0));
   H_OK(h_no_events(&E.dec, 200));
@@ -160,8 +155,8 @@ static void range_case(uint64_t off, uint64_t len, size_t n) {
   g[n - 1].len = s[n - 1].len = len;
   snprintf(what, sizeof what, "grant/send of range %#llx+%#llx", (unsigned long long)off,
            (unsigned long long)len);
-  H_OK(expect_rc(kvf_grant(E.dec.c, "erange-g", "prefill", g, n, 1000), KVF_ERANGE, what));
-  H_OK(expect_rc(kvf_send(E.pre.c, "erange-s", "decode", s, n, 0, 1000), KVF_ERANGE, what));
+  H_OK(h_expect_rc(kvf_grant(E.dec.c, "erange-g", "prefill", g, n, 1000), KVF_ERANGE, what));
+  H_OK(h_expect_rc(kvf_send(E.pre.c, "erange-s", "decode", s, n, 0, 1000), KVF_ERANGE, what));
 }
 
 static void test_range_outside_pool(void **state) {
@@ -187,19 +182,19 @@ static void test_duplicate_id(void **state) {
   h_layout(d, 4, E.dec.pool, 0, 4096, false, 0);
   H_OK(h_client_open(&other_dec, &E.p.decode));
   H_OK(h_client_open(&other_pre, &E.p.prefill));
-  H_OK(expect_rc(kvf_grant(E.dec.c, gid, "prefill", d, 4, 10000), 0, "first grant"));
-  H_OK(expect_rc(kvf_grant(E.dec.c, gid, "prefill", d, 4, 10000), KVF_EEXIST,
+  H_OK(h_expect_rc(kvf_grant(E.dec.c, gid, "prefill", d, 4, 10000), 0, "first grant"));
+  H_OK(h_expect_rc(kvf_grant(E.dec.c, gid, "prefill", d, 4, 10000), KVF_EEXIST,
                  "second grant, same client"));
-  H_OK(expect_rc(kvf_grant(other_dec.c, gid, "prefill", d, 4, 10000), KVF_EEXIST,
+  H_OK(h_expect_rc(kvf_grant(other_dec.c, gid, "prefill", d, 4, 10000), KVF_EEXIST,
                  "second grant, other client"));
   /* Cancel only reaches this client's own transfers. */
-  H_OK(expect_rc(kvf_cancel(other_dec.c, gid), KVF_ENOENT, "cancel of another's grant"));
+  H_OK(h_expect_rc(kvf_cancel(other_dec.c, gid), KVF_ENOENT, "cancel of another's grant"));
   h_layout(d, 4, E.pre.pool, 0, 4096, false, 0);
-  H_OK(expect_rc(kvf_send(E.pre.c, sid, "decode", d, 2, KVF_SEND_MORE, 10000), 0, "first send"));
-  H_OK(expect_rc(kvf_send(other_pre.c, sid, "decode", d, 4, 0, 10000), KVF_EEXIST,
+  H_OK(h_expect_rc(kvf_send(E.pre.c, sid, "decode", d, 2, KVF_SEND_MORE, 10000), 0, "first send"));
+  H_OK(h_expect_rc(kvf_send(other_pre.c, sid, "decode", d, 4, 0, 10000), KVF_EEXIST,
                  "second send, other client"));
-  H_OK(expect_rc(kvf_cancel(E.dec.c, gid), 0, "cancel grant"));
-  H_OK(expect_rc(kvf_cancel(E.pre.c, sid), 0, "cancel send"));
+  H_OK(h_expect_rc(kvf_cancel(E.dec.c, gid), 0, "cancel grant"));
+  H_OK(h_expect_rc(kvf_cancel(E.pre.c, sid), 0, "cancel send"));
   H_OK(expect_status(&E.dec, gid, KVF_EV_RECV_DONE, KVF_ECANCELED, 5000, NULL));
   H_OK(expect_status(&E.pre, sid, KVF_EV_SEND_DONE, KVF_ECANCELED, 5000, NULL));
   H_OK(h_no_events(&other_dec, 0));
@@ -215,8 +210,8 @@ static void test_duplicate_id(void **state) {
 }
 
 static void test_cancel_unknown(void **state) {
-  H_OK(expect_rc(kvf_cancel(E.dec.c, "never-posted"), KVF_ENOENT, "cancel of unknown id"));
-  H_OK(expect_rc(kvf_cancel(E.pre.c, "never-posted"), KVF_ENOENT, "cancel of unknown id"));
+  H_OK(h_expect_rc(kvf_cancel(E.dec.c, "never-posted"), KVF_ENOENT, "cancel of unknown id"));
+  H_OK(h_expect_rc(kvf_cancel(E.pre.c, "never-posted"), KVF_ENOENT, "cancel of unknown id"));
   /* A finished transfer is no longer active either. */
   kvf_desc src[4], dst[4];
   char id[64];
@@ -225,8 +220,8 @@ static void test_cancel_unknown(void **state) {
   h_layout(dst, 4, E.dec.pool, 0, 4096, true, 11);
   h_xfer x = {.id = id, .src = src, .nsrc = 4, .dst = dst, .ndst = 4, .seed = 12};
   H_OK(h_transfer(&E.pre, &E.dec, &x));
-  H_OK(expect_rc(kvf_cancel(E.dec.c, id), KVF_ENOENT, "cancel of a finished grant"));
-  H_OK(expect_rc(kvf_cancel(E.pre.c, id), KVF_ENOENT, "cancel of a finished send"));
+  H_OK(h_expect_rc(kvf_cancel(E.dec.c, id), KVF_ENOENT, "cancel of a finished grant"));
+  H_OK(h_expect_rc(kvf_cancel(E.pre.c, id), KVF_ENOENT, "cancel of a finished send"));
   H_OK(h_quick(&E.pre, &E.dec));
 }
 
@@ -236,15 +231,15 @@ static void test_bad_arguments(void **state) {
   char longid[KVF_XFER_ID_MAX + 2];
   memset(longid, 'y', sizeof longid - 1);
   longid[sizeof longid - 1] = 0;
-  H_OK(expect_rc(kvf_grant(E.dec.c, longid, NULL, &d, 1, 1000), KVF_EINVAL, "128-byte id"));
-  H_OK(expect_rc(kvf_grant(E.dec.c, "", NULL, &d, 1, 1000), KVF_EINVAL, "empty id"));
-  H_OK(expect_rc(kvf_grant(E.dec.c, "einval-1", NULL, &d, 0, 1000), KVF_EINVAL, "no descs"));
-  H_OK(expect_rc(kvf_grant(E.dec.c, "einval-2", NULL, &zero, 1, 1000), KVF_EINVAL,
+  H_OK(h_expect_rc(kvf_grant(E.dec.c, longid, NULL, &d, 1, 1000), KVF_EINVAL, "128-byte id"));
+  H_OK(h_expect_rc(kvf_grant(E.dec.c, "", NULL, &d, 1, 1000), KVF_EINVAL, "empty id"));
+  H_OK(h_expect_rc(kvf_grant(E.dec.c, "einval-1", NULL, &d, 0, 1000), KVF_EINVAL, "no descs"));
+  H_OK(h_expect_rc(kvf_grant(E.dec.c, "einval-2", NULL, &zero, 1, 1000), KVF_EINVAL,
                  "zero-length desc"));
   d.pool = E.pre.pool;
-  H_OK(expect_rc(kvf_send(E.pre.c, "einval-3", "decode", &d, 1, 0x80, 1000), KVF_EINVAL,
+  H_OK(h_expect_rc(kvf_send(E.pre.c, "einval-3", "decode", &d, 1, 0x80, 1000), KVF_EINVAL,
                  "unknown send flag"));
-  H_OK(expect_rc(kvf_send(E.pre.c, longid, "decode", &d, 1, 0, 1000), KVF_EINVAL,
+  H_OK(h_expect_rc(kvf_send(E.pre.c, longid, "decode", &d, 1, 0, 1000), KVF_EINVAL,
                  "128-byte id"));
   /* The harness configures max-descs 100000. */
   size_t many = 100001;
@@ -253,7 +248,7 @@ static void test_bad_arguments(void **state) {
   h_layout(lots, many, E.dec.pool, 0, 64, false, 0);
   int rc = kvf_grant(E.dec.c, "elimit-1", NULL, lots, many, 1000);
   free(lots);
-  H_OK(expect_rc(rc, KVF_ELIMIT, "grant of max-descs + 1 descriptors"));
+  H_OK(h_expect_rc(rc, KVF_ELIMIT, "grant of max-descs + 1 descriptors"));
   H_OK(h_no_events(&E.pre, 0));
   H_OK(h_no_events(&E.dec, 200));
   H_OK(h_quick(&E.pre, &E.dec));
@@ -295,7 +290,7 @@ static void test_deadline_grant_without_send(void **state) {
   h_id(id, sizeof id, "dl-grant");
   h_layout(d, 4, E.dec.pool, 0, 4096, false, 0);
   uint64_t t0 = h_now_ms();
-  H_OK(expect_rc(kvf_grant(E.dec.c, id, "prefill", d, 4, 300), 0, "grant"));
+  H_OK(h_expect_rc(kvf_grant(E.dec.c, id, "prefill", d, 4, 300), 0, "grant"));
   H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_EDEADLINE, 3000, NULL));
   H_OK(check_elapsed(t0, 300, "grant"));
   H_OK(h_quick(&E.pre, &E.dec));
@@ -307,7 +302,7 @@ static void test_deadline_send_without_grant(void **state) {
   h_id(id, sizeof id, "dl-send");
   h_layout(d, 4, E.pre.pool, 0, 4096, false, 0);
   uint64_t t0 = h_now_ms();
-  H_OK(expect_rc(kvf_send(E.pre.c, id, "decode", d, 4, 0, 300), 0, "send"));
+  H_OK(h_expect_rc(kvf_send(E.pre.c, id, "decode", d, 4, 0, 300), 0, "send"));
   H_OK(expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_EDEADLINE, 3000, NULL));
   H_OK(check_elapsed(t0, 300, "send"));
   H_OK(h_no_events(&E.dec, 0));
@@ -328,7 +323,7 @@ static void start_half(h_xfer *x, kvf_desc *src, kvf_desc *dst, char *id, const 
                 .deadline_ms = 20000, .seed = 22};
   H_OK(h_prepare(&E.pre, &E.dec, x));
   H_OK(h_post_grant(&E.dec, x, "prefill"));
-  H_OK(expect_rc(kvf_send(E.pre.c, id, "decode", src, CN / 2, KVF_SEND_MORE, 20000), 0,
+  H_OK(h_expect_rc(kvf_send(E.pre.c, id, "decode", src, CN / 2, KVF_SEND_MORE, 20000), 0,
                  "first half"));
   h_sleep_ms(50); /* let the first half move */
 }
@@ -338,7 +333,7 @@ static void test_cancel_by_receiver(void **state) {
   char id[64];
   h_xfer x;
   start_half(&x, src, dst, id, "cancel-rx");
-  H_OK(expect_rc(kvf_cancel(E.dec.c, id), 0, "receiver cancel"));
+  H_OK(h_expect_rc(kvf_cancel(E.dec.c, id), 0, "receiver cancel"));
   H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_ECANCELED, 5000, NULL));
   H_OK(expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_EREMOTECANCEL, 5000, NULL));
   H_OK(h_quick(&E.pre, &E.dec));
@@ -349,7 +344,7 @@ static void test_cancel_by_sender(void **state) {
   char id[64];
   h_xfer x;
   start_half(&x, src, dst, id, "cancel-tx");
-  H_OK(expect_rc(kvf_cancel(E.pre.c, id), 0, "sender cancel"));
+  H_OK(h_expect_rc(kvf_cancel(E.pre.c, id), 0, "sender cancel"));
   H_OK(expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_ECANCELED, 5000, NULL));
   H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_EREMOTECANCEL, 5000, NULL));
   H_OK(h_quick(&E.pre, &E.dec));
@@ -369,7 +364,7 @@ static void test_deadline_mid_transfer(void **state) {
               .seed = 25};
   H_OK(h_post_grant(&E.dec, &x, "prefill"));
   uint64_t t0 = h_now_ms();
-  H_OK(expect_rc(kvf_send(E.pre.c, id, "decode", src, CN / 2, KVF_SEND_MORE, 400), 0,
+  H_OK(h_expect_rc(kvf_send(E.pre.c, id, "decode", src, CN / 2, KVF_SEND_MORE, 400), 0,
                  "first half"));
   H_OK(expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_EDEADLINE, 3000, NULL));
   H_OK(check_elapsed(t0, 400, "partial send"));
@@ -443,7 +438,7 @@ static void test_inspect_active_transfer(void **state) {
   H_OK(h_status_u64(E.pre.c, "sends_active", &sends));
   assert_true(grants >= 1);
   assert_true(sends >= 1);
-  H_OK(expect_rc(kvf_cancel(E.pre.c, id), 0, "sender cancel"));
+  H_OK(h_expect_rc(kvf_cancel(E.pre.c, id), 0, "sender cancel"));
   H_OK(expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_ECANCELED, 5000, NULL));
   H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_EREMOTECANCEL, 5000, NULL));
   H_OK(h_wait_idle(E.pre.c, 3000));
@@ -464,7 +459,7 @@ static void test_cancelled_grant_revoked(void **state) {
   H_OK(h_prepare(&E.pre, &E.dec, &x));
   H_OK(h_post_grant(&E.dec, &x, "prefill"));
   h_sleep_ms(200); /* the grant has been pushed to prefill */
-  H_OK(expect_rc(kvf_cancel(E.dec.c, id), 0, "cancel grant"));
+  H_OK(h_expect_rc(kvf_cancel(E.dec.c, id), 0, "cancel grant"));
   H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_ECANCELED, 5000, NULL));
   H_OK(h_post_send(&E.pre, &x, "decode"));
   H_OK(h_wait_event(&E.pre, id, KVF_EV_SEND_DONE, 5000, &ev));
@@ -478,39 +473,6 @@ static void test_cancelled_grant_revoked(void **state) {
 }
 
 /* ---------------------------------------------------------------- garbage */
-
-static int raw_unix(const char *path) {
-  struct sockaddr_un a = {.sun_family = AF_UNIX};
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  snprintf(a.sun_path, sizeof a.sun_path, "%s", path);
-  if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
-    if (fd >= 0) close(fd);
-    return h_fail("connect %s: %s", path, strerror(errno));
-  }
-  return fd;
-}
-
-static int raw_tcp(uint16_t port) {
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port),
-                          .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
-    if (fd >= 0) close(fd);
-    return h_fail("connect 127.0.0.1:%u: %s", port, strerror(errno));
-  }
-  return fd;
-}
-
-/* Writes what it can: the daemon may close before taking it all. */
-static void raw_write(int fd, const void *p, size_t n) {
-  const uint8_t *b = p;
-  while (n > 0) {
-    ssize_t w = send(fd, b, n, MSG_NOSIGNAL);
-    if (w <= 0) return;
-    b += w;
-    n -= (size_t)w;
-  }
-}
 
 /* Succeeds when the daemon closes fd within ms (anything it says first,
  * like an error reply or its own hello, is ignored). */
@@ -532,8 +494,8 @@ static void put_u32le(uint8_t *p, uint32_t v) {
 }
 
 typedef int (*opener)(const void *where);
-static int open_api(const void *w) { return raw_unix(w); }
-static int open_peer(const void *w) { return raw_tcp(*(const uint16_t *)w); }
+static int open_api(const void *w) { return h_raw_unix(w); }
+static int open_peer(const void *w) { return h_raw_tcp(*(const uint16_t *)w); }
 
 /* The four bad inputs, each on its own connection. */
 static int garbage_cases(opener op, const void *where) {
@@ -543,20 +505,20 @@ static int garbage_cases(opener op, const void *where) {
    *    daemon must drop the connection. */
   if ((fd = op(where)) < 0) return -1;
   h_fill(buf, sizeof buf, 0xbad, 1);
-  raw_write(fd, buf, sizeof buf);
+  h_raw_write(fd, buf, sizeof buf);
   shutdown(fd, SHUT_WR);
   int rc = expect_closed(fd, 3000, "random bytes");
   close(fd);
   /* 2. A length prefix of 0xFFFFFFFF: over any maximum, refused at once. */
   if (rc || (fd = op(where)) < 0) return -1;
   put_u32le(buf, 0xFFFFFFFFu);
-  raw_write(fd, buf, 16);
+  h_raw_write(fd, buf, 16);
   rc = expect_closed(fd, 3000, "length 0xFFFFFFFF");
   close(fd);
   /* 3. A header announcing 100 bytes, 10 of them, then we hang up. */
   if (rc || (fd = op(where)) < 0) return -1;
   put_u32le(buf, 100);
-  raw_write(fd, buf, 14);
+  h_raw_write(fd, buf, 14);
   close(fd);
   /* 4. A whole frame that is not a protobuf message: field 1 with wire
    *    type 7, which does not exist. */
@@ -564,22 +526,10 @@ static int garbage_cases(opener op, const void *where) {
   static const uint8_t bad[] = {0x08, 0x01, 0x0f, 0xff, 0xff, 0xff, 0xff, 0x0f};
   put_u32le(buf, sizeof bad);
   memcpy(buf + 4, bad, sizeof bad);
-  raw_write(fd, buf, 4 + sizeof bad);
+  h_raw_write(fd, buf, 4 + sizeof bad);
   rc = expect_closed(fd, 3000, "undecodable frame");
   close(fd);
   return rc;
-}
-
-/* The client count returns to what it was: nothing kept for dead sockets. */
-static int wait_clients(kvf_client *c, uint64_t want, int ms) {
-  uint64_t end = h_now_ms() + (uint64_t)ms, n = 0;
-  do {
-    if (h_status_u64(c, "clients", &n)) return -1;
-    if (n == want) return 0;
-    h_sleep_ms(20);
-  } while (h_now_ms() < end);
-  return h_fail("%s: %llu clients, expected %llu", kvf_node(c), (unsigned long long)n,
-                (unsigned long long)want);
 }
 
 static void test_garbage_api_socket(void **state) {
@@ -587,7 +537,7 @@ static void test_garbage_api_socket(void **state) {
   char *json = NULL;
   H_OK(h_status_u64(E.dec.c, "clients", &clients));
   /* A connection that never says anything must not hold up the others. */
-  int idle = raw_unix(E.p.decode.sock);
+  int idle = h_raw_unix(E.p.decode.sock);
   assert_true(idle >= 0);
   H_OK(garbage_cases(open_api, E.p.decode.sock));
   H_OK(h_inspect(E.dec.c, KVF_INSPECT_STATUS, &json)); /* what kvferryctl status does */
@@ -595,12 +545,12 @@ static void test_garbage_api_socket(void **state) {
   int rc = h_quick(&E.pre, &E.dec);
   close(idle);
   H_OK(rc);
-  H_OK(wait_clients(E.dec.c, clients, 3000));
+  H_OK(h_wait_clients(E.dec.c, clients, 3000));
 }
 
 static void test_garbage_peer_port(void **state) {
   char *json = NULL;
-  int idle = raw_tcp(E.p.decode.port);
+  int idle = h_raw_tcp(E.p.decode.port);
   assert_true(idle >= 0);
   H_OK(garbage_cases(open_peer, &E.p.decode.port));
   H_OK(h_inspect(E.dec.c, KVF_INSPECT_STATUS, &json));
@@ -703,7 +653,7 @@ static void test_client_killed(void **state) {
     fail_msg("child grant: %s %s", kvf_err_name(crc), h_lasterr());
   }
   /* Half of the send, then the receiving client dies mid-transfer. */
-  H_OK(expect_rc(kvf_send(E.pre.c, id, "decode", src, CN / 2, KVF_SEND_MORE, 3000), 0,
+  H_OK(h_expect_rc(kvf_send(E.pre.c, id, "decode", src, CN / 2, KVF_SEND_MORE, 3000), 0,
                  "first half"));
   h_sleep_ms(50);
   kill(pid, SIGKILL);

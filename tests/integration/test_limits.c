@@ -97,40 +97,11 @@ static void release_leftovers(void) {
   }
 }
 
-static int raw_unix(const char *path) {
-  struct sockaddr_un a = {.sun_family = AF_UNIX};
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  snprintf(a.sun_path, sizeof a.sun_path, "%s", path);
-  if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
-    int e = errno;
-    if (fd >= 0) close(fd);
-    h_fail("connect %s: %s", path, strerror(e));
-    return -e;
-  }
-  return track_fd(fd);
-}
+static int raw_unix(const char *path) { return track_fd(h_raw_unix(path)); }
 
-static int raw_tcp(uint16_t port) {
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port),
-                          .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
-    if (fd >= 0) close(fd);
-    return h_fail("connect 127.0.0.1:%u: %s", port, strerror(errno));
-  }
-  return track_fd(fd);
-}
+static int raw_tcp(uint16_t port) { return track_fd(h_raw_tcp(port)); }
 
 /* Writes what it can: the daemon may close before taking it all. */
-static void raw_write(int fd, const void *p, size_t n) {
-  const uint8_t *b = p;
-  while (n > 0) {
-    ssize_t w = send(fd, b, n, MSG_NOSIGNAL);
-    if (w <= 0) return;
-    b += w;
-    n -= (size_t)w;
-  }
-}
 
 /* Exactly n bytes within ms: 0, 1 at EOF, -1 on timeout or error. */
 static int read_exact(int fd, void *p, size_t n, int ms) {
@@ -325,7 +296,7 @@ static int raw_client(const char *sock) {
   reply r;
   int fd = raw_unix(sock);
   if (fd < 0) return -1;
-  raw_write(fd, f, hello_frame(f, 1));
+  h_raw_write(fd, f, hello_frame(f, 1));
   if (read_response(fd, 1, &r, 5000) || r.status) {
     raw_close(fd);
     return h_fail("raw hello: status %s (%s)", kvf_err_name(r.status), r.error);
@@ -359,22 +330,6 @@ static int wait_log(const h_daemon *d, const char *needle, size_t want, int ms) 
     h_sleep_ms(20);
   }
   return 0;
-}
-
-static int wait_clients(kvf_client *c, uint64_t want, int ms) {
-  uint64_t end = h_now_ms() + (uint64_t)ms, n = 0;
-  do {
-    if (h_status_u64(c, "clients", &n)) return -1;
-    if (n == want) return 0;
-    h_sleep_ms(20);
-  } while (h_now_ms() < end);
-  return h_fail("%s: %llu clients, expected %llu", kvf_node(c), (unsigned long long)n,
-                (unsigned long long)want);
-}
-
-static int expect_rc(int got, int want, const char *what) {
-  if (got == want) return 0;
-  return h_fail("%s returned %s, expected %s", what, kvf_err_name(got), kvf_err_name(want));
 }
 
 /* Waits for id's event of type; fails unless its status is want and its
@@ -432,7 +387,7 @@ static int solo_clean(void **state) {
     h_client_close(&S.b);
     if (h_client_open(&S.a, &S.d) || h_client_open(&S.b, &S.d)) return -1;
   }
-  return wait_clients(S.a.c, 2, 5000) || h_wait_idle(S.a.c, 5000) ? -1 : 0;
+  return h_wait_clients(S.a.c, 2, 5000) || h_wait_idle(S.a.c, 5000) ? -1 : 0;
 }
 
 /* A verified transfer between a and b: "the others still work". */
@@ -444,13 +399,13 @@ static void test_max_clients(void **state) {
   reply r;
   uint8_t f[64];
   size_t lines = log_count(&S.d, "max-clients (3) clients are connected");
-  H_OK(expect_rc(track_connect(S.d.sock, &c3), 0, "the 3rd client"));
+  H_OK(h_expect_rc(track_connect(S.d.sock, &c3), 0, "the 3rd client"));
   /* The 4th is refused with KVF_ELIMIT, a reason, and a log line. */
-  H_OK(expect_rc(track_connect(S.d.sock, &over), KVF_ELIMIT, "the 4th client"));
+  H_OK(h_expect_rc(track_connect(S.d.sock, &over), KVF_ELIMIT, "the 4th client"));
   assert_null(over);
   int fd = raw_unix(S.d.sock);
   assert_true(fd >= 0);
-  raw_write(fd, f, hello_frame(f, 7));
+  h_raw_write(fd, f, hello_frame(f, 7));
   H_OK(read_response(fd, 7, &r, 5000));
   if (r.status != KVF_ELIMIT || !strstr(r.error, "max-clients (3)"))
     fail_msg("refused hello: status %s, error \"%s\"", kvf_err_name(r.status), r.error);
@@ -462,22 +417,22 @@ static void test_max_clients(void **state) {
   assert_true(idle >= 0);
   /* ...the first three keep working meanwhile... */
   H_OK(solo_serves());
-  H_OK(expect_rc(kvf_inspect(c3, KVF_INSPECT_STATUS, 0, &txt), 0, "the 3rd client's inspect"));
+  H_OK(h_expect_rc(kvf_inspect(c3, KVF_INSPECT_STATUS, 0, &txt), 0, "the 3rd client's inspect"));
   free(txt);
   /* ...and holds no slot: once one leaves, the next one gets in. */
   client_close(c3);
-  H_OK(wait_clients(S.a.c, 3, 3000)); /* a, b and the idle refused one */
-  H_OK(expect_rc(track_connect(S.d.sock, &c4), 0, "a client after one left"));
+  H_OK(h_wait_clients(S.a.c, 3, 3000)); /* a, b and the idle refused one */
+  H_OK(h_expect_rc(track_connect(S.d.sock, &c4), 0, "a client after one left"));
   client_close(c4);
   /* A refused client may send a hello's worth, not max-frame. */
   uint8_t hdr[8];
   put_u32le(hdr, 5000);
-  raw_write(idle, hdr, sizeof hdr);
+  h_raw_write(idle, hdr, sizeof hdr);
   H_OK(expect_closed(idle, 3000, "a refused client's 5000-byte frame", NULL));
   raw_close(idle);
   H_OK(wait_log(&S.d, "sent a frame of 5000 bytes, more than a refused client may send (4096)", 1,
                 3000));
-  H_OK(wait_clients(S.a.c, 2, 3000));
+  H_OK(h_wait_clients(S.a.c, 2, 3000));
 }
 
 /* Refused connections that never say hello: 64 wait for their hello, the
@@ -487,12 +442,12 @@ static void test_refused_flood(void **state) {
   kvf_client *c3 = NULL;
   int held[HELD];
   size_t lines = log_count(&S.d, "refused connections are still open");
-  H_OK(expect_rc(track_connect(S.d.sock, &c3), 0, "the 3rd client"));
+  H_OK(h_expect_rc(track_connect(S.d.sock, &c3), 0, "the 3rd client"));
   for (int i = 0; i < HELD; i++) {
     held[i] = raw_unix(S.d.sock);
     assert_true(held[i] >= 0);
   }
-  H_OK(wait_clients(S.a.c, 3 + HELD, 3000));
+  H_OK(h_wait_clients(S.a.c, 3 + HELD, 3000));
   int extra = raw_unix(S.d.sock);
   assert_true(extra >= 0);
   H_OK(expect_closed(extra, 2000, "a refused connection past 64", NULL));
@@ -502,8 +457,8 @@ static void test_refused_flood(void **state) {
   H_OK(solo_serves());
   for (int i = 0; i < HELD; i++) raw_close(held[i]);
   client_close(c3);
-  H_OK(wait_clients(S.a.c, 2, 3000));
-  H_OK(expect_rc(track_connect(S.d.sock, &c3), 0, "a client after the flood"));
+  H_OK(h_wait_clients(S.a.c, 2, 3000));
+  H_OK(h_expect_rc(track_connect(S.d.sock, &c3), 0, "a client after the flood"));
   client_close(c3);
 }
 
@@ -551,14 +506,14 @@ static void test_transfers_per_client(void **state) {
   H_OK(h_post_grant(&S.a, &g2.x, S.d.name));
   /* a has max-transfers-per-client (2) in flight: a third grant or a new
    * send is refused at once... */
-  H_OK(expect_rc(kvf_grant(S.a.c, g3.id, S.d.name, g3.dst, 8, 0), KVF_ELIMIT, "a's 3rd grant"));
-  H_OK(expect_rc(kvf_send(S.a.c, s1.id, S.d.name, s1.src, 8, 0, 0), KVF_ELIMIT, "a's send"));
+  H_OK(h_expect_rc(kvf_grant(S.a.c, g3.id, S.d.name, g3.dst, 8, 0), KVF_ELIMIT, "a's 3rd grant"));
+  H_OK(h_expect_rc(kvf_send(S.a.c, s1.id, S.d.name, s1.src, 8, 0, 0), KVF_ELIMIT, "a's send"));
   /* ...b is not held by a's quota... */
   H_OK(h_post_grant(&S.b, &bq.x, S.d.name));
   /* ...and once one of a's transfers is done, a may start another. */
   H_OK(qx_finish(&g1, &S.b, &S.a));
   H_OK(h_post_grant(&S.a, &g3.x, S.d.name));
-  H_OK(expect_rc(kvf_send(S.a.c, s1.id, S.d.name, s1.src, 8, 0, 0), KVF_ELIMIT, "a's send at 2"));
+  H_OK(h_expect_rc(kvf_send(S.a.c, s1.id, S.d.name, s1.src, 8, 0, 0), KVF_ELIMIT, "a's send at 2"));
   /* The later parts of a send a client already has need no new slot. */
   H_OK(kvf_cancel(S.a.c, g3.id));
   H_OK(expect_event(&S.a, g3.id, KVF_EV_RECV_DONE, KVF_ECANCELED, NULL, 5000));
@@ -595,15 +550,15 @@ static void test_max_frame_api(void **state) {
   memset(p, 0x5a, pad);
   p += pad;
   assert_int_equal(p - big, 4 + SOLO_FRAME);
-  raw_write(fd, big, (size_t)(p - big));
+  h_raw_write(fd, big, (size_t)(p - big));
   H_OK(read_response(fd, 5, &r, 5000));
   if (r.status != KVF_EPROTO) fail_msg("max-frame request: status %s", kvf_err_name(r.status));
-  raw_write(fd, f, inspect_frame(f, 6));
+  h_raw_write(fd, f, inspect_frame(f, 6));
   H_OK(read_response(fd, 6, &r, 5000));
   assert_int_equal(r.status, 0);
   /* ...one byte more and the client is dropped unanswered, with a line. */
   put_u32le(big, SOLO_FRAME + 1);
-  raw_write(fd, big, 4 + SOLO_FRAME + 1);
+  h_raw_write(fd, big, 4 + SOLO_FRAME + 1);
   H_OK(expect_closed(fd, 3000, "frame over max-frame", &seen));
   raw_close(fd);
   if (seen) fail_msg("the daemon answered an oversized frame (%zu bytes)", seen);
@@ -623,7 +578,7 @@ static void test_slow_reader(void **state) {
   int fd = raw_client(S.d.sock);
   assert_true(fd >= 0);
   for (uint64_t i = 0; i < N; i++) len += inspect_frame(reqs + len, 100 + i);
-  raw_write(fd, reqs, len);
+  h_raw_write(fd, reqs, len);
   H_OK(wait_log(&S.d, "bytes of replies and events unread", lines + 1, 20000));
   /* The others were served all along. */
   H_OK(solo_serves());
@@ -671,7 +626,7 @@ static int connect_as(uid_t uid, gid_t gid, as_result *res, pid_t *child) {
       if (r.connect_rc == 0) {
         r.hello_status = 0;
       } else if (fd >= 0) {
-        raw_write(fd, f, hello_frame(f, 1));
+        h_raw_write(fd, f, hello_frame(f, 1));
         if (read_response(fd, 1, &rep, 5000) == 0) {
           r.hello_status = rep.status;
           snprintf(r.error, sizeof r.error, "%s", rep.error);
@@ -710,33 +665,36 @@ static void test_wrong_uid(void **state) {
   char needle[96];
   need_root();
   H_OK(connect_as(NOBODY, NOBODY, &r, &pid));
-  H_OK(expect_rc(r.connect_rc, KVF_EPERM, "kvf_connect as nobody"));
+  H_OK(h_expect_rc(r.connect_rc, KVF_EPERM, "kvf_connect as nobody"));
   if (r.hello_status != KVF_EPERM || !strstr(r.error, "uid 65534 may not use kvferryd"))
     fail_msg("hello as nobody: status %s, error \"%s\"", kvf_err_name(r.hello_status), r.error);
   snprintf(needle, sizeof needle, "refused client pid %d uid %u", (int)pid, NOBODY);
   H_OK(wait_log(&S.d, needle, 2, 3000)); /* kvf_connect's and the raw hello's */
-  H_OK(wait_clients(S.a.c, 2, 3000));
+  H_OK(h_wait_clients(S.a.c, 2, 3000));
   H_OK(solo_serves());
 }
 
-static void test_allowed_user(void **state) {
+/* A client as uid:gid is admitted; as says how it qualifies. */
+static void expect_admitted(uid_t uid, gid_t gid, const char *as) {
   as_result r;
   pid_t pid;
+  char what[128];
   need_root();
-  H_OK(connect_as(ALLOWED_UID, ALLOWED_UID, &r, &pid));
-  H_OK(expect_rc(r.connect_rc, 0, "kvf_connect as a uid in api-allow-users"));
-  H_OK(expect_rc(r.inspect_rc, 0, "kvf_inspect as a uid in api-allow-users"));
-  H_OK(expect_rc(r.hello_status, 0, "hello as a uid in api-allow-users"));
+  H_OK(connect_as(uid, gid, &r, &pid));
+  snprintf(what, sizeof what, "kvf_connect %s", as);
+  H_OK(h_expect_rc(r.connect_rc, 0, what));
+  snprintf(what, sizeof what, "kvf_inspect %s", as);
+  H_OK(h_expect_rc(r.inspect_rc, 0, what));
+  snprintf(what, sizeof what, "hello %s", as);
+  H_OK(h_expect_rc(r.hello_status, 0, what));
+}
+
+static void test_allowed_user(void **state) {
+  expect_admitted(ALLOWED_UID, ALLOWED_UID, "as a uid in api-allow-users");
 }
 
 static void test_allowed_group(void **state) {
-  as_result r;
-  pid_t pid;
-  need_root();
-  H_OK(connect_as(NOBODY, ALLOWED_GID, &r, &pid));
-  H_OK(expect_rc(r.connect_rc, 0, "kvf_connect with a gid in api-allow-groups"));
-  H_OK(expect_rc(r.inspect_rc, 0, "kvf_inspect with a gid in api-allow-groups"));
-  H_OK(expect_rc(r.hello_status, 0, "hello with a gid in api-allow-groups"));
+  expect_admitted(NOBODY, ALLOWED_GID, "with a gid in api-allow-groups");
 }
 
 /* Limits that contradict each other stop the daemon at start, saying why. */
@@ -841,9 +799,9 @@ static void test_peer_grant_over_max_descs(void **state) {
   h_id(id, sizeof id, "descs");
   h_layout(src, N, P.p.pool, 0, 4 * KIB, true, 1);
   /* The send first, in parts within prefill's max-descs; then the grant. */
-  H_OK(expect_rc(kvf_send(P.p.c, id, P.dec.name, src, SOLO_DESCS, KVF_SEND_MORE, 20000), 0,
+  H_OK(h_expect_rc(kvf_send(P.p.c, id, P.dec.name, src, SOLO_DESCS, KVF_SEND_MORE, 20000), 0,
                  "send part 1"));
-  H_OK(expect_rc(kvf_send(P.p.c, id, P.dec.name, src + SOLO_DESCS, SOLO_DESCS, 0, 20000), 0,
+  H_OK(h_expect_rc(kvf_send(P.p.c, id, P.dec.name, src + SOLO_DESCS, SOLO_DESCS, 0, 20000), 0,
                  "send part 2"));
   big_grant(dst, N, id);
   snprintf(needle, sizeof needle, "grant of %u descriptors refused by prefill: its max-descs is %u",
@@ -873,7 +831,7 @@ static void test_peer_grant_over_max_descs_first(void **state) {
   H_OK(expect_event(&P.d, id, KVF_EV_RECV_DONE, KVF_ELIMIT, "its max-descs is 1000", 10000));
   h_layout(src, N, P.p.pool, 0, 4 * KIB, true, 2);
   uint64_t t0 = h_now_ms();
-  H_OK(expect_rc(kvf_send(P.p.c, id, P.dec.name, src, SOLO_DESCS, KVF_SEND_MORE, 20000), 0,
+  H_OK(h_expect_rc(kvf_send(P.p.c, id, P.dec.name, src, SOLO_DESCS, KVF_SEND_MORE, 20000), 0,
                  "send part 1"));
   H_OK(expect_event(&P.p, id, KVF_EV_SEND_DONE, KVF_ELIMIT, "its max-descs is 1000", 5000));
   if (h_now_ms() - t0 > 3000) fail_msg("the send waited %llu ms", (unsigned long long)(h_now_ms() - t0));
@@ -943,7 +901,7 @@ static void test_pending_peers(void **state) {
   /* A pending connection may not send more than a Hello's worth. */
   uint8_t hdr[8];
   put_u32le(hdr, 100000);
-  raw_write(idle[0], hdr, sizeof hdr);
+  h_raw_write(idle[0], hdr, sizeof hdr);
   H_OK(expect_closed(idle[0], 2000, "a 100 KB frame before Hello", NULL));
   H_OK(wait_log(&P.dec, "a peer may send before its Hello (65536)", 1, 3000));
   for (unsigned i = 0; i < PENDING_MAX; i++) raw_close(idle[i]);

@@ -111,6 +111,26 @@ static int get_windows(h_client *hc, windows *w) {
 }
 
 /* Windows of grants that ended must all be gone. */
+/* The rdma-only cases skip, loudly, elsewhere. */
+static void need_rdma(void) {
+  if (!over_rdma()) {
+    fprintf(stderr, "note: SKIPPED: rdma only (make check-rdma)\n");
+    skip();
+  }
+}
+
+/* Starts the pair (as rig_up) for a case that needs memory windows in use;
+ * skips, saying why, where the devices have none. */
+static void rig_up_windows(const char *exe, const char *failpoint, const char *extra, windows *w) {
+  need_rdma();
+  H_OK(rig_up(exe, failpoint, extra));
+  H_OK(get_windows(&E.dec, w));
+  if (!w->in_use) {
+    fprintf(stderr, "note: SKIPPED: no memory windows here (%s)\n", w->protection);
+    skip();
+  }
+}
+
 static int wait_no_windows(h_client *hc) {
   windows w;
   uint64_t end = h_now_ms() + 5000;
@@ -229,16 +249,7 @@ static void test_late_write(void **state) {
   char id[64];
   windows w;
   uint64_t before, after = 0;
-  if (!over_rdma()) {
-    fprintf(stderr, "note: SKIPPED: rdma only (make check-rdma)\n");
-    skip();
-  }
-  H_OK(rig_up(ROGUE, "late-write", NULL));
-  H_OK(get_windows(&E.dec, &w));
-  if (!w.in_use) {
-    fprintf(stderr, "note: SKIPPED: no memory windows here (%s)\n", w.protection);
-    skip();
-  }
+  rig_up_windows(ROGUE, "late-write", NULL, &w);
   H_OK(resets(&E.pre, &before));
   h_id(id, sizeof id, "late");
   h_layout(src, N, E.pre.pool, 0, LEN, true, 15);
@@ -273,16 +284,7 @@ static void test_window_of_another_qp(void **state) {
   char id[64];
   windows w;
   uint64_t before, after = 0;
-  if (!over_rdma()) {
-    fprintf(stderr, "note: SKIPPED: rdma only (make check-rdma)\n");
-    skip();
-  }
-  H_OK(rig_up(ROGUE, "write-wrong-qp", NULL));
-  H_OK(get_windows(&E.dec, &w));
-  if (!w.in_use) {
-    fprintf(stderr, "note: SKIPPED: no memory windows here (%s)\n", w.protection);
-    skip();
-  }
+  rig_up_windows(ROGUE, "write-wrong-qp", NULL, &w);
   H_OK(resets(&E.pre, &before));
   for (size_t i = 0; i < N; i++) { /* every other slot: one run (and window) per block */
     src[i] = (kvf_desc){.pool = E.pre.pool, .offset = i * 2 * LEN, .len = LEN};
@@ -307,10 +309,7 @@ static void test_window_of_another_qp(void **state) {
 static void test_windows_off(void **state) {
   windows w;
   char result[16];
-  if (!over_rdma()) {
-    fprintf(stderr, "note: SKIPPED: rdma only (make check-rdma)\n");
-    skip();
-  }
+  need_rdma();
   H_OK(rig_up(NULL, NULL, "rdma-memory-windows off"));
   H_OK(get_windows(&E.dec, &w));
   assert_true(w.rdma);
@@ -337,16 +336,7 @@ static void test_windows_merged(void **state) {
   char id[64], *json = NULL;
   windows w;
   uint64_t merged = 0, last = 0;
-  if (!over_rdma()) {
-    fprintf(stderr, "note: SKIPPED: rdma only (make check-rdma)\n");
-    skip();
-  }
-  H_OK(rig_up(NULL, NULL, "rdma-mw-max-windows 4"));
-  H_OK(get_windows(&E.dec, &w));
-  if (!w.in_use) {
-    fprintf(stderr, "note: SKIPPED: no memory windows here (%s)\n", w.protection);
-    skip();
-  }
+  rig_up_windows(NULL, NULL, "rdma-mw-max-windows 4", &w);
   for (size_t i = 0, off = BASE; i < 16; off += LEN + (i % 4 + 1) * 4 * KIB, i++) { /* gaps of 4..16 KiB */
     src[i] = (kvf_desc){.pool = E.pre.pool, .offset = i * LEN, .len = LEN};
     dst[i] = (kvf_desc){.pool = E.dec.pool, .offset = off, .len = LEN};
