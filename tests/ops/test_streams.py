@@ -40,6 +40,19 @@ def open_fds(d):
     return len(os.listdir("/proc/%d/fd" % d.proc.pid))
 
 
+def settled_fds(d):
+    """The daemon's fd count once it holds still: the API session of the
+    last status() call closes on the daemon's next loop turn, not when our
+    end of it does."""
+    prev = open_fds(d)
+    while True:
+        time.sleep(0.1)
+        n = open_fds(d)
+        if n == prev:
+            return n
+        prev = n
+
+
 def streams_in(d):
     return (d.status().get("tcp") or {}).get("streams_in")
 
@@ -51,14 +64,14 @@ class ClosedStreams(unittest.TestCase):
             with pre.client() as c:
                 session = int(c.inspect("peers", json=True)["peers"][0]["session"], 16)
             kvftest.wait_until(lambda: streams_in(dec) == 4, 5, "decode's 4 inbound streams")
-            fds = open_fds(dec)
+            fds = settled_fds(dec)
             for i in range(8):  # streams of a torn-down incarnation, one after another
                 s = socket.create_connection(("127.0.0.1", dec.port), timeout=5)
                 s.sendall(data_hello(b"prefill", session, 100 + i))
                 self.assertEqual(s.recv(4), b"\0\0\0\0", "the stream's ACK")
                 s.close()
             try:
-                kvftest.wait_until(lambda: open_fds(dec) == fds and streams_in(dec) == 4, 5, "")
+                kvftest.wait_until(lambda: settled_fds(dec) == fds and streams_in(dec) == 4, 5, "")
             except AssertionError:
                 self.fail("decode has %d fds and %s inbound streams, not %d and 4" % (
                     open_fds(dec), streams_in(dec), fds))
