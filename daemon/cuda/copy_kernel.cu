@@ -15,12 +15,14 @@
 
 // Cache policies (P): 0 = L2 only (ld/st.global.cg), 1 = streaming, evict
 // first (.cs), 2 = read-only path for loads (ld.global.nc) and write-back
-// stores. The addresses come in as integers, so without these the compiler
-// emits generic ld/st; each of these is an ld.global/st.global.
+// stores, 3 = plain loads and stores (generic, default caching). The
+// addresses come in as integers, so without 0-2 the compiler emits generic
+// ld/st; each of those is an ld.global/st.global.
 template <typename T, int P>
 __device__ __forceinline__ T load(const T *p) {
   if (P == 1) return __ldcs(p);
   if (P == 2) return __ldg(p);
+  if (P == 3) return *p;
   return __ldcg(p);
 }
 
@@ -28,13 +30,16 @@ template <typename T, int P>
 __device__ __forceinline__ void store(T *p, const T &v) {
   if (P == 1) __stcs(p, v);
   else if (P == 2) __stwb(p, v);
+  else if (P == 3) *p = v;
   else __stcg(p, v);
 }
 
+// Thread t of a group of `stride` threads copies units t, t+stride, ...; U
+// loads are issued before their stores so that U are in flight per thread.
 template <typename T, int U, int CS>
-__device__ __forceinline__ void copy_units(const T *__restrict__ s, T *__restrict__ d, unsigned n) {
-  const unsigned stride = blockDim.x;
-  unsigned i = threadIdx.x;
+__device__ __forceinline__ void copy_units(const T *__restrict__ s, T *__restrict__ d, unsigned n, unsigned t,
+                                           unsigned stride) {
+  unsigned i = t;
   for (; i + (U - 1) * stride < n; i += U * stride) {
     T r[U];
 #pragma unroll
@@ -45,30 +50,43 @@ __device__ __forceinline__ void copy_units(const T *__restrict__ s, T *__restric
   for (; i < n; i += stride) store<T, CS>(d + i, load<T, CS>(s + i));
 }
 
+// One chunk, by a group of nt >= 32 threads (a CTA or a warp); t is the
+// thread's index in the group.
 template <int U, int CS>
-__device__ __forceinline__ void copy_one(const kvf_chunk &ch, const kvf_split &sp) {
+__device__ __forceinline__ void copy_one(const kvf_chunk &ch, const kvf_split &sp, unsigned t, unsigned nt) {
   const unsigned char *s = (const unsigned char *)ch.src;
   unsigned char *d = (unsigned char *)ch.dst;
-  // head and tail are < 16 bytes and blockDim >= 32
-  if (threadIdx.x < sp.head) d[threadIdx.x] = s[threadIdx.x];
+  // head and tail are < 16 bytes and nt >= 32
+  if (t < sp.head) d[t] = s[t];
   const unsigned tail_off = sp.head + sp.units * sp.width;
-  if (threadIdx.x < sp.tail) d[tail_off + threadIdx.x] = s[tail_off + threadIdx.x];
+  if (t < sp.tail) d[tail_off + t] = s[tail_off + t];
   s += sp.head;
   d += sp.head;
   switch (sp.width) {
-  case 16: copy_units<uint4, U, CS>((const uint4 *)s, (uint4 *)d, sp.units); break;
-  case 8: copy_units<unsigned long long, U, CS>((const unsigned long long *)s, (unsigned long long *)d, sp.units); break;
-  case 4: copy_units<unsigned, U, CS>((const unsigned *)s, (unsigned *)d, sp.units); break;
-  case 2: copy_units<unsigned short, U, CS>((const unsigned short *)s, (unsigned short *)d, sp.units); break;
-  default: copy_units<unsigned char, U, CS>(s, d, sp.units); break;
+  case 16: copy_units<uint4, U, CS>((const uint4 *)s, (uint4 *)d, sp.units, t, nt); break;
+  case 8: copy_units<unsigned long long, U, CS>((const unsigned long long *)s, (unsigned long long *)d, sp.units, t, nt); break;
+  case 4: copy_units<unsigned, U, CS>((const unsigned *)s, (unsigned *)d, sp.units, t, nt); break;
+  case 2: copy_units<unsigned short, U, CS>((const unsigned short *)s, (unsigned short *)d, sp.units, t, nt); break;
+  default: copy_units<unsigned char, U, CS>(s, d, sp.units, t, nt); break;
   }
 }
 
+// A CTA per chunk: CTA b copies chunks b, b + gridDim.x, ...
 template <int U, int CS>
 __device__ __forceinline__ void copy_chunks(const kvf_chunk *__restrict__ chunks, unsigned n) {
   for (unsigned c = blockIdx.x; c < n; c += gridDim.x) {
     const kvf_chunk ch = chunks[c];
-    copy_one<U, CS>(ch, kvf_chunk_split(ch.src, ch.dst, ch.len));
+    copy_one<U, CS>(ch, kvf_chunk_split(ch.src, ch.dst, ch.len), threadIdx.x, blockDim.x);
+  }
+}
+
+// A warp per chunk: more chunks in flight at once, each streamed by one warp.
+template <int U, int CS>
+__device__ __forceinline__ void copy_chunks_warp(const kvf_chunk *__restrict__ chunks, unsigned n) {
+  const unsigned wpc = blockDim.x / 32, lane = threadIdx.x & 31;
+  for (unsigned c = blockIdx.x * wpc + threadIdx.x / 32; c < n; c += gridDim.x * wpc) {
+    const kvf_chunk ch = chunks[c];
+    copy_one<U, CS>(ch, kvf_chunk_split(ch.src, ch.dst, ch.len), lane, 32);
   }
 }
 
@@ -110,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(1024) kvf_copy_tma(const kvf_chunk 
     const kvf_chunk ch = chunks[c];
     const kvf_split sp = kvf_chunk_split(ch.src, ch.dst, ch.len);
     if (sp.width != 16 || sp.units == 0) {
-      copy_one<4, 0>(ch, sp);
+      copy_one<4, 0>(ch, sp, threadIdx.x, blockDim.x);
       continue;
     }
     const unsigned char *s = (const unsigned char *)ch.src;
@@ -139,6 +157,20 @@ extern "C" __global__ void __launch_bounds__(1024) kvf_copy_tma(const kvf_chunk 
   }
   if (threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
+
+#define KVF_COPY_ENTRY(name, body)                                                               \
+  extern "C" __global__ void __launch_bounds__(1024) name(const kvf_chunk *__restrict__ chunks, unsigned n) { \
+    body;                                                                                        \
+  }
+
+KVF_COPY_ENTRY(kvf_copy_u2, (copy_chunks<2, 0>(chunks, n)))
+KVF_COPY_ENTRY(kvf_copy_u4cs, (copy_chunks<4, 1>(chunks, n)))
+KVF_COPY_ENTRY(kvf_copy_u4nc, (copy_chunks<4, 2>(chunks, n)))
+KVF_COPY_ENTRY(kvf_copy_u4wb, (copy_chunks<4, 3>(chunks, n)))
+KVF_COPY_ENTRY(kvf_copy_w4, (copy_chunks_warp<4, 0>(chunks, n)))
+KVF_COPY_ENTRY(kvf_copy_w8, (copy_chunks_warp<8, 0>(chunks, n)))
+KVF_COPY_ENTRY(kvf_copy_w8wb, (copy_chunks_warp<8, 3>(chunks, n)))
+KVF_COPY_ENTRY(kvf_copy_w16, (copy_chunks_warp<16, 0>(chunks, n)))
 
 extern "C" __global__ void __launch_bounds__(1024) kvf_copy_u4(const kvf_chunk *__restrict__ chunks, unsigned n) {
   copy_chunks<4, 0>(chunks, n);

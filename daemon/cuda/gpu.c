@@ -20,6 +20,7 @@
 #define DEFAULT_THREADS 512u
 #define DEFAULT_CTAS_PER_SM 2u
 #define DEFAULT_KERNEL "kvf_copy_u8"
+#define DEFAULT_SPLIT_PCT 50u
 
 typedef struct gdev {
   CUdevice d;
@@ -43,7 +44,8 @@ static struct {
   char kernel_name[32];
   unsigned threads, ctas_per_sm;
   bool pull;
-  bool split;                /* GPU<->GPU: half the copies pushed, half pulled */
+  bool split;                /* GPU<->GPU: part of the copies pushed, the rest pulled */
+  unsigned split_pct;        /* ... this percentage pushed by the source GPU */
   atomic_uint_fast64_t launches, chunks, bytes_kernel, bytes_staged, bytes_fallback, errors;
   struct copier *free_copiers;
 } G = {.mu = PTHREAD_MUTEX_INITIALIZER};
@@ -100,6 +102,10 @@ int kvf__gpu_plan_exec(const kvf__gpu_end *src, const kvf__gpu_end *dst, bool (*
   if (first >= 0 && reaches(first, src, peer) && reaches(first, dst, peer)) return first;
   if (second >= 0 && reaches(second, src, peer) && reaches(second, dst, peer)) return second;
   return -1;
+}
+
+bool kvf__gpu_plan_push(size_t i, unsigned pct) {
+  return (uint64_t)(i + 1) * pct / 100 > (uint64_t)i * pct / 100;
 }
 
 unsigned kvf__gpu_plan_grid(size_t n, int sms, unsigned ctas_per_sm) {
@@ -246,6 +252,7 @@ int kvf__gpu_init(int mode) {
    * pulled): measured the fastest on an H200 NVLink pair; KVF_CUDA_SPLIT=0
    * keeps the work on the source GPU. */
   G.split = !getenv("KVF_CUDA_SPLIT") || atoi(getenv("KVF_CUDA_SPLIT"));
+  G.split_pct = env_uint("KVF_CUDA_SPLIT_PCT", DEFAULT_SPLIT_PCT, 0, 100);
   char err[400] = "";
   int rc = 0;
   if (mode == KVF__OFF) {
@@ -291,6 +298,36 @@ const char *kvf__gpu_link(int a, int b) {
   if (a == b) return "same-gpu";
   if (!kvf__gpu_peer(a, b) || !kvf__gpu_peer(b, a)) return "staged";
   return G.atomics[a][b] ? "nvlink" : "pcie-p2p";
+}
+
+int kvf__gpu_tune(const kvf__gpu_tuning *t) {
+  if (!G.ready) return -ENODEV;
+  if (t->threads < 32 || t->threads > 1024 || t->threads % 32 || t->ctas_per_sm < 1 || t->split_pct > 100)
+    return -EINVAL;
+  if (t->kernel && G.kernel) {
+    CUfunction fn[KVF__GPU_MAX_DEV];
+    for (int i = 0; i < G.n; i++) {
+      if (use_dev(i)) return -EIO;
+      if (G.cu.ModuleGetFunction(&fn[i], G.dev[i].mod, t->kernel) != KVF_CU_SUCCESS) return -ENOENT;
+    }
+    for (int i = 0; i < G.n; i++) G.dev[i].fn = fn[i];
+    snprintf(G.kernel_name, sizeof(G.kernel_name), "%s", t->kernel);
+  }
+  G.threads = t->threads;
+  G.ctas_per_sm = t->ctas_per_sm;
+  G.split = t->split;
+  G.split_pct = t->split_pct;
+  G.pull = t->pull;
+  return 0;
+}
+
+void kvf__gpu_tuning_get(kvf__gpu_tuning *t) {
+  t->kernel = G.kernel_name;
+  t->threads = G.threads;
+  t->ctas_per_sm = G.ctas_per_sm;
+  t->split = G.split;
+  t->split_pct = G.split_pct;
+  t->pull = G.pull;
 }
 
 /* ------------------------------------------------------------ memory */
@@ -461,6 +498,7 @@ typedef struct per_dev {
 
 struct kvf__gpu_batch {
   per_dev per[KVF__GPU_MAX_DEV];
+  int lead;                /* the device whose events time the launch; -1 */
   float last_ms;
 };
 
@@ -469,6 +507,7 @@ int kvf__gpu_batch_new(kvf__gpu_batch **out) {
   kvf__gpu_batch *b = calloc(1, sizeof(*b));
   if (!b) return -ENOMEM;
   b->last_ms = -1;
+  b->lead = -1;
   *out = b;
   return 0;
 }
@@ -497,6 +536,7 @@ void kvf__gpu_batch_reset(kvf__gpu_batch *b) {
     b->per[i].bytes = 0;
     b->per[i].launched = false;
   }
+  b->lead = -1;
 }
 
 size_t kvf__gpu_batch_chunks(const kvf__gpu_batch *b) {
@@ -548,10 +588,8 @@ static int launch_dev(per_dev *p, int dev) {
   if (use_dev(dev)) return -EIO;
   if (!G.kernel) {
     /* No kernel in this build: one cuMemcpyAsync per chunk. */
-    CU_TRY("cuEventRecord", G.cu.EventRecord(p->ev0, p->st));
     for (size_t i = 0; i < p->n; i++)
       CU_TRY("cuMemcpyAsync", G.cu.MemcpyAsync(p->h[i].dst, p->h[i].src, p->h[i].len, p->st));
-    CU_TRY("cuEventRecord", G.cu.EventRecord(p->ev1, p->st));
     atomic_fetch_add(&G.bytes_fallback, p->bytes);
     p->launched = true;
     return 0;
@@ -571,9 +609,7 @@ static int launch_dev(per_dev *p, int dev) {
   unsigned n = (unsigned)p->n;
   void *args[] = {&p->d, &n};
   unsigned grid = kvf__gpu_plan_grid(p->n, g->info.sms, G.ctas_per_sm);
-  CU_TRY("cuEventRecord", G.cu.EventRecord(p->ev0, p->st));
   CU_TRY("cuLaunchKernel (copy)", G.cu.LaunchKernel(g->fn, grid, 1, 1, G.threads, 1, 1, 0, p->st, args, NULL));
-  CU_TRY("cuEventRecord", G.cu.EventRecord(p->ev1, p->st));
   atomic_fetch_add(&G.launches, 1);
   atomic_fetch_add(&G.chunks, p->n);
   atomic_fetch_add(&G.bytes_kernel, p->bytes);
@@ -581,13 +617,37 @@ static int launch_dev(per_dev *p, int dev) {
   return 0;
 }
 
+/* With work on several devices, the first (the lead) records the start
+ * event, the others start after it, and the lead's end event comes after
+ * every device's end: the batch's time is the span of all its kernels, not
+ * the longest of them (their launches are not simultaneous). */
 int kvf__gpu_batch_launch(kvf__gpu_batch *b) {
+  int lead = -1;
   for (int i = 0; i < G.n; i++) {
     per_dev *p = &b->per[i];
     if (p->n == 0 || p->launched) continue;
+    if (use_dev(i)) return -EIO;
+    if (lead < 0) {
+      lead = i;
+      CU_TRY("cuEventRecord", G.cu.EventRecord(p->ev0, p->st));
+    } else {
+      CU_TRY("cuStreamWaitEvent", G.cu.StreamWaitEvent(p->st, b->per[lead].ev0, 0));
+    }
     int rc = launch_dev(p, i);
     if (rc) return rc;
   }
+  if (lead < 0) return 0;
+  for (int i = lead + 1; i < G.n; i++) {
+    per_dev *p = &b->per[i];
+    if (!p->launched || p->n == 0) continue;
+    if (use_dev(i)) return -EIO;
+    CU_TRY("cuEventRecord", G.cu.EventRecord(p->ev1, p->st));
+    if (use_dev(lead)) return -EIO;
+    CU_TRY("cuStreamWaitEvent", G.cu.StreamWaitEvent(b->per[lead].st, p->ev1, 0));
+  }
+  if (use_dev(lead)) return -EIO;
+  CU_TRY("cuEventRecord", G.cu.EventRecord(b->per[lead].ev1, b->per[lead].st));
+  b->lead = lead;
   return 0;
 }
 
@@ -599,14 +659,15 @@ int kvf__gpu_batch_wait(kvf__gpu_batch *b) {
     if (!p->launched) continue;
     if (use_dev(i)) return -EIO;
     CUresult r = G.cu.StreamSynchronize(p->st);
-    if (r != KVF_CU_SUCCESS) {
-      rc = cu_fail("copy (cuStreamSynchronize)", r);
-      continue;
-    }
-    float ms = -1;
-    if (G.cu.EventElapsedTime(&ms, p->ev0, p->ev1) == KVF_CU_SUCCESS && ms > b->last_ms) b->last_ms = ms;
+    if (r != KVF_CU_SUCCESS) rc = cu_fail("copy (cuStreamSynchronize)", r);
     p->launched = false;
   }
+  if (rc == 0 && b->lead >= 0) {
+    float ms = -1;
+    if (use_dev(b->lead) == 0 && G.cu.EventElapsedTime(&ms, b->per[b->lead].ev0, b->per[b->lead].ev1) == KVF_CU_SUCCESS)
+      b->last_ms = ms;
+  }
+  b->lead = -1;
   return rc;
 }
 
@@ -766,7 +827,7 @@ static int add_uniform(copier *c, const kvf__gpu_copy *v, size_t n, int exec, in
   uint64_t bytes[2] = {0, 0};
   kvf_chunk *start[2] = {h[0], h[1]};
   for (size_t i = 0; i < n; i++) {
-    int k = exec2 >= 0 ? (int)(i & 1) : 0;
+    int k = exec2 >= 0 && !kvf__gpu_plan_push(i, G.split_pct) ? 1 : 0;
     uint64_t len = v[i].len, s = v[i].src.addr, d = v[i].dst.addr;
     bytes[k] += len;
     if (len <= KVF__CHUNK_BYTES) {
@@ -836,7 +897,7 @@ int kvf__gpu_copy_all(const kvf__gpu_copy *v, size_t n, const char **route) {
       rc = -ENOMEM;
       break;
     }
-    int exec = kvf__gpu_plan_exec(&x->src, &x->dst, kvf__gpu_peer, G.split ? (i & 1) != 0 : G.pull);
+    int exec = kvf__gpu_plan_exec(&x->src, &x->dst, kvf__gpu_peer, G.split ? !kvf__gpu_plan_push(i, G.split_pct) : G.pull);
     if (exec >= 0) {
       rc = kvf__gpu_batch_add(c->main, exec, x->src.addr, x->dst.addr, x->len);
       continue;

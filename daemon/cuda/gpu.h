@@ -134,6 +134,20 @@ typedef struct kvf__gpu_stats {
 } kvf__gpu_stats;
 void kvf__gpu_stats_get(kvf__gpu_stats *s);
 
+/* The copy kernel's launch shape, from the environment at start
+ * (KVF_CUDA_KERNEL, _THREADS, _CTAS_PER_SM, _SPLIT, _SPLIT_PCT, _PULL);
+ * kvf__gpu_tune changes it for benchmarks that try many shapes in one
+ * process. Not for use while copies run. */
+typedef struct kvf__gpu_tuning {
+  const char *kernel;     /* entry point in copy_kernel.cu; NULL: keep */
+  unsigned threads, ctas_per_sm;
+  bool split;             /* GPU<->GPU work on both GPUs */
+  unsigned split_pct;     /* ... this percentage pushed by the source */
+  bool pull;              /* without split: the destination GPU copies */
+} kvf__gpu_tuning;
+int kvf__gpu_tune(const kvf__gpu_tuning *t);
+void kvf__gpu_tuning_get(kvf__gpu_tuning *t);
+
 /* ---------------------------------------------------------------- planning (pure) */
 
 /* Cuts [src, dst, len) into chunks of at most KVF__CHUNK_BYTES, appended to
@@ -144,6 +158,10 @@ size_t kvf__gpu_plan_cut(uint64_t src, uint64_t dst, uint64_t len, kvf_chunk *ou
  * reach both (host->host, or devices without peer access: stage).
  * pull: prefer the destination device for device->device. */
 int kvf__gpu_plan_exec(const kvf__gpu_end *src, const kvf__gpu_end *dst, bool (*peer)(int, int), bool pull);
+/* GPU<->GPU copies split between both GPUs: whether copy i of a batch is
+ * pushed by the source GPU (else pulled by the destination), so that pct
+ * percent of them are pushed, evenly spread. */
+bool kvf__gpu_plan_push(size_t i, unsigned pct);
 /* Grid size for n chunks on a device with sms multiprocessors. */
 unsigned kvf__gpu_plan_grid(size_t n, int sms, unsigned ctas_per_sm);
 

@@ -10,12 +10,18 @@
  *                    (default 1) cuMemcpyPeerAsync of the same bytes
  *                    contiguous, one cuMemcpyAsync per block, and pinned H2D
  *                    / D2H; one JSON line per figure
+ *   gpu_copy sweep [N BLOCK REPS]
+ *                    the same scattered blocks with every kernel entry point,
+ *                    launch shape and push/pull split in one process, then
+ *                    the copy engines (cuMemcpyBatchAsync on 1-4 streams)
+ *                    alone and beside the kernel; each run verified
  *   gpu_copy pinned [BYTES REPS]
  *                    pinned H2D and D2H on GPU 0 alone (one-GPU machines)
  *
  * Exit 0 when everything passed. Environment as the daemon's
  * (KVF_CUDA_KERNEL, KVF_CUDA_PULL, KVF_CUDA_NO_PEER, KVF_CUDA_THREADS,
  * KVF_CUDA_CTAS_PER_SM). */
+#include <dlfcn.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -294,7 +300,9 @@ static int run_bench(size_t nblocks, uint64_t block, int reps, int refs) {
   if (kvf__gpu_batch_new(&bt)) return -1;
   bool pull = getenv("KVF_CUDA_PULL") && atoi(getenv("KVF_CUDA_PULL"));
   int exec = pull ? 1 : 0;
-  bool split = !getenv("KVF_CUDA_SPLIT") || atoi(getenv("KVF_CUDA_SPLIT")); /* as the daemon */
+  kvf__gpu_tuning tu;
+  kvf__gpu_tuning_get(&tu);
+  bool split = tu.split; /* as the daemon */
   float *ms = calloc((size_t)reps, sizeof(float));
   char extra[200];
   const char *kname = getenv("KVF_CUDA_KERNEL") ? getenv("KVF_CUDA_KERNEL") : "default";
@@ -302,7 +310,7 @@ static int run_bench(size_t nblocks, uint64_t block, int reps, int refs) {
   for (int r = -3; r < reps; r++) {
     kvf__gpu_batch_reset(bt);
     for (size_t i = 0; i < nblocks; i++)
-      kvf__gpu_batch_add(bt, split ? (int)(i & 1) : exec, a.addr + perm_s[i] * block, b.addr + perm_d[i] * block, block);
+      kvf__gpu_batch_add(bt, split ? (kvf__gpu_plan_push(i, tu.split_pct) ? 0 : 1) : exec, a.addr + perm_s[i] * block, b.addr + perm_d[i] * block, block);
     if (kvf__gpu_batch_launch(bt) || kvf__gpu_batch_wait(bt)) return -1;
     if (r >= 0) ms[r] = kvf__gpu_batch_ms(bt);
   }
@@ -403,6 +411,250 @@ static int run_bench(size_t nblocks, uint64_t block, int reps, int refs) {
   return failures ? -1 : 0;
 }
 
+/* ------------------------------------------------------------ sweep */
+
+/* The scattered-block bench's setup, shared by every shape of a sweep. */
+typedef struct scatter {
+  region a, b;
+  uint64_t block;
+  size_t n;
+  uint64_t *src_off, *dst_off;
+  uint8_t *want;          /* a's contents */
+  uint8_t *got;
+} scatter;
+
+static int scatter_setup(scatter *x, size_t n, uint64_t block) {
+  memset(x, 0, sizeof(*x));
+  x->n = n;
+  x->block = block;
+  uint64_t bytes = n * block;
+  if (region_dev(&x->a, "cuda:0", 0, 2 * bytes) || region_dev(&x->b, "cuda:1", 1, 2 * bytes)) return -1;
+  uint64_t slots = x->a.size / block;
+  uint64_t *ps = malloc(slots * sizeof(uint64_t)), *pd = malloc(slots * sizeof(uint64_t));
+  x->src_off = malloc(n * sizeof(uint64_t));
+  x->dst_off = malloc(n * sizeof(uint64_t));
+  x->want = malloc(x->a.size);
+  x->got = malloc(x->b.size);
+  CHECK(ps && pd && x->src_off && x->dst_off && x->want && x->got, "malloc");
+  for (uint64_t i = 0; i < slots; i++) ps[i] = pd[i] = i;
+  for (uint64_t i = 0; i < n; i++) { /* partial Fisher-Yates: n distinct slots each side */
+    uint64_t j = i + rnd() % (slots - i), t = ps[i];
+    ps[i] = ps[j];
+    ps[j] = t;
+    j = i + rnd() % (slots - i);
+    t = pd[i];
+    pd[i] = pd[j];
+    pd[j] = t;
+    x->src_off[i] = ps[i] * block;
+    x->dst_off[i] = pd[i] * block;
+  }
+  free(ps);
+  free(pd);
+  for (uint64_t i = 0; i < x->a.size; i += 8) {
+    uint64_t v = rnd();
+    memcpy(x->want + i, &v, 8);
+  }
+  return region_write(&x->a, x->want);
+}
+
+static void scatter_free(scatter *x) {
+  region_free(&x->a);
+  region_free(&x->b);
+  free(x->src_off);
+  free(x->dst_off);
+  free(x->want);
+  free(x->got);
+}
+
+/* Zeroes b before a run, so that verify sees only what the run wrote. */
+static int scatter_clear(scatter *x) {
+  set_ctx(1);
+  CHECK(cu.MemsetD8(x->b.addr, 0, x->b.size) == 0, "memset");
+  return 0;
+}
+
+static int scatter_verify(scatter *x, const char *what) {
+  if (region_read(&x->b, x->got)) return -1;
+  for (size_t i = 0; i < x->n; i++)
+    CHECK(memcmp(x->got + x->dst_off[i], x->want + x->src_off[i], x->block) == 0, "%s: block %zu differs", what, i);
+  return 0;
+}
+
+/* cuMemcpyBatchAsync (CUDA 12.8+), for the copy-engine experiments. */
+typedef struct {
+  int srcAccessOrder;
+  kvf_cu_mem_location srcLocHint, dstLocHint;
+  unsigned flags;
+} ce_attrs;
+typedef CUresult (*batch_fn)(CUdeviceptr *, CUdeviceptr *, size_t *, size_t, ce_attrs *, size_t *, size_t, CUstream);
+
+/* Times REPS runs of the kernel on blocks [0, nk) (split by the current
+ * tuning) and, on nce_streams streams of GPU 0, the copy engines on blocks
+ * [nk, n) with one cuMemcpyBatchAsync per stream, all at once; the span runs
+ * from an event before every launch to one after every end. Verifies. */
+static int time_mix(scatter *x, size_t nk, int nce_streams, int reps, float *out_ms) {
+  static batch_fn batch;
+  static CUstream ce_st[8];
+  static CUevent ce_end[8], t0, t1;
+  static CUstream lead;
+  if (!lead) {
+    set_ctx(0);
+    batch = (batch_fn)dlsym(cu.lib, "cuMemcpyBatchAsync_v2");
+    cu.StreamCreate(&lead, KVF_CU_STREAM_NON_BLOCKING);
+    cu.EventCreate(&t0, 0);
+    cu.EventCreate(&t1, 0);
+    for (int k = 0; k < 8; k++) {
+      cu.StreamCreate(&ce_st[k], KVF_CU_STREAM_NON_BLOCKING);
+      cu.EventCreate(&ce_end[k], KVF_CU_EVENT_DISABLE_TIMING);
+    }
+  }
+  size_t nce = x->n - nk;
+  if (nce && (!batch || nce_streams < 1 || nce_streams > 8)) return 1; /* not available: skipped */
+  kvf__gpu_batch *bt;
+  if (kvf__gpu_batch_new(&bt)) return -1;
+  kvf__gpu_tuning tu;
+  kvf__gpu_tuning_get(&tu);
+  CUdeviceptr *dsts = malloc((nce + 1) * sizeof(CUdeviceptr)), *srcs = malloc((nce + 1) * sizeof(CUdeviceptr));
+  size_t *sizes = malloc((nce + 1) * sizeof(size_t));
+  for (size_t i = 0; i < nce; i++) {
+    srcs[i] = x->a.addr + x->src_off[nk + i];
+    dsts[i] = x->b.addr + x->dst_off[nk + i];
+    sizes[i] = x->block;
+  }
+  ce_attrs attr = {.srcAccessOrder = 1 /* STREAM */, .srcLocHint = {1, 0}, .dstLocHint = {1, 1}};
+  size_t zero = 0;
+  float *ms = calloc((size_t)reps, sizeof(float));
+  int rc = scatter_clear(x);
+  for (int r = -3; r < reps && rc == 0; r++) {
+    kvf__gpu_batch_reset(bt);
+    for (size_t i = 0; i < nk; i++) {
+      int exec = tu.split ? (kvf__gpu_plan_push(i, tu.split_pct) ? 0 : 1) : tu.pull ? 1 : 0;
+      kvf__gpu_batch_add(bt, exec, x->a.addr + x->src_off[i], x->b.addr + x->dst_off[i], x->block);
+    }
+    set_ctx(0);
+    cu.StreamSynchronize(lead);
+    cu.EventRecord(t0, lead);
+    size_t per = nce_streams > 0 ? (nce + (size_t)nce_streams - 1) / (size_t)nce_streams : 0;
+    for (int k = 0; k < nce_streams && nce; k++) {
+      size_t lo = (size_t)k * per, hi = lo + per < nce ? lo + per : nce;
+      if (lo >= hi) continue;
+      cu.StreamWaitEvent(ce_st[k], t0, 0);
+      CUresult cr = batch(dsts + lo, srcs + lo, sizes + lo, hi - lo, &attr, &zero, 1, ce_st[k]);
+      if (cr != KVF_CU_SUCCESS) {
+        fprintf(stderr, "cuMemcpyBatchAsync: %d\n", cr);
+        rc = -1;
+        break;
+      }
+      cu.EventRecord(ce_end[k], ce_st[k]);
+    }
+    if (rc) break;
+    if (nk && (kvf__gpu_batch_launch(bt) || kvf__gpu_batch_wait(bt))) rc = -1;
+    set_ctx(0);
+    for (int k = 0; k < nce_streams && nce; k++) cu.StreamWaitEvent(lead, ce_end[k], 0);
+    cu.EventRecord(t1, lead);
+    cu.StreamSynchronize(lead);
+    float span = 0;
+    cu.EventElapsedTime(&span, t0, t1);
+    /* the kernel's own span may start before t0's stream saw it: take the larger */
+    float k_ms = nk ? kvf__gpu_batch_ms(bt) : 0;
+    if (r >= 0) ms[r] = span > k_ms ? span : k_ms;
+  }
+  if (rc == 0) rc = scatter_verify(x, "mix");
+  if (rc == 0) *out_ms = median(ms, reps);
+  free(ms);
+  free(dsts);
+  free(srcs);
+  free(sizes);
+  kvf__gpu_batch_free(bt);
+  return rc;
+}
+
+/* Every kernel shape in one process, then copy engines and kernel+engines
+ * together; one JSON line per figure. */
+static int run_sweep(size_t n, uint64_t block, int reps) {
+  if (kvf__gpu_count() < 2) {
+    fprintf(stderr, "sweep needs 2 GPUs\n");
+    return -1;
+  }
+  scatter x;
+  if (scatter_setup(&x, n, block)) return -1;
+  uint64_t bytes = n * block;
+  char extra[256];
+  float ms = 0;
+  /* the ceiling: copy engines, contiguous */
+  {
+    set_ctx(0);
+    CUstream st;
+    CUevent e0, e1;
+    cu.StreamCreate(&st, KVF_CU_STREAM_NON_BLOCKING);
+    cu.EventCreate(&e0, 0);
+    cu.EventCreate(&e1, 0);
+    float *v = calloc((size_t)reps, sizeof(float));
+    for (int r = -3; r < reps; r++) {
+      cu.EventRecord(e0, st);
+      cu.MemcpyAsync(x.b.addr, x.a.addr, bytes, st);
+      cu.EventRecord(e1, st);
+      cu.StreamSynchronize(st);
+      if (r >= 0) cu.EventElapsedTime(&v[r], e0, e1);
+    }
+    report("memcpy_peer_contiguous", bytes, median(v, reps), NULL);
+    free(v);
+  }
+  static const char *kernels[] = {"kvf_copy_u8", "kvf_copy_u4", "kvf_copy_u2", "kvf_copy_u4cs", "kvf_copy_u4nc",
+                                  "kvf_copy_u4wb", "kvf_copy_w4", "kvf_copy_w8", "kvf_copy_w8wb", "kvf_copy_w16"};
+  static const unsigned shapes[][2] = {{512, 2}, {256, 4}, {1024, 1}, {256, 2}, {128, 8}, {128, 4}, {512, 1}};
+  static const int pcts[] = {50, 0, 100, 40, 60};
+  kvf__gpu_tuning def;
+  kvf__gpu_tuning_get(&def);
+  char def_kernel[32];
+  snprintf(def_kernel, sizeof(def_kernel), "%s", def.kernel);
+  int rc = 0;
+  for (size_t k = 0; k < sizeof(kernels) / sizeof(kernels[0]); k++)
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++)
+      for (size_t p = 0; p < sizeof(pcts) / sizeof(pcts[0]); p++) {
+        /* the full grid for the default shape; the other shapes at 50% only */
+        if (s > 0 && pcts[p] != 50) continue;
+        kvf__gpu_tuning t = {kernels[k], shapes[s][0], shapes[s][1], true, (unsigned)pcts[p], false};
+        if (kvf__gpu_tune(&t) != 0) continue;
+        if ((rc = time_mix(&x, n, 0, reps, &ms)) != 0) goto out;
+        snprintf(extra, sizeof(extra), "\"kernel\": \"%s\", \"threads\": %u, \"ctas_per_sm\": %u, \"push_pct\": %d",
+                 kernels[k], shapes[s][0], shapes[s][1], pcts[p]);
+        report("sweep_kernel", bytes, ms, extra);
+      }
+  def.kernel = def_kernel;
+  kvf__gpu_tune(&def);
+  /* copy engines alone (cuMemcpyBatchAsync), 1..4 streams */
+  for (int k = 1; k <= 4; k *= 2) {
+    rc = time_mix(&x, 0, k, reps, &ms);
+    if (rc == 1) {
+      printf("{\"what\": \"ce_batch\", \"skipped\": \"no cuMemcpyBatchAsync_v2\"}\n");
+      rc = 0;
+      break;
+    }
+    if (rc) goto out;
+    snprintf(extra, sizeof(extra), "\"streams\": %d", k);
+    report("ce_batch", bytes, ms, extra);
+  }
+  /* kernel (default tuning) with a share of the blocks on the engines */
+  static const int ce_pcts[] = {4, 8, 12, 16, 24};
+  for (size_t i = 0; i < sizeof(ce_pcts) / sizeof(ce_pcts[0]); i++)
+    for (int k = 1; k <= 4; k *= 2) {
+      size_t nk = n - n * (size_t)ce_pcts[i] / 100;
+      rc = time_mix(&x, nk, k, reps, &ms);
+      if (rc == 1) {
+        rc = 0;
+        goto out;
+      }
+      if (rc) goto out;
+      snprintf(extra, sizeof(extra), "\"kernel\": \"%s\", \"ce_pct\": %d, \"ce_streams\": %d", def_kernel,
+               ce_pcts[i], k);
+      report("hybrid", bytes, ms, extra);
+    }
+out:
+  scatter_free(&x);
+  return rc;
+}
+
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "test";
   kvf__log_init(KVF__LOG_INFO);
@@ -418,6 +670,11 @@ int main(int argc, char **argv) {
     uint64_t block = argc > 3 ? strtoull(argv[3], NULL, 10) : 32768;
     int reps = argc > 4 ? atoi(argv[4]) : 20;
     rc = run_bench(n, block, reps > 0 ? reps : 20, argc > 5 ? atoi(argv[5]) : 1);
+  } else if (strcmp(mode, "sweep") == 0) {
+    size_t n = argc > 2 ? (size_t)strtoull(argv[2], NULL, 10) : 16384;
+    uint64_t block = argc > 3 ? strtoull(argv[3], NULL, 10) : 32768;
+    int reps = argc > 4 ? atoi(argv[4]) : 20;
+    rc = run_sweep(n, block, reps > 0 ? reps : 20);
   } else if (strcmp(mode, "pinned") == 0) {
     uint64_t bytes = argc > 2 ? strtoull(argv[2], NULL, 10) : 512ull << 20;
     int reps = argc > 3 ? atoi(argv[3]) : 20;
