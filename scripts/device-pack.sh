@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# scripts/device-pack.sh - gathers what a GPU machine without a package
+# registry needs to run this build: the Debian runtime libraries the binaries
+# link (libuv, protobuf-c, rdma-core, systemd, cmocka, iperf3 and their own
+# dependencies, never glibc) into .devcarry/lib, and iperf3 into
+# .devcarry/bin. Carry both `build` and `.devcarry` to the machine, then:
+#
+#   export LD_LIBRARY_PATH=$PWD/.devcarry/lib PATH=$PWD/.devcarry/bin:$PATH
+#
+# Build first (make all). Environment: BUILD (default build).
+set -eu
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+out=.devcarry
+rm -rf "$out"
+mkdir -p "$out/lib" "$out/bin"
+bins=("$BUILD/kvferryd" "$BUILD/kvferry-bench" "$BUILD/kvferryctl" "$BUILD"/tests/gpu/* "$BUILD"/tests/test_* /usr/bin/iperf3)
+# Every library ldd resolves, except the C library and the loader, which the
+# machine has (and must match its kernel).
+ldd "${bins[@]}" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
+  grep -Ev '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*)\.so' | while read -r lib; do
+    cp -L "$lib" "$out/lib/"
+  done
+cp /usr/bin/iperf3 "$out/bin/"
+echo "device-pack: $(ls "$out/lib" | wc -l) libraries, $(du -sh "$out" | cut -f1) in $out"
