@@ -37,6 +37,9 @@
 /* A daemon that accepts but never answers must not hang kvf_connect. */
 #define HELLO_TIMEOUT_S 10
 #define READ_CHUNK (64u * 1024)
+/* DescList.packed (proto/kvferry.proto): one 20-byte little-endian record
+ * per descriptor, u32 pool then u64 offset then u64 length. */
+#define DESC_WIRE_SIZE 20u
 /* fds received but not yet claimed by their frame: at most one per frame in
  * flight, so a handful is plenty; extras are closed, never leaked. */
 #define INBOUND_FDS_MAX 16
@@ -95,6 +98,8 @@ struct kvf_client {
   char node[KVF_NAME_MAX + 1];
   uint32_t max_frame; /* largest frame either way */
   uint32_t max_descs; /* 0: the daemon set no limit */
+  bool send_chains;   /* the daemon takes a send in chained frames */
+  uint32_t chain_first, chain_max; /* descriptors per frame of a chained send */
   pthread_t reader;
   bool reader_started;
   struct inbound in;
@@ -348,18 +353,15 @@ static int start_reader(kvf_client *c) {
  * page fault per 4 KiB once malloc hands the memory back to the kernel. */
 #define WBUF_KEEP (4u << 20)
 
-static int send_request(kvf_client *c, Kvf__ApiRequest *req) {
+/* Writes one request frame; the caller holds write_mu. */
+static int send_request_locked(kvf_client *c, Kvf__ApiRequest *req) {
   size_t len = kvf__api_request__get_packed_size(req);
   if (len > c->max_frame) return KVF_ELIMIT;
   size_t total = KVF__FRAME_HDR + len;
-  pthread_mutex_lock(&c->write_mu);
   uint8_t *frame = c->wbuf;
   if (total > c->wcap) {
     frame = malloc(total);
-    if (!frame) {
-      pthread_mutex_unlock(&c->write_mu);
-      return -ENOMEM;
-    }
+    if (!frame) return -ENOMEM;
     if (total <= WBUF_KEEP) {
       free(c->wbuf);
       c->wbuf = frame;
@@ -370,7 +372,6 @@ static int send_request(kvf_client *c, Kvf__ApiRequest *req) {
   kvf__api_request__pack(req, frame + KVF__FRAME_HDR);
   int rc = kvf__send_all(c->sock, frame, total, -1);
   if (frame != c->wbuf) free(frame);
-  pthread_mutex_unlock(&c->write_mu);
   if (rc == -EAGAIN) return -ETIMEDOUT; /* only during hello (SO_SNDTIMEO) */
   if (rc) {
     /* A partly written frame leaves the stream unusable: end it, so that
@@ -379,6 +380,13 @@ static int send_request(kvf_client *c, Kvf__ApiRequest *req) {
     return KVF_EDAEMON;
   }
   return 0;
+}
+
+static int send_request(kvf_client *c, Kvf__ApiRequest *req) {
+  pthread_mutex_lock(&c->write_mu);
+  int rc = send_request_locked(c, req);
+  pthread_mutex_unlock(&c->write_mu);
+  return rc;
 }
 
 static void unlink_pending(kvf_client *c, struct pending *p) {
@@ -392,7 +400,7 @@ static void unlink_pending(kvf_client *c, struct pending *p) {
 
 /* Registers p before the request is written, so that the response cannot
  * arrive ahead of its waiter, then writes the request. */
-static int begin_call(kvf_client *c, Kvf__ApiRequest *req, struct pending *p) {
+static int register_pending(kvf_client *c, struct pending *p) {
   *p = (struct pending){.fd = -1};
   pthread_mutex_lock(&c->mu);
   if (c->dead) {
@@ -403,6 +411,12 @@ static int begin_call(kvf_client *c, Kvf__ApiRequest *req, struct pending *p) {
   p->next = c->waiting;
   c->waiting = p;
   pthread_mutex_unlock(&c->mu);
+  return 0;
+}
+
+static int begin_call(kvf_client *c, Kvf__ApiRequest *req, struct pending *p) {
+  int rc = register_pending(c, p);
+  if (rc) return rc;
   req->seq = p->seq;
   return send_request(c, req);
 }
@@ -437,14 +451,19 @@ static int end_call(kvf_client *c, struct pending *p, int rc, int expect, Kvf__A
   return rc;
 }
 
+/* Waits for the response to p (registered) after its request went out. */
+static int finish_call(kvf_client *c, struct pending *p, int rc, int expect, Kvf__ApiMessage **out, int *fd) {
+  pthread_mutex_lock(&c->mu);
+  while (rc == 0 && !p->done && !c->dead) pthread_cond_wait(&c->responded, &c->mu);
+  pthread_mutex_unlock(&c->mu);
+  return end_call(c, p, rc, expect, out, fd);
+}
+
 /* One request, one response, with the reader thread doing the reading. */
 static int call(kvf_client *c, Kvf__ApiRequest *req, int expect, Kvf__ApiMessage **out, int *fd) {
   struct pending p;
   int rc = begin_call(c, req, &p);
-  pthread_mutex_lock(&c->mu);
-  while (rc == 0 && !p.done && !c->dead) pthread_cond_wait(&c->responded, &c->mu);
-  pthread_mutex_unlock(&c->mu);
-  return end_call(c, &p, rc, expect, out, fd);
+  return finish_call(c, &p, rc, expect, out, fd);
 }
 
 /* ------------------------------------------------------------ connect */
@@ -480,12 +499,37 @@ static int connect_unix(const char *path, int *out) {
   return 0;
 }
 
+/* Descriptors per frame of a chained send: CHAIN_FIRST in the first frame
+ * (small, so that the daemon starts soon), doubling up to CHAIN_MAX, and
+ * always well inside max_frame. KVFERRY_SEND_CHAIN=FIRST:MAX overrides
+ * them for measurements; 0 sends every call as one frame. */
+#define CHAIN_FIRST 256u
+#define CHAIN_MAX 4096u
+#define CHAIN_FRAME_SLACK 1024u /* the frame around the descriptors: ids, names */
+
+static void chain_setup(kvf_client *c, bool daemon_chains) {
+  unsigned long first = CHAIN_FIRST, max = CHAIN_MAX;
+  const char *env = getenv("KVFERRY_SEND_CHAIN");
+  if (env && *env) {
+    char *end;
+    first = strtoul(env, &end, 10);
+    max = *end == ':' ? strtoul(end + 1, NULL, 10) : first;
+  }
+  uint32_t fit = c->max_frame > CHAIN_FRAME_SLACK ? (c->max_frame - CHAIN_FRAME_SLACK) / DESC_WIRE_SIZE : 0;
+  if (max > fit) max = fit;
+  if (first > max) first = max;
+  c->send_chains = daemon_chains && first > 0;
+  c->chain_first = (uint32_t)first;
+  c->chain_max = (uint32_t)max;
+}
+
 static int adopt_hello(kvf_client *c, const Kvf__HelloResp *h) {
   if (h->version != KVF_API_VERSION) return KVF_EVERSION;
   copy_string(c->node, sizeof(c->node), h->node);
   c->max_frame = h->max_frame ? h->max_frame : KVF__FRAME_MAX_DEFAULT;
   c->max_descs = h->max_descs;
   c->in.fb.max = c->max_frame;
+  chain_setup(c, h->send_chains);
   return 0;
 }
 
@@ -720,9 +764,6 @@ KVF_API int kvf_pool_map(kvf_client *c, uint32_t pool, void **addr, uint64_t *si
 
 /* ------------------------------------------------------------ transfers */
 
-/* DescList.packed (proto/kvferry.proto): one 20-byte little-endian record
- * per descriptor, u32 pool then u64 offset then u64 length. */
-#define DESC_WIRE_SIZE 20u
 
 static void put_le32(uint8_t *p, uint32_t v) {
   v = htole32(v);
@@ -734,6 +775,14 @@ static void put_le64(uint8_t *p, uint64_t v) {
   memcpy(p, &v, sizeof v);
 }
 
+static void pack_descs(const kvf_desc *descs, size_t n, uint8_t *p) {
+  for (size_t i = 0; i < n; i++, p += DESC_WIRE_SIZE) {
+    put_le32(p, descs[i].pool);
+    put_le64(p + 4, descs[i].offset);
+    put_le64(p + 12, descs[i].len);
+  }
+}
+
 /* Packs the descriptors into DescList.packed in one allocation: 100k
  * descriptors cost one malloc and no varint work. Free with free_desc_list. */
 static int build_desc_list(const kvf_desc *descs, size_t n, Kvf__DescList *list) {
@@ -742,11 +791,7 @@ static int build_desc_list(const kvf_desc *descs, size_t n, Kvf__DescList *list)
   if (!p) return -ENOMEM;
   list->packed.data = p;
   list->packed.len = n * DESC_WIRE_SIZE;
-  for (size_t i = 0; i < n; i++, p += DESC_WIRE_SIZE) {
-    put_le32(p, descs[i].pool);
-    put_le64(p + 4, descs[i].offset);
-    put_le64(p + 12, descs[i].len);
-  }
+  pack_descs(descs, n, p);
   return 0;
 }
 
@@ -784,24 +829,80 @@ KVF_API int kvf_grant(kvf_client *c, const char *xfer_id, const char *src_node,
   return rc;
 }
 
+/* Makes sure frames up to `need` bytes go out of wbuf, without a malloc
+ * between the frames of a chained send. Called with write_mu held. */
+static int reserve_wbuf(kvf_client *c, size_t need) {
+  if (need <= c->wcap) return 0;
+  uint8_t *b = malloc(need);
+  if (!b) return -ENOMEM;
+  free(c->wbuf);
+  c->wbuf = b;
+  c->wcap = need;
+  return 0;
+}
+
+/* A send of more than chain_first descriptors goes out as chained frames
+ * of chain_first descriptors, then twice as many each frame up to
+ * chain_max: the daemon starts moving the first blocks while the later
+ * frames are still being packed and read. Only the last frame is answered,
+ * for the whole call. Everything that can fail locally is allocated before
+ * the first frame leaves; a write that fails halfway ends the connection. */
+static int send_chained(kvf_client *c, Kvf__ApiRequest *req, const kvf_desc *descs, size_t n) {
+  Kvf__SendReq *body = req->send;
+  bool more = body->more;
+  Kvf__DescList list = KVF__DESC_LIST__INIT;
+  uint8_t *packed = malloc((size_t)c->chain_max * DESC_WIRE_SIZE);
+  if (!packed) return -ENOMEM;
+  list.packed.data = packed;
+  list.packed.len = (size_t)c->chain_max * DESC_WIRE_SIZE;
+  body->descs = &list;
+  body->chained = true;
+  struct pending p;
+  pthread_mutex_lock(&c->write_mu);
+  int rc = reserve_wbuf(c, KVF__FRAME_HDR + kvf__api_request__get_packed_size(req));
+  bool registered = false;
+  for (size_t at = 0, slice = c->chain_first; rc == 0 && at < n; slice = slice * 2 < c->chain_max ? slice * 2 : c->chain_max) {
+    size_t k = n - at < slice ? n - at : slice;
+    pack_descs(descs + at, k, packed);
+    list.packed.len = k * DESC_WIRE_SIZE;
+    at += k;
+    body->chained = at < n;
+    body->more = at < n ? true : more;
+    if (at == n) {
+      rc = register_pending(c, &p);
+      registered = rc == 0;
+      req->seq = p.seq;
+    } else {
+      pthread_mutex_lock(&c->mu);
+      req->seq = ++c->last_seq; /* answered by the last frame's response */
+      pthread_mutex_unlock(&c->mu);
+    }
+    if (rc == 0) rc = send_request_locked(c, req);
+  }
+  pthread_mutex_unlock(&c->write_mu);
+  free(packed);
+  return registered ? finish_call(c, &p, rc, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL) : rc;
+}
+
 KVF_API int kvf_send(kvf_client *c, const char *xfer_id, const char *dst_node,
                      const kvf_desc *descs, size_t n, unsigned flags, uint32_t deadline_ms) {
   int rc = check_transfer(c, xfer_id, descs, n);
   if (!rc) rc = check_node_name(dst_node, true);
   if (!rc && (flags & ~KVF_SEND_MORE)) rc = KVF_EINVAL;
   if (rc) return rc;
-  Kvf__DescList list = KVF__DESC_LIST__INIT;
-  rc = build_desc_list(descs, n, &list);
-  if (rc) return rc;
   Kvf__SendReq body = KVF__SEND_REQ__INIT;
   body.xfer_id = (char *)xfer_id;
   body.dst_node = (char *)dst_node;
-  body.descs = &list;
   body.more = (flags & KVF_SEND_MORE) != 0;
   body.deadline_ms = deadline_ms;
   Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
   req.body_case = KVF__API_REQUEST__BODY_SEND;
   req.send = &body;
+  if (c->send_chains && n > c->chain_first) return send_chained(c, &req, descs, n);
+  Kvf__DescList list = KVF__DESC_LIST__INIT;
+  rc = build_desc_list(descs, n, &list);
+  if (rc) return rc;
+  body.descs = &list;
   rc = call(c, &req, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL);
   free_desc_list(&list);
   return rc;

@@ -32,6 +32,16 @@
 #define REFUSED_READ 4096u
 #define MAX_REFUSED 64u
 
+/* A client call that arrives as several SendReq frames (SendReq.chained). */
+typedef struct send_chain {
+  bool active;            /* frames of a call are coming; the last answers */
+  bool created;           /* the call's first frame began the transfer */
+  bool posted;            /* some frame of the call was taken */
+  int rc;                 /* the first refusal, which the call returns */
+  char err[256];
+  char id[KVF_XFER_ID_MAX + 1];
+} send_chain;
+
 struct kvf__session {
   uv_pipe_t pipe;
   kvf__framebuf fb;
@@ -43,6 +53,7 @@ struct kvf__session {
   bool hello_done;
   bool closing;
   uint32_t n_xfers;
+  send_chain chain;
   char name[64];
   kvf__api_sink *sink;    /* detached session (tests, fuzzing): no socket */
   void *sink_arg;
@@ -226,6 +237,7 @@ static void on_hello(kvf__session *s, uint64_t seq, const Kvf__HelloReq *h) {
   hr.node = kvfd.cfg.node;
   hr.max_frame = kvfd.cfg.max_frame;
   hr.max_descs = kvfd.cfg.max_descs;
+  hr.send_chains = true;
   Kvf__ApiResponse r = KVF__API_RESPONSE__INIT;
   r.seq = seq;
   r.body_case = KVF__API_RESPONSE__BODY_HELLO;
@@ -326,18 +338,53 @@ static void on_grant(kvf__session *s, uint64_t seq, const Kvf__GrantReq *g) {
   reply_status(s, seq, rc, err);
 }
 
-static void on_send(kvf__session *s, uint64_t seq, const Kvf__SendReq *q) {
-  char err[256] = "";
+/* One SendReq frame: 0 when the transfer took its descriptors. */
+static int send_part(kvf__session *s, const Kvf__SendReq *q, char *err, size_t errlen) {
   kvf__descs d;
   int rc = 0;
   if (!kvf__xfer_sending(s, q->xfer_id)) {
-    rc = check_draining(err, sizeof(err));
-    if (rc == 0) rc = check_quota(s, err, sizeof(err));
+    rc = check_draining(err, errlen);
+    if (rc == 0) rc = check_quota(s, err, errlen);
   }
-  if (rc == 0) rc = take_descs(q->descs, &d, err, sizeof(err));
+  if (rc == 0) rc = take_descs(q->descs, &d, err, errlen);
   if (rc == 0) {
-    rc = kvf__xfer_send(s, q->xfer_id, q->dst_node, &d, q->more, q->deadline_ms, err, sizeof(err));
+    rc = kvf__xfer_send(s, q->xfer_id, q->dst_node, &d, q->more, q->deadline_ms, err, errlen);
     kvf__descs_free(&d);
+  }
+  return rc;
+}
+
+/* A refused frame fails the whole call. What earlier frames of it posted
+ * cannot stay: a transfer the call began goes without an event (the call
+ * returns the error instead), one it continued fails with its event. */
+static void chain_fail(kvf__session *s, int rc, const char *err) {
+  send_chain *ch = &s->chain;
+  if (ch->rc) return;
+  ch->rc = rc;
+  snprintf(ch->err, sizeof(ch->err), "%s", err);
+  if (ch->posted) kvf__xfer_withdraw_send(s, ch->id, rc, err, ch->created);
+}
+
+static void on_send(kvf__session *s, uint64_t seq, const Kvf__SendReq *q) {
+  char err[256] = "";
+  send_chain *ch = &s->chain;
+  if (!ch->active && q->chained) {
+    *ch = (send_chain){.active = true, .created = !kvf__xfer_sending(s, q->xfer_id)};
+    snprintf(ch->id, sizeof(ch->id), "%s", q->xfer_id ? q->xfer_id : "");
+  } else if (ch->active && strcmp(q->xfer_id ? q->xfer_id : "", ch->id) != 0) {
+    chain_fail(s, KVF_EPROTO, "a chained send changed its transfer id");
+  }
+  int rc = ch->active ? ch->rc : 0;
+  if (rc == 0) {
+    rc = send_part(s, q, err, sizeof(err));
+    if (rc && ch->active) chain_fail(s, rc, err);
+    else if (ch->active) ch->posted = true;
+  }
+  if (q->chained) return; /* the call's last frame answers for all of it */
+  if (ch->active) {
+    rc = ch->rc;
+    snprintf(err, sizeof(err), "%s", ch->err);
+    *ch = (send_chain){0};
   }
   reply_status(s, seq, rc, err);
 }

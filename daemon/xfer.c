@@ -518,6 +518,16 @@ int kvf__xfer_cancel(kvf__session *s, const char *id) {
   return found ? 0 : KVF_ENOENT;
 }
 
+void kvf__xfer_withdraw_send(kvf__session *s, const char *id, int status, const char *why, bool silent) {
+  kvf__xfer *x = id ? kvf__map_get(&X.send_by_id, id) : NULL;
+  if (!x || x->owner != s || x->state == KVF__X_DRAIN) return;
+  if (silent) {
+    if (X.env.session_xfers) X.env.session_xfers(s, -1);
+    x->owner = NULL;
+  }
+  fail(x, status, why, true, KVF_EREMOTECANCEL);
+}
+
 bool kvf__xfer_sending(kvf__session *s, const char *id) {
   kvf__xfer *x = id ? kvf__map_get(&X.send_by_id, id) : NULL;
   return x && x->owner == s;

@@ -85,6 +85,11 @@ int kvf__xfer_grant(kvf__session *s, const char *id, const char *src_node,
 int kvf__xfer_send(kvf__session *s, const char *id, const char *dst_node,
                    kvf__descs *descs, bool more, uint32_t deadline_ms, char *err, size_t errlen);
 int kvf__xfer_cancel(kvf__session *s, const char *id);
+/* A client call that fed s's send of id failed after part of it was taken:
+ * the send fails with status; silent: without an event to s (the call that
+ * began it returns the error instead). The other side gets
+ * KVF_EREMOTECANCEL. */
+void kvf__xfer_withdraw_send(kvf__session *s, const char *id, int status, const char *why, bool silent);
 /* True when s has a send of id under way (its next part needs no quota). */
 bool kvf__xfer_sending(kvf__session *s, const char *id);
 /* The client went away: drop its grants and sends, tell the peers. */

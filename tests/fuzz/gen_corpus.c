@@ -139,12 +139,14 @@ static void a_grant(buf *b, const char *id, const char *src, const desc *d, size
   a_grant_w(b, id, src, dl(&w, space, d, n), 0);
 }
 
-static void a_send_w(buf *b, const char *id, const char *dst, Kvf__DescList *w, bool more) {
+/* more: 1 more parts follow; 2 also a frame of the same call (chained). */
+static void a_send_w(buf *b, const char *id, const char *dst, Kvf__DescList *w, int more) {
   Kvf__SendReq s = KVF__SEND_REQ__INIT;
   s.xfer_id = (char *)id;
   s.dst_node = (char *)dst;
   s.descs = w;
-  s.more = more;
+  s.more = more != 0;
+  s.chained = more == 2;
   Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
   q.seq = ++seq;
   q.body_case = KVF__API_REQUEST__BODY_SEND;
@@ -152,7 +154,7 @@ static void a_send_w(buf *b, const char *id, const char *dst, Kvf__DescList *w, 
   api(b, &q);
 }
 
-static void a_send(buf *b, const char *id, const char *dst, bool more, const desc *d, size_t n) {
+static void a_send(buf *b, const char *id, const char *dst, int more, const desc *d, size_t n) {
   uint8_t space[128 * KVF__DESC_WIRE_SIZE];
   Kvf__DescList w;
   a_send_w(b, id, dst, dl(&w, space, d, n), more);
@@ -204,6 +206,21 @@ static void api_seeds(void) {
   a_send(&b, "t2", "A", true, D({{1, 1000, 2000}}));
   a_send(&b, "t2", "A", false, D({{1, 3000, 3000}}));
   out(T, "local-parts", &b);
+
+  /* Calls that come as chained frames: whole, refused in a later frame,
+   * and one whose frames change the transfer id. */
+  a_hello(&b, KVF__API_VERSION);
+  a_grant(&b, "k1", "", D({{0, 0, 4096}}, {{0, 8192, 4096}}, {{0, 16384, 100}}));
+  a_send(&b, "k1", "A", 2, D({{1, 0, 4096}}));
+  a_send(&b, "k1", "A", 2, D({{1, 4096, 4096}}));
+  a_send(&b, "k1", "A", false, D({{1, 12288, 100}}));
+  a_grant(&b, "k2", "B", D({{0, 32768, 8192}}));
+  a_send(&b, "k2", "B", 2, D({{1, 0, 4096}}));
+  a_send(&b, "k2", "B", 2, D({{9, 0, 4096}}));
+  a_send(&b, "k2", "B", false, D({{1, 8192, 4096}}));
+  a_send(&b, "k3", "A", 2, D({{1, 0, 4096}}));
+  a_send(&b, "k4", "A", false, D({{1, 4096, 4096}}));
+  out(T, "chained-sends", &b);
 
   a_hello(&b, KVF__API_VERSION);
   a_grant(&b, "ov", "", D({{0, 0, 8192}}));

@@ -273,6 +273,116 @@ static void test_local_size_mismatch(void **state) {
   H_OK(h_quick(&E.pre, &E.dec));
 }
 
+/* ---------------------------------------------------------------- chained sends */
+
+/* A client whose library splits every send of more than 4 descriptors into
+ * chained frames of 4, 8, 8, ... (KVFERRY_SEND_CHAIN), so that small tests
+ * exercise the chain. */
+static int open_chained(h_client *hc, const h_daemon *d) {
+  setenv("KVFERRY_SEND_CHAIN", "4:8", 1);
+  int rc = h_client_open(hc, d);
+  unsetenv("KVFERRY_SEND_CHAIN");
+  return rc;
+}
+
+enum { CHN = 40 };
+
+/* Whole transfers through chained frames: remote and local, in one call and
+ * in parts, each verified byte for byte. */
+static void test_chain_transfers(void **state) {
+  h_client ch, local_rcv;
+  kvf_desc src[CHN], dst[CHN];
+  char id[64];
+  H_OK(open_chained(&ch, &E.p.prefill));
+  H_OK(h_client_open(&local_rcv, &E.p.prefill));
+  h_layout(src, CHN, ch.pool, 0, 4 * KIB, true, 40);
+  h_layout(dst, CHN, E.dec.pool, 0, 4 * KIB, true, 41);
+  for (size_t parts = 1; parts <= 3; parts += 2) {
+    h_id(id, sizeof id, "chain");
+    h_xfer x = {.id = id, .src = src, .nsrc = CHN, .dst = dst, .ndst = CHN, .parts = parts, .seed = 42 + parts};
+    H_OK(h_transfer(&ch, &E.dec, &x));
+  }
+  h_layout(dst, CHN, local_rcv.pool, 1 << 20, 4 * KIB, true, 43);
+  h_id(id, sizeof id, "chain-local");
+  h_xfer x = {.id = id, .src = src, .nsrc = CHN, .dst = dst, .ndst = CHN, .seed = 44, .path = "local"};
+  H_OK(h_transfer(&ch, &local_rcv, &x));
+  h_client_close(&local_rcv);
+  h_client_close(&ch);
+}
+
+/* A descriptor outside the pool in a later frame of a call that began the
+ * send: the call fails with KVF_ERANGE and no event (the earlier frames'
+ * part is withdrawn), the receiver's grant fails with KVF_EREMOTECANCEL,
+ * and the id is free for the corrected send. */
+static void test_chain_refused_midway(void **state) {
+  h_client ch;
+  kvf_desc src[CHN], dst[CHN];
+  char id[64];
+  H_OK(open_chained(&ch, &E.p.prefill));
+  h_id(id, sizeof id, "chain-erange");
+  h_layout(src, CHN, ch.pool, 0, 4 * KIB, true, 45);
+  h_layout(dst, CHN, E.dec.pool, 0, 4 * KIB, true, 46);
+  H_OK(h_expect_rc(kvf_grant(E.dec.c, id, "prefill", dst, CHN, 20000), 0, "grant"));
+  kvf_desc bad = src[30];
+  src[30].offset = ch.size; /* frame 5 of 4, 8, 8, 8, 8, 4 */
+  H_OK(h_expect_rc(kvf_send(ch.c, id, "decode", src, CHN, 0, 20000), KVF_ERANGE, "chained send, bad 31st"));
+  H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_EREMOTECANCEL, 5000, NULL));
+  H_OK(h_no_events(&ch, 300));
+  src[30] = bad;
+  h_xfer x = {.id = id, .src = src, .nsrc = CHN, .dst = dst, .ndst = CHN, .seed = 47};
+  H_OK(h_transfer(&ch, &E.dec, &x));
+  h_client_close(&ch);
+}
+
+/* The same refusal in a call that continues a send begun by an earlier
+ * call: that send existed before, so it fails with its own event. */
+static void test_chain_refused_continuing(void **state) {
+  h_client ch;
+  kvf_desc src[CHN], dst[CHN];
+  char id[64];
+  H_OK(open_chained(&ch, &E.p.prefill));
+  h_id(id, sizeof id, "chain-cont");
+  h_layout(src, CHN, ch.pool, 0, 4 * KIB, true, 48);
+  h_layout(dst, CHN, E.dec.pool, 0, 4 * KIB, true, 49);
+  H_OK(h_expect_rc(kvf_grant(E.dec.c, id, "prefill", dst, CHN, 20000), 0, "grant"));
+  H_OK(h_expect_rc(kvf_send(ch.c, id, "decode", src, 4, KVF_SEND_MORE, 20000), 0, "first part"));
+  src[25].pool = 9999;
+  H_OK(h_expect_rc(kvf_send(ch.c, id, "decode", src + 4, CHN - 4, 0, 20000), KVF_ENOPOOL,
+                   "chained second part, bad 22nd"));
+  H_OK(expect_status(&ch, id, KVF_EV_SEND_DONE, KVF_ENOPOOL, 5000, NULL));
+  H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_EREMOTECANCEL, 5000, NULL));
+  h_client_close(&ch);
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
+/* Refused in its first frame, a call leaves nothing behind: no event, and
+ * the grant still takes the corrected send. */
+static void test_chain_refused_first_frame(void **state) {
+  h_client ch;
+  kvf_desc src[CHN], dst[CHN];
+  char id[64];
+  H_OK(open_chained(&ch, &E.p.prefill));
+  h_id(id, sizeof id, "chain-first");
+  h_layout(src, CHN, ch.pool, 0, 4 * KIB, true, 50);
+  h_layout(dst, CHN, E.dec.pool, 0, 4 * KIB, true, 51);
+  h_xfer x = {.id = id, .src = src, .nsrc = CHN, .dst = dst, .ndst = CHN, .seed = 52};
+  H_OK(h_prepare(&ch, &E.dec, &x));
+  H_OK(h_post_grant(&E.dec, &x, "prefill"));
+  src[1].len = 0;
+  H_OK(h_expect_rc(kvf_send(ch.c, id, "decode", src, CHN, 0, 20000), KVF_EINVAL, "chained send, zero length"));
+  src[1].len = 4 * KIB;
+  H_OK(h_no_events(&ch, 0));
+  H_OK(h_no_events(&E.dec, 300));
+  H_OK(h_post_send(&ch, &x, "decode"));
+  kvf_event ev;
+  H_OK(h_wait_event(&E.dec, id, KVF_EV_RECV_DONE, 10000, &ev));
+  H_OK(h_check_event(&ev, KVF_EV_RECV_DONE, "tcp", "prefill", h_desc_bytes(dst, CHN), CHN));
+  H_OK(h_wait_event(&ch, id, KVF_EV_SEND_DONE, 10000, &ev));
+  H_OK(h_check_event(&ev, KVF_EV_SEND_DONE, "tcp", "decode", h_desc_bytes(src, CHN), CHN));
+  H_OK(h_verify_dst(&E.dec, &x));
+  h_client_close(&ch);
+}
+
 /* ---------------------------------------------------------------- deadlines */
 
 /* The event must not come early (timer slack allowed) nor much late. */
@@ -804,6 +914,10 @@ int main(void) {
       cmocka_unit_test_setup(test_bad_arguments, healthy),
       cmocka_unit_test_setup(test_local_size_mismatch, healthy),
       cmocka_unit_test_setup(test_duplicate_id, healthy),
+      cmocka_unit_test_setup(test_chain_transfers, healthy),
+      cmocka_unit_test_setup(test_chain_refused_midway, healthy),
+      cmocka_unit_test_setup(test_chain_refused_continuing, healthy),
+      cmocka_unit_test_setup(test_chain_refused_first_frame, healthy),
       cmocka_unit_test_setup(test_cancel_unknown, healthy),
       cmocka_unit_test_setup(test_deadline_grant_without_send, healthy),
       cmocka_unit_test_setup(test_deadline_send_without_grant, healthy),

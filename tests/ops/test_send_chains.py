@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""The daemon's side of chained sends (SendReq.chained), spoken raw on the
+API socket: a call's frames get one response, the last frame's, for the
+whole call; a frame that changes the transfer id fails the call with
+KVF_EPROTO and withdraws, without an event, the send the call began. The
+library's side (splitting, refusals in later frames) is tested through
+libkvferry in tests/integration/test_errors.c."""
+import socket
+import struct
+import time
+import unittest
+
+import kvftest
+
+KVF_EPROTO = -4009
+KVF_ECANCELED = -4013
+
+
+# ---------------------------------------------------------------- protobuf by hand
+
+def varint(v):
+    out = b""
+    while True:
+        b, v = v & 0x7F, v >> 7
+        out += bytes([b | (0x80 if v else 0)])
+        if not v:
+            return out
+
+
+def field(num, wire_type, payload):
+    return varint(num << 3 | wire_type) + payload
+
+
+def ld(num, data):
+    return field(num, 2, varint(len(data)) + data)
+
+
+def read_varint(buf, i):
+    v = shift = 0
+    while True:
+        b = buf[i]
+        i += 1
+        v |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return v, i
+
+
+def fields(buf):
+    """{field number: [values]} of one message: ints or bytes."""
+    out, i = {}, 0
+    while i < len(buf):
+        key, i = read_varint(buf, i)
+        num, wt = key >> 3, key & 7
+        if wt == 0:
+            v, i = read_varint(buf, i)
+        elif wt == 2:
+            n, i = read_varint(buf, i)
+            v, i = buf[i:i + n], i + n
+        else:
+            raise AssertionError("wire type %d in a daemon message" % wt)
+        out.setdefault(num, []).append(v)
+    return out
+
+
+def zigzag(v):
+    return (v >> 1) ^ -(v & 1)
+
+
+def request(seq, body_num, body):
+    msg = field(1, 0, varint(seq)) + ld(body_num, body)
+    return struct.pack("<I", len(msg)) + msg
+
+
+def hello(seq):
+    return request(seq, 10, field(1, 0, varint(1)) + ld(2, b"test_send_chains"))
+
+
+def send(seq, xfer_id, node, pool, off, length, chained):
+    """A frame as libkvferry writes it: every frame but the call's last is
+    chained and says more parts follow."""
+    descs = ld(4, struct.pack("<IQQ", pool, off, length))
+    body = ld(1, xfer_id) + ld(2, node) + ld(3, descs) + field(5, 0, varint(20000))
+    if chained:
+        body += field(4, 0, varint(1)) + field(6, 0, varint(1))
+    return request(seq, 14, body)
+
+
+def cancel(seq, xfer_id):
+    return request(seq, 15, ld(1, xfer_id))
+
+
+class Raw:
+    """A client that writes frames and reads ApiMessages."""
+
+    def __init__(self, path):
+        self.s = socket.socket(socket.AF_UNIX)
+        self.s.settimeout(5)
+        self.s.connect(path)
+        self.buf = b""
+
+    def write(self, frame):
+        self.s.sendall(frame)
+
+    def next(self, timeout=5.0):
+        """('response', seq, status, fields) or ('event', id, status, fields);
+        None when nothing comes within timeout."""
+        self.s.settimeout(timeout)
+        while len(self.buf) < 4 or len(self.buf) < 4 + struct.unpack("<I", self.buf[:4])[0]:
+            try:
+                chunk = self.s.recv(65536)
+            except socket.timeout:
+                return None
+            if not chunk:
+                raise AssertionError("the daemon closed the connection")
+            self.buf += chunk
+        n = struct.unpack("<I", self.buf[:4])[0]
+        msg, self.buf = fields(self.buf[4:4 + n]), self.buf[4 + n:]
+        if 1 in msg:
+            r = fields(msg[1][0])
+            return ("response", r.get(1, [0])[0], zigzag(r.get(2, [0])[0]), r)
+        e = fields(msg[2][0])
+        return ("event", e.get(2, [b""])[0], zigzag(e.get(3, [0])[0]), e)
+
+    def close(self):
+        self.s.close()
+
+
+class SendChains(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.d = kvftest.Daemon(kvftest.tempdir(), "solo", pool="8M").start()
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.d.stop() == 0
+
+    def setUp(self):
+        self.c = Raw(self.d.sock)
+        self.c.write(hello(1))
+        kind, seq, status, r = self.c.next()
+        self.assertEqual((kind, seq, status), ("response", 1, 0))
+        self.assertEqual(fields(r[10][0]).get(5), [1], "HelloResp.send_chains")
+
+    def tearDown(self):
+        self.c.close()
+        kvftest.wait_until(lambda: self.d.status()["sends_active"] == 0, 5, "no send left")
+
+    def test_one_response_for_the_call(self):
+        for seq, chained in ((2, True), (3, True), (4, False)):
+            self.c.write(send(seq, b"whole", b"solo", 0, (seq - 2) * 4096, 4096, chained))
+        self.assertEqual(self.c.next()[:3], ("response", 4, 0), "only the last frame is answered")
+        self.assertIsNone(self.c.next(0.3), "nothing more")
+        self.assertEqual(self.d.status()["sends_active"], 1, "one send of three frames")
+        self.c.write(cancel(5, b"whole"))
+        got = [self.c.next(), self.c.next()]
+        self.assertIn(("response", 5, 0), [g[:3] for g in got])
+        self.assertIn(("event", b"whole", KVF_ECANCELED), [g[:3] for g in got])
+
+    def test_changed_id_fails_the_call(self):
+        self.c.write(send(2, b"first", b"solo", 0, 0, 4096, True))
+        self.c.write(send(3, b"other", b"solo", 0, 4096, 4096, False))
+        kind, seq, status, r = self.c.next()
+        self.assertEqual((kind, seq, status), ("response", 3, KVF_EPROTO))
+        self.assertIn(b"changed its transfer id", r[3][0])
+        self.assertIsNone(self.c.next(0.3), "the withdrawn send has no event")
+        self.assertEqual(self.d.status()["sends_active"], 0)
+
+    def test_frames_after_a_refusal_are_ignored(self):
+        self.c.write(send(2, b"refused", b"solo", 0, 0, 4096, True))
+        self.c.write(send(3, b"refused", b"solo", 7, 0, 4096, True))     # no pool 7
+        self.c.write(send(4, b"refused", b"solo", 0, 8192, 4096, False))
+        kind, seq, status, r = self.c.next()
+        self.assertEqual((kind, seq), ("response", 4))
+        self.assertNotEqual(status, 0)
+        self.assertIn(b"no such pool", r[3][0])
+        self.assertIsNone(self.c.next(0.3))
+        self.assertEqual(self.d.status()["sends_active"], 0, "the call's send is withdrawn")
+
+
+if __name__ == "__main__":
+    kvftest.main()
