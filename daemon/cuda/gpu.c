@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,7 +18,7 @@
 #include "log.h"
 
 #define STAGE_BYTES (64u << 20)     /* copy_all's staging, two halves */
-#define DEFAULT_THREADS 512u
+#define DEFAULT_THREADS 256u
 #define DEFAULT_CTAS_PER_SM 2u
 #define DEFAULT_KERNEL "kvf_copy_u8"
 #define DEFAULT_SPLIT_PCT 50u
@@ -845,36 +846,60 @@ static int add_uniform(copier *c, const kvf__gpu_copy *v, size_t n, int exec, in
   return 0;
 }
 
+/* Whether one launch moves all of v: every copy between the same two
+ * places, a GPU reaching both (exec; with exec2 >= 0 the copies are split
+ * between the source GPU, pushing, and the destination GPU, pulling). */
+static bool uniform_direct(const kvf__gpu_copy *v, size_t n, int *exec, int *exec2) {
+  if (n == 0 || !G.ready || (v[0].src.dev < 0 && v[0].dst.dev < 0)) return false;
+  for (size_t i = 1; i < n; i++)
+    if (!same_class(&v[i], &v[0])) return false;
+  *exec = kvf__gpu_plan_exec(&v[0].src, &v[0].dst, kvf__gpu_peer, G.pull);
+  *exec2 = -1;
+  if (G.split && *exec >= 0 && v[0].src.dev >= 0 && v[0].dst.dev >= 0 && v[0].src.dev != v[0].dst.dev &&
+      kvf__gpu_peer(v[0].dst.dev, v[0].src.dev) && kvf__gpu_peer(v[0].src.dev, v[0].dst.dev)) {
+    *exec = v[0].src.dev;
+    *exec2 = v[0].dst.dev;
+  }
+  return *exec >= 0;
+}
+
+/* Waits for what a copier launched and gives it back; returns rc, or the
+ * copies' own failure, and in *ms the kernels' span. */
+static int finish_copier(copier *c, int rc, float *ms) {
+  int r2 = kvf__gpu_batch_wait(c->main);
+  if (rc == 0) rc = r2;
+  *ms = kvf__gpu_batch_ms(c->main);
+  kvf__gpu_batch_reset(c->main);
+  if (rc == 0) copier_put(c);
+  else copier_free(c); /* after an error its streams may be poisoned */
+  return rc;
+}
+
+/* Builds and launches a uniform batch on a copier of its own. */
+static int launch_uniform(const kvf__gpu_copy *v, size_t n, int exec, int exec2, copier **out) {
+  copier *c = copier_get();
+  if (!c) return -ENOMEM;
+  int rc = add_uniform(c, v, n, exec, exec2);
+  if (rc == 0) rc = kvf__gpu_batch_launch(c->main);
+  if (rc) {
+    float ms;
+    return finish_copier(c, rc, &ms); /* waits for whatever did start */
+  }
+  *out = c;
+  return 0;
+}
+
 int kvf__gpu_copy_all(const kvf__gpu_copy *v, size_t n, const char **route) {
   last_kernel_ms = -1;
   *route = n ? route_of(&v[0]) : "host";
-  bool uniform = true;
-  for (size_t i = 1; i < n && uniform; i++) uniform = same_class(&v[i], &v[0]);
-  if (!uniform)
-    for (size_t i = 1; i < n; i++)
-      if (!same_class(&v[i], &v[i - 1]) && strcmp(route_of(&v[i]), *route) != 0) *route = "mixed";
-  if (uniform && n && G.ready && (v[0].src.dev >= 0 || v[0].dst.dev >= 0)) {
-    int exec = kvf__gpu_plan_exec(&v[0].src, &v[0].dst, kvf__gpu_peer, G.pull), exec2 = -1;
-    /* GPU<->GPU with peer access both ways: half pushed, half pulled */
-    if (G.split && exec >= 0 && v[0].src.dev >= 0 && v[0].dst.dev >= 0 && v[0].src.dev != v[0].dst.dev &&
-        kvf__gpu_peer(v[0].dst.dev, v[0].src.dev) && kvf__gpu_peer(v[0].src.dev, v[0].dst.dev)) {
-      exec = v[0].src.dev;
-      exec2 = v[0].dst.dev;
-    }
-    if (exec >= 0) {
-      copier *c = copier_get();
-      if (!c) return -ENOMEM;
-      int rc = add_uniform(c, v, n, exec, exec2);
-      if (rc == 0) rc = kvf__gpu_batch_launch(c->main);
-      int r2 = kvf__gpu_batch_wait(c->main);
-      if (rc == 0) rc = r2;
-      last_kernel_ms = kvf__gpu_batch_ms(c->main);
-      kvf__gpu_batch_reset(c->main);
-      if (rc == 0) copier_put(c);
-      else copier_free(c);
-      return rc;
-    }
+  int exec, exec2;
+  if (uniform_direct(v, n, &exec, &exec2)) {
+    copier *c;
+    int rc = launch_uniform(v, n, exec, exec2, &c);
+    return rc ? rc : finish_copier(c, 0, &last_kernel_ms);
   }
+  for (size_t i = 1; i < n; i++)
+    if (!same_class(&v[i], &v[i - 1]) && strcmp(route_of(&v[i]), *route) != 0) *route = "mixed";
   if (!G.ready) {
     for (size_t i = 0; i < n; i++)
       if (v[i].src.dev >= 0 || v[i].dst.dev >= 0) return -ENODEV;
@@ -897,9 +922,9 @@ int kvf__gpu_copy_all(const kvf__gpu_copy *v, size_t n, const char **route) {
       rc = -ENOMEM;
       break;
     }
-    int exec = kvf__gpu_plan_exec(&x->src, &x->dst, kvf__gpu_peer, G.split ? !kvf__gpu_plan_push(i, G.split_pct) : G.pull);
-    if (exec >= 0) {
-      rc = kvf__gpu_batch_add(c->main, exec, x->src.addr, x->dst.addr, x->len);
+    int e = kvf__gpu_plan_exec(&x->src, &x->dst, kvf__gpu_peer, G.split ? !kvf__gpu_plan_push(i, G.split_pct) : G.pull);
+    if (e >= 0) {
+      rc = kvf__gpu_batch_add(c->main, e, x->src.addr, x->dst.addr, x->len);
       continue;
     }
     if (!staged && !(staged = calloc(n, sizeof(bool)))) {
@@ -912,15 +937,97 @@ int kvf__gpu_copy_all(const kvf__gpu_copy *v, size_t n, const char **route) {
   if (c) {
     if (rc == 0) rc = kvf__gpu_batch_launch(c->main);
     if (rc == 0 && n_staged) rc = copy_staged(c, v, n, staged);
-    int r2 = kvf__gpu_batch_wait(c->main);
-    if (rc == 0) rc = r2;
-    last_kernel_ms = kvf__gpu_batch_ms(c->main);
-    kvf__gpu_batch_reset(c->main);
-    if (rc == 0) copier_put(c);
-    else copier_free(c); /* after an error its streams may be poisoned */
+    rc = finish_copier(c, rc, &last_kernel_ms);
   }
   free(staged);
   return rc;
+}
+
+/* ------------------------------------------------------------ asynchronous copies */
+
+/* Launched batches wait here, in launch order, for the reaper thread: it
+ * blocks on each one's completion so that the thread that launched it
+ * (the daemon's loop) never does. */
+typedef struct job {
+  struct job *next;
+  copier *c;
+  kvf__gpu_done_fn done;
+  void *arg;
+} job;
+
+static struct {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  pthread_t thread;
+  bool running, stop;
+  job *head, **tail;
+} R = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+static void *reaper_main(void *unused) {
+  pthread_mutex_lock(&R.mu);
+  for (;;) {
+    while (!R.head && !R.stop) pthread_cond_wait(&R.cv, &R.mu);
+    job *j = R.head;
+    if (!j) break;
+    R.head = j->next;
+    if (!R.head) R.tail = &R.head;
+    pthread_mutex_unlock(&R.mu);
+    float ms = -1;
+    int rc = finish_copier(j->c, 0, &ms);
+    j->done(j->arg, rc, ms);
+    free(j);
+    pthread_mutex_lock(&R.mu);
+  }
+  pthread_mutex_unlock(&R.mu);
+  return NULL;
+}
+
+/* Starts the reaper once, with every signal blocked (the loop takes them). */
+static int reaper_start(void) {
+  if (R.running) return 0;
+  sigset_t all, old;
+  sigfillset(&all);
+  pthread_sigmask(SIG_SETMASK, &all, &old);
+  R.tail = &R.head;
+  R.stop = false;
+  int rc = pthread_create(&R.thread, NULL, reaper_main, NULL);
+  pthread_sigmask(SIG_SETMASK, &old, NULL);
+  if (rc) return -rc;
+  R.running = true;
+  return 0;
+}
+
+int kvf__gpu_copy_start(const kvf__gpu_copy *v, size_t n, kvf__gpu_done_fn done, void *arg) {
+  int exec, exec2;
+  if (!uniform_direct(v, n, &exec, &exec2)) return -EAGAIN;
+  job *j = calloc(1, sizeof(*j));
+  if (!j) return -ENOMEM;
+  pthread_mutex_lock(&R.mu);
+  int rc = reaper_start();
+  pthread_mutex_unlock(&R.mu);
+  if (rc == 0) rc = launch_uniform(v, n, exec, exec2, &j->c);
+  if (rc) {
+    free(j);
+    return rc;
+  }
+  j->done = done;
+  j->arg = arg;
+  pthread_mutex_lock(&R.mu);
+  *R.tail = j;
+  R.tail = &j->next;
+  pthread_cond_signal(&R.cv);
+  pthread_mutex_unlock(&R.mu);
+  return 0;
+}
+
+static void reaper_stop(void) {
+  pthread_mutex_lock(&R.mu);
+  bool was = R.running;
+  R.stop = true;
+  R.running = false;
+  pthread_cond_broadcast(&R.cv);
+  pthread_mutex_unlock(&R.mu);
+  if (was) pthread_join(R.thread, NULL); /* it finishes what is queued first */
 }
 
 void kvf__gpu_stats_get(kvf__gpu_stats *s) {
@@ -933,6 +1040,7 @@ void kvf__gpu_stats_get(kvf__gpu_stats *s) {
 }
 
 void kvf__gpu_shutdown(void) {
+  reaper_stop();
   pthread_mutex_lock(&G.mu);
   copier *c = G.free_copiers;
   G.free_copiers = NULL;

@@ -119,6 +119,15 @@ float kvf__gpu_batch_ms(kvf__gpu_batch *b);
  * Returns 0 or a negative errno (-EIO for CUDA failures, logged). */
 int kvf__gpu_copy_all(const kvf__gpu_copy *v, size_t n, const char **route);
 
+/* Asynchronously, when one launch moves all of v (kvf__gpu_copy_all's fast
+ * path: the same two ends, a GPU reaching both): launches from the calling
+ * thread and returns 0; done(arg, rc, kernel_ms) follows exactly once, on
+ * the daemon's CUDA completion thread, after every kernel finished (rc 0
+ * or -EIO), and must only hand the result on. -EAGAIN when v is not such a
+ * batch (use kvf__gpu_copy_all); other errors: nothing runs, no callback. */
+typedef void (*kvf__gpu_done_fn)(void *arg, int rc, float kernel_ms);
+int kvf__gpu_copy_start(const kvf__gpu_copy *v, size_t n, kvf__gpu_done_fn done, void *arg);
+
 /* The kernel time (ms, events) of this thread's last kvf__gpu_copy_all
  * launch on the main batch; -1 when none. For traces. */
 float kvf__gpu_last_kernel_ms(void);

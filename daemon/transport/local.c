@@ -1,15 +1,19 @@
 /* local.c - the local transport: both ends are clients of this daemon, so a
- * transfer is a copy from one pool to another. The copies run on libuv's
- * thread pool so the loop keeps serving. Host to host is memcpy; anything
- * touching a cuda pool goes to daemon/cuda/gpu.c, which moves all of a
- * post's scattered blocks with one batched gather/scatter kernel launch
- * (over NVLink/PCIe peer access, or to and from host pools registered with
- * CUDA), or stages through pinned host memory when two GPUs cannot reach
- * each other. The transfer's path says which: local-nvlink, local-staged,
+ * transfer is a copy from one pool to another. Host to host is memcpy on
+ * libuv's thread pool, so the loop keeps serving. Anything touching a cuda
+ * pool goes to daemon/cuda/gpu.c, which moves all of a post's scattered
+ * blocks with one batched gather/scatter kernel launch (over NVLink/PCIe
+ * peer access, or to and from host pools registered with CUDA), or stages
+ * through pinned host memory when two GPUs cannot reach each other. A post
+ * that one launch moves is launched right here on the loop, so its first
+ * block moves without a thread hop, and completes through gpu.c's
+ * completion thread and an async handle; the others run on the thread
+ * pool. The transfer's path says which way: local-nvlink, local-staged,
  * local-h2d, ... */
 #include "transport.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,7 +31,49 @@ typedef struct copy_job {
   int rc;
   uint64_t t_post, t_start, t_built, t_copied; /* for the debug trace */
   float kernel_ms;
+  struct copy_job *next;  /* on L.done */
 } copy_job;
+
+/* Posts launched on the loop and finished by the GPU, back to the loop. */
+static struct {
+  uv_async_t async;
+  bool async_open;
+  bool closing;           /* destroy came: close the handle once idle */
+  size_t in_flight;       /* launched, not yet back on the loop */
+  pthread_mutex_t mu;
+  copy_job *done;         /* finished, newest first (under mu) */
+  kvf__gpu_copy *v;       /* the loop's scratch for building copies */
+  size_t cap;
+} L = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+/* The copies of a post's runs, into *v (grown as needed and kept: 16k runs
+ * must not cost 16k page faults each time). */
+static int gpu_copies(const kvf__runs *runs, kvf__gpu_copy **v, size_t *cap) {
+  if (runs->n > *cap) {
+    size_t ncap = runs->n + runs->n / 2;
+    kvf__gpu_copy *nv = realloc(*v, ncap * sizeof(**v));
+    if (!nv) return -ENOMEM;
+    *v = nv;
+    *cap = ncap;
+  }
+  /* The ends at offset 0 of the pools of the previous run, reused. */
+  uint32_t sp = UINT32_MAX, dp = UINT32_MAX;
+  kvf__gpu_end s0 = {0}, d0 = {0};
+  for (size_t i = 0; i < runs->n; i++) {
+    const kvf__run *r = &runs->v[i];
+    kvf__gpu_copy *c = &(*v)[i];
+    if (r->src_pool != sp) kvf__pool_gpu_end(kvfd.pools[sp = r->src_pool], 0, &s0);
+    if (r->dst_pool != dp) kvf__pool_gpu_end(kvfd.pools[dp = r->dst_pool], 0, &d0);
+    c->src = s0;
+    c->src.addr += r->src_off;
+    if (s0.host) c->src.host += r->src_off;
+    c->dst = d0;
+    c->dst.addr += r->dst_off;
+    if (d0.host) c->dst.host += r->dst_off;
+    c->len = r->len;
+  }
+  return 0;
+}
 
 static void do_copy(uv_work_t *req) {
   copy_job *j = req->data;
@@ -39,34 +85,9 @@ static void do_copy(uv_work_t *req) {
     }
     return;
   }
-  /* Per worker thread, reused: 16k runs must not cost 16k page faults. */
-  static _Thread_local kvf__gpu_copy *v;
+  static _Thread_local kvf__gpu_copy *v; /* per worker thread */
   static _Thread_local size_t cap;
-  if (j->runs.n > cap) {
-    size_t ncap = j->runs.n + j->runs.n / 2;
-    kvf__gpu_copy *nv = realloc(v, ncap * sizeof(*v));
-    if (!nv) {
-      j->rc = -ENOMEM;
-      return;
-    }
-    v = nv;
-    cap = ncap;
-  }
-  /* The ends at offset 0 of the pools of the previous run, reused. */
-  uint32_t sp = UINT32_MAX, dp = UINT32_MAX;
-  kvf__gpu_end s0 = {0}, d0 = {0};
-  for (size_t i = 0; i < j->runs.n; i++) {
-    const kvf__run *r = &j->runs.v[i];
-    if (r->src_pool != sp) kvf__pool_gpu_end(kvfd.pools[sp = r->src_pool], 0, &s0);
-    if (r->dst_pool != dp) kvf__pool_gpu_end(kvfd.pools[dp = r->dst_pool], 0, &d0);
-    v[i].src = s0;
-    v[i].src.addr += r->src_off;
-    if (s0.host) v[i].src.host += r->src_off;
-    v[i].dst = d0;
-    v[i].dst.addr += r->dst_off;
-    if (d0.host) v[i].dst.host += r->dst_off;
-    v[i].len = r->len;
-  }
+  if ((j->rc = gpu_copies(&j->runs, &v, &cap)) != 0) return;
   const char *route;
   j->t_built = kvf__now_ns();
   j->rc = kvf__gpu_copy_all(v, j->runs.n, &route);
@@ -101,8 +122,8 @@ static const char *gpu_path(const kvf__runs *runs) {
   return NULL;
 }
 
-static void after_copy(uv_work_t *req, int status) {
-  copy_job *j = req->data;
+/* Back on the loop: the post is done (status: the thread pool's own). */
+static void finish_job(copy_job *j, int status) {
   if (j->gpu)
     kvf__debug("local %s: %zu runs, %llu bytes: queued %.0f us, built %.0f us, copied %.0f us (kernel %.0f us), "
                "back on the loop %.0f us", j->x->path ? j->x->path : "local", j->runs.n,
@@ -112,6 +133,65 @@ static void after_copy(uv_work_t *req, int status) {
   kvf__xfer_on_posted(j->x, status ? KVF_ECANCELED : j->rc, j->last);
   kvf__runs_free(&j->runs);
   free(j);
+}
+
+static void after_copy(uv_work_t *req, int status) { finish_job(req->data, status); }
+
+/* The GPU finished a post launched on the loop (gpu.c's completion
+ * thread): queue it for the loop. */
+static void on_gpu_done(void *arg, int rc, float kernel_ms) {
+  copy_job *j = arg;
+  j->rc = rc;
+  j->kernel_ms = kernel_ms;
+  j->t_copied = kvf__now_ns();
+  pthread_mutex_lock(&L.mu);
+  j->next = L.done;
+  L.done = j;
+  pthread_mutex_unlock(&L.mu);
+  uv_async_send(&L.async);
+}
+
+static void on_async_closed(uv_handle_t *h) { L.async_open = false; }
+
+/* The handle keeps the loop running only while posts are in flight. */
+static void on_async(uv_async_t *a) {
+  pthread_mutex_lock(&L.mu);
+  copy_job *list = L.done;
+  L.done = NULL;
+  pthread_mutex_unlock(&L.mu);
+  copy_job *fifo = NULL; /* in the order they finished */
+  while (list) {
+    copy_job *next = list->next;
+    list->next = fifo;
+    fifo = list;
+    list = next;
+  }
+  while (fifo) {
+    copy_job *next = fifo->next;
+    finish_job(fifo, 0);
+    if (--L.in_flight == 0) uv_unref((uv_handle_t *)&L.async);
+    fifo = next;
+  }
+  if (L.closing && L.in_flight == 0 && !uv_is_closing((uv_handle_t *)&L.async))
+    uv_close((uv_handle_t *)&L.async, on_async_closed);
+}
+
+/* Launches j's copies from the loop when one launch moves them all; else
+ * (or on any failure to launch) the caller runs j on the thread pool. */
+static int start_on_loop(copy_job *j) {
+  if (L.closing) return -EAGAIN;
+  if (!L.async_open) {
+    if (uv_async_init(kvfd.loop, &L.async, on_async) != 0) return -EAGAIN;
+    L.async_open = true;
+    uv_unref((uv_handle_t *)&L.async);
+  }
+  j->t_start = kvf__now_ns();
+  int rc = gpu_copies(&j->runs, &L.v, &L.cap);
+  j->t_built = kvf__now_ns();
+  if (rc == 0) rc = kvf__gpu_copy_start(L.v, j->runs.n, on_gpu_done, j);
+  if (rc) return rc;
+  if (L.in_flight++ == 0) uv_ref((uv_handle_t *)&L.async);
+  return 0;
 }
 
 static int local_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) {
@@ -129,6 +209,7 @@ static int local_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool las
     x->path = path;
     if (x->twin) x->twin->path = path;
   }
+  if (j->gpu && start_on_loop(j) == 0) return 0;
   int rc = uv_queue_work(kvfd.loop, &j->req, do_copy, after_copy);
   if (rc) {
     *runs = j->runs;
@@ -147,7 +228,14 @@ static void local_inspect(kvf__transport *t, char *buf, size_t len) {
   snprintf(buf, len, "\"name\": \"local\", \"engine\": \"%s\"",
            kvf__gpu_ready() ? "memcpy, cuda batched kernel" : "memcpy");
 }
-static void local_destroy(kvf__transport *t) {}
+static void local_destroy(kvf__transport *t) {
+  L.closing = true;
+  if (L.async_open && L.in_flight == 0 && !uv_is_closing((uv_handle_t *)&L.async))
+    uv_close((uv_handle_t *)&L.async, on_async_closed);
+  free(L.v);
+  L.v = NULL;
+  L.cap = 0;
+}
 
 static const kvf__transport_ops local_ops = {
     .name = "local",
