@@ -107,6 +107,8 @@ struct kvf_client {
   pthread_mutex_t write_mu; /* a request frame is written whole */
   uint8_t *wbuf;            /* under write_mu: frame buffer kept for the next request */
   size_t wcap;
+  uint8_t *dbuf;            /* under write_mu: packed descriptors, kept likewise */
+  size_t dcap;
 
   pthread_mutex_t mu;        /* guards every field below */
   pthread_cond_t responded;  /* a response arrived, or the connection died */
@@ -603,6 +605,7 @@ static void client_free(kvf_client *c) {
   pthread_mutex_destroy(&c->mu);
   pthread_mutex_destroy(&c->write_mu);
   free(c->wbuf);
+  free(c->dbuf);
   free(c);
 }
 
@@ -783,22 +786,51 @@ static void pack_descs(const kvf_desc *descs, size_t n, uint8_t *p) {
   }
 }
 
-/* Packs the descriptors into DescList.packed in one allocation: 100k
- * descriptors cost one malloc and no varint work. Free with free_desc_list. */
-static int build_desc_list(const kvf_desc *descs, size_t n, Kvf__DescList *list) {
+/* Room for n packed descriptors in dbuf (write_mu held). Like wbuf it is
+ * kept for the next call: a fresh buffer of a few hundred KiB per call
+ * costs a page fault per 4 KiB. */
+static int reserve_dbuf(kvf_client *c, size_t n) {
   if (n > SIZE_MAX / DESC_WIRE_SIZE) return KVF_ELIMIT;
-  uint8_t *p = malloc(n * DESC_WIRE_SIZE);
-  if (!p) return -ENOMEM;
-  list->packed.data = p;
-  list->packed.len = n * DESC_WIRE_SIZE;
-  pack_descs(descs, n, p);
+  size_t need = n * DESC_WIRE_SIZE;
+  if (need <= c->dcap) return 0;
+  uint8_t *b = malloc(need);
+  if (!b) return -ENOMEM;
+  free(c->dbuf);
+  c->dbuf = b;
+  c->dcap = need;
   return 0;
 }
 
-static void free_desc_list(Kvf__DescList *list) {
-  free(list->packed.data);
-  list->packed.data = NULL;
-  list->packed.len = 0;
+/* A buffer past WBUF_KEEP (a call of 200k descriptors) is not kept. */
+static void trim_dbuf(kvf_client *c) {
+  if (c->dcap <= WBUF_KEEP) return;
+  free(c->dbuf);
+  c->dbuf = NULL;
+  c->dcap = 0;
+}
+
+/* One request carrying descs in *list, one response: the descriptors are
+ * packed into dbuf under write_mu, so the buffer serves every call. */
+static int call_with_descs(kvf_client *c, Kvf__ApiRequest *req, Kvf__DescList *list, const kvf_desc *descs,
+                           size_t n) {
+  struct pending p;
+  pthread_mutex_lock(&c->write_mu);
+  int rc = reserve_dbuf(c, n);
+  bool registered = false;
+  if (rc == 0) {
+    pack_descs(descs, n, c->dbuf);
+    list->packed.data = c->dbuf;
+    list->packed.len = n * DESC_WIRE_SIZE;
+    rc = register_pending(c, &p);
+    registered = rc == 0;
+  }
+  if (registered) {
+    req->seq = p.seq;
+    rc = send_request_locked(c, req);
+  }
+  trim_dbuf(c);
+  pthread_mutex_unlock(&c->write_mu);
+  return registered ? finish_call(c, &p, rc, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL) : rc;
 }
 
 static int check_transfer(const kvf_client *c, const char *xfer_id, const kvf_desc *descs,
@@ -814,8 +846,6 @@ KVF_API int kvf_grant(kvf_client *c, const char *xfer_id, const char *src_node,
   if (!rc) rc = check_node_name(src_node, false);
   if (rc) return rc;
   Kvf__DescList list = KVF__DESC_LIST__INIT;
-  rc = build_desc_list(descs, n, &list);
-  if (rc) return rc;
   Kvf__GrantReq body = KVF__GRANT_REQ__INIT;
   body.xfer_id = (char *)xfer_id;
   body.src_node = (char *)(src_node ? src_node : "");
@@ -824,9 +854,7 @@ KVF_API int kvf_grant(kvf_client *c, const char *xfer_id, const char *src_node,
   Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
   req.body_case = KVF__API_REQUEST__BODY_GRANT;
   req.grant = &body;
-  rc = call(c, &req, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL);
-  free_desc_list(&list);
-  return rc;
+  return call_with_descs(c, &req, &list, descs, n);
 }
 
 /* Makes sure frames up to `need` bytes go out of wbuf, without a malloc
@@ -851,15 +879,15 @@ static int send_chained(kvf_client *c, Kvf__ApiRequest *req, const kvf_desc *des
   Kvf__SendReq *body = req->send;
   bool more = body->more;
   Kvf__DescList list = KVF__DESC_LIST__INIT;
-  uint8_t *packed = malloc((size_t)c->chain_max * DESC_WIRE_SIZE);
-  if (!packed) return -ENOMEM;
-  list.packed.data = packed;
-  list.packed.len = (size_t)c->chain_max * DESC_WIRE_SIZE;
   body->descs = &list;
   body->chained = true;
   struct pending p;
   pthread_mutex_lock(&c->write_mu);
-  int rc = reserve_wbuf(c, KVF__FRAME_HDR + kvf__api_request__get_packed_size(req));
+  int rc = reserve_dbuf(c, c->chain_max);
+  uint8_t *packed = c->dbuf;
+  list.packed.data = packed;
+  list.packed.len = (size_t)c->chain_max * DESC_WIRE_SIZE;
+  if (rc == 0) rc = reserve_wbuf(c, KVF__FRAME_HDR + kvf__api_request__get_packed_size(req));
   bool registered = false;
   for (size_t at = 0, slice = c->chain_first; rc == 0 && at < n; slice = slice * 2 < c->chain_max ? slice * 2 : c->chain_max) {
     size_t k = n - at < slice ? n - at : slice;
@@ -880,7 +908,6 @@ static int send_chained(kvf_client *c, Kvf__ApiRequest *req, const kvf_desc *des
     if (rc == 0) rc = send_request_locked(c, req);
   }
   pthread_mutex_unlock(&c->write_mu);
-  free(packed);
   return registered ? finish_call(c, &p, rc, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL) : rc;
 }
 
@@ -900,12 +927,8 @@ KVF_API int kvf_send(kvf_client *c, const char *xfer_id, const char *dst_node,
   req.send = &body;
   if (c->send_chains && n > c->chain_first) return send_chained(c, &req, descs, n);
   Kvf__DescList list = KVF__DESC_LIST__INIT;
-  rc = build_desc_list(descs, n, &list);
-  if (rc) return rc;
   body.descs = &list;
-  rc = call(c, &req, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL);
-  free_desc_list(&list);
-  return rc;
+  return call_with_descs(c, &req, &list, descs, n);
 }
 
 KVF_API int kvf_cancel(kvf_client *c, const char *xfer_id) {

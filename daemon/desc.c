@@ -161,6 +161,12 @@ int kvf__pair(const kvf__descs *src, const kvf__descs *dst, size_t *cursor, kvf_
   if (src->n > dst->n - c) return KVF_ESIZE;
   for (size_t i = 0; i < src->n; i++)
     if (src->length[i] != dst->length[c + i]) return KVF_ESIZE;
+  if (out->cap - out->n < src->n) { /* room for the worst case at once, not by doubling */
+    kvf__run *nv = realloc(out->v, (out->n + src->n) * sizeof(*nv));
+    if (!nv) return -ENOMEM;
+    out->v = nv;
+    out->cap = out->n + src->n;
+  }
   for (size_t i = 0; i < src->n; i++) {
     kvf__run run = {.src_pool = src->pool[i], .dst_pool = dst->pool[c + i],
                     .src_off = src->offset[i], .dst_off = dst->offset[c + i],
