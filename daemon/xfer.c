@@ -150,7 +150,21 @@ static void emit(kvf__xfer *x, int status, const char *error) {
   X.env.emit(x->owner, &ev);
 }
 
+/* Where a finished send's time went, at debug level: from its first part
+ * to the transport's first post, last post and last completion, and to now
+ * (both events sent when it is local). */
+static void trace_send(const kvf__xfer *x) {
+  if (x->role != KVF__SEND || !x->first_post_ns) return;
+  uint64_t now = kvf__now_ns();
+  kvf__debug("transfer '%s' %s: %llu descriptors, %llu bytes: first post +%.0f us, last post +%.0f us, "
+             "transport done +%.0f us, done +%.0f us",
+             x->id, kvf__xfer_path(x), (unsigned long long)x->src_descs, (unsigned long long)x->bytes,
+             (double)(x->first_post_ns - x->created_ns) / 1e3, (double)(x->last_post_ns - x->created_ns) / 1e3,
+             (double)(x->posted_ns - x->created_ns) / 1e3, (double)(now - x->created_ns) / 1e3);
+}
+
 static void succeed(kvf__xfer *x) {
+  trace_send(x);
   emit(x, 0, NULL);
   kvf__metrics_transfer(x, 0);
   kvfd.stats.transfers_done++;
@@ -264,6 +278,8 @@ static int post_part(kvf__xfer *x, const kvf__descs *part, bool last) {
 #ifdef KVF_FAILPOINTS
   if (rc == 0 && last && x->peer && kvf__failpoint(KVF__FP_WRITE_OUTSIDE)) kvf__failpoint_runs(grant_of(x), &runs);
 #endif
+  x->last_post_ns = kvf__now_ns();
+  if (!x->first_post_ns) x->first_post_ns = x->last_post_ns;
   if (rc == 0) rc = x->tp->ops->post(x->tp, x, &runs, last);
   kvf__runs_free(&runs);
   if (rc) {
@@ -587,6 +603,7 @@ static void send_done(kvf__xfer *x) {
 
 void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
   x->parts_out--;
+  x->posted_ns = kvf__now_ns();
   if (x->state == KVF__X_DRAIN) {
     if (x->parts_out > 0) return;
     kvf__xfer *twin_recv = x->twin;

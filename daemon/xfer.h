@@ -51,6 +51,9 @@ struct kvf__xfer {
   bool notify_remote;         /* tell the peer when we fail */
   int remote_status;
   uint64_t created_ns;
+  uint64_t first_post_ns;     /* send: the first and last part handed to the */
+  uint64_t last_post_ns;      /* transport, and its last completion (debug trace) */
+  uint64_t posted_ns;
   uint32_t deadline_ms;
   uv_timer_t timer;
   void *tp_state;             /* the transport's own per-transfer state */
