@@ -3,12 +3,16 @@
 #   1. cudaMemcpyPeer (cuMemcpyPeerAsync) of 512 MiB contiguous: the ceiling
 #   2. NCCL send/recv of the same bytes through PyTorch (if torch is there)
 #   3. the copy kernel alone on llama3-8b's 4096-token KV cache: 16384
-#      scattered 32 KiB blocks (512 MiB), each kernel variant, push and pull
+#      scattered 32 KiB blocks (512 MiB), the default and a sweep of every
+#      entry point, launch shape and push/pull split (gpu_copy sweep), and
+#      the copy engines on a paged KV layout, one 2D copy per block pair
+#      (gpu_copy kvlayout)
 #   4. kvferry end to end: one kvferryd with cuda:0 and cuda:1 pools,
 #      kvferry-bench posting grant+send and timing to RECV_DONE, every byte
 #      verified; one request at a time (latency) and 4 in flight (throughput)
 # Prints a table; JSON lines of every figure go to $OUT_JSON (default
-# /dev/null). Environment: BUILD (default build), REPS (default 30).
+# /dev/null). Environment: BUILD (default build), REPS (default 30),
+# CHAINS (more KVFERRY_SEND_CHAIN shapes to try end to end, e.g. "1024:1024").
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -33,22 +37,33 @@ for l in open(sys.argv[1]):
 echo "== gpu_local: $(date -u +%Y-%m-%dT%H:%M:%SZ) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1) x$(nvidia-smi -L | wc -l), $(nvidia-smi topo -m 2>/dev/null | awk '/^GPU0/{print $3}') GPU0-GPU1"
 
 # ---------------------------------------------------------------- 1 + 3: module
-say "kernel variants (16384 x 32 KiB scattered, GPU0 -> GPU1)"
+say "references and the copy kernel (16384 x 32 KiB scattered, GPU0 -> GPU1)"
 : >"$TMP/k.json"
-"$BUILD/tests/gpu/gpu_copy" bench 16384 32768 "$REPS" 1 >>"$TMP/k.json" 2>"$TMP/k.err" || { say "gpu_copy failed"; cat "$TMP/k.err"; }
-for v in "KVF_CUDA_SPLIT=0" "KVF_CUDA_SPLIT=0 KVF_CUDA_PULL=1" "KVF_CUDA_THREADS=256 KVF_CUDA_CTAS_PER_SM=1" \
-         "KVF_CUDA_SPLIT=0 KVF_CUDA_KERNEL=kvf_copy_tma KVF_CUDA_PULL=1" "KVF_CUDA_KERNEL=kvf_copy_tma" \
-         "KVF_CUDA_KERNEL=kvf_copy_u4" "KVF_CUDA_CTAS_PER_SM=4"; do
-  env $v "$BUILD/tests/gpu/gpu_copy" bench 16384 32768 "$REPS" 0 2>>"$TMP/k.err" |
-    sed "s/^{/{\"env\": \"$v\", /" >>"$TMP/k.json"
-done
-cat "$TMP/k.json" >>"$OUT_JSON"
+"$BUILD/tests/gpu/gpu_copy" bench 16384 32768 "$REPS" 1 >>"$TMP/k.json" 2>"$TMP/k.err" || { say "gpu_copy bench failed"; cat "$TMP/k.err"; }
+# every kernel entry point, launch shape and push/pull split, in one process
+"$BUILD/tests/gpu/gpu_copy" sweep 16384 32768 "$REPS" >"$TMP/sweep.json" 2>>"$TMP/k.err" || { say "gpu_copy sweep failed"; tail -n 5 "$TMP/k.err"; }
+# the copy engines instead: one 2D copy per block pair of a paged KV layout
+"$BUILD/tests/gpu/gpu_copy" kvlayout 64 256 32768 512 "$REPS" >"$TMP/kv.json" 2>>"$TMP/k.err" || { say "gpu_copy kvlayout failed"; tail -n 5 "$TMP/k.err"; }
+cat "$TMP/k.json" "$TMP/sweep.json" "$TMP/kv.json" >>"$OUT_JSON"
 PEER=$(gbps_of "$TMP/k.json" memcpy_peer_contiguous)
-python3 - "$TMP/k.json" <<'EOF'
+python3 - "$TMP/k.json" "$TMP/sweep.json" "$TMP/kv.json" <<'EOF'
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+rows = [json.loads(l) for f in sys.argv[1:] for l in open(f) if l.startswith("{") and "gbps" in l]
+peer = next(d["gbps"] for d in rows if d["what"] == "memcpy_peer_contiguous")
+def line(what, how, d):
+    print("  %-24s %-46s %7.1f GB/s  %.3f ms  %.3fx" % (what, how, d["gbps"], d["ms"], d["gbps"] / peer))
 for d in rows:
-    print("  %-24s %-44s %7.1f GB/s  %.3f ms" % (d["what"], d.get("env", "default (u8, 512 thr, 2/SM, split)"), d["gbps"], d["ms"]))
+    if d["what"] in ("memcpy_peer_contiguous", "memcpy_async_per_block", "pinned_h2d", "pinned_d2h", "kernel_scattered",
+                     "kernel_contiguous", "ce_batch", "kv_kernel", "kv_ce2d"):
+        how = {"kernel_scattered": "default (%s)" % d.get("kernel"), "kv_ce2d": "engines: push %s pull %s, %s rows" % (
+            d.get("push_streams"), d.get("pull_streams"), d.get("rows"))}.get(d["what"], "")
+        line(d["what"], how, d)
+sweep = sorted((d for d in rows if d["what"] == "sweep_kernel"), key=lambda d: -d["gbps"])
+if sweep:
+    print("  sweep: %d shapes, %.1f-%.1f GB/s (%.3f-%.3fx); best:" % (len(sweep), sweep[-1]["gbps"], sweep[0]["gbps"],
+          sweep[-1]["gbps"] / peer, sweep[0]["gbps"] / peer))
+    for d in sweep[:5]:
+        line("sweep_kernel", "%s %dx%d push %d%%" % (d["kernel"], d["threads"], d["ctas_per_sm"], d["push_pct"]), d)
 EOF
 
 # ---------------------------------------------------------------- 2: NCCL
@@ -107,7 +122,7 @@ peer-listen 127.0.0.1:$PORT
 pool g0 cuda:0 2G
 pool g1 cuda:1 2G
 transports tcp
-log-level ${LOG_LEVEL:-info}
+log-level ${LOG_LEVEL:-debug}
 cuda on
 EOF
 ${KVF_ENV:-} "$BUILD/kvferryd" -c "$TMP/d.conf" >"$TMP/d.log" 2>&1 &
@@ -128,14 +143,18 @@ e2e() { # NAME ARGS...
 # e2e_from_send: the grant is posted first, untimed, as a decode engine
 # would, and the clock runs from the send to RECV_DONE (the issue's measure).
 e2e e2e_warm --model llama3-8b --tokens 4096 --requests 3
-e2e e2e_grant_send --model llama3-8b --tokens 4096 --requests 12
-e2e e2e_from_send --model llama3-8b --tokens 4096 --requests 12 --time-from-send
+e2e e2e_grant_send --model llama3-8b --tokens 4096 --requests 16
+e2e e2e_from_send --model llama3-8b --tokens 4096 --requests 16 --time-from-send
+# the same with each send as one frame (no chained frames: the earlier way)
+KVFERRY_SEND_CHAIN=0 e2e e2e_one_frame --model llama3-8b --tokens 4096 --requests 16 --time-from-send
 e2e e2e_layerwise --model llama3-8b --tokens 4096 --requests 8 --layerwise --time-from-send
 e2e e2e_conc4 --model llama3-8b --tokens 4096 --requests 24 --concurrency 4 --time-from-send
-e2e e2e_tiny_blocks --layers 32 --kv-heads 1 --head-dim 2 --block-tokens 16 --dtype-bytes 1 --tokens 4096 --requests 12 --time-from-send
+e2e e2e_tiny_blocks --layers 32 --kv-heads 1 --head-dim 2 --block-tokens 16 --dtype-bytes 1 --tokens 4096 --requests 16 --time-from-send
+# other chain shapes (KVFERRY_SEND_CHAIN=FIRST:MAX descriptors per frame)
+for ch in ${CHAINS:-}; do KVFERRY_SEND_CHAIN=$ch e2e "e2e_chain_$ch" --model llama3-8b --tokens 4096 --requests 16 --time-from-send; done
 E2E=$(python3 -c 'import json; print("%.1f" % json.load(open("'"$TMP"'/e2e_from_send.json"))["gbps"])' 2>/dev/null)
 E2EC=$(python3 -c 'import json; print("%.1f" % json.load(open("'"$TMP"'/e2e_conc4.json"))["gbps"])' 2>/dev/null)
-grep "local local" "$TMP/d.log" | tail -n 3 | cut -c 40- | sed 's/^/  trace: /'
+grep "transfer '" "$TMP/d.log" | tail -n 3 | sed 's/.*local[^:]*: /  trace: /'
 "$BUILD/kvferryctl" -s "$TMP/d.sock" --json status | python3 -c 'import json,sys; print("  daemon cuda counters:", json.load(sys.stdin)["cuda"])'
 KER=$(gbps_of "$TMP/k.json" kernel_scattered)
 echo "== summary: memcpy_peer ${PEER:-?} GB/s, nccl ${NCCL:-?} GB/s, kernel (default) ${KER:-?} GB/s ($(python3 -c "print('%.3f' % (${KER:-0}/${PEER:-1}))")x peer), e2e one request (send->RECV_DONE) ${E2E:-?} GB/s ($(python3 -c "print('%.3f' % (${E2E:-0}/${PEER:-1}))")x), e2e 4 in flight ${E2EC:-?} GB/s ($(python3 -c "print('%.3f' % (${E2EC:-0}/${PEER:-1}))")x)"

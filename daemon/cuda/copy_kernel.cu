@@ -11,6 +11,14 @@
 // Grid: any number of CTAs, each walks chunks blockIdx.x, +gridDim.x, ...
 // All threads of a CTA work on one chunk at a time: thread t copies units
 // t, t+blockDim, ... so a warp's accesses are contiguous (coalesced).
+// kvf_copy_w8 instead gives each warp a chunk of its own.
+//
+// Measured on an H200 NVLink pair (bench/RESULTS.md, `gpu_copy sweep`):
+// every entry point, launch shape and push/pull split lands within about 1%
+// of the others, at 0.91-0.93 of the copy engines' contiguous rate: the SMs'
+// NVLink traffic, not the kernel, sets the ceiling. The default is
+// kvf_copy_u8, 256 threads, 2 CTAs per SM, copies split half pushed by the
+// source GPU and half pulled by the destination GPU.
 #include "copy_args.h"
 
 // Cache policies (P): 0 = L2 only (ld/st.global.cg), 1 = streaming, evict
@@ -163,14 +171,8 @@ extern "C" __global__ void __launch_bounds__(1024) kvf_copy_tma(const kvf_chunk 
     body;                                                                                        \
   }
 
-KVF_COPY_ENTRY(kvf_copy_u2, (copy_chunks<2, 0>(chunks, n)))
-KVF_COPY_ENTRY(kvf_copy_u4cs, (copy_chunks<4, 1>(chunks, n)))
-KVF_COPY_ENTRY(kvf_copy_u4nc, (copy_chunks<4, 2>(chunks, n)))
-KVF_COPY_ENTRY(kvf_copy_u4wb, (copy_chunks<4, 3>(chunks, n)))
-KVF_COPY_ENTRY(kvf_copy_w4, (copy_chunks_warp<4, 0>(chunks, n)))
+KVF_COPY_ENTRY(kvf_copy_u8wb, (copy_chunks<8, 3>(chunks, n)))
 KVF_COPY_ENTRY(kvf_copy_w8, (copy_chunks_warp<8, 0>(chunks, n)))
-KVF_COPY_ENTRY(kvf_copy_w8wb, (copy_chunks_warp<8, 3>(chunks, n)))
-KVF_COPY_ENTRY(kvf_copy_w16, (copy_chunks_warp<16, 0>(chunks, n)))
 
 extern "C" __global__ void __launch_bounds__(1024) kvf_copy_u4(const kvf_chunk *__restrict__ chunks, unsigned n) {
   copy_chunks<4, 0>(chunks, n);

@@ -76,6 +76,24 @@ enum {
   KVF_CU_EVENT_DISABLE_TIMING = 2,
 };
 
+typedef struct kvf_cu_memcpy2d {     /* CUDA_MEMCPY2D */
+  size_t srcXInBytes, srcY;
+  int srcMemoryType;                  /* CU_MEMORYTYPE_DEVICE = 2 */
+  const void *srcHost;
+  CUdeviceptr srcDevice;
+  void *srcArray;
+  size_t srcPitch;
+  size_t dstXInBytes, dstY;
+  int dstMemoryType;
+  void *dstHost;
+  CUdeviceptr dstDevice;
+  void *dstArray;
+  size_t dstPitch;
+  size_t WidthInBytes, Height;
+} kvf_cu_memcpy2d;
+
+#define KVF_CU_MEMORYTYPE_DEVICE 2
+
 /* CUdevice_attribute values we read. */
 enum {
   KVF_CU_ATTR_MULTIPROCESSOR_COUNT = 16,
@@ -154,6 +172,7 @@ typedef struct kvf_cu {
   CUresult (*EventSynchronize)(CUevent);
   CUresult (*EventQuery)(CUevent);
   CUresult (*EventElapsedTime)(float *, CUevent, CUevent);
+  CUresult (*Memcpy2DAsync)(const kvf_cu_memcpy2d *, CUstream);
 } kvf_cu;
 
 /* "CUDA_ERROR_X: text" for a CUresult, into buf. */
@@ -256,6 +275,7 @@ static inline int kvf__cu_load(kvf_cu *cu, char *err, size_t errlen) {
       KVF_CU_SYM(EventSynchronize, "cuEventSynchronize", NULL),
       KVF_CU_SYM(EventQuery, "cuEventQuery", NULL),
       KVF_CU_SYM(EventElapsedTime, "cuEventElapsedTime_v2", "cuEventElapsedTime"),
+      KVF_CU_SYM(Memcpy2DAsync, "cuMemcpy2DAsync_v2", NULL),
 #undef KVF_CU_SYM
   };
   for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {

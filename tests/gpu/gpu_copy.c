@@ -12,9 +12,14 @@
  *                    / D2H; one JSON line per figure
  *   gpu_copy sweep [N BLOCK REPS]
  *                    the same scattered blocks with every kernel entry point,
- *                    launch shape and push/pull split in one process, then
- *                    the copy engines (cuMemcpyBatchAsync on 1-4 streams)
- *                    alone and beside the kernel; each run verified
+ *                    launch shape and push/pull split in one process, and
+ *                    the copy engines on the same blocks (one
+ *                    cuMemcpyBatchAsync); each run verified
+ *   gpu_copy kvlayout [T M BLOCK NB REPS]
+ *                    a paged KV cache in one pool per GPU (T segments of NB
+ *                    blocks); M scattered block pairs moved by the kernel
+ *                    (T * M descriptors) and by the copy engines as one 2D
+ *                    copy per pair (rows of BLOCK at a pitch of NB blocks)
  *   gpu_copy pinned [BYTES REPS]
  *                    pinned H2D and D2H on GPU 0 alone (one-GPU machines)
  *
@@ -23,6 +28,7 @@
  * KVF_CUDA_CTAS_PER_SM). */
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -600,9 +606,10 @@ static int run_sweep(size_t n, uint64_t block, int reps) {
     report("memcpy_peer_contiguous", bytes, median(v, reps), NULL);
     free(v);
   }
-  static const char *kernels[] = {"kvf_copy_u8", "kvf_copy_u4", "kvf_copy_u2", "kvf_copy_u4cs", "kvf_copy_u4nc",
-                                  "kvf_copy_u4wb", "kvf_copy_w4", "kvf_copy_w8", "kvf_copy_w8wb", "kvf_copy_w16"};
-  static const unsigned shapes[][2] = {{512, 2}, {256, 4}, {1024, 1}, {256, 2}, {128, 8}, {128, 4}, {512, 1}};
+  static const char *kernels[] = {"kvf_copy_u8", "kvf_copy_u4", "kvf_copy_u8cs", "kvf_copy_u8nc", "kvf_copy_u8wb",
+                                  "kvf_copy_w8", "kvf_copy_tma"};
+  static const unsigned shapes[][2] = {{256, 2}, {512, 2}, {256, 4}, {1024, 1}, {128, 8}, {512, 1}};
+  static const unsigned tma_shapes[][2] = {{32, 6}, {32, 8}, {32, 16}, {64, 8}, {32, 4}, {128, 4}};
   static const int pcts[] = {50, 0, 100, 40, 60};
   kvf__gpu_tuning def;
   kvf__gpu_tuning_get(&def);
@@ -614,17 +621,19 @@ static int run_sweep(size_t n, uint64_t block, int reps) {
       for (size_t p = 0; p < sizeof(pcts) / sizeof(pcts[0]); p++) {
         /* the full grid for the default shape; the other shapes at 50% only */
         if (s > 0 && pcts[p] != 50) continue;
-        kvf__gpu_tuning t = {kernels[k], shapes[s][0], shapes[s][1], true, (unsigned)pcts[p], false};
+        bool tma = strcmp(kernels[k], "kvf_copy_tma") == 0; /* issued by one thread per CTA */
+        const unsigned *shape = tma ? tma_shapes[s] : shapes[s];
+        kvf__gpu_tuning t = {kernels[k], shape[0], shape[1], true, (unsigned)pcts[p], false};
         if (kvf__gpu_tune(&t) != 0) continue;
         if ((rc = time_mix(&x, n, 0, reps, &ms)) != 0) goto out;
         snprintf(extra, sizeof(extra), "\"kernel\": \"%s\", \"threads\": %u, \"ctas_per_sm\": %u, \"push_pct\": %d",
-                 kernels[k], shapes[s][0], shapes[s][1], pcts[p]);
+                 kernels[k], shape[0], shape[1], pcts[p]);
         report("sweep_kernel", bytes, ms, extra);
       }
   def.kernel = def_kernel;
   kvf__gpu_tune(&def);
-  /* copy engines alone (cuMemcpyBatchAsync), 1..4 streams */
-  for (int k = 1; k <= 4; k *= 2) {
+  /* the copy engines on the same blocks (cuMemcpyBatchAsync), for scale */
+  for (int k = 1; k <= 1; k++) {
     rc = time_mix(&x, 0, k, reps, &ms);
     if (rc == 1) {
       printf("{\"what\": \"ce_batch\", \"skipped\": \"no cuMemcpyBatchAsync_v2\"}\n");
@@ -635,23 +644,277 @@ static int run_sweep(size_t n, uint64_t block, int reps) {
     snprintf(extra, sizeof(extra), "\"streams\": %d", k);
     report("ce_batch", bytes, ms, extra);
   }
-  /* kernel (default tuning) with a share of the blocks on the engines */
-  static const int ce_pcts[] = {4, 8, 12, 16, 24};
-  for (size_t i = 0; i < sizeof(ce_pcts) / sizeof(ce_pcts[0]); i++)
-    for (int k = 1; k <= 4; k *= 2) {
-      size_t nk = n - n * (size_t)ce_pcts[i] / 100;
-      rc = time_mix(&x, nk, k, reps, &ms);
-      if (rc == 1) {
-        rc = 0;
-        goto out;
-      }
-      if (rc) goto out;
-      snprintf(extra, sizeof(extra), "\"kernel\": \"%s\", \"ce_pct\": %d, \"ce_streams\": %d", def_kernel,
-               ce_pcts[i], k);
-      report("hybrid", bytes, ms, extra);
-    }
 out:
   scatter_free(&x);
+  return rc;
+}
+
+/* ------------------------------------------------------------ parts */
+
+/* The local transport's pattern: a send arrives in parts (chained frames of
+ * 256, 512, ... 4096 descriptors) and each part is launched on its own as
+ * it comes (kvf__gpu_copy_start). Host wall time from the first launch to
+ * the last completion callback, against one launch of everything; pace_ns
+ * spins that long per descriptor before each launch, as the daemon's loop
+ * spends unpacking and pairing a frame. */
+static struct {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  size_t left;
+  int rc;
+  uint64_t last_ns;
+} PW = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0};
+
+static uint64_t now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+static void part_done(void *arg, int rc, float ms) {
+  pthread_mutex_lock(&PW.mu);
+  if (rc) PW.rc = rc;
+  PW.last_ns = now_ns();
+  if (--PW.left == 0) pthread_cond_signal(&PW.cv);
+  pthread_mutex_unlock(&PW.mu);
+}
+
+static int time_parts(scatter *x, size_t first, size_t max, unsigned pace_ns, int reps, float *out_ms,
+                      float *launch_us) {
+  kvf__gpu_copy *v = malloc(x->n * sizeof(*v));
+  float *ms = calloc((size_t)reps, sizeof(float)), *lu = calloc((size_t)reps, sizeof(float));
+  for (size_t i = 0; i < x->n; i++)
+    v[i] = (kvf__gpu_copy){.src = end_of(&x->a, x->src_off[i]), .dst = end_of(&x->b, x->dst_off[i]), .len = x->block};
+  int rc = scatter_clear(x);
+  for (int r = -3; r < reps && rc == 0; r++) {
+    size_t nparts = 0;
+    for (size_t at = 0, k = first; at < x->n; at += k, k = k * 2 < max ? k * 2 : max) nparts++;
+    PW.left = nparts;
+    PW.rc = 0;
+    uint64_t t0 = now_ns(), in_launch = 0;
+    for (size_t at = 0, k = first; at < x->n && rc == 0; at += k, k = k * 2 < max ? k * 2 : max) {
+      size_t take = x->n - at < k ? x->n - at : k;
+      uint64_t until = now_ns() + (uint64_t)pace_ns * take;
+      while (pace_ns && now_ns() < until) {
+      }
+      uint64_t l0 = now_ns();
+      rc = kvf__gpu_copy_start(v + at, take, part_done, NULL);
+      in_launch += now_ns() - l0;
+    }
+    pthread_mutex_lock(&PW.mu);
+    while (PW.left) pthread_cond_wait(&PW.cv, &PW.mu);
+    if (PW.rc) rc = PW.rc;
+    pthread_mutex_unlock(&PW.mu);
+    if (r >= 0) {
+      ms[r] = (float)((double)(PW.last_ns - t0) / 1e6);
+      lu[r] = (float)((double)in_launch / 1e3);
+    }
+  }
+  if (rc == 0) rc = scatter_verify(x, "parts");
+  *out_ms = median(ms, reps);
+  *launch_us = median(lu, reps);
+  free(ms);
+  free(lu);
+  free(v);
+  return rc;
+}
+
+static int run_parts(size_t n, uint64_t block, int reps) {
+  if (kvf__gpu_count() < 2) {
+    fprintf(stderr, "parts needs 2 GPUs\n");
+    return -1;
+  }
+  scatter x;
+  if (scatter_setup(&x, n, block)) return -1;
+  static const struct { size_t first, max; unsigned pace; } v[] = {
+      {16384, 16384, 0}, {256, 4096, 0}, {256, 4096, 60}, {1024, 4096, 0}, {1024, 4096, 60}, {4096, 4096, 0}, {128, 2048, 60},
+  };
+  int rc = 0;
+  for (size_t i = 0; i < sizeof(v) / sizeof(v[0]) && rc == 0; i++) {
+    float ms, lu;
+    rc = time_parts(&x, v[i].first, v[i].max, v[i].pace, reps, &ms, &lu);
+    char extra[160];
+    snprintf(extra, sizeof(extra), "\"first\": %zu, \"max\": %zu, \"pace_ns\": %u, \"launch_us\": %.1f", v[i].first,
+             v[i].max, v[i].pace, lu);
+    if (rc == 0) report("parts_wall", (uint64_t)n * block, ms, extra);
+  }
+  scatter_free(&x);
+  return rc;
+}
+
+/* ------------------------------------------------------------ kvlayout */
+
+/* A paged KV cache laid out in one pool per GPU, as an engine keeps it in a
+ * kvferry pool: T (layer, K/V) segments, each an array of nb blocks of bs
+ * bytes. A request holds m block ids on each side (random); its T * m
+ * descriptors go layer-major (for each segment, each block), as engines and
+ * kvferry-bench post them. Block pair j's T segments lie at one stride
+ * (nb * bs) on both sides, so the copy engines can move each pair as one 2D
+ * copy instead of T copies of bs bytes. */
+typedef struct kvlay {
+  region a, b;
+  unsigned T, m, nb;
+  uint64_t bs, pitch;
+  uint32_t *sid, *did;    /* the request's block ids, m each */
+  uint8_t *want, *got;
+} kvlay;
+
+static int kvlay_setup(kvlay *k, unsigned T, unsigned m, uint64_t bs, unsigned nb) {
+  memset(k, 0, sizeof(*k));
+  k->T = T, k->m = m, k->bs = bs, k->nb = nb, k->pitch = (uint64_t)nb * bs;
+  uint64_t size = (uint64_t)T * k->pitch;
+  if (region_dev(&k->a, "cuda:0", 0, size) || region_dev(&k->b, "cuda:1", 1, size)) return -1;
+  k->sid = malloc(nb * sizeof(uint32_t));
+  k->did = malloc(nb * sizeof(uint32_t));
+  k->want = malloc(k->a.size);
+  k->got = malloc(k->b.size);
+  CHECK(k->sid && k->did && k->want && k->got, "malloc");
+  for (unsigned i = 0; i < nb; i++) k->sid[i] = k->did[i] = i;
+  for (unsigned i = 0; i < m; i++) {
+    unsigned j = i + (unsigned)(rnd() % (nb - i)), t = k->sid[i];
+    k->sid[i] = k->sid[j], k->sid[j] = t;
+    j = i + (unsigned)(rnd() % (nb - i)), t = k->did[i];
+    k->did[i] = k->did[j], k->did[j] = t;
+  }
+  for (uint64_t i = 0; i < k->a.size; i += 8) {
+    uint64_t v = rnd();
+    memcpy(k->want + i, &v, 8);
+  }
+  return region_write(&k->a, k->want);
+}
+
+static void kvlay_free(kvlay *k) {
+  region_free(&k->a);
+  region_free(&k->b);
+  free(k->sid);
+  free(k->did);
+  free(k->want);
+  free(k->got);
+}
+
+static int kvlay_verify(kvlay *k, const char *what) {
+  if (region_read(&k->b, k->got)) return -1;
+  for (unsigned t = 0; t < k->T; t++)
+    for (unsigned j = 0; j < k->m; j++)
+      CHECK(memcmp(k->got + t * k->pitch + k->did[j] * k->bs, k->want + t * k->pitch + k->sid[j] * k->bs, k->bs) == 0,
+            "%s: segment %u block %u differs", what, t, j);
+  set_ctx(1);
+  CHECK(cu.MemsetD8(k->b.addr, 0, k->b.size) == 0, "memset");
+  return 0;
+}
+
+/* The kernel on the T * m descriptors (current tuning, split as the daemon). */
+static int kvlay_kernel(kvlay *k, int reps, float *out) {
+  kvf__gpu_batch *bt;
+  if (kvf__gpu_batch_new(&bt)) return -1;
+  kvf__gpu_tuning tu;
+  kvf__gpu_tuning_get(&tu);
+  float *ms = calloc((size_t)reps, sizeof(float));
+  int rc = 0;
+  for (int r = -3; r < reps && rc == 0; r++) {
+    kvf__gpu_batch_reset(bt);
+    size_t i = 0;
+    for (unsigned t = 0; t < k->T; t++)
+      for (unsigned j = 0; j < k->m; j++, i++)
+        kvf__gpu_batch_add(bt, tu.split ? (kvf__gpu_plan_push(i, tu.split_pct) ? 0 : 1) : 0,
+                           k->a.addr + t * k->pitch + k->sid[j] * k->bs, k->b.addr + t * k->pitch + k->did[j] * k->bs, k->bs);
+    if (kvf__gpu_batch_launch(bt) || kvf__gpu_batch_wait(bt)) rc = -1;
+    if (r >= 0) ms[r] = kvf__gpu_batch_ms(bt);
+  }
+  if (rc == 0) rc = kvlay_verify(k, "kernel");
+  *out = median(ms, reps);
+  free(ms);
+  kvf__gpu_batch_free(bt);
+  return rc;
+}
+
+/* Each block pair's segments as 2D copies of `height` rows, spread round
+ * robin over s0 streams of GPU 0 (its copy engines push) and s1 of GPU 1
+ * (they pull); the span runs from one event before all to one after all. */
+static int kvlay_ce2d(kvlay *k, int s0, int s1, unsigned height, int reps, float *out) {
+  enum { MAXS = 8 };
+  static CUstream st[2][MAXS];
+  static CUevent done[2][MAXS], t0, t1;
+  if (!t0) {
+    for (int d = 0; d < 2; d++) {
+      set_ctx(d);
+      for (int i = 0; i < MAXS; i++) {
+        cu.StreamCreate(&st[d][i], KVF_CU_STREAM_NON_BLOCKING);
+        cu.EventCreate(&done[d][i], KVF_CU_EVENT_DISABLE_TIMING);
+      }
+    }
+    set_ctx(0);
+    cu.EventCreate(&t0, 0);
+    cu.EventCreate(&t1, 0);
+  }
+  int ns = s0 + s1;
+  if (ns < 1 || s0 > MAXS || s1 > MAXS || k->T % height) return -1;
+  float *ms = calloc((size_t)reps, sizeof(float));
+  int rc = 0;
+  for (int r = -3; r < reps && rc == 0; r++) {
+    set_ctx(0);
+    cu.EventRecord(t0, st[0][0]);
+    for (int q = 0; q < ns; q++) {
+      int d = q < s0 ? 0 : 1, i = q < s0 ? q : q - s0;
+      set_ctx(d);
+      if (q) cu.StreamWaitEvent(st[d][i], t0, 0);
+    }
+    unsigned n = 0;
+    for (unsigned j = 0; j < k->m && rc == 0; j++)
+      for (unsigned t = 0; t < k->T && rc == 0; t += height, n++) {
+        int q = (int)(n % (unsigned)ns), d = q < s0 ? 0 : 1, i = q < s0 ? q : q - s0;
+        kvf_cu_memcpy2d c = {0};
+        c.srcMemoryType = c.dstMemoryType = KVF_CU_MEMORYTYPE_DEVICE;
+        c.srcDevice = k->a.addr + t * k->pitch + k->sid[j] * k->bs;
+        c.dstDevice = k->b.addr + t * k->pitch + k->did[j] * k->bs;
+        c.srcPitch = c.dstPitch = k->pitch;
+        c.WidthInBytes = k->bs;
+        c.Height = height;
+        set_ctx(d);
+        CUresult cr = cu.Memcpy2DAsync(&c, st[d][i]);
+        if (cr != KVF_CU_SUCCESS) {
+          fprintf(stderr, "cuMemcpy2DAsync: %d\n", cr);
+          rc = -1;
+        }
+      }
+    for (int q = 0; q < ns; q++) {
+      int d = q < s0 ? 0 : 1, i = q < s0 ? q : q - s0;
+      set_ctx(d);
+      cu.EventRecord(done[d][i], st[d][i]);
+      set_ctx(0);
+      cu.StreamWaitEvent(st[0][0], done[d][i], 0);
+    }
+    set_ctx(0);
+    cu.EventRecord(t1, st[0][0]);
+    cu.StreamSynchronize(st[0][0]);
+    if (r >= 0) cu.EventElapsedTime(&ms[r], t0, t1);
+  }
+  if (rc == 0) rc = kvlay_verify(k, "ce2d");
+  *out = median(ms, reps);
+  free(ms);
+  return rc;
+}
+
+static int run_kvlayout(unsigned T, unsigned m, uint64_t bs, unsigned nb, int reps) {
+  if (kvf__gpu_count() < 2) {
+    fprintf(stderr, "kvlayout needs 2 GPUs\n");
+    return -1;
+  }
+  kvlay k;
+  if (kvlay_setup(&k, T, m, bs, nb)) return -1;
+  uint64_t bytes = (uint64_t)T * m * bs;
+  char extra[160];
+  float ms;
+  int rc = kvlay_kernel(&k, reps, &ms);
+  if (rc == 0) report("kv_kernel", bytes, ms, NULL);
+  static const struct { int s0, s1; unsigned h; } v[] = {{1, 0, 0}, {0, 1, 0}, {1, 1, 0}, {2, 2, 0}, {1, 1, 16}};
+  for (size_t i = 0; i < sizeof(v) / sizeof(v[0]) && rc == 0; i++) {
+    unsigned h = v[i].h ? v[i].h : T;
+    rc = kvlay_ce2d(&k, v[i].s0, v[i].s1, h, reps, &ms);
+    snprintf(extra, sizeof(extra), "\"push_streams\": %d, \"pull_streams\": %d, \"rows\": %u", v[i].s0, v[i].s1, h);
+    if (rc == 0) report("kv_ce2d", bytes, ms, extra);
+  }
+  kvlay_free(&k);
   return rc;
 }
 
@@ -675,6 +938,17 @@ int main(int argc, char **argv) {
     uint64_t block = argc > 3 ? strtoull(argv[3], NULL, 10) : 32768;
     int reps = argc > 4 ? atoi(argv[4]) : 20;
     rc = run_sweep(n, block, reps > 0 ? reps : 20);
+  } else if (strcmp(mode, "parts") == 0) {
+    size_t n = argc > 2 ? (size_t)strtoull(argv[2], NULL, 10) : 16384;
+    uint64_t block = argc > 3 ? strtoull(argv[3], NULL, 10) : 32768;
+    int reps = argc > 4 ? atoi(argv[4]) : 20;
+    rc = run_parts(n, block, reps > 0 ? reps : 20);
+  } else if (strcmp(mode, "kvlayout") == 0) {
+    unsigned T = argc > 2 ? (unsigned)atoi(argv[2]) : 64, m = argc > 3 ? (unsigned)atoi(argv[3]) : 256;
+    uint64_t bs = argc > 4 ? strtoull(argv[4], NULL, 10) : 32768;
+    unsigned nb = argc > 5 ? (unsigned)atoi(argv[5]) : 512;
+    int reps = argc > 6 ? atoi(argv[6]) : 20;
+    rc = run_kvlayout(T, m, bs, nb, reps > 0 ? reps : 20);
   } else if (strcmp(mode, "pinned") == 0) {
     uint64_t bytes = argc > 2 ? strtoull(argv[2], NULL, 10) : 512ull << 20;
     int reps = argc > 3 ? atoi(argv[3]) : 20;

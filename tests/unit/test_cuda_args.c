@@ -225,6 +225,14 @@ static void test_abi(void **state) {
   assert_int_equal(KVF_CU_ERROR_PEER_ACCESS_ALREADY_ENABLED, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED);
   assert_int_equal(KVF_CU_ERROR_HOST_MEMORY_ALREADY_REGISTERED, CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED);
   assert_int_equal(KVF_CU_STREAM_NON_BLOCKING, CU_STREAM_NON_BLOCKING);
+  assert_int_equal(sizeof(kvf_cu_memcpy2d), sizeof(CUDA_MEMCPY2D));
+  assert_int_equal(offsetof(kvf_cu_memcpy2d, srcDevice), offsetof(CUDA_MEMCPY2D, srcDevice));
+  assert_int_equal(offsetof(kvf_cu_memcpy2d, srcPitch), offsetof(CUDA_MEMCPY2D, srcPitch));
+  assert_int_equal(offsetof(kvf_cu_memcpy2d, dstMemoryType), offsetof(CUDA_MEMCPY2D, dstMemoryType));
+  assert_int_equal(offsetof(kvf_cu_memcpy2d, dstDevice), offsetof(CUDA_MEMCPY2D, dstDevice));
+  assert_int_equal(offsetof(kvf_cu_memcpy2d, dstPitch), offsetof(CUDA_MEMCPY2D, dstPitch));
+  assert_int_equal(offsetof(kvf_cu_memcpy2d, Height), offsetof(CUDA_MEMCPY2D, Height));
+  assert_int_equal(KVF_CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_DEVICE);
 #else
   skip();
 #endif
