@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # scripts/device-pack.sh - gathers what a GPU machine without a package
-# registry needs to run this build: the Debian runtime libraries the binaries
-# link (libuv, protobuf-c, rdma-core, systemd, cmocka, iperf3 and their own
-# dependencies, never glibc) into .devcarry/lib, and iperf3 into
-# .devcarry/bin. Carry both `build` and `.devcarry` to the machine, then:
+# registry needs to run this build into .devcarry/ (ignored by git): the
+# binaries the GPU tests and benchmarks run (.devcarry/build, laid out as
+# build/), the Debian runtime libraries they link (libuv, protobuf-c,
+# rdma-core, systemd, cmocka, iperf3 and their own dependencies, never
+# glibc) in .devcarry/lib, and iperf3 in .devcarry/bin. Carry `.devcarry`
+# to the machine, then:
 #
 #   export LD_LIBRARY_PATH=$PWD/.devcarry/lib PATH=$PWD/.devcarry/bin:$PATH
+#   BUILD=.devcarry/build tests/gpu/run.sh
 #
 # Build first (make all). Environment: BUILD (default build).
 set -eu
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 out=.devcarry
-rm -rf "$out"
-mkdir -p "$out/lib" "$out/bin"
-bins=("$BUILD/kvferryd" "$BUILD/kvferry-bench" "$BUILD/kvferryctl" "$BUILD"/tests/gpu/* "$BUILD"/tests/test_* /usr/bin/iperf3)
+rm -rf "$out/lib" "$out/bin" "$out/build"
+mkdir -p "$out/lib" "$out/bin" "$out/build/tests/gpu"
+bins=("$BUILD/kvferryd" "$BUILD/kvferry-bench" "$BUILD/kvferryctl" "$BUILD"/tests/gpu/* /usr/bin/iperf3)
+cp "${bins[@]:0:3}" "$BUILD/libkvferry.so" "$out/build/"
+cp "$BUILD"/tests/gpu/* "$out/build/tests/gpu/"
 # Every library ldd resolves, except the C library and the loader, which the
 # machine has (and must match its kernel).
 ldd "${bins[@]}" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
