@@ -52,7 +52,7 @@ INTEG_SRC := $(wildcard tests/integration/test_*.c)
 INTEG_BIN := $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(INTEG_SRC))
 TESTLIB_SRC := $(wildcard tests/integration/harness.c)
 
-BINS := $(BUILD)/kvferryd $(BUILD)/kvferryctl $(BUILD)/kvferry-bench \
+BINS := $(BUILD)/kvferryd $(BUILD)/kvferryctl $(BUILD)/kvferry-bench $(BUILD)/desc-bench \
 	$(BUILD)/libkvferry.so $(BUILD)/libkvferry.a
 
 # Operations tests (tests/ops): Python, stdlib only, TAP on stdout.
@@ -105,6 +105,10 @@ $(BUILD)/kvferryctl: $(call obj,$(CTL_SRC)) $(BUILD)/libkvferry.a
 
 $(BUILD)/kvferry-bench: $(call obj,$(BENCH_SRC)) $(BUILD)/libkvferry.a
 	$(CC) $(CFLAGS_BASE) -o $@ $^ $(LDLIBS_C) -lm
+
+# The daemon's cost per descriptor before a transport sees it (bench/desc_bench.c).
+$(BUILD)/desc-bench: bench/desc_bench.c $(DAEMON_OBJ) $(PROTO_H)
+	$(CC) $(CFLAGS_BASE) $(INC) -o $@ $< $(DAEMON_OBJ) $(LDLIBS_D)
 
 # Unit tests link the daemon's objects (all but main) and cmocka.
 $(BUILD)/tests/%: tests/unit/%.c $(DAEMON_OBJ) $(BUILD)/libkvferry.a $(PROTO_H)

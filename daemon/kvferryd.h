@@ -49,5 +49,7 @@ typedef struct kvf__daemon {
 extern kvf__daemon kvfd;
 
 uint64_t kvf__now_ns(void);
+/* Freed memory stays in the heap (see daemon.c); once, at start. */
+void kvf__keep_freed_memory(void);
 
 #endif

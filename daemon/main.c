@@ -4,7 +4,6 @@
  * socket, the peer listener and the metrics endpoint are all up. */
 #include <errno.h>
 #include <getopt.h>
-#include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -234,18 +233,6 @@ static int boot(const char *path) {
   return 0;
 }
 
-/* Every request allocates and frees descriptor lists and runs of up to a
- * few MiB. With glibc's defaults the larger ones are fresh mmaps and freed
- * heap tops go back to the kernel, so each request faults its memory in
- * again, a page at a time; in a VM those faults were most of the daemon's
- * cost per descriptor (bench/RESULTS.md, "descriptor path"). The daemon
- * keeps what it freed instead: its peak stays bounded by max-frame and the
- * transfers in flight. */
-static void keep_freed_memory(void) {
-  mallopt(M_MMAP_THRESHOLD, 64 << 20);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
-}
-
 int main(int argc, char **argv) {
   static const struct option opts[] = {{"config", required_argument, NULL, 'c'},
                                        {"check", no_argument, NULL, 'k'},
@@ -284,7 +271,7 @@ int main(int argc, char **argv) {
   kvfd.session &= 0xffffffffffull; /* leaves room for handle counters */
   kvfd.start_ns = kvf__now_ns();
   kvfd.loop = uv_default_loop();
-  keep_freed_memory();
+  kvf__keep_freed_memory();
   if (boot(path) != 0) {
     kvf__auth_forget();
     return 1;
