@@ -254,7 +254,16 @@ static void fail(kvf__xfer *x, int status, const char *why, bool notify, int rem
     kvf__xfer *t = x->twin;
     fail(t, remote_status, why, false, 0);
   } else if (notify && x->peer && (x->handle || x->role == KVF__SEND)) {
-    send_cancel(x, remote_status, why);
+    /* A sender tells the receiver only once its own writes have stopped:
+     * the receiver closes the grant on that word (rdma invalidates its
+     * memory windows), and a write still in flight would then fail the
+     * whole queue pair, and every transfer on it. */
+    if (x->role == KVF__SEND && x->parts_out > 0) {
+      x->cancel_owed = true;
+      x->cancel_status = remote_status;
+    } else {
+      send_cancel(x, remote_status, why);
+    }
   }
   if (x->role == KVF__RECV && x->peer && x->tp && prev != KVF__X_WAIT)
     x->tp->ops->grant_close(x->tp, x);
@@ -606,6 +615,7 @@ void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
   x->posted_ns = kvf__now_ns();
   if (x->state == KVF__X_DRAIN) {
     if (x->parts_out > 0) return;
+    if (x->cancel_owed) send_cancel(x, x->cancel_status, x->error);
     kvf__xfer *twin_recv = x->twin;
     finish_failure(x);
     /* A failed local receiver waits for its sender's copies to stop. */
@@ -793,6 +803,11 @@ static void on_cancel(kvf__peer *p, const Kvf__Cancel *c) {
     return;
   }
   kvf__xfer *x = c->handle ? by_handle(p, KVF__RECV, c->handle) : NULL;
+  if (!x && c->xfer_id) {
+    /* A sender that had not seen our (pushed) grant yet names it by id. */
+    x = kvf__map_get(&X.recv_by_id, c->xfer_id);
+    if (x && (x->peer != p || x->state == KVF__X_DRAIN)) x = NULL;
+  }
   if (x) {
     fail(x, status, why, false, 0);
     return;

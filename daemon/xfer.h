@@ -49,6 +49,9 @@ struct kvf__xfer {
   int status;                 /* the failure to report once drained */
   char error[128];
   bool notify_remote;         /* tell the peer when we fail */
+  bool cancel_owed;           /* send: failed with writes out; the Cancel goes once
+                                 they are back (cancel_status for the receiver) */
+  int cancel_status;
   int remote_status;
   uint64_t created_ns;
   uint64_t first_post_ns;     /* send: the first and last part handed to the */

@@ -1047,10 +1047,11 @@ static void test_remote_mismatch_in_later_part(void **state) {
   assert_int_equal(F.nev, 0); /* part 1 is still with the transport */
   assert_int_equal(x->state, KVF__X_DRAIN);
   assert_int_equal(naborted_of(x), 1);
-  assert_int_equal(last_msg(F.pb, KVF__PEER_MSG__BODY_CANCEL)->cancel->status, KVF_ESIZE);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_CANCEL), 0); /* not while part 1 writes */
   /* Further parts are refused while it drains. */
   assert_int_equal(do_send(SS, "E5", "B", mkd(1, 0, 0, 4096, 4096), false, 0), KVF_EEXIST);
   complete_post(0, 0);
+  assert_int_equal(last_msg(F.pb, KVF__PEER_MSG__BODY_CANCEL)->cancel->status, KVF_ESIZE);
   expect_event("E5", SEND_DONE, SS, KVF_ESIZE);
   assert_int_equal(F.nev, 1);
   assert_clean();
@@ -1080,10 +1081,11 @@ static void test_remote_post_fails(void **state) {
   assert_int_equal(F.npost, 2);
   complete_post(0, -EIO);
   assert_int_equal(F.nev, 0);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_CANCEL), 0); /* part 2 still writes */
+  complete_post(1, 0);
   Kvf__Cancel *c = last_msg(F.pb, KVF__PEER_MSG__BODY_CANCEL)->cancel;
   assert_int_equal(c->status, -EIO);
   assert_int_equal(c->handle, 0x107);
-  complete_post(1, 0);
   expect_event("E7", SEND_DONE, SS, -EIO);
   assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_SEND_DONE), 0);
   assert_int_equal(F.nev, 1);
@@ -1142,6 +1144,29 @@ static void test_cancel_by_sender(void **state) {
   assert_int_equal(c->status, KVF_EREMOTECANCEL);
   assert_false(c->to_sender);
   assert_int_equal(c->handle, 0x301);
+  assert_clean();
+}
+
+/* A sender that fails with writes out tells the receiver only once they
+ * are back: the receiver closes the grant on that word (rdma invalidates
+ * its memory windows), which a write in flight must not meet. */
+static void test_cancel_by_sender_waits_for_writes(void **state) {
+  kvf__descs dst = mkd(2, 1, 0, 4096, 4096);
+  in_grant(F.pb, "C7", 0x307, &dst);
+  kvf__descs_free(&dst);
+  assert_int_equal(do_send(SS, "C7", "B", mkd(1, 0, 0, 4096, 4096), true, 0), 0);
+  assert_int_equal(F.npost, 1);
+  assert_int_equal(kvf__xfer_cancel(SS, "C7"), 0);
+  assert_int_equal(naborted_of(F.post[0].x), 1);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_CANCEL), 0);
+  assert_int_equal(F.nev, 0);
+  complete_post(0, KVF_ECANCELED);
+  Kvf__Cancel *c = last_msg(F.pb, KVF__PEER_MSG__BODY_CANCEL)->cancel;
+  assert_int_equal(c->handle, 0x307);
+  assert_int_equal(c->status, KVF_EREMOTECANCEL);
+  assert_false(c->to_sender);
+  expect_event("C7", SEND_DONE, SS, KVF_ECANCELED);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_CANCEL), 1);
   assert_clean();
 }
 
@@ -1207,6 +1232,15 @@ static void test_incoming_cancel(void **state) {
   in_cancel(F.pb, h, "I3", 0, false);
   expect_event("I3", RECV_DONE, SR, KVF_EREMOTECANCEL);
   assert_int_equal(nclosed_of(rx), 1);
+  /* To a receiver whose pushed grant the sender had not seen (it has no
+   * handle), by id: only from the peer the grant is bound to. */
+  assert_int_equal(do_grant(SR, "I6", "B", mkd(1, 0, 0, 64, 64), 0), 0);
+  kvf__xfer *r6 = find_x("I6", KVF__RECV);
+  in_cancel(F.pc, 0, "I6", 0, false);
+  assert_int_equal(F.nev, 3);
+  in_cancel(F.pb, 0, "I6", KVF_EREMOTECANCEL, false);
+  expect_event("I6", RECV_DONE, SR, KVF_EREMOTECANCEL);
+  assert_int_equal(nclosed_of(r6), 1);
   /* To a pre-grant not yet used: dropped. */
   in_grant(F.pb, "I4", 0x404, &dst);
   kvf__xfer_counts c;
@@ -1222,7 +1256,7 @@ static void test_incoming_cancel(void **state) {
   assert_int_equal(c.intents, 0);
   /* No Cancel is ever sent back for a Cancel. */
   assert_int_equal(nmsgs(NULL, KVF__PEER_MSG__BODY_CANCEL), 0);
-  assert_int_equal(F.nev, 3);
+  assert_int_equal(F.nev, 4);
   kvf__descs_free(&dst);
   assert_clean();
 }
@@ -1400,7 +1434,11 @@ static void test_session_gone(void **state) {
   assert_false(F.sess_bad);
   assert_int_equal(nevents(SR), 0);
   assert_int_equal(F.nev, 0);
-  /* B hears of the pushed grant and of the send; C of the intent. */
+  /* B hears of the pushed grant, C of the intent; B of the send once its
+   * post is back. */
+  assert_int_equal(F.nmsg, before + 2);
+  assert_int_equal(naborted_of(F.post[0].x), 1);
+  complete_post(0, 0);
   assert_int_equal(F.nmsg, before + 3);
   size_t to_sender = 0, to_receiver = 0;
   for (size_t i = before; i < F.nmsg; i++) {
@@ -1419,8 +1457,6 @@ static void test_session_gone(void **state) {
   }
   assert_int_equal(to_sender, 1);
   assert_int_equal(to_receiver, 2);
-  assert_int_equal(naborted_of(F.post[0].x), 1);
-  complete_post(0, 0);
   assert_int_equal(F.nev, 0); /* still nobody to tell */
   kvf__xfer_counts c;
   kvf__xfer_counts_get(&c);
@@ -1522,17 +1558,19 @@ static void test_drain_single_event(void **state) {
   assert_int_equal(x->state, KVF__X_DRAIN);
   assert_int_equal(naborted_of(x), 1);
   assert_int_equal(F.nev, 0);
-  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_CANCEL), 1);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_CANCEL), 0); /* owed until the writes stop */
   /* Everything else that would fail it changes nothing now. */
   in_recv_result(F.pb, 0x901, 0);
   in_cancel(F.pb, 0x901, "X1", 0, true);
   kvf__xfer_on_peer_down(F.pb);
   assert_int_equal(kvf__xfer_cancel(SS, "X1"), KVF_ENOENT);
   assert_int_equal(F.nev, 0);
-  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_CANCEL), 1);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_CANCEL), 0);
   complete_post(1, KVF_ECANCELED);
   assert_int_equal(F.nev, 0);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_CANCEL), 0);
   complete_post(0, 0);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_CANCEL), 1);
   expect_event("X1", SEND_DONE, SS, KVF_ECANCELED);
   assert_int_equal(F.nev, 1);
   assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_SEND_DONE), 0);
@@ -1732,6 +1770,7 @@ int main(void) {
       T(test_remote_recv_result_failure),
       T(test_cancel_by_receiver),
       T(test_cancel_by_sender),
+      T(test_cancel_by_sender_waits_for_writes),
       T(test_cancel_local_while_copying),
       T(test_cancel_local_between_parts),
       T(test_incoming_cancel),
