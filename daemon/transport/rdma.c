@@ -175,11 +175,23 @@ typedef struct ticket {
   uint64_t loop_ns;
 } ticket;
 
-/* Per transfer (x->tp_state), while it has tickets out. */
+#define MAX_LANES 256
+
+/* A Grant's memory windows as the sender searches them: decoded once per
+ * transfer, however many posts (a chained send's frames) it takes. */
+typedef struct wtable {
+  kvf__mw_rec *v;
+  uint32_t *lane;               /* per record: its (device, QP) lane */
+  size_t n, nl;
+  size_t first[MAX_LANES];      /* per lane: a record naming it */
+} wtable;
+
+/* Per transfer (x->tp_state), from its first post until xfer_done. */
 struct xstate {
   atomic_long pending;          /* body writes handed over, not yet completed */
   _Atomic(ticket *) tail;       /* the last part, waiting for pending == 0 */
   unsigned out;                 /* tickets not yet called back (loop) */
+  wtable *wt;                   /* the Grant's windows, once a post needed them */
 };
 
 typedef struct inflight {       /* one posted chain */
@@ -387,7 +399,11 @@ typedef struct rdma_transport {
   Kvf__RdmaMr **hmr_ptr;
   /* loop-side counters of the posting cost */
   uint64_t posts, post_runs, post_ns;
+  /* the last finished transfer's posting cost, summed over its tickets
+   * (a chained send posts one per frame); acc_x: the transfer being summed */
   uint64_t last_wrs, last_loop_ns, last_build_ns, last_bell_ns;
+  const kvf__xfer *acc_x;
+  uint64_t acc_wrs, acc_loop_ns, acc_build_ns, acc_bell_ns;
   /* memory windows (loop) */
   bool mw;                      /* in use: pools take no remote writes but through them */
   char mw_why[200];             /* why not, when not */
@@ -413,6 +429,14 @@ static int start_listener(rdev *d, uint16_t port, char *err, size_t errlen);
 static uint64_t mono_ns(void) {
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* CPU time of the calling thread: what posting costs the loop, whatever
+ * else the (few, shared) CPUs run meanwhile. A syscall; used once per post. */
+static uint64_t thread_cpu_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
@@ -1074,8 +1098,6 @@ static rqp *window_qp(const rpeer *rp, const kvf__mw_rec *w) {
   return NULL;
 }
 
-#define MAX_LANES 256
-
 #ifdef KVF_FAILPOINTS
 /* Failpoint write-wrong-qp: the tail goes on another of our QPs than the
  * one its window is bound on (a type 2 window takes writes only there). */
@@ -1093,56 +1115,89 @@ static void rogue_tail_qp(ticket *tk, const rpeer *rp) {
 }
 #endif
 
-/* A Grant's windows, decoded once per post for the searches, each with its
- * lane: our QP that the window's record names. */
-typedef struct wtable {
-  kvf__mw_rec *v;
-  uint32_t *lane;
-  size_t n, nl;
-  rqp *qs[MAX_LANES];           /* by lane; NULL: that QP is gone */
-} wtable;
+static void wtable_free(wtable *t) {
+  if (!t) return;
+  free(t->v);
+  free(t->lane);
+  free(t);
+}
 
-static int wtable_build(wtable *t, const rpeer *rp, const kvf__xfer *x) {
-  t->n = x->tp_grant_len / KVF__MW_REC;
+/* Decodes a Grant's windows, each with its lane: a (device, QP) of the
+ * records; few. */
+static int wtable_decode(const kvf__xfer *x, wtable **out) {
   if (kvf__mw_recs_check(x->tp_grant, x->tp_grant_len) != 0) return KVF_EPROTO;
+  wtable *t = calloc(1, sizeof(*t));
+  if (!t) return -ENOMEM;
+  t->n = x->tp_grant_len / KVF__MW_REC;
   t->v = malloc((t->n ? t->n : 1) * sizeof(*t->v));
   t->lane = malloc((t->n ? t->n : 1) * sizeof(*t->lane));
-  if (!t->v || !t->lane) return -ENOMEM;
+  if (!t->v || !t->lane) {
+    wtable_free(t);
+    return -ENOMEM;
+  }
   kvf__mw_recs_decode(x->tp_grant, t->n, t->v);
-  const kvf__mw_rec *first[MAX_LANES]; /* a lane is a (device, QP) of the records; few */
   for (size_t i = 0; i < t->n; i++) {
     const kvf__mw_rec *w = &t->v[i];
     size_t l = 0;
-    while (l < t->nl && (first[l]->qpn != w->qpn || first[l]->dev != w->dev)) l++;
+    while (l < t->nl && (t->v[t->first[l]].qpn != w->qpn || t->v[t->first[l]].dev != w->dev)) l++;
     t->lane[i] = l < MAX_LANES ? (uint32_t)l : UINT32_MAX;
     if (l < t->nl || l == MAX_LANES) continue;
-    first[l] = w;
-    t->qs[t->nl++] = window_qp(rp, w);
+    t->first[t->nl++] = i;
   }
+  *out = t;
   return 0;
+}
+
+/* The table of a post: the transfer's windows and, looked up anew for each
+ * post (a QP can be rebuilt between two), our QP behind each lane. */
+typedef struct wpost {
+  const wtable *t;
+  rqp *qs[MAX_LANES];           /* by lane; NULL: that QP is gone */
+  size_t hint;                  /* the last run's window: the next often is it or the one after */
+} wpost;
+
+static int wpost_init(wpost *wp, xstate *xs, const rpeer *rp, const kvf__xfer *x) {
+  int rc = xs->wt ? 0 : wtable_decode(x, &xs->wt);
+  if (rc) return rc;
+  wp->t = xs->wt;
+  wp->hint = 0;
+  for (size_t l = 0; l < wp->t->nl; l++) wp->qs[l] = window_qp(rp, &wp->t->v[wp->t->first[l]]);
+  return 0;
+}
+
+static bool window_holds(const kvf__mw_rec *w, const kvf__run *r) {
+  return w->pool == r->dst_pool && r->len <= w->len && r->dst_off >= w->off && r->dst_off - w->off <= w->len - r->len;
 }
 
 /* The window that holds run r: 0, KVF_ERANGE when none does, KVF_EPEERLOST
  * when the QP it is bound through is gone. */
-static int wtable_find(const wtable *t, const kvf__run *r, const kvf__mw_rec **w, uint32_t *ln) {
+static int wtable_find(wpost *wp, const kvf__run *r, const kvf__mw_rec **w, uint32_t *ln) {
+  const wtable *t = wp->t;
   bool rogue = false;
 #ifdef KVF_FAILPOINTS
   rogue = kvf__failpoint(KVF__FP_WRITE_OUTSIDE); /* writes outside with a window it holds */
 #endif
-  long i = kvf__mw_find(t->v, t->n, r->dst_pool, r->dst_off, r->len, rogue);
+  /* Engines hand out KV blocks in runs, so a run is often in the window of
+   * the one before it, or the next: two compares before a binary search. */
+  long i = -1;
+  if (!rogue && wp->hint < t->n && window_holds(&t->v[wp->hint], r)) i = (long)wp->hint;
+  else if (!rogue && wp->hint + 1 < t->n && window_holds(&t->v[wp->hint + 1], r)) i = (long)wp->hint + 1;
+  else i = kvf__mw_find(t->v, t->n, r->dst_pool, r->dst_off, r->len, rogue);
   if (i < 0) return KVF_ERANGE;
+  wp->hint = (size_t)i;
   *w = &t->v[i];
   *ln = t->lane[i];
-  return *ln < t->nl && t->qs[*ln] ? 0 : KVF_EPEERLOST;
+  return *ln < t->nl && wp->qs[*ln] ? 0 : KVF_EPEERLOST;
 }
 
 /* The grant has memory windows: each run goes through the window that
  * holds it, posted on the QP whose receiving end the window is bound to;
  * body runs are grouped into one lane per QP. */
-static int ticket_windows(ticket *tk, const rpeer *rp, const kvf__xfer *x) {
-  wtable t = {0};
+static int ticket_windows(ticket *tk, const rpeer *rp, const kvf__xfer *x, xstate *xs) {
+  wpost t;
   size_t nb = tk->n_body, cnt[MAX_LANES] = {0}, at[MAX_LANES];
-  int rc = wtable_build(&t, rp, x);
+  int rc = wpost_init(&t, xs, rp, x);
+  size_t nl = rc == 0 ? t.t->nl : 0;
   uint16_t *lane_of = malloc((nb ? nb : 1) * sizeof(*lane_of));
   uint32_t *key = malloc((nb ? nb : 1) * sizeof(*key)), *rkeys = malloc((nb ? nb : 1) * sizeof(*rkeys));
   kvf__run *v = malloc((nb ? nb : 1) * sizeof(*v));
@@ -1165,9 +1220,9 @@ static int ticket_windows(ticket *tk, const rpeer *rp, const kvf__xfer *x) {
 #ifdef KVF_FAILPOINTS
   if (rc == 0 && tk->tail_q && kvf__failpoint(KVF__FP_WRONG_QP)) rogue_tail_qp(tk, rp);
 #endif
-  if (rc == 0 && t.nl && !(tk->lanes = calloc(t.nl, sizeof(*tk->lanes)))) rc = -ENOMEM;
+  if (rc == 0 && nl && !(tk->lanes = calloc(nl, sizeof(*tk->lanes)))) rc = -ENOMEM;
   if (rc == 0) { /* counting sort: lane by lane, in post order within each */
-    for (size_t l = 0, off = 0; l < t.nl; off += cnt[l++]) {
+    for (size_t l = 0, off = 0; l < nl; off += cnt[l++]) {
       at[l] = off;
       tk->lanes[l] = (lane){t.qs[l], off, off + cnt[l]};
     }
@@ -1180,13 +1235,11 @@ static int ticket_windows(ticket *tk, const rpeer *rp, const kvf__xfer *x) {
     tk->runs = v;
     tk->n_runs = nb;
     tk->rkeys = rkeys;
-    tk->n_lanes = t.nl;
+    tk->n_lanes = nl;
     tk->left = nb;
     v = NULL;
     rkeys = NULL;
   }
-  free(t.v);
-  free(t.lane);
   free(lane_of);
   free(key);
   free(rkeys);
@@ -1244,7 +1297,7 @@ static void hand_over(rpeer *rp, xstate *xs, ticket *tk) {
 }
 
 static int rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) {
-  uint64_t t0 = fast_ns();
+  uint64_t t0 = thread_cpu_ns();
   rpeer *rp = x->peer ? rpeer_of(x->peer) : NULL;
   if (!rp) return KVF_EPEERLOST;
   size_t extra = 0;
@@ -1255,23 +1308,17 @@ static int rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last
   xstate *xs = xstate_of(x);
   ticket *tk = xs ? ticket_new(x, runs, extra, last) : NULL;
   rc = tk ? 0 : -ENOMEM;
-  if (tk && x->tp_grant_len && (rc = ticket_windows(tk, rp, x)) != 0) {
+  if (tk && x->tp_grant_len && (rc = ticket_windows(tk, rp, x, xs)) != 0) {
     ticket_free(tk);
     tk = NULL;
   }
-  if (!tk) {
-    if (xs && xs->out == 0) {
-      x->tp_state = NULL;
-      free(xs);
-    }
-    return rc;
-  }
+  if (!tk) return rc; /* xs, if made, goes with the transfer (rdma_xfer_done) */
   tk->xs = xs;
   tk->rp = rp;
   xs->out++;
   live_link(tk);
   hand_over(rp, xs, tk);
-  tk->loop_ns = fast_ns() - t0;
+  tk->loop_ns = thread_cpu_ns() - t0;
   R->posts++;
   R->post_runs += n;
   R->post_ns += tk->loop_ns;
@@ -1315,11 +1362,21 @@ static size_t take_back(rpeer *rp, ticket *tk) {
  * callbacks come as usual. */
 static void rdma_abort(kvf__transport *t, kvf__xfer *x) {
   rpeer *rp = x->peer ? rpeer_of(x->peer) : NULL;
-  if (!rp || !x->tp_state) return;
+  const xstate *xs = x->tp_state;
+  if (!rp || !xs || xs->out == 0) return;
   pthread_mutex_lock(&rp->qlock);
   for (ticket *tk = R->live; tk; tk = tk->next_live)
     if (tk->x == x && tk->rp == rp) credit(tk, take_back(rp, tk), KVF_ECANCELED);
   pthread_mutex_unlock(&rp->qlock);
+}
+
+/* The transfer is gone and every ticket of it called back. */
+static void rdma_xfer_done(kvf__transport *t, kvf__xfer *x) {
+  xstate *xs = x->tp_state;
+  if (!xs) return;
+  wtable_free(xs->wt);
+  free(xs);
+  x->tp_state = NULL;
 }
 
 /* ------------------------------------------------------------ the loop: events */
@@ -1400,21 +1457,27 @@ static void ticket_done(ticket *tk) {
 #ifdef KVF_FAILPOINTS
   if (late_ticket_done(tk, st)) return;
 #endif
-  if (wrs) {
-    R->last_wrs = wrs;
-    R->last_loop_ns = tk->loop_ns;
-    R->last_build_ns = atomic_load(&tk->build_ns);
-    R->last_bell_ns = atomic_load(&tk->bell_ns);
+  if (R->acc_x != x) {
+    R->acc_x = x;
+    R->acc_wrs = R->acc_loop_ns = R->acc_build_ns = R->acc_bell_ns = 0;
+  }
+  R->acc_wrs += wrs;
+  R->acc_loop_ns += tk->loop_ns;
+  R->acc_build_ns += atomic_load(&tk->build_ns);
+  R->acc_bell_ns += atomic_load(&tk->bell_ns);
+  if (last && R->acc_wrs) {
+    R->last_wrs = R->acc_wrs;
+    R->last_loop_ns = R->acc_loop_ns;
+    R->last_build_ns = R->acc_build_ns;
+    R->last_bell_ns = R->acc_bell_ns;
+    R->acc_x = NULL;
     kvf__debug("rdma: %s: %llu work requests; posting cost per request: %.0f ns on the loop, "
                "%.0f ns building, %.0f ns in ibv_post_send",
-               x->id, (unsigned long long)wrs, (double)tk->loop_ns / (double)wrs,
-               (double)R->last_build_ns / (double)wrs, (double)R->last_bell_ns / (double)wrs);
+               x->id, (unsigned long long)R->last_wrs, (double)R->last_loop_ns / (double)R->last_wrs,
+               (double)R->last_build_ns / (double)R->last_wrs, (double)R->last_bell_ns / (double)R->last_wrs);
   }
   ticket_free(tk);
-  if (--xs->out == 0) {
-    x->tp_state = NULL;
-    free(xs);
-  }
+  xs->out--;
   kvf__xfer_on_posted(x, st == KVF_ECANCELED ? 0 : st, last);
 }
 
@@ -3337,6 +3400,7 @@ static const kvf__transport_ops rdma_ops = {
     .usable = rdma_usable,
     .post = rdma_post,
     .abort = rdma_abort,
+    .xfer_done = rdma_xfer_done,
     .grant_open = rdma_grant_open,
     .grant_close = rdma_grant_close,
     .peer_up = rdma_peer_up,

@@ -25,6 +25,9 @@ typedef struct kvf__transport_ops {
    * kvf__xfer_on_posted callbacks still come, once nothing touches the
    * source memory any more. */
   void (*abort)(kvf__transport *t, kvf__xfer *x);
+  /* Optional: the transfer is gone (every post of it was called back);
+   * frees what the transport kept for it in x->tp_state. */
+  void (*xfer_done)(kvf__transport *t, kvf__xfer *x);
   /* Receiver: accept writes for x's grant from x->peer / stop accepting.
    * grant_open returns 0 (open: the Grant may go), a positive value (open,
    * but the Grant waits: kvf__xfer_on_grant_ready(x, status, why) follows on
