@@ -166,6 +166,12 @@ static const struct opt opts[] = {
              "not yet identified themselves; more are closed at once and logged (at "
              "most once a second). Each waits at most 5 s for its Hello. Keep it "
              "above max-peers x (1 + the peers' tcp-streams)."},
+    {.name = "max-peer-waiting", .reload = true, .type = OPT_U32, .off = F(max_peer_waiting),
+     .min = 1, .max = 16777216, .def = "65536",
+     .help = "Most send intents and pushed grants that one peer may leave here waiting "
+             "for their other half (each waits at most its deadline). Past it, a new "
+             "one is refused to the peer with KVF_ELIMIT: its send or grant fails, "
+             "nothing else does."},
     {.name = "hugepages", .type = OPT_ENUM, .off = F(hugepages),
      .words = tristate_words, .def = "auto",
      .help = "Huge pages for host pools: auto = if available, on = required, "

@@ -59,6 +59,7 @@ typedef struct kvf__config {
   uint32_t max_transfers_per_client;
   uint32_t max_peers;
   uint32_t max_pending_peers;      /* inbound peer connections before their Hello */
+  uint32_t max_peer_waiting;       /* send intents + pushed grants one peer leaves with us */
   int hugepages;                   /* enum kvf__tristate */
   bool mlock;
   int cuda;                        /* enum kvf__tristate: GPU support */

@@ -33,6 +33,7 @@ struct kvf__peer {
   uint64_t ups, downs;
   char last_error[128];
   bool removed;                   /* dropped from the config by a reload; slot kept */
+  uint32_t waiting;               /* its send intents and pushed grants held here (xfer.c) */
 };
 
 /* transports: candidates in preference order; tcp is the one that data

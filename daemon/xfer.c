@@ -21,14 +21,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "log.h"
 #include "map.h"
 #include "metrics.h"
+#include "peer.h"
 #ifdef KVF_FAILPOINTS
 #include "failpoint.h"
 #endif
 
 /* A grant pushed to us before the send came. */
 typedef struct pregrant {
+  kvf__peer *from;        /* counted in its waiting */
   char peer[KVF__NAME_MAX + 1];
   char id[KVF_XFER_ID_MAX + 1];
   uint64_t handle;
@@ -55,6 +58,7 @@ static struct {
   uint64_t next_handle;
   uv_timer_t sweep;
   bool sweep_on;
+  kvf__ratelimit waiting_rl;
 } X;
 
 static void fail(kvf__xfer *x, int status, const char *why, bool notify, int remote_status);
@@ -375,7 +379,30 @@ static void send_intent(kvf__xfer *x) {
 static pregrant *take_pregrant(const char *peer, const char *id) {
   char key[KVF__NAME_MAX + KVF_XFER_ID_MAX + 4];
   pair_key(key, sizeof(key), peer, id);
-  return kvf__map_del(&X.pregrants, key);
+  pregrant *g = kvf__map_del(&X.pregrants, key);
+  if (g && g->from) g->from->waiting--;
+  return g;
+}
+
+/* Intents leave the table only through here, so that the peer's count of
+ * what it left waiting stays true. */
+static void intent_drop(const char *id) {
+  intent *in = kvf__map_del(&X.intents, id);
+  if (in && in->peer) in->peer->waiting--;
+  free(in);
+}
+
+/* Whether p may leave one more intent or pushed grant here; says why not. */
+static bool peer_may_wait(kvf__peer *p, const char *what, const char *id, char *why, size_t len) {
+  if (p->waiting < kvfd.cfg.max_peer_waiting) return true;
+  snprintf(why, len, "%s refused by %s: peer %s already has max-peer-waiting (%u) intents and pushed grants waiting",
+           what, own_node(), X.env.peer_name(p), kvfd.cfg.max_peer_waiting);
+  uint64_t dropped;
+  if (kvf__log_ratelimit(&X.waiting_rl, &dropped))
+    kvf__warn("peer %s: transfer '%s': %s (%llu more such refusals since the last line)", X.env.peer_name(p), id,
+              why, (unsigned long long)dropped);
+  kvfd.stats.peer_errors++;
+  return false;
 }
 
 static void pregrant_free(pregrant *g) {
@@ -481,7 +508,7 @@ static void rendezvous_grant(kvf__xfer *x, kvf__peer *src) {
   intent *in = kvf__map_get(&X.intents, x->id);
   if (in && (!src || in->peer == src)) {
     kvf__peer *p = in->peer;
-    free(kvf__map_del(&X.intents, x->id));
+    intent_drop(x->id);
     int rc = bind_remote_recv(x, p);
     if (rc) fail(x, rc, "the transport could not open the grant", true, rc);
     return;
@@ -693,12 +720,23 @@ static void on_intent(kvf__peer *p, const Kvf__SendIntent *si) {
     return;
   }
   intent *in = kvf__map_get(&X.intents, si->xfer_id);
+  if (!in || in->peer != p) {
+    char why[192];
+    if (!peer_may_wait(p, "send intent", si->xfer_id, why, sizeof(why))) {
+      cancel_to(p, 0, si->xfer_id, KVF_ELIMIT, why, true);
+      return;
+    }
+  }
   if (!in) {
     in = calloc(1, sizeof(*in));
     if (!in || kvf__map_put(&X.intents, si->xfer_id, in) != 0) {
       free(in);
       return;
     }
+  }
+  if (in->peer != p) {
+    if (in->peer) in->peer->waiting--;
+    p->waiting++;
   }
   in->peer = p;
   in->expires_ns = deadline_ns(si->deadline_ms);
@@ -709,6 +747,12 @@ static void keep_pregrant(kvf__peer *p, const Kvf__Grant *g, kvf__descs *dst, in
                           const char *why) {
   pregrant *old = take_pregrant(X.env.peer_name(p), g->xfer_id);
   if (old) pregrant_free(old);
+  char full[192];
+  if (!peer_may_wait(p, "pushed grant", g->xfer_id, full, sizeof(full))) {
+    cancel_to(p, g->handle, g->xfer_id, KVF_ELIMIT, full, false);
+    kvf__descs_free(dst);
+    return;
+  }
   pregrant *ng = calloc(1, sizeof(*ng));
   char key[KVF__NAME_MAX + KVF_XFER_ID_MAX + 4];
   pair_key(key, sizeof(key), X.env.peer_name(p), g->xfer_id);
@@ -717,6 +761,8 @@ static void keep_pregrant(kvf__peer *p, const Kvf__Grant *g, kvf__descs *dst, in
     kvf__descs_free(dst);
     return;
   }
+  ng->from = p;
+  p->waiting++;
   snprintf(ng->peer, sizeof(ng->peer), "%s", X.env.peer_name(p));
   snprintf(ng->id, sizeof(ng->id), "%s", g->xfer_id);
   ng->handle = g->handle;
@@ -814,7 +860,7 @@ static void on_cancel(kvf__peer *p, const Kvf__Cancel *c) {
     return;
   }
   intent *in = c->xfer_id ? kvf__map_get(&X.intents, c->xfer_id) : NULL;
-  if (in && in->peer == p) free(kvf__map_del(&X.intents, c->xfer_id));
+  if (in && in->peer == p) intent_drop(c->xfer_id);
 }
 
 void kvf__xfer_on_peer_msg(kvf__peer *p, const Kvf__PeerMsg *m) {
@@ -843,9 +889,8 @@ static void sweep_tables(kvf__peer *p, bool expired_only) {
         bool of_peer = !p || (k == 0 ? strcmp(((pregrant *)e->val)->peer, X.env.peer_name(p)) == 0
                                      : ((intent *)e->val)->peer == p);
         if ((expired_only && exp <= now) || (!expired_only && of_peer)) {
-          void *v = kvf__map_del(m, e->key);
-          if (k == 0) pregrant_free(v);
-          else free(v);
+          if (k == 0) pregrant_free(take_pregrant(((pregrant *)e->val)->peer, ((pregrant *)e->val)->id));
+          else intent_drop(e->key);
         }
         e = next;
       }

@@ -274,6 +274,7 @@ void fz_init(bool api_env, bool c_up) {
   kvfd.cfg.max_frame = FZ_MAX_FRAME;
   kvfd.cfg.max_descs = FZ_MAX_DESCS;
   kvfd.cfg.max_transfers_per_client = FZ_MAX_XFERS;
+  kvfd.cfg.max_peer_waiting = FZ_MAX_WAITING;
   kvfd.session = 0; /* handles from 1, the same at every start */
   uv_loop_init(&loop);
   kvfd.loop = &loop;
@@ -304,10 +305,17 @@ void fz_init(bool api_env, bool c_up) {
 }
 
 void fz_finish(bool fake_sessions) {
+  for (int i = 0; i < 2; i++)
+    if (peers[i].waiting > FZ_MAX_WAITING)
+      fz_fail("peer %s has %u intents and pushed grants waiting, more than max-peer-waiting (%u)", peers[i].cfg.name,
+              peers[i].waiting, FZ_MAX_WAITING);
   if (fake_sessions)
     for (int i = 0; i < FZ_NSESS; i++) kvf__xfer_session_gone((kvf__session *)&fz_sess_mem[i]);
   kvf__xfer_on_peer_down(fz_b);
   kvf__xfer_on_peer_down(fz_c);
+  for (int i = 0; i < 2; i++) /* every way out of the tables counted */
+    if (peers[i].waiting != 0)
+      fz_fail("peer %s still counts %u waiting after it went down", peers[i].cfg.name, peers[i].waiting);
   fz_pump(false);
   kvf__xfer_counts c;
   kvf__xfer_counts_get(&c);

@@ -30,6 +30,7 @@
 #define FZ_MAX_FRAME (64u << 10)  /* max-frame: the frame buffers' limit */
 #define FZ_MAX_DESCS 64           /* max-descs */
 #define FZ_MAX_XFERS 16           /* max-transfers-per-client */
+#define FZ_MAX_WAITING 6u /* max-peer-waiting: inputs reach it */
 
 extern kvf__peer *fz_b, *fz_c;
 

@@ -1261,6 +1261,59 @@ static void test_incoming_cancel(void **state) {
   assert_clean();
 }
 
+/* A peer may leave at most max-peer-waiting intents and pushed grants
+ * here; past that, the next is refused to it (KVF_ELIMIT on its send or
+ * grant) and nothing else changes. Every way out of the tables counts. */
+static void test_peer_waiting_limit(void **state) {
+  uint32_t saved = kvfd.cfg.max_peer_waiting;
+  kvfd.cfg.max_peer_waiting = 2;
+  kvf__descs dst = mkd(1, 1, 0, 4096, 4096);
+  in_grant(F.pb, "W1", 0x501, &dst);
+  in_grant(F.pb, "W2", 0x502, &dst);
+  assert_int_equal(F.pb->waiting, 2);
+  in_grant(F.pb, "W3", 0x503, &dst); /* one too many */
+  Kvf__Cancel *c = last_msg(F.pb, KVF__PEER_MSG__BODY_CANCEL)->cancel;
+  assert_int_equal(c->handle, 0x503);
+  assert_int_equal(c->status, KVF_ELIMIT);
+  assert_false(c->to_sender);
+  in_intent(F.pb, "W4", 0); /* an intent counts the same */
+  c = last_msg(F.pb, KVF__PEER_MSG__BODY_CANCEL)->cancel;
+  assert_string_equal(c->xfer_id, "W4");
+  assert_int_equal(c->status, KVF_ELIMIT);
+  assert_true(c->to_sender);
+  kvf__xfer_counts cnt;
+  kvf__xfer_counts_get(&cnt);
+  assert_int_equal(cnt.pregrants, 2);
+  assert_int_equal(cnt.intents, 0);
+  /* The grant said again replaces itself; another peer is not held back. */
+  in_grant(F.pb, "W1", 0x501, &dst);
+  assert_int_equal(F.pb->waiting, 2);
+  in_intent(F.pc, "W5", 0);
+  assert_int_equal(F.pc->waiting, 1);
+  /* A send takes its pregrant: room again. */
+  assert_int_equal(do_send(SS, "W1", "B", mkd(1, 0, 0, 4096, 4096), false, 0), 0);
+  assert_int_equal(F.pb->waiting, 1);
+  in_intent(F.pb, "W6", 0);
+  assert_int_equal(F.pb->waiting, 2);
+  /* A Cancel, the grant that meets an intent, and the peer going all let go. */
+  in_cancel(F.pb, 0, "W6", 0, false);
+  assert_int_equal(F.pb->waiting, 1);
+  assert_int_equal(do_grant(SR, "W5", "C", mkd(1, 0, 0, 64, 64), 0), 0);
+  assert_int_equal(F.pc->waiting, 0);
+  kvf__xfer_on_peer_down(F.pb);
+  assert_int_equal(F.pb->waiting, 0);
+  /* Tidy the transfers this made. */
+  complete_post(0, 0);
+  in_recv_result(F.pb, 0x501, 0);
+  assert_int_equal(kvf__xfer_cancel(SR, "W5"), 0);
+  kvf__xfer_on_peer_down(F.pc);
+  kvfd.cfg.max_peer_waiting = saved;
+  kvf__descs_free(&dst);
+  flush();
+  F.nev = 0;
+  assert_clean();
+}
+
 /* ---- deadlines ------------------------------------------------------------ */
 
 static void test_deadline_grant(void **state) {
@@ -1771,6 +1824,7 @@ int main(void) {
       T(test_cancel_by_receiver),
       T(test_cancel_by_sender),
       T(test_cancel_by_sender_waits_for_writes),
+      T(test_peer_waiting_limit),
       T(test_cancel_local_while_copying),
       T(test_cancel_local_between_parts),
       T(test_incoming_cancel),
