@@ -786,19 +786,23 @@ static void pack_descs(const kvf_desc *descs, size_t n, uint8_t *p) {
   }
 }
 
-/* Room for n packed descriptors in dbuf (write_mu held). Like wbuf it is
- * kept for the next call: a fresh buffer of a few hundred KiB per call
- * costs a page fault per 4 KiB. */
+/* Room for need bytes in *buf (write_mu held), which is kept for the next
+ * call like wbuf: a fresh buffer of a few hundred KiB per call costs a page
+ * fault per 4 KiB. */
+static int reserve(uint8_t **buf, size_t *cap, size_t need) {
+  if (need <= *cap) return 0;
+  uint8_t *b = malloc(need); /* not realloc: the old contents are not needed */
+  if (!b) return -ENOMEM;
+  free(*buf);
+  *buf = b;
+  *cap = need;
+  return 0;
+}
+
+/* Room for n packed descriptors in dbuf. */
 static int reserve_dbuf(kvf_client *c, size_t n) {
   if (n > SIZE_MAX / DESC_WIRE_SIZE) return KVF_ELIMIT;
-  size_t need = n * DESC_WIRE_SIZE;
-  if (need <= c->dcap) return 0;
-  uint8_t *b = malloc(need);
-  if (!b) return -ENOMEM;
-  free(c->dbuf);
-  c->dbuf = b;
-  c->dcap = need;
-  return 0;
+  return reserve(&c->dbuf, &c->dcap, n * DESC_WIRE_SIZE);
 }
 
 /* A buffer past WBUF_KEEP (a call of 200k descriptors) is not kept. */
@@ -857,18 +861,6 @@ KVF_API int kvf_grant(kvf_client *c, const char *xfer_id, const char *src_node,
   return call_with_descs(c, &req, &list, descs, n);
 }
 
-/* Makes sure frames up to `need` bytes go out of wbuf, without a malloc
- * between the frames of a chained send. Called with write_mu held. */
-static int reserve_wbuf(kvf_client *c, size_t need) {
-  if (need <= c->wcap) return 0;
-  uint8_t *b = malloc(need);
-  if (!b) return -ENOMEM;
-  free(c->wbuf);
-  c->wbuf = b;
-  c->wcap = need;
-  return 0;
-}
-
 /* A send of more than chain_first descriptors goes out as chained frames
  * of chain_first descriptors, then twice as many each frame up to
  * chain_max: the daemon starts moving the first blocks while the later
@@ -887,7 +879,7 @@ static int send_chained(kvf_client *c, Kvf__ApiRequest *req, const kvf_desc *des
   uint8_t *packed = c->dbuf;
   list.packed.data = packed;
   list.packed.len = (size_t)c->chain_max * DESC_WIRE_SIZE;
-  if (rc == 0) rc = reserve_wbuf(c, KVF__FRAME_HDR + kvf__api_request__get_packed_size(req));
+  if (rc == 0) rc = reserve(&c->wbuf, &c->wcap, KVF__FRAME_HDR + kvf__api_request__get_packed_size(req));
   bool registered = false;
   for (size_t at = 0, slice = c->chain_first; rc == 0 && at < n; slice = slice * 2 < c->chain_max ? slice * 2 : c->chain_max) {
     size_t k = n - at < slice ? n - at : slice;

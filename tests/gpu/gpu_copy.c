@@ -228,6 +228,12 @@ static int run_tests(void) {
 
 /* ------------------------------------------------------------ bench */
 
+static bool two_gpus(const char *mode) {
+  if (kvf__gpu_count() >= 2) return true;
+  fprintf(stderr, "%s needs 2 GPUs\n", mode);
+  return false;
+}
+
 static int cmp_f(const void *a, const void *b) {
   float x = *(const float *)a, y = *(const float *)b;
   return (x > y) - (x < y);
@@ -275,10 +281,7 @@ static int run_pinned(uint64_t bytes, int reps) {
 }
 
 static int run_bench(size_t nblocks, uint64_t block, int reps, int refs) {
-  if (kvf__gpu_count() < 2) {
-    fprintf(stderr, "bench needs 2 GPUs\n");
-    return -1;
-  }
+  if (!two_gpus("bench")) return -1;
   uint64_t bytes = nblocks * block;
   region a, b;
   /* pools twice the data: blocks land scattered, as in a paged KV cache */
@@ -578,10 +581,7 @@ static int time_mix(scatter *x, size_t nk, int nce_streams, int reps, float *out
 /* Every kernel shape in one process, then copy engines and kernel+engines
  * together; one JSON line per figure. */
 static int run_sweep(size_t n, uint64_t block, int reps) {
-  if (kvf__gpu_count() < 2) {
-    fprintf(stderr, "sweep needs 2 GPUs\n");
-    return -1;
-  }
+  if (!two_gpus("sweep")) return -1;
   scatter x;
   if (scatter_setup(&x, n, block)) return -1;
   uint64_t bytes = n * block;
@@ -720,10 +720,7 @@ static int time_parts(scatter *x, size_t first, size_t max, unsigned pace_ns, in
 }
 
 static int run_parts(size_t n, uint64_t block, int reps) {
-  if (kvf__gpu_count() < 2) {
-    fprintf(stderr, "parts needs 2 GPUs\n");
-    return -1;
-  }
+  if (!two_gpus("parts")) return -1;
   scatter x;
   if (scatter_setup(&x, n, block)) return -1;
   static const struct { size_t first, max; unsigned pace; } v[] = {
@@ -896,10 +893,7 @@ static int kvlay_ce2d(kvlay *k, int s0, int s1, unsigned height, int reps, float
 }
 
 static int run_kvlayout(unsigned T, unsigned m, uint64_t bs, unsigned nb, int reps) {
-  if (kvf__gpu_count() < 2) {
-    fprintf(stderr, "kvlayout needs 2 GPUs\n");
-    return -1;
-  }
+  if (!two_gpus("kvlayout")) return -1;
   kvlay k;
   if (kvlay_setup(&k, T, m, bs, nb)) return -1;
   uint64_t bytes = (uint64_t)T * m * bs;

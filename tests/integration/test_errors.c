@@ -287,6 +287,17 @@ static int open_chained(h_client *hc, const h_daemon *d) {
 
 enum { CHN = 40 };
 
+/* A chained client of prefill, a fresh id, and CHN scattered 4 KiB blocks
+ * on each side (sender's, then decode's) from seed. */
+static int chain_case(h_client *ch, kvf_desc *src, kvf_desc *dst, char *id, size_t idcap, const char *prefix,
+                      uint64_t seed) {
+  if (open_chained(ch, &E.p.prefill)) return -1;
+  h_id(id, idcap, prefix);
+  h_layout(src, CHN, ch->pool, 0, 4 * KIB, true, seed);
+  h_layout(dst, CHN, E.dec.pool, 0, 4 * KIB, true, seed + 1);
+  return 0;
+}
+
 /* Whole transfers through chained frames: remote and local, in one call and
  * in parts, each verified byte for byte. */
 static void test_chain_transfers(void **state) {
@@ -318,10 +329,7 @@ static void test_chain_refused_midway(void **state) {
   h_client ch;
   kvf_desc src[CHN], dst[CHN];
   char id[64];
-  H_OK(open_chained(&ch, &E.p.prefill));
-  h_id(id, sizeof id, "chain-erange");
-  h_layout(src, CHN, ch.pool, 0, 4 * KIB, true, 45);
-  h_layout(dst, CHN, E.dec.pool, 0, 4 * KIB, true, 46);
+  H_OK(chain_case(&ch, src, dst, id, sizeof id, "chain-erange", 45));
   H_OK(h_expect_rc(kvf_grant(E.dec.c, id, "prefill", dst, CHN, 20000), 0, "grant"));
   kvf_desc bad = src[30];
   src[30].offset = ch.size; /* frame 5 of 4, 8, 8, 8, 8, 4 */
@@ -340,10 +348,7 @@ static void test_chain_refused_continuing(void **state) {
   h_client ch;
   kvf_desc src[CHN], dst[CHN];
   char id[64];
-  H_OK(open_chained(&ch, &E.p.prefill));
-  h_id(id, sizeof id, "chain-cont");
-  h_layout(src, CHN, ch.pool, 0, 4 * KIB, true, 48);
-  h_layout(dst, CHN, E.dec.pool, 0, 4 * KIB, true, 49);
+  H_OK(chain_case(&ch, src, dst, id, sizeof id, "chain-cont", 48));
   H_OK(h_expect_rc(kvf_grant(E.dec.c, id, "prefill", dst, CHN, 20000), 0, "grant"));
   H_OK(h_expect_rc(kvf_send(ch.c, id, "decode", src, 4, KVF_SEND_MORE, 20000), 0, "first part"));
   src[25].pool = 9999;
@@ -361,10 +366,7 @@ static void test_chain_refused_first_frame(void **state) {
   h_client ch;
   kvf_desc src[CHN], dst[CHN];
   char id[64];
-  H_OK(open_chained(&ch, &E.p.prefill));
-  h_id(id, sizeof id, "chain-first");
-  h_layout(src, CHN, ch.pool, 0, 4 * KIB, true, 50);
-  h_layout(dst, CHN, E.dec.pool, 0, 4 * KIB, true, 51);
+  H_OK(chain_case(&ch, src, dst, id, sizeof id, "chain-first", 50));
   h_xfer x = {.id = id, .src = src, .nsrc = CHN, .dst = dst, .ndst = CHN, .seed = 52};
   H_OK(h_prepare(&ch, &E.dec, &x));
   H_OK(h_post_grant(&E.dec, &x, "prefill"));

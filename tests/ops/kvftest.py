@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -287,6 +288,73 @@ def wait_event(client, xfer_id, timeout=10.0, type=None):
 def run(cmd, timeout=120, **kw):
     """subprocess.run with text output; never hangs the suite."""
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+# ---------------------------------------------------------------- protobuf, by hand
+# For tests that speak the wire themselves (no protobuf module needed):
+# the encodings proto/kvferry.proto's messages use, and a decoder into
+# {field number: [values]} (ints for varints, bytes for the rest).
+
+def varint(v):
+    out = bytearray()
+    while True:
+        b = v & 0x7F
+        v >>= 7
+        out.append(b | (0x80 if v else 0))
+        if not v:
+            return bytes(out)
+
+
+def field_varint(num, v):
+    return varint(num << 3) + varint(v)
+
+
+def field_bytes(num, b):
+    if isinstance(b, str):
+        b = b.encode()
+    return varint(num << 3 | 2) + varint(len(b)) + b
+
+
+def _read_varint(buf, i):
+    v = shift = 0
+    while True:
+        b = buf[i]
+        i += 1
+        v |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return v, i
+
+
+def pb_decode(buf):
+    """{field number: [values]}: ints for varints, bytes for the rest."""
+    out, i = {}, 0
+    while i < len(buf):
+        key, i = _read_varint(buf, i)
+        num, wt = key >> 3, key & 7
+        if wt == 0:
+            v, i = _read_varint(buf, i)
+        elif wt == 2:
+            n, i = _read_varint(buf, i)
+            v, i = buf[i:i + n], i + n
+        elif wt == 1:
+            v, i = buf[i:i + 8], i + 8
+        elif wt == 5:
+            v, i = buf[i:i + 4], i + 4
+        else:
+            raise AssertionError("wire type %d" % wt)
+        out.setdefault(num, []).append(v)
+    return out
+
+
+def zigzag(v):
+    """A sint32/sint64 field's value from its varint."""
+    return (v >> 1) ^ -(v & 1)
+
+
+def frame(msg):
+    """A message framed as proto/frame.h frames it: u32 little-endian length."""
+    return struct.pack("<I", len(msg)) + msg
 
 
 # ---------------------------------------------------------------- TAP

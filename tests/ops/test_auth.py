@@ -19,7 +19,7 @@ import unittest
 import urllib.request
 
 import kvftest  # first: puts the binding from the source tree on sys.path
-from kvftest import Daemon, run, wait_until
+from kvftest import Daemon, field_bytes, field_varint, pb_decode as decode, run, wait_until
 
 import kvferry
 
@@ -27,60 +27,6 @@ PEER_VERSION = 1
 # A refusal closes at once; well within this, and well before the daemon's
 # 5 s handshake timer would close an accepted but idle connection anyway.
 REFUSED_S = 2.5
-
-
-# ---------------------------------------------------------------- protobuf, by hand
-
-def varint(v):
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        out.append(b | (0x80 if v else 0))
-        if not v:
-            return bytes(out)
-
-
-def field_varint(num, v):
-    return varint(num << 3) + varint(v)
-
-
-def field_bytes(num, b):
-    if isinstance(b, str):
-        b = b.encode()
-    return varint(num << 3 | 2) + varint(len(b)) + b
-
-
-def decode(buf):
-    """{field number: [values]}: ints for varints, bytes for the rest."""
-    out, i = {}, 0
-    while i < len(buf):
-        key, i = _read_varint(buf, i)
-        num, wt = key >> 3, key & 7
-        if wt == 0:
-            v, i = _read_varint(buf, i)
-        elif wt == 2:
-            n, i = _read_varint(buf, i)
-            v, i = buf[i:i + n], i + n
-        elif wt == 1:
-            v, i = buf[i:i + 8], i + 8
-        elif wt == 5:
-            v, i = buf[i:i + 4], i + 4
-        else:
-            raise AssertionError("wire type %d" % wt)
-        out.setdefault(num, []).append(v)
-    return out
-
-
-def _read_varint(buf, i):
-    v = shift = 0
-    while True:
-        b = buf[i]
-        i += 1
-        v |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return v, i
 
 
 # PeerMsg bodies (proto/kvferry.proto)

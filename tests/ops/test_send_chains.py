@@ -16,73 +16,24 @@ KVF_EPROTO = -4009
 KVF_ECANCELED = -4013
 
 
-# ---------------------------------------------------------------- protobuf by hand
-
-def varint(v):
-    out = b""
-    while True:
-        b, v = v & 0x7F, v >> 7
-        out += bytes([b | (0x80 if v else 0)])
-        if not v:
-            return out
-
-
-def field(num, wire_type, payload):
-    return varint(num << 3 | wire_type) + payload
-
-
-def ld(num, data):
-    return field(num, 2, varint(len(data)) + data)
-
-
-def read_varint(buf, i):
-    v = shift = 0
-    while True:
-        b = buf[i]
-        i += 1
-        v |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return v, i
-
-
-def fields(buf):
-    """{field number: [values]} of one message: ints or bytes."""
-    out, i = {}, 0
-    while i < len(buf):
-        key, i = read_varint(buf, i)
-        num, wt = key >> 3, key & 7
-        if wt == 0:
-            v, i = read_varint(buf, i)
-        elif wt == 2:
-            n, i = read_varint(buf, i)
-            v, i = buf[i:i + n], i + n
-        else:
-            raise AssertionError("wire type %d in a daemon message" % wt)
-        out.setdefault(num, []).append(v)
-    return out
-
-
-def zigzag(v):
-    return (v >> 1) ^ -(v & 1)
+from kvftest import field_bytes as ld, field_varint, frame, pb_decode as fields, zigzag
 
 
 def request(seq, body_num, body):
-    msg = field(1, 0, varint(seq)) + ld(body_num, body)
-    return struct.pack("<I", len(msg)) + msg
+    return frame(field_varint(1, seq) + ld(body_num, body))
 
 
 def hello(seq):
-    return request(seq, 10, field(1, 0, varint(1)) + ld(2, b"test_send_chains"))
+    return request(seq, 10, field_varint(1, 1) + ld(2, b"test_send_chains"))
 
 
 def send(seq, xfer_id, node, pool, off, length, chained):
     """A frame as libkvferry writes it: every frame but the call's last is
     chained and says more parts follow."""
     descs = ld(4, struct.pack("<IQQ", pool, off, length))
-    body = ld(1, xfer_id) + ld(2, node) + ld(3, descs) + field(5, 0, varint(20000))
+    body = ld(1, xfer_id) + ld(2, node) + ld(3, descs) + field_varint(5, 20000)
     if chained:
-        body += field(4, 0, varint(1)) + field(6, 0, varint(1))
+        body += field_varint(4, 1) + field_varint(6, 1)
     return request(seq, 14, body)
 
 

@@ -7,33 +7,18 @@ not wait for the next time the peer goes down. Found by the chaos suite
 daemon."""
 import os
 import socket
-import struct
 import time
 import unittest
 
 import kvftest
 
 
-def varint(v):
-    out = b""
-    while True:
-        b, v = v & 0x7F, v >> 7
-        out += bytes([b | (0x80 if v else 0)])
-        if not v:
-            return out
-
-
-def field(num, wire_type, payload):
-    return varint(num << 3 | wire_type) + payload
-
-
 def data_hello(node, session, stream):
     """A framed PeerMsg{data_hello: {version 1, node, session, stream}}
     (proto/kvferry.proto), encoded by hand: no protobuf module needed."""
-    body = (field(1, 0, varint(1)) + field(2, 2, varint(len(node)) + node) +
-            field(3, 0, varint(session)) + field(4, 0, varint(stream)))
-    msg = field(2, 2, varint(len(body)) + body)
-    return struct.pack("<I", len(msg)) + msg
+    body = (kvftest.field_varint(1, 1) + kvftest.field_bytes(2, node) +
+            kvftest.field_varint(3, session) + kvftest.field_varint(4, stream))
+    return kvftest.frame(kvftest.field_bytes(2, body))
 
 
 def open_fds(d):
