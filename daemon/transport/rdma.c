@@ -1544,9 +1544,11 @@ static void on_async(uv_async_t *a) {
 
 static void on_mw_timer(uv_timer_t *tm);
 
+/* The first pass runs at once (the loop's next turn), not a tick later: a
+ * Grant waits for its windows, and a send may be waiting for the Grant. */
 static void mw_timer_arm(void) {
   if (R->mw_timer_on || (!R->binding && !R->zombies)) return;
-  uv_timer_start(&R->mw_timer, on_mw_timer, 1, 1);
+  uv_timer_start(&R->mw_timer, on_mw_timer, 0, 1);
   R->mw_timer_on = true;
 }
 
@@ -1814,11 +1816,16 @@ static void reap_zombies(void) {
 static void on_mw_timer(uv_timer_t *tm) {
   poll_all_binds();
   reap_zombies();
+  bool pumped = false;
   for (rgrant *g = R->binding; g; g = g->next_b) {
     if (g->restart && !g->chains_out && !g->status) bind_reset(g);
     if (!g->qs && !g->status) bind_start(g);
-    if (g->qs && !g->status && !g->restart) bind_pump(g);
+    if (g->qs && !g->status && !g->restart) {
+      bind_pump(g);
+      pumped = true;
+    }
   }
+  if (pumped) poll_all_binds(); /* binds the device completed as they were posted (rxe does) */
   for (;;) {
     rgrant *g = R->binding;
     while (g && !bind_finished(g)) g = g->next_b;
