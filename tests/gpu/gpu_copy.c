@@ -137,6 +137,16 @@ static int region_read(region *r, uint8_t *dst) {
   return 0;
 }
 
+/* Fills r (size a multiple of 8) with random data, not zeros, through
+ * buf, which keeps a copy for verification. */
+static int fill_random(region *r, uint8_t *buf) {
+  for (uint64_t i = 0; i < r->size; i += 8) {
+    uint64_t v = rnd();
+    memcpy(buf + i, &v, 8);
+  }
+  return region_write(r, buf);
+}
+
 static kvf__gpu_end end_of(const region *r, uint64_t off) {
   kvf__gpu_end e = {r->dev, r->mapped, r->addr + off, r->host ? r->host + off : NULL};
   return e;
@@ -298,13 +308,8 @@ static int run_bench(size_t nblocks, uint64_t block, int reps, int refs) {
     perm_d[i] = perm_d[j];
     perm_d[j] = t;
   }
-  /* random data, not zeros */
   uint8_t *h = malloc(a.size);
-  for (uint64_t i = 0; i < a.size; i += 8) {
-    uint64_t v = rnd();
-    memcpy(h + i, &v, 8);
-  }
-  region_write(&a, h);
+  if (!h || fill_random(&a, h)) return -1;
   kvf__gpu_batch *bt;
   if (kvf__gpu_batch_new(&bt)) return -1;
   bool pull = getenv("KVF_CUDA_PULL") && atoi(getenv("KVF_CUDA_PULL"));
@@ -459,11 +464,7 @@ static int scatter_setup(scatter *x, size_t n, uint64_t block) {
   }
   free(ps);
   free(pd);
-  for (uint64_t i = 0; i < x->a.size; i += 8) {
-    uint64_t v = rnd();
-    memcpy(x->want + i, &v, 8);
-  }
-  return region_write(&x->a, x->want);
+  return fill_random(&x->a, x->want);
 }
 
 static void scatter_free(scatter *x) {
@@ -773,11 +774,7 @@ static int kvlay_setup(kvlay *k, unsigned T, unsigned m, uint64_t bs, unsigned n
     j = i + (unsigned)(rnd() % (nb - i)), t = k->did[i];
     k->did[i] = k->did[j], k->did[j] = t;
   }
-  for (uint64_t i = 0; i < k->a.size; i += 8) {
-    uint64_t v = rnd();
-    memcpy(k->want + i, &v, 8);
-  }
-  return region_write(&k->a, k->want);
+  return fill_random(&k->a, k->want);
 }
 
 static void kvlay_free(kvlay *k) {
