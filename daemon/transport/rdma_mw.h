@@ -39,6 +39,9 @@ void kvf__mw_rec_get(const uint8_t *p, kvf__mw_rec *r);
 int kvf__mw_recs_check(const uint8_t *b, size_t len);
 /* Decodes the n records of b (checked) into v. */
 void kvf__mw_recs_decode(const uint8_t *b, size_t n, kvf__mw_rec *v);
+/* Whether window w holds [off, off + len) of pool. */
+bool kvf__mw_holds(const kvf__mw_rec *w, uint32_t pool, uint64_t off, uint64_t len);
+
 /* The index of the record of v[0..n) (decoded, checked) that holds all of
  * [off, off + len) of pool, or -1. With nearest, when none does: pool's
  * last record starting at or before off, else its first (a rogue sender of
