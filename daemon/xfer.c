@@ -571,13 +571,17 @@ int kvf__xfer_cancel(kvf__session *s, const char *id) {
   return found ? 0 : KVF_ENOENT;
 }
 
+/* x no longer reports to its client (which is gone, or learns of the
+ * failure otherwise) nor counts among its transfers. */
+static void disown(kvf__xfer *x) {
+  if (x->owner && X.env.session_xfers) X.env.session_xfers(x->owner, -1);
+  x->owner = NULL;
+}
+
 void kvf__xfer_withdraw_send(kvf__session *s, const char *id, int status, const char *why, bool silent) {
   kvf__xfer *x = id ? kvf__map_get(&X.send_by_id, id) : NULL;
   if (!x || x->owner != s || x->state == KVF__X_DRAIN) return;
-  if (silent) {
-    if (X.env.session_xfers) X.env.session_xfers(s, -1);
-    x->owner = NULL;
-  }
+  if (silent) disown(x);
   fail(x, status, why, true, KVF_EREMOTECANCEL);
 }
 
@@ -607,10 +611,7 @@ static bool is_orphan(kvf__xfer *x, void *arg) { return x->owner == NULL; }
  * a local pair never reports to the client that is gone. */
 void kvf__xfer_session_gone(kvf__session *s) {
   for (kvf__xfer *x = X.head; x; x = x->next)
-    if (x->owner == s) {
-      if (X.env.session_xfers) X.env.session_xfers(s, -1);
-      x->owner = NULL;
-    }
+    if (x->owner == s) disown(x);
   fail_each(is_orphan, NULL, KVF_ECANCELED, "the client went away", true, KVF_EREMOTECANCEL);
 }
 
