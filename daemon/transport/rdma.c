@@ -192,6 +192,7 @@ struct xstate {
   _Atomic(ticket *) tail;       /* the last part, waiting for pending == 0 */
   unsigned out;                 /* tickets not yet called back (loop) */
   wtable *wt;                   /* the Grant's windows, once a post needed them */
+  uint64_t wrs, loop_ns, build_ns, bell_ns; /* posting cost, summed over its tickets (loop) */
 };
 
 typedef struct inflight {       /* one posted chain */
@@ -400,10 +401,8 @@ typedef struct rdma_transport {
   /* loop-side counters of the posting cost */
   uint64_t posts, post_runs, post_ns;
   /* the last finished transfer's posting cost, summed over its tickets
-   * (a chained send posts one per frame); acc_x: the transfer being summed */
+   * (a chained send posts one per frame) */
   uint64_t last_wrs, last_loop_ns, last_build_ns, last_bell_ns;
-  const kvf__xfer *acc_x;
-  uint64_t acc_wrs, acc_loop_ns, acc_build_ns, acc_bell_ns;
   /* memory windows (loop) */
   bool mw;                      /* in use: pools take no remote writes but through them */
   char mw_why[200];             /* why not, when not */
@@ -1165,10 +1164,6 @@ static int wpost_init(wpost *wp, xstate *xs, const rpeer *rp, const kvf__xfer *x
   return 0;
 }
 
-static bool window_holds(const kvf__mw_rec *w, const kvf__run *r) {
-  return w->pool == r->dst_pool && r->len <= w->len && r->dst_off >= w->off && r->dst_off - w->off <= w->len - r->len;
-}
-
 /* The window that holds run r: 0, KVF_ERANGE when none does, KVF_EPEERLOST
  * when the QP it is bound through is gone. */
 static int wtable_find(wpost *wp, const kvf__run *r, const kvf__mw_rec **w, uint32_t *ln) {
@@ -1180,8 +1175,10 @@ static int wtable_find(wpost *wp, const kvf__run *r, const kvf__mw_rec **w, uint
   /* Engines hand out KV blocks in runs, so a run is often in the window of
    * the one before it, or the next: two compares before a binary search. */
   long i = -1;
-  if (!rogue && wp->hint < t->n && window_holds(&t->v[wp->hint], r)) i = (long)wp->hint;
-  else if (!rogue && wp->hint + 1 < t->n && window_holds(&t->v[wp->hint + 1], r)) i = (long)wp->hint + 1;
+  if (!rogue && wp->hint < t->n && kvf__mw_holds(&t->v[wp->hint], r->dst_pool, r->dst_off, r->len))
+    i = (long)wp->hint;
+  else if (!rogue && wp->hint + 1 < t->n && kvf__mw_holds(&t->v[wp->hint + 1], r->dst_pool, r->dst_off, r->len))
+    i = (long)wp->hint + 1;
   else i = kvf__mw_find(t->v, t->n, r->dst_pool, r->dst_off, r->len, rogue);
   if (i < 0) return KVF_ERANGE;
   wp->hint = (size_t)i;
@@ -1457,20 +1454,15 @@ static void ticket_done(ticket *tk) {
 #ifdef KVF_FAILPOINTS
   if (late_ticket_done(tk, st)) return;
 #endif
-  if (R->acc_x != x) {
-    R->acc_x = x;
-    R->acc_wrs = R->acc_loop_ns = R->acc_build_ns = R->acc_bell_ns = 0;
-  }
-  R->acc_wrs += wrs;
-  R->acc_loop_ns += tk->loop_ns;
-  R->acc_build_ns += atomic_load(&tk->build_ns);
-  R->acc_bell_ns += atomic_load(&tk->bell_ns);
-  if (last && R->acc_wrs) {
-    R->last_wrs = R->acc_wrs;
-    R->last_loop_ns = R->acc_loop_ns;
-    R->last_build_ns = R->acc_build_ns;
-    R->last_bell_ns = R->acc_bell_ns;
-    R->acc_x = NULL;
+  xs->wrs += wrs;
+  xs->loop_ns += tk->loop_ns;
+  xs->build_ns += atomic_load(&tk->build_ns);
+  xs->bell_ns += atomic_load(&tk->bell_ns);
+  if (last && xs->wrs) {
+    R->last_wrs = xs->wrs;
+    R->last_loop_ns = xs->loop_ns;
+    R->last_build_ns = xs->build_ns;
+    R->last_bell_ns = xs->bell_ns;
     kvf__debug("rdma: %s: %llu work requests; posting cost per request: %.0f ns on the loop, "
                "%.0f ns building, %.0f ns in ibv_post_send",
                x->id, (unsigned long long)R->last_wrs, (double)R->last_loop_ns / (double)R->last_wrs,
