@@ -28,6 +28,7 @@ typedef struct copy_job {
   kvf__runs runs;
   bool last;
   bool gpu;               /* a run touches a cuda pool */
+  kvf__gpu_copy *v;       /* gpu: the runs as copies, built once on the loop */
   int rc;
   uint64_t t_post, t_start, t_built, t_copied; /* for the debug trace */
   float kernel_ms;
@@ -42,26 +43,19 @@ static struct {
   size_t in_flight;       /* launched, not yet back on the loop */
   pthread_mutex_t mu;
   copy_job *done;         /* finished, newest first (under mu) */
-  kvf__gpu_copy *v;       /* the loop's scratch for building copies */
-  size_t cap;
 } L = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
-/* The copies of a post's runs, into *v (grown as needed and kept: 16k runs
- * must not cost 16k page faults each time). */
-static int gpu_copies(const kvf__runs *runs, kvf__gpu_copy **v, size_t *cap) {
-  if (runs->n > *cap) {
-    size_t ncap = runs->n + runs->n / 2;
-    kvf__gpu_copy *nv = realloc(*v, ncap * sizeof(**v));
-    if (!nv) return -ENOMEM;
-    *v = nv;
-    *cap = ncap;
-  }
+/* The copies of a post's runs, built once, whichever way they then go
+ * (launched from the loop, or on the thread pool). */
+static kvf__gpu_copy *gpu_copies(const kvf__runs *runs) {
+  kvf__gpu_copy *v = malloc((runs->n ? runs->n : 1) * sizeof(*v));
+  if (!v) return NULL;
   /* The ends at offset 0 of the pools of the previous run, reused. */
   uint32_t sp = UINT32_MAX, dp = UINT32_MAX;
   kvf__gpu_end s0 = {0}, d0 = {0};
   for (size_t i = 0; i < runs->n; i++) {
     const kvf__run *r = &runs->v[i];
-    kvf__gpu_copy *c = &(*v)[i];
+    kvf__gpu_copy *c = &v[i];
     if (r->src_pool != sp) kvf__pool_gpu_end(kvfd.pools[sp = r->src_pool], 0, &s0);
     if (r->dst_pool != dp) kvf__pool_gpu_end(kvfd.pools[dp = r->dst_pool], 0, &d0);
     c->src = s0;
@@ -72,25 +66,21 @@ static int gpu_copies(const kvf__runs *runs, kvf__gpu_copy **v, size_t *cap) {
     if (d0.host) c->dst.host += r->dst_off;
     c->len = r->len;
   }
-  return 0;
+  return v;
 }
 
 static void do_copy(uv_work_t *req) {
   copy_job *j = req->data;
-  j->t_start = kvf__now_ns();
   if (!j->gpu) {
+    j->t_start = kvf__now_ns();
     for (size_t i = 0; i < j->runs.n; i++) {
       const kvf__run *r = &j->runs.v[i];
       memcpy(kvfd.pools[r->dst_pool]->base + r->dst_off, kvfd.pools[r->src_pool]->base + r->src_off, r->len);
     }
     return;
   }
-  static _Thread_local kvf__gpu_copy *v; /* per worker thread */
-  static _Thread_local size_t cap;
-  if ((j->rc = gpu_copies(&j->runs, &v, &cap)) != 0) return;
-  const char *route;
-  j->t_built = kvf__now_ns();
-  j->rc = kvf__gpu_copy_all(v, j->runs.n, &route);
+  const char *route; /* j->v was built on the loop (local_post) */
+  j->rc = kvf__gpu_copy_all(j->v, j->runs.n, &route);
   j->t_copied = kvf__now_ns();
   j->kernel_ms = kvf__gpu_last_kernel_ms();
 }
@@ -132,6 +122,7 @@ static void finish_job(copy_job *j, int status) {
                (double)j->kernel_ms * 1e3, (double)(kvf__now_ns() - j->t_copied) / 1e3);
   kvf__xfer_on_posted(j->x, status ? KVF_ECANCELED : j->rc, j->last);
   kvf__runs_free(&j->runs);
+  free(j->v);
   free(j);
 }
 
@@ -185,10 +176,7 @@ static int start_on_loop(copy_job *j) {
     L.async_open = true;
     uv_unref((uv_handle_t *)&L.async);
   }
-  j->t_start = kvf__now_ns();
-  int rc = gpu_copies(&j->runs, &L.v, &L.cap);
-  j->t_built = kvf__now_ns();
-  if (rc == 0) rc = kvf__gpu_copy_start(L.v, j->runs.n, on_gpu_done, j);
+  int rc = kvf__gpu_copy_start(j->v, j->runs.n, on_gpu_done, j);
   if (rc) return rc;
   if (L.in_flight++ == 0) uv_ref((uv_handle_t *)&L.async);
   return 0;
@@ -208,11 +196,20 @@ static int local_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool las
     j->gpu = true;
     x->path = path;
     if (x->twin) x->twin->path = path;
+    j->t_start = kvf__now_ns();
+    j->v = gpu_copies(&j->runs);
+    j->t_built = kvf__now_ns();
+    if (!j->v) {
+      *runs = j->runs;
+      free(j);
+      return -ENOMEM;
+    }
   }
   if (j->gpu && start_on_loop(j) == 0) return 0;
   int rc = uv_queue_work(kvfd.loop, &j->req, do_copy, after_copy);
   if (rc) {
     *runs = j->runs;
+    free(j->v);
     free(j);
   }
   return rc;
@@ -232,9 +229,6 @@ static void local_destroy(kvf__transport *t) {
   L.closing = true;
   if (L.async_open && L.in_flight == 0 && !uv_is_closing((uv_handle_t *)&L.async))
     uv_close((uv_handle_t *)&L.async, on_async_closed);
-  free(L.v);
-  L.v = NULL;
-  L.cap = 0;
 }
 
 static const kvf__transport_ops local_ops = {
