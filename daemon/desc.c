@@ -170,7 +170,7 @@ int kvf__pair(const kvf__descs *src, const kvf__descs *dst, size_t *cursor, kvf_
   for (size_t i = 0; i < src->n; i++) {
     kvf__run run = {.src_pool = src->pool[i], .dst_pool = dst->pool[c + i],
                     .src_off = src->offset[i], .dst_off = dst->offset[c + i],
-                    .len = src->length[i]};
+                    .len = src->length[i], .dst_desc = (uint32_t)(c + i)};
     int rc = runs_push(out, &run);
     if (rc) return rc;
   }

@@ -25,6 +25,8 @@ typedef struct kvf__run {
   uint64_t src_off;
   uint64_t dst_off;
   uint64_t len;
+  uint32_t dst_desc;   /* the grant's descriptor its first byte goes to (kvf__pair):
+                          rdma finds the run's memory window by it */
 } kvf__run;
 
 typedef struct kvf__runs {

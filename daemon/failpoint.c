@@ -9,7 +9,8 @@
 
 static const char *const names[] = {[KVF__FP_WRITE_OUTSIDE] = "write-outside-grant",
                                     [KVF__FP_LATE_WRITE] = "late-write",
-                                    [KVF__FP_WRONG_QP] = "write-wrong-qp"};
+                                    [KVF__FP_WRONG_QP] = "write-wrong-qp",
+                                    [KVF__FP_BAD_WINDOW_INDEX] = "bad-window-index"};
 
 bool kvf__failpoint(int which) {
   const char *env = getenv("KVF_FAILPOINT"), *name = names[which];

@@ -11,7 +11,11 @@
  *                        (by then invalidated) window
  *   write-wrong-qp       rdma, memory windows: the last write of each
  *                        transfer goes through its window but on another QP
- *                        than the one the window is bound on */
+ *                        than the one the window is bound on
+ *   bad-window-index     rdma, memory windows: the sending daemon reads every
+ *                        entry of a Grant's window_of as the next window (as
+ *                        a faulty receiver would send it); it must find the
+ *                        right windows by search and deliver every byte */
 #ifndef KVF_FAILPOINT_H
 #define KVF_FAILPOINT_H
 
@@ -19,7 +23,7 @@
 
 #include "desc.h"
 
-enum { KVF__FP_WRITE_OUTSIDE = 1, KVF__FP_LATE_WRITE = 2, KVF__FP_WRONG_QP = 3 };
+enum { KVF__FP_WRITE_OUTSIDE = 1, KVF__FP_LATE_WRITE = 2, KVF__FP_WRONG_QP = 3, KVF__FP_BAD_WINDOW_INDEX = 4 };
 
 bool kvf__failpoint(int which);
 /* write-outside-grant: moves the run of runs that ends highest to start at

@@ -39,8 +39,7 @@ typedef struct pregrant {
   uint64_t expires_ns;
   int refused;            /* we refused this grant: the send fails with it */
   char why[128];
-  uint8_t *win;           /* Grant.windows (rdma memory windows), owned */
-  size_t win_len;
+  kvf__tp_grant tp;       /* owned */
 } pregrant;
 
 /* A peer's send waiting for our grant. */
@@ -110,11 +109,17 @@ static kvf__xfer *xfer_new(kvf__session *s, const char *id, int role, uint32_t d
   return x;
 }
 
+static void tp_grant_free(kvf__tp_grant *t) {
+  free(t->win);
+  free(t->of);
+  memset(t, 0, sizeof(*t));
+}
+
 static void free_after_close(uv_handle_t *h) {
   kvf__xfer *x = h->data;
   kvf__descs_free(&x->dst);
   kvf__descs_free(&x->early);
-  free(x->tp_grant);
+  tp_grant_free(&x->tp_grant);
   free(x);
 }
 
@@ -198,8 +203,10 @@ static int send_grant(kvf__xfer *x) {
   /* What is left of our deadline: a grant sent late must not outlive ours. */
   uint64_t used_ms = (kvf__now_ns() - x->created_ns) / 1000000ull;
   g.deadline_ms = used_ms < x->deadline_ms ? (uint32_t)(x->deadline_ms - used_ms) : 1;
-  g.windows.data = x->tp_grant;
-  g.windows.len = x->tp_grant_len;
+  g.windows.data = x->tp_grant.win;
+  g.windows.len = x->tp_grant.win_len;
+  g.window_of.data = x->tp_grant.of;
+  g.window_of.len = x->tp_grant.of_len;
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_GRANT;
   m.grant = &g;
@@ -355,8 +362,7 @@ static int bind_remote_recv(kvf__xfer *x, kvf__peer *p) {
   return rc > 0 ? 0 : send_grant(x);
 }
 
-/* The sender's copy of a Grant's windows. */
-static int copy_windows(uint8_t **out, size_t *len, const ProtobufCBinaryData *w) {
+static int copy_bytes(uint8_t **out, size_t *len, const ProtobufCBinaryData *w) {
   *out = NULL;
   *len = 0;
   if (!w->len) return 0;
@@ -364,6 +370,14 @@ static int copy_windows(uint8_t **out, size_t *len, const ProtobufCBinaryData *w
   memcpy(*out, w->data, w->len);
   *len = w->len;
   return 0;
+}
+
+/* The sender's copy of a Grant's transport part. */
+static int tp_grant_copy(kvf__tp_grant *t, const Kvf__Grant *g) {
+  int rc = copy_bytes(&t->win, &t->win_len, &g->windows);
+  if (rc == 0) rc = copy_bytes(&t->of, &t->of_len, &g->window_of);
+  if (rc) tp_grant_free(t);
+  return rc;
 }
 
 static void send_intent(kvf__xfer *x) {
@@ -407,7 +421,7 @@ static bool peer_may_wait(kvf__peer *p, const char *what, const char *id, char *
 
 static void pregrant_free(pregrant *g) {
   kvf__descs_free(&g->dst);
-  free(g->win);
+  tp_grant_free(&g->tp);
   free(g);
 }
 
@@ -437,9 +451,8 @@ static void rendezvous_send(kvf__xfer *x) {
     return;
   }
   if (g) {
-    x->tp_grant = g->win;
-    x->tp_grant_len = g->win_len;
-    g->win = NULL;
+    x->tp_grant = g->tp;
+    memset(&g->tp, 0, sizeof(g->tp));
     int rc = bind_remote_send(x, g->handle, &g->dst);
     pregrant_free(g);
     if (rc) fail(x, rc, "duplicate grant handle", true, KVF_EPROTO);
@@ -771,7 +784,7 @@ static void keep_pregrant(kvf__peer *p, const Kvf__Grant *g, kvf__descs *dst, in
   ng->expires_ns = deadline_ns(g->deadline_ms);
   ng->refused = refused;
   snprintf(ng->why, sizeof(ng->why), "%s", why ? why : "");
-  if (copy_windows(&ng->win, &ng->win_len, &g->windows) != 0) ng->refused = -ENOMEM;
+  if (tp_grant_copy(&ng->tp, g) != 0) ng->refused = -ENOMEM;
 }
 
 /* A grant with more descriptors than our max-descs (the receiver's may be
@@ -802,7 +815,7 @@ static void on_grant(kvf__peer *p, const Kvf__Grant *g) {
   if (rc) return; /* malformed: no daemon sends that; ignored */
   kvf__xfer *x = kvf__map_get(&X.send_by_id, g->xfer_id);
   if (x && x->peer == p && x->state == KVF__X_WAIT) {
-    rc = copy_windows(&x->tp_grant, &x->tp_grant_len, &g->windows);
+    rc = tp_grant_copy(&x->tp_grant, g);
     if (rc == 0) rc = bind_remote_send(x, g->handle, &dst);
     kvf__descs_free(&dst);
     if (rc) fail(x, rc, "duplicate grant handle", true, KVF_EPROTO);

@@ -25,6 +25,15 @@ enum kvf__xstate {
   KVF__X_DRAIN,      /* failed; waiting for the transport to let go of memory */
 };
 
+/* The transport's part of a Grant, opaque here (rdma: its memory windows,
+ * Grant.windows, and each descriptor's window, Grant.window_of). */
+typedef struct kvf__tp_grant {
+  uint8_t *win;
+  size_t win_len;
+  uint8_t *of;
+  size_t of_len;
+} kvf__tp_grant;
+
 struct kvf__xfer {
   char id[KVF_XFER_ID_MAX + 1];
   int role;
@@ -60,10 +69,8 @@ struct kvf__xfer {
   uint32_t deadline_ms;
   uv_timer_t timer;
   void *tp_state;             /* the transport's own per-transfer state */
-  uint8_t *tp_grant;          /* the transport's part of the Grant (Grant.windows: rdma's
-                                 memory windows): set by grant_open on the receiver, from
-                                 the Grant on the sender; owned */
-  size_t tp_grant_len;
+  kvf__tp_grant tp_grant;     /* set by grant_open on the receiver, from the Grant on
+                                 the sender; owned */
   bool grant_pending;         /* recv: grant_open is not done; the Grant waits */
   const char *path;           /* set by the transport when more precise than its
                                  name ("local-nvlink", "tcp-bounce"); static */

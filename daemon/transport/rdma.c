@@ -177,9 +177,11 @@ typedef struct ticket {
 
 #define MAX_LANES 256
 
-/* A Grant's memory windows as the sender searches them: decoded once per
+/* A Grant's memory windows as the sender looks them up: decoded once per
  * transfer, however many posts (a chained send's frames) it takes. */
 typedef struct wtable {
+  const uint8_t *of;            /* Grant.window_of (x->tp_grant): each descriptor's window */
+  size_t of_len;
   kvf__mw_rec *v;
   uint32_t *lane;               /* per record: its (device, QP) lane */
   size_t n, nl;
@@ -412,6 +414,7 @@ typedef struct rdma_transport {
   uv_timer_t mw_timer;
   bool mw_timer_on;
   uint64_t mw_live, mw_bound, mw_grants, mw_merged, mw_failed, mw_bind_ns;
+  uint64_t mw_lookups, mw_searches;  /* sender: runs' windows looked up; of those, not by window_of */
   size_t last_win;
   uint64_t last_bind_ns;
 } rdma_transport;
@@ -1055,7 +1058,10 @@ static int take_runs(ticket *tk, kvf__runs *runs, size_t extra) {
     const kvf__run *r = &runs->v[i];
     for (uint64_t off = 0; off < r->len; off += slice) {
       uint64_t len = r->len - off < slice ? r->len - off : slice;
-      v[k++] = (kvf__run){r->src_pool, r->dst_pool, r->src_off + off, r->dst_off + off, len};
+      v[k] = *r;
+      v[k].src_off += off;
+      v[k].dst_off += off;
+      v[k++].len = len;
     }
   }
   tk->runs = v;
@@ -1124,17 +1130,19 @@ static void wtable_free(wtable *t) {
 /* Decodes a Grant's windows, each with its lane: a (device, QP) of the
  * records; few. */
 static int wtable_decode(const kvf__xfer *x, wtable **out) {
-  if (kvf__mw_recs_check(x->tp_grant, x->tp_grant_len) != 0) return KVF_EPROTO;
+  if (kvf__mw_recs_check(x->tp_grant.win, x->tp_grant.win_len) != 0) return KVF_EPROTO;
   wtable *t = calloc(1, sizeof(*t));
   if (!t) return -ENOMEM;
-  t->n = x->tp_grant_len / KVF__MW_REC;
+  t->n = x->tp_grant.win_len / KVF__MW_REC;
+  t->of = x->tp_grant.of;
+  t->of_len = x->tp_grant.of_len;
   t->v = malloc((t->n ? t->n : 1) * sizeof(*t->v));
   t->lane = malloc((t->n ? t->n : 1) * sizeof(*t->lane));
   if (!t->v || !t->lane) {
     wtable_free(t);
     return -ENOMEM;
   }
-  kvf__mw_recs_decode(x->tp_grant, t->n, t->v);
+  kvf__mw_recs_decode(x->tp_grant.win, t->n, t->v);
   for (size_t i = 0; i < t->n; i++) {
     const kvf__mw_rec *w = &t->v[i];
     size_t l = 0;
@@ -1153,6 +1161,7 @@ typedef struct wpost {
   const wtable *t;
   rqp *qs[MAX_LANES];           /* by lane; NULL: that QP is gone */
   size_t hint;                  /* the last run's window: the next often is it or the one after */
+  uint64_t searched;            /* runs whose Grant.window_of entry did not hold them */
 } wpost;
 
 static int wpost_init(wpost *wp, xstate *xs, const rpeer *rp, const kvf__xfer *x) {
@@ -1160,6 +1169,7 @@ static int wpost_init(wpost *wp, xstate *xs, const rpeer *rp, const kvf__xfer *x
   if (rc) return rc;
   wp->t = xs->wt;
   wp->hint = 0;
+  wp->searched = 0;
   for (size_t l = 0; l < wp->t->nl; l++) wp->qs[l] = window_qp(rp, &wp->t->v[wp->t->first[l]]);
   return 0;
 }
@@ -1172,14 +1182,25 @@ static int wtable_find(wpost *wp, const kvf__run *r, const kvf__mw_rec **w, uint
 #ifdef KVF_FAILPOINTS
   rogue = kvf__failpoint(KVF__FP_WRITE_OUTSIDE); /* writes outside with a window it holds */
 #endif
-  /* Engines hand out KV blocks in runs, so a run is often in the window of
-   * the one before it, or the next: two compares before a binary search. */
+  /* The receiver says which window holds each of its descriptors; a
+   * wrong or missing entry costs a search, never a write. */
   long i = -1;
-  if (!rogue && wp->hint < t->n && kvf__mw_holds(&t->v[wp->hint], r->dst_pool, r->dst_off, r->len))
-    i = (long)wp->hint;
-  else if (!rogue && wp->hint + 1 < t->n && kvf__mw_holds(&t->v[wp->hint + 1], r->dst_pool, r->dst_off, r->len))
-    i = (long)wp->hint + 1;
-  else i = kvf__mw_find(t->v, t->n, r->dst_pool, r->dst_off, r->len, rogue);
+  uint32_t k = rogue ? UINT32_MAX : kvf__mw_index_get(t->of, t->of_len, r->dst_desc);
+#ifdef KVF_FAILPOINTS
+  if (k != UINT32_MAX && kvf__failpoint(KVF__FP_BAD_WINDOW_INDEX)) k++;
+#endif
+  if (k < t->n && kvf__mw_holds(&t->v[k], r->dst_pool, r->dst_off, r->len)) i = (long)k;
+  else {
+    /* Engines hand out KV blocks in runs, so a run is often in the window
+     * of the one before it, or the next: two compares before a search. */
+    wp->searched += !rogue;
+    if (!rogue && wp->hint < t->n && kvf__mw_holds(&t->v[wp->hint], r->dst_pool, r->dst_off, r->len))
+      i = (long)wp->hint;
+    else if (!rogue && wp->hint + 1 < t->n &&
+             kvf__mw_holds(&t->v[wp->hint + 1], r->dst_pool, r->dst_off, r->len))
+      i = (long)wp->hint + 1;
+    else i = kvf__mw_find(t->v, t->n, r->dst_pool, r->dst_off, r->len, rogue);
+  }
   if (i < 0) return KVF_ERANGE;
   wp->hint = (size_t)i;
   *w = &t->v[i];
@@ -1237,6 +1258,8 @@ static int ticket_windows(ticket *tk, const rpeer *rp, const kvf__xfer *x, xstat
     v = NULL;
     rkeys = NULL;
   }
+  R->mw_lookups += nb + (tk->has_tail && tk->tail.len);
+  R->mw_searches += t.searched;
   free(lane_of);
   free(key);
   free(rkeys);
@@ -1305,7 +1328,7 @@ static int rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last
   xstate *xs = xstate_of(x);
   ticket *tk = xs ? ticket_new(x, runs, extra, last) : NULL;
   rc = tk ? 0 : -ENOMEM;
-  if (tk && x->tp_grant_len && (rc = ticket_windows(tk, rp, x, xs)) != 0) {
+  if (tk && x->tp_grant.win_len && (rc = ticket_windows(tk, rp, x, xs)) != 0) {
     ticket_free(tk);
     tk = NULL;
   }
@@ -1652,7 +1675,7 @@ static void window_record(rgrant *g, size_t i, rqp *q, uint32_t rkey) {
   const kvf__range *w = &g->win[i];
   kvf__mw_rec r = {.pool = w->pool, .off = w->start, .len = w->end - w->start, .rkey = rkey,
                    .qpn = q->remote_qpn, .dev = (uint16_t)q->peer_dev};
-  kvf__mw_rec_put(g->x->tp_grant + i * KVF__MW_REC, &r);
+  kvf__mw_rec_put(g->x->tp_grant.win + i * KVF__MW_REC, &r);
 }
 
 /* Posts one chain of binds (what fits) of g's windows for its QP j. */
@@ -1831,6 +1854,16 @@ static void on_mw_timer(uv_timer_t *tm) {
   }
 }
 
+/* Room for the Grant's window records and each descriptor's window. */
+static int grant_part_alloc(kvf__tp_grant *t, size_t n_win, size_t n_desc) {
+  t->win = calloc(n_win, KVF__MW_REC);
+  t->of = malloc(n_desc ? n_desc * KVF__MW_OF : 1);
+  if (!t->win || !t->of) return -ENOMEM; /* freed with the transfer */
+  t->win_len = n_win * KVF__MW_REC;
+  t->of_len = n_desc * KVF__MW_OF;
+  return 0;
+}
+
 /* Plans g's windows and starts binding them; 1: the Grant waits for them. */
 static int mw_grant_open(rgrant *g, kvf__xfer *x) {
   kvf__rangeset rs = {0};
@@ -1840,9 +1873,11 @@ static int mw_grant_open(rgrant *g, kvf__xfer *x) {
   size_t ranges = rs.n;
   kvf__rangeset_free(&rs);
   if (rc == 0 && g->n_win == 0) rc = KVF_EINVAL;
-  if (rc == 0 && !(x->tp_grant = calloc(g->n_win, KVF__MW_REC))) rc = -ENOMEM;
+  if (rc == 0) rc = grant_part_alloc(&x->tp_grant, g->n_win, x->dst.n);
+  /* Each descriptor's window, worked out now, ahead of the send, so that
+   * the sender posts without searching. */
+  if (rc == 0) rc = kvf__mw_index(&x->dst, g->win, g->n_win, x->tp_grant.of);
   if (rc) return rc;
-  x->tp_grant_len = g->n_win * KVF__MW_REC;
   if (merged) {
     R->mw_merged++;
     kvf__warn("rdma: grant %s has %zu separate ranges, more than rdma-mw-max-windows (%u): its %zu memory "
@@ -3224,10 +3259,11 @@ static void inspect_windows(jbuf *b) {
   jb_str(b, R->protection);
   jb(b, ", \"max_per_grant\": %u, \"live\": %llu, \"bound\": %llu, \"grants\": %llu, \"binding\": %zu, "
         "\"merged_grants\": %llu, \"failed_grants\": %llu, \"bind_us_per_window\": %.2f, "
-        "\"last_grant_windows\": %zu, \"last_bind_ms\": %.3f}",
+        "\"last_grant_windows\": %zu, \"last_bind_ms\": %.3f, \"lookups\": %llu, \"searches\": %llu}",
      kvfd.cfg.rdma_mw_max_windows, (unsigned long long)R->mw_live, (unsigned long long)R->mw_bound,
      (unsigned long long)R->mw_grants, binding, (unsigned long long)R->mw_merged, (unsigned long long)R->mw_failed,
-     per(R->mw_bind_ns, R->mw_bound) / 1000.0, R->last_win, (double)R->last_bind_ns / 1e6);
+     per(R->mw_bind_ns, R->mw_bound) / 1000.0, R->last_win, (double)R->last_bind_ns / 1e6,
+     (unsigned long long)R->mw_lookups, (unsigned long long)R->mw_searches);
 }
 
 static void inspect_devices(jbuf *b) {

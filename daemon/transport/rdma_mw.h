@@ -12,9 +12,11 @@
 #ifndef KVF_RDMA_MW_H
 #define KVF_RDMA_MW_H
 
+#include <endian.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "desc.h"
 
@@ -54,6 +56,23 @@ long kvf__mw_find(const kvf__mw_rec *v, size_t n, uint32_t pool, uint64_t off, u
  * malloc'ed (NULL when rs is empty); *merged: how many gaps were spanned.
  * 0 or -ENOMEM. */
 int kvf__mw_plan(const kvf__rangeset *rs, size_t max, kvf__range **out, size_t *n, size_t *merged);
+
+/* Grant.window_of: each descriptor's window, 4 bytes (u32 LE) per
+ * descriptor of the grant, in its order. */
+#define KVF__MW_OF 4u
+
+/* Fills of (d->n * KVF__MW_OF bytes) with the index in win[0..n) (planned
+ * by kvf__mw_plan from d's ranges) of the window that holds each
+ * descriptor of d. 0, or KVF_EINVAL when one lies in none. */
+int kvf__mw_index(const kvf__descs *d, const kvf__range *win, size_t n, uint8_t *of);
+/* Entry k of a Grant.window_of of len bytes; UINT32_MAX past its end.
+ * Inline: the sender reads one per write it posts. */
+static inline uint32_t kvf__mw_index_get(const uint8_t *of, size_t len, size_t k) {
+  uint32_t v;
+  if (k >= len / KVF__MW_OF) return UINT32_MAX;
+  memcpy(&v, of + k * KVF__MW_OF, sizeof(v));
+  return le32toh(v);
+}
 
 /* What a device does with a write that leaves a type 2 window. */
 enum kvf__mw_bounds {

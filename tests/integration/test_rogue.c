@@ -25,6 +25,9 @@
  *     another QP than its window's: refused (KVF_EPERM on both sides), the
  *     block unchanged, the sender's QPs rebuilt.
  *   windows_merged (rdma)  more ranges than rdma-mw-max-windows: merged.
+ *   window_index (rdma, memory windows)  the sender finds each write's
+ *     window by the Grant's window_of, without a search; a sender that
+ *     reads it wrong (bad-window-index) searches and loses nothing.
  *   windows_off (rdma)  with rdma-memory-windows off, status and doctor say
  *     that a peer can write any byte of a pool; transfers still work. */
 #include <stdarg.h>
@@ -88,6 +91,7 @@ static int teardown(void **state) { return rig_down(); }
 typedef struct windows {
   bool rdma, in_use, enforced;
   uint64_t live;
+  uint64_t lookups, searches;   /* sender: runs' windows looked up; not by Grant.window_of */
   char protection[512];
 } windows;
 
@@ -104,6 +108,8 @@ static int get_windows(h_client *hc, windows *w) {
     w->in_use = is_true(hj_get(mw, "in_use"));
     w->enforced = is_true(hj_get(mw, "bounds_enforced"));
     hj_u64(mw, "live", &w->live);
+    hj_u64(mw, "lookups", &w->lookups);
+    hj_u64(mw, "searches", &w->searches);
     hj_str(mw, "protection", w->protection, sizeof w->protection);
   }
   free(json);
@@ -356,8 +362,47 @@ static void test_windows_merged(void **state) {
   H_OK(rig_down());
 }
 
+/* Scattered blocks, one window each, sent and verified; what the
+ * sender's status counts of its window lookups, in *w. */
+static int scattered_transfer(const char *name, uint64_t seed, windows *w) {
+  enum { M = 24 };
+  kvf_desc src[M], dst[M];
+  char id[64];
+  for (size_t i = 0; i < M; i++) { /* every other slot, in a shuffled order */
+    size_t k = (i * 7) % M;
+    src[i] = (kvf_desc){.pool = E.pre.pool, .offset = i * LEN, .len = LEN};
+    dst[i] = (kvf_desc){.pool = E.dec.pool, .offset = BASE + k * 2 * LEN, .len = LEN};
+  }
+  h_id(id, sizeof id, name);
+  h_xfer x = {.id = id, .src = src, .nsrc = M, .dst = dst, .ndst = M, .seed = seed, .path = "rdma"};
+  if (h_transfer(&E.pre, &E.dec, &x) || get_windows(&E.pre, w)) return -1;
+  fprintf(stderr, "note: %s: the sender looked up %llu windows, %llu of them by search\n", name,
+          (unsigned long long)w->lookups, (unsigned long long)w->searches);
+  if (w->lookups < M) return h_fail("%s: the sender looked up %llu windows for %d writes", name,
+                                    (unsigned long long)w->lookups, M);
+  return 0;
+}
+
+/* Grant.window_of: an ordinary sender finds every write's window by the
+ * receiver's index, without a search; one that reads every entry wrong
+ * (failpoint bad-window-index, as from a faulty receiver) searches for each
+ * and still delivers every byte. */
+static void test_window_index(void **state) {
+  windows w;
+  rig_up_windows(NULL, NULL, NULL, &w);
+  H_OK(scattered_transfer("index", 31, &w));
+  assert_int_equal(w.searches, 0);
+  H_OK(rig_down());
+  rig_up_windows(ROGUE, "bad-window-index", NULL, &w);
+  H_OK(scattered_transfer("bad-index", 32, &w));
+  assert_int_equal(w.searches, w.lookups);
+  H_OK(wait_no_windows(&E.dec));
+  H_OK(rig_down());
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test_teardown(test_window_index, teardown),
       cmocka_unit_test_teardown(test_windows_merged, teardown),
       cmocka_unit_test_teardown(test_write_outside_grant, teardown),
       cmocka_unit_test_teardown(test_late_write, teardown),

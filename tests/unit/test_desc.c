@@ -519,7 +519,10 @@ static void test_pair_in_parts(void **state) {
   assert_int_equal(cur, 6);
   assert_int_equal(r.n, 6);
   assert_int_equal(r.bytes, 2100);
-  for (size_t i = 0; i < 6; i++) assert_run(&r.v[i], 0, so[i], dp[i], dof[i], l[i]);
+  for (size_t i = 0; i < 6; i++) {
+    assert_run(&r.v[i], 0, so[i], dp[i], dof[i], l[i]);
+    assert_int_equal(r.v[i].dst_desc, i); /* the grant's index, across parts */
+  }
   kvf__runs_free(&r);
   kvf__descs_free(&d);
   kvf__descs_free(&p1);
@@ -538,6 +541,7 @@ static void test_coalesce_both_sides(void **state) {
   assert_int_equal(kvf__pair(&s, &d, &cur, &r), 0);
   assert_int_equal(r.n, 1);
   assert_run(&r.v[0], 0, 4096, 1, 65536, 8 * 512);
+  assert_int_equal(r.v[0].dst_desc, 0); /* a coalesced run: its first descriptor */
   assert_int_equal(r.bytes, 8 * 512);
   kvf__runs_free(&r);
   kvf__descs_free(&s);
@@ -553,6 +557,7 @@ static void test_coalesce_one_side_only(void **state) {
   assert_int_equal(kvf__pair(&s, &d, &cur, &r), 0);
   assert_int_equal(r.n, 4);
   for (size_t i = 0; i < 4; i++) assert_run(&r.v[i], 0, i * 512, 1, i * 1024, 512);
+  for (size_t i = 0; i < 4; i++) assert_int_equal(r.v[i].dst_desc, i);
   kvf__runs_free(&r);
   /* And the other way round. */
   cur = 0;

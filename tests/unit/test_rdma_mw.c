@@ -1,7 +1,8 @@
 /* test_rdma_mw.c - the pure parts of the rdma transport's memory windows
  * (daemon/transport/rdma_mw.c): the 32-byte records a Grant carries, the
- * checks a sender makes of them, finding the window of a write, and the
- * plan of a grant's windows under rdma-mw-max-windows. (Binding them needs
+ * checks a sender makes of them, finding the window of a write, the plan
+ * of a grant's windows under rdma-mw-max-windows, and each descriptor's
+ * window (Grant.window_of). (Binding them needs
  * a device: tests/rdma and tests/integration/test_rogue.c in the VM.) */
 #include <stdarg.h>
 #include <stddef.h>
@@ -199,6 +200,52 @@ static void test_plan_covers(void **state) {
   free(r);
 }
 
+/* Grant.window_of: for descriptors in random order, some adjacent, some
+ * overlapping, each entry names a window that holds its descriptor, under
+ * any cap on the number of windows. */
+static void test_index(void **state) {
+  enum { M = 2000 };
+  kvf__descs d = {malloc(M * sizeof(uint32_t)), malloc(M * sizeof(uint64_t)), malloc(M * sizeof(uint64_t)), M, 0};
+  assert_non_null(d.pool);
+  uint64_t s = 777;
+  for (size_t i = 0; i < M; i++) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    d.pool[i] = (uint32_t)(s >> 62);
+    d.offset[i] = (s >> 30) % (1u << 22);
+    d.length[i] = 1 + ((s >> 8) & 16383);
+    if (i && (s & 3) == 0) { /* the block right after the last one: a run */
+      d.pool[i] = d.pool[i - 1];
+      d.offset[i] = d.offset[i - 1] + d.length[i - 1];
+    }
+  }
+  kvf__rangeset rs;
+  assert_int_equal(kvf__rangeset_build(&rs, &d), 0);
+  uint8_t *of = malloc(M * KVF__MW_OF);
+  assert_non_null(of);
+  for (size_t cap = 1; cap <= rs.n + 1; cap = cap * 5 + 2) {
+    kvf__range *w;
+    size_t n, merged;
+    assert_int_equal(kvf__mw_plan(&rs, cap, &w, &n, &merged), 0);
+    assert_int_equal(kvf__mw_index(&d, w, n, of), 0);
+    for (size_t i = 0; i < M; i++) {
+      uint32_t k = kvf__mw_index_get(of, M * KVF__MW_OF, i);
+      assert_true(k < n);
+      assert_int_equal(w[k].pool, d.pool[i]);
+      assert_true(w[k].start <= d.offset[i] && d.offset[i] + d.length[i] <= w[k].end);
+    }
+    free(w);
+  }
+  /* Past the end of window_of (a short one from a faulty peer): none. */
+  assert_int_equal(kvf__mw_index_get(of, 3 * KVF__MW_OF + 2, 3), UINT32_MAX);
+  assert_true(kvf__mw_index_get(of, 3 * KVF__MW_OF + 2, 2) != UINT32_MAX);
+  /* A descriptor no window holds (a plan of other ranges) is refused. */
+  kvf__range one = {.pool = 9, .start = 0, .end = 10};
+  assert_int_equal(kvf__mw_index(&d, &one, 1, of), KVF_EINVAL);
+  free(of);
+  kvf__rangeset_free(&rs);
+  kvf__descs_free(&d);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_record_layout),
@@ -207,6 +254,7 @@ int main(void) {
       cmocka_unit_test(test_plan_within_cap),
       cmocka_unit_test(test_plan_merges_smallest_gaps),
       cmocka_unit_test(test_plan_covers),
+      cmocka_unit_test(test_index),
   };
   return cmocka_run_group_tests_name("rdma memory windows", tests, NULL, NULL);
 }
