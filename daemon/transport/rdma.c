@@ -138,7 +138,7 @@ typedef struct xstate xstate;
  * windows bound on one QP (a type 2 window takes writes only from there). */
 typedef struct lane {
   rqp *q;                       /* compared, never followed, by the threads */
-  size_t next, end;             /* runs[next..end) not yet claimed (qlock) */
+  size_t next, end;             /* order[next..end) not yet claimed (qlock) */
 } lane;
 
 /* One ops->post call. Its parts: n_body plain writes and, for the last post
@@ -157,9 +157,12 @@ typedef struct ticket {
   bool last, has_tail;
   kvf__run tail;                /* WRITE_WITH_IMM; len 0 when the post had no run */
   uint32_t imm;
-  /* Memory windows (the grant has them): runs are grouped by lane; each
-   * run's rkey is its window's; the tail goes on its window's QP. */
+  /* Memory windows (the grant has them): each run's rkey is its window's
+   * (rkeys, by run); body runs are claimed lane by lane through order
+   * (indices into runs; NULL when there is one lane: runs as they are);
+   * the tail goes on its window's QP. */
   uint32_t *rkeys;
+  uint32_t *order;
   lane *lanes;
   size_t n_lanes;
   size_t left;                  /* lanes: body runs not yet claimed (qlock) */
@@ -781,15 +784,21 @@ static void init_chain(rqp *q) {
                                     .opcode = IBV_WR_RDMA_WRITE};
 }
 
-/* rkeys: per run, when the grant has memory windows; else the pools'. */
-static uint64_t build_chain(rlink *lk, rqp *q, const kvf__run *r, size_t n, const uint32_t *rkeys) {
+/* The chain of runs[first..first + n), or with order of runs[order[first..
+ * first + n)]. rkeys: per run, when the grant has memory windows; else
+ * the pools'. */
+static uint64_t build_chain(rlink *lk, rqp *q, const kvf__run *runs, const uint32_t *order, size_t first, size_t n,
+                            const uint32_t *rkeys) {
   /* Runs of a chain nearly always share their pools: keep the last pool's
    * keys and bases at hand instead of looking them up per run. */
+  const kvf__run *r = &runs[order ? order[first] : first];
   uint32_t sp = r->src_pool, dp = r->dst_pool, lkey = lk->dev->lkey[sp], rkey = lk->rkey[dp];
   uintptr_t base = (uintptr_t)R->pool_base[sp];
   uint64_t raddr = lk->raddr[dp], bytes = 0;
   uint32_t max_inline = q->max_inline;
-  for (size_t i = 0; i < n; i++, r++) {
+  for (size_t i = 0; i < n; i++) {
+    size_t j = order ? order[first + i] : first + i;
+    r = &runs[j];
     if (r->src_pool != sp) {
       sp = r->src_pool;
       lkey = lk->dev->lkey[sp];
@@ -807,7 +816,7 @@ static uint64_t build_chain(rlink *lk, rqp *q, const kvf__run *r, size_t n, cons
     s->lkey = lkey;
     w->send_flags = r->len <= max_inline ? IBV_SEND_INLINE : 0;
     w->wr.rdma.remote_addr = raddr + r->dst_off;
-    w->wr.rdma.rkey = rkeys ? rkeys[i] : rkey;
+    w->wr.rdma.rkey = rkeys ? rkeys[j] : rkey;
     bytes += r->len;
   }
   q->wr[n - 1].next = NULL;
@@ -857,7 +866,7 @@ static int ring_doorbell(rlink *lk, rqp *q, ticket *tk, size_t n, uint32_t runs,
 
 static int post_chunk(rlink *lk, rqp *q, ticket *tk, size_t first, size_t cnt) {
   uint64_t t0 = fast_ns();
-  uint64_t bytes = build_chain(lk, q, tk->runs + first, cnt, tk->rkeys ? tk->rkeys + first : NULL);
+  uint64_t bytes = build_chain(lk, q, tk->runs, tk->order, first, cnt, tk->rkeys);
   return ring_doorbell(lk, q, tk, cnt, (uint32_t)cnt, false, t0, bytes);
 }
 
@@ -866,7 +875,7 @@ static int post_tail(rlink *lk, rqp *q, ticket *tk) {
   uint64_t t0 = fast_ns();
   struct ibv_send_wr *w = &q->wr[0];
   if (tk->tail.len) {
-    build_chain(lk, q, &tk->tail, 1, tk->rkeys ? &tk->tail_rkey : NULL);
+    build_chain(lk, q, &tk->tail, NULL, 0, 1, tk->rkeys ? &tk->tail_rkey : NULL);
   } else { /* nothing left to write: a zero-length write carries the notice */
     w->next = NULL;
     w->num_sge = 0;
@@ -1216,16 +1225,17 @@ static int ticket_windows(ticket *tk, const rpeer *rp, const kvf__xfer *x, xstat
   size_t nb = tk->n_body, cnt[MAX_LANES] = {0}, at[MAX_LANES];
   int rc = wpost_init(&t, xs, rp, x);
   size_t nl = rc == 0 ? t.t->nl : 0;
-  uint16_t *lane_of = malloc((nb ? nb : 1) * sizeof(*lane_of));
-  uint32_t *key = malloc((nb ? nb : 1) * sizeof(*key)), *rkeys = malloc((nb ? nb : 1) * sizeof(*rkeys));
-  kvf__run *v = malloc((nb ? nb : 1) * sizeof(*v));
-  if (rc == 0 && !(lane_of && key && rkeys && v)) rc = -ENOMEM;
+  uint16_t *lane_of = nl > 1 ? malloc((nb ? nb : 1) * sizeof(*lane_of)) : NULL;
+  tk->rkeys = malloc((nb ? nb : 1) * sizeof(*tk->rkeys));
+  tk->order = nl > 1 ? malloc((nb ? nb : 1) * sizeof(*tk->order)) : NULL;
+  tk->lanes = nl ? calloc(nl, sizeof(*tk->lanes)) : NULL;
+  if (rc == 0 && (!tk->rkeys || (nl > 1 && !(lane_of && tk->order)) || (nl && !tk->lanes))) rc = -ENOMEM;
   const kvf__mw_rec *w = NULL;
   uint32_t ln = 0;
   for (size_t i = 0; rc == 0 && i < nb; i++) {
     if ((rc = wtable_find(&t, &tk->runs[i], &w, &ln)) != 0) break;
-    lane_of[i] = (uint16_t)ln;
-    key[i] = w->rkey;
+    if (lane_of) lane_of[i] = (uint16_t)ln;
+    tk->rkeys[i] = w->rkey;
     cnt[ln]++;
   }
   if (rc == 0 && tk->has_tail && tk->tail.len && (rc = wtable_find(&t, &tk->tail, &w, &ln)) == 0) {
@@ -1238,38 +1248,25 @@ static int ticket_windows(ticket *tk, const rpeer *rp, const kvf__xfer *x, xstat
 #ifdef KVF_FAILPOINTS
   if (rc == 0 && tk->tail_q && kvf__failpoint(KVF__FP_WRONG_QP)) rogue_tail_qp(tk, rp);
 #endif
-  if (rc == 0 && nl && !(tk->lanes = calloc(nl, sizeof(*tk->lanes)))) rc = -ENOMEM;
-  if (rc == 0) { /* counting sort: lane by lane, in post order within each */
+  if (rc == 0) { /* lane by lane, in post order within each: indices, not copies of runs */
     for (size_t l = 0, off = 0; l < nl; off += cnt[l++]) {
       at[l] = off;
       tk->lanes[l] = (lane){t.qs[l], off, off + cnt[l]};
     }
-    for (size_t i = 0; i < nb; i++) {
-      size_t k = at[lane_of[i]]++;
-      v[k] = tk->runs[i];
-      rkeys[k] = key[i];
-    }
-    free(tk->runs);
-    tk->runs = v;
-    tk->n_runs = nb;
-    tk->rkeys = rkeys;
+    for (size_t i = 0; lane_of && i < nb; i++) tk->order[at[lane_of[i]]++] = (uint32_t)i;
     tk->n_lanes = nl;
     tk->left = nb;
-    v = NULL;
-    rkeys = NULL;
   }
   R->mw_lookups += nb + (tk->has_tail && tk->tail.len);
   R->mw_searches += t.searched;
   free(lane_of);
-  free(key);
-  free(rkeys);
-  free(v);
-  return rc;
+  return rc; /* on failure the caller frees the ticket, with what was made here */
 }
 
 static void ticket_free(ticket *tk) {
   free(tk->runs);
   free(tk->rkeys);
+  free(tk->order);
   free(tk->lanes);
   free(tk);
 }
