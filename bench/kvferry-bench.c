@@ -71,6 +71,7 @@ typedef struct opts {
   uint32_t deadline_ms;
   bool layerwise, send_first, grant_any, json, quiet;
   bool time_from_send;   /* latency starts at the send (the grant is posted before, untimed) */
+  uint32_t grant_lead_ms; /* with it: how long before the send the grant is posted */
 } opts;
 
 /* ------------------------------------------------------------ state */
@@ -467,6 +468,11 @@ static int post_request(bench *b, req *r) {
   int rc;
   if (b->o.time_from_send) { /* decode posted its grant ahead, as engines do */
     if (post_grant(b, r) < 0) return -1;
+    /* An engine grants when it admits the request, a whole prefill before
+     * the send: the grant is in place (windows bound, pushed to the
+     * sender) and only the handoff is timed. */
+    uint32_t lead = b->o.grant_lead_ms;
+    if (lead) nanosleep(&(struct timespec){lead / 1000, (long)(lead % 1000) * 1000000L}, NULL);
     r->t_post = now_ns();
     rc = post_send(b, r);
   } else if (b->o.send_first) rc = post_send(b, r) < 0 || post_grant(b, r) < 0 ? -1 : 0;
@@ -728,6 +734,8 @@ static void usage(FILE *f) {
     "  --send-first         post the send before the grant\n"
     "  --time-from-send     post the grant first, untimed; latency runs from the\n"
     "                       send to RECV_DONE\n"
+    "  --grant-lead-ms N    with --time-from-send: post each grant N ms before\n"
+    "                       its send (as an engine grants a prefill ahead)\n"
     "  --grant-any          grant without naming the prefill node\n"
     "  --deadline-ms N      per-transfer deadline (default 30000; 0: the daemon's)\n"
     "  --seed N             data and layout seed (default 1)\n"
@@ -752,7 +760,7 @@ static int parse_u64(const char *name, const char *s, uint64_t min, uint64_t max
 
 enum { O_FROM = 256, O_TO, O_MODEL, O_LAYERS, O_KVH, O_HDIM, O_BTOK, O_DTYPE, O_MLA, O_TOKENS,
        O_REQS, O_CONC, O_PFROM, O_PTO, O_LAYERWISE, O_SENDFIRST, O_GRANTANY, O_DEADLINE, O_SEED,
-       O_JSON, O_QUIET, O_HELP, O_TFS };
+       O_JSON, O_QUIET, O_HELP, O_TFS, O_LEAD };
 
 static const struct option long_opts[] = {
   {"from", required_argument, 0, O_FROM}, {"to", required_argument, 0, O_TO},
@@ -766,7 +774,8 @@ static const struct option long_opts[] = {
   {"grant-any", no_argument, 0, O_GRANTANY}, {"deadline-ms", required_argument, 0, O_DEADLINE},
   {"seed", required_argument, 0, O_SEED}, {"json", no_argument, 0, O_JSON},
   {"quiet", no_argument, 0, O_QUIET}, {"help", no_argument, 0, O_HELP},
-  {"time-from-send", no_argument, 0, O_TFS}, {0, 0, 0, 0},
+  {"time-from-send", no_argument, 0, O_TFS}, {"grant-lead-ms", required_argument, 0, O_LEAD},
+  {0, 0, 0, 0},
 };
 
 /* Geometry flags as given; 0 = not given, the preset's value stands. */
@@ -796,6 +805,11 @@ static int parse_run_opt(int c, const char *arg, opts *o) {
   case O_DEADLINE:
     if (parse_u64("deadline-ms", arg, 0, UINT32_MAX, &v) < 0) return -1;
     o->deadline_ms = (uint32_t)v;
+    return 0;
+  case O_LEAD:
+    if (parse_u64("grant-lead-ms", arg, 0, 60000, &v) < 0) return -1;
+    o->grant_lead_ms = (uint32_t)v;
+    o->time_from_send = true;
     return 0;
   }
   return -1;
@@ -860,7 +874,7 @@ static int parse_args(int argc, char **argv, opts *o) {
     else if (c == O_MODEL) rc = set_model(optarg, o);
     else if (c >= O_LAYERS && c <= O_MLA) rc = parse_geom_opt(c, optarg, &ov);
     else if (c >= O_TOKENS && c <= O_CONC) rc = parse_run_opt(c, optarg, o);
-    else if (c == O_DEADLINE || c == O_SEED) rc = parse_run_opt(c, optarg, o);
+    else if (c == O_DEADLINE || c == O_SEED || c == O_LEAD) rc = parse_run_opt(c, optarg, o);
     else if (c == O_LAYERWISE) o->layerwise = true;
     else if (c == O_SENDFIRST) o->send_first = true;
     else if (c == O_GRANTANY) o->grant_any = true;

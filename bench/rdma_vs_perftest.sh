@@ -9,16 +9,24 @@
 #   3. ib_write_lat, 32 KiB, rxe0 -> rxe1                   latency bar
 #   4. kvferry-bench, one 32 KiB block per request,         1-block handoff
 #      LAT_REQUESTS requests, grant posted first (untimed): p50 / p99 of
-#      send -> RECV_DONE; and with grant and send both timed
-#   5. one transfer of 100,000 1 KiB descriptors, and the   posting cost
-#      daemon's posting cost per descriptor from its status
+#      send -> RECV_DONE; the same with each grant posted LEAD_MS before
+#      its send (as an engine grants a whole prefill ahead: the grant's
+#      windows are bound and it reached the sender); and with grant and
+#      send both timed
+#   5. two transfers of 100,000 1 KiB descriptors, and the  posting cost
+#      daemon's posting cost per descriptor of the second from its status
+#   6. build/desc-bench (the daemon's per-descriptor decode, check and
+#      pairing, bench/desc_bench.c) on the host before the VM boots and in
+#      the VM: the ratio is how much slower the emulated CPU runs this kind
+#      of code, and the posting cost divided by it an estimate of the same
+#      cost on the host's CPU (an estimate: labelled so)
 #
 # The VM is emulated (TCG): compare figures only within one run.
 # Prints a table, then (last line of stdout) the same as one JSON line.
 #
 # Usage (as root, on the host): make && bench/rdma_vs_perftest.sh
 # It boots the VM and runs itself inside. Environment: BUILD (default build),
-# REQUESTS (4), LAT_REQUESTS (200), PERF_SECONDS (5), POOL (1G per daemon),
+# REQUESTS (4), LAT_REQUESTS (200), LEAD_MS (20), PERF_SECONDS (5), POOL (1G per daemon),
 # VM_MEM (6G), RDMA_VM (the VM's run script), EXTRA_CONF (config lines for
 # both daemons, e.g. $'rdma-qps-per-peer 1\nrdma-poll-us 0').
 set -euo pipefail
@@ -27,6 +35,7 @@ cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 REQUESTS=${REQUESTS:-4}
 LAT_REQUESTS=${LAT_REQUESTS:-200}
+LEAD_MS=${LEAD_MS:-20}
 PERF_SECONDS=${PERF_SECONDS:-5}
 POOL=${POOL:-1G}
 VM_MEM=${VM_MEM:-6G}
@@ -36,7 +45,7 @@ EXTRA_CONF=${EXTRA_CONF:-}
 say() { echo "rdma_vs_perftest: $*" >&2; }
 die() { say "$*"; exit 1; }
 
-for bin in kvferryd kvferryctl kvferry-bench; do
+for bin in kvferryd kvferryctl kvferry-bench desc-bench; do
   [ -x "$BUILD/$bin" ] || die "$BUILD/$bin is missing (run make first)"
 done
 
@@ -44,8 +53,10 @@ done
 if [ -z "${RDMA_VM_NODES:-}" ]; then
   [ -x "$RDMA_VM" ] || die "no VM runner at $RDMA_VM (set RDMA_VM)"
   HOST_CPU=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
-  export BUILD REQUESTS LAT_REQUESTS PERF_SECONDS POOL EXTRA_CONF
+  export BUILD REQUESTS LAT_REQUESTS LEAD_MS PERF_SECONDS POOL EXTRA_CONF
   export HOST_CPU HOST_NPROC=$(nproc) HOST_KERNEL=$(uname -r)
+  HOST_DESC_BENCH=$("$BUILD/desc-bench" 16384 20 --keep)
+  export HOST_DESC_BENCH
   exec "$RDMA_VM" --nodes 2 --mem "$VM_MEM" --timeout 900 -- bench/rdma_vs_perftest.sh
 fi
 
@@ -145,20 +156,31 @@ bench "$TMP/kv.json" --model llama3-8b --tokens 4096 --requests "$REQUESTS"
 ONE="--layers 1 --mla --kv-heads 8 --head-dim 128 --block-tokens 16 --dtype-bytes 2 --tokens 16"
 say "kvferry-bench, one 32 KiB block, $LAT_REQUESTS requests, from the send"
 bench "$TMP/one.json" $ONE --requests "$LAT_REQUESTS" --time-from-send
+say "kvferry-bench, one 32 KiB block, $LAT_REQUESTS requests, each grant $LEAD_MS ms ahead"
+bench "$TMP/one_lead.json" $ONE --requests "$LAT_REQUESTS" --grant-lead-ms "$LEAD_MS"
 say "kvferry-bench, one 32 KiB block, $LAT_REQUESTS requests, grant and send timed"
 bench "$TMP/one_gs.json" $ONE --requests "$LAT_REQUESTS"
 say "kvferry-bench, one transfer of 100000 x 1 KiB descriptors"
-bench "$TMP/100k.json" --layers 1 --mla --kv-heads 1 --head-dim 512 --block-tokens 1 --tokens 100000 --requests 1
+bench "$TMP/100k.json" --layers 1 --mla --kv-heads 1 --head-dim 512 --block-tokens 1 --tokens 100000 --requests 2
 ctl prefill status --json >"$TMP/status.json"
+say "desc-bench in the VM (the host ran it before the boot)"
+"$BUILD/desc-bench" 16384 20 --keep >"$TMP/desc.json"
 
 # ---------------------------------------------------------------- report
-python3 - "$TMP" "$BW_GBIT" "$LAT_TYP" "$LAT_AVG" "$DATE" <<'EOF'
+python3 - "$TMP" "$BW_GBIT" "$LAT_TYP" "$LAT_AVG" "$DATE" "$LEAD_MS" <<'EOF'
 import json, os, sys
-tmp, bw_gbit, lat_typ, lat_avg, date = sys.argv[1:]
+tmp, bw_gbit, lat_typ, lat_avg, date, lead_ms = sys.argv[1:]
 def last_json(path):
     return json.loads([l for l in open(path).read().splitlines() if l.strip()][-1])
-kv, one, one_gs, big = (last_json(os.path.join(tmp, n)) for n in ("kv.json", "one.json", "one_gs.json", "100k.json"))
-post = json.load(open(os.path.join(tmp, "status.json")))["rdma"]["post"]
+kv, one, one_lead, one_gs, big = (last_json(os.path.join(tmp, n))
+                                  for n in ("kv.json", "one.json", "one_lead.json", "one_gs.json", "100k.json"))
+rdma = json.load(open(os.path.join(tmp, "status.json")))["rdma"]
+def desc_sum(d):
+    return sum(d[k] for k in ("unpack_ns", "from_wire_ns", "check_ns", "pair_ns"))
+vm_desc = desc_sum(last_json(os.path.join(tmp, "desc.json")))
+host_desc = desc_sum(json.loads(os.environ["HOST_DESC_BENCH"]))
+slowdown = vm_desc / host_desc if host_desc else 0
+post, mw = rdma["post"], rdma.get("memory_windows") or {}
 bw = float(bw_gbit) / 8          # GB/s (1e9 bytes)
 lat_typ, lat_avg = float(lat_typ), float(lat_avg)
 k = float(kv["gbps"])
@@ -174,21 +196,34 @@ print("%-52s %12.3f" % ("  ratio kvferry / ib_write_bw (goal >= 0.97)", k / bw i
 print("%-52s %9.1f us" % ("ib_write_lat, 32 KiB, typical (avg %.1f)" % lat_avg, lat_typ))
 print("%-52s %9.1f us" % ("kvferry 1-block handoff p50, from the send (p99 %.0f)" % one["p99_us"], one["p50_us"]))
 print("%-52s %9.1f us" % ("  handoff - ib_write_lat (goal <= 10)", one["p50_us"] - lat_typ))
+print("%-52s %9.1f us" % ("kvferry 1-block handoff p50, grant %s ms ahead (p99 %.0f)" % (lead_ms, one_lead["p99_us"]),
+                          one_lead["p50_us"]))
+print("%-52s %9.1f us" % ("  handoff - ib_write_lat (goal <= 10)", one_lead["p50_us"] - lat_typ))
 print("%-52s %9.1f us" % ("kvferry 1-block, grant + send timed, p50", one_gs["p50_us"]))
 print("%-52s %9.1f ns" % ("posting cost per descriptor, 100k (loop + build)", per_desc))
 print("%-52s %9.1f ns" % ("  of which on the loop (ticket, slicing, checks)", post["last_loop_ns_per_wr"]))
 print("%-52s %9.1f ns" % ("  of which building work requests", post["last_build_ns_per_wr"]))
 print("%-52s %9.1f ns" % ("  ibv_post_send per descriptor (rxe: runs the NIC)", post["last_doorbell_ns_per_wr"]))
 print("%-52s %9.1f MB/s" % ("  100k x 1 KiB transfer rate", float(big["gbps"]) * 1e3))
-print("paths: %s / %s / %s; verified: %s %s %s %s" % (kv["path"], one["path"], big["path"], kv["verified"],
-      one["verified"], one_gs["verified"], big["verified"]))
+print("%-52s %9.1f x" % ("desc-bench, VM / host (%.1f / %.1f ns per descriptor)" % (vm_desc, host_desc), slowdown))
+print("%-52s %9.1f ns" % ("  posting cost / that: an estimate for the host CPU", per_desc / slowdown if slowdown else 0))
+print("memory windows: %s; writes whose window was searched for: %s of %s" % (
+      "in use" if mw.get("in_use") else "not in use", mw.get("searches", "-"), mw.get("lookups", "-")))
+print("paths: %s / %s / %s; verified: %s" % (kv["path"], one["path"], big["path"],
+      " ".join(str(r["verified"]) for r in (kv, one, one_lead, one_gs, big))))
 print(json.dumps({
     "date": date, "host": host, "ib_write_bw_gbps": round(bw, 4), "kvferry_gbps": k,
     "bw_ratio": round(k / bw, 3) if bw else None, "ib_write_lat_typical_us": lat_typ,
     "ib_write_lat_avg_us": lat_avg, "handoff_p50_us": one["p50_us"], "handoff_p99_us": one["p99_us"],
-    "handoff_minus_lat_us": round(one["p50_us"] - lat_typ, 1), "handoff_grant_send_p50_us": one_gs["p50_us"],
+    "handoff_minus_lat_us": round(one["p50_us"] - lat_typ, 1), "handoff_lead_ms": int(lead_ms),
+    "handoff_lead_p50_us": one_lead["p50_us"], "handoff_lead_p99_us": one_lead["p99_us"],
+    "handoff_grant_send_p50_us": one_gs["p50_us"], "memory_windows": bool(mw.get("in_use")),
+    "mw_lookups": mw.get("lookups"), "mw_searches": mw.get("searches"),
     "post_ns_per_desc": round(per_desc, 1),
     "post_loop_ns": post["last_loop_ns_per_wr"], "post_build_ns": post["last_build_ns_per_wr"],
     "post_doorbell_ns": post["last_doorbell_ns_per_wr"], "descs_100k_gbps": big["gbps"],
-    "path": kv["path"], "verified": kv["verified"] and one["verified"] and one_gs["verified"] and big["verified"]}))
+    "desc_bench_vm_ns": round(vm_desc, 1), "desc_bench_host_ns": round(host_desc, 1),
+    "emulation_slowdown": round(slowdown, 1),
+    "post_ns_per_desc_host_estimate": round(per_desc / slowdown, 1) if slowdown else None,
+    "path": kv["path"], "verified": all(r["verified"] for r in (kv, one, one_lead, one_gs, big))}))
 EOF
