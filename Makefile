@@ -52,7 +52,7 @@ INTEG_SRC := $(wildcard tests/integration/test_*.c)
 INTEG_BIN := $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(INTEG_SRC))
 TESTLIB_SRC := $(wildcard tests/integration/harness.c)
 
-BINS := $(BUILD)/kvferryd $(BUILD)/kvferryctl $(BUILD)/kvferry-bench $(BUILD)/desc-bench \
+BINS := $(BUILD)/kvferryd $(BUILD)/kvferryctl $(BUILD)/kvferry-bench $(BUILD)/desc-bench $(BUILD)/post-bench \
 	$(BUILD)/libkvferry.so $(BUILD)/libkvferry.a
 
 # Operations tests (tests/ops): Python, stdlib only, TAP on stdout.
@@ -109,6 +109,11 @@ $(BUILD)/kvferry-bench: $(call obj,$(BENCH_SRC)) $(BUILD)/libkvferry.a
 # The daemon's cost per descriptor before a transport sees it (bench/desc_bench.c).
 $(BUILD)/desc-bench: bench/desc_bench.c $(DAEMON_OBJ) $(PROTO_H)
 	$(CC) $(CFLAGS_BASE) $(INC) -o $@ $< $(DAEMON_OBJ) $(LDLIBS_D)
+
+# The rdma sender's own cost per descriptor, without a device
+# (bench/post_bench.c): it compiles rdma.c in, so links the rest.
+$(BUILD)/post-bench: bench/post_bench.c daemon/transport/rdma.c $(DAEMON_OBJ) $(PROTO_H)
+	$(CC) $(CFLAGS_BASE) $(INC) -o $@ $< $(filter-out %/transport/rdma.o,$(DAEMON_OBJ)) $(LDLIBS_D)
 
 # Unit tests link the daemon's objects (all but main) and cmocka.
 $(BUILD)/tests/%: tests/unit/%.c $(DAEMON_OBJ) $(BUILD)/libkvferry.a $(PROTO_H)
