@@ -232,6 +232,11 @@ static const struct opt opts[] = {
      .min = 0, .max = 100000, .def = "20",
      .help = "How long a progress thread keeps polling after its last completion "
              "before it sleeps on the completion channel; 0 = sleep at once."},
+    {.name = "busy-poll", .type = OPT_BOOL, .off = F(busy_poll), .def = "no",
+     .help = "Spin instead of sleeping: the event loop never blocks waiting for events "
+             "and the rdma progress threads never sleep on their completion channels, "
+             "which takes the wake-ups off a handoff's path. Each of those threads then "
+             "keeps a core busy all the time: for nodes with cores to spare."},
     {.name = "rdma-memory-windows", .type = OPT_ENUM, .off = F(rdma_memory_windows),
      .words = tristate_words, .def = "auto",
      .help = "Limit a peer's RDMA writes to the ranges of its open grants: pools are "

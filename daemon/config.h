@@ -78,6 +78,7 @@ typedef struct kvf__config {
   uint32_t rdma_inline;
   uint32_t rdma_slice;
   uint32_t rdma_poll_us;
+  bool busy_poll;                  /* the loop and the rdma progress threads never sleep */
   int rdma_memory_windows;         /* enum kvf__tristate: a type 2 memory window per grant range */
   uint32_t rdma_mw_max_windows;    /* windows per grant; more ranges are merged across gaps */
   /* peer authentication (daemon/auth.c) */

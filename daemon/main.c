@@ -107,6 +107,18 @@ static void report_gpu_pools(void) {
   }
 }
 
+static void spin_once(uv_idle_t *h) {}
+
+/* busy-poll: an active idle handle makes every turn of the loop poll for
+ * events without blocking. Unreferenced, it does not keep the loop alive
+ * when the daemon stops. */
+static void start_spinning(uv_idle_t *h) {
+  uv_idle_init(kvfd.loop, h);
+  uv_idle_start(h, spin_once);
+  uv_unref((uv_handle_t *)h);
+  kvf__info("busy-poll: the loop and the rdma progress threads spin (a core each)");
+}
+
 static void close_walk(uv_handle_t *h, void *arg) {
   if (!uv_is_closing(h)) uv_close(h, NULL);
 }
@@ -276,6 +288,8 @@ int main(int argc, char **argv) {
     kvf__auth_forget();
     return 1;
   }
+  static uv_idle_t spin;
+  if (kvfd.cfg.busy_poll) start_spinning(&spin);
   uv_run(kvfd.loop, UV_RUN_DEFAULT);
   uv_walk(kvfd.loop, close_walk, NULL);
   uv_run(kvfd.loop, UV_RUN_DEFAULT);

@@ -990,7 +990,7 @@ static void *progress_main(void *arg) {
       idle = spin_ns ? fast_ns() : 0;
       continue;
     }
-    if (spin_ns && fast_ns() - idle < spin_ns) continue;
+    if (kvfd.cfg.busy_poll || (spin_ns && fast_ns() - idle < spin_ns)) continue;
     sleep_until_work(d);
     idle = spin_ns ? fast_ns() : 0;
   }

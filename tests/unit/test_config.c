@@ -28,7 +28,7 @@ static const char *const all_keys[] = {
     "max-clients", "max-transfers-per-client", "max-peers", "max-pending-peers", "max-peer-waiting", "hugepages",
     "mlock", "cuda", "log-level", "transports", "metrics-listen", "stop-timeout-ms",
     "rdma-devices", "rdma-gid-index", "rdma-listen", "rdma-qps-per-peer", "rdma-queue-depth",
-    "rdma-inline", "rdma-slice", "rdma-poll-us", "rdma-memory-windows", "rdma-mw-max-windows",
+    "rdma-inline", "rdma-slice", "rdma-poll-us", "busy-poll", "rdma-memory-windows", "rdma-mw-max-windows",
 };
 #define N_KEYS (sizeof all_keys / sizeof all_keys[0])
 
