@@ -72,6 +72,7 @@ typedef struct opts {
   bool layerwise, send_first, grant_any, json, quiet;
   bool time_from_send;   /* latency starts at the send (the grant is posted before, untimed) */
   uint32_t grant_lead_ms; /* with it: how long before the send the grant is posted */
+  bool busy_poll;         /* wait for events by polling without blocking */
 } opts;
 
 /* ------------------------------------------------------------ state */
@@ -564,6 +565,7 @@ static int wait_wave(bench *b, size_t n, int64_t limit) {
     struct pollfd pf[2] = {{.fd = b->dst.fd, .events = POLLIN}, {.fd = b->src.fd, .events = POLLIN}};
     /* Capped so a missed wakeup costs latency, never a hang. */
     int ms = left / 1000000 + 1 > 100 ? 100 : (int)(left / 1000000 + 1);
+    if (b->o.busy_poll) ms = 0; /* as an engine whose event wait spins */
     if (poll(pf, 2, ms) < 0 && errno != EINTR) return fail(b, "poll: %s", strerror(errno));
     if (drain_both(b, n) < 0) return -1;
   }
@@ -736,6 +738,8 @@ static void usage(FILE *f) {
     "                       send to RECV_DONE\n"
     "  --grant-lead-ms N    with --time-from-send: post each grant N ms before\n"
     "                       its send (as an engine grants a prefill ahead)\n"
+    "  --busy-poll          wait for events without blocking (spin a core); pair\n"
+    "                       with the daemons' busy-poll for the lowest latency\n"
     "  --grant-any          grant without naming the prefill node\n"
     "  --deadline-ms N      per-transfer deadline (default 30000; 0: the daemon's)\n"
     "  --seed N             data and layout seed (default 1)\n"
@@ -760,7 +764,7 @@ static int parse_u64(const char *name, const char *s, uint64_t min, uint64_t max
 
 enum { O_FROM = 256, O_TO, O_MODEL, O_LAYERS, O_KVH, O_HDIM, O_BTOK, O_DTYPE, O_MLA, O_TOKENS,
        O_REQS, O_CONC, O_PFROM, O_PTO, O_LAYERWISE, O_SENDFIRST, O_GRANTANY, O_DEADLINE, O_SEED,
-       O_JSON, O_QUIET, O_HELP, O_TFS, O_LEAD };
+       O_JSON, O_QUIET, O_HELP, O_TFS, O_LEAD, O_BUSY };
 
 static const struct option long_opts[] = {
   {"from", required_argument, 0, O_FROM}, {"to", required_argument, 0, O_TO},
@@ -775,6 +779,7 @@ static const struct option long_opts[] = {
   {"seed", required_argument, 0, O_SEED}, {"json", no_argument, 0, O_JSON},
   {"quiet", no_argument, 0, O_QUIET}, {"help", no_argument, 0, O_HELP},
   {"time-from-send", no_argument, 0, O_TFS}, {"grant-lead-ms", required_argument, 0, O_LEAD},
+  {"busy-poll", no_argument, 0, O_BUSY},
   {0, 0, 0, 0},
 };
 
@@ -881,6 +886,7 @@ static int parse_args(int argc, char **argv, opts *o) {
     else if (c == O_JSON) o->json = true;
     else if (c == O_QUIET) o->quiet = true;
     else if (c == O_TFS) o->time_from_send = true;
+    else if (c == O_BUSY) o->busy_poll = true;
     else if (c == O_HELP) { usage(stdout); return 1; }
     else { usage(stderr); return -1; }
     if (rc < 0) return -1;

@@ -28,7 +28,8 @@
 # It boots the VM and runs itself inside. Environment: BUILD (default build),
 # REQUESTS (4), LAT_REQUESTS (200), LEAD_MS (20), PERF_SECONDS (5), POOL (1G per daemon),
 # VM_MEM (6G), RDMA_VM (the VM's run script), EXTRA_CONF (config lines for
-# both daemons, e.g. $'rdma-qps-per-peer 1\nrdma-poll-us 0').
+# both daemons, e.g. $'rdma-qps-per-peer 1\nrdma-poll-us 0'), BUSY_POLL=1
+# (the daemons' busy-poll and kvferry-bench --busy-poll: everything spins).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -41,6 +42,7 @@ POOL=${POOL:-1G}
 VM_MEM=${VM_MEM:-6G}
 RDMA_VM=${RDMA_VM:-$(cd .. && pwd)/shared/rdma-vm/run}
 EXTRA_CONF=${EXTRA_CONF:-}
+BUSY_POLL=${BUSY_POLL:-0}
 
 say() { echo "rdma_vs_perftest: $*" >&2; }
 die() { say "$*"; exit 1; }
@@ -53,7 +55,7 @@ done
 if [ -z "${RDMA_VM_NODES:-}" ]; then
   [ -x "$RDMA_VM" ] || die "no VM runner at $RDMA_VM (set RDMA_VM)"
   HOST_CPU=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
-  export BUILD REQUESTS LAT_REQUESTS LEAD_MS PERF_SECONDS POOL EXTRA_CONF
+  export BUILD REQUESTS LAT_REQUESTS LEAD_MS PERF_SECONDS POOL EXTRA_CONF BUSY_POLL
   export HOST_CPU HOST_NPROC=$(nproc) HOST_KERNEL=$(uname -r)
   HOST_POST_BENCH=$("$BUILD/post-bench" 100000 9 2 | tr '\n' ' ')
   export HOST_POST_BENCH
@@ -142,10 +144,16 @@ start_daemons() {
   done
 }
 
+BENCH_FLAGS=()
+if [ "$BUSY_POLL" = 1 ]; then
+  EXTRA_CONF="$EXTRA_CONF"$'\nbusy-poll yes'
+  BENCH_FLAGS=(--busy-poll)
+fi
+
 bench() { # OUT ARGS...
   local out=$1
   shift
-  "$BUILD/kvferry-bench" --from "$TMP/prefill.sock" --to "$TMP/decode.sock" --json "$@" >"$out" 2>"$out.err" ||
+  "$BUILD/kvferry-bench" "${BENCH_FLAGS[@]}" --from "$TMP/prefill.sock" --to "$TMP/decode.sock" --json "$@" >"$out" 2>"$out.err" ||
     { cat "$out" "$out.err" >&2; tail -n 20 "$TMP"/*.log >&2; die "kvferry-bench $* failed"; }
 }
 
@@ -187,7 +195,8 @@ k = float(kv["gbps"])
 per_desc = post["last_loop_ns_per_wr"] + post["last_build_ns_per_wr"]
 host = "%s CPUs, %s, Linux %s" % (os.environ.get("HOST_NPROC", "?"), os.environ.get("HOST_CPU", "?"),
                                  os.environ.get("HOST_KERNEL", "?"))
-print("kvferry rdma vs perftest, soft-RoCE VM (rxe0 -> rxe1), %s" % date)
+busy = os.environ.get("BUSY_POLL") == "1"
+print("kvferry rdma vs perftest, soft-RoCE VM (rxe0 -> rxe1), %s%s" % (date, ", busy-poll" if busy else ""))
 print("host: %s; guest: %s vCPUs (TCG), Linux %s" % (host, os.cpu_count(), os.uname().release))
 print("%-52s %12s" % ("", "value"))
 print("%-52s %9.1f MB/s" % ("ib_write_bw, 32 KiB", bw * 1e3))
@@ -212,7 +221,7 @@ print("memory windows: %s; writes whose window was searched for: %s of %s" % (
 print("paths: %s / %s / %s; verified: %s" % (kv["path"], one["path"], big["path"],
       " ".join(str(r["verified"]) for r in (kv, one, one_lead, one_gs, big))))
 print(json.dumps({
-    "date": date, "host": host, "ib_write_bw_gbps": round(bw, 4), "kvferry_gbps": k,
+    "date": date, "host": host, "busy_poll": busy, "ib_write_bw_gbps": round(bw, 4), "kvferry_gbps": k,
     "bw_ratio": round(k / bw, 3) if bw else None, "ib_write_lat_typical_us": lat_typ,
     "ib_write_lat_avg_us": lat_avg, "handoff_p50_us": one["p50_us"], "handoff_p99_us": one["p99_us"],
     "handoff_minus_lat_us": round(one["p50_us"] - lat_typ, 1), "handoff_lead_ms": int(lead_ms),
