@@ -53,6 +53,7 @@ INTEG_BIN := $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(INTEG_SRC))
 TESTLIB_SRC := $(wildcard tests/integration/harness.c)
 
 BINS := $(BUILD)/kvferryd $(BUILD)/kvferryctl $(BUILD)/kvferry-bench $(BUILD)/desc-bench $(BUILD)/post-bench \
+	$(BUILD)/wake-bench \
 	$(BUILD)/libkvferry.so $(BUILD)/libkvferry.a
 
 # Operations tests (tests/ops): Python, stdlib only, TAP on stdout.
@@ -114,6 +115,11 @@ $(BUILD)/desc-bench: bench/desc_bench.c $(DAEMON_OBJ) $(PROTO_H)
 # (bench/post_bench.c): it compiles rdma.c in, so links the rest.
 $(BUILD)/post-bench: bench/post_bench.c daemon/transport/rdma.c $(DAEMON_OBJ) $(PROTO_H)
 	$(CC) $(CFLAGS_BASE) $(INC) -o $@ $< $(filter-out %/transport/rdma.o,$(DAEMON_OBJ)) $(LDLIBS_D)
+
+# What one thread or process wake-up costs here (bench/wake_bench.c).
+$(BUILD)/wake-bench: bench/wake_bench.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) -o $@ $< -lpthread
 
 # Unit tests link the daemon's objects (all but main) and cmocka.
 $(BUILD)/tests/%: tests/unit/%.c $(DAEMON_OBJ) $(BUILD)/libkvferry.a $(PROTO_H)

@@ -20,6 +20,12 @@
 #      windows as the daemons use them) on the host before the VM boots and
 #      in the VM: the sender's own cost per descriptor on the host's CPU,
 #      and how much of the daemon's figure in the VM is the emulation
+#   7. build/wake-bench in the VM: one thread wake-up (epoll on an eventfd)
+#      and one process wake-up (poll on a Unix socket), back to back and
+#      after LEAD_MS idle; a handoff sleeps in 2 process and 3 thread
+#      waits (the third: the receiver's progress thread on its completion
+#      channel) besides the wire, so 2P + 3T + ib_write_lat is printed as
+#      what the handoff would take if the wake-ups were all of it
 #
 # The VM is emulated (TCG): compare figures only within one run.
 # Prints a table, then (last line of stdout) the same as one JSON line.
@@ -47,7 +53,7 @@ BUSY_POLL=${BUSY_POLL:-0}
 say() { echo "rdma_vs_perftest: $*" >&2; }
 die() { say "$*"; exit 1; }
 
-for bin in kvferryd kvferryctl kvferry-bench post-bench; do
+for bin in kvferryd kvferryctl kvferry-bench post-bench wake-bench; do
   [ -x "$BUILD/$bin" ] || die "$BUILD/$bin is missing (run make first)"
 done
 
@@ -77,7 +83,7 @@ PORT0=7471 PORT1=7472
 # perftest's client line after the "#bytes" header; field $1 of it.
 perf_field() { awk -v f="$2" '/^ *#bytes/ {h = 1; next} h && NF > 3 {print $f; exit}' "$1"; }
 
-perftest_pair() { # TOOL OUT ARGS...
+perftest_try() { # TOOL OUT ARGS...: 0 when a result came
   local tool=$1 out=$2
   shift 2
   node1 "$tool" -d "$NODE1_DEV" -x 1 "$@" >"$TMP/$tool.server" 2>&1 &
@@ -86,10 +92,24 @@ perftest_pair() { # TOOL OUT ARGS...
   for i in 1 2 3 4 5 6 7 8 9 10; do
     sleep 1
     node0 "$tool" -d "$NODE0_DEV" -x 1 "$@" "$NODE1_IP" >"$out" 2>&1 && break
-    grep -q "Couldn't connect" "$out" || { cat "$out" >&2; die "$tool failed"; }
+    grep -q "Couldn't connect" "$out" || break
   done
-  [ -n "$(perf_field "$out" 1)" ] || { cat "$out" >&2; die "$tool gave no result"; }
-  wait "$spid" || true
+  kill "$spid" 2>/dev/null || true
+  wait "$spid" 2>/dev/null || true
+  [ -n "$(perf_field "$out" 1)" ]
+}
+
+perftest_pair() { # TOOL OUT ARGS...
+  local tool=$1 out=$2 try
+  shift 2
+  # Under TCG the clock perftest calibrates against can be too unsteady
+  # for it ("Correlation coefficient ... Can't produce a report"): again.
+  for try in 1 2 3; do
+    perftest_try "$tool" "$out" "$@" && return 0
+    say "$tool gave no result (try $try of 3)"
+  done
+  cat "$out" >&2
+  die "$tool failed"
 }
 
 say "ib_write_bw, 32 KiB, ${PERF_SECONDS}s"
@@ -171,8 +191,12 @@ bench "$TMP/one_gs.json" $ONE --requests "$LAT_REQUESTS"
 say "kvferry-bench, one transfer of 100000 x 1 KiB descriptors"
 bench "$TMP/100k.json" --layers 1 --mla --kv-heads 1 --head-dim 512 --block-tokens 1 --tokens 100000 --requests 2
 ctl prefill status --json >"$TMP/status.json"
+cleanup # the daemons stop (with busy-poll they would spin under what follows)
+PIDS=""
 say "post-bench in the VM (the host ran it before the boot)"
 "$BUILD/post-bench" 100000 9 2 >"$TMP/post.json"
+say "wake-bench in the VM"
+"$BUILD/wake-bench" 400 "$LEAD_MS" >"$TMP/wake.json"
 
 # ---------------------------------------------------------------- report
 python3 - "$TMP" "$BW_GBIT" "$LAT_TYP" "$LAT_AVG" "$DATE" "$LEAD_MS" <<'EOF'
@@ -188,6 +212,7 @@ def post_bench(text):  # post-bench's sum_ns for the mode the daemons ran in
     rows = [json.loads(l) for l in text.replace("} {", "}\n{").splitlines() if l.strip()]
     return next(r["sum_ns"] for r in rows if r["memory_windows"] == bool(mw.get("in_use")))
 vm_post = post_bench(open(os.path.join(tmp, "post.json")).read())
+wake = last_json(os.path.join(tmp, "wake.json"))
 host_post = post_bench(os.environ["HOST_POST_BENCH"])
 bw = float(bw_gbit) / 8          # GB/s (1e9 bytes)
 lat_typ, lat_avg = float(lat_typ), float(lat_avg)
@@ -214,6 +239,12 @@ print("%-52s %9.1f ns" % ("  of which on the loop (ticket, slicing, checks)", po
 print("%-52s %9.1f ns" % ("  of which building work requests", post["last_build_ns_per_wr"]))
 print("%-52s %9.1f ns" % ("  ibv_post_send per descriptor (rxe: runs the NIC)", post["last_doorbell_ns_per_wr"]))
 print("%-52s %9.1f MB/s" % ("  100k x 1 KiB transfer rate", float(big["gbps"]) * 1e3))
+print("%-52s %9.1f us" % ("wake-up, thread (epoll, eventfd), one way", wake["thread_us"]))
+print("%-52s %9.1f us" % ("wake-up, process (poll, Unix socket), one way", wake["process_us"]))
+model = 2 * wake["process_us"] + 3 * wake["thread_us"] + lat_typ
+model_gap = 2 * wake["process_after_gap_us"] + 3 * wake["thread_after_gap_us"] + lat_typ
+print("%-52s %9.1f us" % ("  2P + 3T + ib_write_lat, back to back", model))
+print("%-52s %9.1f us" % ("  the same after %s ms idle" % lead_ms, model_gap))
 print("%-52s %9.1f ns" % ("post-bench (same code, no device), in the VM", vm_post))
 print("%-52s %9.1f ns" % ("post-bench on the host CPU (goal <= 100)", host_post))
 print("memory windows: %s; writes whose window was searched for: %s of %s" % (
@@ -232,5 +263,9 @@ print(json.dumps({
     "post_loop_ns": post["last_loop_ns_per_wr"], "post_build_ns": post["last_build_ns_per_wr"],
     "post_doorbell_ns": post["last_doorbell_ns_per_wr"], "descs_100k_gbps": big["gbps"],
     "post_bench_vm_ns": vm_post, "post_bench_host_ns": host_post,
+    "wake_thread_us": wake["thread_us"], "wake_process_us": wake["process_us"],
+    "wake_thread_after_gap_us": wake["thread_after_gap_us"],
+    "wake_process_after_gap_us": wake["process_after_gap_us"],
+    "handoff_wake_model_us": round(model, 1), "handoff_wake_model_after_gap_us": round(model_gap, 1),
     "path": kv["path"], "verified": all(r["verified"] for r in (kv, one, one_lead, one_gs, big))}))
 EOF
