@@ -509,6 +509,20 @@ int h_inspect(kvf_client *c, int what, char **json) {
   return 0;
 }
 
+int h_rdma_resets(h_client *hc, uint64_t *n) {
+  char *json = NULL;
+  *n = 0;
+  if (h_inspect(hc->c, KVF_INSPECT_STATUS, &json)) return -1;
+  const char *r = hj_get(json, "rdma"), *peers = r && *r == '{' ? hj_get(r, "peers") : NULL, *p;
+  while (peers && *peers == '[' && (p = hj_next(&peers))) {
+    uint64_t k = 0;
+    hj_u64(p, "resets", &k);
+    *n += k;
+  }
+  free(json);
+  return 0;
+}
+
 int h_status_u64(kvf_client *c, const char *key, uint64_t *out) {
   char *json = NULL;
   if (h_inspect(c, KVF_INSPECT_STATUS, &json)) return -1;

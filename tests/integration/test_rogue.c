@@ -148,21 +148,6 @@ static int wait_no_windows(h_client *hc) {
   return h_fail("%s keeps %llu memory windows of transfers that ended", hc->node, (unsigned long long)w.live);
 }
 
-/* The rdma QP resets the sender made toward its peer. */
-static int resets(h_client *hc, uint64_t *n) {
-  char *json = NULL;
-  *n = 0;
-  if (h_inspect(hc->c, KVF_INSPECT_STATUS, &json)) return -1;
-  const char *r = hj_get(json, "rdma"), *peers = r && *r == '{' ? hj_get(r, "peers") : NULL, *p;
-  while (peers && *peers == '[' && (p = hj_next(&peers))) {
-    uint64_t k = 0;
-    hj_u64(p, "resets", &k);
-    *n += k;
-  }
-  free(json);
-  return 0;
-}
-
 /* kvferryctl doctor's result for check on daemon d ("ok", "warn", ...). */
 static int doctor_result(const h_daemon *d, const char *check, char *out, size_t cap) {
   static char buf[65536];
@@ -256,7 +241,7 @@ static void test_late_write(void **state) {
   windows w;
   uint64_t before, after = 0;
   rig_up_windows(ROGUE, "late-write", NULL, &w);
-  H_OK(resets(&E.pre, &before));
+  H_OK(h_rdma_resets(&E.pre, &before));
   h_id(id, sizeof id, "late");
   h_layout(src, N, E.pre.pool, 0, LEN, true, 15);
   h_layout(dst, N, E.dec.pool, BASE, LEN, true, 16);
@@ -268,7 +253,7 @@ static void test_late_write(void **state) {
   uint64_t end = h_now_ms() + 10000;
   while (h_now_ms() < end && after <= before) {
     h_sleep_ms(100);
-    H_OK(resets(&E.pre, &after));
+    H_OK(h_rdma_resets(&E.pre, &after));
   }
   for (size_t i = 0; i < N; i++) {
     int64_t bad = h_verify_poison(E.dec.base + dst[i].offset, dst[i].len);
@@ -291,7 +276,7 @@ static void test_window_of_another_qp(void **state) {
   windows w;
   uint64_t before, after = 0;
   rig_up_windows(ROGUE, "write-wrong-qp", NULL, &w);
-  H_OK(resets(&E.pre, &before));
+  H_OK(h_rdma_resets(&E.pre, &before));
   for (size_t i = 0; i < N; i++) { /* every other slot: one run (and window) per block */
     src[i] = (kvf_desc){.pool = E.pre.pool, .offset = i * 2 * LEN, .len = LEN};
     dst[i] = (kvf_desc){.pool = E.dec.pool, .offset = BASE + i * 2 * LEN, .len = LEN};
@@ -306,7 +291,7 @@ static void test_window_of_another_qp(void **state) {
   int64_t bad = h_verify_poison(E.dec.base + dst[N - 1].offset, LEN);
   if (bad >= 0) fail_msg("the refused last write changed byte %lld of its block", (long long)bad);
   for (uint64_t end = h_now_ms() + 5000; after <= before && h_now_ms() < end; h_sleep_ms(50))
-    H_OK(resets(&E.pre, &after));
+    H_OK(h_rdma_resets(&E.pre, &after));
   if (after <= before) fail_msg("the sender did not rebuild its QPs after the refused write");
   H_OK(wait_no_windows(&E.dec));
   H_OK(rig_down());
