@@ -58,7 +58,12 @@ static struct {
   uv_timer_t sweep;
   bool sweep_on;
   kvf__ratelimit waiting_rl;
+  bool stopping;          /* kvf__xfer_shutdown: no more fences */
 } X;
+
+/* How long a cancelled receiver of a one-sided transport keeps its grant
+ * open for the sender's CancelDone (fence_wanted). */
+#define FENCE_MS 2000
 
 static void fail(kvf__xfer *x, int status, const char *why, bool notify, int remote_status);
 
@@ -216,13 +221,14 @@ static int send_grant(kvf__xfer *x) {
 }
 
 static void cancel_to(kvf__peer *p, uint64_t handle, const char *id, int status, const char *why,
-                      bool to_sender) {
+                      bool to_sender, bool ack) {
   Kvf__Cancel c = KVF__CANCEL__INIT;
   c.handle = handle;
   c.xfer_id = (char *)id;
   c.status = status;
   c.error = (char *)why;
   c.to_sender = to_sender;
+  c.ack = ack;
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_CANCEL;
   m.cancel = &c;
@@ -230,7 +236,16 @@ static void cancel_to(kvf__peer *p, uint64_t handle, const char *id, int status,
 }
 
 static void send_cancel(kvf__xfer *x, int status, const char *why) {
-  cancel_to(x->peer, x->handle, x->id, status, why, x->role == KVF__RECV);
+  cancel_to(x->peer, x->handle, x->id, status, why, x->role == KVF__RECV, x->fencing);
+}
+
+static void send_cancel_done(kvf__peer *p, uint64_t handle) {
+  Kvf__CancelDone d = KVF__CANCEL_DONE__INIT;
+  d.handle = handle;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_CANCEL_DONE;
+  m.cancel_done = &d;
+  send_msg(p, &m);
 }
 
 static void send_recv_result(kvf__xfer *x, int status, const char *why) {
@@ -253,6 +268,33 @@ static void finish_failure(kvf__xfer *x) {
   xfer_destroy(x);
 }
 
+/* A receiver whose client cancelled (or went away) while a one-sided
+ * transport's sender may be writing into the grant. Deadlines stay strict:
+ * a transfer past its deadline closes its grant at once. */
+static bool fence_wanted(const kvf__xfer *x, int prev, int status, bool notify) {
+  return x->role == KVF__RECV && notify && status == KVF_ECANCELED && !X.stopping && x->peer && x->handle &&
+         x->tp && x->tp->ops->one_sided && prev != KVF__X_WAIT && !x->grant_pending; /* no Grant sent yet: no writes */
+}
+
+/* The fence is over: the sender's writes are back (CancelDone), it took
+ * too long, or the peer is gone. */
+static void fence_end(kvf__xfer *x, const char *why) {
+  if (!x->fencing) return;
+  x->fencing = false;
+  if (why)
+    kvf__warn("transfer '%s': %s; closing its grant now (a write still in flight fails the sender's connection)",
+              x->id, why);
+  uv_timer_stop(&x->timer);
+  x->tp->ops->grant_close(x->tp, x);
+  finish_failure(x);
+}
+
+static void on_fence_timeout(uv_timer_t *t) {
+  char why[96];
+  snprintf(why, sizeof(why), "the sender did not confirm within %d ms that its writes stopped", FENCE_MS);
+  fence_end(t->data, why);
+}
+
 /* Fails x with status for its owner. notify: tell the other side, which
  * then reports remote_status. */
 static void fail(kvf__xfer *x, int status, const char *why, bool notify, int remote_status) {
@@ -262,6 +304,7 @@ static void fail(kvf__xfer *x, int status, const char *why, bool notify, int rem
   x->status = status;
   snprintf(x->error, sizeof(x->error), "%s", why ? why : "");
   uv_timer_stop(&x->timer);
+  x->fencing = fence_wanted(x, prev, status, notify);
   if (x->twin) {
     kvf__xfer *t = x->twin;
     fail(t, remote_status, why, false, 0);
@@ -276,6 +319,10 @@ static void fail(kvf__xfer *x, int status, const char *why, bool notify, int rem
     } else {
       send_cancel(x, remote_status, why);
     }
+  }
+  if (x->fencing) { /* the grant stays open until the sender's CancelDone */
+    uv_timer_start(&x->timer, on_fence_timeout, FENCE_MS, 0);
+    return;
   }
   if (x->role == KVF__RECV && x->peer && x->tp && prev != KVF__X_WAIT)
     x->tp->ops->grant_close(x->tp, x);
@@ -658,6 +705,7 @@ void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
   if (x->state == KVF__X_DRAIN) {
     if (x->parts_out > 0) return;
     if (x->cancel_owed) send_cancel(x, x->cancel_status, x->error);
+    if (x->done_owed) send_cancel_done(x->peer, x->handle);
     kvf__xfer *twin_recv = x->twin;
     finish_failure(x);
     /* A failed local receiver waits for its sender's copies to stop. */
@@ -737,7 +785,7 @@ static void on_intent(kvf__peer *p, const Kvf__SendIntent *si) {
   if (!in || in->peer != p) {
     char why[192];
     if (!peer_may_wait(p, "send intent", si->xfer_id, why, sizeof(why))) {
-      cancel_to(p, 0, si->xfer_id, KVF_ELIMIT, why, true);
+      cancel_to(p, 0, si->xfer_id, KVF_ELIMIT, why, true, false);
       return;
     }
   }
@@ -763,7 +811,7 @@ static void keep_pregrant(kvf__peer *p, const Kvf__Grant *g, kvf__descs *dst, in
   if (old) pregrant_free(old);
   char full[192];
   if (!peer_may_wait(p, "pushed grant", g->xfer_id, full, sizeof(full))) {
-    cancel_to(p, g->handle, g->xfer_id, KVF_ELIMIT, full, false);
+    cancel_to(p, g->handle, g->xfer_id, KVF_ELIMIT, full, false, false);
     kvf__descs_free(dst);
     return;
   }
@@ -797,7 +845,7 @@ static void refuse_grant(kvf__peer *p, const Kvf__Grant *g, int rc) {
            g->descs->packed.len / KVF__DESC_WIRE_SIZE, own_node(), kvfd.cfg.max_descs);
   kvf__warn("peer %s: transfer '%s': %s", X.env.peer_name(p), g->xfer_id, why);
   kvfd.stats.peer_errors++;
-  cancel_to(p, g->handle, g->xfer_id, rc, why, false);
+  cancel_to(p, g->handle, g->xfer_id, rc, why, false, false);
   kvf__xfer *x = kvf__map_get(&X.send_by_id, g->xfer_id);
   if (x && x->peer == p && x->state == KVF__X_WAIT) {
     fail(x, rc, why, false, 0);
@@ -860,6 +908,10 @@ static void on_cancel(kvf__peer *p, const Kvf__Cancel *c) {
       x = kvf__map_get(&X.send_by_id, c->xfer_id);
       if (x && (x->peer != p || x->handle)) x = NULL;
     }
+    /* With ack, the receiver keeps its grant open until we say that none
+     * of our writes into it is in flight: now, or once they are back. */
+    if (c->ack && x && x->parts_out > 0) x->done_owed = true;
+    else if (c->ack) send_cancel_done(p, c->handle);
     if (x) fail(x, status, why, false, 0);
     return;
   }
@@ -877,6 +929,11 @@ static void on_cancel(kvf__peer *p, const Kvf__Cancel *c) {
   if (in && in->peer == p) intent_drop(c->xfer_id);
 }
 
+static void on_cancel_done(kvf__peer *p, const Kvf__CancelDone *d) {
+  kvf__xfer *x = d->handle ? by_handle(p, KVF__RECV, d->handle) : NULL;
+  if (x) fence_end(x, NULL);
+}
+
 void kvf__xfer_on_peer_msg(kvf__peer *p, const Kvf__PeerMsg *m) {
   switch (m->body_case) {
   case KVF__PEER_MSG__BODY_SEND_INTENT: on_intent(p, m->send_intent); break;
@@ -884,6 +941,7 @@ void kvf__xfer_on_peer_msg(kvf__peer *p, const Kvf__PeerMsg *m) {
   case KVF__PEER_MSG__BODY_SEND_DONE: on_send_done(p, m->send_done); break;
   case KVF__PEER_MSG__BODY_RECV_RESULT: on_recv_result(p, m->recv_result); break;
   case KVF__PEER_MSG__BODY_CANCEL: on_cancel(p, m->cancel); break;
+  case KVF__PEER_MSG__BODY_CANCEL_DONE: on_cancel_done(p, m->cancel_done); break;
   default: break;
   }
 }
@@ -914,9 +972,19 @@ static void sweep_tables(kvf__peer *p, bool expired_only) {
 
 static bool of_peer(kvf__xfer *x, void *p) { return x->peer == p; }
 
+/* Ends the fences that match: the peer is gone (its connections with it)
+ * or the daemon stops. */
+static void end_fences(kvf__peer *p) {
+  for (kvf__xfer *x = X.head, *next; x; x = next) {
+    next = x->next;
+    if (x->fencing && (!p || x->peer == p)) fence_end(x, NULL);
+  }
+}
+
 void kvf__xfer_on_peer_down(kvf__peer *p) {
   sweep_tables(p, false);
   fail_each(of_peer, p, KVF_EPEERLOST, "lost the peer daemon", false, 0);
+  end_fences(p);
 }
 
 static void on_sweep(uv_timer_t *t) { sweep_tables(NULL, true); }
@@ -940,6 +1008,8 @@ int kvf__xfer_init(uv_loop_t *loop, const kvf__xfer_env *env) {
 static bool any_xfer(kvf__xfer *x, void *arg) { return true; }
 
 void kvf__xfer_shutdown(void) {
+  X.stopping = true; /* no new fences: the transports go next */
+  end_fences(NULL);
   for (kvf__xfer *x = X.head; x; x = x->next) x->owner = NULL;
   fail_each(any_xfer, NULL, KVF_ECANCELED, "the daemon is stopping", true, KVF_EREMOTECANCEL);
   sweep_tables(NULL, false);

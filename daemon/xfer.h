@@ -61,6 +61,10 @@ struct kvf__xfer {
   bool cancel_owed;           /* send: failed with writes out; the Cancel goes once
                                  they are back (cancel_status for the receiver) */
   int cancel_status;
+  bool done_owed;             /* send: the receiver asked (Cancel.ack) for a CancelDone once
+                                 our writes are back */
+  bool fencing;               /* recv, cancelled: the grant stays open until the sender's
+                                 CancelDone (or FENCE_MS) says none of its writes is in flight */
   int remote_status;
   uint64_t created_ns;
   uint64_t first_post_ns;     /* send: the first and last part handed to the */

@@ -3429,6 +3429,7 @@ static void rdma_destroy(kvf__transport *t) {
 
 static const kvf__transport_ops rdma_ops = {
     .name = "rdma",
+    .one_sided = true,
     .usable = rdma_usable,
     .post = rdma_post,
     .abort = rdma_abort,

@@ -12,6 +12,12 @@
 
 typedef struct kvf__transport_ops {
   const char *name;            /* reported as the transfer's path */
+  /* Receiver: writes land without this side taking part (one-sided), so
+   * closing a grant under them fails the sender's connection (rdma: its
+   * memory windows invalidated), or lets them land after the memory went
+   * back. A grant its client cancels is then closed only once the sender
+   * says its writes are back (Cancel.ack, CancelDone). */
+  bool one_sided;
   /* Whether this transport can carry data to p, judged from p->hello (the
    * peer's Hello). NULL: always. The first usable one in the config's
    * transports order is chosen when the peer comes up. */

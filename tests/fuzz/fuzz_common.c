@@ -63,7 +63,7 @@ static bool in_pool(uint32_t pool, uint64_t off, uint64_t len) {
   return pool < kvfd.n_pools && kvf__pool_check_range(kvfd.pools[pool], off, len) == 0;
 }
 
-static const kvf__transport_ops local_ops, net_ops;
+static const kvf__transport_ops local_ops, net_ops, one_sided_ops;
 
 /* Every run's source is in our pools (the API checked the send); a local
  * run's destination too (the API checked the grant). */
@@ -150,8 +150,15 @@ static const kvf__transport_ops net_ops = {
     .name = "tcp", .post = f_post, .abort = f_abort,
     .grant_open = f_grant_open, .grant_close = f_grant_close,
 };
+/* Peer B's transport is one-sided (as rdma): a receiver its client cancels
+ * waits for B's CancelDone (or B going down) before closing the grant. */
+static const kvf__transport_ops one_sided_ops = {
+    .name = "rdma", .one_sided = true, .post = f_post, .abort = f_abort,
+    .grant_open = f_grant_open, .grant_close = f_grant_close,
+};
 static kvf__transport tp_local = {.ops = &local_ops};
 static kvf__transport tp_net = {.ops = &net_ops};
+static kvf__transport tp_one_sided = {.ops = &one_sided_ops};
 
 void fz_pump(bool land) {
   while (posts.n) {
@@ -203,7 +210,7 @@ static kvf__peer *f_peer_find(const char *node) {
 
 static bool f_peer_up(const kvf__peer *p) { return p->state == KVF__PEER_UP; }
 static const char *f_peer_name(const kvf__peer *p) { return p->cfg.name; }
-static kvf__transport *f_peer_transport(kvf__peer *p) { return &tp_net; }
+static kvf__transport *f_peer_transport(kvf__peer *p) { return p == fz_b ? &tp_one_sided : &tp_net; }
 
 static ptrdiff_t sess_index(const kvf__session *s) {
   ptrdiff_t i = (const char *)s - fz_sess_mem;

@@ -114,6 +114,10 @@ static bool on_frame(const uint8_t *buf, uint32_t len) {
     if (!m->cancel->to_sender) m->cancel->handle = our_handle(m->cancel->handle);
     kvf__xfer_on_peer_msg(fz_b, m);
     break;
+  case KVF__PEER_MSG__BODY_CANCEL_DONE:
+    m->cancel_done->handle = our_handle(m->cancel_done->handle);
+    kvf__xfer_on_peer_msg(fz_b, m);
+    break;
   default: kvf__xfer_on_peer_msg(fz_b, m); break;
   }
   kvf__peer_msg__free_unpacked(m, NULL);

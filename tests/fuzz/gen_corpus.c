@@ -396,6 +396,29 @@ static void p_cancel(buf *b, uint64_t handle, const char *id, int status, bool t
   peer(b, &m);
 }
 
+/* A Cancel to our sending side that asks for a CancelDone. */
+static void p_cancel_ack(buf *b, uint64_t handle, const char *id) {
+  Kvf__Cancel c = KVF__CANCEL__INIT;
+  c.handle = handle;
+  c.xfer_id = (char *)id;
+  c.error = "seed";
+  c.to_sender = true;
+  c.ack = true;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_CANCEL;
+  m.cancel = &c;
+  peer(b, &m);
+}
+
+static void p_cancel_done(buf *b, uint64_t handle) {
+  Kvf__CancelDone d = KVF__CANCEL_DONE__INIT;
+  d.handle = handle;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_CANCEL_DONE;
+  m.cancel_done = &d;
+  peer(b, &m);
+}
+
 static void p_simple(buf *b, int which) {
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   Kvf__Heartbeat hb = KVF__HEARTBEAT__INIT;
@@ -468,6 +491,13 @@ static void peer_seeds(void) {
   p_grant(&b, "s1", 77, D({{0, 0, 8192}}));
   p_result(&b, 77, 0, "");
   out(T, "grant-s1-coalesced", &b);
+
+  /* B grants s1, then cancels it asking for a CancelDone; and answers a
+   * CancelDone for our pushed grant g1. */
+  p_grant(&b, "s1", 77, D({{0, 0, 4096}}, {{0, 4096, 4096}}));
+  p_cancel_ack(&b, 77, "s1");
+  p_cancel_done(&b, 1);
+  out(T, "grant-s1-cancel-ack", &b);
 
   p_grant(&b, "s1", 77, D({{0, 0, 4096}}));
   out(T, "grant-s1-short", &b);

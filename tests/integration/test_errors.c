@@ -451,6 +451,51 @@ static void test_cancel_by_receiver(void **state) {
   H_OK(h_quick(&E.pre, &E.dec));
 }
 
+/* The receiver cancels one of two transfers in flight to the same peer:
+ * the other completes and verifies. Over rdma the cancelled grant's memory
+ * windows stay valid until the sender says its writes are back (Cancel.ack,
+ * CancelDone); were they invalidated under a write, the sender's QP would
+ * fail, the other transfer with it, and the sender would count a reset. */
+static void test_cancel_by_receiver_spares_others(void **state) {
+  enum { NA = 320, NB = 64 };
+  static kvf_desc sa[NA], da[NA], sb[NB], db[NB];
+  char ida[64], idb[64];
+  uint64_t before, after;
+  h_id(ida, sizeof ida, "cancel-a");
+  h_id(idb, sizeof idb, "spared-b");
+  h_layout(sa, NA, E.pre.pool, 0, 64 * KIB, true, 30);
+  h_layout(da, NA, E.dec.pool, 0, 64 * KIB, true, 31);
+  h_layout(sb, NB, E.pre.pool, 32ull << 20, 64 * KIB, true, 32);
+  h_layout(db, NB, E.dec.pool, 32ull << 20, 64 * KIB, true, 33);
+  h_xfer a = {.id = ida, .src = sa, .nsrc = NA, .dst = da, .ndst = NA, .deadline_ms = 20000, .seed = 34};
+  h_xfer b = {.id = idb, .src = sb, .nsrc = NB, .dst = db, .ndst = NB, .deadline_ms = 20000, .seed = 35};
+  H_OK(h_rdma_resets(&E.pre, &before));
+  H_OK(h_prepare(&E.pre, &E.dec, &a));
+  H_OK(h_prepare(&E.pre, &E.dec, &b));
+  H_OK(h_post_grant(&E.dec, &a, "prefill"));
+  H_OK(h_post_grant(&E.dec, &b, "prefill"));
+  H_OK(h_post_send(&E.pre, &a, "decode"));
+  H_OK(h_post_send(&E.pre, &b, "decode"));
+  int rc = kvf_cancel(E.dec.c, ida); /* 20 MiB: in flight, unless the machine is very fast */
+  kvf_event ev;
+  if (rc == KVF_ENOENT) {
+    fprintf(stderr, "note: the cancelled transfer had already completed\n");
+  } else {
+    H_OK(h_expect_rc(rc, 0, "receiver cancel"));
+    H_OK(expect_status(&E.dec, ida, KVF_EV_RECV_DONE, KVF_ECANCELED, 10000, NULL));
+    H_OK(h_wait_event(&E.pre, ida, KVF_EV_SEND_DONE, 10000, &ev)); /* cancelled, or done just before */
+  }
+  H_OK(h_wait_event(&E.dec, idb, KVF_EV_RECV_DONE, 10000, &ev));
+  if (ev.status) fail_msg("the other transfer failed with %s (%s)", kvf_err_name(ev.status), ev.error);
+  H_OK(h_wait_event(&E.pre, idb, KVF_EV_SEND_DONE, 10000, &ev));
+  if (ev.status) fail_msg("the other send failed with %s (%s)", kvf_err_name(ev.status), ev.error);
+  H_OK(h_verify_dst(&E.dec, &b));
+  H_OK(h_rdma_resets(&E.pre, &after));
+  if (after != before) fail_msg("the cancel reset the sender's QPs (%llu -> %llu)", (unsigned long long)before,
+                                (unsigned long long)after);
+  H_OK(h_quick(&E.pre, &E.dec));
+}
+
 static void test_cancel_by_sender(void **state) {
   kvf_desc src[CN], dst[CN];
   char id[64];
@@ -924,6 +969,7 @@ int main(void) {
       cmocka_unit_test_setup(test_deadline_grant_without_send, healthy),
       cmocka_unit_test_setup(test_deadline_send_without_grant, healthy),
       cmocka_unit_test_setup(test_cancel_by_receiver, healthy),
+      cmocka_unit_test_setup(test_cancel_by_receiver_spares_others, healthy),
       cmocka_unit_test_setup(test_cancel_by_sender, healthy),
       cmocka_unit_test_setup(test_cancelled_grant_revoked, healthy),
       cmocka_unit_test_setup(test_deadline_mid_transfer, healthy),

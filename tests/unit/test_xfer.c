@@ -73,6 +73,7 @@ static struct {
   kvf__xfer *aborted[MAXREC];
   size_t naborted;
   int post_rc, grant_open_rc;
+  bool one_sided;          /* peers' transport is one_sided (rdma-like) */
   int sess[NSESS];
   bool sess_bad; /* a count went negative or named an unknown session */
   kvf__peer *pb, *pc;
@@ -168,10 +169,19 @@ static const kvf__transport_ops net_ops = {
     .grant_open = f_grant_open,
     .grant_close = f_grant_close,
 };
+static const kvf__transport_ops one_sided_ops = {
+    .name = "fake-rdma",
+    .one_sided = true,
+    .post = f_post,
+    .abort = f_abort,
+    .grant_open = f_grant_open,
+    .grant_close = f_grant_close,
+};
 static kvf__transport TL = {.ops = &local_ops};
 static kvf__transport TN = {.ops = &net_ops};
+static kvf__transport TO = {.ops = &one_sided_ops};
 
-static kvf__transport *f_peer_transport(kvf__peer *p) { return &TN; }
+static kvf__transport *f_peer_transport(kvf__peer *p) { return F.one_sided ? &TO : &TN; }
 
 /* ---- helpers ---------------------------------------------------------- */
 
@@ -302,6 +312,28 @@ static void in_cancel(kvf__peer *p, uint64_t handle, const char *id, int status,
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_CANCEL;
   m.cancel = &c;
+  kvf__xfer_on_peer_msg(p, &m);
+}
+
+static void in_cancel_ack(kvf__peer *p, uint64_t handle, const char *id) {
+  Kvf__Cancel c = KVF__CANCEL__INIT;
+  c.handle = handle;
+  c.xfer_id = (char *)id;
+  c.error = "";
+  c.to_sender = true;
+  c.ack = true;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_CANCEL;
+  m.cancel = &c;
+  kvf__xfer_on_peer_msg(p, &m);
+}
+
+static void in_cancel_done(kvf__peer *p, uint64_t handle) {
+  Kvf__CancelDone d = KVF__CANCEL_DONE__INIT;
+  d.handle = handle;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_CANCEL_DONE;
+  m.cancel_done = &d;
   kvf__xfer_on_peer_msg(p, &m);
 }
 
@@ -478,6 +510,7 @@ static int group_teardown(void **state) {
 
 static int setup(void **state) {
   reset_records();
+  F.one_sided = false;
   F.pb->state = KVF__PEER_UP;
   F.pc->state = KVF__PEER_UP;
   uv_update_time(&F.loop);
@@ -1170,6 +1203,82 @@ static void test_cancel_by_sender_waits_for_writes(void **state) {
   assert_clean();
 }
 
+/* One-sided transport (rdma): a receiver whose client cancels keeps the
+ * grant open (its memory windows valid) until the sender says its writes
+ * are back, so that the cancel does not fail the sender's QP; only then
+ * does the memory go back to the client. */
+static void test_cancel_by_receiver_fenced(void **state) {
+  F.one_sided = true;
+  assert_int_equal(do_grant(SR, "F1", "B", mkd(1, 0, 0, 64, 64), 0), 0);
+  kvf__xfer *x = F.opened[0];
+  uint64_t h = x->handle;
+  assert_int_equal(kvf__xfer_cancel(SR, "F1"), 0);
+  assert_int_equal(F.nev, 0);
+  assert_int_equal(nclosed_of(x), 0);
+  Kvf__Cancel *c = last_msg(F.pb, KVF__PEER_MSG__BODY_CANCEL)->cancel;
+  assert_true(c->to_sender);
+  assert_true(c->ack);
+  assert_int_equal(c->handle, h);
+  assert_int_equal(kvf__xfer_cancel(SR, "F1"), KVF_ENOENT); /* already failing */
+  in_cancel_done(F.pc, h);                                   /* another peer's word: ignored */
+  in_cancel_done(F.pb, h + 1);                               /* another grant's: ignored */
+  assert_int_equal(F.nev, 0);
+  in_cancel_done(F.pb, h);
+  expect_event("F1", RECV_DONE, SR, KVF_ECANCELED);
+  assert_int_equal(nclosed_of(x), 1);
+  /* The peer goes down instead: its connections with it, so at once. */
+  assert_int_equal(do_grant(SR, "F2", "B", mkd(1, 0, 0, 64, 64), 0), 0);
+  kvf__xfer *x2 = F.opened[1];
+  assert_int_equal(kvf__xfer_cancel(SR, "F2"), 0);
+  assert_int_equal(nclosed_of(x2), 0);
+  kvf__xfer_on_peer_down(F.pb);
+  expect_event("F2", RECV_DONE, SR, KVF_ECANCELED);
+  assert_int_equal(nclosed_of(x2), 1);
+  /* A waiting grant (no sender bound) has nothing to wait for. */
+  assert_int_equal(do_grant(SR, "F3", NULL, mkd(1, 0, 0, 64, 64), 0), 0);
+  assert_int_equal(kvf__xfer_cancel(SR, "F3"), 0);
+  expect_event("F3", RECV_DONE, SR, KVF_ECANCELED);
+  assert_int_equal(F.nev, 3);
+  assert_clean();
+}
+
+/* The sender never answers: the grant closes FENCE_MS (2 s) later. */
+static void test_cancel_by_receiver_fence_times_out(void **state) {
+  F.one_sided = true;
+  assert_int_equal(do_grant(SR, "F4", "B", mkd(1, 0, 0, 64, 64), 0), 0);
+  kvf__xfer *x = F.opened[0];
+  uint64_t t0 = uv_hrtime();
+  assert_int_equal(kvf__xfer_cancel(SR, "F4"), 0);
+  run_until_nev(1, 10000);
+  expect_event("F4", RECV_DONE, SR, KVF_ECANCELED);
+  assert_int_equal(nclosed_of(x), 1);
+  assert_true(uv_hrtime() - t0 >= 1900ull * 1000000ull);
+  assert_clean();
+}
+
+/* The sender's side: a Cancel with ack is answered once none of its writes
+ * into the grant is in flight - at once when none is. */
+static void test_cancel_ack_by_sender(void **state) {
+  F.one_sided = true;
+  kvf__descs dst = mkd(2, 1, 0, 4096, 4096);
+  in_grant(F.pb, "F5", 0x505, &dst);
+  kvf__descs_free(&dst);
+  assert_int_equal(do_send(SS, "F5", "B", mkd(1, 0, 0, 4096, 4096), true, 0), 0);
+  assert_int_equal(F.npost, 1);
+  in_cancel_ack(F.pb, 0x505, "F5");
+  assert_int_equal(naborted_of(F.post[0].x), 1);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_CANCEL_DONE), 0);
+  complete_post(0, KVF_ECANCELED);
+  assert_int_equal(last_msg(F.pb, KVF__PEER_MSG__BODY_CANCEL_DONE)->cancel_done->handle, 0x505);
+  expect_event("F5", SEND_DONE, SS, KVF_EREMOTECANCEL);
+  /* Nothing of ours for that grant (done, or never sent): answered at once. */
+  in_cancel_ack(F.pb, 0x777, "F6");
+  assert_int_equal(last_msg(F.pb, KVF__PEER_MSG__BODY_CANCEL_DONE)->cancel_done->handle, 0x777);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_CANCEL_DONE), 2);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_CANCEL), 0); /* the receiver knows */
+  assert_clean();
+}
+
 /* Local: the receiver cancels while the copy is out; both wait for it. */
 static void test_cancel_local_while_copying(void **state) {
   assert_int_equal(do_grant(SR, "C4", NULL, mkd(1, 1, 0, 64, 64), 0), 0);
@@ -1822,6 +1931,9 @@ int main(void) {
       T(test_remote_post_fails),
       T(test_remote_recv_result_failure),
       T(test_cancel_by_receiver),
+      T(test_cancel_by_receiver_fenced),
+      T(test_cancel_by_receiver_fence_times_out),
+      T(test_cancel_ack_by_sender),
       T(test_cancel_by_sender),
       T(test_cancel_by_sender_waits_for_writes),
       T(test_peer_waiting_limit),
