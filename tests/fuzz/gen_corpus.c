@@ -383,32 +383,26 @@ static void p_result(buf *b, uint64_t handle, int status, const char *err) {
   peer(b, &m);
 }
 
-static void p_cancel(buf *b, uint64_t handle, const char *id, int status, bool to_sender) {
+static void p_cancel_ex(buf *b, uint64_t handle, const char *id, int status, bool to_sender, bool ack) {
   Kvf__Cancel c = KVF__CANCEL__INIT;
   c.handle = handle;
   c.xfer_id = (char *)id;
   c.status = status;
   c.error = "seed";
   c.to_sender = to_sender;
+  c.ack = ack;
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_CANCEL;
   m.cancel = &c;
   peer(b, &m);
 }
 
-/* A Cancel to our sending side that asks for a CancelDone. */
-static void p_cancel_ack(buf *b, uint64_t handle, const char *id) {
-  Kvf__Cancel c = KVF__CANCEL__INIT;
-  c.handle = handle;
-  c.xfer_id = (char *)id;
-  c.error = "seed";
-  c.to_sender = true;
-  c.ack = true;
-  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
-  m.body_case = KVF__PEER_MSG__BODY_CANCEL;
-  m.cancel = &c;
-  peer(b, &m);
+static void p_cancel(buf *b, uint64_t handle, const char *id, int status, bool to_sender) {
+  p_cancel_ex(b, handle, id, status, to_sender, false);
 }
+
+/* A Cancel to our sending side that asks for a CancelDone. */
+static void p_cancel_ack(buf *b, uint64_t handle, const char *id) { p_cancel_ex(b, handle, id, 0, true, true); }
 
 static void p_cancel_done(buf *b, uint64_t handle) {
   Kvf__CancelDone d = KVF__CANCEL_DONE__INIT;

@@ -302,30 +302,27 @@ static void in_recv_result(kvf__peer *p, uint64_t handle, int status) {
   kvf__xfer_on_peer_msg(p, &m);
 }
 
-static void in_cancel(kvf__peer *p, uint64_t handle, const char *id, int status, bool to_sender) {
+static void in_cancel_ex(kvf__peer *p, uint64_t handle, const char *id, int status, bool to_sender, bool ack) {
   Kvf__Cancel c = KVF__CANCEL__INIT;
   c.handle = handle;
   c.xfer_id = (char *)(id ? id : "");
   c.status = status;
   c.error = "";
   c.to_sender = to_sender;
+  c.ack = ack;
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_CANCEL;
   m.cancel = &c;
   kvf__xfer_on_peer_msg(p, &m);
 }
 
+static void in_cancel(kvf__peer *p, uint64_t handle, const char *id, int status, bool to_sender) {
+  in_cancel_ex(p, handle, id, status, to_sender, false);
+}
+
+/* A Cancel to our sending side that asks for a CancelDone. */
 static void in_cancel_ack(kvf__peer *p, uint64_t handle, const char *id) {
-  Kvf__Cancel c = KVF__CANCEL__INIT;
-  c.handle = handle;
-  c.xfer_id = (char *)id;
-  c.error = "";
-  c.to_sender = true;
-  c.ack = true;
-  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
-  m.body_case = KVF__PEER_MSG__BODY_CANCEL;
-  m.cancel = &c;
-  kvf__xfer_on_peer_msg(p, &m);
+  in_cancel_ex(p, handle, id, 0, true, true);
 }
 
 static void in_cancel_done(kvf__peer *p, uint64_t handle) {
