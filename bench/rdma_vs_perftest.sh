@@ -184,6 +184,7 @@ bench "$TMP/kv.json" --model llama3-8b --tokens 4096 --requests "$REQUESTS"
 ONE="--layers 1 --mla --kv-heads 8 --head-dim 128 --block-tokens 16 --dtype-bytes 2 --tokens 16"
 say "kvferry-bench, one 32 KiB block, $LAT_REQUESTS requests, from the send"
 bench "$TMP/one.json" $ONE --requests "$LAT_REQUESTS" --time-from-send
+ctl decode status --json >"$TMP/decode_status.json" # the last 1-block grant's windows
 say "kvferry-bench, one 32 KiB block, $LAT_REQUESTS requests, each grant $LEAD_MS ms ahead"
 bench "$TMP/one_lead.json" $ONE --requests "$LAT_REQUESTS" --grant-lead-ms "$LEAD_MS"
 say "kvferry-bench, one 32 KiB block, $LAT_REQUESTS requests, grant and send timed"
@@ -208,6 +209,7 @@ kv, one, one_lead, one_gs, big = (last_json(os.path.join(tmp, n))
                                   for n in ("kv.json", "one.json", "one_lead.json", "one_gs.json", "100k.json"))
 rdma = json.load(open(os.path.join(tmp, "status.json")))["rdma"]
 post, mw = rdma["post"], rdma.get("memory_windows") or {}
+dmw = json.load(open(os.path.join(tmp, "decode_status.json")))["rdma"].get("memory_windows") or {}
 def post_bench(text):  # post-bench's sum_ns for the mode the daemons ran in
     rows = [json.loads(l) for l in text.replace("} {", "}\n{").splitlines() if l.strip()]
     return next(r["sum_ns"] for r in rows if r["memory_windows"] == bool(mw.get("in_use")))
@@ -247,6 +249,8 @@ print("%-52s %9.1f us" % ("  2P + 3T + ib_write_lat, back to back", model))
 print("%-52s %9.1f us" % ("  the same after %s ms idle" % lead_ms, model_gap))
 print("%-52s %9.1f ns" % ("post-bench (same code, no device), in the VM", vm_post))
 print("%-52s %9.1f ns" % ("post-bench on the host CPU (goal <= 100)", host_post))
+if mw.get("in_use"):
+    print("%-52s %9.3f ms" % ("1-block grant: its window bound in (the last one)", dmw.get("last_bind_ms", 0)))
 print("memory windows: %s; writes whose window was searched for: %s of %s" % (
       "in use" if mw.get("in_use") else "not in use", mw.get("searches", "-"), mw.get("lookups", "-")))
 print("paths: %s / %s / %s; verified: %s" % (kv["path"], one["path"], big["path"],
@@ -259,6 +263,7 @@ print(json.dumps({
     "handoff_lead_p50_us": one_lead["p50_us"], "handoff_lead_p99_us": one_lead["p99_us"],
     "handoff_grant_send_p50_us": one_gs["p50_us"], "memory_windows": bool(mw.get("in_use")),
     "mw_lookups": mw.get("lookups"), "mw_searches": mw.get("searches"),
+    "one_block_bind_ms": dmw.get("last_bind_ms"),
     "post_ns_per_desc": round(per_desc, 1),
     "post_loop_ns": post["last_loop_ns_per_wr"], "post_build_ns": post["last_build_ns_per_wr"],
     "post_doorbell_ns": post["last_doorbell_ns_per_wr"], "descs_100k_gbps": big["gbps"],
