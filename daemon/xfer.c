@@ -272,8 +272,9 @@ static void finish_failure(kvf__xfer *x) {
  * transport's sender may be writing into the grant. Deadlines stay strict:
  * a transfer past its deadline closes its grant at once. */
 static bool fence_wanted(const kvf__xfer *x, int prev, int status, bool notify) {
+  bool granted = prev != KVF__X_WAIT && !x->grant_pending; /* else no Grant went out: no writes */
   return x->role == KVF__RECV && notify && status == KVF_ECANCELED && !X.stopping && x->peer && x->handle &&
-         x->tp && x->tp->ops->one_sided && prev != KVF__X_WAIT && !x->grant_pending; /* no Grant sent yet: no writes */
+         x->tp && x->tp->ops->one_sided && granted;
 }
 
 /* The fence is over: the sender's writes are back (CancelDone), it took
