@@ -212,19 +212,18 @@ int kvf__rangeset_build(kvf__rangeset *rs, const kvf__descs *d) {
   return 0;
 }
 
-int kvf__rangeset_contains(const kvf__rangeset *rs, uint32_t pool, uint64_t off, uint64_t len) {
-  if (len == 0 || off + len < off) return 0;
-  size_t lo = 0, hi = rs->n;
-  /* Last range that starts at or before (pool, off). */
-  while (lo < hi) {
+long kvf__ranges_find(const kvf__range *v, size_t n, uint32_t pool, uint64_t off, uint64_t len) {
+  size_t lo = 0, hi = n;
+  while (lo < hi) { /* ranges [0, lo) start at or before (pool, off) */
     size_t mid = lo + (hi - lo) / 2;
-    const kvf__range *r = &rs->v[mid];
-    if (r->pool < pool || (r->pool == pool && r->start <= off)) lo = mid + 1;
+    if (v[mid].pool < pool || (v[mid].pool == pool && v[mid].start <= off)) lo = mid + 1;
     else hi = mid;
   }
-  if (lo == 0) return 0;
-  const kvf__range *r = &rs->v[lo - 1];
-  return r->pool == pool && off >= r->start && off + len <= r->end;
+  return lo && kvf__range_holds(&v[lo - 1], pool, off, len) ? (long)(lo - 1) : -1;
+}
+
+int kvf__rangeset_contains(const kvf__rangeset *rs, uint32_t pool, uint64_t off, uint64_t len) {
+  return len > 0 && kvf__ranges_find(rs->v, rs->n, pool, off, len) >= 0;
 }
 
 void kvf__rangeset_free(kvf__rangeset *rs) {

@@ -4,6 +4,7 @@
 #ifndef KVF_DESC_H
 #define KVF_DESC_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -75,6 +76,13 @@ void kvf__runs_free(kvf__runs *r);
 /* Builds the sorted, merged set of dst ranges; checks a write against it. */
 int kvf__rangeset_build(kvf__rangeset *rs, const kvf__descs *d);
 int kvf__rangeset_contains(const kvf__rangeset *rs, uint32_t pool, uint64_t off, uint64_t len);
+/* Whether r holds all of [off, off + len) of pool. */
+static inline bool kvf__range_holds(const kvf__range *r, uint32_t pool, uint64_t off, uint64_t len) {
+  return r->pool == pool && off >= r->start && off <= r->end && len <= r->end - off;
+}
+/* The index of the range of v[0..n) (sorted by (pool, start), not
+ * overlapping) that holds all of [off, off + len) of pool, or -1. */
+long kvf__ranges_find(const kvf__range *v, size_t n, uint32_t pool, uint64_t off, uint64_t len);
 void kvf__rangeset_free(kvf__rangeset *rs);
 
 #endif

@@ -127,30 +127,15 @@ int kvf__mw_plan(const kvf__rangeset *rs, size_t max, kvf__range **out, size_t *
 
 /* ------------------------------------------------------------ each descriptor's window */
 
-static bool range_holds(const kvf__range *w, uint32_t pool, uint64_t off, uint64_t len) {
-  return w->pool == pool && off >= w->start && off <= w->end && len <= w->end - off;
-}
-
-/* The window of win[0..n) that holds [off, off + len) of pool, or -1. */
-static long range_find(const kvf__range *win, size_t n, uint32_t pool, uint64_t off, uint64_t len) {
-  size_t lo = 0, hi = n;
-  while (lo < hi) { /* windows [0, lo) start at or before (pool, off) */
-    size_t mid = lo + (hi - lo) / 2;
-    if (win[mid].pool < pool || (win[mid].pool == pool && win[mid].start <= off)) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo && range_holds(&win[lo - 1], pool, off, len) ? (long)(lo - 1) : -1;
-}
-
 int kvf__mw_index(const kvf__descs *d, const kvf__range *win, size_t n, uint8_t *of) {
   size_t hint = 0;
   for (size_t i = 0; i < d->n; i++) {
     uint32_t pool = d->pool[i];
     uint64_t off = d->offset[i], len = d->length[i];
     long w; /* engines hand out blocks in runs: the last window, or the next, first */
-    if (hint < n && range_holds(&win[hint], pool, off, len)) w = (long)hint;
-    else if (hint + 1 < n && range_holds(&win[hint + 1], pool, off, len)) w = (long)hint + 1;
-    else w = range_find(win, n, pool, off, len);
+    if (hint < n && kvf__range_holds(&win[hint], pool, off, len)) w = (long)hint;
+    else if (hint + 1 < n && kvf__range_holds(&win[hint + 1], pool, off, len)) w = (long)hint + 1;
+    else w = kvf__ranges_find(win, n, pool, off, len);
     if (w < 0) return KVF_EINVAL;
     hint = (size_t)w;
     put_le(of + i * KVF__MW_OF, (uint64_t)w, KVF__MW_OF);
