@@ -1256,9 +1256,9 @@ static int ticket_windows(ticket *tk, const rpeer *rp, const kvf__xfer *x, xstat
     for (size_t i = 0; lane_of && i < nb; i++) tk->order[at[lane_of[i]]++] = (uint32_t)i;
     tk->n_lanes = nl;
     tk->left = nb;
+    R->mw_lookups += nb + (tk->has_tail && tk->tail.len);
+    R->mw_searches += t.searched;
   }
-  R->mw_lookups += nb + (tk->has_tail && tk->tail.len);
-  R->mw_searches += t.searched;
   free(lane_of);
   return rc; /* on failure the caller frees the ticket, with what was made here */
 }
