@@ -58,10 +58,6 @@ void kvf__mw_recs_decode(const uint8_t *b, size_t n, kvf__mw_rec *v) {
   for (size_t i = 0; i < n; i++) kvf__mw_rec_get(b + i * KVF__MW_REC, &v[i]);
 }
 
-bool kvf__mw_holds(const kvf__mw_rec *w, uint32_t pool, uint64_t off, uint64_t len) {
-  return w->pool == pool && off >= w->off && len <= w->len && off - w->off <= w->len - len;
-}
-
 long kvf__mw_find(const kvf__mw_rec *v, size_t n, uint32_t pool, uint64_t off, uint64_t len, bool nearest) {
   size_t lo = 0, hi = n;
   while (lo < hi) { /* records [0, lo) start at or before (pool, off) */

@@ -41,8 +41,11 @@ void kvf__mw_rec_get(const uint8_t *p, kvf__mw_rec *r);
 int kvf__mw_recs_check(const uint8_t *b, size_t len);
 /* Decodes the n records of b (checked) into v. */
 void kvf__mw_recs_decode(const uint8_t *b, size_t n, kvf__mw_rec *v);
-/* Whether window w holds [off, off + len) of pool. */
-bool kvf__mw_holds(const kvf__mw_rec *w, uint32_t pool, uint64_t off, uint64_t len);
+/* Whether window w holds [off, off + len) of pool. Inline: the sender
+ * checks each write it posts against its window. */
+static inline bool kvf__mw_holds(const kvf__mw_rec *w, uint32_t pool, uint64_t off, uint64_t len) {
+  return w->pool == pool && off >= w->off && len <= w->len && off - w->off <= w->len - len;
+}
 
 /* The index of the record of v[0..n) (decoded, checked) that holds all of
  * [off, off + len) of pool, or -1. With nearest, when none does: pool's
