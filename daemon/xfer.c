@@ -905,7 +905,9 @@ static void on_cancel(kvf__peer *p, const Kvf__Cancel *c) {
     pregrant *g = c->xfer_id ? take_pregrant(X.env.peer_name(p), c->xfer_id) : NULL;
     if (g) pregrant_free(g);
     kvf__xfer *x = c->handle ? by_handle(p, KVF__SEND, c->handle) : NULL;
-    if (!x && c->xfer_id) {
+    /* By id only a Cancel that names no grant (a refused intent): one that
+     * names a grant we do not hold must not fail a later send of that id. */
+    if (!x && !c->handle && c->xfer_id) {
       x = kvf__map_get(&X.send_by_id, c->xfer_id);
       if (x && (x->peer != p || x->handle)) x = NULL;
     }
@@ -923,7 +925,13 @@ static void on_cancel(kvf__peer *p, const Kvf__Cancel *c) {
     if (x && (x->peer != p || x->state == KVF__X_DRAIN)) x = NULL;
   }
   if (x) {
+    /* Named by id, the sender's Cancel crossed our pushed grant, which
+     * reaches it after its send is gone: drop it there too, or a later
+     * send of the same id would take it and write through windows that
+     * are invalidated now. */
+    uint64_t crossed = !c->handle ? x->handle : 0;
     fail(x, status, why, false, 0);
+    if (crossed) cancel_to(p, crossed, c->xfer_id, status, why, true, false);
     return;
   }
   intent *in = c->xfer_id ? kvf__map_get(&X.intents, c->xfer_id) : NULL;

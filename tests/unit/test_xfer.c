@@ -1342,11 +1342,19 @@ static void test_incoming_cancel(void **state) {
    * handle), by id: only from the peer the grant is bound to. */
   assert_int_equal(do_grant(SR, "I6", "B", mkd(1, 0, 0, 64, 64), 0), 0);
   kvf__xfer *r6 = find_x("I6", KVF__RECV);
+  uint64_t h6 = r6->handle;
   in_cancel(F.pc, 0, "I6", 0, false);
   assert_int_equal(F.nev, 3);
   in_cancel(F.pb, 0, "I6", KVF_EREMOTECANCEL, false);
   expect_event("I6", RECV_DONE, SR, KVF_EREMOTECANCEL);
   assert_int_equal(nclosed_of(r6), 1);
+  /* ...and the pushed grant, which reaches the sender after its send is
+   * gone, is revoked there: a later send of I6 must not take it. */
+  Kvf__Cancel *back = last_msg(F.pb, KVF__PEER_MSG__BODY_CANCEL)->cancel;
+  assert_true(back->to_sender);
+  assert_false(back->ack);
+  assert_int_equal(back->handle, h6);
+  assert_string_equal(back->xfer_id, "I6");
   /* To a pre-grant not yet used: dropped. */
   in_grant(F.pb, "I4", 0x404, &dst);
   kvf__xfer_counts c;
@@ -1360,9 +1368,39 @@ static void test_incoming_cancel(void **state) {
   in_cancel(F.pb, 0, "I5", 0, false);
   kvf__xfer_counts_get(&c);
   assert_int_equal(c.intents, 0);
-  /* No Cancel is ever sent back for a Cancel. */
-  assert_int_equal(nmsgs(NULL, KVF__PEER_MSG__BODY_CANCEL), 0);
+  /* No other Cancel is sent back for a Cancel. */
+  assert_int_equal(nmsgs(NULL, KVF__PEER_MSG__BODY_CANCEL), 1);
   assert_int_equal(F.nev, 4);
+  kvf__descs_free(&dst);
+  assert_clean();
+}
+
+/* A send withdrawn before the receiver's pushed grant reached it: the
+ * grant arrives after the send is gone and waits as a pre-grant; the
+ * receiver's Cancel for it (sent when our Cancel by id crossed it) drops
+ * it, so a later send of the same id waits for a fresh grant instead of
+ * writing through the dead one's windows; and a Cancel naming that old
+ * grant does not fail the later send. */
+static void test_crossed_pushed_grant_dropped(void **state) {
+  kvf__descs dst = mkd(1, 1, 0, 4096, 4096);
+  assert_int_equal(do_send(SS, "X1", "B", mkd(1, 0, 0, 4096, 4096), false, 0), 0);
+  assert_int_equal(kvf__xfer_cancel(SS, "X1"), 0);
+  expect_event("X1", SEND_DONE, SS, KVF_ECANCELED);
+  in_grant(F.pb, "X1", 0x901, &dst);
+  kvf__xfer_counts c;
+  kvf__xfer_counts_get(&c);
+  assert_int_equal(c.pregrants, 1);
+  in_cancel(F.pb, 0x901, "X1", KVF_EREMOTECANCEL, true);
+  kvf__xfer_counts_get(&c);
+  assert_int_equal(c.pregrants, 0);
+  assert_int_equal(do_send(SS, "X1", "B", mkd(1, 0, 0, 4096, 4096), false, 0), 0);
+  assert_int_equal(F.npost, 0); /* waits for a grant */
+  in_cancel(F.pb, 0x901, "X1", KVF_EREMOTECANCEL, true);
+  assert_int_equal(F.nev, 1);
+  assert_int_equal(kvf__xfer_cancel(SS, "X1"), 0); /* the later send was still alive */
+  assert_int_equal(F.nev, 2);
+  assert_string_equal(F.ev[1].id, "X1");
+  assert_int_equal(F.ev[1].status, KVF_ECANCELED);
   kvf__descs_free(&dst);
   assert_clean();
 }
@@ -1931,6 +1969,7 @@ int main(void) {
       T(test_cancel_by_receiver_fenced),
       T(test_cancel_by_receiver_fence_times_out),
       T(test_cancel_ack_by_sender),
+      T(test_crossed_pushed_grant_dropped),
       T(test_cancel_by_sender),
       T(test_cancel_by_sender_waits_for_writes),
       T(test_peer_waiting_limit),
