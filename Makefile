@@ -35,7 +35,7 @@ PROTO_H := $(BUILD)/proto/kvferry.pb-c.h
 
 COMMON_SRC := proto/frame.c
 ERR_SRC := client/errors.c
-DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c daemon/transport/*.c daemon/cuda/*.c))
+DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c daemon/transport/*.c daemon/transport/*/*.c daemon/cuda/*.c))
 LIB_SRC := $(wildcard client/lib*.c) client/errors.c
 CTL_SRC := client/kvferryctl.c $(wildcard client/ctl_*.c)
 BENCH_SRC := bench/kvferry-bench.c
@@ -113,8 +113,8 @@ $(BUILD)/desc-bench: bench/desc_bench.c $(DAEMON_OBJ) $(PROTO_H)
 
 # The rdma sender's own cost per descriptor, without a device
 # (bench/post_bench.c): it compiles rdma.c in, so links the rest.
-$(BUILD)/post-bench: bench/post_bench.c daemon/transport/rdma.c $(DAEMON_OBJ) $(PROTO_H)
-	$(CC) $(CFLAGS_BASE) $(INC) -o $@ $< $(filter-out %/transport/rdma.o,$(DAEMON_OBJ)) $(LDLIBS_D)
+$(BUILD)/post-bench: bench/post_bench.c daemon/transport/rdma/rdma.c $(DAEMON_OBJ) $(PROTO_H)
+	$(CC) $(CFLAGS_BASE) $(INC) -o $@ $< $(filter-out %/transport/rdma/rdma.o,$(DAEMON_OBJ)) $(LDLIBS_D)
 
 # What one thread or process wake-up costs here (bench/wake_bench.c).
 $(BUILD)/wake-bench: bench/wake_bench.c

@@ -19,7 +19,7 @@
  *
  * Prints one JSON line per mode (windows off, on): ns per descriptor, the
  * mean over REPS transfers after a first, untimed one. */
-#include "transport/rdma.c"
+#include "transport/rdma/rdma.c"
 
 #define SLOT 1024u
 #define POOL (1ull << 30)

@@ -48,13 +48,13 @@ static const char *run_state(void) { return kvfd.draining || kvfd.stopping ? "st
 /* The rdma transport's devices, ports, GIDs, QPs and posting cost (its own
  * JSON fragment); "rdma": null when it is not running. */
 static void rdma_status(kvf__sbuf *b, int json) {
-  kvf__transport *t = kvf__rdma_transport();
+  kvf__transport *t = kvf__transport_find("rdma");
   char *frag = t ? malloc(64 << 10) : NULL;
   if (frag) t->ops->inspect(t, frag, 64 << 10);
   if (json) kvf__sb_printf(b, frag ? ", \"rdma\": {%s}" : ", \"rdma\": null", frag);
   else kvf__sb_printf(b, "rdma            %s\n", frag ? frag : "off");
   /* What a peer can write into our pools (memory windows or not). */
-  if (!json && t) kvf__sb_printf(b, "rdma writes     %s\n", kvf__rdma_protection());
+  if (!json && t && t->ops->protection(t)) kvf__sb_printf(b, "rdma writes     %s\n", t->ops->protection(t));
   free(frag);
 }
 
@@ -71,7 +71,7 @@ static unsigned long long granted_bytes(void) {
 
 /* The tcp transport's open grants and data streams (JSON only). */
 static void tcp_status(kvf__sbuf *b) {
-  kvf__transport *t = kvf__tcp_transport();
+  kvf__transport *t = kvf__transport_find("tcp");
   char frag[256] = "";
   if (t) t->ops->inspect(t, frag, sizeof(frag));
   kvf__sb_printf(b, t ? ", \"tcp\": {%s}" : ", \"tcp\": null", frag);
@@ -114,7 +114,7 @@ static void render_status(kvf__sbuf *b, int json) {
                  xc.grants, xc.sends, xc.pregrants, xc.intents, (unsigned long long)st->transfers_done,
                  (unsigned long long)st->transfers_failed, (unsigned long long)st->bytes_sent,
                  (unsigned long long)st->bytes_received, (unsigned long long)st->api_errors,
-                 (unsigned long long)st->peer_errors, kvf__rdma_transport() ? "\"rdma\", " : "");
+                 (unsigned long long)st->peer_errors, kvf__transport_find("rdma") ? "\"rdma\", " : "");
   pools_json(b);
   kvf__sb_printf(b, ", \"metrics\": ");
   kvf__sb_json_str(b, kvf__metrics_url());

@@ -15,6 +15,7 @@
 #define KVF__VERSION "0.1.0"
 #define KVF__API_VERSION 1
 #define KVF__PEER_VERSION 1
+#define KVF__TRANSPORTS_MAX 8   /* rows in transport.c's table, at most */
 
 typedef struct kvf__pool kvf__pool;
 typedef struct kvf__session kvf__session;
@@ -42,6 +43,9 @@ typedef struct kvf__daemon {
   kvf__pool **pools;
   size_t n_pools;
   kvf__stats stats;
+  /* The running transports, by their row in transport.c's table (NULL: not
+   * running); made by kvf__transports_start. */
+  kvf__transport *transports[KVF__TRANSPORTS_MAX];
   bool draining;            /* SIGTERM: no new clients or transfers; in-flight ones finish */
   bool stopping;
 } kvf__daemon;

@@ -24,8 +24,6 @@
 #include "transport/transport.h"
 #include "xfer.h"
 
-static kvf__transport *tcp_tp, *local_tp, *rdma_tp;
-
 static void usage(FILE *out) {
   fprintf(out, "usage: kvferryd -c FILE [--check]\n"
                "       kvferryd --help | --version\n\n"
@@ -91,7 +89,7 @@ static void report_gpu_pools(void) {
   for (size_t i = 0; i < kvfd.n_pools; i++) {
     kvf__pool *p = kvfd.pools[i];
     /* registrations of an rdma transport that then did not start are gone */
-    if (!rdma_tp && strcmp(p->nic_reg, "bounce") != 0) snprintf(p->nic_reg, sizeof(p->nic_reg), "none");
+    if (!kvf__transport_find("rdma") && strcmp(p->nic_reg, "bounce") != 0) snprintf(p->nic_reg, sizeof(p->nic_reg), "none");
     if (!kvf__pool_gpu(p)) continue;
     kvf__gpu_info gi;
     if (kvf__gpu_info_get(p->cuda_dev, &gi) != 0) continue;
@@ -135,9 +133,7 @@ static void stop(void) {
   kvf__metrics_http_stop();
   kvf__notify_watchdog_stop();
   kvf__lifecycle_close();
-  tcp_tp->ops->destroy(tcp_tp);
-  local_tp->ops->destroy(local_tp);
-  if (rdma_tp) rdma_tp->ops->destroy(rdma_tp);
+  kvf__transports_stop();
 }
 
 
@@ -146,57 +142,12 @@ static bool env_peer_up(const kvf__peer *p) { return p->state == KVF__PEER_UP; }
 static const char *env_peer_name(const kvf__peer *p) { return p->cfg.name; }
 static kvf__transport *env_peer_transport(kvf__peer *p) { return p->tp; }
 
-static bool wants_transport(const char *name) {
-  char list[sizeof(kvfd.cfg.transports)];
-  snprintf(list, sizeof(list), "%s", kvfd.cfg.transports);
-  for (char *save = NULL, *w = strtok_r(list, ",", &save); w; w = strtok_r(NULL, ",", &save))
-    if (strcmp(w, name) == 0) return true;
-  return false;
-}
-
-/* rdma when configured: pools get registered with every device here, at
- * start, never on the transfer path. No device (CI, laptops) is said once
- * and the daemon goes on with the other transports; a device that cannot
- * take the pools (RLIMIT_MEMLOCK) stops the start. */
-static int create_rdma(void) {
-  char err[512] = "";
-  if (!wants_transport("rdma")) return 0;
-  int rc = kvf__rdma_create(&rdma_tp, err, sizeof(err));
-  if (rc == -ENODEV) {
-    kvf__warn("rdma unavailable (%s); using the other transports", err);
-    return 0;
-  }
-  if (rc) kvf__err("rdma: %s", err[0] ? err : kvf_strerror(rc));
-  return rc;
-}
-
-/* The config's transports, in its order of preference. When none of them
- * can run (rdma alone, without a device) tcp carries the data, so that the
- * daemon still works; it says so. */
-static size_t pick_transports(kvf__transport **out, size_t cap) {
-  size_t n = 0;
-  char list[sizeof(kvfd.cfg.transports)];
-  snprintf(list, sizeof(list), "%s", kvfd.cfg.transports);
-  for (char *save = NULL, *w = strtok_r(list, ",", &save); w && n < cap; w = strtok_r(NULL, ",", &save)) {
-    if (strcmp(w, "tcp") == 0) out[n++] = tcp_tp;
-    else if (strcmp(w, "rdma") == 0 && rdma_tp) out[n++] = rdma_tp;
-  }
-  if (n == 0 && cap > 0) {
-    kvf__warn("none of the transports '%s' can run here; falling back to tcp", kvfd.cfg.transports);
-    out[n++] = tcp_tp;
-  }
-  return n;
-}
-
+/* The transports first (rdma registers every pool with its devices here, at
+ * start, never on the transfer path), then what uses them. */
 static int start(void) {
   char err[512] = "";
-  int rc = kvf__local_create(&local_tp);
-  if (rc == 0) rc = kvf__tcp_create(&tcp_tp);
-  if (rc) {
-    kvf__err("cannot create transports: %s", kvf_strerror(rc));
-    return rc;
-  }
-  if ((rc = create_rdma()) != 0) return rc;
+  int rc = kvf__transports_start(kvfd.loop);
+  if (rc) return rc;
   kvf__xfer_env env = {
       .emit = env_emit,
       .peer_send = kvf__peer_send,
@@ -205,13 +156,13 @@ static int start(void) {
       .peer_name = env_peer_name,
       .peer_transport = env_peer_transport,
       .session_xfers = kvf__api_session_xfers,
-      .local = local_tp,
+      .local = kvf__transport_find("local"),
   };
   kvf__xfer_init(kvfd.loop, &env);
-  kvf__transport *data_tps[8];
-  size_t n_data_tps = pick_transports(data_tps, 8);
+  kvf__transport *data_tps[KVF__TRANSPORTS_MAX];
+  size_t n_data_tps = kvf__transports_for_peers(data_tps, KVF__TRANSPORTS_MAX);
   if ((rc = kvf__api_start(kvfd.loop, err, sizeof(err))) != 0 ||
-      (rc = kvf__peers_start(kvfd.loop, data_tps, n_data_tps, tcp_tp, err, sizeof(err))) != 0 ||
+      (rc = kvf__peers_start(kvfd.loop, data_tps, n_data_tps, kvf__transport_find("tcp"), err, sizeof(err))) != 0 ||
       (rc = kvf__metrics_http_start(kvfd.loop, err, sizeof(err))) != 0) {
     kvf__err("%s", err);
     return rc;

@@ -27,7 +27,7 @@
 
 #include "auth.h"
 #include "frame.h"
-#include "transport/transport.h"
+#include "transport/tcp/tcp.h"
 #include "xfer.h"
 
 #define HANDSHAKE_MS 5000
@@ -179,8 +179,10 @@ static void send_hello(kvf__pconn *c) {
   }
   h.pools = ptrs;
   h.n_pools = kvfd.n_pools;
-  /* Where our RDMA devices listen and the rkeys of our pools on each. */
-  h.rdma = (Kvf__RdmaInfo *)kvf__rdma_hello_info();
+  /* What each transport says of itself (rdma: where its devices listen
+   * and the rkeys of our pools on each). */
+  for (size_t i = 0; i < KVF__TRANSPORTS_MAX; i++)
+    if (kvfd.transports[i]) kvfd.transports[i]->ops->hello(kvfd.transports[i], &h);
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_HELLO;
   m.hello = &h;
@@ -315,7 +317,7 @@ static bool peer_offers(const kvf__peer *p, const char *name) {
 static kvf__transport *choose_transport(kvf__peer *p) {
   for (size_t i = 0; i < P.n_tps; i++) {
     kvf__transport *t = P.tps[i];
-    if (peer_offers(p, t->ops->name) && (!t->ops->usable || t->ops->usable(t, p))) return t;
+    if (peer_offers(p, t->ops->name) && t->ops->usable(t, p)) return t;
   }
   return NULL;
 }

@@ -23,7 +23,8 @@ struct kvf__peer {
   uint32_t remote_streams;
   Kvf__Hello *hello;              /* the peer's Hello, kept while it is up */
   kvf__transport *tp;             /* the data transport chosen for this peer */
-  void *tcp;                      /* tcp.c's per-peer state */
+  void *tp_slot[KVF__TRANSPORTS_MAX]; /* each transport's state for this peer
+                                     (kvf__transport_peer) */
   kvf__pconn *conn;               /* the established control connection */
   kvf__pconn *dialing;            /* our outbound attempt, if any */
   uv_timer_t reconnect;

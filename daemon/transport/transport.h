@@ -1,7 +1,17 @@
-/* transport.h - the data-path vtable. One file per backend (tcp.c,
- * local.c; rdma and CUDA paths slot in here). The transfer state machine
- * (xfer.c) pairs and coalesces descriptors and hands runs to a transport; the
- * transport moves the bytes and reports back on the loop thread. */
+/* transport.h - the data-path interface: what the transfer state machine
+ * (xfer.c) and the peers (peer.c) ask of a transport, and nothing else.
+ *
+ * A transport is a type and an instance, as a connection is in Redis and a
+ * provider's context in rdma-core: each backend lives in its own folder
+ * (tcp/, rdma/, local/), defines one const kvf__transport_ops, and embeds a
+ * struct kvf__transport in its own instance struct, which every op reaches
+ * from its first argument with kvf__container_of (no file-scope state). Its
+ * per-peer state hangs in the peer's slot for that transport
+ * (kvf__transport_peer). Ops a backend leaves NULL get the defaults of
+ * transport.c (do nothing, or -EOPNOTSUPP), so callers never test for NULL.
+ *
+ * Adding a transport is a folder and a row in the table of transport.c.
+ * Everything here runs on the loop thread. */
 #ifndef KVF_TRANSPORT_H
 #define KVF_TRANSPORT_H
 
@@ -9,6 +19,8 @@
 
 #include "desc.h"
 #include "kvferryd.h"
+#include "mailbox.h"
+#include "peer.h"
 
 typedef struct kvf__transport_ops {
   const char *name;            /* reported as the transfer's path */
@@ -19,7 +31,7 @@ typedef struct kvf__transport_ops {
    * says its writes are back (Cancel.ack, CancelDone). */
   bool one_sided;
   /* Whether this transport can carry data to p, judged from p->hello (the
-   * peer's Hello). NULL: always. The first usable one in the config's
+   * peer's Hello). Default: always. The first usable one in the config's
    * transports order is chosen when the peer comes up. */
   bool (*usable)(kvf__transport *t, kvf__peer *p);
   /* Sender: move runs (ownership passes to the transport). When the bytes of
@@ -31,8 +43,8 @@ typedef struct kvf__transport_ops {
    * kvf__xfer_on_posted callbacks still come, once nothing touches the
    * source memory any more. */
   void (*abort)(kvf__transport *t, kvf__xfer *x);
-  /* Optional: the transfer is gone (every post of it was called back);
-   * frees what the transport kept for it in x->tp_state. */
+  /* The transfer is gone (every post of it was called back); frees what the
+   * transport kept for it in x->tp_state. */
   void (*xfer_done)(kvf__transport *t, kvf__xfer *x);
   /* Receiver: accept writes for x's grant from x->peer / stop accepting.
    * grant_open returns 0 (open: the Grant may go), a positive value (open,
@@ -43,48 +55,53 @@ typedef struct kvf__transport_ops {
    * in progress and none can start (rdma: its memory windows invalidated). */
   int (*grant_open)(kvf__transport *t, kvf__xfer *x);
   void (*grant_close)(kvf__transport *t, kvf__xfer *x);
-  /* Peer lifecycle: set up / tear down data connections. peer_down returns
-   * after every thread stopped touching memory for that peer. */
+  /* Peer lifecycle: set up / tear down data connections (the state goes in
+   * the peer's slot). peer_down returns after every thread stopped touching
+   * memory for that peer. */
   int (*peer_up)(kvf__transport *t, kvf__peer *p);
   void (*peer_down)(kvf__transport *t, kvf__peer *p);
+  /* Our Hello: what a peer needs to reach us over this transport (rdma: its
+   * devices, CM addresses and keys). */
+  void (*hello)(kvf__transport *t, Kvf__Hello *h);
+  /* One line on what a peer may write into our pools through this
+   * transport (status, doctor); NULL when there is nothing to say. */
+  const char *(*protection)(kvf__transport *t);
   /* Writes a JSON fragment (no braces) describing the transport's state. */
   void (*inspect)(kvf__transport *t, char *buf, size_t len);
   void (*destroy)(kvf__transport *t);
 } kvf__transport_ops;
 
 struct kvf__transport {
-  const kvf__transport_ops *ops;
+  const kvf__transport_ops *ops; /* = &merged */
+  kvf__transport_ops merged;     /* the backend's ops over the defaults */
+  unsigned slot;                 /* its index in kvf__peer.tp_slot */
+  uv_loop_t *loop;
 };
 
-int kvf__tcp_create(kvf__transport **out);
-int kvf__local_create(kvf__transport **out);
-/* tcp: a peer connection that opened with DataHello becomes a data stream. */
-int kvf__tcp_adopt_stream(kvf__transport *t, kvf__peer *p, int fd, uint32_t stream);
-/* tcp data batches: a 16-byte header (magic "KVFD", count, grant handle),
- * count 16-byte entries (pool, length, offset), then the payloads. The
- * checks a receiver makes before it reads a payload byte, as a pure function
- * (tests/fuzz): buf holds a header and its entries, rs the grant's ranges.
- * 0 with *handle, *count, *bytes (the payload that follows) and, when ents
- * is not NULL, ents[0..count) filled; KVF_EPROTO for a bad magic, count or
- * entry length, or buf too short; KVF_EPERM when an entry leaves rs (with
- * the same outputs set: the payload to skip). */
-#define KVF__TCP_BATCH_HDR 16u
-#define KVF__TCP_BATCH_ENT 16u
-#define KVF__TCP_BATCH_MAX 256
-int kvf__tcp_batch_check(const uint8_t *buf, size_t len, const kvf__rangeset *rs, uint64_t *handle,
-                         uint32_t *count, uint64_t *bytes, kvf__range *ents);
-/* rdma (rdma.c): discovers devices, registers every pool with each, starts
- * the CM listeners and progress threads. -ENODEV when no usable device (err
- * says why; the daemon goes on without rdma); other errors are fatal. */
-int kvf__rdma_create(kvf__transport **out, char *err, size_t errlen);
-/* What our Hello carries for rdma (NULL when rdma is not running). */
-const Kvf__RdmaInfo *kvf__rdma_hello_info(void);
-/* The running rdma transport, for status; NULL when there is none. */
-kvf__transport *kvf__rdma_transport(void);
-/* One line on what a peer can write into our pools over rdma (memory
- * windows or not); NULL when rdma is not running. */
-const char *kvf__rdma_protection(void);
-/* The tcp transport, for status; NULL before it is created. */
-kvf__transport *kvf__tcp_transport(void);
+/* A backend's create: fills its embedded kvf__transport with
+ * kvf__transport_init. -ENODEV: it cannot run here (err says why) and the
+ * daemon goes on without it; any other error stops the start. */
+typedef int (*kvf__transport_create_fn)(uv_loop_t *loop, unsigned slot, kvf__transport **out, char *err,
+                                        size_t errlen);
+
+void kvf__transport_init(kvf__transport *t, const kvf__transport_ops *ops, uv_loop_t *loop, unsigned slot);
+
+/* t's state for peer p (NULL when it has none), and setting it. */
+static inline void *kvf__transport_peer(const kvf__transport *t, const kvf__peer *p) {
+  return p->tp_slot[t->slot];
+}
+static inline void kvf__transport_set_peer(const kvf__transport *t, kvf__peer *p, void *state) {
+  p->tp_slot[t->slot] = state;
+}
+
+/* The daemon's transports (kvfd.transports), made from the table in
+ * transport.c: those that always run (local, tcp) and those the config's
+ * `transports` names. kvf__transports_for_peers gives, in the config's
+ * order of preference, those that carry data to peers; when none of the
+ * configured ones runs here, tcp (the daemon says so). */
+int kvf__transports_start(uv_loop_t *loop);
+void kvf__transports_stop(void);
+kvf__transport *kvf__transport_find(const char *name);
+size_t kvf__transports_for_peers(kvf__transport **out, size_t cap);
 
 #endif

@@ -10,7 +10,7 @@
 #include "api.h"
 #include "metrics.h"
 #include "pool.h"
-#include "transport/transport.h"
+#include "transport/tcp/tcp.h"
 
 kvf__peer *fz_b, *fz_c;
 char fz_sess_mem[FZ_NSESS];

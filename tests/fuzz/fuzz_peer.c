@@ -30,7 +30,7 @@
 #include "frame.h"
 #include "fuzz_common.h"
 #include "pool.h"
-#include "transport/transport.h"
+#include "transport/tcp/tcp.h"
 
 static kvf__xfer *find(const char *id, int role) {
   for (kvf__xfer *x = kvf__xfer_first(); x; x = x->next)

@@ -14,7 +14,7 @@
 #include <string.h>
 
 #include "kvferry.h"
-#include "transport/rdma_mw.h"
+#include "transport/rdma/rdma_mw.h"
 
 /* Records from (pool, off, len) triples; rkey = 100 + i, qpn = 200 + i. */
 static uint8_t *recs(const uint64_t (*w)[3], size_t n) {

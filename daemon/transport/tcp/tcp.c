@@ -10,8 +10,12 @@
  *
  * Threads: one sender thread per outbound stream (blocking writev from pool
  * memory, many frames per call) and one receiver thread per inbound stream.
- * They never touch loop state: results go through a mutex-protected queue
- * and a uv_async to the loop, which calls back into xfer.c.
+ * They never touch loop state: results go to the loop through the
+ * transport's mailbox (mailbox.h), and the loop calls back into xfer.c.
+ *
+ * State: the instance (tcp_transport, reached from the kvf__transport that
+ * every op gets) holds the grants this side accepts writes for; each peer's
+ * streams hang in the peer's tcp slot (tcp_peer).
  *
  * GPU pools (path "tcp-bounce"): the CPU cannot touch cuda pool memory, so
  * each stream stages through two pinned host slots (gstage). Sending, one
@@ -21,7 +25,7 @@
  * more to read, one launch scatters it into the GPU while the other slot
  * fills. A batch counts as landed only once its copies into the GPU are
  * complete. */
-#include "transport.h"
+#include "tcp.h"
 
 #include <errno.h>
 #include <netinet/in.h>
@@ -138,7 +142,10 @@ _Static_assert(BHDR_LEN == KVF__TCP_BATCH_HDR && ENT_LEN == KVF__TCP_BATCH_ENT &
 
 /* One kvf__transport_ops.post call: done when every stream finished its
  * share. */
+typedef struct tcp_transport tcp_transport;
+
 typedef struct ticket {
+  tcp_transport *tt;
   kvf__xfer *x;
   bool last;
   atomic_int outstanding;
@@ -166,7 +173,8 @@ typedef struct item {    /* a stream's share of one post */
 enum ev_kind { EV_TICKET, EV_LANDED, EV_DATA_ERROR, EV_STREAM_ERROR, EV_COPY_ERROR, EV_STREAM_GONE };
 
 typedef struct tevent {
-  struct tevent *next;
+  kvf__mail mail;
+  tcp_transport *tt;
   int kind;
   ticket *tk;
   uint64_t handle;
@@ -228,6 +236,7 @@ typedef struct stream {
 } stream;
 
 typedef struct tcp_peer {
+  tcp_transport *tt;
   kvf__peer *p;
   uint64_t gen;
   atomic_bool stop;
@@ -239,29 +248,30 @@ typedef struct tcp_peer {
   pthread_cond_t cond;
 } tcp_peer;
 
-typedef struct tcp_transport {
+struct tcp_transport {
   kvf__transport base;
-  uv_async_t async;
-  pthread_mutex_t ev_lock;
-  tevent *ev_head, *ev_tail;
+  kvf__mailbox mb;         /* threads -> loop: tevents */
   pthread_mutex_t g_lock;  /* grants */
   pthread_cond_t g_cond;
   kvf__map grants;         /* handle -> rgrant */
   uint64_t gen;
-} tcp_transport;
+};
 
-static tcp_transport *T;
+static tcp_transport *to_tcp(kvf__transport *t) { return kvf__container_of(t, tcp_transport, base); }
 
-static void push_event(tevent *e) {
-  pthread_mutex_lock(&T->ev_lock);
-  if (T->ev_tail) T->ev_tail->next = e;
-  else T->ev_head = e;
-  T->ev_tail = e;
-  pthread_mutex_unlock(&T->ev_lock);
-  uv_async_send(&T->async);
+static tcp_peer *tcp_peer_of(tcp_transport *tt, const kvf__peer *p) {
+  return kvf__transport_peer(&tt->base, p);
 }
 
-static void post_event(int kind, ticket *tk, uint64_t handle, int status, tcp_peer *tp) {
+static void on_event(kvf__mail *m);
+
+static void push_event(tcp_transport *tt, tevent *e) {
+  e->tt = tt;
+  kvf__mailbox_post(&tt->mb, &e->mail, on_event);
+}
+
+/* tp: the peer the event is about; NULL for a ticket's completion. */
+static void post_event(tcp_transport *tt, int kind, ticket *tk, uint64_t handle, int status, tcp_peer *tp) {
   tevent *e = calloc(1, sizeof(*e));
   if (!e) abort(); /* a lost completion would hang a transfer: fail loudly */
   e->kind = kind;
@@ -270,7 +280,7 @@ static void post_event(int kind, ticket *tk, uint64_t handle, int status, tcp_pe
   e->status = status;
   e->peer = tp ? tp->p : NULL;
   e->gen = tp ? tp->gen : 0;
-  push_event(e);
+  push_event(tt, e);
 }
 
 static void ticket_part_done(ticket *tk, int status) {
@@ -278,7 +288,7 @@ static void ticket_part_done(ticket *tk, int status) {
     int zero = 0;
     atomic_compare_exchange_strong(&tk->status, &zero, status);
   }
-  if (atomic_fetch_sub(&tk->outstanding, 1) == 1) post_event(EV_TICKET, tk, 0, 0, NULL);
+  if (atomic_fetch_sub(&tk->outstanding, 1) == 1) post_event(tk->tt, EV_TICKET, tk, 0, 0, NULL);
 }
 
 static void item_free(item *it) {
@@ -553,13 +563,13 @@ static item *next_item(stream *s) {
 static void *sender_main(void *arg) {
   stream *s = arg;
   int broken = connect_stream(s);
-  if (broken) post_event(EV_STREAM_ERROR, NULL, 0, broken, s->tp);
+  if (broken) post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, broken, s->tp);
   item *it;
   while ((it = next_item(s)) != NULL) {
     int rc = broken ? KVF_EPEERLOST : it->gpu ? write_item_staged(s, it) : write_item(s, it);
     if (rc && rc != KVF_ECANCELED && rc != GPU_COPY_FAILED && !broken) {
       broken = rc;
-      post_event(EV_STREAM_ERROR, NULL, 0, rc, s->tp);
+      post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, rc, s->tp);
     }
     ticket_part_done(it->tk, rc ? (rc == KVF_ECANCELED ? KVF_ECANCELED : rc == GPU_COPY_FAILED ? -EIO : KVF_EPEERLOST) : 0);
     item_free(it);
@@ -634,31 +644,33 @@ static int discard(int fd, uint64_t len, uint8_t *ahead, uint32_t *have) {
 /* Looks up and pins the grant a batch writes into; NULL when the batch must
  * be discarded. A batch with any entry outside its grant fails that grant. */
 static rgrant *pin_grant(tcp_peer *tp, const batch_hdr *h, const batch_ent *e) {
+  tcp_transport *tt = tp->tt;
   char key[32];
   grant_key(key, sizeof(key), h->handle);
-  pthread_mutex_lock(&T->g_lock);
-  rgrant *g = kvf__map_get(&T->grants, key);
+  pthread_mutex_lock(&tt->g_lock);
+  rgrant *g = kvf__map_get(&tt->grants, key);
   if (g && (g->closed || g->peer != tp->p)) g = NULL;
   uint32_t bad = g ? first_outside(&g->rs, e, h->count) : h->count;
   if (bad < h->count) {
     kvf__warn("peer %s wrote outside grant %016llx (pool %u offset %llu len %u): refused",
               tp->p->cfg.name, (unsigned long long)h->handle, e[bad].pool,
               (unsigned long long)e[bad].offset, e[bad].len);
-    post_event(EV_DATA_ERROR, NULL, h->handle, KVF_EPERM, tp);
+    post_event(tt, EV_DATA_ERROR, NULL, h->handle, KVF_EPERM, tp);
     g = NULL;
   }
   if (g) g->writers++;
-  pthread_mutex_unlock(&T->g_lock);
+  pthread_mutex_unlock(&tt->g_lock);
   return g;
 }
 
 static void unpin_grant(rgrant *g, tcp_peer *tp, uint64_t handle, uint64_t len) {
-  pthread_mutex_lock(&T->g_lock);
+  tcp_transport *tt = tp->tt;
+  pthread_mutex_lock(&tt->g_lock);
   g->writers--;
   g->landed += len;
-  if (!g->closed && g->landed == g->total) post_event(EV_LANDED, NULL, handle, 0, tp);
-  if (g->closed && g->writers == 0) pthread_cond_broadcast(&T->g_cond);
-  pthread_mutex_unlock(&T->g_lock);
+  if (!g->closed && g->landed == g->total) post_event(tt, EV_LANDED, NULL, handle, 0, tp);
+  if (g->closed && g->writers == 0) pthread_cond_broadcast(&tt->g_cond);
+  pthread_mutex_unlock(&tt->g_lock);
 }
 
 /* Reads and checks a batch's entries; *bytes is the payload that follows. */
@@ -697,7 +709,7 @@ int kvf__tcp_batch_check(const uint8_t *buf, size_t len, const kvf__rangeset *rs
 static void sbatch_piece_done(stream *s, sbatch *b, int status) {
   if (status && !b->status) b->status = status;
   if (--b->pieces > 0) return;
-  if (b->status == -EIO) post_event(EV_COPY_ERROR, NULL, b->handle, -EIO, s->tp);
+  if (b->status == -EIO) post_event(s->tp->tt, EV_COPY_ERROR, NULL, b->handle, -EIO, s->tp);
   unpin_grant(b->g, s->tp, b->handle, b->status ? 0 : b->bytes);
   free(b);
 }
@@ -750,7 +762,7 @@ static int receive_batch_gpu(stream *s, const batch_hdr *h, const batch_ent *e, 
   sbatch *b = st ? calloc(1, sizeof(*b)) : NULL;
   if (!b) {
     unpin_grant(g, s->tp, h->handle, 0);
-    post_event(EV_COPY_ERROR, NULL, h->handle, -ENOMEM, s->tp);
+    post_event(s->tp->tt, EV_COPY_ERROR, NULL, h->handle, -ENOMEM, s->tp);
     return discard(s->fd, bytes, ahead, have);
   }
   *b = (sbatch){.g = g, .handle = h->handle, .bytes = bytes, .pieces = 1};
@@ -814,7 +826,7 @@ static void stream_gone(stream *s) {
   e->stream = s;
   e->peer = s->tp->p;
   e->gen = s->tp->gen;
-  push_event(e);
+  push_event(s->tp->tt, e);
 }
 
 static void *receiver_main(void *arg) {
@@ -822,7 +834,7 @@ static void *receiver_main(void *arg) {
   uint8_t hdr[BHDR_LEN];
   uint32_t have = 0;
   if (kvf__send_all(s->fd, ACK, sizeof(ACK), -1) != 0) {
-    if (!atomic_load(&s->tp->stop)) post_event(EV_STREAM_ERROR, NULL, 0, KVF_EPEERLOST, s->tp);
+    if (!atomic_load(&s->tp->stop)) post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, KVF_EPEERLOST, s->tp);
     stream_gone(s);
     return NULL;
   }
@@ -846,14 +858,12 @@ static void *receiver_main(void *arg) {
    * protocol takes the peer down. Failing it on every close made two
    * daemons that reconnect at once flap. */
   if (!atomic_load(&s->tp->stop) && rc != -ECONNRESET)
-    post_event(EV_STREAM_ERROR, NULL, 0, KVF_EPEERLOST, s->tp);
+    post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, KVF_EPEERLOST, s->tp);
   stream_gone(s);
   return NULL;
 }
 
 /* ------------------------------------------------------------------ ops */
-
-static tcp_peer *tcp_peer_of(kvf__peer *p) { return p->tcp; }
 
 /* Cuts runs into frames of at most SLICE bytes and deals them round robin
  * over the streams, so one huge descriptor still uses every connection. */
@@ -891,7 +901,8 @@ static int deal_frames(tcp_peer *tp, const kvf__runs *runs, item **items) {
 }
 
 static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) {
-  tcp_peer *tp = tcp_peer_of(x->peer);
+  tcp_transport *tt = to_tcp(t);
+  tcp_peer *tp = tcp_peer_of(tt, x->peer);
   if (!tp || atomic_load(&tp->stop)) return KVF_EPEERLOST;
   item *items[64] = {0};
   ticket *tk = calloc(1, sizeof(*tk));
@@ -905,6 +916,7 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
     free(tk);
     return rc;
   }
+  tk->tt = tt;
   tk->x = x;
   tk->last = last;
   for (uint32_t i = 0; i < tp->n_out; i++)
@@ -930,12 +942,12 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
   }
   pthread_cond_broadcast(&tp->cond);
   pthread_mutex_unlock(&tp->lock);
-  if (!used) post_event(EV_TICKET, tk, 0, 0, NULL);
+  if (!used) post_event(tt, EV_TICKET, tk, 0, 0, NULL);
   return 0;
 }
 
 static void tcp_abort(kvf__transport *t, kvf__xfer *x) {
-  tcp_peer *tp = x->peer ? tcp_peer_of(x->peer) : NULL;
+  tcp_peer *tp = x->peer ? tcp_peer_of(to_tcp(t), x->peer) : NULL;
   if (!tp) return;
   pthread_mutex_lock(&tp->lock);
   for (uint32_t i = 0; i < tp->n_out; i++)
@@ -960,11 +972,12 @@ static int tcp_grant_open(kvf__transport *t, kvf__xfer *x) {
       x->path = "tcp-bounce";
       break;
     }
+  tcp_transport *tt = to_tcp(t);
   char key[32];
   grant_key(key, sizeof(key), x->handle);
-  pthread_mutex_lock(&T->g_lock);
-  rc = kvf__map_put(&T->grants, key, g);
-  pthread_mutex_unlock(&T->g_lock);
+  pthread_mutex_lock(&tt->g_lock);
+  rc = kvf__map_put(&tt->grants, key, g);
+  pthread_mutex_unlock(&tt->g_lock);
   if (rc) {
     kvf__rangeset_free(&g->rs);
     free(g);
@@ -981,12 +994,13 @@ static void shutdown_inbound(tcp_peer *tp) {
 /* Waits until no receiver thread writes into the grant; a stream stuck in
  * the middle of a payload (a stalled peer) is cut after a bound. */
 static void tcp_grant_close(kvf__transport *t, kvf__xfer *x) {
+  tcp_transport *tt = to_tcp(t);
   char key[32];
   grant_key(key, sizeof(key), x->handle);
-  pthread_mutex_lock(&T->g_lock);
-  rgrant *g = kvf__map_get(&T->grants, key);
+  pthread_mutex_lock(&tt->g_lock);
+  rgrant *g = kvf__map_get(&tt->grants, key);
   if (!g) {
-    pthread_mutex_unlock(&T->g_lock);
+    pthread_mutex_unlock(&tt->g_lock);
     return;
   }
   g->closed = true;
@@ -999,15 +1013,16 @@ static void tcp_grant_close(kvf__transport *t, kvf__xfer *x) {
       ts.tv_sec++;
       ts.tv_nsec -= 1000000000L;
     }
-    if (pthread_cond_timedwait(&T->g_cond, &T->g_lock, &ts) == ETIMEDOUT && !cut && g->peer->tcp) {
-      pthread_mutex_unlock(&T->g_lock);
-      shutdown_inbound(g->peer->tcp);
-      pthread_mutex_lock(&T->g_lock);
+    tcp_peer *tp = tcp_peer_of(tt, g->peer);
+    if (pthread_cond_timedwait(&tt->g_cond, &tt->g_lock, &ts) == ETIMEDOUT && !cut && tp) {
+      pthread_mutex_unlock(&tt->g_lock);
+      shutdown_inbound(tp);
+      pthread_mutex_lock(&tt->g_lock);
       cut = true;
     }
   }
-  kvf__map_del(&T->grants, key);
-  pthread_mutex_unlock(&T->g_lock);
+  kvf__map_del(&tt->grants, key);
+  pthread_mutex_unlock(&tt->g_lock);
   kvf__rangeset_free(&g->rs);
   free(g);
 }
@@ -1015,8 +1030,10 @@ static void tcp_grant_close(kvf__transport *t, kvf__xfer *x) {
 static int tcp_peer_up(kvf__transport *t, kvf__peer *p) {
   tcp_peer *tp = calloc(1, sizeof(*tp));
   if (!tp) return -ENOMEM;
+  tcp_transport *tt = to_tcp(t);
+  tp->tt = tt;
   tp->p = p;
-  tp->gen = ++T->gen;
+  tp->gen = ++tt->gen;
   tp->n_out = kvfd.cfg.tcp_streams;
   if (tp->n_out > 64) tp->n_out = 64;
   tp->out = calloc(tp->n_out, sizeof(stream));
@@ -1026,7 +1043,7 @@ static int tcp_peer_up(kvf__transport *t, kvf__peer *p) {
   }
   pthread_mutex_init(&tp->lock, NULL);
   pthread_cond_init(&tp->cond, NULL);
-  p->tcp = tp;
+  kvf__transport_set_peer(t, p, tp);
   for (uint32_t i = 0; i < tp->n_out; i++) {
     stream *s = &tp->out[i];
     s->tp = tp;
@@ -1040,7 +1057,7 @@ static int tcp_peer_up(kvf__transport *t, kvf__peer *p) {
 }
 
 int kvf__tcp_adopt_stream(kvf__transport *t, kvf__peer *p, int fd, uint32_t index) {
-  tcp_peer *tp = p->tcp;
+  tcp_peer *tp = tcp_peer_of(to_tcp(t), p);
   if (!tp || atomic_load(&tp->stop)) return KVF_EPEERLOST;
   stream *s = calloc(1, sizeof(*s));
   if (!s) return -ENOMEM;
@@ -1071,7 +1088,7 @@ static void drain_queues(tcp_peer *tp) {
 }
 
 static void tcp_peer_down(kvf__transport *t, kvf__peer *p) {
-  tcp_peer *tp = p->tcp;
+  tcp_peer *tp = tcp_peer_of(to_tcp(t), p);
   if (!tp) return;
   atomic_store(&tp->stop, true);
   pthread_mutex_lock(&tp->lock);
@@ -1101,23 +1118,23 @@ static void tcp_peer_down(kvf__transport *t, kvf__peer *p) {
   pthread_cond_destroy(&tp->cond);
   free(tp->out);
   free(tp);
-  p->tcp = NULL;
+  kvf__transport_set_peer(t, p, NULL);
 }
 
-static rgrant *grant_for_event(uint64_t handle) {
+static rgrant *grant_for_event(tcp_transport *tt, uint64_t handle) {
   char key[32];
   grant_key(key, sizeof(key), handle);
-  pthread_mutex_lock(&T->g_lock);
-  rgrant *g = kvf__map_get(&T->grants, key);
+  pthread_mutex_lock(&tt->g_lock);
+  rgrant *g = kvf__map_get(&tt->grants, key);
   if (g && g->closed) g = NULL;
-  pthread_mutex_unlock(&T->g_lock);
+  pthread_mutex_unlock(&tt->g_lock);
   return g;
 }
 
 /* EV_STREAM_GONE: unlinks, joins and frees the stream, when it still
  * belongs to the peer's current state (peer_down frees its own). */
 static void reap_stream(const tevent *e) {
-  tcp_peer *tp = e->peer->tcp;
+  tcp_peer *tp = tcp_peer_of(e->tt, e->peer);
   if (!tp || tp->gen != e->gen) return;
   stream *s = NULL;
   pthread_mutex_lock(&tp->lock);
@@ -1146,43 +1163,36 @@ static void handle_event(tevent *e) {
     break;
   }
   case EV_LANDED:
-    if ((g = grant_for_event(e->handle)) != NULL) kvf__xfer_on_landed(g->x);
+    if ((g = grant_for_event(e->tt, e->handle)) != NULL) kvf__xfer_on_landed(g->x);
     break;
   case EV_DATA_ERROR:
-    if ((g = grant_for_event(e->handle)) != NULL)
+    if ((g = grant_for_event(e->tt, e->handle)) != NULL)
       kvf__xfer_on_data_error(g->x, e->status, "the peer wrote outside the grant");
     break;
   case EV_COPY_ERROR:
-    if ((g = grant_for_event(e->handle)) != NULL)
+    if ((g = grant_for_event(e->tt, e->handle)) != NULL)
       kvf__xfer_on_data_error(g->x, e->status, "copying received data into GPU memory failed");
     break;
   case EV_STREAM_ERROR:
-    if (e->peer->tcp && ((tcp_peer *)e->peer->tcp)->gen == e->gen)
+    if (tcp_peer_of(e->tt, e->peer) && tcp_peer_of(e->tt, e->peer)->gen == e->gen)
       kvf__peer_fail(e->peer, "a data stream broke");
     break;
   case EV_STREAM_GONE: reap_stream(e); break;
   }
 }
 
-static void on_async(uv_async_t *a) {
-  pthread_mutex_lock(&T->ev_lock);
-  tevent *e = T->ev_head;
-  T->ev_head = T->ev_tail = NULL;
-  pthread_mutex_unlock(&T->ev_lock);
-  while (e) {
-    tevent *next = e->next;
-    handle_event(e);
-    free(e);
-    e = next;
-  }
+static void on_event(kvf__mail *m) {
+  tevent *e = kvf__container_of(m, tevent, mail);
+  handle_event(e);
+  free(e);
 }
 
 /* Data streams now open (outbound connected, inbound adopted): with
  * open_grants, what the chaos suite checks returns to its baseline. */
-static void count_streams(size_t *out, size_t *in) {
+static void count_streams(tcp_transport *tt, size_t *out, size_t *in) {
   *out = *in = 0;
   for (size_t i = 0; i < kvf__peer_count(); i++) {
-    tcp_peer *tp = kvf__peer_at(i)->tcp;
+    tcp_peer *tp = tcp_peer_of(tt, kvf__peer_at(i));
     if (!tp) continue;
     pthread_mutex_lock(&tp->lock);
     for (uint32_t k = 0; k < tp->n_out; k++) *out += tp->out[k].fd >= 0;
@@ -1192,21 +1202,28 @@ static void count_streams(size_t *out, size_t *in) {
 }
 
 static void tcp_inspect(kvf__transport *t, char *buf, size_t len) {
-  pthread_mutex_lock(&T->g_lock);
-  size_t n = T->grants.n;
-  pthread_mutex_unlock(&T->g_lock);
+  tcp_transport *tt = to_tcp(t);
+  pthread_mutex_lock(&tt->g_lock);
+  size_t n = tt->grants.n;
+  pthread_mutex_unlock(&tt->g_lock);
   size_t out, in;
-  count_streams(&out, &in);
+  count_streams(tt, &out, &in);
   snprintf(buf, len, "\"name\": \"tcp\", \"streams_per_peer\": %u, \"open_grants\": %zu, "
                      "\"streams_out\": %zu, \"streams_in\": %zu",
            kvfd.cfg.tcp_streams, n, out, in);
 }
 
-kvf__transport *kvf__tcp_transport(void) { return T ? &T->base : NULL; }
+static void tcp_free(kvf__mailbox *mb) {
+  tcp_transport *tt = kvf__container_of(mb, tcp_transport, mb);
+  kvf__map_free(&tt->grants);
+  pthread_mutex_destroy(&tt->g_lock);
+  pthread_cond_destroy(&tt->g_cond);
+  free(tt);
+}
 
+/* Every peer is down by now (peers stop first): no thread posts any more. */
 static void tcp_destroy(kvf__transport *t) {
-  on_async(&T->async); /* deliver what is left */
-  uv_close((uv_handle_t *)&T->async, NULL);
+  kvf__mailbox_close(&to_tcp(t)->mb, tcp_free); /* delivers what is left first */
 }
 
 static const kvf__transport_ops tcp_ops = {
@@ -1221,16 +1238,18 @@ static const kvf__transport_ops tcp_ops = {
     .destroy = tcp_destroy,
 };
 
-int kvf__tcp_create(kvf__transport **out) {
-  static tcp_transport tt;
-  memset(&tt, 0, sizeof(tt));
-  T = &tt;
-  tt.base.ops = &tcp_ops;
-  pthread_mutex_init(&tt.ev_lock, NULL);
-  pthread_mutex_init(&tt.g_lock, NULL);
-  pthread_cond_init(&tt.g_cond, NULL);
-  int rc = uv_async_init(kvfd.loop, &tt.async, on_async);
-  if (rc) return rc;
-  *out = &tt.base;
+int kvf__tcp_create(uv_loop_t *loop, unsigned slot, kvf__transport **out, char *err, size_t errlen) {
+  tcp_transport *tt = calloc(1, sizeof(*tt));
+  if (!tt) return -ENOMEM;
+  kvf__transport_init(&tt->base, &tcp_ops, loop, slot);
+  int rc = kvf__mailbox_init(&tt->mb, loop);
+  if (rc) {
+    snprintf(err, errlen, "cannot set up the tcp transport's mailbox: %s", uv_strerror(rc));
+    free(tt);
+    return rc;
+  }
+  pthread_mutex_init(&tt->g_lock, NULL);
+  pthread_cond_init(&tt->g_cond, NULL);
+  *out = &tt->base;
   return 0;
 }

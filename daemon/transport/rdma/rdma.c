@@ -54,7 +54,7 @@
  * Note: a grant's memory is reachable through the pool's rkey for as long as
  * the pool is registered; grant_close stops completions from being accepted,
  * but a sender that has not yet seen the cancel may still be writing. */
-#include "transport.h"
+#include "rdma.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -3201,9 +3201,10 @@ static int build_hello(void) {
   return 0;
 }
 
-const Kvf__RdmaInfo *kvf__rdma_hello_info(void) { return R && R->n_devs ? &R->info : NULL; }
-
-kvf__transport *kvf__rdma_transport(void) { return R ? &R->base : NULL; }
+/* Where our devices listen and the rkeys of our pools on each. */
+static void rdma_hello(kvf__transport *t, Kvf__Hello *h) {
+  if (R->n_devs) h->rdma = &R->info;
+}
 
 /* ------------------------------------------------------------ status */
 
@@ -3337,7 +3338,7 @@ static void rdma_inspect(kvf__transport *t, char *buf, size_t len) {
   inspect_windows(&b);
 }
 
-const char *kvf__rdma_protection(void) { return R ? R->protection : NULL; }
+static const char *rdma_protection(kvf__transport *t) { return R->protection; }
 
 /* ------------------------------------------------------------ teardown */
 
@@ -3438,6 +3439,8 @@ static const kvf__transport_ops rdma_ops = {
     .grant_close = rdma_grant_close,
     .peer_up = rdma_peer_up,
     .peer_down = rdma_peer_down,
+    .hello = rdma_hello,
+    .protection = rdma_protection,
     .inspect = rdma_inspect,
     .destroy = rdma_destroy,
 };
@@ -3452,11 +3455,11 @@ static void log_devices(void) {
   else kvf__warn("rdma: writes: %s", R->protection);
 }
 
-int kvf__rdma_create(kvf__transport **out, char *err, size_t errlen) {
+int kvf__rdma_create(uv_loop_t *loop, unsigned slot, kvf__transport **out, char *err, size_t errlen) {
   static rdma_transport rt;
   memset(&rt, 0, sizeof(rt));
   R = &rt;
-  rt.base.ops = &rdma_ops;
+  kvf__transport_init(&rt.base, &rdma_ops, loop, slot);
   pthread_mutex_init(&rt.ev_lock, NULL);
   pthread_mutex_init(&rt.reap_lock, NULL);
   pthread_cond_init(&rt.reap_cond, NULL);

@@ -10,10 +10,9 @@
  * completion thread and an async handle; the others run on the thread
  * pool. The transfer's path says which way: local-nvlink, local-staged,
  * local-h2d, ... */
-#include "transport.h"
+#include "local.h"
 
 #include <errno.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,8 +21,12 @@
 #include "pool.h"
 #include "xfer.h"
 
+typedef struct local_transport local_transport;
+
 typedef struct copy_job {
   uv_work_t req;
+  kvf__mail mail;         /* launched on the loop: the GPU's completion */
+  local_transport *lt;
   kvf__xfer *x;
   kvf__runs runs;
   bool last;
@@ -32,18 +35,16 @@ typedef struct copy_job {
   int rc;
   uint64_t t_post, t_start, t_built, t_copied; /* for the debug trace */
   float kernel_ms;
-  struct copy_job *next;  /* on L.done */
 } copy_job;
 
-/* Posts launched on the loop and finished by the GPU, back to the loop. */
-static struct {
-  uv_async_t async;
-  bool async_open;
-  bool closing;           /* destroy came: close the handle once idle */
+struct local_transport {
+  kvf__transport base;
+  kvf__mailbox mb;        /* posts launched on the loop, finished by the GPU */
   size_t in_flight;       /* launched, not yet back on the loop */
-  pthread_mutex_t mu;
-  copy_job *done;         /* finished, newest first (under mu) */
-} L = {.mu = PTHREAD_MUTEX_INITIALIZER};
+  bool closing;           /* destroy came: close the mailbox once idle */
+};
+
+static local_transport *to_local(kvf__transport *t) { return kvf__container_of(t, local_transport, base); }
 
 /* The copies of a post's runs, built once, whichever way they then go
  * (launched from the loop, or on the thread pool). */
@@ -128,63 +129,43 @@ static void finish_job(copy_job *j, int status) {
 
 static void after_copy(uv_work_t *req, int status) { finish_job(req->data, status); }
 
+static void local_free(kvf__mailbox *mb) { free(kvf__container_of(mb, local_transport, mb)); }
+
+/* Back on the loop from the GPU. The mailbox keeps the loop running only
+ * while launches are in flight. */
+static void on_launch_done(kvf__mail *m) {
+  copy_job *j = kvf__container_of(m, copy_job, mail);
+  local_transport *lt = j->lt;
+  finish_job(j, 0);
+  if (--lt->in_flight == 0) kvf__mailbox_hold(&lt->mb, false);
+  if (lt->closing && lt->in_flight == 0) kvf__mailbox_close(&lt->mb, local_free);
+}
+
 /* The GPU finished a post launched on the loop (gpu.c's completion
- * thread): queue it for the loop. */
+ * thread): hand it to the loop. */
 static void on_gpu_done(void *arg, int rc, float kernel_ms) {
   copy_job *j = arg;
   j->rc = rc;
   j->kernel_ms = kernel_ms;
   j->t_copied = kvf__now_ns();
-  pthread_mutex_lock(&L.mu);
-  j->next = L.done;
-  L.done = j;
-  pthread_mutex_unlock(&L.mu);
-  uv_async_send(&L.async);
-}
-
-static void on_async_closed(uv_handle_t *h) { L.async_open = false; }
-
-/* The handle keeps the loop running only while posts are in flight. */
-static void on_async(uv_async_t *a) {
-  pthread_mutex_lock(&L.mu);
-  copy_job *list = L.done;
-  L.done = NULL;
-  pthread_mutex_unlock(&L.mu);
-  copy_job *fifo = NULL; /* in the order they finished */
-  while (list) {
-    copy_job *next = list->next;
-    list->next = fifo;
-    fifo = list;
-    list = next;
-  }
-  while (fifo) {
-    copy_job *next = fifo->next;
-    finish_job(fifo, 0);
-    if (--L.in_flight == 0) uv_unref((uv_handle_t *)&L.async);
-    fifo = next;
-  }
-  if (L.closing && L.in_flight == 0 && !uv_is_closing((uv_handle_t *)&L.async))
-    uv_close((uv_handle_t *)&L.async, on_async_closed);
+  kvf__mailbox_post(&j->lt->mb, &j->mail, on_launch_done);
 }
 
 /* Launches j's copies from the loop when one launch moves them all; else
  * (or on any failure to launch) the caller runs j on the thread pool. */
 static int start_on_loop(copy_job *j) {
-  if (L.closing) return -EAGAIN;
-  if (!L.async_open) {
-    if (uv_async_init(kvfd.loop, &L.async, on_async) != 0) return -EAGAIN;
-    L.async_open = true;
-    uv_unref((uv_handle_t *)&L.async);
-  }
+  local_transport *lt = j->lt;
+  if (lt->closing) return -EAGAIN;
   int rc = kvf__gpu_copy_start(j->v, j->runs.n, on_gpu_done, j);
   if (rc) return rc;
-  if (L.in_flight++ == 0) uv_ref((uv_handle_t *)&L.async);
+  if (lt->in_flight++ == 0) kvf__mailbox_hold(&lt->mb, true);
   return 0;
 }
 
 static int local_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) {
   copy_job *j = calloc(1, sizeof(*j));
   if (!j) return -ENOMEM;
+  j->lt = to_local(t);
   j->x = x;
   j->runs = *runs; /* take the runs: the caller frees an empty shell */
   memset(runs, 0, sizeof(*runs));
@@ -206,7 +187,7 @@ static int local_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool las
     }
   }
   if (j->gpu && start_on_loop(j) == 0) return 0;
-  int rc = uv_queue_work(kvfd.loop, &j->req, do_copy, after_copy);
+  int rc = uv_queue_work(t->loop, &j->req, do_copy, after_copy);
   if (rc) {
     *runs = j->runs;
     free(j->v);
@@ -215,36 +196,37 @@ static int local_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool las
   return rc;
 }
 
-/* A copy in flight finishes quickly; its callback completes the abort. */
-static void local_abort(kvf__transport *t, kvf__xfer *x) {}
-static int local_grant_open(kvf__transport *t, kvf__xfer *x) { return 0; }
-static void local_grant_close(kvf__transport *t, kvf__xfer *x) {}
-static int local_peer_up(kvf__transport *t, kvf__peer *p) { return 0; }
-static void local_peer_down(kvf__transport *t, kvf__peer *p) {}
+/* A copy in flight finishes quickly; its callback completes the abort, so
+ * abort, grants and peers keep the defaults (nothing to do). */
 static void local_inspect(kvf__transport *t, char *buf, size_t len) {
   snprintf(buf, len, "\"name\": \"local\", \"engine\": \"%s\"",
            kvf__gpu_ready() ? "memcpy, cuda batched kernel" : "memcpy");
 }
+/* Launches still in flight close the mailbox when the last one is back. */
 static void local_destroy(kvf__transport *t) {
-  L.closing = true;
-  if (L.async_open && L.in_flight == 0 && !uv_is_closing((uv_handle_t *)&L.async))
-    uv_close((uv_handle_t *)&L.async, on_async_closed);
+  local_transport *lt = to_local(t);
+  lt->closing = true;
+  if (lt->in_flight == 0) kvf__mailbox_close(&lt->mb, local_free);
 }
 
 static const kvf__transport_ops local_ops = {
     .name = "local",
     .post = local_post,
-    .abort = local_abort,
-    .grant_open = local_grant_open,
-    .grant_close = local_grant_close,
-    .peer_up = local_peer_up,
-    .peer_down = local_peer_down,
     .inspect = local_inspect,
     .destroy = local_destroy,
 };
 
-int kvf__local_create(kvf__transport **out) {
-  static kvf__transport t = {.ops = &local_ops};
-  *out = &t;
+int kvf__local_create(uv_loop_t *loop, unsigned slot, kvf__transport **out, char *err, size_t errlen) {
+  local_transport *lt = calloc(1, sizeof(*lt));
+  if (!lt) return -ENOMEM;
+  kvf__transport_init(&lt->base, &local_ops, loop, slot);
+  int rc = kvf__mailbox_init(&lt->mb, loop);
+  if (rc) {
+    snprintf(err, errlen, "cannot set up the local transport's mailbox: %s", uv_strerror(rc));
+    free(lt);
+    return rc;
+  }
+  kvf__mailbox_hold(&lt->mb, false); /* only while launches are out */
+  *out = &lt->base;
   return 0;
 }

@@ -1,0 +1,13 @@
+/* rdma.h - the rdma transport (this folder): one-sided RDMA WRITE over RC
+ * queue pairs set up through librdmacm. */
+#ifndef KVF_RDMA_H
+#define KVF_RDMA_H
+
+#include "transport/transport.h"
+
+/* Discovers devices, registers every pool with each, starts the CM
+ * listeners and progress threads. -ENODEV when no usable device (err says
+ * why; the daemon goes on without rdma); other errors are fatal. */
+int kvf__rdma_create(uv_loop_t *loop, unsigned slot, kvf__transport **out, char *err, size_t errlen);
+
+#endif
