@@ -115,7 +115,85 @@ int kvf_send(kvf_client *c, const char *xfer_id, const char *dst_node,
  * with KVF_ECANCELED (here) or KVF_EREMOTECANCEL (there). */
 int kvf_cancel(kvf_client *c, const char *xfer_id);
 
-enum kvf_event_type { KVF_EV_RECV_DONE = 1, KVF_EV_SEND_DONE = 2 };
+/* Transfer ids. An id names one transfer from its first grant or send call
+ * until this client has taken that transfer's KVF_EV_RECV_DONE or
+ * KVF_EV_SEND_DONE with kvf_wait_events. Until then a part sent with the
+ * same id continues that transfer, or, once it ended (done, failed,
+ * cancelled), is refused at once with KVF_ENOENT: a late part never starts
+ * a new transfer. Once the event is taken the id may name a new transfer. */
+
+/* ---------------------------------------------------------------- KV layouts
+ *
+ * Engines keep their KV cache as per-layer K and V tensors indexed by block
+ * id, and a request is a list of block ids. Rather than one kvf_desc per
+ * (layer, K/V, block), an engine registers its cache's layout once and
+ * transfers name block ids and layers; the daemon computes the addresses
+ * (for copies on one GPU, in the copy kernel). Region r = layer * n_kv + kv
+ * holds block b at pool offset offsets[r] + b * block_stride:
+ *
+ *   vLLM, per layer [2, n_blocks, ...]:  offsets[2l] = K tensor - pool base,
+ *       offsets[2l+1] = V tensor - pool base, block_stride = block_bytes
+ *   one block holds every layer:  block_stride = n_layers * 2 * block_bytes,
+ *       offsets[r] = r * block_bytes
+ *   MLA (one latent per layer):  n_kv = 1
+ *
+ * Registration checks that every block of every region lies in the pool and
+ * that no two regions overlap (KVF_ERANGE, KVF_EINVAL, with the detail in
+ * the daemon's log and kvferryctl's errors). A layout belongs to the client
+ * that registered it and is freed by kvf_layout_free or kvf_close; a
+ * transfer under way keeps what it needs of it. */
+#define KVF_LAYOUT_NHD 0   /* a block is [token, head, dim] */
+#define KVF_LAYOUT_HND 1   /* a block is [head, token, dim] */
+
+typedef struct kvf_layout {
+  uint32_t pool;               /* the pool holding the cache */
+  uint32_t n_layers;
+  uint32_t n_kv;               /* 2: K and V regions; 1: one latent region (MLA) */
+  uint32_t n_blocks;           /* blocks per region; ids are 0 .. n_blocks - 1 */
+  uint64_t block_bytes;        /* one block of one region of one layer */
+  uint64_t block_stride;       /* from block b to block b + 1 of a region */
+  const uint64_t *offsets;     /* n_layers * n_kv pool offsets of block 0 */
+  /* What a block holds. The two sides of a transfer must agree on what
+   * both state (0: not stated; when all four are stated their product must
+   * be block_bytes). */
+  uint32_t tokens_per_block;
+  uint32_t kv_heads;           /* the KV heads this layout holds */
+  uint32_t head_dim;
+  uint32_t dtype_bytes;
+  uint32_t order;              /* KVF_LAYOUT_NHD (default) or KVF_LAYOUT_HND */
+} kvf_layout;
+
+/* Registers a layout; *id names it in kvf_grant_blocks / kvf_send_blocks. */
+int kvf_layout_register(kvf_client *c, const kvf_layout *layout, uint32_t *id);
+/* Frees a layout of this client (KVF_ENOENT: no such layout). */
+int kvf_layout_free(kvf_client *c, uint32_t id);
+
+/* Blocks of a layout, over layers [first_layer, first_layer + n_layers). */
+typedef struct kvf_blocks {
+  uint32_t layout;
+  const uint32_t *ids;         /* block ids of the layout, in transfer order */
+  size_t n;
+  uint32_t first_layer;
+  uint32_t n_layers;           /* 0: every layer from first_layer on */
+} kvf_blocks;
+
+/* Ask for one KVF_EV_LAYER_DONE per layer as it lands, before RECV_DONE. */
+#define KVF_GRANT_LAYER_EVENTS 0x1u
+
+/* Decode side: the blocks of transfer xfer_id go to blocks->ids of the
+ * layout, for blocks' layers. Otherwise as kvf_grant. */
+int kvf_grant_blocks(kvf_client *c, const char *xfer_id, const char *src_node, const kvf_blocks *blocks,
+                     unsigned flags, uint32_t deadline_ms);
+/* Prefill side: sends blocks' layers of blocks->ids. Block i lands in the
+ * grant's block i, for every layer and K/V; the block counts and block
+ * sizes of the two layouts must match (KVF_ESIZE). Parts (KVF_SEND_MORE)
+ * go layer by layer or by groups of layers, in any order, each layer of the
+ * grant once; the first part names the blocks, a later one the same ids or
+ * none (ids NULL, n 0). A transfer is either blocks or descriptors. */
+int kvf_send_blocks(kvf_client *c, const char *xfer_id, const char *dst_node, const kvf_blocks *blocks,
+                    unsigned flags, uint32_t deadline_ms);
+
+enum kvf_event_type { KVF_EV_RECV_DONE = 1, KVF_EV_SEND_DONE = 2, KVF_EV_LAYER_DONE = 3 };
 
 typedef struct kvf_event {
   int type;                            /* enum kvf_event_type */
@@ -124,8 +202,9 @@ typedef struct kvf_event {
   char path[32];                       /* "tcp", "local", "rdma", ... */
   char peer[KVF_NAME_MAX + 1];         /* the node at the other end */
   uint64_t bytes;
-  uint64_t descriptors;
+  uint64_t descriptors;                /* blocks: blocks x layers x K/V */
   char error[128];                     /* detail when status != 0 */
+  uint32_t layer;                      /* KVF_EV_LAYER_DONE: the layer that landed */
 } kvf_event;
 
 /* A file descriptor that polls readable while events are waiting; for an
@@ -138,7 +217,7 @@ int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeout_ms);
 /* Introspection, rendered by the daemon: a human table or a JSON document.
  * *out is malloc'ed; free() it. */
 enum kvf_inspect { KVF_INSPECT_STATUS, KVF_INSPECT_POOLS, KVF_INSPECT_PEERS,
-                   KVF_INSPECT_TRANSFERS };
+                   KVF_INSPECT_TRANSFERS, KVF_INSPECT_LAYOUTS };
 int kvf_inspect(kvf_client *c, int what, int json, char **out);
 
 #ifdef __cplusplus

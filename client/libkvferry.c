@@ -59,6 +59,17 @@ struct queued_event {
   struct queued_event *next;
 };
 
+/* The ids of this client's sends from their first part until their
+ * SEND_DONE is taken (kvferry.h, "Transfer ids"): a part for one of them
+ * continues that send (SendReq.continues), so that the daemon refuses it
+ * once the send ended instead of starting a new one. A chained hash set. */
+struct open_send {
+  struct open_send *next;
+  char id[];
+};
+
+#define OPEN_SENDS_BUCKETS 1024u
+
 struct mapping {
   uint32_t pool;
   void *addr;           /* host address, or a CUDA device pointer (gpu set) */
@@ -119,6 +130,7 @@ struct kvf_client {
   struct pending *waiting;
   struct queued_event *ev_head, **ev_tail;
   struct mapping *maps;
+  struct open_send *open_sends[OPEN_SENDS_BUCKETS];
 };
 
 /* ------------------------------------------------------------ small helpers */
@@ -156,6 +168,53 @@ static int check_descs(const kvf_client *c, const kvf_desc *descs, size_t n) {
   return 0;
 }
 
+/* ------------------------------------------------------------ open sends */
+
+/* All under mu. */
+static struct open_send **open_send_slot(kvf_client *c, const char *id) {
+  uint32_t h = 2166136261u; /* FNV-1a */
+  for (const char *p = id; *p; p++) h = (h ^ (uint8_t)*p) * 16777619u;
+  struct open_send **pp = &c->open_sends[h % OPEN_SENDS_BUCKETS];
+  while (*pp && strcmp((*pp)->id, id) != 0) pp = &(*pp)->next;
+  return pp;
+}
+
+static bool send_is_open(kvf_client *c, const char *id) { return *open_send_slot(c, id) != NULL; }
+
+static struct open_send *open_send_new(const char *id) {
+  size_t n = strlen(id) + 1;
+  struct open_send *o = malloc(sizeof(*o) + n);
+  if (o) {
+    memcpy(o->id, id, n);
+    o->next = NULL;
+  }
+  return o;
+}
+
+/* Takes o (NULL when id is open already). */
+static void open_send(kvf_client *c, struct open_send *o) {
+  if (!o) return;
+  struct open_send **pp = open_send_slot(c, o->id);
+  if (*pp) free(o);
+  else *pp = o;
+}
+
+static void close_send(kvf_client *c, const char *id) {
+  struct open_send **pp = open_send_slot(c, id), *o = *pp;
+  if (!o) return;
+  *pp = o->next;
+  free(o);
+}
+
+static void free_open_sends(kvf_client *c) {
+  for (size_t b = 0; b < OPEN_SENDS_BUCKETS; b++)
+    while (c->open_sends[b]) {
+      struct open_send *o = c->open_sends[b];
+      c->open_sends[b] = o->next;
+      free(o);
+    }
+}
+
 /* ------------------------------------------------------------ events */
 
 /* Keeps event_fd readable exactly while kvf_wait_events would return at
@@ -182,6 +241,7 @@ static void event_from_wire(kvf_event *ev, const Kvf__Event *w) {
   ev->bytes = w->bytes;
   ev->descriptors = w->descriptors;
   copy_string(ev->error, sizeof(ev->error), w->error);
+  ev->layer = w->layer;
 }
 
 static int queue_event(kvf_client *c, const Kvf__Event *w) {
@@ -204,6 +264,8 @@ static int take_events(kvf_client *c, kvf_event *out, size_t cap) {
   while (c->ev_head && (size_t)n < cap && n < INT_MAX) {
     struct queued_event *q = c->ev_head;
     out[n++] = q->ev;
+    /* Taken: the id may name a new send from now on. */
+    if (q->ev.type == KVF_EV_SEND_DONE) close_send(c, q->ev.xfer_id);
     c->ev_head = q->next;
     free(q);
   }
@@ -599,6 +661,7 @@ static void client_free(kvf_client *c) {
     unmap(m->addr, m->size, m->gpu);
     free(m);
   }
+  free_open_sends(c);
   close(c->event_fd);
   pthread_cond_destroy(&c->evented);
   pthread_cond_destroy(&c->responded);
@@ -903,6 +966,32 @@ static int send_chained(kvf_client *c, Kvf__ApiRequest *req, const kvf_desc *des
   return registered ? finish_call(c, &p, rc, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL) : rc;
 }
 
+/* Whether a send of xfer_id is open here (then this call continues it);
+ * else *fresh is the entry that opens it when the call succeeds, made
+ * before the call so that nothing can fail after the daemon took it. */
+static int begin_send(kvf_client *c, const char *xfer_id, protobuf_c_boolean *continues,
+                      struct open_send **fresh) {
+  pthread_mutex_lock(&c->mu);
+  bool open = send_is_open(c, xfer_id);
+  pthread_mutex_unlock(&c->mu);
+  *continues = open;
+  *fresh = open ? NULL : open_send_new(xfer_id);
+  return open || *fresh ? 0 : -ENOMEM;
+}
+
+/* A send call's result: one that succeeded opens its id (a failed first
+ * part began nothing; a failed later part still ends with its event). */
+static int end_send(kvf_client *c, struct open_send *fresh, int rc) {
+  if (rc) {
+    free(fresh);
+    return rc;
+  }
+  pthread_mutex_lock(&c->mu);
+  open_send(c, fresh);
+  pthread_mutex_unlock(&c->mu);
+  return 0;
+}
+
 KVF_API int kvf_send(kvf_client *c, const char *xfer_id, const char *dst_node,
                      const kvf_desc *descs, size_t n, unsigned flags, uint32_t deadline_ms) {
   int rc = check_transfer(c, xfer_id, descs, n);
@@ -914,13 +1003,15 @@ KVF_API int kvf_send(kvf_client *c, const char *xfer_id, const char *dst_node,
   body.dst_node = (char *)dst_node;
   body.more = (flags & KVF_SEND_MORE) != 0;
   body.deadline_ms = deadline_ms;
+  struct open_send *fresh;
+  if ((rc = begin_send(c, xfer_id, &body.continues, &fresh)) != 0) return rc;
   Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
   req.body_case = KVF__API_REQUEST__BODY_SEND;
   req.send = &body;
-  if (c->send_chains && n > c->chain_first) return send_chained(c, &req, descs, n);
+  if (c->send_chains && n > c->chain_first) return end_send(c, fresh, send_chained(c, &req, descs, n));
   Kvf__DescList list = KVF__DESC_LIST__INIT;
   body.descs = &list;
-  return call_with_descs(c, &req, &list, descs, n);
+  return end_send(c, fresh, call_with_descs(c, &req, &list, descs, n));
 }
 
 KVF_API int kvf_cancel(kvf_client *c, const char *xfer_id) {
@@ -933,6 +1024,132 @@ KVF_API int kvf_cancel(kvf_client *c, const char *xfer_id) {
   req.body_case = KVF__API_REQUEST__BODY_CANCEL;
   req.cancel = &body;
   return call(c, &req, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL);
+}
+
+/* ------------------------------------------------------------ layouts and blocks */
+
+KVF_API int kvf_layout_register(kvf_client *c, const kvf_layout *l, uint32_t *id) {
+  if (!c || !l || !id || !l->offsets || l->n_kv == 0 || l->n_kv > 2 || l->n_layers == 0) return KVF_EINVAL;
+  size_t n = (size_t)l->n_layers * l->n_kv;
+  uint8_t *packed = malloc(n * 8);
+  if (!packed) return -ENOMEM;
+  for (size_t i = 0; i < n; i++) put_le64(packed + 8 * i, l->offsets[i]);
+  Kvf__Layout w = KVF__LAYOUT__INIT;
+  w.pool = l->pool;
+  w.n_layers = l->n_layers;
+  w.n_kv = l->n_kv;
+  w.n_blocks = l->n_blocks;
+  w.block_bytes = l->block_bytes;
+  w.block_stride = l->block_stride;
+  w.offsets = (ProtobufCBinaryData){n * 8, packed};
+  w.tokens_per_block = l->tokens_per_block;
+  w.kv_heads = l->kv_heads;
+  w.head_dim = l->head_dim;
+  w.dtype_bytes = l->dtype_bytes;
+  w.order = l->order;
+  Kvf__LayoutReq body = KVF__LAYOUT_REQ__INIT;
+  body.layout = &w;
+  Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
+  req.body_case = KVF__API_REQUEST__BODY_LAYOUT;
+  req.layout = &body;
+  Kvf__ApiMessage *msg;
+  int rc = call(c, &req, KVF__API_RESPONSE__BODY_LAYOUT, &msg, NULL);
+  free(packed);
+  if (rc) return rc;
+  *id = msg->response->layout->id;
+  kvf__api_message__free_unpacked(msg, NULL);
+  return 0;
+}
+
+KVF_API int kvf_layout_free(kvf_client *c, uint32_t id) {
+  if (!c) return KVF_EINVAL;
+  Kvf__LayoutFreeReq body = KVF__LAYOUT_FREE_REQ__INIT;
+  body.id = id;
+  Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
+  req.body_case = KVF__API_REQUEST__BODY_LAYOUT_FREE;
+  req.layout_free = &body;
+  return call(c, &req, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL);
+}
+
+/* blocks' ids packed into dbuf under write_mu, then one call. */
+static int call_with_blocks(kvf_client *c, Kvf__ApiRequest *req, Kvf__BlockList *list, const kvf_blocks *b) {
+  struct pending p;
+  pthread_mutex_lock(&c->write_mu);
+  int rc = reserve(&c->dbuf, &c->dcap, b->n * 4);
+  bool registered = false;
+  if (rc == 0) {
+    for (size_t i = 0; i < b->n; i++) put_le32(c->dbuf + 4 * i, b->ids[i]);
+    list->ids = (ProtobufCBinaryData){b->n * 4, c->dbuf};
+    rc = register_pending(c, &p);
+    registered = rc == 0;
+  }
+  if (registered) {
+    req->seq = p.seq;
+    rc = send_request_locked(c, req);
+  }
+  trim_dbuf(c);
+  pthread_mutex_unlock(&c->write_mu);
+  return registered ? finish_call(c, &p, rc, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL) : rc;
+}
+
+/* ids may be absent only where allowed (a later part of a send). */
+static int check_blocks(const kvf_client *c, const kvf_blocks *b, bool ids_optional) {
+  if (!b || (b->n && !b->ids) || (!b->n && !ids_optional)) return KVF_EINVAL;
+  if (c->max_descs && b->n > c->max_descs) return KVF_ELIMIT;
+  return 0;
+}
+
+static void blocks_to_wire(const kvf_blocks *b, Kvf__BlockList *w) {
+  w->layout = b->layout;
+  w->first_layer = b->first_layer;
+  w->n_layers = b->n_layers;
+}
+
+KVF_API int kvf_grant_blocks(kvf_client *c, const char *xfer_id, const char *src_node, const kvf_blocks *blocks,
+                             unsigned flags, uint32_t deadline_ms) {
+  if (!c) return KVF_EINVAL;
+  int rc = check_xfer_id(xfer_id);
+  if (!rc) rc = check_node_name(src_node, false);
+  if (!rc) rc = check_blocks(c, blocks, false);
+  if (!rc && (flags & ~KVF_GRANT_LAYER_EVENTS)) rc = KVF_EINVAL;
+  if (rc) return rc;
+  Kvf__BlockList list = KVF__BLOCK_LIST__INIT;
+  blocks_to_wire(blocks, &list);
+  Kvf__GrantReq body = KVF__GRANT_REQ__INIT;
+  body.xfer_id = (char *)xfer_id;
+  body.src_node = (char *)(src_node ? src_node : "");
+  body.blocks = &list;
+  body.deadline_ms = deadline_ms;
+  body.layer_events = (flags & KVF_GRANT_LAYER_EVENTS) != 0;
+  Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
+  req.body_case = KVF__API_REQUEST__BODY_GRANT;
+  req.grant = &body;
+  return call_with_blocks(c, &req, &list, blocks);
+}
+
+KVF_API int kvf_send_blocks(kvf_client *c, const char *xfer_id, const char *dst_node, const kvf_blocks *blocks,
+                            unsigned flags, uint32_t deadline_ms) {
+  if (!c) return KVF_EINVAL;
+  int rc = check_xfer_id(xfer_id);
+  if (!rc) rc = check_node_name(dst_node, true);
+  if (!rc) rc = check_blocks(c, blocks, true);
+  if (!rc && (flags & ~KVF_SEND_MORE)) rc = KVF_EINVAL;
+  if (rc) return rc;
+  Kvf__BlockList list = KVF__BLOCK_LIST__INIT;
+  blocks_to_wire(blocks, &list);
+  Kvf__SendReq body = KVF__SEND_REQ__INIT;
+  body.xfer_id = (char *)xfer_id;
+  body.dst_node = (char *)dst_node;
+  body.blocks = &list;
+  body.more = (flags & KVF_SEND_MORE) != 0;
+  body.deadline_ms = deadline_ms;
+  struct open_send *fresh;
+  if ((rc = begin_send(c, xfer_id, &body.continues, &fresh)) != 0) return rc;
+  if (!body.continues && blocks->n == 0) rc = KVF_EINVAL; /* a first part names its blocks */
+  Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
+  req.body_case = KVF__API_REQUEST__BODY_SEND;
+  req.send = &body;
+  return end_send(c, fresh, rc ? rc : call_with_blocks(c, &req, &list, blocks));
 }
 
 /* ------------------------------------------------------------ events API */
@@ -975,7 +1192,7 @@ KVF_API int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeo
 /* ------------------------------------------------------------ inspect */
 
 KVF_API int kvf_inspect(kvf_client *c, int what, int json, char **out) {
-  if (!c || !out || what < KVF_INSPECT_STATUS || what > KVF_INSPECT_TRANSFERS) return KVF_EINVAL;
+  if (!c || !out || what < KVF_INSPECT_STATUS || what > KVF_INSPECT_LAYOUTS) return KVF_EINVAL;
   *out = NULL;
   Kvf__InspectReq body = KVF__INSPECT_REQ__INIT;
   body.what = (Kvf__InspectWhat)what; /* enum kvf_inspect mirrors InspectWhat */

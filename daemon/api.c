@@ -20,6 +20,7 @@
 #include "desc.h"
 #include "frame.h"
 #include "inspect.h"
+#include "layouts.h"
 #include "metrics.h"
 #include "pool.h"
 #include "xfer.h"
@@ -72,6 +73,8 @@ static struct {
 } A;
 
 size_t kvf__api_sessions(void) { return A.n; }
+uint32_t kvf__api_session_id(const kvf__session *s) { return s->id; }
+pid_t kvf__api_session_pid(const kvf__session *s) { return s->pid; }
 
 void kvf__api_session_xfers(kvf__session *s, int delta) { s->n_xfers += (uint32_t)delta; }
 
@@ -338,10 +341,20 @@ static void on_grant(kvf__session *s, uint64_t seq, const Kvf__GrantReq *g) {
   reply_status(s, seq, rc, err);
 }
 
+/* A part that continues a send that has ended is refused, never the start
+ * of a new transfer under the same id (kvferry.h, "Transfer ids"). */
+static int check_continues(kvf__session *s, const Kvf__SendReq *q, char *err, size_t errlen) {
+  if (!q->continues || kvf__xfer_sending(s, q->xfer_id)) return 0;
+  snprintf(err, errlen, "the send this part continues has ended (its SEND_DONE says how); "
+                        "the id names a new transfer once that event is taken");
+  return KVF_ENOENT;
+}
+
 /* One SendReq frame: 0 when the transfer took its descriptors. */
 static int send_part(kvf__session *s, const Kvf__SendReq *q, char *err, size_t errlen) {
   kvf__descs d;
-  int rc = 0;
+  int rc = check_continues(s, q, err, errlen);
+  if (rc) return rc;
   if (!kvf__xfer_sending(s, q->xfer_id)) {
     rc = check_draining(err, errlen);
     if (rc == 0) rc = check_quota(s, err, errlen);
@@ -389,6 +402,31 @@ static void on_send(kvf__session *s, uint64_t seq, const Kvf__SendReq *q) {
   reply_status(s, seq, rc, err);
 }
 
+static void on_layout(kvf__session *s, uint64_t seq, const Kvf__LayoutReq *q) {
+  char err[256] = "";
+  kvf__layout l;
+  uint32_t id = 0;
+  int rc = kvf__layout_from_wire(q->layout, &l, err, sizeof(err));
+  if (rc == 0) rc = kvf__layouts_add(s, &l, &id, err, sizeof(err));
+  kvf__layout_clear(&l); /* what the registry did not take */
+  if (rc) {
+    reply_status(s, seq, rc, err);
+    return;
+  }
+  Kvf__LayoutResp lr = KVF__LAYOUT_RESP__INIT;
+  lr.id = id;
+  Kvf__ApiResponse r = KVF__API_RESPONSE__INIT;
+  r.seq = seq;
+  r.body_case = KVF__API_RESPONSE__BODY_LAYOUT;
+  r.layout = &lr;
+  reply_fd(s, &r, -1);
+}
+
+static void on_layout_free(kvf__session *s, uint64_t seq, const Kvf__LayoutFreeReq *q) {
+  int rc = kvf__layouts_free(s, q->id);
+  reply_status(s, seq, rc, rc ? "this client has no such layout" : "");
+}
+
 static void on_inspect(kvf__session *s, uint64_t seq, const Kvf__InspectReq *q) {
   char *text = kvf__inspect_render(q->what, q->json);
   if (!text) {
@@ -429,6 +467,8 @@ static void on_request(kvf__session *s, const Kvf__ApiRequest *q) {
     reply_status(s, q->seq, kvf__xfer_cancel(s, q->cancel->xfer_id), "");
     break;
   case KVF__API_REQUEST__BODY_INSPECT: on_inspect(s, q->seq, q->inspect); break;
+  case KVF__API_REQUEST__BODY_LAYOUT: on_layout(s, q->seq, q->layout); break;
+  case KVF__API_REQUEST__BODY_LAYOUT_FREE: on_layout_free(s, q->seq, q->layout_free); break;
   default: reply_status(s, q->seq, KVF_EPROTO, "unknown request"); break;
   }
 }
@@ -446,6 +486,7 @@ static void session_close(kvf__session *s, const char *why) {
   s->closing = true;
   if (why) kvf__info("client %u (%s, pid %d): %s", s->id, s->name, (int)s->pid, why);
   kvf__xfer_session_gone(s);
+  kvf__layouts_session_gone(s);
   if (s->prev) s->prev->next = s->next;
   else A.head = s->next;
   if (s->next) s->next->prev = s->prev;

@@ -12,6 +12,9 @@ void kvf__api_stop_accepting(void);
 void kvf__api_emit(kvf__session *s, const Kvf__Event *ev);
 void kvf__api_session_xfers(kvf__session *s, int delta);
 size_t kvf__api_sessions(void);
+/* Who a session is, for listings: its client id and process. */
+uint32_t kvf__api_session_id(const kvf__session *s);
+pid_t kvf__api_session_pid(const kvf__session *s);
 
 /* A session with no socket (tests, tests/fuzz): bytes given to
  * kvf__api_feed take the path a client's reads take (frame buffer, max-frame,

@@ -10,6 +10,7 @@
 #include "auth.h"
 #include "cuda/gpu.h"
 #include "kvferryd.h"
+#include "layouts.h"
 #include "metrics.h"
 #include "peer.h"
 #include "pool.h"
@@ -213,12 +214,45 @@ static void render_transfers(kvf__sbuf *b, int json) {
   if (json) kvf__sb_printf(b, "]}\n");
 }
 
+static const char *order_name(uint32_t order) { return order == KVF_LAYOUT_HND ? "HND" : "NHD"; }
+
+static void render_layouts(kvf__sbuf *b, int json) {
+  if (json) kvf__sb_printf(b, "{\"layouts\": [");
+  else kvf__sb_printf(b, "%-6s %-7s %-8s %-16s %6s %3s %8s %10s %10s %s\n", "ID", "CLIENT", "PID", "POOL", "LAYERS",
+                      "KV", "BLOCKS", "BLOCK", "STRIDE", "GEOMETRY (tokens x heads x dim x bytes, order)");
+  int first = 1;
+  for (const kvf__layout *l = kvf__layouts_first(); l; l = kvf__layouts_next(l)) {
+    const kvf__lgeom *g = &l->geom;
+    const char *pool = l->pool < kvfd.n_pools ? kvfd.pools[l->pool]->name : "?";
+    if (!json) {
+      kvf__sb_printf(b, "%-6u %-7u %-8d %-16s %6u %3u %8u %10llu %10llu %u x %u x %u x %u, %s\n", l->id,
+                     kvf__api_session_id(l->owner), (int)kvf__api_session_pid(l->owner), pool, l->n_layers,
+                     l->n_kv, l->n_blocks, (unsigned long long)l->block_bytes,
+                     (unsigned long long)l->block_stride, g->tokens_per_block, g->kv_heads, g->head_dim,
+                     g->dtype_bytes, order_name(g->order));
+      continue;
+    }
+    kvf__sb_printf(b, "%s{\"id\": %u, \"client\": %u, \"pid\": %d, \"pool\": ", first ? "" : ", ", l->id,
+                   kvf__api_session_id(l->owner), (int)kvf__api_session_pid(l->owner));
+    first = 0;
+    kvf__sb_json_str(b, pool);
+    kvf__sb_printf(b, ", \"pool_id\": %u, \"layers\": %u, \"n_kv\": %u, \"blocks\": %u, \"block_bytes\": %llu, "
+                      "\"block_stride\": %llu, \"tokens_per_block\": %u, \"kv_heads\": %u, \"head_dim\": %u, "
+                      "\"dtype_bytes\": %u, \"order\": \"%s\", \"transfers\": %u}",
+                   l->pool, l->n_layers, l->n_kv, l->n_blocks, (unsigned long long)l->block_bytes,
+                   (unsigned long long)l->block_stride, g->tokens_per_block, g->kv_heads, g->head_dim,
+                   g->dtype_bytes, order_name(g->order), l->refs - 1);
+  }
+  if (json) kvf__sb_printf(b, "]}\n");
+}
+
 char *kvf__inspect_render(int what, int json) {
   kvf__sbuf b = {0};
   switch (what) {
   case KVF__INSPECT_WHAT__INSPECT_POOLS: render_pools(&b, json); break;
   case KVF__INSPECT_WHAT__INSPECT_PEERS: render_peers(&b, json); break;
   case KVF__INSPECT_WHAT__INSPECT_TRANSFERS: render_transfers(&b, json); break;
+  case KVF__INSPECT_WHAT__INSPECT_LAYOUTS: render_layouts(&b, json); break;
   default: render_status(&b, json); break;
   }
   if (b.oom || !b.s) {

@@ -263,3 +263,106 @@ int kvf__blocks_descs(const kvf__lview *v, const uint32_t *ids, size_t n, kvf__d
   out->total = total * v->block_bytes;
   return 0;
 }
+
+/* ------------------------------------------------------------ the wire */
+
+static uint64_t get_le64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
+  return v;
+}
+
+static void put_le64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static int offsets_from_wire(ProtobufCBinaryData w, size_t n, uint64_t **out) {
+  if (w.len != n * 8) return KVF_EPROTO;
+  uint64_t *v = malloc((n ? n : 1) * sizeof(*v));
+  if (!v) return -ENOMEM;
+  for (size_t i = 0; i < n; i++) v[i] = get_le64(w.data + 8 * i);
+  *out = v;
+  return 0;
+}
+
+int kvf__layout_from_wire(const Kvf__Layout *w, kvf__layout *l, char *err, size_t errlen) {
+  memset(l, 0, sizeof(*l));
+  if (!w) {
+    snprintf(err, errlen, "layout: missing");
+    return KVF_EINVAL;
+  }
+  if (w->n_layers == 0 || w->n_layers > KVF__LAYOUT_MAX_LAYERS || w->n_kv == 0 || w->n_kv > KVF__LAYOUT_MAX_KV) {
+    snprintf(err, errlen, "layout: n_layers must be 1 to %u and n_kv 1 or 2", KVF__LAYOUT_MAX_LAYERS);
+    return KVF_EINVAL;
+  }
+  *l = (kvf__layout){.pool = w->pool, .n_layers = w->n_layers, .n_kv = w->n_kv, .n_blocks = w->n_blocks,
+                     .block_bytes = w->block_bytes, .block_stride = w->block_stride,
+                     .geom = {w->tokens_per_block, w->kv_heads, w->head_dim, w->dtype_bytes, w->order}};
+  int rc = offsets_from_wire(w->offsets, (size_t)w->n_layers * w->n_kv, &l->offsets);
+  if (rc == KVF_EPROTO)
+    snprintf(err, errlen, "layout: %zu bytes of offsets for %u layers x %u regions (8 bytes each)",
+             w->offsets.len, w->n_layers, w->n_kv);
+  return rc;
+}
+
+void kvf__layout_clear(kvf__layout *l) {
+  free(l->offsets);
+  l->offsets = NULL;
+}
+
+void kvf__lview_to_wire(const kvf__lview *v, Kvf__Layout *w, uint8_t *buf) {
+  kvf__layout__init(w);
+  w->pool = v->pool;
+  w->n_layers = v->n_layers;
+  w->n_kv = v->n_kv;
+  w->n_blocks = v->n_blocks;
+  w->block_bytes = v->block_bytes;
+  w->block_stride = v->block_stride;
+  w->first_layer = v->first_layer;
+  w->tokens_per_block = v->geom.tokens_per_block;
+  w->kv_heads = v->geom.kv_heads;
+  w->head_dim = v->geom.head_dim;
+  w->dtype_bytes = v->geom.dtype_bytes;
+  w->order = v->geom.order;
+  size_t n = (size_t)v->n_layers * v->n_kv;
+  for (size_t i = 0; i < n; i++) put_le64(buf + 8 * i, v->offsets[i]);
+  w->offsets = (ProtobufCBinaryData){n * 8, buf};
+}
+
+int kvf__lview_from_wire(const Kvf__Layout *w, kvf__lview *v, uint64_t **offsets) {
+  *offsets = NULL;
+  if (!w || w->n_layers == 0 || w->n_layers > KVF__LAYOUT_MAX_LAYERS || w->n_kv == 0 ||
+      w->n_kv > KVF__LAYOUT_MAX_KV || w->block_bytes == 0 || w->n_blocks == 0 ||
+      w->first_layer > KVF__LAYOUT_MAX_LAYERS - w->n_layers)
+    return KVF_EPROTO;
+  int rc = offsets_from_wire(w->offsets, (size_t)w->n_layers * w->n_kv, offsets);
+  if (rc) return rc;
+  *v = (kvf__lview){.pool = w->pool, .n_kv = w->n_kv, .n_blocks = w->n_blocks, .first_layer = w->first_layer,
+                    .n_layers = w->n_layers, .block_bytes = w->block_bytes, .block_stride = w->block_stride,
+                    .offsets = *offsets,
+                    .geom = {w->tokens_per_block, w->kv_heads, w->head_dim, w->dtype_bytes, w->order}};
+  return 0;
+}
+
+int kvf__ids_from_wire(ProtobufCBinaryData w, size_t max, uint32_t **ids, size_t *n) {
+  *ids = NULL;
+  *n = 0;
+  if (w.len % 4) return KVF_EPROTO;
+  size_t k = w.len / 4;
+  if (k > max) return KVF_ELIMIT;
+  if (k == 0) return 0;
+  uint32_t *v = malloc(k * sizeof(*v));
+  if (!v) return -ENOMEM;
+  for (size_t i = 0; i < k; i++) {
+    const uint8_t *p = w.data + 4 * i;
+    v[i] = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+  }
+  *ids = v;
+  *n = k;
+  return 0;
+}
+
+void kvf__ids_to_wire(const uint32_t *ids, size_t n, uint8_t *buf) {
+  for (size_t i = 0; i < n; i++)
+    for (int b = 0; b < 4; b++) buf[4 * i + b] = (uint8_t)(ids[i] >> (8 * b));
+}

@@ -29,6 +29,7 @@
 
 #include "desc.h"
 #include "kvferry.h"
+#include "kvferry.pb-c.h"
 
 #define KVF__LAYOUT_MAX_LAYERS 1024u
 #define KVF__LAYOUT_MAX_KV 2u
@@ -114,5 +115,25 @@ int kvf__blocks_pair(const kvf__lview *src, const uint32_t *sids, const kvf__lvi
  * canonical order: what a receiver checks writes against and binds memory
  * windows over. */
 int kvf__blocks_descs(const kvf__lview *v, const uint32_t *ids, size_t n, kvf__descs *out);
+
+/* ------------------------------------------------------------ the wire */
+
+/* A client's LayoutReq into l (l->offsets malloc'ed; kvf__layout_clear
+ * frees it): KVF_EINVAL/KVF_EPROTO with err for what does not decode. The
+ * result still needs kvf__layout_validate. */
+int kvf__layout_from_wire(const Kvf__Layout *w, kvf__layout *l, char *err, size_t errlen);
+void kvf__layout_clear(kvf__layout *l);
+/* v as a Grant's Layout; w->offsets points into buf, n_layers * n_kv * 8
+ * bytes that the caller provides (KVF__LVIEW_WIRE_BYTES). */
+#define KVF__LVIEW_WIRE_BYTES(v) ((size_t)(v)->n_layers * (v)->n_kv * 8u)
+void kvf__lview_to_wire(const kvf__lview *v, Kvf__Layout *w, uint8_t *buf);
+/* A peer's Layout into v, its offsets malloc'ed into *offsets (free them);
+ * KVF_EPROTO when it does not decode or is not a sane view. */
+int kvf__lview_from_wire(const Kvf__Layout *w, kvf__lview *v, uint64_t **offsets);
+/* Block ids: packed u32 little-endian. from_wire: KVF_EPROTO for a length
+ * that is not a multiple of 4, KVF_ELIMIT past max; *ids malloc'ed (NULL
+ * when empty). to_wire writes n * 4 bytes into buf. */
+int kvf__ids_from_wire(ProtobufCBinaryData w, size_t max, uint32_t **ids, size_t *n);
+void kvf__ids_to_wire(const uint32_t *ids, size_t n, uint8_t *buf);
 
 #endif

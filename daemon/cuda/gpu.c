@@ -484,6 +484,40 @@ void kvf__gpu_host_free(void *p) {
   G.cu.MemFreeHost(p);
 }
 
+/* ------------------------------------------------------------ layouts */
+
+typedef struct gtable {
+  int dev;
+  CUdeviceptr d;
+} gtable;
+
+int kvf__gpu_layout_upload(int dev, const uint64_t *offsets, size_t n, void **out) {
+  *out = NULL;
+  int rc = G.ready ? use_dev(dev) : -ENODEV;
+  if (rc) return rc;
+  gtable *t = calloc(1, sizeof(*t));
+  if (!t) return -ENOMEM;
+  t->dev = dev;
+  CUresult r = G.cu.MemAlloc(&t->d, n * sizeof(*offsets));
+  if (r == KVF_CU_SUCCESS) r = G.cu.MemcpyHtoD(t->d, offsets, n * sizeof(*offsets));
+  if (r != KVF_CU_SUCCESS) {
+    if (t->d) G.cu.MemFree(t->d);
+    free(t);
+    return cu_fail("uploading a layout's offsets", r);
+  }
+  *out = t;
+  return 0;
+}
+
+void kvf__gpu_layout_free(void *g) {
+  gtable *t = g;
+  if (!t) return;
+  if (use_dev(t->dev) == 0) G.cu.MemFree(t->d);
+  free(t);
+}
+
+uint64_t kvf__gpu_layout_table(const void *g) { return g ? (uint64_t)((const gtable *)g)->d : 0; }
+
 /* ------------------------------------------------------------ batches */
 
 typedef struct per_dev {

@@ -79,6 +79,13 @@ void kvf__gpu_host_unregister(void *p);
 void *kvf__gpu_host_alloc(size_t len, uint64_t *dev_alias);
 void kvf__gpu_host_free(void *p);
 
+/* A KV layout's region offsets copied to GPU dev once, at registration, so
+ * that block copies compute addresses there (*out: opaque; NULL frees). */
+int kvf__gpu_layout_upload(int dev, const uint64_t *offsets, size_t n, void **out);
+void kvf__gpu_layout_free(void *g);
+/* The device address of an uploaded table. */
+uint64_t kvf__gpu_layout_table(const void *g);
+
 /* ---------------------------------------------------------------- copies */
 
 /* One end of a copy: dev >= 0 for device memory, -1 for host memory.

@@ -46,7 +46,8 @@ class Event(ctypes.Structure):
                 ("peer", ctypes.c_char * (KVF_NAME_MAX + 1)),
                 ("bytes", ctypes.c_uint64),
                 ("descriptors", ctypes.c_uint64),
-                ("error", ctypes.c_char * 128)]
+                ("error", ctypes.c_char * 128),
+                ("layer", ctypes.c_uint32)]
 
 
 _P = ctypes.c_void_p
