@@ -14,6 +14,17 @@
 static bool def_usable(kvf__transport *t, kvf__peer *p) { return true; }
 static int def_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) { return -EOPNOTSUPP; }
 static void def_xfer(kvf__transport *t, kvf__xfer *x) {}
+static bool def_mark_layers(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n) { return false; }
+
+/* Blocks as runs, for transports that move runs (tcp, rdma): the layouts
+ * are walked straight into coalesced runs, no descriptor lists. */
+static int def_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
+  kvf__runs runs = {0};
+  int rc = kvf__blocks_pair(b->src, b->sids, b->dst, b->dids, b->n, b->first, b->n_layers, &runs);
+  if (rc == 0) rc = t->ops->post(t, x, &runs, last);
+  kvf__runs_free(&runs);
+  return rc;
+}
 static int def_grant_open(kvf__transport *t, kvf__xfer *x) { return 0; }
 static int def_peer_up(kvf__transport *t, kvf__peer *p) { return 0; }
 static void def_peer_down(kvf__transport *t, kvf__peer *p) {}
@@ -28,6 +39,8 @@ static const kvf__transport_ops defaults = {
     .name = "none",
     .usable = def_usable,
     .post = def_post,
+    .post_blocks = def_post_blocks,
+    .mark_layers = def_mark_layers,
     .abort = def_xfer,
     .xfer_done = def_xfer,
     .grant_open = def_grant_open,
@@ -47,6 +60,8 @@ void kvf__transport_init(kvf__transport *t, const kvf__transport_ops *ops, uv_lo
   t->merged.one_sided = ops->one_sided;
   TAKE(usable);
   TAKE(post);
+  TAKE(post_blocks);
+  TAKE(mark_layers);
   TAKE(abort);
   TAKE(xfer_done);
   TAKE(grant_open);

@@ -19,8 +19,22 @@
 
 #include "desc.h"
 #include "kvferryd.h"
+#include "layout.h"
 #include "mailbox.h"
 #include "peer.h"
+
+/* A part of a transfer of blocks (KV layouts): src block sids[i] lands in
+ * dst block dids[i], for every region of layers [first, first + n_layers).
+ * The layouts (NULL for a peer's) let a transport reach what it registered
+ * for them (the GPU copies of their offsets). Owned by the transfer, alive
+ * until the post is called back. */
+typedef struct kvf__bpart {
+  const kvf__lview *src, *dst;
+  const kvf__layout *src_layout, *dst_layout;
+  const uint32_t *sids, *dids;
+  size_t n;
+  uint32_t first, n_layers;
+} kvf__bpart;
 
 typedef struct kvf__transport_ops {
   const char *name;            /* reported as the transfer's path */
@@ -39,6 +53,18 @@ typedef struct kvf__transport_ops {
    * kvf__xfer_on_posted(x, status, last) on the loop. Returns 0 or an error,
    * in which case no callback follows. */
   int (*post)(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last);
+  /* Sender: the same for a part of blocks, with the same callback. Default:
+   * the layouts walked into runs (kvf__blocks_pair), then post. The local
+   * transport computes addresses on the GPU instead. */
+  int (*post_blocks)(kvf__transport *t, kvf__xfer *x, const kvf__bpart *part, bool last);
+  /* Sender, a grant that wants layer events: the part of layers [first,
+   * first + n) is posted; tell the receiver when all of it has landed
+   * (tcp: a marker behind it on every stream; the receiving transport then
+   * calls kvf__xfer_on_layers_landed). Returns false when the transport
+   * cannot: the transfer then says so itself (LayersDone) once the part's
+   * post is called back, which for a transport whose callback means "the
+   * writes completed" (rdma) is when they landed. Default: false. */
+  bool (*mark_layers)(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n);
   /* Sender: stop the transfer's queued work. The outstanding
    * kvf__xfer_on_posted callbacks still come, once nothing touches the
    * source memory any more. */
