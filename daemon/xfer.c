@@ -638,11 +638,12 @@ static int check_existing_send(kvf__xfer *x, kvf__session *s, const char *dst_no
   return 0;
 }
 
-/* Keeps a part that came before the grant; the last one closes the queue. */
+/* Keeps a part that came before the grant; the last one closes the queue.
+ * An error takes nothing. */
 static int queue_part(kvf__xfer *x, const kvf__descs *part, bool last) {
-  x->send.descs_taken += part->n;
   int rc = kvf__descs_append(&x->send.early, part);
   if (rc) return rc;
+  x->send.descs_taken += part->n;
   if (last) set_state(x, KVF__SEND_QUEUED);
   return 0;
 }
@@ -684,7 +685,10 @@ int kvf__xfer_send(kvf__session *s, const char *id, const char *dst_node,
   x->peer = p;
   snprintf(x->peer_name, sizeof(x->peer_name), "%s", dst_node);
   int rc = queue_part(x, descs, !more);
-  if (rc) return rc;
+  if (rc) {
+    xfer_destroy(x); /* unseen: no event follows an error */
+    return rc;
+  }
   rendezvous_send(x);
   return 0;
 }
