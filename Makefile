@@ -127,6 +127,10 @@ $(BUILD)/tests/%: tests/unit/%.c $(DAEMON_OBJ) $(BUILD)/libkvferry.a $(PROTO_H)
 	$(CC) $(CFLAGS_BASE) $(INC) -Itests/unit -o $@ $< $(DAEMON_OBJ) $(BUILD)/libkvferry.a \
 	  $(LDLIBS_D) -lcmocka
 
+# test_xfer makes kvf__descs_append fail on demand (out of memory): the
+# linker sends xfer.c's calls to the test's __wrap_kvf__descs_append.
+$(BUILD)/tests/test_xfer: private LDLIBS_D += -Wl,--wrap=kvf__descs_append
+
 # Black-box tests: real daemons, driven through libkvferry only.
 $(BUILD)/tests/%: tests/integration/%.c $(TESTLIB_SRC) $(BUILD)/libkvferry.a
 	@mkdir -p $(dir $@)

@@ -193,12 +193,12 @@ static void render_transfers(kvf__sbuf *b, int json) {
   int first = 1;
   for (kvf__xfer *x = kvf__xfer_first(); x; x = x->next) {
     const char *role = x->role == KVF__RECV ? "recv" : "send";
-    uint64_t descs = x->role == KVF__RECV ? x->dst.n : x->src_descs;
+    uint64_t descs = kvf__xfer_descriptors(x);
     unsigned long long age = (unsigned long long)((now - x->created_ns) / 1000000ull);
     if (!json) {
       kvf__sb_printf(b, "%-32s %-5s %-16s %-11s %-6s %14llu %8llu %8llu\n", x->id, role,
                      x->peer_name[0] ? x->peer_name : "-", kvf__xstate_name(x->state), kvf__xfer_path(x),
-                     (unsigned long long)x->bytes, (unsigned long long)descs, age);
+                     (unsigned long long)kvf__xfer_bytes(x), (unsigned long long)descs, age);
       continue;
     }
     kvf__sb_printf(b, "%s{\"id\": ", first ? "" : ", ");
@@ -208,7 +208,7 @@ static void render_transfers(kvf__sbuf *b, int json) {
     kvf__sb_json_str(b, x->peer_name);
     kvf__sb_printf(b, ", \"state\": \"%s\", \"path\": \"%s\", \"bytes\": %llu, \"descriptors\": %llu, "
                       "\"age_ms\": %llu, \"deadline_ms\": %u}",
-                   kvf__xstate_name(x->state), kvf__xfer_path(x), (unsigned long long)x->bytes,
+                   kvf__xstate_name(x->state), kvf__xfer_path(x), (unsigned long long)kvf__xfer_bytes(x),
                    (unsigned long long)descs, age, x->deadline_ms);
   }
   if (json) kvf__sb_printf(b, "]}\n");

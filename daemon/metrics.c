@@ -113,12 +113,11 @@ static void observe(hseries *h, double seconds) {
 
 void kvf__metrics_transfer(const kvf__xfer *x, int status) {
   const char *path = kvf__xfer_path(x);
-  uint64_t descs = x->role == KVF__RECV ? x->dst.n : x->src_descs;
   xseries *s = xseries_get(x->role, path, status);
   if (s) {
     s->transfers++;
-    s->bytes += x->bytes;
-    s->descriptors += descs;
+    s->bytes += kvf__xfer_bytes(x);
+    s->descriptors += kvf__xfer_descriptors(x);
   }
   if (status != 0) return; /* a deadline or a cancel says nothing about speed */
   hseries *h = hseries_get(x->role, path);

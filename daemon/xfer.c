@@ -6,14 +6,19 @@
  * completes when the transport saw every byte and the sender said SendDone.
  *
  * Sender side: the first part of a send creates a kvf__xfer with role SEND.
- * Parts that come before the grant wait in x->early; once the grant is known
- * every part is paired in order against it and handed to the transport.
+ * Parts that come before the grant wait in x->send.early; once the grant is
+ * known every part is paired in order against it and handed to the
+ * transport.
  *
  * A failure (size mismatch, deadline, cancel, lost peer or client) moves the
- * transfer to DRAIN until the transport no longer touches its memory, then
- * the owner gets its event. The other side learns of it by a Cancel message
- * (remote) or directly (local twin). A transfer is freed only after its
- * transport callbacks are all in, so callbacks never see freed memory. */
+ * transfer to DRAIN (or a receiver to FENCE) until the transport no longer
+ * touches its memory, then the owner gets its event. The other side learns
+ * of it by a Cancel message (remote) or directly (local twin). A transfer is
+ * freed only after its transport callbacks are all in, so callbacks never
+ * see freed memory.
+ *
+ * The states of each role are drawn in xfer.h; set_state() is the only
+ * place that changes them. */
 #include "xfer.h"
 
 #include <errno.h>
@@ -67,6 +72,111 @@ static struct {
 
 static void fail(kvf__xfer *x, int status, const char *why, bool notify, int remote_status);
 
+/* ----------------------------------------------------------------- states */
+
+#define XX(s, phase, name)                                                                     \
+  _Static_assert((int)KVF__RECV_##s == (int)KVF__XS_##s && (int)KVF__SEND_##s == (int)KVF__XS_##s, \
+                 "the states both roles share have one value");
+KVF__XFER_END_STATES(XX)
+#undef XX
+_Static_assert(KVF__RECV_NSTATES <= 32 && KVF__SEND_NSTATES <= 32, "a state's successors are bits of an unsigned");
+
+typedef struct state_row {
+  const char *name; /* for logs */
+  int phase;        /* enum kvf__xstate */
+} state_row;
+
+static const state_row recv_rows[KVF__RECV_NSTATES] = {
+    [KVF__RECV_NONE] = {"none", KVF__X_NONE},
+#define XX(s, phase, name) [KVF__RECV_##s] = {name, KVF__X_##phase},
+    KVF__XFER_END_STATES(XX) KVF__RECV_STATES(XX)
+#undef XX
+};
+
+static const state_row send_rows[KVF__SEND_NSTATES] = {
+    [KVF__SEND_NONE] = {"none", KVF__X_NONE},
+#define XX(s, phase, name) [KVF__SEND_##s] = {name, KVF__X_##phase},
+    KVF__XFER_END_STATES(XX) KVF__SEND_STATES(XX)
+#undef XX
+};
+
+/* Where each state may go: the drawings in xfer.h, one bit per state. */
+#define R(s) (1u << KVF__RECV_##s)
+static const unsigned recv_next[KVF__RECV_NSTATES] = {
+    [KVF__RECV_NONE] = R(WAIT),
+    [KVF__RECV_WAIT] = R(OPENING) | R(OPEN) | R(DRAIN),
+    [KVF__RECV_OPENING] = R(OPEN) | R(DRAIN),
+    [KVF__RECV_OPEN] = R(LANDED) | R(SENDER_DONE) | R(DONE) | R(FENCE) | R(DRAIN),
+    [KVF__RECV_LANDED] = R(DONE) | R(FENCE) | R(DRAIN),
+    [KVF__RECV_SENDER_DONE] = R(DONE) | R(FENCE) | R(DRAIN),
+    [KVF__RECV_FENCE] = R(FAILED),
+    [KVF__RECV_DRAIN] = R(FAILED),
+};
+#undef R
+
+#define S(s) (1u << KVF__SEND_##s)
+static const unsigned send_next[KVF__SEND_NSTATES] = {
+    [KVF__SEND_NONE] = S(WAIT),
+    [KVF__SEND_WAIT] = S(QUEUED) | S(ACTIVE) | S(DRAIN),
+    [KVF__SEND_QUEUED] = S(FLUSH) | S(DRAIN),
+    [KVF__SEND_ACTIVE] = S(FLUSH) | S(DRAIN),
+    [KVF__SEND_FLUSH] = S(CONFIRMED) | S(RESULT) | S(DONE) | S(DRAIN),
+    [KVF__SEND_CONFIRMED] = S(DONE) | S(DRAIN),
+    [KVF__SEND_RESULT] = S(DONE) | S(DRAIN),
+    [KVF__SEND_DRAIN] = S(FAILED),
+};
+#undef S
+
+static int role_state(const kvf__xfer *x) {
+  return x->role == KVF__RECV ? (int)x->recv.state : (int)x->send.state;
+}
+
+static const char *state_name(const kvf__xfer *x, int state) {
+  bool recv = x->role == KVF__RECV;
+  if (state < 0 || state >= (recv ? KVF__RECV_NSTATES : KVF__SEND_NSTATES)) return "?";
+  return (recv ? recv_rows : send_rows)[state].name;
+}
+
+/* What only a bug in the daemon's own logic leads to (peer and client
+ * messages that do not fit the state are refused before they get here):
+ * logged, and fatal with env.strict (tests). */
+static void bug(const kvf__xfer *x, const char *what) {
+  kvf__err("transfer '%s' (%s, state %s): %s: a bug in kvferryd", x->id,
+           x->role == KVF__RECV ? "receiving" : "sending", state_name(x, role_state(x)), what);
+  if (X.env.strict) abort();
+}
+
+/* The one place where a transfer's state changes, and its phase with it
+ * (to: a state of x's role, or KVF__XS_*). A change the role's table lacks
+ * is a bug: reported, then made anyway, as the code that asked for it
+ * expects. */
+static void set_state(kvf__xfer *x, int to) {
+  bool recv = x->role == KVF__RECV;
+  if (to <= 0 || to >= (recv ? KVF__RECV_NSTATES : KVF__SEND_NSTATES)) {
+    bug(x, "a change to no state");
+    return;
+  }
+  int from = role_state(x);
+  if (!((recv ? recv_next : send_next)[from] & (1u << to))) {
+    char what[64];
+    snprintf(what, sizeof(what), "the change to %s is not in its table", state_name(x, to));
+    bug(x, what);
+  }
+  if (recv) x->recv.state = (enum kvf__recv_state)to;
+  else x->send.state = (enum kvf__send_state)to;
+  x->state = (recv ? recv_rows : send_rows)[to].phase;
+}
+
+/* Neither failed nor finished: DRAIN, FENCE, DONE and FAILED are not. */
+static bool live(const kvf__xfer *x) {
+  return x->state != KVF__X_DRAIN && x->state != KVF__X_DONE && x->state != KVF__X_FAILED;
+}
+
+/* A sender that has no grant yet: its parts queue. */
+static bool send_waiting(const kvf__xfer *x) {
+  return x->send.state == KVF__SEND_WAIT || x->send.state == KVF__SEND_QUEUED;
+}
+
 /* ------------------------------------------------------------ bookkeeping */
 
 static const char *own_node(void) { return kvfd.cfg.node; }
@@ -94,7 +204,7 @@ static kvf__xfer *xfer_new(kvf__session *s, const char *id, int role, uint32_t d
   if (!x) return NULL;
   snprintf(x->id, sizeof(x->id), "%s", id);
   x->role = role;
-  x->state = KVF__X_WAIT;
+  set_state(x, role == KVF__RECV ? KVF__RECV_WAIT : KVF__SEND_WAIT);
   x->owner = s;
   x->created_ns = kvf__now_ns();
   x->deadline_ms = deadline_ms ? deadline_ms : kvfd.cfg.default_deadline_ms;
@@ -123,7 +233,7 @@ static void tp_grant_free(kvf__tp_grant *t) {
 static void free_after_close(uv_handle_t *h) {
   kvf__xfer *x = h->data;
   kvf__descs_free(&x->dst);
-  kvf__descs_free(&x->early);
+  if (x->role == KVF__SEND) kvf__descs_free(&x->send.early);
   tp_grant_free(&x->tp_grant);
   free(x);
 }
@@ -159,8 +269,8 @@ static void emit(kvf__xfer *x, int status, const char *error) {
   ev.status = status;
   ev.path = (char *)kvf__xfer_path(x);
   ev.peer = x->peer_name;
-  ev.bytes = x->bytes;
-  ev.descriptors = x->role == KVF__RECV ? x->dst.n : x->src_descs;
+  ev.bytes = kvf__xfer_bytes(x);
+  ev.descriptors = kvf__xfer_descriptors(x);
   ev.error = (char *)(error ? error : "");
   X.env.emit(x->owner, &ev);
 }
@@ -169,22 +279,24 @@ static void emit(kvf__xfer *x, int status, const char *error) {
  * to the transport's first post, last post and last completion, and to now
  * (both events sent when it is local). */
 static void trace_send(const kvf__xfer *x) {
-  if (x->role != KVF__SEND || !x->first_post_ns) return;
+  if (x->role != KVF__SEND || !x->send.first_post_ns) return;
+  const kvf__xsend *s = &x->send;
   uint64_t now = kvf__now_ns();
   kvf__debug("transfer '%s' %s: %llu descriptors, %llu bytes: first post +%.0f us, last post +%.0f us, "
              "transport done +%.0f us, done +%.0f us",
-             x->id, kvf__xfer_path(x), (unsigned long long)x->src_descs, (unsigned long long)x->bytes,
-             (double)(x->first_post_ns - x->created_ns) / 1e3, (double)(x->last_post_ns - x->created_ns) / 1e3,
-             (double)(x->posted_ns - x->created_ns) / 1e3, (double)(now - x->created_ns) / 1e3);
+             x->id, kvf__xfer_path(x), (unsigned long long)s->descs_taken, (unsigned long long)s->bytes_posted,
+             (double)(s->first_post_ns - x->created_ns) / 1e3, (double)(s->last_post_ns - x->created_ns) / 1e3,
+             (double)(s->posted_ns - x->created_ns) / 1e3, (double)(now - x->created_ns) / 1e3);
 }
 
 static void succeed(kvf__xfer *x) {
+  set_state(x, KVF__XS_DONE);
   trace_send(x);
   emit(x, 0, NULL);
   kvf__metrics_transfer(x, 0);
   kvfd.stats.transfers_done++;
-  if (x->role == KVF__RECV) kvfd.stats.bytes_received += x->bytes;
-  else kvfd.stats.bytes_sent += x->bytes;
+  if (x->role == KVF__RECV) kvfd.stats.bytes_received += kvf__xfer_bytes(x);
+  else kvfd.stats.bytes_sent += kvf__xfer_bytes(x);
   xfer_destroy(x);
 }
 
@@ -236,7 +348,8 @@ static void cancel_to(kvf__peer *p, uint64_t handle, const char *id, int status,
 }
 
 static void send_cancel(kvf__xfer *x, int status, const char *why) {
-  cancel_to(x->peer, x->handle, x->id, status, why, x->role == KVF__RECV, x->fencing);
+  bool fencing = x->role == KVF__RECV && x->recv.state == KVF__RECV_FENCE;
+  cancel_to(x->peer, x->handle, x->id, status, why, x->role == KVF__RECV, fencing);
 }
 
 static void send_cancel_done(kvf__peer *p, uint64_t handle) {
@@ -262,6 +375,7 @@ static void send_recv_result(kvf__xfer *x, int status, const char *why) {
 /* ---------------------------------------------------------------- failure */
 
 static void finish_failure(kvf__xfer *x) {
+  set_state(x, KVF__XS_FAILED);
   emit(x, x->status, x->error);
   kvf__metrics_transfer(x, x->status);
   kvfd.stats.transfers_failed++;
@@ -271,17 +385,19 @@ static void finish_failure(kvf__xfer *x) {
 /* A receiver whose client cancelled (or went away) while a one-sided
  * transport's sender may be writing into the grant. Deadlines stay strict:
  * a transfer past its deadline closes its grant at once. */
-static bool fence_wanted(const kvf__xfer *x, int prev, int status, bool notify) {
-  bool granted = prev != KVF__X_WAIT && !x->grant_pending; /* else no Grant went out: no writes */
-  return x->role == KVF__RECV && notify && status == KVF_ECANCELED && !X.stopping && x->peer && x->handle &&
-         x->tp && x->tp->ops->one_sided && granted;
+static bool fence_wanted(const kvf__xfer *x, int status, bool notify) {
+  if (x->role != KVF__RECV) return false;
+  enum kvf__recv_state s = x->recv.state;
+  bool granted = s == KVF__RECV_OPEN || s == KVF__RECV_LANDED || s == KVF__RECV_SENDER_DONE;
+  /* else no Grant went out: no writes */
+  return notify && status == KVF_ECANCELED && !X.stopping && x->peer && x->handle && x->tp &&
+         x->tp->ops->one_sided && granted;
 }
 
 /* The fence is over: the sender's writes are back (CancelDone), it took
  * too long, or the peer is gone. */
 static void fence_end(kvf__xfer *x, const char *why) {
-  if (!x->fencing) return;
-  x->fencing = false;
+  if (x->role != KVF__RECV || x->recv.state != KVF__RECV_FENCE) return;
   if (why)
     kvf__warn("transfer '%s': %s; closing its grant now (a write still in flight fails the sender's connection)",
               x->id, why);
@@ -299,13 +415,14 @@ static void on_fence_timeout(uv_timer_t *t) {
 /* Fails x with status for its owner. notify: tell the other side, which
  * then reports remote_status. */
 static void fail(kvf__xfer *x, int status, const char *why, bool notify, int remote_status) {
-  if (x->state == KVF__X_DRAIN) return;
-  int prev = x->state;
-  x->state = KVF__X_DRAIN;
+  if (!live(x)) return;
+  bool fencing = fence_wanted(x, status, notify);
+  /* the transport holds a receiver's grant from its grant_open on */
+  bool granted = x->role == KVF__RECV && x->recv.state != KVF__RECV_WAIT;
+  set_state(x, fencing ? KVF__RECV_FENCE : KVF__XS_DRAIN);
   x->status = status;
   snprintf(x->error, sizeof(x->error), "%s", why ? why : "");
   uv_timer_stop(&x->timer);
-  x->fencing = fence_wanted(x, prev, status, notify);
   if (x->twin) {
     kvf__xfer *t = x->twin;
     fail(t, remote_status, why, false, 0);
@@ -314,25 +431,24 @@ static void fail(kvf__xfer *x, int status, const char *why, bool notify, int rem
      * the receiver closes the grant on that word (rdma invalidates its
      * memory windows), and a write still in flight would then fail the
      * whole queue pair, and every transfer on it. */
-    if (x->role == KVF__SEND && x->parts_out > 0) {
-      x->cancel_owed = true;
-      x->cancel_status = remote_status;
+    if (x->role == KVF__SEND && x->send.parts_out > 0) {
+      x->send.cancel_owed = true;
+      x->send.cancel_status = remote_status;
     } else {
       send_cancel(x, remote_status, why);
     }
   }
-  if (x->fencing) { /* the grant stays open until the sender's CancelDone */
+  if (fencing) { /* the grant stays open until the sender's CancelDone */
     uv_timer_start(&x->timer, on_fence_timeout, FENCE_MS, 0);
     return;
   }
-  if (x->role == KVF__RECV && x->peer && x->tp && prev != KVF__X_WAIT)
-    x->tp->ops->grant_close(x->tp, x);
-  if (x->role == KVF__SEND && x->parts_out > 0) {
+  if (granted && x->peer && x->tp) x->tp->ops->grant_close(x->tp, x);
+  if (x->role == KVF__SEND && x->send.parts_out > 0) {
     x->tp->ops->abort(x->tp, x);
     return; /* kvf__xfer_on_posted finishes it */
   }
   /* A local receiver's memory is written by its twin's posts: wait for them. */
-  if (x->role == KVF__RECV && x->twin && x->twin->parts_out > 0) return;
+  if (x->role == KVF__RECV && x->twin && x->twin->send.parts_out > 0) return;
   finish_failure(x);
 }
 
@@ -340,15 +456,18 @@ static void fail(kvf__xfer *x, int status, const char *why, bool notify, int rem
 
 static const kvf__descs *grant_of(const kvf__xfer *x) { return x->twin ? &x->twin->dst : &x->dst; }
 
+/* Pairs part against the grant and hands it to the transport; a failure
+ * fails x. */
 static int post_part(kvf__xfer *x, const kvf__descs *part, bool last) {
+  kvf__xsend *s = &x->send;
   kvf__runs runs = {0};
-  int rc = kvf__pair(part, grant_of(x), &x->cursor, &runs);
-  if (rc == 0 && last && x->cursor != grant_of(x)->n) rc = KVF_ESIZE;
+  int rc = kvf__pair(part, grant_of(x), &s->cursor, &runs);
+  if (rc == 0 && last && s->cursor != grant_of(x)->n) rc = KVF_ESIZE;
 #ifdef KVF_FAILPOINTS
   if (rc == 0 && last && x->peer && kvf__failpoint(KVF__FP_WRITE_OUTSIDE)) kvf__failpoint_runs(grant_of(x), &runs);
 #endif
-  x->last_post_ns = kvf__now_ns();
-  if (!x->first_post_ns) x->first_post_ns = x->last_post_ns;
+  s->last_post_ns = kvf__now_ns();
+  if (!s->first_post_ns) s->first_post_ns = s->last_post_ns;
   if (rc == 0) rc = x->tp->ops->post(x->tp, x, &runs, last);
   kvf__runs_free(&runs);
   if (rc) {
@@ -357,22 +476,21 @@ static int post_part(kvf__xfer *x, const kvf__descs *part, bool last) {
     fail(x, rc, why, true, rc);
     return rc;
   }
-  x->parts_out++;
-  x->bytes += part->total;
-  if (last) {
-    x->last_posted = true;
-    x->state = KVF__X_FLUSH;
-  }
+  s->parts_out++;
+  s->bytes_posted += part->total;
+  if (last) set_state(x, KVF__SEND_FLUSH);
+  else if (s->state != KVF__SEND_ACTIVE) set_state(x, KVF__SEND_ACTIVE);
   return 0;
 }
 
-/* The grant is known: pair and post what came early. */
+/* The grant is known: pair and post what came early, the last part among
+ * it when QUEUED. */
 static void start_sending(kvf__xfer *x) {
-  x->state = KVF__X_ACTIVE;
-  if (x->early.n == 0) return;
-  kvf__descs early = x->early;
-  memset(&x->early, 0, sizeof(x->early));
-  post_part(x, &early, x->early_last);
+  bool last = x->send.state == KVF__SEND_QUEUED;
+  kvf__descs early = x->send.early;
+  memset(&x->send.early, 0, sizeof(x->send.early));
+  if (early.n) post_part(x, &early, last);
+  else set_state(x, KVF__SEND_ACTIVE);
   kvf__descs_free(&early);
 }
 
@@ -382,7 +500,7 @@ static void bind_local(kvf__xfer *send, kvf__xfer *recv) {
   send->tp = recv->tp = X.env.local;
   snprintf(send->peer_name, sizeof(send->peer_name), "%s", own_node());
   snprintf(recv->peer_name, sizeof(recv->peer_name), "%s", own_node());
-  recv->state = KVF__X_ACTIVE;
+  set_state(recv, KVF__RECV_OPEN);
   start_sending(send);
 }
 
@@ -405,9 +523,12 @@ static int bind_remote_recv(kvf__xfer *x, kvf__peer *p) {
   x->tp = X.env.peer_transport(p);
   int rc = x->tp->ops->grant_open(x->tp, x);
   if (rc < 0) return rc;
-  x->state = KVF__X_ACTIVE;
-  x->grant_pending = rc > 0; /* kvf__xfer_on_grant_ready sends it */
-  return rc > 0 ? 0 : send_grant(x);
+  if (rc > 0) { /* kvf__xfer_on_grant_ready sends it */
+    set_state(x, KVF__RECV_OPENING);
+    return 0;
+  }
+  set_state(x, KVF__RECV_OPEN);
+  return send_grant(x);
 }
 
 static int copy_bytes(uint8_t **out, size_t *len, const ProtobufCBinaryData *w) {
@@ -487,7 +608,7 @@ static bool is_local(const char *node) { return node && strcmp(node, own_node())
 static void rendezvous_send(kvf__xfer *x) {
   if (!x->peer) {
     kvf__xfer *r = kvf__map_get(&X.recv_by_id, x->id);
-    if (r && r->state == KVF__X_WAIT && !r->peer && !r->twin &&
+    if (r && r->recv.state == KVF__RECV_WAIT && !r->peer && !r->twin &&
         (r->peer_name[0] == 0 || is_local(r->peer_name)))
       bind_local(x, r);
     return;
@@ -511,8 +632,27 @@ static void rendezvous_send(kvf__xfer *x) {
 
 static int check_existing_send(kvf__xfer *x, kvf__session *s, const char *dst_node) {
   if (x->owner != s) return KVF_EEXIST;
-  if (x->last_posted || x->early_last || x->state == KVF__X_DRAIN) return KVF_EEXIST;
+  /* its last part came, or it failed */
+  if (x->send.state != KVF__SEND_WAIT && x->send.state != KVF__SEND_ACTIVE) return KVF_EEXIST;
   if (strcmp(x->peer ? x->peer_name : own_node(), dst_node) != 0) return KVF_EINVAL;
+  return 0;
+}
+
+/* Keeps a part that came before the grant; the last one closes the queue.
+ * An error takes nothing. */
+static int queue_part(kvf__xfer *x, const kvf__descs *part, bool last) {
+  int rc = kvf__descs_append(&x->send.early, part);
+  if (rc) return rc;
+  x->send.descs_taken += part->n;
+  if (last) set_state(x, KVF__SEND_QUEUED);
+  return 0;
+}
+
+/* A later part of a send under way. */
+static int continue_send(kvf__xfer *x, const kvf__descs *part, bool last) {
+  if (x->send.state == KVF__SEND_WAIT) return queue_part(x, part, last);
+  x->send.descs_taken += part->n;
+  post_part(x, part, last); /* a failure fails x: its event says so */
   return 0;
 }
 
@@ -534,26 +674,22 @@ int kvf__xfer_send(kvf__session *s, const char *id, const char *dst_node,
       snprintf(err, errlen, "transfer '%s' is already sending here", id);
       return rc;
     }
-  } else {
-    if (p && !X.env.peer_up(p)) {
-      snprintf(err, errlen, "peer '%s' is not connected", dst_node);
-      return KVF_EPEERLOST;
-    }
-    x = xfer_new(s, id, KVF__SEND, deadline_ms);
-    if (!x) return -ENOMEM;
-    x->peer = p;
-    snprintf(x->peer_name, sizeof(x->peer_name), "%s", dst_node);
+    return continue_send(x, descs, !more);
   }
-  x->src_descs += descs->n;
-  bool fresh = x->state == KVF__X_WAIT && x->early.n == 0 && x->src_descs == descs->n;
-  if (x->state == KVF__X_WAIT) {
-    int rc = kvf__descs_append(&x->early, descs);
-    if (rc) return rc;
-    x->early_last = !more;
-    if (fresh) rendezvous_send(x);
-    return 0;
+  if (p && !X.env.peer_up(p)) {
+    snprintf(err, errlen, "peer '%s' is not connected", dst_node);
+    return KVF_EPEERLOST;
   }
-  post_part(x, descs, !more);
+  x = xfer_new(s, id, KVF__SEND, deadline_ms);
+  if (!x) return -ENOMEM;
+  x->peer = p;
+  snprintf(x->peer_name, sizeof(x->peer_name), "%s", dst_node);
+  int rc = queue_part(x, descs, !more);
+  if (rc) {
+    xfer_destroy(x); /* unseen: no event follows an error */
+    return rc;
+  }
+  rendezvous_send(x);
   return 0;
 }
 
@@ -562,7 +698,7 @@ int kvf__xfer_send(kvf__session *s, const char *id, const char *dst_node,
 static void rendezvous_grant(kvf__xfer *x, kvf__peer *src) {
   bool src_local = x->peer_name[0] == 0 || is_local(x->peer_name);
   kvf__xfer *s = src_local ? kvf__map_get(&X.send_by_id, x->id) : NULL;
-  if (s && !s->peer && !s->twin && s->state == KVF__X_WAIT) {
+  if (s && !s->peer && !s->twin && send_waiting(s)) {
     bind_local(s, x);
     return;
   }
@@ -599,7 +735,6 @@ int kvf__xfer_grant(kvf__session *s, const char *id, const char *src_node,
   kvf__xfer *x = xfer_new(s, id, KVF__RECV, deadline_ms);
   if (!x) return -ENOMEM;
   x->dst = *descs;
-  x->bytes = descs->total;
   memset(descs, 0, sizeof(*descs));
   x->handle = X.next_handle++;
   char key[KVF__NAME_MAX + 64];
@@ -621,11 +756,11 @@ int kvf__xfer_cancel(kvf__session *s, const char *id) {
   kvf__xfer *r = kvf__map_get(&X.recv_by_id, id);
   kvf__xfer *t = kvf__map_get(&X.send_by_id, id);
   int found = 0;
-  if (r && r->owner == s && r->state != KVF__X_DRAIN) {
+  if (r && r->owner == s && live(r)) {
     fail(r, KVF_ECANCELED, "cancelled by the receiving client", true, KVF_EREMOTECANCEL);
     found = 1;
   }
-  if (t && t->owner == s && t->state != KVF__X_DRAIN) {
+  if (t && t->owner == s && live(t)) {
     fail(t, KVF_ECANCELED, "cancelled by the sending client", true, KVF_EREMOTECANCEL);
     found = 1;
   }
@@ -641,7 +776,7 @@ static void disown(kvf__xfer *x) {
 
 void kvf__xfer_withdraw_send(kvf__session *s, const char *id, int status, const char *why, bool silent) {
   kvf__xfer *x = id ? kvf__map_get(&X.send_by_id, id) : NULL;
-  if (!x || x->owner != s || x->state == KVF__X_DRAIN) return;
+  if (!x || x->owner != s || !live(x)) return;
   if (silent) disown(x);
   fail(x, status, why, true, KVF_EREMOTECANCEL);
 }
@@ -658,7 +793,7 @@ static void fail_each(bool (*match)(kvf__xfer *, void *), void *arg, int status,
   kvf__xfer *x = X.head;
   while (x) {
     kvf__xfer *next = x->next;
-    if (match(x, arg) && x->state != KVF__X_DRAIN) {
+    if (match(x, arg) && live(x)) {
       if (next && next == x->twin) next = next->next;
       fail(x, status, why, notify, remote_status);
     }
@@ -691,26 +826,27 @@ static void complete_local(kvf__xfer *send) {
 static void send_done(kvf__xfer *x) {
   Kvf__SendDone d = KVF__SEND_DONE__INIT;
   d.handle = x->handle;
-  d.bytes = x->bytes;
-  d.descriptors = x->src_descs;
+  d.bytes = x->send.bytes_posted;
+  d.descriptors = x->send.descs_taken;
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_SEND_DONE;
   m.send_done = &d;
-  x->state = KVF__X_RESULT;
+  set_state(x, KVF__SEND_RESULT);
   if (send_msg(x->peer, &m) != 0) fail(x, KVF_EPEERLOST, "lost the peer", false, 0);
 }
 
 void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
-  x->parts_out--;
-  x->posted_ns = kvf__now_ns();
-  if (x->state == KVF__X_DRAIN) {
-    if (x->parts_out > 0) return;
-    if (x->cancel_owed) send_cancel(x, x->cancel_status, x->error);
-    if (x->done_owed) send_cancel_done(x->peer, x->handle);
+  kvf__xsend *s = &x->send;
+  s->parts_out--;
+  s->posted_ns = kvf__now_ns();
+  if (s->state == KVF__SEND_DRAIN) {
+    if (s->parts_out > 0) return;
+    if (s->cancel_owed) send_cancel(x, s->cancel_status, x->error);
+    if (s->cancel_done_owed) send_cancel_done(x->peer, x->handle);
     kvf__xfer *twin_recv = x->twin;
     finish_failure(x);
     /* A failed local receiver waits for its sender's copies to stop. */
-    if (twin_recv && twin_recv->state == KVF__X_DRAIN) finish_failure(twin_recv);
+    if (twin_recv && twin_recv->recv.state == KVF__RECV_DRAIN) finish_failure(twin_recv);
     return;
   }
   if (status) {
@@ -721,27 +857,38 @@ void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
          true, status);
     return;
   }
-  if (!x->last_posted || x->parts_out > 0) return;
-  if (x->twin) complete_local(x);
-  else if (x->result_ok) succeed(x);
-  else send_done(x);
+  if (s->parts_out > 0) return;
+  if (s->state == KVF__SEND_FLUSH && x->twin) complete_local(x);
+  else if (s->state == KVF__SEND_FLUSH) send_done(x);
+  else if (s->state == KVF__SEND_CONFIRMED) succeed(x);
+  /* else ACTIVE: more parts come */
 }
 
-static void maybe_complete_recv(kvf__xfer *x) {
-  if (x->state == KVF__X_DRAIN || !x->landed || !x->send_done_seen) return;
+/* Every byte is placed and the sender said so: the grant closes. */
+static void complete_recv(kvf__xfer *x) {
   x->tp->ops->grant_close(x->tp, x);
   send_recv_result(x, 0, NULL);
   succeed(x);
 }
 
 void kvf__xfer_on_landed(kvf__xfer *x) {
-  x->landed = true;
-  maybe_complete_recv(x);
+  switch (x->recv.state) {
+  case KVF__RECV_OPEN: set_state(x, KVF__RECV_LANDED); break;
+  case KVF__RECV_SENDER_DONE: complete_recv(x); break;
+  case KVF__RECV_WAIT:
+  case KVF__RECV_OPENING: bug(x, "the transport saw every byte of a grant it was not given"); break;
+  default: break; /* told twice, or failed */
+  }
 }
 
 void kvf__xfer_on_delivered(kvf__xfer *x) {
-  x->send_done_seen = true;
-  kvf__xfer_on_landed(x);
+  switch (x->recv.state) {
+  case KVF__RECV_OPEN:
+  case KVF__RECV_LANDED:
+  case KVF__RECV_SENDER_DONE: complete_recv(x); break;
+  case KVF__RECV_WAIT: bug(x, "the transport delivered into a grant it was not given"); break;
+  default: break; /* OPENING: no sender knows the grant yet (a peer guessed it); or failed */
+  }
 }
 
 void kvf__xfer_on_data_error(kvf__xfer *x, int status, const char *why) {
@@ -749,10 +896,18 @@ void kvf__xfer_on_data_error(kvf__xfer *x, int status, const char *why) {
 }
 
 void kvf__xfer_on_grant_ready(kvf__xfer *x, int status, const char *why) {
-  x->grant_pending = false;
-  if (x->state == KVF__X_DRAIN) return;
-  int rc = status ? status : send_grant(x);
-  if (rc) fail(x, rc, status ? why : "could not send the grant", true, rc);
+  if (!live(x)) return;
+  if (x->recv.state != KVF__RECV_OPENING) {
+    bug(x, "the transport opened a grant twice");
+    return;
+  }
+  if (status) {
+    fail(x, status, why, true, status);
+    return;
+  }
+  set_state(x, KVF__RECV_OPEN);
+  int rc = send_grant(x);
+  if (rc) fail(x, rc, "could not send the grant", true, rc);
 }
 
 /* -------------------------------------------------------- peer messages */
@@ -769,15 +924,15 @@ static kvf__xfer *by_handle(kvf__peer *p, int role, uint64_t handle) {
 static void on_intent(kvf__peer *p, const Kvf__SendIntent *si) {
   if (!valid_id(si->xfer_id)) return;
   kvf__xfer *x = kvf__map_get(&X.recv_by_id, si->xfer_id);
-  if (x && x->state != KVF__X_DRAIN && x->peer == p) {
+  if (x && live(x) && x->peer == p) {
     /* our pushed grant crossed their intent; say it again (or soon) */
-    if (x->grant_pending) return;
+    if (x->recv.state == KVF__RECV_OPENING) return;
     int rc = send_grant(x);
     if (rc) fail(x, rc, "could not send the grant", true, rc);
     return;
   }
   bool named_other = x && x->peer_name[0] && strcmp(x->peer_name, X.env.peer_name(p)) != 0;
-  if (x && x->state == KVF__X_WAIT && !x->twin && !named_other) {
+  if (x && x->recv.state == KVF__RECV_WAIT && !x->twin && !named_other) {
     int rc = bind_remote_recv(x, p);
     if (rc) fail(x, rc, "the transport could not open the grant", true, rc);
     return;
@@ -848,7 +1003,7 @@ static void refuse_grant(kvf__peer *p, const Kvf__Grant *g, int rc) {
   kvfd.stats.peer_errors++;
   cancel_to(p, g->handle, g->xfer_id, rc, why, false, false);
   kvf__xfer *x = kvf__map_get(&X.send_by_id, g->xfer_id);
-  if (x && x->peer == p && x->state == KVF__X_WAIT) {
+  if (x && x->peer == p && send_waiting(x)) {
     fail(x, rc, why, false, 0);
     return;
   }
@@ -863,7 +1018,7 @@ static void on_grant(kvf__peer *p, const Kvf__Grant *g) {
   if (rc == KVF_ELIMIT) refuse_grant(p, g, rc);
   if (rc) return; /* malformed: no daemon sends that; ignored */
   kvf__xfer *x = kvf__map_get(&X.send_by_id, g->xfer_id);
-  if (x && x->peer == p && x->state == KVF__X_WAIT) {
+  if (x && x->peer == p && send_waiting(x)) {
     rc = tp_grant_copy(&x->tp_grant, g);
     if (rc == 0) rc = bind_remote_send(x, g->handle, &dst);
     kvf__descs_free(&dst);
@@ -879,22 +1034,25 @@ static void on_grant(kvf__peer *p, const Kvf__Grant *g) {
 
 static void on_send_done(kvf__peer *p, const Kvf__SendDone *d) {
   kvf__xfer *x = by_handle(p, KVF__RECV, d->handle);
-  if (!x || x->state == KVF__X_DRAIN) return;
+  if (!x || !live(x)) return;
   if (d->bytes != x->dst.total) {
     fail(x, KVF_ESIZE, "the sender sent a different number of bytes", true, KVF_ESIZE);
     return;
   }
-  x->send_done_seen = true;
-  maybe_complete_recv(x);
+  if (x->recv.state == KVF__RECV_OPEN) set_state(x, KVF__RECV_SENDER_DONE);
+  else if (x->recv.state == KVF__RECV_LANDED) complete_recv(x);
+  /* else said twice, or OPENING: no sender knows the grant yet */
 }
 
 static void on_recv_result(kvf__peer *p, const Kvf__RecvResult *r) {
   kvf__xfer *x = by_handle(p, KVF__SEND, r->handle);
-  if (!x || x->state == KVF__X_DRAIN) return;
+  if (!x || !live(x)) return;
+  enum kvf__send_state s = x->send.state;
   /* With one-sided writes the receiver may confirm before our own last
    * completion reached the loop: remember it, finish in on_posted. */
-  if (r->status == 0 && x->state == KVF__X_FLUSH) x->result_ok = true;
-  else if (r->status == 0 && x->state == KVF__X_RESULT) succeed(x);
+  if (r->status == 0 && s == KVF__SEND_FLUSH) set_state(x, KVF__SEND_CONFIRMED);
+  else if (r->status == 0 && s == KVF__SEND_CONFIRMED) return; /* said twice */
+  else if (r->status == 0 && s == KVF__SEND_RESULT) succeed(x);
   else fail(x, r->status ? r->status : KVF_EPROTO, r->error, false, 0);
 }
 
@@ -913,7 +1071,7 @@ static void on_cancel(kvf__peer *p, const Kvf__Cancel *c) {
     }
     /* With ack, the receiver keeps its grant open until we say that none
      * of our writes into it is in flight: now, or once they are back. */
-    if (c->ack && x && x->parts_out > 0) x->done_owed = true;
+    if (c->ack && x && x->send.parts_out > 0) x->send.cancel_done_owed = true;
     else if (c->ack) send_cancel_done(p, c->handle);
     if (x) fail(x, status, why, false, 0);
     return;
@@ -922,7 +1080,7 @@ static void on_cancel(kvf__peer *p, const Kvf__Cancel *c) {
   if (!x && c->xfer_id) {
     /* A sender that had not seen our (pushed) grant yet names it by id. */
     x = kvf__map_get(&X.recv_by_id, c->xfer_id);
-    if (x && (x->peer != p || x->state == KVF__X_DRAIN)) x = NULL;
+    if (x && (x->peer != p || !live(x))) x = NULL;
   }
   if (x) {
     /* Named by id, the sender's Cancel crossed our pushed grant, which
@@ -986,7 +1144,7 @@ static bool of_peer(kvf__xfer *x, void *p) { return x->peer == p; }
 static void end_fences(kvf__peer *p) {
   for (kvf__xfer *x = X.head, *next; x; x = next) {
     next = x->next;
-    if (x->fencing && (!p || x->peer == p)) fence_end(x, NULL);
+    if (x->role == KVF__RECV && x->recv.state == KVF__RECV_FENCE && (!p || x->peer == p)) fence_end(x, NULL);
   }
 }
 
@@ -1040,12 +1198,18 @@ void kvf__xfer_counts_get(kvf__xfer_counts *c) {
 kvf__xfer *kvf__xfer_first(void) { return X.head; }
 
 const char *kvf__xstate_name(int state) {
-  switch (state) {
-  case KVF__X_WAIT: return "waiting";
-  case KVF__X_ACTIVE: return "active";
-  case KVF__X_FLUSH: return "flushing";
-  case KVF__X_RESULT: return "confirming";
-  case KVF__X_DRAIN: return "failing";
-  default: return "?";
-  }
+  static const char *const names[] = {
+#define XX(phase, name) [KVF__X_##phase] = name,
+      KVF__XPHASE_MAP(XX)
+#undef XX
+  };
+  return state > 0 && (size_t)state < sizeof(names) / sizeof(names[0]) ? names[state] : "?";
+}
+
+uint64_t kvf__xfer_bytes(const kvf__xfer *x) {
+  return x->role == KVF__RECV ? x->dst.total : x->send.bytes_posted;
+}
+
+uint64_t kvf__xfer_descriptors(const kvf__xfer *x) {
+  return x->role == KVF__RECV ? x->dst.n : x->send.descs_taken;
 }

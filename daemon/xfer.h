@@ -2,7 +2,81 @@
  * rendezvous whichever side comes first, pre-grants pushed to the sender,
  * pairing, deadlines, cancel, and the RECV_DONE / SEND_DONE events. It talks
  * to clients, peers and transports only through kvf__xfer_env, so tests can
- * drive it with fakes. */
+ * drive it with fakes.
+ *
+ * A transfer has a role and, per role, one state (x->recv.state or
+ * x->send.state). Every change goes through one function in xfer.c that
+ * checks the tables below; [phase] is what kvferryctl and the metrics show
+ * (x->state). Peer and client messages that do not fit the state are
+ * refused or ignored before any change is made.
+ *
+ * Receiver (RECV, a grant):
+ *
+ *   kvf__xfer_grant
+ *     |
+ *     v
+ *   WAIT [waiting] ---- a local send binds it ------------------------------+
+ *     |                                                                     |
+ *     | a sender is bound (its SendIntent, or the grant is pushed to the    |
+ *     | source it names): the transport's grant_open                        |
+ *     +-- returns > 0 --> OPENING [active]                                  |
+ *     |                     | kvf__xfer_on_grant_ready(0): the Grant goes   |
+ *     +-- returns 0: the Grant goes --+                                     |
+ *                                     v                                     v
+ *                                   OPEN [active] <-------------------------+
+ *                    kvf__xfer_on_landed /     \ SendDone (the grant's size)
+ *                                       v       v
+ *                          LANDED [active]     SENDER_DONE [active]
+ *                                SendDone \     / kvf__xfer_on_landed
+ *                                          v   v
+ *                                          DONE
+ *
+ *   Also to DONE: from OPEN, LANDED or SENDER_DONE, kvf__xfer_on_delivered
+ *   (rdma's WRITE_WITH_IMM: every byte placed, and the sender done); from
+ *   OPEN, the last copy of the local sender.
+ *
+ * Sender (SEND):
+ *
+ *   kvf__xfer_send, first part
+ *     |
+ *     v
+ *   WAIT [waiting] -- the last part (no MORE) --> QUEUED [waiting]
+ *     |  parts queue until the grant is known        |
+ *     | the grant is known (local grant, pre-grant,  | the grant is known: the
+ *     | Grant): the queued parts are posted          | queued parts are posted
+ *     v                                              v
+ *   ACTIVE [active] -- the last part posted --> FLUSH [flushing]
+ *     parts are posted as they come                 |          |
+ *                            the last completion:   |          | RecvResult(ok) before it
+ *                            SendDone goes          |          v (one-sided writes)
+ *                                                   |     CONFIRMED [flushing]
+ *                                                   v          |
+ *                                     RESULT [confirming]      | the last completion
+ *                                                   |          |
+ *                                    RecvResult(ok) v          |
+ *                                                 DONE <-------+
+ *
+ *   Also to DONE: from FLUSH, the last completion of a local send (its
+ *   receiver finishes with it).
+ *
+ * Failure, both roles (deadline, cancel, size mismatch, a refused post or
+ * grant, the transport's error, the other side's Cancel or failed result,
+ * the peer or the client gone): every state above but DONE goes to
+ *
+ *   FENCE [failing]   receiver only: its client cancelled (or went away) a
+ *                     grant whose Grant went to a one-sided transport's
+ *                     sender (OPEN, LANDED, SENDER_DONE). The grant stays
+ *                     open until the sender's CancelDone says none of its
+ *                     writes is in flight, or FENCE_MS passed, the peer
+ *                     went or the daemon stops; then it closes: -> FAILED.
+ *   DRAIN [failing]   otherwise: the transport lets go of the memory. A
+ *                     sender waits for its posts to come back (aborted),
+ *                     then sends the Cancel (and CancelDone) it owes; a
+ *                     local receiver waits for its sender's copies. With
+ *                     nothing out, at once: -> FAILED.
+ *
+ * DONE and FAILED are final: the owner has its event and the transfer is
+ * freed once its timer closed. */
 #ifndef KVF_XFER_H
 #define KVF_XFER_H
 
@@ -16,13 +90,68 @@
 
 enum kvf__role { KVF__RECV = 1, KVF__SEND = 2 };
 
+/* Phases, what x->state holds: XX(phase, the name kvferryctl and the
+ * metrics show). Nothing lists a transfer that is DONE or FAILED: it is
+ * freed right away. */
+#define KVF__XPHASE_MAP(XX) \
+  XX(WAIT, "waiting")       \
+  XX(ACTIVE, "active")      \
+  XX(FLUSH, "flushing")     \
+  XX(RESULT, "confirming")  \
+  XX(DRAIN, "failing")      \
+  XX(DONE, "done")          \
+  XX(FAILED, "failed")
+
 enum kvf__xstate {
-  KVF__X_WAIT = 1,   /* recv: no sender yet; send: no grant yet */
-  KVF__X_ACTIVE,     /* bound; send: parts flow as they are posted */
-  KVF__X_FLUSH,      /* send: last part with the transport */
-  KVF__X_RESULT,     /* send: all handed off, waiting for the receiver's verdict;
-                        recv: SendDone or data still missing */
-  KVF__X_DRAIN,      /* failed; waiting for the transport to let go of memory */
+  KVF__X_NONE,
+#define XX(phase, name) KVF__X_##phase,
+  KVF__XPHASE_MAP(XX)
+#undef XX
+};
+
+/* The states of each role, drawn above: XX(state, phase, name for logs).
+ * The ones both roles share come first, so that they have the same value
+ * in both enums. */
+#define KVF__XFER_END_STATES(XX) \
+  XX(DRAIN, DRAIN, "drain")      \
+  XX(DONE, DONE, "done")         \
+  XX(FAILED, FAILED, "failed")
+
+#define KVF__RECV_STATES(XX)                \
+  XX(WAIT, WAIT, "wait")                    \
+  XX(OPENING, ACTIVE, "opening")            \
+  XX(OPEN, ACTIVE, "open")                  \
+  XX(LANDED, ACTIVE, "landed")              \
+  XX(SENDER_DONE, ACTIVE, "sender-done")    \
+  XX(FENCE, DRAIN, "fence")
+
+#define KVF__SEND_STATES(XX)                \
+  XX(WAIT, WAIT, "wait")                    \
+  XX(QUEUED, WAIT, "queued")                \
+  XX(ACTIVE, ACTIVE, "active")              \
+  XX(FLUSH, FLUSH, "flush")                 \
+  XX(CONFIRMED, FLUSH, "confirmed")         \
+  XX(RESULT, RESULT, "result")
+
+enum kvf__xend { /* DRAIN, DONE, FAILED of either role */
+  KVF__XS_NONE,
+#define XX(s, phase, name) KVF__XS_##s,
+  KVF__XFER_END_STATES(XX)
+#undef XX
+};
+enum kvf__recv_state {
+  KVF__RECV_NONE,
+#define XX(s, phase, name) KVF__RECV_##s,
+  KVF__XFER_END_STATES(XX) KVF__RECV_STATES(XX)
+#undef XX
+  KVF__RECV_NSTATES
+};
+enum kvf__send_state {
+  KVF__SEND_NONE,
+#define XX(s, phase, name) KVF__SEND_##s,
+  KVF__XFER_END_STATES(XX) KVF__SEND_STATES(XX)
+#undef XX
+  KVF__SEND_NSTATES
 };
 
 /* The transport's part of a Grant, opaque here (rdma: its memory windows,
@@ -34,10 +163,36 @@ typedef struct kvf__tp_grant {
   size_t of_len;
 } kvf__tp_grant;
 
+/* A receiver's own part: its size is its grant's (dst.total). */
+typedef struct kvf__xrecv {
+  enum kvf__recv_state state;
+} kvf__xrecv;
+
+/* A sender's own part: its size is what it posted so far. */
+typedef struct kvf__xsend {
+  enum kvf__send_state state;
+  kvf__descs early;           /* parts that came before the grant (WAIT, QUEUED) */
+  size_t cursor;              /* the next grant descriptor to pair */
+  uint64_t descs_taken;       /* descriptors the client's parts brought so far */
+  uint64_t bytes_posted;      /* bytes paired and handed to the transport so far */
+  unsigned parts_out;         /* posts the transport has not called back yet */
+  /* Owed to the receiver once parts_out is 0 (DRAIN): our writes must have
+   * stopped before it closes its grant (rdma invalidates the memory
+   * windows, and a write still in flight would fail the whole queue pair). */
+  bool cancel_owed;           /* a Cancel with cancel_status */
+  int cancel_status;
+  bool cancel_done_owed;      /* a CancelDone: its Cancel asked for one (ack) */
+  uint64_t first_post_ns;     /* the first and last part handed to the */
+  uint64_t last_post_ns;      /* transport, and its last completion (debug trace) */
+  uint64_t posted_ns;
+} kvf__xsend;
+
 struct kvf__xfer {
   char id[KVF_XFER_ID_MAX + 1];
-  int role;
-  int state;
+  int role;                   /* enum kvf__role */
+  int state;                  /* enum kvf__xstate: the phase of recv.state or
+                                 send.state, set with them; what the rest of
+                                 the daemon reads */
   kvf__session *owner;        /* NULL once the client went away */
   kvf__peer *peer;            /* the remote daemon; NULL when local */
   char peer_name[KVF__NAME_MAX + 1];
@@ -45,39 +200,20 @@ struct kvf__xfer {
   kvf__transport *tp;
   uint64_t handle;            /* the grant's handle, once known */
   kvf__descs dst;             /* the grant's descriptors */
-  kvf__descs early;           /* send: parts posted before the grant came */
-  bool early_last;
-  bool last_posted;           /* send: the final part was handed to the transport */
-  size_t cursor;              /* send: next grant descriptor to pair */
-  uint64_t src_descs;         /* send: descriptors posted so far */
-  uint64_t bytes;             /* send: bytes paired so far; recv: the grant's */
-  unsigned parts_out;         /* send: transport posts not yet called back */
-  bool send_done_seen;        /* recv: the sender said all bytes are out */
-  bool landed;                /* recv: the transport saw every byte */
-  bool result_ok;             /* send: the receiver confirmed before our last completion */
   int status;                 /* the failure to report once drained */
   char error[128];
-  bool notify_remote;         /* tell the peer when we fail */
-  bool cancel_owed;           /* send: failed with writes out; the Cancel goes once
-                                 they are back (cancel_status for the receiver) */
-  int cancel_status;
-  bool done_owed;             /* send: the receiver asked (Cancel.ack) for a CancelDone once
-                                 our writes are back */
-  bool fencing;               /* recv, cancelled: the grant stays open until the sender's
-                                 CancelDone (or FENCE_MS) says none of its writes is in flight */
-  int remote_status;
   uint64_t created_ns;
-  uint64_t first_post_ns;     /* send: the first and last part handed to the */
-  uint64_t last_post_ns;      /* transport, and its last completion (debug trace) */
-  uint64_t posted_ns;
   uint32_t deadline_ms;
-  uv_timer_t timer;
+  uv_timer_t timer;           /* the deadline; FENCE_MS while fencing */
   void *tp_state;             /* the transport's own per-transfer state */
   kvf__tp_grant tp_grant;     /* set by grant_open on the receiver, from the Grant on
                                  the sender; owned */
-  bool grant_pending;         /* recv: grant_open is not done; the Grant waits */
   const char *path;           /* set by the transport when more precise than its
                                  name ("local-nvlink", "tcp-bounce"); static */
+  union {                     /* by role */
+    kvf__xrecv recv;
+    kvf__xsend send;
+  };
   kvf__xfer *prev, *next;     /* every live transfer */
 };
 
@@ -91,6 +227,9 @@ typedef struct kvf__xfer_env {
   kvf__transport *(*peer_transport)(kvf__peer *p);
   void (*session_xfers)(kvf__session *s, int delta);
   kvf__transport *local;
+  /* A state change the tables do not allow is a bug in the daemon: it is
+   * logged, and with strict (tests) the process aborts. */
+  bool strict;
 } kvf__xfer_env;
 
 int kvf__xfer_init(uv_loop_t *loop, const kvf__xfer_env *env);
@@ -133,7 +272,13 @@ typedef struct kvf__xfer_counts {
 } kvf__xfer_counts;
 void kvf__xfer_counts_get(kvf__xfer_counts *c);
 kvf__xfer *kvf__xfer_first(void);
+/* The name of a phase (x->state), as kvferryctl and the metrics show it. */
 const char *kvf__xstate_name(int state);
 const char *kvf__xfer_path(const kvf__xfer *x);
+/* What the events, kvferryctl and the metrics report of a transfer: a
+ * receiver's grant; what a sender's parts brought (descriptors) and handed
+ * to the transport so far (bytes). */
+uint64_t kvf__xfer_bytes(const kvf__xfer *x);
+uint64_t kvf__xfer_descriptors(const kvf__xfer *x);
 
 #endif

@@ -73,6 +73,7 @@ static struct {
   kvf__xfer *aborted[MAXREC];
   size_t naborted;
   int post_rc, grant_open_rc;
+  int append_fails;        /* xfer.c's next kvf__descs_append calls to fail */
   bool one_sided;          /* peers' transport is one_sided (rdma-like) */
   int sess[NSESS];
   bool sess_bad; /* a count went negative or named an unknown session */
@@ -491,6 +492,7 @@ static int group_setup(void **state) {
       .peer_transport = f_peer_transport,
       .session_xfers = f_session_xfers,
       .local = &TL,
+      .strict = true,
   };
   return kvf__xfer_init(&F.loop, &env);
 }
@@ -517,7 +519,7 @@ static int setup(void **state) {
 /* A failed test may leave transfers behind: tear them down so that the next
  * test starts clean (the test itself already failed). */
 static int teardown(void **state) {
-  F.post_rc = F.grant_open_rc = 0;
+  F.post_rc = F.grant_open_rc = F.append_fails = 0;
   for (int round = 0; round < 3; round++) {
     for (size_t i = 0; i < F.npost; i++)
       if (!F.post[i].done) {
@@ -716,7 +718,7 @@ static void test_remote_pushed_grant(void **state) {
 
   /* SendDone or Cancel from another peer with our handle: ignored. */
   in_send_done(F.pc, h, 3 * 4096, 3);
-  assert_false(x->send_done_seen);
+  assert_int_equal(x->recv.state, KVF__RECV_OPEN); /* still waiting for SendDone */
   in_cancel(F.pc, h, "R1", 0, false);
   assert_int_equal(x->state, KVF__X_ACTIVE);
   assert_int_equal(F.nev, 0);
@@ -761,6 +763,88 @@ static void test_remote_delivered(void **state) {
   kvf__xfer_on_delivered(F.opened[0]);
   expect_event("R3", RECV_DONE, SR, 0);
   assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_RECV_RESULT), 1);
+  assert_clean();
+}
+
+/* The receiver confirms before the sender's last completion is back (as
+ * with rdma's one-sided writes): the send finishes on that completion,
+ * without a SendDone. */
+static void test_remote_confirmed_before_last_completion(void **state) {
+  kvf__descs dst = mkd(2, 1, 0, 4096, 4096);
+  in_grant(F.pb, "K1", 0x1001, &dst);
+  kvf__descs_free(&dst);
+  assert_int_equal(do_send(SS, "K1", "B", mkd(2, 0, 8192, 4096, 4096), false, 0), 0);
+  assert_int_equal(F.npost, 1);
+  kvf__xfer *x = F.post[0].x;
+  assert_true(F.post[0].last);
+  assert_int_equal(F.post[0].runs.n, 1);
+  assert_int_equal(F.post[0].runs.v[0].src_off, 8192);
+  assert_int_equal(F.post[0].runs.v[0].dst_pool, 1);
+  assert_int_equal(F.post[0].runs.v[0].dst_off, 0);
+  assert_int_equal(F.post[0].runs.v[0].len, 8192);
+  assert_int_equal(x->send.state, KVF__SEND_FLUSH);
+  in_recv_result(F.pb, 0x1001, 0);
+  assert_int_equal(x->send.state, KVF__SEND_CONFIRMED);
+  assert_int_equal(x->state, KVF__X_FLUSH); /* kvferryctl still says "flushing" */
+  in_recv_result(F.pb, 0x1001, 0);          /* said twice: nothing more */
+  assert_int_equal(F.nev, 0);
+  complete_post(0, 0);
+  expect_event("K1", SEND_DONE, SS, 0);
+  assert_int_equal(event_for("K1", SEND_DONE)->bytes, 8192);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_SEND_DONE), 0);
+  assert_int_equal(F.nmsg, 0);
+  assert_clean();
+}
+
+/* A transport that opens a grant later (rdma binding memory windows): the
+ * Grant goes once it is open; until then the grant's peer cannot use it. */
+static void test_grant_opened_later(void **state) {
+  F.one_sided = true;
+  F.grant_open_rc = 1;
+  assert_int_equal(do_grant(SR, "G1", "B", mkd(2, 1, 0, 4096, 4096), 0), 0);
+  kvf__xfer *x = find_x("G1", KVF__RECV);
+  assert_non_null(x);
+  assert_int_equal(x->recv.state, KVF__RECV_OPENING);
+  assert_int_equal(x->state, KVF__X_ACTIVE);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_GRANT), 0);
+  /* Its peer's intent waits for it; a SendDone or data for it cannot be
+   * (no sender knows its handle yet). */
+  in_intent(F.pb, "G1", 0);
+  in_send_done(F.pb, x->handle, 8192, 2);
+  kvf__xfer_on_delivered(x);
+  assert_int_equal(x->recv.state, KVF__RECV_OPENING);
+  assert_int_equal(nmsgs(F.pb, -1), 0);
+  assert_int_equal(F.nev, 0);
+  kvf__xfer_on_grant_ready(x, 0, NULL);
+  assert_int_equal(x->recv.state, KVF__RECV_OPEN);
+  Kvf__Grant *g = last_msg(F.pb, KVF__PEER_MSG__BODY_GRANT)->grant;
+  assert_int_equal(g->handle, x->handle);
+  assert_int_equal(g->descs->packed.len, 2 * 20);
+  in_intent(F.pb, "G1", 0); /* crossed: the Grant again */
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_GRANT), 2);
+  kvf__xfer_on_landed(x);
+  assert_int_equal(x->recv.state, KVF__RECV_LANDED);
+  in_send_done(F.pb, x->handle, 8192, 2);
+  expect_event("G1", RECV_DONE, SR, 0);
+  assert_int_equal(event_for("G1", RECV_DONE)->bytes, 8192);
+  assert_int_equal(nclosed_of(x), 1);
+
+  /* Cancelled while opening: no Grant went out, so no fence. */
+  assert_int_equal(do_grant(SR, "G2", "B", mkd(1, 1, 0, 64, 64), 0), 0);
+  kvf__xfer *x2 = find_x("G2", KVF__RECV);
+  assert_int_equal(kvf__xfer_cancel(SR, "G2"), 0);
+  expect_event("G2", RECV_DONE, SR, KVF_ECANCELED);
+  assert_int_equal(nclosed_of(x2), 1);
+  assert_false(last_msg(F.pb, KVF__PEER_MSG__BODY_CANCEL)->cancel->ack);
+  /* The transport could not open it. */
+  assert_int_equal(do_grant(SR, "G3", "B", mkd(1, 1, 0, 64, 64), 0), 0);
+  kvf__xfer *x3 = find_x("G3", KVF__RECV);
+  kvf__xfer_on_grant_ready(x3, KVF_EPEERLOST, "binding the grant's memory windows failed");
+  expect_event("G3", RECV_DONE, SR, KVF_EPEERLOST);
+  assert_string_equal(event_for("G3", RECV_DONE)->error, "binding the grant's memory windows failed");
+  assert_int_equal(nclosed_of(x3), 1);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_GRANT), 2);
+  F.grant_open_rc = 0;
   assert_clean();
 }
 
@@ -1921,6 +2005,89 @@ static void test_grant_open_fails(void **state) {
   assert_clean();
 }
 
+/* ---- out of memory: kvf__descs_append fails on demand --------------------- */
+
+/* test_xfer is linked with -Wl,--wrap=kvf__descs_append (Makefile): xfer.c's
+ * calls come here, and the next F.append_fails of them fail. */
+int __real_kvf__descs_append(kvf__descs *dst, const kvf__descs *src);
+int __wrap_kvf__descs_append(kvf__descs *dst, const kvf__descs *src) {
+  if (F.append_fails > 0) {
+    F.append_fails--;
+    return -ENOMEM;
+  }
+  return __real_kvf__descs_append(dst, src);
+}
+
+/* A send whose first part cannot be kept fails the call and leaves nothing:
+ * no transfer, no event when its deadline would have come, the grant
+ * still free; the same id then goes through. */
+static void test_send_nomem_leaves_nothing(void **state) {
+  assert_int_equal(do_grant(SR, "N1", NULL, mkd(2, 1, 0, 4096, 4096), 0), 0);
+  F.append_fails = 1;
+  assert_int_equal(do_send(SS, "N1", "A", mkd(2, 0, 8192, 4096, 4096), false, 50), -ENOMEM);
+  assert_int_equal(F.append_fails, 0);
+  kvf__xfer_counts c;
+  kvf__xfer_counts_get(&c);
+  assert_int_equal(c.sends, 0);
+  assert_int_equal(c.grants, 1);
+  assert_int_equal(F.sess[1], 0);
+  assert_false(kvf__xfer_sending(SS, "N1"));
+  assert_int_equal(find_x("N1", KVF__RECV)->recv.state, KVF__RECV_WAIT);
+  run_for(150); /* past the failed send's deadline */
+  assert_int_equal(F.nev, 0);
+  assert_int_equal(F.npost, 0);
+  /* The same, to a peer: no SendIntent went out either. */
+  F.append_fails = 1;
+  assert_int_equal(do_send(SS, "N2", "B", mkd(1, 0, 0, 64, 64), true, 50), -ENOMEM);
+  run_for(150);
+  assert_int_equal(F.nev, 0);
+  assert_int_equal(F.nmsg, 0);
+
+  assert_int_equal(do_send(SS, "N1", "A", mkd(2, 0, 8192, 4096, 4096), false, 0), 0);
+  assert_int_equal(F.npost, 1);
+  assert_int_equal(F.post[0].runs.n, 1);
+  assert_int_equal(F.post[0].runs.v[0].src_off, 8192);
+  assert_int_equal(F.post[0].runs.v[0].dst_pool, 1);
+  assert_int_equal(F.post[0].runs.v[0].dst_off, 0);
+  assert_int_equal(F.post[0].runs.v[0].len, 8192);
+  complete_post(0, 0);
+  expect_event("N1", RECV_DONE, SR, 0);
+  expect_event("N1", SEND_DONE, SS, 0);
+  assert_int_equal(event_for("N1", SEND_DONE)->bytes, 8192);
+  assert_int_equal(F.nev, 2);
+  assert_clean();
+}
+
+/* A later part that cannot be kept is not taken: that call fails, the send
+ * goes on without it and counts only what it took. */
+static void test_send_part_nomem(void **state) {
+  assert_int_equal(do_send(SS, "N3", "B", mkd(1, 0, 0, 4096, 4096), true, 0), 0);
+  F.append_fails = 1;
+  assert_int_equal(do_send(SS, "N3", "B", mkd(1, 0, 4096, 4096, 4096), false, 0), -ENOMEM);
+  kvf__xfer *x = find_x("N3", KVF__SEND);
+  assert_non_null(x);
+  assert_int_equal(x->send.state, KVF__SEND_WAIT); /* still open for its last part */
+  assert_int_equal(do_send(SS, "N3", "B", mkd(1, 0, 4096, 4096, 4096), false, 0), 0);
+  assert_int_equal(x->send.state, KVF__SEND_QUEUED);
+  kvf__descs dst = mkd(2, 1, 0, 4096, 4096);
+  in_grant(F.pb, "N3", 0x903, &dst);
+  kvf__descs_free(&dst);
+  assert_int_equal(F.npost, 1);
+  assert_true(F.post[0].last);
+  assert_int_equal(F.post[0].runs.n, 1);
+  assert_int_equal(F.post[0].runs.v[0].src_off, 0);
+  assert_int_equal(F.post[0].runs.v[0].dst_pool, 1);
+  assert_int_equal(F.post[0].runs.v[0].len, 8192);
+  complete_post(0, 0);
+  Kvf__SendDone *sd = last_msg(F.pb, KVF__PEER_MSG__BODY_SEND_DONE)->send_done;
+  assert_int_equal(sd->descriptors, 2);
+  assert_int_equal(sd->bytes, 8192);
+  in_recv_result(F.pb, 0x903, 0);
+  expect_event("N3", SEND_DONE, SS, 0);
+  assert_int_equal(event_for("N3", SEND_DONE)->descriptors, 2);
+  assert_clean();
+}
+
 /* Many transfers at once, each completing; counts back to zero. */
 static void test_many(void **state) {
   enum { N = 200 };
@@ -1950,6 +2117,8 @@ int main(void) {
       T(test_remote_pushed_grant),
       T(test_remote_landed_then_send_done),
       T(test_remote_delivered),
+      T(test_remote_confirmed_before_last_completion),
+      T(test_grant_opened_later),
       T(test_intent_before_grant),
       T(test_intent_before_named_grant),
       T(test_intent_after_grant),
@@ -1992,6 +2161,8 @@ int main(void) {
       T(test_bogus_peer_messages),
       T(test_grant_over_max_descs),
       T(test_grant_open_fails),
+      T(test_send_nomem_leaves_nothing),
+      T(test_send_part_nomem),
       T(test_many),
   };
 #undef T
