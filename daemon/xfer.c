@@ -240,7 +240,7 @@ static void free_after_close(uv_handle_t *h) {
 
 static void xfer_destroy(kvf__xfer *x) {
   char key[KVF__NAME_MAX + 64];
-  if (x->tp && x->tp->ops->xfer_done) x->tp->ops->xfer_done(x->tp, x);
+  if (x->tp) x->tp->ops->xfer_done(x->tp, x);
   kvf__map_del(x->role == KVF__RECV ? &X.recv_by_id : &X.send_by_id, x->id);
   if (x->handle) {
     handle_key(key, sizeof(key), x, x->handle);

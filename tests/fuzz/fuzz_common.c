@@ -156,9 +156,8 @@ static const kvf__transport_ops one_sided_ops = {
     .name = "rdma", .one_sided = true, .post = f_post, .abort = f_abort,
     .grant_open = f_grant_open, .grant_close = f_grant_close,
 };
-static kvf__transport tp_local = {.ops = &local_ops};
-static kvf__transport tp_net = {.ops = &net_ops};
-static kvf__transport tp_one_sided = {.ops = &one_sided_ops};
+/* Made with kvf__transport_init: the ops left out get the defaults. */
+static kvf__transport tp_local, tp_net, tp_one_sided;
 
 void fz_pump(bool land) {
   while (posts.n) {
@@ -286,6 +285,9 @@ void fz_init(bool api_env, bool c_up) {
   uv_loop_init(&loop);
   kvfd.loop = &loop;
   kvfd.start_ns = kvf__now_ns();
+  kvf__transport_init(&tp_local, &local_ops, &loop, 0);
+  kvf__transport_init(&tp_net, &net_ops, &loop, 1);
+  kvf__transport_init(&tp_one_sided, &one_sided_ops, &loop, 1);
   make_pools();
   const char *names[2] = {FZ_PEER_B, FZ_PEER_C};
   for (int i = 0; i < 2; i++) {

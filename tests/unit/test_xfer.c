@@ -178,9 +178,9 @@ static const kvf__transport_ops one_sided_ops = {
     .grant_open = f_grant_open,
     .grant_close = f_grant_close,
 };
-static kvf__transport TL = {.ops = &local_ops};
-static kvf__transport TN = {.ops = &net_ops};
-static kvf__transport TO = {.ops = &one_sided_ops};
+/* Made with kvf__transport_init (group_setup): the ops left out get the
+ * defaults, as a real transport's do. */
+static kvf__transport TL, TN, TO;
 
 static kvf__transport *f_peer_transport(kvf__peer *p) { return F.one_sided ? &TO : &TN; }
 
@@ -483,6 +483,9 @@ static int group_setup(void **state) {
   if (!F.pb || !F.pc) return -1;
   snprintf(F.pb->cfg.name, sizeof(F.pb->cfg.name), "B");
   snprintf(F.pc->cfg.name, sizeof(F.pc->cfg.name), "C");
+  kvf__transport_init(&TL, &local_ops, &F.loop, 0);
+  kvf__transport_init(&TN, &net_ops, &F.loop, 1);
+  kvf__transport_init(&TO, &one_sided_ops, &F.loop, 1);
   kvf__xfer_env env = {
       .emit = f_emit,
       .peer_send = f_peer_send,
