@@ -69,7 +69,9 @@ all: deps $(BINS) $(UNIT_BIN) $(INTEG_BIN) $(MAN_PAGES)
 deps:
 	@[ "$(SKIP_DEPS)" = 1 ] || scripts/install-deps.sh
 
-$(PROTO_C) $(PROTO_H): proto/kvferry.proto | deps
+# One protoc-c writes both files: one rule, or make -j runs two at once.
+$(PROTO_H): $(PROTO_C)
+$(PROTO_C): proto/kvferry.proto | deps
 	@mkdir -p $(BUILD)/proto
 	protoc-c --proto_path=proto --c_out=$(BUILD)/proto proto/kvferry.proto
 
