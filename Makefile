@@ -376,7 +376,8 @@ $(FUZZ_DIR)/obj/proto/kvferry.pb-c.o: $(PROTO_C)
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -Wno-error -fsanitize=fuzzer-no-link $(INC) -c $< -o $@
 
-$(FUZZ_DIR)/fuzz_%: tests/fuzz/fuzz_%.c $(FUZZ_OBJ)
+# A static pattern: the objects are named, so make keeps them (no rebuild next time).
+$(FUZZ_BIN): $(FUZZ_DIR)/fuzz_%: tests/fuzz/fuzz_%.c $(FUZZ_OBJ)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer $(INC) -Itests/fuzz -o $@ $< $(FUZZ_OBJ) $(LDLIBS_D)
 
 # The seed generator is an ordinary program on the ordinary objects.
