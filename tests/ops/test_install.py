@@ -4,7 +4,9 @@ and /usr/local, libkvferry's soname and exports, kvferry.pc, a small C
 client built through pkg-config against the installed files and run
 against the installed daemon, the installed Python package, the man pages,
 the systemd unit (systemd-analyze verify), the sysusers file, and
-`make uninstall` keeping the operator's configuration."""
+`make uninstall` keeping the operator's configuration. Also: what `make
+all` and `make install` build (the product only) and that they only check
+for packages."""
 import os
 import re
 import shutil
@@ -198,6 +200,39 @@ class TestInstall(unittest.TestCase):
         left = [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs]
         self.assertEqual(left, ["usr/local/etc/kvferry/kvferryd.conf"])
 
+
+class TestBuildTargets(unittest.TestCase):
+    """`make all` and `make install` build the product only and install no
+    package; `make check` builds the tests and installs what they need."""
+
+    def planned(self, goal):
+        """What `make -n GOAL` would do in an empty build dir: the files its
+        compiles, links and archives write, and its package step."""
+        build = os.path.join(kvftest.tempdir(), "build")
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+        out = run(["make", "-n", "BUILD=" + build, goal], cwd=kvftest.REPO, env=env)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        made = re.findall(r"(?:-o|ar rcs|ln -sf \S+) (%s/\S+)" % re.escape(build), out.stdout)
+        made = {os.path.relpath(m, build) for m in made}
+        made = {m for m in made if not m.endswith(".o") and not m.startswith("cuda/")}
+        made |= {os.path.relpath(m, build) for m in
+                 re.findall(r"> (%s/man/\S+)" % re.escape(build), out.stdout)}
+        made |= {os.path.relpath(m, build) for m in
+                 re.findall(r"gen-conf-man.py \S+ \S+ (%s/\S+)" % re.escape(build), out.stdout)}
+        deps = re.findall(r"scripts/install-deps.sh\s+(.*)", out.stdout)
+        return made, deps
+
+    def test_all_and_install_build_only_the_product(self):
+        product = {"kvferryd", "kvferryctl", "kvferry-bench", "libkvferry.so", "libkvferry.a",
+                   "man/kvferryd.8", "man/kvferryd.conf.5", "man/kvferryctl.1", "man/libkvferry.3"}
+        for goal in ("all", "install"):
+            made, deps = self.planned(goal)
+            self.assertEqual(made, product, goal)
+            # A check that names what is missing, never an install.
+            self.assertEqual(deps, ["--check build"], goal)
+        made, deps = self.planned("check")
+        self.assertIn("tests/test_e2e", made)
+        self.assertEqual(deps, ["build test"])
 
 if __name__ == "__main__":
     kvftest.main()
