@@ -2,8 +2,8 @@
 # build-san/ with SAN=1 for the ASan+UBSan build).
 #
 # Building: each target builds what it names, nothing else.
-#   make, make all    the product: kvferryd, libkvferry.so and libkvferry.a,
-#                     kvferryctl, kvferry-bench, the man pages
+#   make, make all    the product: kvferryd, libkvferry.so (.so.1 -> .so.1.0.0)
+#                     and libkvferry.a, kvferryctl, kvferry-bench, the man pages
 #   make install      the product, installed: PREFIX=/usr/local DESTDIR= (and
 #                     BINDIR, SBINDIR, LIBDIR, ...: see "install" below)
 #   make test-build   every test program: tests/unit, tests/integration,
@@ -45,7 +45,7 @@ CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Wshadow -Wno-unused
 INC := -I$(BUILD)/proto -Iproto -Iclient -Idaemon
 DEPFLAGS = -MMD -MP
 LDLIBS_D := -luv -lprotobuf-c -lpthread -ldl -lsystemd -libverbs -lrdmacm
-LDLIBS_C := -lprotobuf-c -lpthread
+LDLIBS_C := -lprotobuf-c -lpthread -ldl
 
 PROTO_C := $(BUILD)/proto/kvferry.pb-c.c
 PROTO_H := $(BUILD)/proto/kvferry.pb-c.h
@@ -70,7 +70,12 @@ INTEG_BIN := $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(INTEG_SRC))
 TESTLIB_SRC := $(wildcard tests/integration/harness.c)
 ROGUE_BIN := $(BUILD)/tests/kvferryd-rogue
 
-BINS := $(BUILD)/kvferryd $(BUILD)/kvferryctl $(BUILD)/kvferry-bench $(BUILD)/libkvferry.so $(BUILD)/libkvferry.a
+# libkvferry as `make install` lays it out: the real file, its soname, the
+# link-time name (cc app.c -Iclient -Lbuild -lkvferry).
+LIB_SONAME := libkvferry.so.1
+LIB_REAL := libkvferry.so.1.0.0
+LIB_SO := $(BUILD)/$(LIB_REAL) $(BUILD)/$(LIB_SONAME) $(BUILD)/libkvferry.so
+BINS := $(BUILD)/kvferryd $(BUILD)/kvferryctl $(BUILD)/kvferry-bench $(LIB_SO) $(BUILD)/libkvferry.a
 BENCH_TOOLS := $(BUILD)/desc-bench $(BUILD)/post-bench $(BUILD)/wake-bench
 
 # Operations tests (tests/ops): Python, stdlib only, TAP on stdout.
@@ -134,9 +139,15 @@ $(BUILD)/kvferryd: $(BUILD)/obj/daemon/main.o $(DAEMON_OBJ)
 	$(CC) $(CFLAGS_BASE) -o $@ $^ $(LDLIBS_D)
 
 # The shared library exports only kvf_* (client/libkvferry.map).
-$(BUILD)/libkvferry.so: $(LIB_PIC) client/libkvferry.map
-	$(CC) $(CFLAGS_BASE) -shared -Wl,-soname,libkvferry.so.1 \
+$(BUILD)/$(LIB_REAL): $(LIB_PIC) client/libkvferry.map
+	$(CC) $(CFLAGS_BASE) -shared -Wl,-soname,$(LIB_SONAME) \
 	  -Wl,--version-script=client/libkvferry.map -o $@ $(LIB_PIC) $(LDLIBS_C)
+
+$(BUILD)/$(LIB_SONAME): $(BUILD)/$(LIB_REAL)
+	ln -sf $(LIB_REAL) $@
+
+$(BUILD)/libkvferry.so: $(BUILD)/$(LIB_SONAME)
+	ln -sf $(LIB_SONAME) $@
 
 $(BUILD)/libkvferry.a: $(LIB_PIC)
 	@rm -f $@
@@ -242,8 +253,6 @@ PYVER := $(shell python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])' 
 # Debian's layout: /usr/lib/python3/dist-packages for packages, the versioned
 # dist-packages under any other prefix (e.g. /usr/local).
 PYTHONDIR ?= $(if $(filter /usr,$(PREFIX)),/usr/lib/python3/dist-packages,$(PREFIX)/lib/python$(PYVER)/dist-packages)
-LIB_SONAME := libkvferry.so.1
-LIB_REAL := libkvferry.so.1.0.0
 
 INSTALL ?= install
 SUBST = sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@BINDIR@|$(BINDIR)|g' -e 's|@SBINDIR@|$(SBINDIR)|g' \
@@ -258,7 +267,7 @@ install: all
 	  $(DESTDIR)$(SYSCONFDIR)/kvferry $(DESTDIR)$(DOCDIR) $(DESTDIR)$(PYTHONDIR)/kvferry
 	$(INSTALL) -m 0755 $(BUILD)/kvferryd $(DESTDIR)$(SBINDIR)/kvferryd
 	$(INSTALL) -m 0755 $(BUILD)/kvferryctl $(BUILD)/kvferry-bench $(DESTDIR)$(BINDIR)/
-	$(INSTALL) -m 0755 $(BUILD)/libkvferry.so $(DESTDIR)$(LIBDIR)/$(LIB_REAL)
+	$(INSTALL) -m 0755 $(BUILD)/$(LIB_REAL) $(DESTDIR)$(LIBDIR)/$(LIB_REAL)
 	ln -sf $(LIB_REAL) $(DESTDIR)$(LIBDIR)/$(LIB_SONAME)
 	ln -sf $(LIB_SONAME) $(DESTDIR)$(LIBDIR)/libkvferry.so
 	$(INSTALL) -m 0644 $(BUILD)/libkvferry.a $(DESTDIR)$(LIBDIR)/libkvferry.a
