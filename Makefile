@@ -1,16 +1,33 @@
 # kvferry - top-level build. Everything lands in $(BUILD) (build/, or
 # build-san/ with SAN=1 for the ASan+UBSan build).
 #
-#   make              build daemon, library, kvferryctl, kvferry-bench, tests
-#   make check        run every test (unit + black-box with real daemons)
+# Building: each target builds what it names, nothing else.
+#   make, make all    the product: kvferryd, libkvferry.so (.so.1 -> .so.1.0.0)
+#                     and libkvferry.a, kvferryctl, kvferry-bench, the man pages
+#   make install      the product, installed: PREFIX=/usr/local DESTDIR= (and
+#                     BINDIR, SBINDIR, LIBDIR, ...: see "install" below)
+#   make test-build   every test program: tests/unit, tests/integration,
+#                     tests/kvferryd-rogue (failpoints), tests/rdma (and
+#                     mw_probe), tests/gpu, tests/chaos/chaos_client
+#   make bench-tools  desc-bench, post-bench, wake-bench, tests/gpu/gpu_copy
+#                     (what bench/*.sh run besides the product)
+#   make fuzz-build   the libFuzzer targets and gen_corpus (clang; "fuzz" below)
+# Running: each target first builds what it runs.
+#   make check        test-build and bench-tools, then every test that runs
+#                     here: unit, integration (real daemons), ops (tests/ops)
+#   make unit / integration / check-ops    one part of `make check`
 #   make demo         two daemons on loopback, one verified KV-cache handoff
 #   make demo-up / demo-down   the same daemons, left running (build/demo/env)
 #   make bench-tcp    kvferry vs iperf3 on loopback (bench/tcp_vs_iperf.sh)
 #   make check-rdma / demo-rdma / bench-rdma   in the soft-RoCE VM (see "rdma" below)
 #   make check-gpu    on a GPU machine: tests/gpu (see "cuda" below)
+#   make chaos / chaos-vm   kills and network faults (see "chaos" below)
 #   make fuzz         libFuzzer targets, FUZZ_SECONDS each (see "fuzz" below)
-#   make install      PREFIX=/usr/local DESTDIR= (and BINDIR, SBINDIR, LIBDIR,
-#                     INCLUDEDIR, MANDIR, SYSCONFDIR, ...: see "install" below)
+# Packages (scripts/install-deps.sh): `make`, `make install` and any file
+# target only check for the build packages and fail naming those missing;
+# the targets that run tests (and bench-tcp: iperf3) install the build and
+# test packages when missing, demo, bench-rdma and bench-tools the build
+# packages (as root, on Debian). See "packages".
 
 SAN ?= 0
 ifeq ($(SAN),1)
@@ -28,7 +45,7 @@ CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Wshadow -Wno-unused
 INC := -I$(BUILD)/proto -Iproto -Iclient -Idaemon
 DEPFLAGS = -MMD -MP
 LDLIBS_D := -luv -lprotobuf-c -lpthread -ldl -lsystemd -libverbs -lrdmacm
-LDLIBS_C := -lprotobuf-c -lpthread
+LDLIBS_C := -lprotobuf-c -lpthread -ldl
 
 PROTO_C := $(BUILD)/proto/kvferry.pb-c.c
 PROTO_H := $(BUILD)/proto/kvferry.pb-c.h
@@ -51,41 +68,70 @@ UNIT_BIN := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
 INTEG_SRC := $(wildcard tests/integration/test_*.c)
 INTEG_BIN := $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(INTEG_SRC))
 TESTLIB_SRC := $(wildcard tests/integration/harness.c)
+ROGUE_BIN := $(BUILD)/tests/kvferryd-rogue
 
-BINS := $(BUILD)/kvferryd $(BUILD)/kvferryctl $(BUILD)/kvferry-bench $(BUILD)/desc-bench $(BUILD)/post-bench \
-	$(BUILD)/wake-bench \
-	$(BUILD)/libkvferry.so $(BUILD)/libkvferry.a
+# libkvferry as `make install` lays it out: the real file, its soname, the
+# link-time name (cc app.c -Iclient -Lbuild -lkvferry).
+LIB_SONAME := libkvferry.so.1
+LIB_REAL := libkvferry.so.1.0.0
+LIB_SO := $(BUILD)/$(LIB_REAL) $(BUILD)/$(LIB_SONAME) $(BUILD)/libkvferry.so
+BINS := $(BUILD)/kvferryd $(BUILD)/kvferryctl $(BUILD)/kvferry-bench $(LIB_SO) $(BUILD)/libkvferry.a
+BENCH_TOOLS := $(BUILD)/desc-bench $(BUILD)/post-bench $(BUILD)/wake-bench
 
 # Operations tests (tests/ops): Python, stdlib only, TAP on stdout.
 OPS_TESTS := $(wildcard tests/ops/test_*.py)
 MAN_PAGES := $(addprefix $(BUILD)/man/,kvferryd.8 kvferryd.conf.5 kvferryctl.1 libkvferry.3)
 
-.PHONY: all deps check unit integration demo demo-up demo-down bench-tcp clean
+.PHONY: all deps test-build bench-tools check unit integration demo demo-up demo-down bench-tcp clean
 .DEFAULT_GOAL := all
 
-all: deps $(BINS) $(UNIT_BIN) $(INTEG_BIN) $(MAN_PAGES)
+all: $(BINS) $(MAN_PAGES)
 
-# Installs the Debian packages the build and tests need, only when missing.
+test-build: $(UNIT_BIN) $(INTEG_BIN)
+
+bench-tools: $(BENCH_TOOLS)
+
+# ---------------------------------------------------------------- packages
+# `deps` is an order-only prerequisite of every compile: none starts before
+# it ends (make -j). It runs scripts/install-deps.sh as the goals need: the
+# targets that run tests, fuzzers or chaos (and bench-tcp: iperf3) install
+# the build and test packages when missing; demo, the other bench and rdma
+# targets the build packages (the README's two commands, `make demo` and
+# `make check`, work on a fresh Debian 12, as root); all, install and
+# anything else only check the build packages (--check: a production host
+# gets nothing from apt-get). SKIP_DEPS=1 skips it.
+DEPS_TEST_GOALS := test-build check unit integration check-ops check-gpu check-rdma chaos chaos-vm \
+	fuzz fuzz-build bench-tcp
+DEPS_BUILD_GOALS := demo demo-up demo-rdma bench-rdma bench-tools fuzz-corpus
+DEPS_ARGS := --check build
+ifneq ($(filter $(DEPS_BUILD_GOALS),$(MAKECMDGOALS)),)
+DEPS_ARGS := build
+endif
+ifneq ($(filter $(DEPS_TEST_GOALS),$(MAKECMDGOALS)),)
+DEPS_ARGS := build test
+endif
 deps:
-	@[ "$(SKIP_DEPS)" = 1 ] || scripts/install-deps.sh
+	@[ "$(SKIP_DEPS)" = 1 ] || scripts/install-deps.sh $(DEPS_ARGS)
 
-$(PROTO_C) $(PROTO_H): proto/kvferry.proto | deps
+# One protoc-c writes both files: one rule, or make -j runs two at once.
+$(PROTO_H): $(PROTO_C)
+$(PROTO_C): proto/kvferry.proto | deps
 	@mkdir -p $(BUILD)/proto
 	protoc-c --proto_path=proto --c_out=$(BUILD)/proto proto/kvferry.proto
 
-$(BUILD)/obj/%.o: %.c $(PROTO_H)
+$(BUILD)/obj/%.o: %.c $(PROTO_H) | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(INC) $(DEPFLAGS) -c $< -o $@
 
-$(BUILD)/obj/proto/kvferry.pb-c.o: $(PROTO_C)
+$(BUILD)/obj/proto/kvferry.pb-c.o: $(PROTO_C) | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -Wno-error $(INC) -c $< -o $@
 
-$(BUILD)/pic/%.o: %.c $(PROTO_H)
+$(BUILD)/pic/%.o: %.c $(PROTO_H) | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -fPIC $(INC) $(DEPFLAGS) -c $< -o $@
 
-$(BUILD)/pic/proto/kvferry.pb-c.o: $(PROTO_C)
+$(BUILD)/pic/proto/kvferry.pb-c.o: $(PROTO_C) | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -fPIC -Wno-error $(INC) -c $< -o $@
 
@@ -93,9 +139,15 @@ $(BUILD)/kvferryd: $(BUILD)/obj/daemon/main.o $(DAEMON_OBJ)
 	$(CC) $(CFLAGS_BASE) -o $@ $^ $(LDLIBS_D)
 
 # The shared library exports only kvf_* (client/libkvferry.map).
-$(BUILD)/libkvferry.so: $(LIB_PIC) client/libkvferry.map
-	$(CC) $(CFLAGS_BASE) -shared -Wl,-soname,libkvferry.so.1 \
+$(BUILD)/$(LIB_REAL): $(LIB_PIC) client/libkvferry.map
+	$(CC) $(CFLAGS_BASE) -shared -Wl,-soname,$(LIB_SONAME) \
 	  -Wl,--version-script=client/libkvferry.map -o $@ $(LIB_PIC) $(LDLIBS_C)
+
+$(BUILD)/$(LIB_SONAME): $(BUILD)/$(LIB_REAL)
+	ln -sf $(LIB_REAL) $@
+
+$(BUILD)/libkvferry.so: $(BUILD)/$(LIB_SONAME)
+	ln -sf $(LIB_SONAME) $@
 
 $(BUILD)/libkvferry.a: $(LIB_PIC)
 	@rm -f $@
@@ -108,21 +160,21 @@ $(BUILD)/kvferry-bench: $(call obj,$(BENCH_SRC)) $(BUILD)/libkvferry.a
 	$(CC) $(CFLAGS_BASE) -o $@ $^ $(LDLIBS_C) -lm
 
 # The daemon's cost per descriptor before a transport sees it (bench/desc_bench.c).
-$(BUILD)/desc-bench: bench/desc_bench.c $(DAEMON_OBJ) $(PROTO_H)
+$(BUILD)/desc-bench: bench/desc_bench.c $(DAEMON_OBJ) $(PROTO_H) | deps
 	$(CC) $(CFLAGS_BASE) $(INC) -o $@ $< $(DAEMON_OBJ) $(LDLIBS_D)
 
 # The rdma sender's own cost per descriptor, without a device
 # (bench/post_bench.c): it compiles rdma.c in, so links the rest.
-$(BUILD)/post-bench: bench/post_bench.c daemon/transport/rdma/rdma.c $(DAEMON_OBJ) $(PROTO_H)
+$(BUILD)/post-bench: bench/post_bench.c daemon/transport/rdma/rdma.c $(DAEMON_OBJ) $(PROTO_H) | deps
 	$(CC) $(CFLAGS_BASE) $(INC) -o $@ $< $(filter-out %/transport/rdma/rdma.o,$(DAEMON_OBJ)) $(LDLIBS_D)
 
 # What one thread or process wake-up costs here (bench/wake_bench.c).
-$(BUILD)/wake-bench: bench/wake_bench.c
+$(BUILD)/wake-bench: bench/wake_bench.c | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -o $@ $< -lpthread
 
 # Unit tests link the daemon's objects (all but main) and cmocka.
-$(BUILD)/tests/%: tests/unit/%.c $(DAEMON_OBJ) $(BUILD)/libkvferry.a $(PROTO_H)
+$(BUILD)/tests/%: tests/unit/%.c $(DAEMON_OBJ) $(BUILD)/libkvferry.a $(PROTO_H) | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(INC) -Itests/unit -o $@ $< $(DAEMON_OBJ) $(BUILD)/libkvferry.a \
 	  $(LDLIBS_D) -lcmocka
@@ -132,22 +184,24 @@ $(BUILD)/tests/%: tests/unit/%.c $(DAEMON_OBJ) $(BUILD)/libkvferry.a $(PROTO_H)
 $(BUILD)/tests/test_xfer: private LDLIBS_D += -Wl,--wrap=kvf__descs_append
 
 # Black-box tests: real daemons, driven through libkvferry only.
-$(BUILD)/tests/%: tests/integration/%.c $(TESTLIB_SRC) $(BUILD)/libkvferry.a
+$(BUILD)/tests/%: tests/integration/%.c $(TESTLIB_SRC) $(BUILD)/libkvferry.a | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -Iclient -Itests/integration -o $@ $< $(TESTLIB_SRC) \
 	  $(BUILD)/libkvferry.a $(LDLIBS_C) -lcmocka
 
-check: all
+# Builds every test program and bench tool, also those it cannot run here
+# (rdma, gpu): a change that breaks one fails `make check`.
+check: all test-build bench-tools
 	@BUILD=$(BUILD) tests/run.sh $(UNIT_BIN) $(INTEG_BIN) $(OPS_TESTS)
 
 # Operations only: systemd, signals, metrics, kvferryctl, install, Python.
 check-ops: all
 	@BUILD=$(BUILD) tests/run.sh $(OPS_TESTS)
 
-unit: all
+unit: all $(UNIT_BIN)
 	@BUILD=$(BUILD) tests/run.sh $(UNIT_BIN)
 
-integration: all
+integration: all $(INTEG_BIN) $(ROGUE_BIN)
 	@BUILD=$(BUILD) tests/run.sh $(INTEG_BIN)
 
 BENCH_ARGS ?= --model llama3-8b --tokens 4096 --json
@@ -179,7 +233,7 @@ $(BUILD)/man/kvferryd.conf.5: docs/kvferryd.conf.5.in scripts/gen-conf-man.py $(
 	@mkdir -p $(dir $@)
 	scripts/gen-conf-man.py $(BUILD)/kvferryd $< $@
 
-$(BUILD)/man/%: docs/%
+$(BUILD)/man/%: docs/% | deps
 	@mkdir -p $(dir $@)
 	sed 's|@VERSION@|$(VERSION)|g' $< > $@
 
@@ -203,8 +257,6 @@ PYVER := $(shell python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])' 
 # Debian's layout: /usr/lib/python3/dist-packages for packages, the versioned
 # dist-packages under any other prefix (e.g. /usr/local).
 PYTHONDIR ?= $(if $(filter /usr,$(PREFIX)),/usr/lib/python3/dist-packages,$(PREFIX)/lib/python$(PYVER)/dist-packages)
-LIB_SONAME := libkvferry.so.1
-LIB_REAL := libkvferry.so.1.0.0
 
 INSTALL ?= install
 SUBST = sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@BINDIR@|$(BINDIR)|g' -e 's|@SBINDIR@|$(SBINDIR)|g' \
@@ -219,7 +271,7 @@ install: all
 	  $(DESTDIR)$(SYSCONFDIR)/kvferry $(DESTDIR)$(DOCDIR) $(DESTDIR)$(PYTHONDIR)/kvferry
 	$(INSTALL) -m 0755 $(BUILD)/kvferryd $(DESTDIR)$(SBINDIR)/kvferryd
 	$(INSTALL) -m 0755 $(BUILD)/kvferryctl $(BUILD)/kvferry-bench $(DESTDIR)$(BINDIR)/
-	$(INSTALL) -m 0755 $(BUILD)/libkvferry.so $(DESTDIR)$(LIBDIR)/$(LIB_REAL)
+	$(INSTALL) -m 0755 $(BUILD)/$(LIB_REAL) $(DESTDIR)$(LIBDIR)/$(LIB_REAL)
 	ln -sf $(LIB_REAL) $(DESTDIR)$(LIBDIR)/$(LIB_SONAME)
 	ln -sf $(LIB_SONAME) $(DESTDIR)$(LIBDIR)/libkvferry.so
 	$(INSTALL) -m 0644 $(BUILD)/libkvferry.a $(DESTDIR)$(LIBDIR)/libkvferry.a
@@ -267,7 +319,7 @@ NVCC ?= $(shell command -v nvcc 2>/dev/null || { [ -x /usr/local/cuda/bin/nvcc ]
 NVCC_FLAGS ?= -O3 -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 KERNEL_FATBIN := $(if $(NVCC),$(BUILD)/cuda/copy_kernel.fatbin)
 ifneq ($(NVCC),)
-$(KERNEL_FATBIN): daemon/cuda/copy_kernel.cu daemon/cuda/copy_args.h
+$(KERNEL_FATBIN): daemon/cuda/copy_kernel.cu daemon/cuda/copy_args.h | deps
 	@mkdir -p $(dir $@)
 	$(NVCC) -fatbin $(NVCC_FLAGS) -Idaemon/cuda -o $@ $<
 $(BUILD)/obj/daemon/cuda/kernel_image.o: $(KERNEL_FATBIN)
@@ -279,13 +331,15 @@ endif
 GPU_SRC := $(wildcard tests/gpu/*.c)
 GPU_BIN := $(patsubst tests/gpu/%.c,$(BUILD)/tests/gpu/%,$(GPU_SRC))
 GPU_PY_TESTS := $(wildcard tests/gpu/test_*.py)
-all: $(GPU_BIN)
+test-build: $(GPU_BIN)
+# bench/gpu_local.sh and bench/gpu_tcp_bounce.sh time with it.
+bench-tools: $(BUILD)/tests/gpu/gpu_copy
 
-$(BUILD)/tests/gpu/%: tests/gpu/%.c $(DAEMON_OBJ) $(BUILD)/libkvferry.a $(PROTO_H)
+$(BUILD)/tests/gpu/%: tests/gpu/%.c $(DAEMON_OBJ) $(BUILD)/libkvferry.a $(PROTO_H) | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(INC) -Itests/gpu -o $@ $< $(DAEMON_OBJ) $(BUILD)/libkvferry.a $(LDLIBS_D) -lm
 
-check-gpu: all
+check-gpu: all $(GPU_BIN)
 	@BUILD=$(BUILD) tests/gpu/run.sh
 	@BUILD=$(BUILD) tests/run.sh $(GPU_PY_TESTS)
 
@@ -300,38 +354,39 @@ check-gpu: all
 RDMA_VM ?= $(abspath ../shared/rdma-vm/run)
 RDMA_TEST_SRC := $(wildcard tests/rdma/test_*.c)
 RDMA_TEST_BIN := $(patsubst tests/rdma/%.c,$(BUILD)/tests/rdma/%,$(RDMA_TEST_SRC))
-all: $(RDMA_TEST_BIN)
+MW_PROBE := $(BUILD)/tests/rdma/mw_probe
+test-build: $(RDMA_TEST_BIN) $(MW_PROBE)
 
-$(BUILD)/tests/rdma/%: tests/rdma/%.c $(TESTLIB_SRC) $(BUILD)/libkvferry.a
+$(BUILD)/tests/rdma/%: tests/rdma/%.c $(TESTLIB_SRC) $(BUILD)/libkvferry.a | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -Iclient -Itests/integration -o $@ $< $(TESTLIB_SRC) \
 	  $(BUILD)/libkvferry.a $(LDLIBS_C) -lcmocka
 
-check-rdma: all
+# The black-box suite and tests/rdma, and mw_probe first (tests/rdma/run.sh).
+check-rdma: all $(INTEG_BIN) $(ROGUE_BIN) $(RDMA_TEST_BIN) $(MW_PROBE)
 	@BUILD=$(BUILD) RDMA_VM=$(RDMA_VM) tests/rdma/run.sh
 
 # What a device does with type 2 memory windows, against the real verbs
 # (tests/rdma/mw_probe.c; tests/rdma/run.sh prints it first).
-$(BUILD)/tests/rdma/mw_probe: tests/rdma/mw_probe.c
+$(MW_PROBE): tests/rdma/mw_probe.c | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -o $@ $< -libverbs
-all: $(BUILD)/tests/rdma/mw_probe
 
 # ---------------------------------------------------------------- failpoints
-# $(BUILD)/tests/kvferryd-rogue: the daemon's sources again, with
+# $(ROGUE_BIN): the daemon's sources again, with
 # -DKVF_FAILPOINTS (daemon/failpoint.h) and their own objects, for the tests
 # of a peer that misbehaves (tests/integration/test_rogue.c). kvferryd
 # itself is built without failpoints.
 ROGUE_SRC := daemon/main.c $(filter-out daemon/cuda/kernel_image.c,$(DAEMON_SRC)) $(COMMON_SRC) $(ERR_SRC)
 ROGUE_OBJ := $(patsubst %.c,$(BUILD)/rogue/%.o,$(ROGUE_SRC)) $(BUILD)/obj/daemon/cuda/kernel_image.o \
 	$(BUILD)/obj/proto/kvferry.pb-c.o
-all: $(BUILD)/tests/kvferryd-rogue
+test-build: $(ROGUE_BIN)
 
-$(BUILD)/rogue/%.o: %.c $(PROTO_H)
+$(BUILD)/rogue/%.o: %.c $(PROTO_H) | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -DKVF_FAILPOINTS $(INC) $(DEPFLAGS) -c $< -o $@
 
-$(BUILD)/tests/kvferryd-rogue: $(ROGUE_OBJ)
+$(ROGUE_BIN): $(ROGUE_OBJ)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -o $@ $^ $(LDLIBS_D)
 
@@ -339,7 +394,7 @@ demo-rdma: all
 	$(RDMA_VM) --nodes 2 --mem 4G --timeout 600 -- \
 	  env -u MAKEFLAGS -u MFLAGS -u MAKELEVEL make --no-print-directory demo TRANSPORT=rdma BUILD=$(BUILD)
 
-bench-rdma: all
+bench-rdma: all $(BUILD)/post-bench $(BUILD)/wake-bench
 	@BUILD=$(BUILD) RDMA_VM=$(RDMA_VM) bench/rdma_vs_perftest.sh
 
 .PHONY: check-rdma demo-rdma bench-rdma
@@ -370,23 +425,24 @@ FUZZ_OBJ := $(patsubst %.c,$(FUZZ_DIR)/obj/%.o,$(DAEMON_SRC) $(COMMON_SRC) $(ERR
 	$(FUZZ_DIR)/obj/proto/kvferry.pb-c.o
 FUZZ_BIN := $(addprefix $(FUZZ_DIR)/,fuzz_api fuzz_peer fuzz_config)
 
-$(FUZZ_DIR)/obj/%.o: %.c $(PROTO_H)
+$(FUZZ_DIR)/obj/%.o: %.c $(PROTO_H) | deps
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link $(INC) -Itests/fuzz $(DEPFLAGS) -c $< -o $@
 
-$(FUZZ_DIR)/obj/proto/kvferry.pb-c.o: $(PROTO_C)
+$(FUZZ_DIR)/obj/proto/kvferry.pb-c.o: $(PROTO_C) | deps
 	@mkdir -p $(dir $@)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -Wno-error -fsanitize=fuzzer-no-link $(INC) -c $< -o $@
 
-$(FUZZ_DIR)/fuzz_%: tests/fuzz/fuzz_%.c $(FUZZ_OBJ)
+# A static pattern: the objects are named, so make keeps them (no rebuild next time).
+$(FUZZ_BIN): $(FUZZ_DIR)/fuzz_%: tests/fuzz/fuzz_%.c $(FUZZ_OBJ)
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer $(INC) -Itests/fuzz -o $@ $< $(FUZZ_OBJ) $(LDLIBS_D)
 
 # The seed generator is an ordinary program on the ordinary objects.
-$(FUZZ_DIR)/gen_corpus: tests/fuzz/gen_corpus.c $(DAEMON_OBJ) $(PROTO_H)
+$(FUZZ_DIR)/gen_corpus: tests/fuzz/gen_corpus.c $(DAEMON_OBJ) $(PROTO_H) | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) $(INC) -o $@ $< $(DAEMON_OBJ) $(LDLIBS_D)
 
-fuzz-build: deps $(FUZZ_BIN) $(FUZZ_DIR)/gen_corpus
+fuzz-build: $(FUZZ_BIN) $(FUZZ_DIR)/gen_corpus
 
 fuzz: fuzz-build
 	@rm -rf $(FUZZ_DIR)/seeds
@@ -415,16 +471,16 @@ TRIALS ?= 30
 VM_TRIALS ?= 5
 CHAOS_ARGS ?=
 CHAOS_BIN := $(BUILD)/tests/chaos/chaos_client
-all: $(CHAOS_BIN)
+test-build: $(CHAOS_BIN)
 
-$(CHAOS_BIN): tests/chaos/chaos_client.c $(BUILD)/libkvferry.a
+$(CHAOS_BIN): tests/chaos/chaos_client.c $(BUILD)/libkvferry.a | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -Iclient -o $@ $< $(BUILD)/libkvferry.a $(LDLIBS_C)
 
-chaos: all
+chaos: all $(CHAOS_BIN)
 	@BUILD=$(BUILD) python3 tests/chaos/chaos.py --trials $(TRIALS) $(CHAOS_ARGS)
 
-chaos-vm: all
+chaos-vm: all $(CHAOS_BIN)
 	@if [ -x "$(RDMA_VM)" ]; then \
 	  $(RDMA_VM) --nodes 2 --mem 3G --timeout 900 -- \
 	    env BUILD=$(BUILD) python3 tests/chaos/chaos.py --vm --trials $(VM_TRIALS) $(CHAOS_ARGS); \

@@ -30,7 +30,8 @@
 # The VM is emulated (TCG): compare figures only within one run.
 # Prints a table, then (last line of stdout) the same as one JSON line.
 #
-# Usage (as root, on the host): make && bench/rdma_vs_perftest.sh
+# Usage (as root, on the host): make bench-rdma, or make all bench-tools &&
+# bench/rdma_vs_perftest.sh
 # It boots the VM and runs itself inside. Environment: BUILD (default build),
 # REQUESTS (4), LAT_REQUESTS (200), LEAD_MS (20), PERF_SECONDS (5), POOL (1G per daemon),
 # VM_MEM (6G), RDMA_VM (the VM's run script), EXTRA_CONF (config lines for
@@ -54,7 +55,7 @@ say() { echo "rdma_vs_perftest: $*" >&2; }
 die() { say "$*"; exit 1; }
 
 for bin in kvferryd kvferryctl kvferry-bench post-bench wake-bench; do
-  [ -x "$BUILD/$bin" ] || die "$BUILD/$bin is missing (run make first)"
+  [ -x "$BUILD/$bin" ] || die "$BUILD/$bin is missing (run make all bench-tools first)"
 done
 
 # ---------------------------------------------------------------- host side

@@ -10,6 +10,8 @@
 #                                PREFILL_METRICS DECODE_METRICS: metrics URLs)
 #   demo.sh down                 stop what `up` started, remove the env file
 #
+# `run` refuses while the daemons of `up` are running (they own the same
+# sockets), and no start removes a socket a live daemon answers on.
 # Environment: BUILD (default build), TRANSPORT (default tcp; written as
 # `transports TRANSPORT`), LOG_LEVEL (default info), POOL_SIZE (default 1G).
 # With TRANSPORT=rdma the daemons listen on $NODE0_IP and $NODE1_IP instead
@@ -84,6 +86,20 @@ metrics_url() {
     python3 -c 'import json, sys; print(json.load(sys.stdin)["metrics"])'
 }
 
+# demo_daemon PID: true when PID is alive and is a kvferryd (not a recycled pid).
+demo_daemon() {
+  [ -n "$1" ] && kill -0 "$1" 2>/dev/null && grep -q kvferryd "/proc/$1/cmdline" 2>/dev/null
+}
+
+# up_running: true when $ENV_FILE names a daemon that still runs; sets
+# PREFILL_PID, DECODE_PID and the rest from it.
+up_running() {
+  [ -f "$ENV_FILE" ] || return 1
+  # shellcheck disable=SC1090
+  . "$ENV_FILE"
+  demo_daemon "${PREFILL_PID:-}" || demo_daemon "${DECODE_PID:-}"
+}
+
 # start NAME DETACH: starts kvferryd on $DEMO/NAME.conf, sets STARTED_PID.
 # DETACH=1 puts it in its own session, immune to this shell's end.
 start() {
@@ -155,8 +171,22 @@ configure() {
   PREFILL_SOCK=$SOCK_DIR/prefill.sock DECODE_SOCK=$SOCK_DIR/decode.sock
 }
 
+# refuse_live_sockets: fails when a daemon answers on a demo socket (a
+# `run` in progress, or an `up` whose env file is gone): a start would
+# rewrite its config and remove its socket.
+refuse_live_sockets() {
+  local n sock
+  for n in prefill decode; do
+    sock=$SOCK_DIR/$n.sock
+    if [ -S "$sock" ] && "$BUILD/kvferryctl" -s "$sock" status >/dev/null 2>&1; then
+      die "a kvferryd already answers on $sock (another demo running?): stop it first"
+    fi
+  done
+}
+
 # start_both DETACH: sets PREFILL_PID and DECODE_PID, waits until both up.
 start_both() {
+  refuse_live_sockets
   configure
   start prefill "$1"; PREFILL_PID=$STARTED_PID
   start decode "$1"; DECODE_PID=$STARTED_PID
@@ -167,6 +197,11 @@ start_both() {
 
 cmd_run() {
   [ -x "$BUILD/kvferry-bench" ] || die "$BUILD/kvferry-bench not built (run make)"
+  if up_running; then
+    die "the daemons of \`make demo-up\` are running (prefill pid $PREFILL_PID, decode pid $DECODE_PID;" \
+      "$ENV_FILE): use them (kvferry-bench --from $PREFILL_SOCK --to $DECODE_SOCK), or stop them" \
+      "first (make demo-down)"
+  fi
   [ $# -gt 0 ] || set -- --model llama3-8b --tokens 4096 --json
   PREFILL_PID="" DECODE_PID=""
   # Whatever happens, leave no daemon behind.
@@ -189,7 +224,7 @@ cmd_up() {
   if [ -f "$ENV_FILE" ]; then
     # shellcheck disable=SC1090
     . "$ENV_FILE"
-    if kill -0 "$PREFILL_PID" 2>/dev/null && kill -0 "$DECODE_PID" 2>/dev/null; then
+    if demo_daemon "$PREFILL_PID" && demo_daemon "$DECODE_PID"; then
       echo "demo: already up ($ENV_FILE)"; return 0
     fi
     cmd_down

@@ -10,10 +10,11 @@
 #   export LD_LIBRARY_PATH=$PWD/.devcarry/lib PATH=$PWD/.devcarry/bin:$PATH
 #   BUILD=.devcarry/build tests/gpu/run.sh
 #
-# Build first (make all). Environment: BUILD (default build).
+# Build first (make all test-build). Environment: BUILD (default build).
 set -eu
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
+[ -x "$BUILD/tests/gpu/gpu_copy" ] || { echo "device-pack: $BUILD/tests/gpu not built (make all test-build)" >&2; exit 1; }
 out=.devcarry
 rm -rf "$out/lib" "$out/bin" "$out/build"
 mkdir -p "$out/lib" "$out/bin" "$out/build/tests/gpu"

@@ -965,7 +965,8 @@ def main():
     if args.seed is None:
         args.seed = int(time.time() * 1000) % 1000000
     if not os.access(CLIENT, os.X_OK):
-        print("chaos: %s is missing: make BUILD=%s" % (CLIENT, os.path.basename(kvftest.BUILD)), file=sys.stderr)
+        print("chaos: %s is missing: make test-build BUILD=%s" % (CLIENT, os.path.basename(kvftest.BUILD)),
+              file=sys.stderr)
         return 2
     suite = Suite(args)
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -1,6 +1,7 @@
 /* install_client.c - a client built against an installed libkvferry
- * (pkg-config kvferry) by tests/ops/test_install.py: connects to the
- * daemon at argv[1], moves a block within its pool "kv" and checks it.
+ * (pkg-config kvferry) and in the tree (-Iclient -Lbuild -lkvferry) by
+ * tests/ops/test_install.py: connects to the daemon at argv[1], moves a
+ * block within its pool "kv" and checks it.
  * Prints "install-client: ok" and exits 0 when everything works. */
 #include <kvferry.h>
 #include <stdio.h>

@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """`make install` into a DESTDIR: the files and their places for PREFIX=/usr
 and /usr/local, libkvferry's soname and exports, kvferry.pc, a small C
-client built through pkg-config against the installed files and run
-against the installed daemon, the installed Python package, the man pages,
-the systemd unit (systemd-analyze verify), the sysusers file, and
-`make uninstall` keeping the operator's configuration."""
+client built through pkg-config against the installed files (shared, and
+static with Libs.private) and run against the installed daemon, the
+installed Python package, the man pages, the systemd unit (systemd-analyze
+verify), the sysusers file, and `make uninstall` keeping the operator's
+configuration. Also: what `make all` and `make install` build (the product
+only) and that they only check for packages; the same client built in the
+tree (cc app.c -Iclient -Lbuild -lkvferry) and against build/libkvferry.a."""
 import os
 import re
 import shutil
@@ -28,6 +31,27 @@ def make(*args):
     if out.returncode != 0:
         raise AssertionError("make %s failed:\n%s%s" % (" ".join(args), out.stdout, out.stderr))
     return out
+
+
+def san_flags():
+    return ["-fsanitize=address,undefined"] if kvftest.sanitized() else []
+
+
+def build_client(args, exe, cwd=None):
+    """Compiles install_client.c into exe with args (where to find the
+    header and the library); fails the test with the compiler's words."""
+    out = run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror"] + san_flags() +
+              [os.path.join(HERE, "install_client.c"), "-o", exe] + args, cwd=cwd)
+    if out.returncode != 0:
+        raise AssertionError("cc %s: %s" % (" ".join(args), out.stderr))
+    return exe
+
+
+def run_client(exe, sock, env=None):
+    """exe moves a block through the daemon at sock and checks it."""
+    out = run([exe, sock], env=env, timeout=30)
+    if out.returncode != 0 or "install-client: ok" not in out.stdout:
+        raise AssertionError("%s: status %d\n%s%s" % (exe, out.returncode, out.stdout, out.stderr))
 
 
 def config_keys():
@@ -94,11 +118,12 @@ class TestInstall(unittest.TestCase):
         self.assertEqual(cflags, ["-I" + self.p("/usr/include")])
         self.assertEqual(libs, ["-L" + self.p("/usr/lib"), "-lkvferry"])
         self.assertIn("-lprotobuf-c", self.pkg_config("--static", "--libs"))
-        exe = os.path.join(self.tmp, "install_client")
-        san = ["-fsanitize=address,undefined"] if kvftest.sanitized() else []
-        out = run(["cc", "-std=c11", "-Wall", "-Wextra", "-Werror"] + san + cflags +
-                  [os.path.join(HERE, "install_client.c"), "-o", exe] + libs)
-        self.assertEqual(out.returncode, 0, out.stderr)
+        exe = build_client(cflags + libs, os.path.join(self.tmp, "install_client"))
+        # Static: the archive and Libs.private, all that pkg-config --static gives.
+        static_libs = [self.p("/usr/lib/libkvferry.a") if a == "-lkvferry" else a
+                       for a in self.pkg_config("--static", "--libs")]
+        static_exe = build_client(cflags + static_libs, os.path.join(self.tmp, "static_client"))
+        self.assertNotIn("libkvferry", run(["ldd", static_exe]).stdout)
         env = dict(os.environ, LD_LIBRARY_PATH=self.p("/usr/lib"))
         self.assertIn(self.p("/usr/lib/libkvferry.so.1"), run(["ldd", exe], env=env).stdout)
         d = Daemon(self.tmp, "installed", pool="4M")
@@ -107,9 +132,8 @@ class TestInstall(unittest.TestCase):
                                   stdout=open(d.log, "a"), stderr=subprocess.STDOUT)
         try:
             d.wait_ready()
-            out = run([exe, d.sock], env=env, timeout=30)
-            self.assertEqual(out.returncode, 0, out.stdout + out.stderr)
-            self.assertIn("install-client: ok", out.stdout)
+            run_client(exe, d.sock, env)
+            run_client(static_exe, d.sock)
             # The installed Python package finds the installed library by its soname.
             code = "import kvferry; c = kvferry.Client(%r); print(c.node, c.pools()[0].size)" % d.sock
             penv = kvftest.python_env(PYTHONPATH=self.p("/usr/lib/python3/dist-packages"),
@@ -198,6 +222,72 @@ class TestInstall(unittest.TestCase):
         left = [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs]
         self.assertEqual(left, ["usr/local/etc/kvferry/kvferryd.conf"])
 
+
+class TestInTreeClient(unittest.TestCase):
+    """The build dir as the README describes it: the library under its
+    soname, a client built in the tree and run against it."""
+
+    def test_client_built_in_tree(self):
+        tmp = kvftest.tempdir()
+        build = os.path.relpath(kvftest.BUILD, kvftest.REPO)
+        self.assertEqual(os.path.realpath(os.path.join(kvftest.BUILD, "libkvferry.so.1")),
+                         os.path.join(os.path.realpath(kvftest.BUILD), "libkvferry.so.1.0.0"))
+        # As the README says, from the repository: cc app.c -Iclient -Lbuild -lkvferry
+        exe = build_client(["-Iclient", "-L" + build, "-lkvferry"],
+                           os.path.join(tmp, "intree_client"), cwd=kvftest.REPO)
+        static_exe = build_client(["-Iclient", os.path.join(build, "libkvferry.a")] +
+                                  self.libs_private(), os.path.join(tmp, "intree_static"),
+                                  cwd=kvftest.REPO)
+        needed = re.findall(r"\(NEEDED\).*\[(.*)\]", run(["readelf", "-d", exe]).stdout)
+        self.assertIn("libkvferry.so.1", needed)
+        env = dict(os.environ, LD_LIBRARY_PATH=kvftest.BUILD)
+        self.assertIn(os.path.join(kvftest.BUILD, "libkvferry.so.1"), run(["ldd", exe], env=env).stdout)
+        d = Daemon(tmp, "intree", pool="4M").start()
+        try:
+            run_client(exe, d.sock, env)
+            run_client(static_exe, d.sock)
+        finally:
+            self.assertEqual(d.stop(), 0)
+
+    @staticmethod
+    def libs_private():
+        with open(os.path.join(kvftest.REPO, "kvferry.pc.in")) as f:
+            return re.search(r"(?m)^Libs\.private:(.*)$", f.read()).group(1).split()
+
+
+class TestBuildTargets(unittest.TestCase):
+    """`make all` and `make install` build the product only and install no
+    package; `make check` builds the tests and installs what they need."""
+
+    def planned(self, goal):
+        """What `make -n GOAL` would do in an empty build dir: the files its
+        compiles, links and archives write, and its package step."""
+        build = os.path.join(kvftest.tempdir(), "build")
+        env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+        out = run(["make", "-n", "BUILD=" + build, goal], cwd=kvftest.REPO, env=env)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        made = re.findall(r"(?:-o|ar rcs|ln -sf \S+) (%s/\S+)" % re.escape(build), out.stdout)
+        made = {os.path.relpath(m, build) for m in made}
+        made = {m for m in made if not m.endswith(".o") and not m.startswith("cuda/")}
+        made |= {os.path.relpath(m, build) for m in
+                 re.findall(r"> (%s/man/\S+)" % re.escape(build), out.stdout)}
+        made |= {os.path.relpath(m, build) for m in
+                 re.findall(r"gen-conf-man.py \S+ \S+ (%s/\S+)" % re.escape(build), out.stdout)}
+        deps = re.findall(r"scripts/install-deps.sh\s+(.*)", out.stdout)
+        return made, deps
+
+    def test_all_and_install_build_only_the_product(self):
+        product = {"kvferryd", "kvferryctl", "kvferry-bench", "libkvferry.so.1.0.0", "libkvferry.so.1",
+                   "libkvferry.so", "libkvferry.a", "man/kvferryd.8", "man/kvferryd.conf.5",
+                   "man/kvferryctl.1", "man/libkvferry.3"}
+        for goal in ("all", "install"):
+            made, deps = self.planned(goal)
+            self.assertEqual(made, product, goal)
+            # A check that names what is missing, never an install.
+            self.assertEqual(deps, ["--check build"], goal)
+        made, deps = self.planned("check")
+        self.assertIn("tests/test_e2e", made)
+        self.assertEqual(deps, ["build test"])
 
 if __name__ == "__main__":
     kvftest.main()

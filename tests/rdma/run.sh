@@ -27,7 +27,7 @@ say() { echo "check-rdma: $*" >&2; }
 
 if [ -z "${RDMA_VM_NODES:-}" ]; then
   [ -x "$RDMA_VM" ] || { say "no VM runner at $RDMA_VM (set RDMA_VM)"; exit 1; }
-  [ -x "$BUILD/tests/rdma/test_rdma" ] || { say "$BUILD/tests/rdma/test_rdma not built (make)"; exit 1; }
+  [ -x "$BUILD/tests/rdma/test_rdma" ] || { say "$BUILD/tests/rdma/test_rdma not built (make test-build)"; exit 1; }
   export BUILD
   exec "$RDMA_VM" --nodes 2 --mem "${RDMA_VM_MEM_CHECK:-4G}" --timeout 1500 -- tests/rdma/run.sh
 fi
