@@ -10,6 +10,19 @@
  * Only the public API (client/kvferry.h) is used. One thread: both clients'
  * event fds are polled together.
  *
+ * --blocks hands the same requests off by layout and block ids
+ * (kvf_grant_blocks / kvf_send_blocks) instead of descriptors: each side
+ * registers its pool's paged layout once, and the bytes are checked the
+ * same way, so both APIs can be compared in one run.
+ *
+ * --compute-us-per-layer N with --layerwise or --whole emulates prefill:
+ * the grant goes first (decode admits the request), then each layer takes
+ * N us of "compute" (to absolute deadlines, so waits do not drift); with
+ * --layerwise each layer's send part is posted as its compute ends, with
+ * --whole the whole request is sent after the last layer. What the decode
+ * side still waits for once the compute is over is the exposed time: from
+ * the posting of the last send call to RECV_DONE.
+ *
  * cuda:N pools (--pool-from/--pool-to naming one): kvf_pool_map returns a
  * device pointer; the bench keeps a host shadow of the pool, fills and
  * poisons it there, and copies it to the GPU before each wave and back
@@ -32,6 +45,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -73,6 +87,11 @@ typedef struct opts {
   bool time_from_send;   /* latency starts at the send (the grant is posted before, untimed) */
   uint32_t grant_lead_ms; /* with it: how long before the send the grant is posted */
   bool busy_poll;         /* wait for events by polling without blocking */
+  bool blocks;            /* by layout and block ids, not descriptors */
+  bool layer_events;      /* grants ask for KVF_EV_LAYER_DONE (with --blocks) */
+  bool whole;             /* with compute: one send after the last layer */
+  bool compute;           /* --compute-us-per-layer given: emulate prefill */
+  uint64_t compute_us;    /* per layer */
 } opts;
 
 /* ------------------------------------------------------------ state */
@@ -88,6 +107,7 @@ typedef struct side {
   int gpu;               /* cuda:N pool: N, else -1 */
   CUdeviceptr dptr;      /* its device pointer */
   uint64_t num_blocks;   /* per (layer, K/V) array */
+  uint32_t layout;       /* --blocks: the pool's paged layout, registered by this side's client */
   uint32_t *ids;         /* the free list, reshuffled each wave */
   uint64_t rng;
   int fd;
@@ -99,8 +119,12 @@ typedef struct req {
   const uint32_t *src_ids, *dst_ids;
   kvf_desc *src, *dst;
   int64_t t_post, t_recv;
-  int64_t t_posted;      /* the grant and send calls returned */
+  int64_t post_ns;       /* spent in the grant and send calls */
+  int64_t t_last_send;   /* the last send call was made (exposed time starts) */
   bool got_recv, got_send;
+  uint32_t layers_done;  /* KVF_EV_LAYER_DONE taken */
+  uint32_t next_layer;   /* the layer expected next, for the order check */
+  uint8_t *layer_seen;   /* per layer: its LAYER_DONE came */
 } req;
 
 typedef struct bench {
@@ -111,6 +135,9 @@ typedef struct bench {
   req *slots;            /* one per request in flight */
   double *lat_us;        /* per completed request */
   double *post_us;       /* time in the grant and send calls, per request */
+  double *exposed_us;    /* compute mode: last send posted -> RECV_DONE */
+  uint64_t layer_events; /* LAYER_DONE events taken and checked */
+  bool layers_in_order;  /* every request's layer events came in layer order */
   uint64_t done;
   int64_t timed_ns;
   char path[32];
@@ -274,8 +301,10 @@ static void prepare_wave(bench *b, uint64_t first, size_t n) {
                    pattern_key(b->o.seed, r->index, d));
       memset(b->dst.base + r->dst[d].offset, poison_byte(r->index), b->block_bytes);
     }
-    r->t_post = r->t_recv = 0;
+    r->t_post = r->t_recv = r->t_last_send = r->post_ns = 0;
     r->got_recv = r->got_send = false;
+    r->layers_done = r->next_layer = 0;
+    if (r->layer_seen) memset(r->layer_seen, 0, b->o.g.layers);
   }
 }
 
@@ -356,6 +385,32 @@ static int open_side(bench *b, side *s, const char *pool_name) {
   return 0;
 }
 
+/* --blocks: the paged layout of size_side as a kvf_layout (region r =
+ * layer * kv + k starts at r * num_blocks blocks), registered by this
+ * side's client. */
+static int register_layout(bench *b, side *s) {
+  const geom *g = &b->o.g;
+  uint64_t n = g->layers * g->kv_count;
+  uint64_t *off = malloc(n * sizeof *off);
+  if (!off) return fail(b, "out of memory");
+  for (uint64_t r = 0; r < n; r++) off[r] = r * s->num_blocks * b->block_bytes;
+  kvf_layout l = {.pool = s->pool.id, .n_layers = (uint32_t)g->layers, .n_kv = (uint32_t)g->kv_count,
+                  .n_blocks = (uint32_t)s->num_blocks, .block_bytes = b->block_bytes,
+                  .block_stride = b->block_bytes, .offsets = off,
+                  .tokens_per_block = (uint32_t)g->block_tokens, .kv_heads = (uint32_t)g->kv_heads,
+                  .head_dim = (uint32_t)g->head_dim, .dtype_bytes = (uint32_t)g->dtype_bytes,
+                  .order = KVF_LAYOUT_NHD};
+  int rc = kvf_layout_register(s->c, &l, &s->layout);
+  free(off);
+  if (rc < 0) {
+    char what[160];
+    snprintf(what, sizeof what, "kvf_layout_register (pool '%s' of %s node %s)", s->pool.name, s->role,
+             s->node);
+    return fail_api(b, what, rc);
+  }
+  return 0;
+}
+
 /* Fits the paged layout into the pool, or says how big a pool is needed. */
 static int size_side(bench *b, side *s, uint64_t need_blocks) {
   uint64_t per_id = b->o.g.layers * b->o.g.kv_count * b->block_bytes;
@@ -401,16 +456,23 @@ static int setup(bench *b) {
   if (size_side(b, &b->src, b->shared ? 2 * need : need) < 0) return -1;
   if (!b->shared && size_side(b, &b->dst, need) < 0) return -1;
   if (b->shared) b->dst.num_blocks = b->src.num_blocks;
+  if (b->o.blocks && (register_layout(b, &b->src) < 0 || register_layout(b, &b->dst) < 0)) return -1;
   size_t w = (size_t)b->o.concurrency;
   b->slots = calloc(w, sizeof *b->slots);
   b->lat_us = calloc((size_t)b->o.requests, sizeof *b->lat_us);
   b->post_us = calloc((size_t)b->o.requests, sizeof *b->post_us);
-  if (!b->slots || !b->lat_us || !b->post_us) return fail(b, "out of memory");
+  b->exposed_us = calloc((size_t)b->o.requests, sizeof *b->exposed_us);
+  if (!b->slots || !b->lat_us || !b->post_us || !b->exposed_us) return fail(b, "out of memory");
   for (size_t i = 0; i < w; i++) {
     b->slots[i].src = malloc(b->ndesc * sizeof(kvf_desc));
     b->slots[i].dst = malloc(b->ndesc * sizeof(kvf_desc));
     if (!b->slots[i].src || !b->slots[i].dst) return fail(b, "out of memory");
+    if (b->o.layer_events && !(b->slots[i].layer_seen = calloc(g->layers, 1))) return fail(b, "out of memory");
   }
+  b->layers_in_order = true;
+  /* The emulated compute waits to absolute deadlines; the default 50 us
+   * of timer slack would add to every layer. */
+  if (b->o.compute) prctl(PR_SET_TIMERSLACK, 1UL, 0, 0, 0);
   return 0;
 }
 
@@ -419,10 +481,12 @@ static void teardown(bench *b) {
     for (uint64_t i = 0; i < b->o.concurrency; i++) {
       free(b->slots[i].src);
       free(b->slots[i].dst);
+      free(b->slots[i].layer_seen);
     }
   free(b->slots);
   free(b->lat_us);
   free(b->post_us);
+  free(b->exposed_us);
   free(b->src.ids);
   free(b->dst.ids);
   if (b->src.gpu >= 0) free(b->src.base);
@@ -434,51 +498,107 @@ static void teardown(bench *b) {
 
 /* ------------------------------------------------------------ transfers */
 
-static int post_grant(bench *b, const req *r) {
+static int drain_both(bench *b, size_t n);
+
+/* Adds the time of one API call to the request's posting cost. */
+static void count_call(req *r, int64_t t0) { r->post_ns += now_ns() - t0; }
+
+static int post_grant(bench *b, req *r) {
   const char *src_node = b->o.grant_any ? NULL : b->src.node;
-  int rc = kvf_grant(b->dst.c, r->id, src_node, r->dst, b->ndesc, b->o.deadline_ms);
+  int64_t t0 = now_ns();
+  int rc;
+  if (b->o.blocks) {
+    kvf_blocks blk = {.layout = b->dst.layout, .ids = r->dst_ids, .n = b->blocks};
+    rc = kvf_grant_blocks(b->dst.c, r->id, src_node, &blk, b->o.layer_events ? KVF_GRANT_LAYER_EVENTS : 0,
+                          b->o.deadline_ms);
+  } else {
+    rc = kvf_grant(b->dst.c, r->id, src_node, r->dst, b->ndesc, b->o.deadline_ms);
+  }
+  count_call(r, t0);
   if (rc < 0) {
     char what[160];
-    snprintf(what, sizeof what, "kvf_grant(%s) on decode node %s", r->id, b->dst.node);
+    snprintf(what, sizeof what, "%s(%s) on decode node %s", b->o.blocks ? "kvf_grant_blocks" : "kvf_grant",
+             r->id, b->dst.node);
     return fail_api(b, what, rc);
   }
   return 0;
 }
 
-/* One send, or with --layerwise one part per layer as an engine would post
- * them while the forward pass produces each layer's KV. */
-static int post_send(bench *b, const req *r) {
-  uint64_t parts = b->o.layerwise ? b->o.g.layers : 1;
-  uint64_t per = b->ndesc / parts;
-  for (uint64_t l = 0; l < parts; l++) {
-    unsigned flags = l + 1 < parts ? KVF_SEND_MORE : 0;
-    int rc = kvf_send(b->src.c, r->id, b->dst.node, r->src + l * per, per, flags,
-                      b->o.deadline_ms);
-    if (rc < 0) {
-      char what[200];
-      snprintf(what, sizeof what, "kvf_send(%s, part %" PRIu64 "/%" PRIu64 ") to node %s",
-               r->id, l + 1, parts, b->dst.node);
-      return fail_api(b, what, rc);
-    }
+/* Part l of parts: layers [l * per, (l + 1) * per) of the request. By
+ * blocks, the first part names the ids and later ones continue with them. */
+static int send_part(bench *b, req *r, uint64_t l, uint64_t parts) {
+  unsigned flags = l + 1 < parts ? KVF_SEND_MORE : 0;
+  int64_t t0 = now_ns();
+  if (flags == 0) r->t_last_send = t0;
+  int rc;
+  if (b->o.blocks) {
+    uint64_t per = b->o.g.layers / parts;
+    kvf_blocks blk = {.layout = b->src.layout, .ids = l ? NULL : r->src_ids, .n = l ? 0 : b->blocks,
+                      .first_layer = (uint32_t)(l * per), .n_layers = (uint32_t)per};
+    rc = kvf_send_blocks(b->src.c, r->id, b->dst.node, &blk, flags, b->o.deadline_ms);
+  } else {
+    uint64_t per = b->ndesc / parts;
+    rc = kvf_send(b->src.c, r->id, b->dst.node, r->src + l * per, per, flags, b->o.deadline_ms);
+  }
+  count_call(r, t0);
+  if (rc < 0) {
+    char what[200];
+    snprintf(what, sizeof what, "%s(%s, part %" PRIu64 "/%" PRIu64 ") to node %s",
+             b->o.blocks ? "kvf_send_blocks" : "kvf_send", r->id, l + 1, parts, b->dst.node);
+    return fail_api(b, what, rc);
   }
   return 0;
 }
 
-static int post_request(bench *b, req *r) {
+/* Emulated compute until the absolute time `until`: the bench keeps taking
+ * the events of earlier requests meanwhile, so their RECV_DONE is timed
+ * when it comes, not when this request's compute ends. */
+static int compute_until(bench *b, size_t n, int64_t until) {
+  for (;;) {
+    int64_t left = until - now_ns();
+    if (left <= 0) return 0;
+    if (!b->o.busy_poll) {
+      struct pollfd pf[2] = {{.fd = b->dst.fd, .events = POLLIN}, {.fd = b->src.fd, .events = POLLIN}};
+      struct timespec ts = {left / 1000000000, left % 1000000000};
+      if (ppoll(pf, 2, &ts, NULL) < 0 && errno != EINTR) return fail(b, "ppoll: %s", strerror(errno));
+    }
+    if (drain_both(b, n) < 0) return -1;
+  }
+}
+
+/* One send, or with --layerwise one part per layer as an engine would post
+ * them while the forward pass produces each layer's KV. With
+ * --compute-us-per-layer each layer's compute ends at t0 + (l + 1) * N us. */
+static int post_send(bench *b, req *r, size_t n) {
+  uint64_t layers = b->o.g.layers, parts = b->o.layerwise ? layers : 1;
+  int64_t t0 = now_ns(), step = (int64_t)b->o.compute_us * 1000;
+  for (uint64_t l = 0; l < parts; l++) {
+    if (b->o.compute) {
+      uint64_t upto = b->o.layerwise ? l + 1 : layers; /* whole: after every layer */
+      if (compute_until(b, n, t0 + (int64_t)upto * step) < 0) return -1;
+    }
+    if (send_part(b, r, l, parts) < 0) return -1;
+  }
+  return 0;
+}
+
+static int post_request(bench *b, req *r, size_t n) {
   r->t_post = now_ns();
   int rc;
-  if (b->o.time_from_send) { /* decode posted its grant ahead, as engines do */
+  if (b->o.time_from_send || b->o.compute) { /* decode posted its grant ahead, as engines do */
     if (post_grant(b, r) < 0) return -1;
     /* An engine grants when it admits the request, a whole prefill before
      * the send: the grant is in place (windows bound, pushed to the
      * sender) and only the handoff is timed. */
     uint32_t lead = b->o.grant_lead_ms;
     if (lead) nanosleep(&(struct timespec){lead / 1000, (long)(lead % 1000) * 1000000L}, NULL);
-    r->t_post = now_ns();
-    rc = post_send(b, r);
-  } else if (b->o.send_first) rc = post_send(b, r) < 0 || post_grant(b, r) < 0 ? -1 : 0;
-  else rc = post_grant(b, r) < 0 || post_send(b, r) < 0 ? -1 : 0;
-  r->t_posted = now_ns();
+    if (b->o.time_from_send) {
+      r->t_post = now_ns();
+      r->post_ns = 0; /* the send calls only */
+    }
+    rc = post_send(b, r, n);
+  } else if (b->o.send_first) rc = post_send(b, r, n) < 0 || post_grant(b, r) < 0 ? -1 : 0;
+  else rc = post_grant(b, r) < 0 || post_send(b, r, n) < 0 ? -1 : 0;
   return rc;
 }
 
@@ -495,12 +615,31 @@ static void note_path(bench *b, const char *path) {
     snprintf(b->path, sizeof b->path, "mixed");
 }
 
+/* KVF_EV_LAYER_DONE (--layer-events): each layer once, before RECV_DONE. */
+static int handle_layer(bench *b, req *r, const kvf_event *ev) {
+  if (!b->o.layer_events) return fail(b, "LAYER_DONE for %s, whose grant asked for none", r->id);
+  if (ev->layer >= b->o.g.layers)
+    return fail(b, "LAYER_DONE for %s names layer %u of %" PRIu64, r->id, ev->layer, b->o.g.layers);
+  if (r->got_recv) return fail(b, "LAYER_DONE (layer %u) for %s after its RECV_DONE", ev->layer, r->id);
+  if (r->layer_seen[ev->layer]) return fail(b, "a second LAYER_DONE for layer %u of %s", ev->layer, r->id);
+  r->layer_seen[ev->layer] = 1;
+  /* Layers may land out of order (parts may come in any order, tcp streams
+   * race); counted, not failed. */
+  if (ev->layer != r->next_layer) b->layers_in_order = false;
+  r->next_layer = ev->layer + 1;
+  r->layers_done++;
+  b->layer_events++;
+  return 0;
+}
+
 static int handle_event(bench *b, side *s, size_t n, const kvf_event *ev, int64_t t) {
   int want = s == &b->dst ? KVF_EV_RECV_DONE : KVF_EV_SEND_DONE;
   const char *name = ev->type == KVF_EV_RECV_DONE ? "RECV_DONE"
-                     : ev->type == KVF_EV_SEND_DONE ? "SEND_DONE" : "unknown event";
+                     : ev->type == KVF_EV_SEND_DONE ? "SEND_DONE"
+                     : ev->type == KVF_EV_LAYER_DONE ? "LAYER_DONE" : "unknown event";
   req *r = find_req(b, n, ev->xfer_id);
   if (!r) return fail(b, "%s for unknown transfer '%s' on the %s client", name, ev->xfer_id, s->role);
+  if (ev->type == KVF_EV_LAYER_DONE && ev->status == 0 && s == &b->dst) return handle_layer(b, r, ev);
   if (ev->status != 0)
     return fail(b, "%s %s on %s node %s (peer %s, path %s): %s (%s)%s%s", r->id, name, s->role,
                 s->node, ev->peer, ev->path, kvf_err_name(ev->status), kvf_strerror(ev->status),
@@ -513,6 +652,9 @@ static int handle_event(bench *b, side *s, size_t n, const kvf_event *ev, int64_
   if (want == KVF_EV_RECV_DONE) {
     r->t_recv = t;
     note_path(b, ev->path);
+    if (b->o.layer_events && r->layers_done != b->o.g.layers)
+      return fail(b, "RECV_DONE for %s after %u LAYER_DONE events of %" PRIu64, r->id, r->layers_done,
+                  b->o.g.layers);
   }
   /* Every byte is verified anyway; a wrong count is the daemon's
    * bookkeeping, worth one warning, not a failed run. */
@@ -605,7 +747,7 @@ static int run_wave(bench *b, uint64_t first, size_t n) {
   prepare_wave(b, first, n);
   if (gpu_sync(b, &b->src, true) < 0 || (!b->shared && gpu_sync(b, &b->dst, true) < 0)) return -1;
   for (size_t i = 0; i < n; i++) {
-    if (post_request(b, &b->slots[i]) < 0) return -1;
+    if (post_request(b, &b->slots[i], n) < 0) return -1;
     /* Completions of earlier requests must not wait for the posting loop. */
     if (drain_both(b, n) < 0) return -1;
   }
@@ -616,7 +758,8 @@ static int run_wave(bench *b, uint64_t first, size_t n) {
     const req *r = &b->slots[i];
     if (r->t_recv > t1) t1 = r->t_recv;
     b->lat_us[r->index] = (double)(r->t_recv - r->t_post) / 1e3;
-    b->post_us[r->index] = (double)(r->t_posted - r->t_post) / 1e3;
+    b->post_us[r->index] = (double)r->post_ns / 1e3;
+    b->exposed_us[r->index] = (double)(r->t_recv - r->t_last_send) / 1e3;
   }
   if (gpu_sync(b, &b->dst, false) < 0) return -1;
   for (size_t i = 0; i < n; i++)
@@ -664,7 +807,7 @@ static void json_str(FILE *f, const char *s) {
 
 typedef struct summary {
   uint64_t bytes, descs;
-  double seconds, gbps, p50, p99, post_p50;
+  double seconds, gbps, p50, p99, post_p50, exposed_p50, exposed_p99;
   bool ok;
 } summary;
 
@@ -677,6 +820,9 @@ static summary summarize(bench *b) {
   if (b->done) qsort(b->post_us, (size_t)b->done, sizeof *b->post_us, cmp_double);
   s.post_p50 = percentile(b->post_us, b->done, 50);
   s.p99 = percentile(b->lat_us, b->done, 99);
+  if (b->done) qsort(b->exposed_us, (size_t)b->done, sizeof *b->exposed_us, cmp_double);
+  s.exposed_p50 = percentile(b->exposed_us, b->done, 50);
+  s.exposed_p99 = percentile(b->exposed_us, b->done, 99);
   return s;
 }
 
@@ -689,8 +835,15 @@ static void report_json(const bench *b, const summary *s) {
          s->bytes, s->descs, b->done, s->seconds, s->gbps, s->gbps * 8, s->p50, s->p99, s->post_p50,
          s->ok ? "true" : "false");
   json_str(stdout, b->o.g.model);
-  printf(", \"block_bytes\": %" PRIu64 ", \"concurrency\": %" PRIu64, b->block_bytes,
-         b->o.concurrency);
+  printf(", \"block_bytes\": %" PRIu64 ", \"concurrency\": %" PRIu64 ", \"tokens\": %" PRIu64
+         ", \"api\": \"%s\"", b->block_bytes, b->o.concurrency, b->o.tokens, b->o.blocks ? "blocks" : "descs");
+  if (b->o.compute)
+    printf(", \"mode\": \"%s\", \"compute_us_per_layer\": %" PRIu64
+           ", \"exposed_p50_us\": %.1f, \"exposed_p99_us\": %.1f",
+           b->o.layerwise ? "layerwise" : "whole", b->o.compute_us, s->exposed_p50, s->exposed_p99);
+  if (b->o.layer_events)
+    printf(", \"layer_events\": %" PRIu64 ", \"layer_events_in_order\": %s", b->layer_events,
+           b->layers_in_order ? "true" : "false");
   if (!s->ok) {
     printf(", \"error\": ");
     json_str(stdout, b->err);
@@ -710,7 +863,14 @@ static void report_human(const bench *b, const summary *s) {
          b->o.send_first ? ", send first" : "");
   printf("  moved %s (%" PRIu64 " descriptors) in %.3f s: %.3f GB/s (%.2f Gbit/s)\n",
          fmt_size((double)s->bytes, tb), s->descs, s->seconds, s->gbps, s->gbps * 8);
-  printf("  latency p50 %.1f us, p99 %.1f us\n", s->p50, s->p99);
+  printf("  latency p50 %.1f us, p99 %.1f us (api %s)\n", s->p50, s->p99, b->o.blocks ? "blocks" : "descs");
+  if (b->o.compute)
+    printf("  %s after %" PRIu64 " us of compute per layer: exposed p50 %.1f us, p99 %.1f us\n",
+           b->o.layerwise ? "sent layer by layer" : "sent whole", b->o.compute_us, s->exposed_p50,
+           s->exposed_p99);
+  if (b->o.layer_events)
+    printf("  layer events: %" PRIu64 ", %s\n", b->layer_events,
+           b->layers_in_order ? "each request's in layer order" : "some out of layer order");
   printf("  verified: %s\n", s->ok ? "every byte" : "NO");
 }
 
@@ -733,6 +893,17 @@ static void usage(FILE *f) {
     "                       are filled and checked through a host shadow)\n"
     "  --pool-to NAME       decode pool (default: first host pool)\n"
     "  --layerwise          send each request in parts, one per layer\n"
+    "  --blocks             hand off by layout and block ids (kvf_grant_blocks,\n"
+    "                       kvf_send_blocks) instead of descriptors\n"
+    "  --layer-events       with --blocks: grants ask for one LAYER_DONE per\n"
+    "                       layer; the bench checks each comes once, before RECV_DONE\n"
+    "  --compute-us-per-layer N\n"
+    "                       emulate prefill: the grant first, then N us of compute\n"
+    "                       per layer; with --layerwise each layer's part is sent\n"
+    "                       as its compute ends, with --whole the request after the\n"
+    "                       last; adds exposed_p50_us / exposed_p99_us (last send\n"
+    "                       call to RECV_DONE)\n"
+    "  --whole              with --compute-us-per-layer: one send after all layers\n"
     "  --send-first         post the send before the grant\n"
     "  --time-from-send     post the grant first, untimed; latency runs from the\n"
     "                       send to RECV_DONE\n"
@@ -764,7 +935,7 @@ static int parse_u64(const char *name, const char *s, uint64_t min, uint64_t max
 
 enum { O_FROM = 256, O_TO, O_MODEL, O_LAYERS, O_KVH, O_HDIM, O_BTOK, O_DTYPE, O_MLA, O_TOKENS,
        O_REQS, O_CONC, O_PFROM, O_PTO, O_LAYERWISE, O_SENDFIRST, O_GRANTANY, O_DEADLINE, O_SEED,
-       O_JSON, O_QUIET, O_HELP, O_TFS, O_LEAD, O_BUSY };
+       O_JSON, O_QUIET, O_HELP, O_TFS, O_LEAD, O_BUSY, O_BLOCKS, O_LAYEREV, O_COMPUTE, O_WHOLE };
 
 static const struct option long_opts[] = {
   {"from", required_argument, 0, O_FROM}, {"to", required_argument, 0, O_TO},
@@ -779,7 +950,9 @@ static const struct option long_opts[] = {
   {"seed", required_argument, 0, O_SEED}, {"json", no_argument, 0, O_JSON},
   {"quiet", no_argument, 0, O_QUIET}, {"help", no_argument, 0, O_HELP},
   {"time-from-send", no_argument, 0, O_TFS}, {"grant-lead-ms", required_argument, 0, O_LEAD},
-  {"busy-poll", no_argument, 0, O_BUSY},
+  {"busy-poll", no_argument, 0, O_BUSY}, {"blocks", no_argument, 0, O_BLOCKS},
+  {"layer-events", no_argument, 0, O_LAYEREV}, {"compute-us-per-layer", required_argument, 0, O_COMPUTE},
+  {"whole", no_argument, 0, O_WHOLE},
   {0, 0, 0, 0},
 };
 
@@ -816,6 +989,9 @@ static int parse_run_opt(int c, const char *arg, opts *o) {
     o->grant_lead_ms = (uint32_t)v;
     o->time_from_send = true;
     return 0;
+  case O_COMPUTE:
+    o->compute = true;
+    return parse_u64("compute-us-per-layer", arg, 0, 10000000, &o->compute_us);
   }
   return -1;
 }
@@ -855,6 +1031,17 @@ static int check_opts(const opts *o) {
     usage(stderr);
     return -1;
   }
+  const char *bad = NULL;
+  if (o->layer_events && !o->blocks) bad = "--layer-events needs --blocks (descriptor grants have no layers)";
+  else if (o->whole && o->layerwise) bad = "--whole and --layerwise exclude each other";
+  else if (o->whole && !o->compute) bad = "--whole needs --compute-us-per-layer";
+  else if (o->compute && !o->whole && !o->layerwise)
+    bad = "--compute-us-per-layer needs --layerwise or --whole";
+  else if (o->compute && o->send_first) bad = "--send-first and --compute-us-per-layer exclude each other";
+  if (bad) {
+    fprintf(stderr, "kvferry-bench: %s\n", bad);
+    return -1;
+  }
   /* Offsets are computed in 64 bits; keep one block addressable in a pool. */
   const geom *g = &o->g;
   if (g->block_tokens * g->kv_heads * g->head_dim * g->dtype_bytes > (1ull << 32)) {
@@ -879,7 +1066,7 @@ static int parse_args(int argc, char **argv, opts *o) {
     else if (c == O_MODEL) rc = set_model(optarg, o);
     else if (c >= O_LAYERS && c <= O_MLA) rc = parse_geom_opt(c, optarg, &ov);
     else if (c >= O_TOKENS && c <= O_CONC) rc = parse_run_opt(c, optarg, o);
-    else if (c == O_DEADLINE || c == O_SEED || c == O_LEAD) rc = parse_run_opt(c, optarg, o);
+    else if (c == O_DEADLINE || c == O_SEED || c == O_LEAD || c == O_COMPUTE) rc = parse_run_opt(c, optarg, o);
     else if (c == O_LAYERWISE) o->layerwise = true;
     else if (c == O_SENDFIRST) o->send_first = true;
     else if (c == O_GRANTANY) o->grant_any = true;
@@ -887,6 +1074,9 @@ static int parse_args(int argc, char **argv, opts *o) {
     else if (c == O_QUIET) o->quiet = true;
     else if (c == O_TFS) o->time_from_send = true;
     else if (c == O_BUSY) o->busy_poll = true;
+    else if (c == O_BLOCKS) o->blocks = true;
+    else if (c == O_LAYEREV) o->layer_events = true;
+    else if (c == O_WHOLE) o->whole = true;
     else if (c == O_HELP) { usage(stdout); return 1; }
     else { usage(stderr); return -1; }
     if (rc < 0) return -1;
