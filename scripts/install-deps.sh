@@ -1,12 +1,14 @@
 #!/bin/sh
-# scripts/install-deps.sh [--check] [build] [test]
+# scripts/install-deps.sh [--check] [build] [test] [bench]
 #
 # Installs the Debian packages kvferry needs, only those that are missing;
 # quiet when nothing is to do. Idempotent.
 #   build    what `make all` and `make install` need: compiler, libraries'
 #            headers, protoc-c, python3 (the man pages)
 #   test     what the test, fuzz, chaos and bench targets add
-#   (none)   both
+#   bench    optional, never by default: gnuplot-nox, for the plots of
+#            bench/layerwise.sh (which runs without it, minus the plot)
+#   (none)   build and test
 # --check installs nothing: it names the missing packages and fails. `make`
 # and `make install` run it that way (a production host gets nothing from
 # apt-get); the test targets and `make demo` install what they need.
@@ -21,6 +23,7 @@ BUILD_PKGS="build-essential libuv1-dev libprotobuf-c-dev protobuf-c-compiler
 libibverbs-dev librdmacm-dev libsystemd-dev python3"
 TEST_PKGS="pkg-config libcmocka-dev iperf3 iproute2 systemd groff-base curl
 clang libclang-rt-dev nftables"
+BENCH_PKGS="gnuplot-nox"
 
 check=0 pkgs="" sets=""
 for arg in "$@"; do
@@ -28,7 +31,8 @@ for arg in "$@"; do
     --check) check=1 ;;
     build) pkgs="$pkgs $BUILD_PKGS" sets="$sets build" ;;
     test) pkgs="$pkgs $TEST_PKGS" sets="$sets test" ;;
-    *) echo "usage: $0 [--check] [build] [test]" >&2; exit 2 ;;
+    bench) pkgs="$pkgs $BENCH_PKGS" sets="$sets bench" ;;
+    *) echo "usage: $0 [--check] [build] [test] [bench]" >&2; exit 2 ;;
   esac
 done
 [ -n "$pkgs" ] || pkgs="$BUILD_PKGS $TEST_PKGS"
