@@ -114,6 +114,7 @@ requests_for() { # TOKENS
 MAXTOK=0
 for t in $TOKENS; do [ "$t" -gt "$MAXTOK" ] && MAXTOK=$t; done
 # One request in flight: blocks x 32 layers x K/V x 32 KiB, and room.
+# shellcheck disable=SC2017 # whole blocks: the division rounds on purpose
 POOL_MB=$(( (MAXTOK + 15) / 16 * 2 + 64 ))
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 start() { # NAME
