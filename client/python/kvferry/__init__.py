@@ -17,15 +17,23 @@ GPU pools (kind "cuda:N") expose __cuda_array_interface__, so
 torch.as_tensor(pool, device="cuda") wraps them without a copy (this needs
 a libkvferry whose kvf_pool_map maps GPU pools: it then returns the device
 address). The calls are those of kvferry.h; failures raise KvferryError
-with the C error's name. Only the standard library is used; the library is
-loaded from $KVFERRY_LIB or as libkvferry.so.1.
-"""
-from ._native import ERRORS, SEND_MORE
-from .client import (RECV_DONE, SEND_DONE, Client, Desc, Event, KvferryError, Pool, err_name,
-                     strerror)
+with the C error's name.
 
-__all__ = ["Client", "Desc", "Event", "KvferryError", "Pool", "RECV_DONE", "SEND_DONE",
-           "SEND_MORE", "ERRORS", "connect", "err_name", "strerror"]
+KV caches go by block id: register the engine's layout once (built from its
+K and V tensors: Client.layout_from_tensors), then grant_blocks and
+send_blocks name block ids and layers (see kvferry.layout).
+
+Only the standard library is used; the library is loaded from
+$KVFERRY_LIB or as libkvferry.so.1.
+"""
+from ._native import ERRORS, GRANT_LAYER_EVENTS, SEND_MORE
+from .client import (LAYER_DONE, RECV_DONE, SEND_DONE, Client, Desc, Event, KvferryError, Pool,
+                     err_name, strerror)
+from .layout import Layout
+
+__all__ = ["Client", "Desc", "Event", "KvferryError", "Layout", "Pool", "RECV_DONE", "SEND_DONE",
+           "LAYER_DONE", "SEND_MORE", "GRANT_LAYER_EVENTS", "ERRORS", "connect", "err_name",
+           "strerror"]
 __version__ = "0.1.0"
 
 globals().update(ERRORS)  # kvferry.KVF_EDEADLINE == -4012, ...

@@ -10,9 +10,11 @@ import os
 KVF_XFER_ID_MAX = 127
 KVF_NAME_MAX = 63
 SEND_MORE = 0x1
+GRANT_LAYER_EVENTS = 0x1
+LAYOUT_NHD, LAYOUT_HND = 0, 1
 
-INSPECT_STATUS, INSPECT_POOLS, INSPECT_PEERS, INSPECT_TRANSFERS = range(4)
-EV_RECV_DONE, EV_SEND_DONE = 1, 2
+INSPECT_STATUS, INSPECT_POOLS, INSPECT_PEERS, INSPECT_TRANSFERS, INSPECT_LAYOUTS = range(5)
+EV_RECV_DONE, EV_SEND_DONE, EV_LAYER_DONE = 1, 2, 3
 
 # enum kvf_errc
 ERRORS = {
@@ -36,6 +38,29 @@ class Desc(ctypes.Structure):
     _fields_ = [("pool", ctypes.c_uint32),
                 ("offset", ctypes.c_uint64),
                 ("len", ctypes.c_uint64)]
+
+
+class Layout(ctypes.Structure):
+    _fields_ = [("pool", ctypes.c_uint32),
+                ("n_layers", ctypes.c_uint32),
+                ("n_kv", ctypes.c_uint32),
+                ("n_blocks", ctypes.c_uint32),
+                ("block_bytes", ctypes.c_uint64),
+                ("block_stride", ctypes.c_uint64),
+                ("offsets", ctypes.POINTER(ctypes.c_uint64)),
+                ("tokens_per_block", ctypes.c_uint32),
+                ("kv_heads", ctypes.c_uint32),
+                ("head_dim", ctypes.c_uint32),
+                ("dtype_bytes", ctypes.c_uint32),
+                ("order", ctypes.c_uint32)]
+
+
+class Blocks(ctypes.Structure):
+    _fields_ = [("layout", ctypes.c_uint32),
+                ("ids", ctypes.POINTER(ctypes.c_uint32)),
+                ("n", ctypes.c_size_t),
+                ("first_layer", ctypes.c_uint32),
+                ("n_layers", ctypes.c_uint32)]
 
 
 class Event(ctypes.Structure):
@@ -64,6 +89,10 @@ _PROTOS = {
     "kvf_send": (_I, [_P, _S, _S, ctypes.POINTER(Desc), ctypes.c_size_t, ctypes.c_uint,
                       ctypes.c_uint32]),
     "kvf_cancel": (_I, [_P, _S]),
+    "kvf_layout_register": (_I, [_P, ctypes.POINTER(Layout), ctypes.POINTER(ctypes.c_uint32)]),
+    "kvf_layout_free": (_I, [_P, ctypes.c_uint32]),
+    "kvf_grant_blocks": (_I, [_P, _S, _S, ctypes.POINTER(Blocks), ctypes.c_uint, ctypes.c_uint32]),
+    "kvf_send_blocks": (_I, [_P, _S, _S, ctypes.POINTER(Blocks), ctypes.c_uint, ctypes.c_uint32]),
     "kvf_event_fd": (_I, [_P]),
     "kvf_wait_events": (_I, [_P, ctypes.POINTER(Event), ctypes.c_size_t, _I]),
     "kvf_inspect": (_I, [_P, _I, _I, ctypes.POINTER(_P)]),

@@ -11,12 +11,16 @@ import json as _json
 
 from . import _native
 from ._native import Desc as _CDesc
+from .layout import Layout, block_id_array
 
 RECV_DONE = _native.EV_RECV_DONE
 SEND_DONE = _native.EV_SEND_DONE
+LAYER_DONE = _native.EV_LAYER_DONE
 
 _INSPECT = {"status": _native.INSPECT_STATUS, "pools": _native.INSPECT_POOLS,
-            "peers": _native.INSPECT_PEERS, "transfers": _native.INSPECT_TRANSFERS}
+            "peers": _native.INSPECT_PEERS, "transfers": _native.INSPECT_TRANSFERS,
+            "layouts": _native.INSPECT_LAYOUTS}
+_KINDS = {RECV_DONE: "recv_done", SEND_DONE: "send_done", LAYER_DONE: "layer_done"}
 
 
 def err_name(code):
@@ -75,9 +79,12 @@ def _desc_array(descs):
 
 
 class Event(collections.namedtuple(
-        "Event", "type status xfer_id path peer bytes descriptors error")):
-    """A transfer's completion (kvf_event). type is RECV_DONE or SEND_DONE,
-    status 0 or a negative error code."""
+        "Event", "type status xfer_id path peer bytes descriptors error layer",
+        defaults=(0,))):
+    """A transfer's event (kvf_event). type is RECV_DONE or SEND_DONE (the
+    transfer's completion), or LAYER_DONE (a grant with layer_events=True:
+    layer .layer has landed, before RECV_DONE); status 0 or a negative
+    error code."""
 
     @property
     def ok(self):
@@ -85,7 +92,7 @@ class Event(collections.namedtuple(
 
     @property
     def kind(self):
-        return "recv_done" if self.type == RECV_DONE else "send_done"
+        return _KINDS.get(self.type, "unknown")
 
     @property
     def error_name(self):
@@ -101,7 +108,7 @@ class Event(collections.namedtuple(
     def _from_c(cls, ev):
         return cls(ev.type, ev.status, ev.xfer_id.decode(errors="replace"), ev.path.decode(),
                    ev.peer.decode(), ev.bytes, ev.descriptors,
-                   ev.error.decode(errors="replace"))
+                   ev.error.decode(errors="replace"), ev.layer)
 
 
 class _Region:
@@ -284,6 +291,72 @@ class Client:
                                   _bytes(dst_node, "kvf_send"), arr, n, flags, deadline_ms),
                "kvf_send")
 
+    # ---- layouts and transfers by block id
+
+    def layout_from_tensors(self, pool, k_tensors, v_tensors=None, block_dim=0, **kw):
+        """A Layout of an engine's per-layer K and V tensors in pool (a Pool
+        or its name); see Layout.from_tensors. Register it with
+        register_layout."""
+        if isinstance(pool, (str, bytes)):
+            pool = self.pool_find(pool)
+        return Layout.from_tensors(pool, k_tensors, v_tensors, block_dim=block_dim, **kw)
+
+    def register_layout(self, layout=None, **kw):
+        """kvf_layout_register: registers a Layout (or Layout(**kw)) and
+        returns its id, for grant_blocks and send_blocks. The daemon checks
+        that every block lies in the pool (KVF_ERANGE) and that regions do
+        not overlap (KVF_EINVAL). Freed by free_layout or close()."""
+        if layout is None:
+            layout = Layout(**kw)
+        c, offs = layout._to_c()
+        lid = ctypes.c_uint32()
+        _check(self._lib.kvf_layout_register(self._handle(), ctypes.byref(c), ctypes.byref(lid)),
+               "kvf_layout_register")
+        del offs  # the daemon has its copy
+        return lid.value
+
+    def free_layout(self, layout_id):
+        """kvf_layout_free (KVF_ENOENT: no such layout of this client). A
+        transfer under way keeps what it needs of it."""
+        _check(self._lib.kvf_layout_free(self._handle(), int(layout_id)), "kvf_layout_free")
+
+    @staticmethod
+    def _blocks(layout_id, block_ids, first_layer, n_layers):
+        arr, n, keep = block_id_array(block_ids)
+        b = _native.Blocks(layout=int(layout_id), n=n, first_layer=first_layer, n_layers=n_layers)
+        if arr is not None:
+            b.ids = ctypes.cast(arr, ctypes.POINTER(ctypes.c_uint32))
+        return b, keep
+
+    def grant_blocks(self, xfer_id, src_node, layout, block_ids, first_layer=0, n_layers=0,
+                     layer_events=False, deadline_ms=0):
+        """Receiving side by block id (kvf_grant_blocks): layers
+        [first_layer, first_layer + n_layers) (n_layers 0: all from
+        first_layer) of the transfer land in block_ids of layout (an id
+        from register_layout). block_ids: a list, array.array("I") or a
+        numpy array (uint32 ones without a copy). layer_events=True adds a
+        LAYER_DONE event per layer as it lands, before RECV_DONE."""
+        b, keep = self._blocks(layout, block_ids, first_layer, n_layers)
+        flags = _native.GRANT_LAYER_EVENTS if layer_events else 0
+        _check(self._lib.kvf_grant_blocks(self._handle(), _bytes(xfer_id, "kvf_grant_blocks"),
+                                          _bytes(src_node, "kvf_grant_blocks", False), ctypes.byref(b),
+                                          flags, deadline_ms), "kvf_grant_blocks")
+        del keep
+
+    def send_blocks(self, xfer_id, dst_node, layout, block_ids, first_layer=0, n_layers=0,
+                    more=False, deadline_ms=0):
+        """Sending side by block id (kvf_send_blocks): layers [first_layer,
+        first_layer + n_layers) of block_ids of layout; block i lands in
+        the grant's block i for every layer and K/V. In parts, layer by
+        layer or by groups, more=True on all but the last; a later part may
+        pass block_ids None (the first part's ids)."""
+        b, keep = self._blocks(layout, block_ids, first_layer, n_layers)
+        flags = _native.SEND_MORE if more else 0
+        _check(self._lib.kvf_send_blocks(self._handle(), _bytes(xfer_id, "kvf_send_blocks"),
+                                         _bytes(dst_node, "kvf_send_blocks"), ctypes.byref(b), flags,
+                                         deadline_ms), "kvf_send_blocks")
+        del keep
+
     def cancel(self, xfer_id):
         """kvf_cancel: both sides get their event."""
         _check(self._lib.kvf_cancel(self._handle(), _bytes(xfer_id, "kvf_cancel")), "kvf_cancel")
@@ -307,8 +380,8 @@ class Client:
     # ---- introspection
 
     def inspect(self, what="status", json=False):
-        """The daemon's view (kvf_inspect): "status", "pools", "peers" or
-        "transfers", as a table, or as a parsed JSON document with
+        """The daemon's view (kvf_inspect): "status", "pools", "peers",
+        "transfers" or "layouts", as a table, or as a parsed JSON document with
         json=True."""
         out = ctypes.c_void_p()
         _check(self._lib.kvf_inspect(self._handle(), _INSPECT[what], 1 if json else 0,
