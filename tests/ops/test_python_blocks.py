@@ -268,8 +268,11 @@ class TestBlockTransfers(unittest.TestCase):
         self.assert_error("KVF_ENOENT", lambda: self.cd.grant_blocks("pe-1", None, nope, [0]))
         self.assert_error("KVF_ENOENT", lambda: self.cp.send_blocks("pe-2", "decode", nope, [0]))
         self.assert_error("KVF_ENOENT", lambda: self.cd.free_layout(nope))
-        # another client's layout is not this one's
-        self.assert_error("KVF_ENOENT", lambda: self.cd.grant_blocks("pe-3", None, self.src, [0]))
+        # another client's layout (of the same daemon) is not this one's
+        with kvferry.Client(self.dec.sock) as other:
+            theirs = other.register_layout(self.dst_layout)
+            self.assert_error("KVF_ENOENT", lambda: self.cd.grant_blocks("pe-3", None, theirs, [0]))
+            self.assert_error("KVF_ENOENT", lambda: self.cd.free_layout(theirs))
         self.assert_error("KVF_ERANGE", lambda: self.cd.grant_blocks("pe-4", None, self.dst, [0, self.nb]))
         self.assert_error("KVF_ERANGE", lambda: self.cd.grant_blocks("pe-5", None, self.dst, [0], first_layer=L))
         self.assert_error("KVF_ERANGE", lambda: self.cd.grant_blocks("pe-6", None, self.dst, [0], first_layer=1,
