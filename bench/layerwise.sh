@@ -171,6 +171,7 @@ EOF
 fi
 
 # ---------------------------------------------------------------- runs
+LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 : >"$TMP/all.json"
 for t in $TOKENS; do
   us=$(compute_us "$t")
@@ -192,7 +193,7 @@ done
 
 # ---------------------------------------------------------------- report
 CPU=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
-MACHINE="$(uname -srm), $(nproc) CPUs, ${CPU:-unknown CPU}"
+MACHINE="$(uname -srm), $(nproc) CPUs, ${CPU:-unknown CPU}, load average at the start $LOAD_START"
 if [ "$MODE" = gpu ] && command -v nvidia-smi >/dev/null; then
   MACHINE="$MACHINE, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
 fi
