@@ -41,7 +41,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The command as given, with the environment that changes what it measures.
-COMMAND="bench/layerwise.sh$(printf ' %q' "$@")"
+COMMAND=bench/layerwise.sh
+[ $# -eq 0 ] || COMMAND="$COMMAND$(printf ' %q' "$@")"
 for v in GPU_TO COMPUTE_US TFLOPS REQUESTS; do
   [ -z "${!v:-}" ] || COMMAND="$v=${!v} $COMMAND"
 done
