@@ -35,7 +35,10 @@
 # --results FILE (default bench/RESULTS.md: the section is inserted before
 # the newest one; --results - prints it only), --plot FILE (default
 # bench/layerwise-tcp.png or -gpu.png; needs gnuplot, Debian gnuplot-nox:
-# scripts/install-deps.sh bench), --json FILE (every kvferry-bench line).
+# scripts/install-deps.sh bench), --json FILE (every kvferry-bench line),
+# --replot FILE: no runs, the table and plot of the lines a --json FILE
+# kept (e.g. from a GPU machine without gnuplot; the machine line is then
+# this one's, so keep that run's own section).
 # Environment: BUILD (default build), REQUESTS (per length; default 20, 12,
 # 8 and 3 from the shortest), TFLOPS, COMPUTE_US.
 set -euo pipefail
@@ -54,6 +57,7 @@ TOKENS="128 1024 4096 32768"
 RESULTS=bench/RESULTS.md
 PLOT=""
 JSON_OUT=""
+REPLOT=""
 
 say() { echo "layerwise: $*" >&2; }
 die() { say "$*"; exit 1; }
@@ -66,6 +70,7 @@ while [ $# -gt 0 ]; do
     --results) RESULTS=$2; shift ;;
     --plot) PLOT=$2; shift ;;
     --json) JSON_OUT=$2; shift ;;
+    --replot) REPLOT=$2; shift ;;
     -h|--help) sed -n '2,/^set -e/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option '$1' (--help)" ;;
   esac
@@ -136,7 +141,9 @@ peer_up() { # SOCK PEER
   done
 }
 
-if [ "$MODE" = tcp ]; then
+if [ -n "$REPLOT" ]; then
+  PATH_DESC="replotted from $REPLOT"
+elif [ "$MODE" = tcp ]; then
   AVAIL_MB=$(awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo)
   [ "$AVAIL_MB" -gt $((2 * POOL_MB + 1024)) ] ||
     die "two pools of $POOL_MB MiB need more memory than the $AVAIL_MB MiB available (fewer --tokens)"
@@ -174,6 +181,7 @@ fi
 # ---------------------------------------------------------------- runs
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
 : >"$TMP/all.json"
+[ -z "$REPLOT" ] || { cp "$REPLOT" "$TMP/all.json"; TOKENS=""; }
 for t in $TOKENS; do
   us=$(compute_us "$t")
   n=$(requests_for "$t")
