@@ -217,6 +217,7 @@ static void exec_daemon(const h_daemon *d, const char *exe, pid_t parent) {
   for (long fd = 3; fd < (maxfd > 0 && maxfd < 65536 ? maxfd : 65536); fd++) close((int)fd);
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != parent) _exit(125);
+  setenv("KVF_STRICT", "1", 1); /* a transfer state-table violation aborts the daemon */
   execl(exe, exe, "-c", d->conf, (char *)NULL);
   fprintf(stderr, "kvf-harness: exec %s: %s\n", exe, strerror(errno));
   _exit(127);
