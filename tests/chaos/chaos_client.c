@@ -44,6 +44,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "json.h"
 #include "kvferry.h"
 
 #define MAX_CONC 16
@@ -239,16 +240,7 @@ static int layout(kvf_desc *d, const geom *g, uint64_t base, uint64_t seed) {
 
 /* ------------------------------------------------------------- output */
 
-static void json_str(const char *s) {
-  putchar('"');
-  for (; *s; s++) {
-    unsigned char c = (unsigned char)*s;
-    if (c == '"' || c == '\\') printf("\\%c", c);
-    else if (c < 0x20) printf("\\u%04x", c);
-    else putchar(c);
-  }
-  putchar('"');
-}
+static void json_str(const char *s) { kvf__json_fquote(stdout, s); }
 
 static void line_end(void) {
   printf("}\n");

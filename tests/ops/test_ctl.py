@@ -4,6 +4,7 @@ and the exit statuses kvferryctl(1) promises (0 ok, 1 daemon error or
 metrics off, 2 usage, 3 unreachable, 4 a doctor check failed)."""
 import json
 import os
+import subprocess
 import unittest
 
 import kvftest  # first: puts the binding from the source tree on sys.path
@@ -110,6 +111,25 @@ class TestCtl(unittest.TestCase):
             self.assertIn(cmd, out.stdout)
         env = dict(os.environ, KVFERRY_SOCKET=self.dec.sock)
         self.assertEqual(run([CTL, "status"], env=env).returncode, 0)
+
+    def test_utf8_ids(self):
+        """A transfer id is bytes to the daemon (control bytes refused):
+        bytes that are not UTF-8 (stray, truncated, a surrogate) still print
+        as valid UTF-8 JSON, each bad sequence as U+FFFD (proto/json.h)."""
+        raw = b"raw-\xff-\xc3(-\xed\xa0\x80-\"\\-\xe2\x82\xac"
+        want = "raw-\ufffd-\ufffd(-\ufffd\ufffd\ufffd-\"\\-\u20ac"
+        pool = self.client.pool_find("kv")
+        self.client.grant(raw, "prefill", [pool.desc(8192, 8192)])
+        try:
+            out = subprocess.run([CTL, "-s", self.dec.sock, "--json", "transfers"],
+                                 capture_output=True, timeout=30)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            doc = json.loads(out.stdout.decode("utf-8"))  # strict: a bad byte raises
+            self.assertIn(want, [t["id"] for t in doc["transfers"]])
+            doc = self.client.inspect("transfers", json=True)
+            self.assertIn(want, [t["id"] for t in doc["transfers"]])
+        finally:
+            self.client.cancel(raw)
 
 
 if __name__ == "__main__":
