@@ -58,7 +58,7 @@ JSON_SRC := proto/json.c
 ERR_SRC := client/errors.c
 DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c daemon/transport/*.c daemon/transport/*/*.c daemon/cuda/*.c))
 LIB_SRC := $(wildcard client/lib*.c) client/errors.c
-CTL_SRC := client/kvferryctl.c $(wildcard client/ctl_*.c)
+CTL_SRC := $(wildcard client/ctl/*.c)
 BENCH_SRC := bench/kvferry-bench.c
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
