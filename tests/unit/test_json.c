@@ -300,12 +300,18 @@ static void test_round_trip_random(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_plain_and_specials), cmocka_unit_test(test_control_bytes),
-      cmocka_unit_test(test_valid_utf8),         cmocka_unit_test(test_invalid_utf8),
-      cmocka_unit_test(test_quote_cut),          cmocka_unit_test(test_fquote),
-      cmocka_unit_test(test_get),                cmocka_unit_test(test_arrays),
-      cmocka_unit_test(test_unescape),           cmocka_unit_test(test_malformed),
-      cmocka_unit_test(test_cut_at_character),   cmocka_unit_test(test_round_trip_pairs),
+      cmocka_unit_test(test_plain_and_specials),
+      cmocka_unit_test(test_control_bytes),
+      cmocka_unit_test(test_valid_utf8),
+      cmocka_unit_test(test_invalid_utf8),
+      cmocka_unit_test(test_quote_cut),
+      cmocka_unit_test(test_fquote),
+      cmocka_unit_test(test_get),
+      cmocka_unit_test(test_arrays),
+      cmocka_unit_test(test_unescape),
+      cmocka_unit_test(test_malformed),
+      cmocka_unit_test(test_cut_at_character),
+      cmocka_unit_test(test_round_trip_pairs),
       cmocka_unit_test(test_round_trip_random),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
