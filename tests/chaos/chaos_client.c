@@ -50,6 +50,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "json.h"
 #include "kvferry.h"
 
 #define MAX_CONC 16
@@ -289,16 +290,7 @@ static int block_side(const geom *g, uint64_t base, uint64_t seed, kvf_desc *d, 
 
 /* ------------------------------------------------------------- output */
 
-static void json_str(const char *s) {
-  putchar('"');
-  for (; *s; s++) {
-    unsigned char c = (unsigned char)*s;
-    if (c == '"' || c == '\\') printf("\\%c", c);
-    else if (c < 0x20) printf("\\u%04x", c);
-    else putchar(c);
-  }
-  putchar('"');
-}
+static void json_str(const char *s) { kvf__json_fquote(stdout, s); }
 
 static void line_end(void) {
   printf("}\n");
