@@ -167,8 +167,10 @@ static int load_kernels(char *err, size_t errlen) {
     }
   }
   /* An image without the block kernel still copies runs; block copies then
-   * go by cuMemcpy (and the start line says so). */
-  G.blocks = true;
+   * go by cuMemcpy (and the start line says so). KVF_CUDA_BLOCKS=memcpy
+   * takes that path on purpose (tests of the fallback). */
+  const char *bk = getenv("KVF_CUDA_BLOCKS");
+  G.blocks = !(bk && strcmp(bk, "memcpy") == 0);
   for (int i = 0; i < G.n && G.blocks; i++)
     G.blocks = G.cu.CtxSetCurrent(G.dev[i].ctx) == KVF_CU_SUCCESS &&
                G.cu.ModuleGetFunction(&G.dev[i].bfn, G.dev[i].mod, "kvf_blocks") == KVF_CU_SUCCESS;

@@ -2,7 +2,9 @@
 # tests/gpu/run.sh - `make check-gpu`: kvferry on real GPUs.
 #
 #   1. the CUDA module alone: every copy route, odd geometries (gpu_copy),
-#      again with peer access disabled (the staged path)
+#      again with peer access disabled (the staged path); block copies
+#      between KV layouts by the block kernel and by its fallback
+#      (gpu_blocks)
 #   2. two kvferryd on loopback with cuda:N and host pools
 #   3. two engine processes mapping one cuda pool at once (gpu_map_client)
 #   4. local handoffs GPU->GPU (and GPU<->host, same pool), odd geometries,
@@ -60,6 +62,18 @@ for mode in peer staged; do
     ok "gpu_copy test ($mode): $(grep -c '^ok' "$TMP/gpu_copy_$mode.log") routes"
   else
     bad "gpu_copy_$mode" "gpu_copy test ($mode)"; tail -n 20 "$TMP/gpu_copy_$mode.log"
+  fi
+done
+
+# the block kernel (KV layouts, addresses computed on the GPU), and its
+# fallback without the kernel (cuMemcpy per run)
+for mode in kernel memcpy; do
+  env=""
+  [ $mode = memcpy ] && env="KVF_CUDA_BLOCKS=memcpy"
+  if env $env timeout 300 "$BUILD/tests/gpu/gpu_blocks" test >"$TMP/gpu_blocks_$mode.log" 2>&1; then
+    ok "gpu_blocks test ($mode): $(grep -c '^ok' "$TMP/gpu_blocks_$mode.log") cases"
+  else
+    bad "gpu_blocks_$mode" "gpu_blocks test ($mode)"; tail -n 20 "$TMP/gpu_blocks_$mode.log"
   fi
 done
 
