@@ -425,13 +425,13 @@ static int run_bench(cases *k, pool *ps, pool *pd, int reps) {
   CHECK(cu.MemAlloc(&scratch, 512ull << 20) == 0, "scratch");
   kvf__gpu_tuning t0;
   kvf__gpu_tuning_get(&t0);
+  t0.kernel = NULL; /* the copy kernel stays; only the shape changes */
   int rc = 0;
   /* 512 MiB each: llama3-8b 4096 tokens at 32 KiB blocks, and the same
    * bytes at 4 KiB; then one 4 KiB request of 256 blocks (64 MiB). */
   static const unsigned ctas[] = {2, 4, 8};
   for (size_t s = 0; s < sizeof(ctas) / sizeof(ctas[0]) && rc == 0; s++) {
     kvf__gpu_tuning t = t0;
-    t.kernel = NULL;
     t.ctas_per_sm = ctas[s];
     if (kvf__gpu_tune(&t)) break;
     char shape[64];
