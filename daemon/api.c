@@ -328,16 +328,62 @@ static int check_draining(char *err, size_t errlen) {
   return -ESHUTDOWN;
 }
 
+/* A request's block list: its layout (one of this client's) and its ids
+ * (*ids malloc'ed, the caller frees what the transfer did not take). */
+static int take_blocks(kvf__session *s, const Kvf__BlockList *w, kvf__blockreq *b, uint32_t **ids, char *err,
+                       size_t errlen) {
+  memset(b, 0, sizeof(*b));
+  *ids = NULL;
+  b->layout = kvf__layouts_get(s, w->layout);
+  if (!b->layout) {
+    snprintf(err, errlen, "no layout %u registered by this client", w->layout);
+    return KVF_ENOENT;
+  }
+  int rc = kvf__ids_from_wire(w->ids, kvfd.cfg.max_descs, ids, &b->n);
+  if (rc == KVF_ELIMIT) snprintf(err, errlen, "more than max-descs (%u) block ids", kvfd.cfg.max_descs);
+  else if (rc) snprintf(err, errlen, "malformed block id list (not whole 4-byte ids)");
+  b->ids = ids;
+  b->first = w->first_layer;
+  b->n_layers = w->n_layers;
+  return rc;
+}
+
+static int grant_blocks(kvf__session *s, const Kvf__GrantReq *g, char *err, size_t errlen) {
+  kvf__blockreq b;
+  uint32_t *ids;
+  int rc = take_blocks(s, g->blocks, &b, &ids, err, errlen);
+  b.layer_events = g->layer_events;
+  if (rc == 0 && b.n == 0) {
+    snprintf(err, errlen, "a grant of blocks names at least one block");
+    rc = KVF_EINVAL;
+  }
+  if (rc == 0) rc = kvf__xfer_grant_blocks(s, g->xfer_id, g->src_node, &b, g->deadline_ms, err, errlen);
+  free(ids);
+  return rc;
+}
+
+static int grant_descs(kvf__session *s, const Kvf__GrantReq *g, char *err, size_t errlen) {
+  kvf__descs d;
+  if (g->layer_events) {
+    snprintf(err, errlen, "layer events need a grant of blocks");
+    return KVF_EINVAL;
+  }
+  int rc = take_descs(g->descs, &d, err, errlen);
+  if (rc) return rc;
+  rc = kvf__xfer_grant(s, g->xfer_id, g->src_node, &d, g->deadline_ms, err, errlen);
+  kvf__descs_free(&d);
+  return rc;
+}
+
 static void on_grant(kvf__session *s, uint64_t seq, const Kvf__GrantReq *g) {
   char err[256] = "";
-  kvf__descs d;
   int rc = check_draining(err, sizeof(err));
   if (rc == 0) rc = check_quota(s, err, sizeof(err));
-  if (rc == 0) rc = take_descs(g->descs, &d, err, sizeof(err));
-  if (rc == 0) {
-    rc = kvf__xfer_grant(s, g->xfer_id, g->src_node, &d, g->deadline_ms, err, sizeof(err));
-    kvf__descs_free(&d);
+  if (rc == 0 && g->blocks && g->descs) {
+    snprintf(err, sizeof(err), "a grant names descriptors or blocks, not both");
+    rc = KVF_EINVAL;
   }
+  if (rc == 0) rc = g->blocks ? grant_blocks(s, g, err, sizeof(err)) : grant_descs(s, g, err, sizeof(err));
   reply_status(s, seq, rc, err);
 }
 
@@ -358,6 +404,18 @@ static int send_part(kvf__session *s, const Kvf__SendReq *q, char *err, size_t e
   if (!kvf__xfer_sending(s, q->xfer_id)) {
     rc = check_draining(err, errlen);
     if (rc == 0) rc = check_quota(s, err, errlen);
+  }
+  if (rc == 0 && q->blocks && q->descs) {
+    snprintf(err, errlen, "a send names descriptors or blocks, not both");
+    rc = KVF_EINVAL;
+  }
+  if (rc == 0 && q->blocks) {
+    kvf__blockreq b;
+    uint32_t *ids;
+    rc = take_blocks(s, q->blocks, &b, &ids, err, errlen);
+    if (rc == 0) rc = kvf__xfer_send_blocks(s, q->xfer_id, q->dst_node, &b, q->more, q->deadline_ms, err, errlen);
+    free(ids);
+    return rc;
   }
   if (rc == 0) rc = take_descs(q->descs, &d, err, errlen);
   if (rc == 0) {

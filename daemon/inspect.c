@@ -66,7 +66,7 @@ static const char *auth_mode(void) { return kvf__auth_enabled() ? "cluster-key" 
 static unsigned long long granted_bytes(void) {
   unsigned long long n = 0;
   for (const kvf__xfer *x = kvf__xfer_first(); x; x = x->next)
-    if (x->role == KVF__RECV && x->state != KVF__X_DRAIN) n += x->dst.total;
+    if (x->role == KVF__RECV && x->state != KVF__X_DRAIN) n += kvf__xfer_bytes(x);
   return n;
 }
 

@@ -342,6 +342,10 @@ static void granted_bytes(uint64_t *out, size_t n_pools) {
   memset(out, 0, n_pools * sizeof *out);
   for (const kvf__xfer *x = kvf__xfer_first(); x; x = x->next) {
     if (x->role != KVF__RECV || x->state == KVF__X_DRAIN) continue;
+    if (x->blocks) { /* one layout, one pool */
+      if (x->mine.view.pool < n_pools) out[x->mine.view.pool] += kvf__xfer_bytes(x);
+      continue;
+    }
     for (size_t i = 0; i < x->dst.n; i++)
       if (x->dst.pool[i] < n_pools) out[x->dst.pool[i]] += x->dst.length[i];
   }

@@ -17,15 +17,18 @@
  * freed only after its transport callbacks are all in, so callbacks never
  * see freed memory.
  *
- * The states of each role are drawn in xfer.h; set_state() is the only
- * place that changes them. */
+ * The states of each role are drawn in xfer.h; kvf__xfer_set_state() is the
+ * only place that changes them. Transfers of blocks (KV layouts) have
+ * their own file, xfer_blocks.c. */
 #include "xfer.h"
+#include "xfer_int.h"
 
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "layouts.h"
 #include "log.h"
 #include "map.h"
 #include "metrics.h"
@@ -45,6 +48,9 @@ typedef struct pregrant {
   int refused;            /* we refused this grant: the send fails with it */
   char why[128];
   kvf__tp_grant tp;       /* owned */
+  bool blocks;            /* a grant of blocks: */
+  kvf__xblocks gb;        /* its view and ids, owned */
+  bool layer_events;
 } pregrant;
 
 /* A peer's send waiting for our grant. */
@@ -66,11 +72,11 @@ static struct {
   bool stopping;          /* kvf__xfer_shutdown: no more fences */
 } X;
 
+void kvf__xfer_emit(kvf__session *s, const Kvf__Event *ev) { X.env.emit(s, ev); }
+
 /* How long a cancelled receiver of a one-sided transport keeps its grant
  * open for the sender's CancelDone (fence_wanted). */
 #define FENCE_MS 2000
-
-static void fail(kvf__xfer *x, int status, const char *why, bool notify, int remote_status);
 
 /* ----------------------------------------------------------------- states */
 
@@ -150,7 +156,7 @@ static void bug(const kvf__xfer *x, const char *what) {
  * (to: a state of x's role, or KVF__XS_*). A change the role's table lacks
  * is a bug: reported, then made anyway, as the code that asked for it
  * expects. */
-static void set_state(kvf__xfer *x, int to) {
+void kvf__xfer_set_state(kvf__xfer *x, int to) {
   bool recv = x->role == KVF__RECV;
   if (to <= 0 || to >= (recv ? KVF__RECV_NSTATES : KVF__SEND_NSTATES)) {
     bug(x, "a change to no state");
@@ -168,7 +174,7 @@ static void set_state(kvf__xfer *x, int to) {
 }
 
 /* Neither failed nor finished: DRAIN, FENCE, DONE and FAILED are not. */
-static bool live(const kvf__xfer *x) {
+bool kvf__xfer_live(const kvf__xfer *x) {
   return x->state != KVF__X_DRAIN && x->state != KVF__X_DONE && x->state != KVF__X_FAILED;
 }
 
@@ -196,7 +202,7 @@ static uint64_t deadline_ns(uint32_t ms) {
 
 static void on_deadline(uv_timer_t *t) {
   kvf__xfer *x = t->data;
-  fail(x, KVF_EDEADLINE, "the transfer's deadline expired", true, KVF_EDEADLINE);
+  kvf__xfer_fail(x, KVF_EDEADLINE, "the transfer's deadline expired", true, KVF_EDEADLINE);
 }
 
 static kvf__xfer *xfer_new(kvf__session *s, const char *id, int role, uint32_t deadline_ms) {
@@ -204,7 +210,7 @@ static kvf__xfer *xfer_new(kvf__session *s, const char *id, int role, uint32_t d
   if (!x) return NULL;
   snprintf(x->id, sizeof(x->id), "%s", id);
   x->role = role;
-  set_state(x, role == KVF__RECV ? KVF__RECV_WAIT : KVF__SEND_WAIT);
+  kvf__xfer_set_state(x, role == KVF__RECV ? KVF__RECV_WAIT : KVF__SEND_WAIT);
   x->owner = s;
   x->created_ns = kvf__now_ns();
   x->deadline_ms = deadline_ms ? deadline_ms : kvfd.cfg.default_deadline_ms;
@@ -233,7 +239,16 @@ static void tp_grant_free(kvf__tp_grant *t) {
 static void free_after_close(uv_handle_t *h) {
   kvf__xfer *x = h->data;
   kvf__descs_free(&x->dst);
-  if (x->role == KVF__SEND) kvf__descs_free(&x->send.early);
+  kvf__xblocks_free(&x->mine);
+  if (x->role == KVF__SEND) {
+    kvf__descs_free(&x->send.early);
+    kvf__xblocks_free(&x->send.grant);
+    free(x->send.layers_sent);
+    free(x->send.early_layers);
+    free(x->send.unannounced);
+  } else {
+    free(x->recv.landed);
+  }
   tp_grant_free(&x->tp_grant);
   free(x);
 }
@@ -290,7 +305,8 @@ static void trace_send(const kvf__xfer *x) {
 }
 
 static void succeed(kvf__xfer *x) {
-  set_state(x, KVF__XS_DONE);
+  if (x->role == KVF__RECV) kvf__xrecv_flush_layers(x); /* every layer is in */
+  kvf__xfer_set_state(x, KVF__XS_DONE);
   trace_send(x);
   emit(x, 0, NULL);
   kvf__metrics_transfer(x, 0);
@@ -302,7 +318,7 @@ static void succeed(kvf__xfer *x) {
 
 /* ---------------------------------------------------------- peer messages */
 
-static int send_msg(kvf__peer *p, Kvf__PeerMsg *m) {
+int kvf__xfer_peer_send(kvf__peer *p, Kvf__PeerMsg *m) {
   if (!p || !X.env.peer_up(p)) return KVF_EPEERLOST;
   return X.env.peer_send(p, m);
 }
@@ -311,8 +327,10 @@ static int send_msg(kvf__peer *p, Kvf__PeerMsg *m) {
  * lost peer is noticed and handled by the peer layer. */
 static int send_grant(kvf__xfer *x) {
   Kvf__Grant g = KVF__GRANT__INIT;
-  Kvf__DescList dl;
-  int rc = kvf__descs_to_wire(&x->dst, &dl);
+  Kvf__DescList dl = KVF__DESC_LIST__INIT;
+  Kvf__Layout lw;
+  uint8_t *bw = NULL; /* blocks: the view's offsets, then the ids */
+  int rc = x->blocks ? kvf__xblocks_to_grant(x, &g, &lw, &bw) : kvf__descs_to_wire(&x->dst, &dl);
   if (rc) return rc;
   g.xfer_id = x->id;
   g.handle = x->handle;
@@ -327,8 +345,9 @@ static int send_grant(kvf__xfer *x) {
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_GRANT;
   m.grant = &g;
-  send_msg(x->peer, &m);
+  kvf__xfer_peer_send(x->peer, &m);
   kvf__descs_wire_free(&dl);
+  free(bw);
   return 0;
 }
 
@@ -344,7 +363,7 @@ static void cancel_to(kvf__peer *p, uint64_t handle, const char *id, int status,
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_CANCEL;
   m.cancel = &c;
-  send_msg(p, &m);
+  kvf__xfer_peer_send(p, &m);
 }
 
 static void send_cancel(kvf__xfer *x, int status, const char *why) {
@@ -358,7 +377,7 @@ static void send_cancel_done(kvf__peer *p, uint64_t handle) {
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_CANCEL_DONE;
   m.cancel_done = &d;
-  send_msg(p, &m);
+  kvf__xfer_peer_send(p, &m);
 }
 
 static void send_recv_result(kvf__xfer *x, int status, const char *why) {
@@ -369,13 +388,13 @@ static void send_recv_result(kvf__xfer *x, int status, const char *why) {
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_RECV_RESULT;
   m.recv_result = &r;
-  send_msg(x->peer, &m);
+  kvf__xfer_peer_send(x->peer, &m);
 }
 
 /* ---------------------------------------------------------------- failure */
 
 static void finish_failure(kvf__xfer *x) {
-  set_state(x, KVF__XS_FAILED);
+  kvf__xfer_set_state(x, KVF__XS_FAILED);
   emit(x, x->status, x->error);
   kvf__metrics_transfer(x, x->status);
   kvfd.stats.transfers_failed++;
@@ -414,18 +433,18 @@ static void on_fence_timeout(uv_timer_t *t) {
 
 /* Fails x with status for its owner. notify: tell the other side, which
  * then reports remote_status. */
-static void fail(kvf__xfer *x, int status, const char *why, bool notify, int remote_status) {
-  if (!live(x)) return;
+void kvf__xfer_fail(kvf__xfer *x, int status, const char *why, bool notify, int remote_status) {
+  if (!kvf__xfer_live(x)) return;
   bool fencing = fence_wanted(x, status, notify);
   /* the transport holds a receiver's grant from its grant_open on */
   bool granted = x->role == KVF__RECV && x->recv.state != KVF__RECV_WAIT;
-  set_state(x, fencing ? KVF__RECV_FENCE : KVF__XS_DRAIN);
+  kvf__xfer_set_state(x, fencing ? KVF__RECV_FENCE : KVF__XS_DRAIN);
   x->status = status;
   snprintf(x->error, sizeof(x->error), "%s", why ? why : "");
   uv_timer_stop(&x->timer);
   if (x->twin) {
     kvf__xfer *t = x->twin;
-    fail(t, remote_status, why, false, 0);
+    kvf__xfer_fail(t, remote_status, why, false, 0);
   } else if (notify && x->peer && (x->handle || x->role == KVF__SEND)) {
     /* A sender tells the receiver only once its own writes have stopped:
      * the receiver closes the grant on that word (rdma invalidates its
@@ -473,24 +492,28 @@ static int post_part(kvf__xfer *x, const kvf__descs *part, bool last) {
   if (rc) {
     const char *why = rc == KVF_ESIZE ? "send and grant descriptors differ in size or count"
                                       : "the transport refused the data";
-    fail(x, rc, why, true, rc);
+    kvf__xfer_fail(x, rc, why, true, rc);
     return rc;
   }
   s->parts_out++;
   s->bytes_posted += part->total;
-  if (last) set_state(x, KVF__SEND_FLUSH);
-  else if (s->state != KVF__SEND_ACTIVE) set_state(x, KVF__SEND_ACTIVE);
+  if (last) kvf__xfer_set_state(x, KVF__SEND_FLUSH);
+  else if (s->state != KVF__SEND_ACTIVE) kvf__xfer_set_state(x, KVF__SEND_ACTIVE);
   return 0;
 }
 
 /* The grant is known: pair and post what came early, the last part among
  * it when QUEUED. */
 static void start_sending(kvf__xfer *x) {
+  if (x->blocks || kvf__xsend_grant_is_blocks(x)) {
+    kvf__xsend_blocks_start(x);
+    return;
+  }
   bool last = x->send.state == KVF__SEND_QUEUED;
   kvf__descs early = x->send.early;
   memset(&x->send.early, 0, sizeof(x->send.early));
   if (early.n) post_part(x, &early, last);
-  else set_state(x, KVF__SEND_ACTIVE);
+  else kvf__xfer_set_state(x, KVF__SEND_ACTIVE);
   kvf__descs_free(&early);
 }
 
@@ -500,15 +523,19 @@ static void bind_local(kvf__xfer *send, kvf__xfer *recv) {
   send->tp = recv->tp = X.env.local;
   snprintf(send->peer_name, sizeof(send->peer_name), "%s", own_node());
   snprintf(recv->peer_name, sizeof(recv->peer_name), "%s", own_node());
-  set_state(recv, KVF__RECV_OPEN);
+  kvf__xfer_set_state(recv, KVF__RECV_OPEN);
   start_sending(send);
 }
 
-static int bind_remote_send(kvf__xfer *x, uint64_t handle, kvf__descs *dst) {
+/* Takes dst and gb (a grant of blocks: its view and ids). */
+static int bind_remote_send(kvf__xfer *x, uint64_t handle, kvf__descs *dst, kvf__xblocks *gb, bool layer_events) {
   char key[KVF__NAME_MAX + 64];
   x->handle = handle;
   x->dst = *dst;
   memset(dst, 0, sizeof(*dst));
+  x->send.grant = *gb;
+  memset(gb, 0, sizeof(*gb));
+  x->send.layer_events = layer_events;
   handle_key(key, sizeof(key), x, handle);
   if (kvf__map_put(&X.by_handle, key, x) != 0) return KVF_EEXIST;
   x->tp = X.env.peer_transport(x->peer);
@@ -521,13 +548,15 @@ static int bind_remote_recv(kvf__xfer *x, kvf__peer *p) {
   x->peer = p;
   snprintf(x->peer_name, sizeof(x->peer_name), "%s", X.env.peer_name(p));
   x->tp = X.env.peer_transport(p);
-  int rc = x->tp->ops->grant_open(x->tp, x);
+  /* A remote transport checks writes (and binds windows) over ranges. */
+  int rc = x->blocks && !x->dst.n ? kvf__blocks_descs(&x->mine.view, x->mine.ids, x->mine.n, &x->dst) : 0;
+  if (rc == 0) rc = x->tp->ops->grant_open(x->tp, x);
   if (rc < 0) return rc;
   if (rc > 0) { /* kvf__xfer_on_grant_ready sends it */
-    set_state(x, KVF__RECV_OPENING);
+    kvf__xfer_set_state(x, KVF__RECV_OPENING);
     return 0;
   }
-  set_state(x, KVF__RECV_OPEN);
+  kvf__xfer_set_state(x, KVF__RECV_OPEN);
   return send_grant(x);
 }
 
@@ -556,7 +585,7 @@ static void send_intent(kvf__xfer *x) {
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_SEND_INTENT;
   m.send_intent = &si;
-  send_msg(x->peer, &m);
+  kvf__xfer_peer_send(x->peer, &m);
 }
 
 static pregrant *take_pregrant(const char *peer, const char *id) {
@@ -590,6 +619,7 @@ static bool peer_may_wait(kvf__peer *p, const char *what, const char *id, char *
 
 static void pregrant_free(pregrant *g) {
   kvf__descs_free(&g->dst);
+  kvf__xblocks_free(&g->gb);
   tp_grant_free(&g->tp);
   free(g);
 }
@@ -615,16 +645,16 @@ static void rendezvous_send(kvf__xfer *x) {
   }
   pregrant *g = take_pregrant(x->peer_name, x->id);
   if (g && g->refused) {
-    fail(x, g->refused, g->why, false, 0);
+    kvf__xfer_fail(x, g->refused, g->why, false, 0);
     pregrant_free(g);
     return;
   }
   if (g) {
     x->tp_grant = g->tp;
     memset(&g->tp, 0, sizeof(g->tp));
-    int rc = bind_remote_send(x, g->handle, &g->dst);
+    int rc = bind_remote_send(x, g->handle, &g->dst, &g->gb, g->layer_events);
     pregrant_free(g);
-    if (rc) fail(x, rc, "duplicate grant handle", true, KVF_EPROTO);
+    if (rc) kvf__xfer_fail(x, rc, "duplicate grant handle", true, KVF_EPROTO);
     return;
   }
   send_intent(x);
@@ -644,7 +674,7 @@ static int queue_part(kvf__xfer *x, const kvf__descs *part, bool last) {
   int rc = kvf__descs_append(&x->send.early, part);
   if (rc) return rc;
   x->send.descs_taken += part->n;
-  if (last) set_state(x, KVF__SEND_QUEUED);
+  if (last) kvf__xfer_set_state(x, KVF__SEND_QUEUED);
   return 0;
 }
 
@@ -656,35 +686,81 @@ static int continue_send(kvf__xfer *x, const kvf__descs *part, bool last) {
   return 0;
 }
 
-int kvf__xfer_send(kvf__session *s, const char *id, const char *dst_node,
-                   kvf__descs *descs, bool more, uint32_t deadline_ms, char *err, size_t errlen) {
+/* Where a send goes: *p the peer, NULL for this node. */
+static int send_target(const char *id, const char *dst_node, kvf__peer **p, char *err, size_t errlen) {
   if (!valid_id(id) || !dst_node || !dst_node[0]) return KVF_EINVAL;
-  kvf__peer *p = NULL;
-  if (!is_local(dst_node)) {
-    p = X.env.peer_find(dst_node);
-    if (!p) {
-      snprintf(err, errlen, "no peer named '%s' in this daemon's configuration", dst_node);
-      return KVF_ENOPEER;
-    }
-  }
+  *p = NULL;
+  if (is_local(dst_node)) return 0;
+  *p = X.env.peer_find(dst_node);
+  if (*p) return 0;
+  snprintf(err, errlen, "no peer named '%s' in this daemon's configuration", dst_node);
+  return KVF_ENOPEER;
+}
+
+/* The send of id under way that a new part continues, or NULL for a new
+ * send; *rc when the part cannot go to it. */
+static kvf__xfer *send_under_way(kvf__session *s, const char *id, const char *dst_node, int *rc, char *err,
+                                 size_t errlen) {
   kvf__xfer *x = kvf__map_get(&X.send_by_id, id);
-  if (x) {
-    int rc = check_existing_send(x, s, dst_node);
-    if (rc) {
-      snprintf(err, errlen, "transfer '%s' is already sending here", id);
-      return rc;
-    }
-    return continue_send(x, descs, !more);
-  }
+  *rc = x ? check_existing_send(x, s, dst_node) : 0;
+  if (*rc) snprintf(err, errlen, "transfer '%s' is already sending here", id);
+  return x;
+}
+
+/* A new send: *x, to p (NULL: this node), or an error. */
+static int send_new(kvf__session *s, const char *id, const char *dst_node, kvf__peer *p, uint32_t deadline_ms,
+                    kvf__xfer **x, char *err, size_t errlen) {
   if (p && !X.env.peer_up(p)) {
     snprintf(err, errlen, "peer '%s' is not connected", dst_node);
     return KVF_EPEERLOST;
   }
-  x = xfer_new(s, id, KVF__SEND, deadline_ms);
-  if (!x) return -ENOMEM;
-  x->peer = p;
-  snprintf(x->peer_name, sizeof(x->peer_name), "%s", dst_node);
-  int rc = queue_part(x, descs, !more);
+  *x = xfer_new(s, id, KVF__SEND, deadline_ms);
+  if (!*x) return -ENOMEM;
+  (*x)->peer = p;
+  snprintf((*x)->peer_name, sizeof((*x)->peer_name), "%s", dst_node);
+  return 0;
+}
+
+int kvf__xfer_send(kvf__session *s, const char *id, const char *dst_node,
+                   kvf__descs *descs, bool more, uint32_t deadline_ms, char *err, size_t errlen) {
+  kvf__peer *p;
+  int rc = send_target(id, dst_node, &p, err, errlen);
+  if (rc) return rc;
+  kvf__xfer *x = send_under_way(s, id, dst_node, &rc, err, errlen);
+  if (rc) return rc;
+  if (x && x->blocks) {
+    snprintf(err, errlen, "transfer '%s' sends blocks: a part of descriptors cannot continue it", id);
+    return KVF_EINVAL;
+  }
+  if (x) return continue_send(x, descs, !more);
+  if ((rc = send_new(s, id, dst_node, p, deadline_ms, &x, err, errlen)) != 0) return rc;
+  rc = queue_part(x, descs, !more);
+  if (rc) {
+    xfer_destroy(x); /* unseen: no event follows an error */
+    return rc;
+  }
+  rendezvous_send(x);
+  return 0;
+}
+
+int kvf__xfer_send_blocks(kvf__session *s, const char *id, const char *dst_node, const kvf__blockreq *b,
+                          bool more, uint32_t deadline_ms, char *err, size_t errlen) {
+  kvf__peer *p;
+  kvf__lview v;
+  int rc = send_target(id, dst_node, &p, err, errlen);
+  if (rc == 0) rc = kvf__xblocks_view(b, &v, err, errlen);
+  if (rc) return rc;
+  kvf__xfer *x = send_under_way(s, id, dst_node, &rc, err, errlen);
+  if (rc == 0 && x) rc = kvf__xsend_part_check(x, b, &v, err, errlen);
+  if (rc) return rc;
+  if (x) return kvf__xsend_part_take(x, &v, !more);
+  if (b->n == 0) {
+    snprintf(err, errlen, "the first part of a send names its blocks");
+    return KVF_EINVAL;
+  }
+  if ((rc = send_new(s, id, dst_node, p, deadline_ms, &x, err, errlen)) != 0) return rc;
+  rc = kvf__xsend_blocks_begin(x, b);
+  if (rc == 0) rc = kvf__xsend_part_take(x, &v, !more);
   if (rc) {
     xfer_destroy(x); /* unseen: no event follows an error */
     return rc;
@@ -707,23 +783,24 @@ static void rendezvous_grant(kvf__xfer *x, kvf__peer *src) {
     kvf__peer *p = in->peer;
     intent_drop(x->id);
     int rc = bind_remote_recv(x, p);
-    if (rc) fail(x, rc, "the transport could not open the grant", true, rc);
+    if (rc) kvf__xfer_fail(x, rc, "the transport could not open the grant", true, rc);
     return;
   }
   /* Push the grant ahead: the sender finds it when its send comes. */
   if (src && X.env.peer_up(src)) {
     int rc = bind_remote_recv(x, src);
-    if (rc) fail(x, rc, "the transport could not open the grant", false, 0);
+    if (rc) kvf__xfer_fail(x, rc, "the transport could not open the grant", false, 0);
   }
 }
 
-int kvf__xfer_grant(kvf__session *s, const char *id, const char *src_node,
-                    kvf__descs *descs, uint32_t deadline_ms, char *err, size_t errlen) {
+/* What every grant checks first: its id, the source it names (*src), and
+ * that the id is free. */
+static int grant_check(const char *id, const char *src_node, kvf__peer **src, char *err, size_t errlen) {
   if (!valid_id(id)) return KVF_EINVAL;
-  kvf__peer *src = NULL;
+  *src = NULL;
   if (src_node && src_node[0] && !is_local(src_node)) {
-    src = X.env.peer_find(src_node);
-    if (!src) {
+    *src = X.env.peer_find(src_node);
+    if (!*src) {
       snprintf(err, errlen, "no peer named '%s' in this daemon's configuration", src_node);
       return KVF_ENOPEER;
     }
@@ -732,10 +809,12 @@ int kvf__xfer_grant(kvf__session *s, const char *id, const char *src_node,
     snprintf(err, errlen, "a grant for '%s' is already active here", id);
     return KVF_EEXIST;
   }
-  kvf__xfer *x = xfer_new(s, id, KVF__RECV, deadline_ms);
-  if (!x) return -ENOMEM;
-  x->dst = *descs;
-  memset(descs, 0, sizeof(*descs));
+  return 0;
+}
+
+/* A new grant x gets its handle and meets its sender (or waits). An error
+ * destroys x unseen. */
+static int grant_start(kvf__xfer *x, const char *src_node, kvf__peer *src) {
   x->handle = X.next_handle++;
   char key[KVF__NAME_MAX + 64];
   handle_key(key, sizeof(key), x, x->handle);
@@ -749,6 +828,39 @@ int kvf__xfer_grant(kvf__session *s, const char *id, const char *src_node,
   return 0;
 }
 
+int kvf__xfer_grant(kvf__session *s, const char *id, const char *src_node,
+                    kvf__descs *descs, uint32_t deadline_ms, char *err, size_t errlen) {
+  kvf__peer *src;
+  int rc = grant_check(id, src_node, &src, err, errlen);
+  if (rc) return rc;
+  kvf__xfer *x = xfer_new(s, id, KVF__RECV, deadline_ms);
+  if (!x) return -ENOMEM;
+  x->dst = *descs;
+  memset(descs, 0, sizeof(*descs));
+  return grant_start(x, src_node, src);
+}
+
+int kvf__xfer_grant_blocks(kvf__session *s, const char *id, const char *src_node, const kvf__blockreq *b,
+                           uint32_t deadline_ms, char *err, size_t errlen) {
+  kvf__peer *src;
+  kvf__lview v;
+  int rc = grant_check(id, src_node, &src, err, errlen);
+  if (rc == 0 && b->n == 0) rc = KVF_EINVAL;
+  if (rc == 0) rc = kvf__xblocks_view(b, &v, err, errlen);
+  if (rc) return rc;
+  uint8_t *landed = b->layer_events ? calloc(v.n_layers, 1) : NULL;
+  kvf__xfer *x = b->layer_events && !landed ? NULL : xfer_new(s, id, KVF__RECV, deadline_ms);
+  if (!x) {
+    free(landed);
+    return -ENOMEM;
+  }
+  x->blocks = true;
+  kvf__xblocks_take(&x->mine, b, &v);
+  x->recv.layer_events = b->layer_events;
+  x->recv.landed = landed;
+  return grant_start(x, src_node, src);
+}
+
 /* ---------------------------------------------------------------- cancel */
 
 int kvf__xfer_cancel(kvf__session *s, const char *id) {
@@ -756,12 +868,12 @@ int kvf__xfer_cancel(kvf__session *s, const char *id) {
   kvf__xfer *r = kvf__map_get(&X.recv_by_id, id);
   kvf__xfer *t = kvf__map_get(&X.send_by_id, id);
   int found = 0;
-  if (r && r->owner == s && live(r)) {
-    fail(r, KVF_ECANCELED, "cancelled by the receiving client", true, KVF_EREMOTECANCEL);
+  if (r && r->owner == s && kvf__xfer_live(r)) {
+    kvf__xfer_fail(r, KVF_ECANCELED, "cancelled by the receiving client", true, KVF_EREMOTECANCEL);
     found = 1;
   }
-  if (t && t->owner == s && live(t)) {
-    fail(t, KVF_ECANCELED, "cancelled by the sending client", true, KVF_EREMOTECANCEL);
+  if (t && t->owner == s && kvf__xfer_live(t)) {
+    kvf__xfer_fail(t, KVF_ECANCELED, "cancelled by the sending client", true, KVF_EREMOTECANCEL);
     found = 1;
   }
   return found ? 0 : KVF_ENOENT;
@@ -776,14 +888,14 @@ static void disown(kvf__xfer *x) {
 
 void kvf__xfer_withdraw_send(kvf__session *s, const char *id, int status, const char *why, bool silent) {
   kvf__xfer *x = id ? kvf__map_get(&X.send_by_id, id) : NULL;
-  if (!x || x->owner != s || !live(x)) return;
+  if (!x || x->owner != s || !kvf__xfer_live(x)) return;
   if (silent) disown(x);
-  fail(x, status, why, true, KVF_EREMOTECANCEL);
+  kvf__xfer_fail(x, status, why, true, KVF_EREMOTECANCEL);
 }
 
 bool kvf__xfer_sending(kvf__session *s, const char *id) {
   kvf__xfer *x = id ? kvf__map_get(&X.send_by_id, id) : NULL;
-  return x && x->owner == s;
+  return x && x->owner == s && (x->send.state == KVF__SEND_WAIT || x->send.state == KVF__SEND_ACTIVE);
 }
 
 /* Fails every transfer for which orphan(x) holds. Failing x may destroy its
@@ -793,9 +905,9 @@ static void fail_each(bool (*match)(kvf__xfer *, void *), void *arg, int status,
   kvf__xfer *x = X.head;
   while (x) {
     kvf__xfer *next = x->next;
-    if (match(x, arg) && live(x)) {
+    if (match(x, arg) && kvf__xfer_live(x)) {
       if (next && next == x->twin) next = next->next;
-      fail(x, status, why, notify, remote_status);
+      kvf__xfer_fail(x, status, why, notify, remote_status);
     }
     x = next;
   }
@@ -831,8 +943,8 @@ static void send_done(kvf__xfer *x) {
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_SEND_DONE;
   m.send_done = &d;
-  set_state(x, KVF__SEND_RESULT);
-  if (send_msg(x->peer, &m) != 0) fail(x, KVF_EPEERLOST, "lost the peer", false, 0);
+  kvf__xfer_set_state(x, KVF__SEND_RESULT);
+  if (kvf__xfer_peer_send(x->peer, &m) != 0) kvf__xfer_fail(x, KVF_EPEERLOST, "lost the peer", false, 0);
 }
 
 void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
@@ -850,7 +962,7 @@ void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
     return;
   }
   if (status) {
-    fail(x, status,
+    kvf__xfer_fail(x, status,
          status == KVF_EPERM ? "the receiver refused a write (outside its memory windows, or after they were "
                                "invalidated)"
                              : "the transport failed",
@@ -858,6 +970,7 @@ void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
     return;
   }
   if (s->parts_out > 0) return;
+  if (s->n_unannounced) kvf__xsend_announce_layers(x);
   if (s->state == KVF__SEND_FLUSH && x->twin) complete_local(x);
   else if (s->state == KVF__SEND_FLUSH) send_done(x);
   else if (s->state == KVF__SEND_CONFIRMED) succeed(x);
@@ -873,7 +986,7 @@ static void complete_recv(kvf__xfer *x) {
 
 void kvf__xfer_on_landed(kvf__xfer *x) {
   switch (x->recv.state) {
-  case KVF__RECV_OPEN: set_state(x, KVF__RECV_LANDED); break;
+  case KVF__RECV_OPEN: kvf__xfer_set_state(x, KVF__RECV_LANDED); break;
   case KVF__RECV_SENDER_DONE: complete_recv(x); break;
   case KVF__RECV_WAIT:
   case KVF__RECV_OPENING: bug(x, "the transport saw every byte of a grant it was not given"); break;
@@ -892,22 +1005,22 @@ void kvf__xfer_on_delivered(kvf__xfer *x) {
 }
 
 void kvf__xfer_on_data_error(kvf__xfer *x, int status, const char *why) {
-  fail(x, status, why, true, status);
+  kvf__xfer_fail(x, status, why, true, status);
 }
 
 void kvf__xfer_on_grant_ready(kvf__xfer *x, int status, const char *why) {
-  if (!live(x)) return;
+  if (!kvf__xfer_live(x)) return;
   if (x->recv.state != KVF__RECV_OPENING) {
     bug(x, "the transport opened a grant twice");
     return;
   }
   if (status) {
-    fail(x, status, why, true, status);
+    kvf__xfer_fail(x, status, why, true, status);
     return;
   }
-  set_state(x, KVF__RECV_OPEN);
+  kvf__xfer_set_state(x, KVF__RECV_OPEN);
   int rc = send_grant(x);
-  if (rc) fail(x, rc, "could not send the grant", true, rc);
+  if (rc) kvf__xfer_fail(x, rc, "could not send the grant", true, rc);
 }
 
 /* -------------------------------------------------------- peer messages */
@@ -924,17 +1037,17 @@ static kvf__xfer *by_handle(kvf__peer *p, int role, uint64_t handle) {
 static void on_intent(kvf__peer *p, const Kvf__SendIntent *si) {
   if (!valid_id(si->xfer_id)) return;
   kvf__xfer *x = kvf__map_get(&X.recv_by_id, si->xfer_id);
-  if (x && live(x) && x->peer == p) {
+  if (x && kvf__xfer_live(x) && x->peer == p) {
     /* our pushed grant crossed their intent; say it again (or soon) */
     if (x->recv.state == KVF__RECV_OPENING) return;
     int rc = send_grant(x);
-    if (rc) fail(x, rc, "could not send the grant", true, rc);
+    if (rc) kvf__xfer_fail(x, rc, "could not send the grant", true, rc);
     return;
   }
   bool named_other = x && x->peer_name[0] && strcmp(x->peer_name, X.env.peer_name(p)) != 0;
   if (x && x->recv.state == KVF__RECV_WAIT && !x->twin && !named_other) {
     int rc = bind_remote_recv(x, p);
-    if (rc) fail(x, rc, "the transport could not open the grant", true, rc);
+    if (rc) kvf__xfer_fail(x, rc, "the transport could not open the grant", true, rc);
     return;
   }
   intent *in = kvf__map_get(&X.intents, si->xfer_id);
@@ -960,15 +1073,26 @@ static void on_intent(kvf__peer *p, const Kvf__SendIntent *si) {
   in->expires_ns = deadline_ns(si->deadline_ms);
 }
 
-/* Keeps a grant (or our refusal of it) until the send for it comes. */
-static void keep_pregrant(kvf__peer *p, const Kvf__Grant *g, kvf__descs *dst, int refused,
-                          const char *why) {
+/* What a Grant brought: its descriptors, or its blocks (a view and ids). */
+typedef struct grant_in {
+  kvf__descs dst;
+  kvf__xblocks gb;
+} grant_in;
+
+static void grant_in_free(grant_in *in) {
+  kvf__descs_free(&in->dst);
+  kvf__xblocks_free(&in->gb);
+}
+
+/* Keeps a grant (or our refusal of it) until the send for it comes; takes
+ * what in holds. */
+static void keep_pregrant(kvf__peer *p, const Kvf__Grant *g, grant_in *in, int refused, const char *why) {
   pregrant *old = take_pregrant(X.env.peer_name(p), g->xfer_id);
   if (old) pregrant_free(old);
   char full[192];
   if (!peer_may_wait(p, "pushed grant", g->xfer_id, full, sizeof(full))) {
     cancel_to(p, g->handle, g->xfer_id, KVF_ELIMIT, full, false, false);
-    kvf__descs_free(dst);
+    grant_in_free(in);
     return;
   }
   pregrant *ng = calloc(1, sizeof(*ng));
@@ -976,7 +1100,7 @@ static void keep_pregrant(kvf__peer *p, const Kvf__Grant *g, kvf__descs *dst, in
   pair_key(key, sizeof(key), X.env.peer_name(p), g->xfer_id);
   if (!ng || kvf__map_put(&X.pregrants, key, ng) != 0) {
     free(ng);
-    kvf__descs_free(dst);
+    grant_in_free(in);
     return;
   }
   ng->from = p;
@@ -984,7 +1108,10 @@ static void keep_pregrant(kvf__peer *p, const Kvf__Grant *g, kvf__descs *dst, in
   snprintf(ng->peer, sizeof(ng->peer), "%s", X.env.peer_name(p));
   snprintf(ng->id, sizeof(ng->id), "%s", g->xfer_id);
   ng->handle = g->handle;
-  ng->dst = *dst;
+  ng->dst = in->dst;
+  ng->gb = in->gb;
+  ng->layer_events = g->layer_events;
+  memset(in, 0, sizeof(*in));
   ng->expires_ns = deadline_ns(g->deadline_ms);
   ng->refused = refused;
   snprintf(ng->why, sizeof(ng->why), "%s", why ? why : "");
@@ -997,63 +1124,74 @@ static void keep_pregrant(kvf__peer *p, const Kvf__Grant *g, kvf__descs *dst, in
  * stays up. */
 static void refuse_grant(kvf__peer *p, const Kvf__Grant *g, int rc) {
   char why[192];
-  snprintf(why, sizeof(why), "grant of %zu descriptors refused by %s: its max-descs is %u",
-           g->descs->packed.len / KVF__DESC_WIRE_SIZE, own_node(), kvfd.cfg.max_descs);
+  if (g->layout)
+    snprintf(why, sizeof(why), "grant of %zu blocks refused by %s: its max-descs is %u", g->block_ids.len / 4,
+             own_node(), kvfd.cfg.max_descs);
+  else
+    snprintf(why, sizeof(why), "grant of %zu descriptors refused by %s: its max-descs is %u",
+             g->descs ? g->descs->packed.len / KVF__DESC_WIRE_SIZE : 0, own_node(), kvfd.cfg.max_descs);
   kvf__warn("peer %s: transfer '%s': %s", X.env.peer_name(p), g->xfer_id, why);
   kvfd.stats.peer_errors++;
   cancel_to(p, g->handle, g->xfer_id, rc, why, false, false);
   kvf__xfer *x = kvf__map_get(&X.send_by_id, g->xfer_id);
   if (x && x->peer == p && send_waiting(x)) {
-    fail(x, rc, why, false, 0);
+    kvf__xfer_fail(x, rc, why, false, 0);
     return;
   }
-  kvf__descs none = {0};
+  grant_in none = {0};
   keep_pregrant(p, g, &none, rc, why);
 }
 
+/* Decodes what a Grant brought into *in: descriptors, or blocks. */
+static int grant_decode(const Kvf__Grant *g, grant_in *in) {
+  memset(in, 0, sizeof(*in));
+  if (g->layout) return kvf__xblocks_from_grant(g, &in->gb);
+  return kvf__descs_from_wire(&in->dst, g->descs, kvfd.cfg.max_descs);
+}
+
 static void on_grant(kvf__peer *p, const Kvf__Grant *g) {
-  kvf__descs dst;
+  grant_in in;
   if (!valid_id(g->xfer_id) || !g->handle) return;
-  int rc = kvf__descs_from_wire(&dst, g->descs, kvfd.cfg.max_descs);
+  int rc = grant_decode(g, &in);
   if (rc == KVF_ELIMIT) refuse_grant(p, g, rc);
   if (rc) return; /* malformed: no daemon sends that; ignored */
   kvf__xfer *x = kvf__map_get(&X.send_by_id, g->xfer_id);
   if (x && x->peer == p && send_waiting(x)) {
     rc = tp_grant_copy(&x->tp_grant, g);
-    if (rc == 0) rc = bind_remote_send(x, g->handle, &dst);
-    kvf__descs_free(&dst);
-    if (rc) fail(x, rc, "duplicate grant handle", true, KVF_EPROTO);
+    if (rc == 0) rc = bind_remote_send(x, g->handle, &in.dst, &in.gb, g->layer_events);
+    grant_in_free(&in);
+    if (rc) kvf__xfer_fail(x, rc, "duplicate grant handle", true, KVF_EPROTO);
     return;
   }
   if (x && x->peer == p && x->handle == g->handle) {
-    kvf__descs_free(&dst); /* a repeat of the grant we already use */
+    grant_in_free(&in); /* a repeat of the grant we already use */
     return;
   }
-  keep_pregrant(p, g, &dst, 0, NULL);
+  keep_pregrant(p, g, &in, 0, NULL);
 }
 
 static void on_send_done(kvf__peer *p, const Kvf__SendDone *d) {
   kvf__xfer *x = by_handle(p, KVF__RECV, d->handle);
-  if (!x || !live(x)) return;
-  if (d->bytes != x->dst.total) {
-    fail(x, KVF_ESIZE, "the sender sent a different number of bytes", true, KVF_ESIZE);
+  if (!x || !kvf__xfer_live(x)) return;
+  if (d->bytes != kvf__xfer_bytes(x)) {
+    kvf__xfer_fail(x, KVF_ESIZE, "the sender sent a different number of bytes", true, KVF_ESIZE);
     return;
   }
-  if (x->recv.state == KVF__RECV_OPEN) set_state(x, KVF__RECV_SENDER_DONE);
+  if (x->recv.state == KVF__RECV_OPEN) kvf__xfer_set_state(x, KVF__RECV_SENDER_DONE);
   else if (x->recv.state == KVF__RECV_LANDED) complete_recv(x);
   /* else said twice, or OPENING: no sender knows the grant yet */
 }
 
 static void on_recv_result(kvf__peer *p, const Kvf__RecvResult *r) {
   kvf__xfer *x = by_handle(p, KVF__SEND, r->handle);
-  if (!x || !live(x)) return;
+  if (!x || !kvf__xfer_live(x)) return;
   enum kvf__send_state s = x->send.state;
   /* With one-sided writes the receiver may confirm before our own last
    * completion reached the loop: remember it, finish in on_posted. */
-  if (r->status == 0 && s == KVF__SEND_FLUSH) set_state(x, KVF__SEND_CONFIRMED);
+  if (r->status == 0 && s == KVF__SEND_FLUSH) kvf__xfer_set_state(x, KVF__SEND_CONFIRMED);
   else if (r->status == 0 && s == KVF__SEND_CONFIRMED) return; /* said twice */
   else if (r->status == 0 && s == KVF__SEND_RESULT) succeed(x);
-  else fail(x, r->status ? r->status : KVF_EPROTO, r->error, false, 0);
+  else kvf__xfer_fail(x, r->status ? r->status : KVF_EPROTO, r->error, false, 0);
 }
 
 static void on_cancel(kvf__peer *p, const Kvf__Cancel *c) {
@@ -1073,14 +1211,14 @@ static void on_cancel(kvf__peer *p, const Kvf__Cancel *c) {
      * of our writes into it is in flight: now, or once they are back. */
     if (c->ack && x && x->send.parts_out > 0) x->send.cancel_done_owed = true;
     else if (c->ack) send_cancel_done(p, c->handle);
-    if (x) fail(x, status, why, false, 0);
+    if (x) kvf__xfer_fail(x, status, why, false, 0);
     return;
   }
   kvf__xfer *x = c->handle ? by_handle(p, KVF__RECV, c->handle) : NULL;
   if (!x && c->xfer_id) {
     /* A sender that had not seen our (pushed) grant yet names it by id. */
     x = kvf__map_get(&X.recv_by_id, c->xfer_id);
-    if (x && (x->peer != p || !live(x))) x = NULL;
+    if (x && (x->peer != p || !kvf__xfer_live(x))) x = NULL;
   }
   if (x) {
     /* Named by id, the sender's Cancel crossed our pushed grant, which
@@ -1088,12 +1226,19 @@ static void on_cancel(kvf__peer *p, const Kvf__Cancel *c) {
      * send of the same id would take it and write through windows that
      * are invalidated now. */
     uint64_t crossed = !c->handle ? x->handle : 0;
-    fail(x, status, why, false, 0);
+    kvf__xfer_fail(x, status, why, false, 0);
     if (crossed) cancel_to(p, crossed, c->xfer_id, status, why, true, false);
     return;
   }
   intent *in = c->xfer_id ? kvf__map_get(&X.intents, c->xfer_id) : NULL;
   if (in && in->peer == p) intent_drop(c->xfer_id);
+}
+
+/* The sender's word that layers of our grant landed (its transport cannot
+ * mark them in the data). */
+static void on_layers_done(kvf__peer *p, const Kvf__LayersDone *d) {
+  kvf__xfer *x = by_handle(p, KVF__RECV, d->handle);
+  if (x) kvf__xfer_on_layers_landed(x, d->first_layer, d->n_layers);
 }
 
 static void on_cancel_done(kvf__peer *p, const Kvf__CancelDone *d) {
@@ -1109,6 +1254,7 @@ void kvf__xfer_on_peer_msg(kvf__peer *p, const Kvf__PeerMsg *m) {
   case KVF__PEER_MSG__BODY_RECV_RESULT: on_recv_result(p, m->recv_result); break;
   case KVF__PEER_MSG__BODY_CANCEL: on_cancel(p, m->cancel); break;
   case KVF__PEER_MSG__BODY_CANCEL_DONE: on_cancel_done(p, m->cancel_done); break;
+  case KVF__PEER_MSG__BODY_LAYERS_DONE: on_layers_done(p, m->layers_done); break;
   default: break;
   }
 }
@@ -1207,9 +1353,11 @@ const char *kvf__xstate_name(int state) {
 }
 
 uint64_t kvf__xfer_bytes(const kvf__xfer *x) {
-  return x->role == KVF__RECV ? x->dst.total : x->send.bytes_posted;
+  if (x->role == KVF__SEND) return x->send.bytes_posted;
+  return x->blocks ? kvf__blocks_bytes(&x->mine.view, x->mine.n, x->mine.view.n_layers) : x->dst.total;
 }
 
 uint64_t kvf__xfer_descriptors(const kvf__xfer *x) {
-  return x->role == KVF__RECV ? x->dst.n : x->send.descs_taken;
+  if (x->role == KVF__SEND) return x->send.descs_taken;
+  return x->blocks ? kvf__blocks_pieces(&x->mine.view, x->mine.n, x->mine.view.n_layers) : x->dst.n;
 }

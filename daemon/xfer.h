@@ -86,6 +86,7 @@
 
 #include "desc.h"
 #include "kvferryd.h"
+#include "layout.h"
 #include "transport/transport.h"
 
 enum kvf__role { KVF__RECV = 1, KVF__SEND = 2 };
@@ -163,9 +164,30 @@ typedef struct kvf__tp_grant {
   size_t of_len;
 } kvf__tp_grant;
 
-/* A receiver's own part: its size is its grant's (dst.total). */
+/* One side of a transfer of blocks (KV layouts): a view of a layout and
+ * block ids. Ours hold our registered layout; a sender's copy of a peer's
+ * grant holds the view the Grant carried. */
+typedef struct kvf__xblocks {
+  kvf__layout *layout;        /* ours, held; NULL for a peer's view */
+  kvf__lview view;            /* a receiver's granted layers; a sender's whole layout */
+  uint64_t *offsets;          /* a peer's view: its offsets, owned */
+  uint32_t *ids;              /* owned */
+  size_t n;
+} kvf__xblocks;
+
+/* A range of layers. */
+typedef struct kvf__lrange {
+  uint32_t first, n;
+} kvf__lrange;
+
+/* A receiver's own part: its size is its grant's (kvf__xfer_bytes). */
 typedef struct kvf__xrecv {
   enum kvf__recv_state state;
+  /* blocks with layer events (KVF_GRANT_LAYER_EVENTS): which granted
+   * layers landed, and the first not yet reported (they go in order) */
+  bool layer_events;
+  uint8_t *landed;
+  uint32_t next_event;
 } kvf__xrecv;
 
 /* A sender's own part: its size is what it posted so far. */
@@ -185,6 +207,14 @@ typedef struct kvf__xsend {
   uint64_t first_post_ns;     /* the first and last part handed to the */
   uint64_t last_post_ns;      /* transport, and its last completion (debug trace) */
   uint64_t posted_ns;
+  /* blocks */
+  kvf__xblocks grant;         /* a remote grant's blocks (a local grant: its twin's) */
+  uint8_t *layers_sent;       /* per layer of our layout: a part named it */
+  kvf__lrange *early_layers;  /* parts that came before the grant, in order */
+  size_t n_early;
+  bool layer_events;          /* the grant wants them: */
+  kvf__lrange *unannounced;   /* posted parts the receiver has not heard of */
+  size_t n_unannounced;
 } kvf__xsend;
 
 struct kvf__xfer {
@@ -210,6 +240,10 @@ struct kvf__xfer {
                                  the sender; owned */
   const char *path;           /* set by the transport when more precise than its
                                  name ("local-nvlink", "tcp-bounce"); static */
+  bool blocks;                /* blocks of KV layouts, not descriptors: */
+  kvf__xblocks mine;          /* where they land (receiver) or come from (sender);
+                                 a remote grant of blocks also has them as descriptors
+                                 in dst, for its transport's checks */
   union {                     /* by role */
     kvf__xrecv recv;
     kvf__xsend send;
@@ -240,13 +274,29 @@ int kvf__xfer_grant(kvf__session *s, const char *id, const char *src_node,
                     kvf__descs *descs, uint32_t deadline_ms, char *err, size_t errlen);
 int kvf__xfer_send(kvf__session *s, const char *id, const char *dst_node,
                    kvf__descs *descs, bool more, uint32_t deadline_ms, char *err, size_t errlen);
+/* The same with blocks of layout l (held by the transfer while it uses it):
+ * *ids (n of them) are taken on success. A grant covers layers [first,
+ * first + n_layers) of l; a send's part its layers of the same range, and
+ * may leave out the ids after the first part (n 0). */
+typedef struct kvf__blockreq {
+  kvf__layout *layout;
+  uint32_t first, n_layers;   /* n_layers 0: to the layout's last layer */
+  uint32_t **ids;
+  size_t n;
+  bool layer_events;          /* a grant: one event per landed layer */
+} kvf__blockreq;
+int kvf__xfer_grant_blocks(kvf__session *s, const char *id, const char *src_node, const kvf__blockreq *b,
+                           uint32_t deadline_ms, char *err, size_t errlen);
+int kvf__xfer_send_blocks(kvf__session *s, const char *id, const char *dst_node, const kvf__blockreq *b,
+                          bool more, uint32_t deadline_ms, char *err, size_t errlen);
 int kvf__xfer_cancel(kvf__session *s, const char *id);
 /* A client call that fed s's send of id failed after part of it was taken:
  * the send fails with status; silent: without an event to s (the call that
  * began it returns the error instead). The other side gets
  * KVF_EREMOTECANCEL. */
 void kvf__xfer_withdraw_send(kvf__session *s, const char *id, int status, const char *why, bool silent);
-/* True when s has a send of id under way (its next part needs no quota). */
+/* True when s has a send of id that takes more parts (its next part needs
+ * no quota); false once its last part came or it failed. */
 bool kvf__xfer_sending(kvf__session *s, const char *id);
 /* The client went away: drop its grants and sends, tell the peers. */
 void kvf__xfer_session_gone(kvf__session *s);
@@ -262,6 +312,9 @@ void kvf__xfer_on_landed(kvf__xfer *x);
  * completes the receive without waiting for SendDone. */
 void kvf__xfer_on_delivered(kvf__xfer *x);
 void kvf__xfer_on_data_error(kvf__xfer *x, int status, const char *why);
+/* Receiver, blocks: every byte of layers [first, first + n) landed (a
+ * transport that marks layers, or the sender's word). */
+void kvf__xfer_on_layers_landed(kvf__xfer *x, uint32_t first, uint32_t n);
 /* A grant_open that returned a positive value is done: 0 sends the Grant,
  * else the grant fails with status (why: for its owner). */
 void kvf__xfer_on_grant_ready(kvf__xfer *x, int status, const char *why);

@@ -48,6 +48,7 @@
 #include "xfer.h"
 
 #define DATA_MAGIC 0x4446564bu      /* "KVFD" little-endian */
+#define LAYER_MAGIC 0x4c46564bu     /* "KVFL": a layer marker (tcp_mark_layers) */
 #define BHDR_LEN 16u                /* batch header: magic, count, handle */
 #define ENT_LEN 16u                 /* per frame: pool, len, offset */
 #define SLICE (1u << 20)            /* one frame carries at most this */
@@ -62,7 +63,15 @@
  * entries (pool, length, offset in the receiver's space), then the count
  * payloads back to back. The receiver checks every entry against the grant
  * before it reads a byte, then reads all payloads with one readv straight
- * into pool memory: a few syscalls per batch instead of two per block. */
+ * into pool memory: a few syscalls per batch instead of two per block.
+ *
+ * A layer marker (grants with layer events) has the same 16-byte header
+ * with LAYER_MAGIC, count = the number of streams it was sent on, and one
+ * entry (pool = first layer, len = number of layers, offset 0). The sender
+ * puts one behind a part's data on every stream; a stream's data lands in
+ * order, so once the receiver has seen the marker on every stream (and
+ * landed what each stream staged for a GPU before it), the part's layers
+ * are in. */
 
 static void put32(uint8_t *p, uint32_t v) { kvf__frame_put_header(p, v); }
 static void put64(uint8_t *p, uint64_t v) {
@@ -168,9 +177,11 @@ typedef struct item {    /* a stream's share of one post */
   wr *w;
   size_t n;
   bool gpu;              /* some frames come from GPU memory */
+  bool marker;           /* a layer marker, no frames and no ticket: */
+  uint32_t first, n_layers, streams;
 } item;
 
-enum ev_kind { EV_TICKET, EV_LANDED, EV_DATA_ERROR, EV_STREAM_ERROR, EV_COPY_ERROR, EV_STREAM_GONE };
+enum ev_kind { EV_TICKET, EV_LANDED, EV_DATA_ERROR, EV_STREAM_ERROR, EV_COPY_ERROR, EV_STREAM_GONE, EV_LAYERS };
 
 typedef struct tevent {
   kvf__mail mail;
@@ -182,7 +193,13 @@ typedef struct tevent {
   kvf__peer *peer;
   uint64_t gen;
   void *stream;          /* EV_STREAM_GONE: the inbound stream to reap */
+  uint32_t first, n;     /* EV_LAYERS: the layers that landed */
 } tevent;
+
+/* Receiver: a layer marker seen on some of its streams. */
+typedef struct lmark {
+  uint32_t first, n, seen;
+} lmark;
 
 /* Receiver side: what a grant accepts. */
 typedef struct rgrant {
@@ -193,6 +210,8 @@ typedef struct rgrant {
   uint64_t landed;
   int writers;
   bool closed;
+  lmark *marks;          /* layer markers not yet seen on every stream */
+  size_t n_marks;
 } rgrant;
 
 /* Receiver: a batch with payloads staged for a GPU; it lands (unpins its
@@ -341,6 +360,17 @@ static int write_item(stream *s, item *it) {
     if (rc) return rc;
   }
   return 0;
+}
+
+/* A layer marker: header and its one entry. */
+static int write_marker(stream *s, const item *it) {
+  uint8_t buf[BHDR_LEN + ENT_LEN];
+  put32(buf, LAYER_MAGIC);
+  put32(buf + 4, it->streams);
+  put64(buf + 8, it->handle);
+  ent_encode(buf + BHDR_LEN, it->first, it->n_layers, 0);
+  struct iovec iov = {buf, sizeof(buf)};
+  return writev_all(s->fd, &iov, 1);
 }
 
 /* ------------------------------------------------------- GPU staging */
@@ -566,6 +596,12 @@ static void *sender_main(void *arg) {
   if (broken) post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, broken, s->tp);
   item *it;
   while ((it = next_item(s)) != NULL) {
+    if (it->marker) { /* no ticket: a lost marker fails the peer, so the grant */
+      int rc = broken ? 0 : write_marker(s, it);
+      if (rc && !broken) post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, broken = rc, s->tp);
+      item_free(it);
+      continue;
+    }
     int rc = broken ? KVF_EPEERLOST : it->gpu ? write_item_staged(s, it) : write_item(s, it);
     if (rc && rc != KVF_ECANCELED && rc != GPU_COPY_FAILED && !broken) {
       broken = rc;
@@ -829,6 +865,44 @@ static void stream_gone(stream *s) {
   push_event(s->tp->tt, e);
 }
 
+/* Counts a marker for g; the layers landed once every stream showed it. */
+static void count_marker(tcp_peer *tp, rgrant *g, uint64_t handle, uint32_t first, uint32_t n, uint32_t streams) {
+  size_t i = 0;
+  while (i < g->n_marks && (g->marks[i].first != first || g->marks[i].n != n)) i++;
+  if (i == g->n_marks) {
+    lmark *nm = realloc(g->marks, (g->n_marks + 1) * sizeof(*nm));
+    if (!nm) return; /* the layers are reported with RECV_DONE */
+    g->marks = nm;
+    g->marks[g->n_marks++] = (lmark){first, n, 0};
+  }
+  if (++g->marks[i].seen < streams) return;
+  g->marks[i] = g->marks[--g->n_marks];
+  tevent *e = calloc(1, sizeof(*e));
+  if (!e) return;
+  *e = (tevent){.kind = EV_LAYERS, .handle = handle, .first = first, .n = n, .peer = tp->p, .gen = tp->gen};
+  push_event(tp->tt, e);
+}
+
+/* A layer marker: what this stream read before it lands first. */
+static int receive_marker(stream *s, const batch_hdr *h, uint8_t *ahead, uint32_t *have) {
+  uint8_t raw[ENT_LEN];
+  struct iovec iov = {raw, ENT_LEN};
+  int rc = read_exact(s->fd, &iov, 1, ahead, have);
+  if (rc) return rc;
+  batch_ent e;
+  ent_decode(raw, &e);
+  if (h->count == 0 || h->count > 64 || e.len == 0) return KVF_EPROTO;
+  rstage_drain(s);
+  tcp_transport *tt = s->tp->tt;
+  char key[32];
+  grant_key(key, sizeof(key), h->handle);
+  pthread_mutex_lock(&tt->g_lock);
+  rgrant *g = kvf__map_get(&tt->grants, key);
+  if (g && !g->closed && g->peer == s->tp->p) count_marker(s->tp, g, h->handle, e.pool, e.len, h->count);
+  pthread_mutex_unlock(&tt->g_lock);
+  return 0;
+}
+
 static void *receiver_main(void *arg) {
   stream *s = arg;
   uint8_t hdr[BHDR_LEN];
@@ -846,7 +920,7 @@ static void *receiver_main(void *arg) {
     batch_hdr h;
     bhdr_decode(hdr, &h);
     have = 0;
-    rc = receive_batch(s, &h, hdr, &have);
+    rc = h.magic == LAYER_MAGIC ? receive_marker(s, &h, hdr, &have) : receive_batch(s, &h, hdr, &have);
     if (rc == KVF_EPROTO)
       kvf__warn("peer %s: malformed data batch on stream %u; closing it", s->tp->p->cfg.name, s->index);
     if (rc) break;
@@ -946,13 +1020,38 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
   return 0;
 }
 
+/* A marker behind the part just posted, on every stream (the format's
+ * comment at the top). */
+static bool tcp_mark_layers(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n) {
+  tcp_peer *tp = tcp_peer_of(to_tcp(t), x->peer);
+  if (!tp || atomic_load(&tp->stop)) return false;
+  item *marks[64] = {0};
+  for (uint32_t i = 0; i < tp->n_out; i++)
+    if (!(marks[i] = calloc(1, sizeof(item)))) {
+      for (uint32_t j = 0; j < i; j++) free(marks[j]);
+      return false; /* the transfer announces them itself */
+    }
+  pthread_mutex_lock(&tp->lock);
+  for (uint32_t i = 0; i < tp->n_out; i++) {
+    item *it = marks[i];
+    *it = (item){.handle = x->handle, .marker = true, .first = first, .n_layers = n, .streams = tp->n_out};
+    stream *s = &tp->out[i];
+    if (s->tail) s->tail->next = it;
+    else s->head = it;
+    s->tail = it;
+  }
+  pthread_cond_broadcast(&tp->cond);
+  pthread_mutex_unlock(&tp->lock);
+  return true;
+}
+
 static void tcp_abort(kvf__transport *t, kvf__xfer *x) {
   tcp_peer *tp = x->peer ? tcp_peer_of(to_tcp(t), x->peer) : NULL;
   if (!tp) return;
   pthread_mutex_lock(&tp->lock);
   for (uint32_t i = 0; i < tp->n_out; i++)
     for (item *it = tp->out[i].head; it; it = it->next)
-      if (it->tk->x == x) atomic_store(&it->tk->aborted, true);
+      if (it->tk && it->tk->x == x) atomic_store(&it->tk->aborted, true);
   pthread_mutex_unlock(&tp->lock);
 }
 
@@ -1024,6 +1123,7 @@ static void tcp_grant_close(kvf__transport *t, kvf__xfer *x) {
   kvf__map_del(&tt->grants, key);
   pthread_mutex_unlock(&tt->g_lock);
   kvf__rangeset_free(&g->rs);
+  free(g->marks);
   free(g);
 }
 
@@ -1178,6 +1278,9 @@ static void handle_event(tevent *e) {
       kvf__peer_fail(e->peer, "a data stream broke");
     break;
   case EV_STREAM_GONE: reap_stream(e); break;
+  case EV_LAYERS:
+    if ((g = grant_for_event(e->tt, e->handle)) != NULL) kvf__xfer_on_layers_landed(g->x, e->first, e->n);
+    break;
   }
 }
 
@@ -1229,6 +1332,7 @@ static void tcp_destroy(kvf__transport *t) {
 static const kvf__transport_ops tcp_ops = {
     .name = "tcp",
     .post = tcp_post,
+    .mark_layers = tcp_mark_layers,
     .abort = tcp_abort,
     .grant_open = tcp_grant_open,
     .grant_close = tcp_grant_close,
