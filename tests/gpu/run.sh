@@ -19,7 +19,8 @@
 # Needs at least one GPU; the GPU->GPU cases need two (skipped, and said,
 # with one). Without any GPU every case is skipped and the exit status is 0.
 # Environment: BUILD (default build); LOGS_TO=DIR saves every log there as
-# check_gpu_logs.tgz. Prints "N passed, N failed, N skipped".
+# check_gpu_logs.tgz; BLOCKS_BENCH=REPS also times the block transfers
+# (gpu_blocks_client bench). Prints "N passed, N failed, N skipped".
 set -u
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
@@ -186,7 +187,7 @@ bench t_back gpub gpua b0 g0 tcp-bounce --model llama3-8b --tokens 2048 --send-f
 # KV layouts in cuda pools, granted and sent by block ids between two
 # clients of one daemon: the block kernel computes the addresses (path as
 # the handoffs above), every byte of the receiver's cache checked.
-if timeout 300 "$BUILD/tests/gpu/gpu_blocks_client" "$TMP/gpua.sock" gpua g0 g1 "$LINK" >"$TMP/blocks_client.log" 2>&1; then
+if timeout 300 "$BUILD/tests/gpu/gpu_blocks_client" "$TMP/gpua.sock" gpua g0 g1 "$LINK" ${BLOCKS_BENCH:+bench "$BLOCKS_BENCH"} >"$TMP/blocks_client.log" 2>&1; then
   ok "block transfers g0 -> g1 by layout and block ids ($(grep -c '^ok' "$TMP/blocks_client.log") handoffs, $LINK)"
   sed 's/^/    /' "$TMP/blocks_client.log"
 else
