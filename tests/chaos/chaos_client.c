@@ -11,6 +11,12 @@
  *          prefill.
  *   local  both ends on its own daemon (the local transport), one process.
  *
+ * A third of the transfers go by KV layout and block ids instead
+ * (kvf_grant_blocks / kvf_send_blocks): each side registers a layout of its
+ * slot for the transfer and frees it after its outcome; parts are groups of
+ * layers; some grants ask for layer events, which must come in order, one
+ * per layer, before a RECV_DONE that succeeds.
+ *
  * The plan (--plan FILE: lines "ID SEED DEADLINE_MS") is the same for both
  * ends of a pair; each transfer's geometry (model preset, layers, blocks,
  * parts) follows from its seed, so sender and receiver agree without
@@ -74,6 +80,9 @@ typedef struct geom {
   bool named;       /* the grant names its source node (pushed ahead) */
   int send_delay_ms;/* the sender starts this long after the receiver may have */
   int part_gap_ms;  /* pause between parts */
+  bool blocks;      /* by layout and block ids: */
+  bool layer_events;
+  uint64_t layers, kv, nblocks;
 } geom;
 
 typedef struct xfer {
@@ -87,9 +96,13 @@ typedef struct xfer {
   bool need_recv, need_send; /* outcomes still to come */
   bool active;
   bool withdrawn;       /* cancelled by the two-step stop */
+  uint32_t lay_src, lay_dst; /* blocks: this side's layouts (0: none) */
+  uint32_t *sids, *dids;
+  uint64_t layers_seen;      /* LAYER_DONE events so far */
 } xfer;
 
 static volatile sig_atomic_t usr1, usr2;
+static kvf_client *C;
 static opts O;
 static uint8_t *pool_base;
 static uint32_t pool_id;
@@ -203,6 +216,12 @@ static geom geom_of(uint64_t seed, uint64_t max_bytes) {
    * and comes in parts, so grants wait with data half there. */
   g.send_delay_ms = (int)rbelow(&r, 8);
   g.part_gap_ms = (int)rbelow(&r, 6);
+  g.layers = layers;
+  g.kv = presets[k].kv;
+  g.nblocks = blocks;
+  g.blocks = rbelow(&r, 3) == 0;
+  g.layer_events = g.blocks && rbelow(&r, 2);
+  if (g.blocks && (uint64_t)g.parts > layers) g.parts = (int)layers;
   return g;
 }
 
@@ -218,23 +237,54 @@ static uint64_t slot_base(int slot, bool dst_half) {
 
 /* Random distinct positions for g->ndesc blocks in a slot, with a random
  * guard (0 or GUARD bytes) between neighbours and a random shift. */
+/* The first n of a random permutation of [0, npos), malloc'ed. */
+static uint32_t *pick_distinct(rng *r, uint64_t npos, uint64_t n) {
+  uint32_t *pos = malloc(npos * sizeof *pos);
+  if (!pos) return NULL;
+  for (uint64_t i = 0; i < npos; i++) pos[i] = (uint32_t)i;
+  for (uint64_t i = 0; i < n; i++) {
+    uint64_t j = i + rbelow(r, npos - i);
+    uint32_t t = pos[i];
+    pos[i] = pos[j];
+    pos[j] = t;
+  }
+  return pos;
+}
+
 static int layout(kvf_desc *d, const geom *g, uint64_t base, uint64_t seed) {
   rng r = {seed};
   uint64_t guard = rbelow(&r, 2) ? GUARD : 0, shift = rbelow(&r, 8);
   uint64_t stride = g->block + guard, npos = (slot_len() - shift) / stride;
   if (npos < g->ndesc) return -1;
-  uint32_t *pos = malloc(npos * sizeof *pos);
+  uint32_t *pos = pick_distinct(&r, npos, g->ndesc);
   if (!pos) return -1;
-  for (uint64_t i = 0; i < npos; i++) pos[i] = (uint32_t)i;
-  for (uint64_t i = 0; i < g->ndesc; i++) {
-    uint64_t j = i + rbelow(&r, npos - i);
-    uint32_t t = pos[i];
-    pos[i] = pos[j];
-    pos[j] = t;
-    d[i] = (kvf_desc){pool_id, base + shift + pos[i] * stride, g->block};
-  }
+  for (uint64_t i = 0; i < g->ndesc; i++) d[i] = (kvf_desc){pool_id, base + shift + pos[i] * stride, g->block};
   free(pos);
   return 0;
+}
+
+/* Blocks: one side's layout over its slot (per-layer regions of nb blocks
+ * from base), registered; g->nblocks random distinct ids in ids; d gets
+ * the pieces in the order both sides number them (layer, K/V, block i), so
+ * the patterns and verify_slot are the descriptors' own. */
+static int block_side(const geom *g, uint64_t base, uint64_t seed, kvf_desc *d, uint32_t **ids, uint32_t *lay) {
+  uint64_t regions = g->layers * g->kv, nb = slot_len() / (regions * g->block);
+  if (nb < g->nblocks) return -1;
+  if (nb > 4096) nb = 4096;
+  rng r = {seed};
+  uint64_t *off = malloc(regions * sizeof(*off));
+  *ids = pick_distinct(&r, nb, g->nblocks); /* the first nblocks are the ids */
+  if (!off || !*ids) exit(2);
+  for (uint64_t reg = 0; reg < regions; reg++) {
+    off[reg] = base + reg * nb * g->block;
+    for (uint64_t i = 0; i < g->nblocks; i++)
+      d[reg * g->nblocks + i] = (kvf_desc){pool_id, off[reg] + (*ids)[i] * g->block, g->block};
+  }
+  kvf_layout l = {.pool = pool_id, .n_layers = (uint32_t)g->layers, .n_kv = (uint32_t)g->kv,
+                  .n_blocks = (uint32_t)nb, .block_bytes = g->block, .block_stride = g->block, .offsets = off};
+  int rc = kvf_layout_register(C, &l, lay);
+  free(off);
+  return rc;
 }
 
 /* ------------------------------------------------------------- output */
@@ -328,7 +378,6 @@ static int verify_slot(const xfer *x, char *detail, size_t dlen) {
 /* ------------------------------------------------------------- posting */
 
 static plan_ent *plan; /* global: reachable at any exit (LeakSanitizer) */
-static kvf_client *C;
 static xfer X[MAX_CONC];
 static bool slot_dead[MAX_CONC];
 static int n_active;
@@ -336,20 +385,38 @@ static uint64_t hold_until_ms; /* after a refusal, like an engine, wait before t
 
 static void finish_if_done(xfer *x) {
   if (x->need_recv || x->need_send) return;
+  /* a daemon that went away took them with it */
+  if (x->lay_src) kvf_layout_free(C, x->lay_src);
+  if (x->lay_dst) kvf_layout_free(C, x->lay_dst);
   free(x->src);
   free(x->dst);
+  free(x->sids);
+  free(x->dids);
   x->src = x->dst = NULL;
+  x->sids = x->dids = NULL;
   x->active = false;
   n_active--;
 }
 
 /* The part k of parts: descriptors [k*n/parts, (k+1)*n/parts). The first
  * one accepted makes the transfer "posted". */
+/* Blocks: part k is layers [k*L/parts, (k+1)*L/parts); the first names
+ * the ids. */
+static int post_block_part(xfer *x, int k, const char *to) {
+  uint64_t a = (uint64_t)k * x->g.layers / (uint64_t)x->g.parts;
+  uint64_t b = (uint64_t)(k + 1) * x->g.layers / (uint64_t)x->g.parts;
+  kvf_blocks bl = {.layout = x->lay_src, .ids = k ? NULL : x->sids, .n = k ? 0 : x->g.nblocks,
+                   .first_layer = (uint32_t)a, .n_layers = (uint32_t)(b - a)};
+  return kvf_send_blocks(C, x->pe->id, to, &bl, k + 1 < x->g.parts ? KVF_SEND_MORE : 0, x->pe->deadline_ms);
+}
+
 static int post_part(xfer *x) {
   int k = x->parts_posted, parts = x->g.parts;
   uint64_t a = (uint64_t)k * x->g.ndesc / (uint64_t)parts, b = (uint64_t)(k + 1) * x->g.ndesc / (uint64_t)parts;
   const char *to = O.role == ROLE_LOCAL ? own_node : O.peer;
-  int rc = kvf_send(C, x->pe->id, to, x->src + a, b - a, k + 1 < parts ? KVF_SEND_MORE : 0, x->pe->deadline_ms);
+  int rc = x->g.blocks ? post_block_part(x, k, to)
+                       : kvf_send(C, x->pe->id, to, x->src + a, b - a, k + 1 < parts ? KVF_SEND_MORE : 0,
+                                  x->pe->deadline_ms);
   if (rc == 0) {
     x->parts_posted++;
     x->next_part_ms = now_ms() + (uint64_t)x->g.part_gap_ms;
@@ -395,22 +462,39 @@ static void start(const plan_ent *pe, int slot) {
   x->need_send = send;
   if (send) {
     x->src = malloc(x->g.ndesc * sizeof(kvf_desc));
-    if (!x->src || layout(x->src, &x->g, slot_base(slot, false), pe->seed ^ 0x5e11d)) {
+    int lrc = 0;
+    if (x->src && x->g.blocks) {
+      lrc = block_side(&x->g, slot_base(slot, false), pe->seed ^ 0x5e11d, x->src, &x->sids, &x->lay_src);
+      if (lrc != 0 && lrc != -1) {
+        x->need_send = false; /* the daemon took no send */
+        refused(x, "send", lrc, "layout");
+        if (!x->active) return;
+        send = false;
+      }
+    }
+    if (!x->src || lrc == -1 || (!x->g.blocks && layout(x->src, &x->g, slot_base(slot, false), pe->seed ^ 0x5e11d))) {
       fprintf(stderr, "chaos_client: slot too small for %s\n", pe->id);
       exit(2);
     }
-    for (uint64_t i = 0; i < x->g.ndesc; i++)
+    for (uint64_t i = 0; send && i < x->g.ndesc; i++)
       fill_pattern(pool_base + x->src[i].offset, x->src[i].len, pe->seed, i * x->g.block);
   }
   if (recv) {
     x->dst = malloc(x->g.ndesc * sizeof(kvf_desc));
-    if (!x->dst || layout(x->dst, &x->g, slot_base(slot, true), pe->seed ^ 0xdec0de)) {
+    int lrc = x->dst && x->g.blocks
+                  ? block_side(&x->g, slot_base(slot, true), pe->seed ^ 0xdec0de, x->dst, &x->dids, &x->lay_dst)
+                  : 0;
+    if (!x->dst || lrc == -1 || (!x->g.blocks && layout(x->dst, &x->g, slot_base(slot, true), pe->seed ^ 0xdec0de))) {
       fprintf(stderr, "chaos_client: slot too small for %s\n", pe->id);
       exit(2);
     }
     memset(pool_base + slot_base(slot, true), poison_of(pe->seed), slot_len());
     const char *from = O.role == ROLE_LOCAL ? own_node : x->g.named ? O.peer : NULL;
-    int rc = kvf_grant(C, pe->id, from, x->dst, x->g.ndesc, pe->deadline_ms);
+    kvf_blocks bl = {.layout = x->lay_dst, .ids = x->dids, .n = x->g.nblocks};
+    int rc = lrc ? lrc
+             : x->g.blocks ? kvf_grant_blocks(C, pe->id, from, &bl, x->g.layer_events ? KVF_GRANT_LAYER_EVENTS : 0,
+                                              pe->deadline_ms)
+                           : kvf_grant(C, pe->id, from, x->dst, x->g.ndesc, pe->deadline_ms);
     if (rc) {
       refused(x, "recv", rc, "grant");
       if (!x->active || O.role != ROLE_LOCAL) return;
@@ -434,8 +518,24 @@ static xfer *find(const char *id) {
   return NULL;
 }
 
+/* LAYER_DONE: one per layer, in order, only for grants that asked. */
+static void on_layer(xfer *x, const kvf_event *ev) {
+  if (x && x->need_recv && x->g.layer_events && ev->status == 0 && ev->layer == x->layers_seen) {
+    x->layers_seen++;
+    return;
+  }
+  head("stray", ev->xfer_id);
+  printf(", \"type\": %d, \"layer\": %u, \"expected_layer\": %" PRIu64 "", ev->type, ev->layer,
+         x ? x->layers_seen : 0);
+  line_end();
+}
+
 static void on_event(const kvf_event *ev) {
   xfer *x = find(ev->xfer_id);
+  if (ev->type == KVF_EV_LAYER_DONE) {
+    on_layer(x, ev);
+    return;
+  }
   bool is_recv = ev->type == KVF_EV_RECV_DONE;
   if (!x || (is_recv ? !x->need_recv : !x->need_send)) {
     head("stray", ev->xfer_id);
@@ -448,6 +548,11 @@ static void on_event(const kvf_event *ev) {
     char detail[256] = "";
     int verified = -1;
     if (ev->status == 0) verified = verify_slot(x, detail, sizeof detail);
+    if (ev->status == 0 && x->g.layer_events && x->layers_seen != x->g.layers) {
+      snprintf(detail, sizeof detail, "RECV_DONE after %" PRIu64 " of %" PRIu64 " layer events", x->layers_seen,
+               x->g.layers);
+      verified = 0;
+    }
     if (ev->status == 0 && ev->bytes != x->g.bytes) {
       snprintf(detail, sizeof detail, "event says %" PRIu64 " bytes, the grant has %" PRIu64, ev->bytes,
                x->g.bytes);

@@ -181,6 +181,130 @@ static void a_inspect(buf *b, int what, bool json) {
   api(b, &q);
 }
 
+/* A small KV layout in pool 1: layers x 2 regions of 4 blocks of 4 KiB,
+ * region after region (offsets in space, 8 bytes each). */
+static Kvf__Layout *lay(Kvf__Layout *l, uint8_t *space, uint32_t layers, uint64_t base) {
+  kvf__layout__init(l);
+  l->pool = 1;
+  l->n_layers = layers;
+  l->n_kv = 2;
+  l->n_blocks = 4;
+  l->block_bytes = 4096;
+  l->block_stride = 4096;
+  for (uint32_t r = 0; r < layers * 2; r++)
+    for (int k = 0; k < 8; k++) space[r * 8 + k] = (uint8_t)((base + (uint64_t)r * 4 * 4096) >> (8 * k));
+  l->offsets = (ProtobufCBinaryData){layers * 2 * 8, space};
+  l->tokens_per_block = 16;
+  l->dtype_bytes = 2;
+  return l;
+}
+
+static void a_layout(buf *b, uint32_t layers, uint64_t base) {
+  uint8_t space[64 * 16];
+  Kvf__Layout l;
+  Kvf__LayoutReq r = KVF__LAYOUT_REQ__INIT;
+  r.layout = lay(&l, space, layers, base);
+  Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
+  q.seq = ++seq;
+  q.body_case = KVF__API_REQUEST__BODY_LAYOUT;
+  q.layout = &r;
+  api(b, &q);
+}
+
+static void a_layout_free(buf *b, uint32_t id) {
+  Kvf__LayoutFreeReq r = KVF__LAYOUT_FREE_REQ__INIT;
+  r.id = id;
+  Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
+  q.seq = ++seq;
+  q.body_case = KVF__API_REQUEST__BODY_LAYOUT_FREE;
+  q.layout_free = &r;
+  api(b, &q);
+}
+
+/* ids: a string of small block ids ("0123": blocks 0, 1, 2, 3). */
+static Kvf__BlockList *blist(Kvf__BlockList *w, uint8_t *space, uint32_t layout, const char *ids, uint32_t first,
+                             uint32_t n) {
+  kvf__block_list__init(w);
+  size_t k = strlen(ids);
+  for (size_t i = 0; i < k; i++) {
+    memset(space + 4 * i, 0, 4);
+    space[4 * i] = (uint8_t)(ids[i] - '0');
+  }
+  w->layout = layout;
+  w->ids = (ProtobufCBinaryData){4 * k, space};
+  w->first_layer = first;
+  w->n_layers = n;
+  return w;
+}
+
+static void a_grant_blocks(buf *b, const char *id, const char *src, uint32_t layout, const char *ids, bool events) {
+  uint8_t space[256];
+  Kvf__BlockList w;
+  Kvf__GrantReq g = KVF__GRANT_REQ__INIT;
+  g.xfer_id = (char *)id;
+  g.src_node = (char *)src;
+  g.blocks = blist(&w, space, layout, ids, 0, 0);
+  g.layer_events = events;
+  Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
+  q.seq = ++seq;
+  q.body_case = KVF__API_REQUEST__BODY_GRANT;
+  q.grant = &g;
+  api(b, &q);
+}
+
+static void a_send_blocks(buf *b, const char *id, const char *dst, uint32_t layout, const char *ids, uint32_t first,
+                          uint32_t n, bool more, bool continues) {
+  uint8_t space[256];
+  Kvf__BlockList w;
+  Kvf__SendReq s = KVF__SEND_REQ__INIT;
+  s.xfer_id = (char *)id;
+  s.dst_node = (char *)dst;
+  s.blocks = blist(&w, space, layout, ids, first, n);
+  s.more = more;
+  s.continues = continues;
+  Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
+  q.seq = ++seq;
+  q.body_case = KVF__API_REQUEST__BODY_SEND;
+  q.send = &s;
+  api(b, &q);
+}
+
+static void api_block_seeds(const char *T) {
+  buf b = {0};
+  /* layouts 1 and 2; a local handoff by blocks in two layer parts */
+  a_hello(&b, KVF__API_VERSION);
+  a_layout(&b, 4, 0);
+  a_layout(&b, 4, 131072);
+  a_grant_blocks(&b, "k1", "", 1, "0213", true);
+  a_send_blocks(&b, "k1", "A", 2, "3120", 0, 2, true, false);
+  a_send_blocks(&b, "k1", "A", 2, "", 2, 2, false, true);
+  a_inspect(&b, KVF__INSPECT_WHAT__INSPECT_LAYOUTS, true);
+  a_layout_free(&b, 1);
+  a_layout_free(&b, 1);
+  out(T, "blocks-local", &b);
+
+  /* to peer B, send first; a part after a cancel */
+  a_hello(&b, KVF__API_VERSION);
+  a_layout(&b, 2, 0);
+  a_send_blocks(&b, "k2", "B", 1, "01", 0, 1, true, false);
+  a_cancel(&b, "k2");
+  a_send_blocks(&b, "k2", "B", 1, "", 1, 1, false, true);
+  a_grant_blocks(&b, "k3", "B", 1, "23", false);
+  out(T, "blocks-remote", &b);
+
+  /* errors: unknown layout, ids and layers outside it, a layout leaving
+   * the pool, overlapping regions, blocks and descriptors mixed */
+  a_hello(&b, KVF__API_VERSION);
+  a_grant_blocks(&b, "k4", "", 9, "0", false);
+  a_layout(&b, 4, 200000);
+  a_layout(&b, 1, 0);
+  a_grant_blocks(&b, "k4", "", 1, "9", false);
+  a_send_blocks(&b, "k4", "A", 1, "0", 1, 3, false, false);
+  a_grant(&b, "k5", "", D({{1, 0, 4096}}));
+  a_send_blocks(&b, "k5", "A", 1, "0", 0, 0, false, false);
+  out(T, "blocks-errors", &b);
+}
+
 static void api_seeds(void) {
   buf b = {0};
   const char *T = "fuzz_api";
@@ -325,6 +449,8 @@ static void api_seeds(void) {
   put(&b, "\x00\x00\x00\x00", 4); /* an empty request */
   put(&b, "\x02\x00\x00\x00\x08\x07", 6); /* seq only */
   out(T, "empty-requests", &b);
+
+  api_block_seeds(T);
 }
 
 /* ------------------------------------------------------------------ peer */
@@ -348,6 +474,37 @@ static void p_grant(buf *b, const char *id, uint64_t handle, const desc *d, size
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_GRANT;
   m.grant = &g;
+  peer(b, &m);
+}
+
+/* A Grant of blocks: the receiver's view (layers x 2 regions of 4 blocks
+ * from base in pool 1) and ids as in blist. */
+static void p_grant_blocks(buf *b, const char *id, uint64_t handle, uint32_t layers, uint64_t base, const char *ids,
+                           bool events) {
+  uint8_t space[64 * 16], idspace[256];
+  Kvf__Layout l;
+  Kvf__BlockList w;
+  Kvf__Grant g = KVF__GRANT__INIT;
+  g.xfer_id = (char *)id;
+  g.handle = handle;
+  g.layout = lay(&l, space, layers, base);
+  g.block_ids = blist(&w, idspace, 0, ids, 0, 0)->ids;
+  g.layer_events = events;
+  g.deadline_ms = 5000;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_GRANT;
+  m.grant = &g;
+  peer(b, &m);
+}
+
+static void p_layers_done(buf *b, uint64_t handle, uint32_t first, uint32_t n) {
+  Kvf__LayersDone d = KVF__LAYERS_DONE__INIT;
+  d.handle = handle;
+  d.first_layer = first;
+  d.n_layers = n;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_LAYERS_DONE;
+  m.layers_done = &d;
   peer(b, &m);
 }
 
@@ -517,6 +674,16 @@ static void peer_seeds(void) {
 
   p_done(&b, 1, 4096 + 4096 + 100 + 65536 + 1000, 5);
   out(T, "done-g1", &b);
+
+  /* B grants blocks for s1 (pushed ahead), says layers landed for a
+   * handle of ours, then a malformed view (block ids past it) */
+  p_grant_blocks(&b, "s1", 79, 4, 0, "0123", true);
+  p_layers_done(&b, 1, 0, 2);
+  p_layers_done(&b, 1, 4000000000u, 4000000000u);
+  p_grant_blocks(&b, "s2", 80, 4, 0, "07", false);
+  p_grant_blocks(&b, "s3", 81, 4, 250000, "0", false);
+  p_result(&b, 79, 0, "");
+  out(T, "grant-blocks", &b);
 
   p_intent(&b, "g1");
   p_intent(&b, "g3");
