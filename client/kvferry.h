@@ -114,6 +114,13 @@ int kvf_grant(kvf_client *c, const char *xfer_id, const char *src_node,
               const kvf_desc *descs, size_t n, uint32_t deadline_ms);
 
 #define KVF_SEND_MORE 0x1u   /* more parts of this transfer follow */
+/* A part that continues a send under way returns as soon as it is written
+ * to the daemon, without waiting for its answer (a layer-by-layer prefill
+ * then does not wait a round trip per layer). A refusal of such a part
+ * fails the send: its KVF_EV_SEND_DONE carries the error. The first part
+ * of a send (and a descriptor part large enough to go in chained frames)
+ * is answered as always. */
+#define KVF_SEND_NOWAIT 0x2u
 
 /* Prefill side: send descs to dst_node (which may be this node). Parts after
  * the first continue the pairing where the previous part stopped.
