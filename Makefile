@@ -44,30 +44,34 @@ CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Wshadow -Wno-unused
 	-fvisibility=hidden -pthread $(OPT) $(SANFLAGS)
 INC := -I$(BUILD)/proto -Iproto -Iclient -Idaemon
 DEPFLAGS = -MMD -MP
-LDLIBS_D := -luv -lprotobuf-c -lpthread -ldl -lsystemd -libverbs -lrdmacm
+LDLIBS_D := -luv -lprotobuf-c -lpthread -ldl -lsystemd -lgcrypt -libverbs -lrdmacm
 LDLIBS_C := -lprotobuf-c -lpthread -ldl
 
 PROTO_C := $(BUILD)/proto/kvferry.pb-c.c
 PROTO_H := $(BUILD)/proto/kvferry.pb-c.h
 
 COMMON_SRC := proto/frame.c
+# The JSON writer and reader (proto/json.h): the daemon, kvferryctl,
+# kvferry-bench and the tests; not libkvferry, which neither writes nor
+# reads JSON.
+JSON_SRC := proto/json.c
 ERR_SRC := client/errors.c
 DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c daemon/transport/*.c daemon/transport/*/*.c daemon/cuda/*.c))
 LIB_SRC := $(wildcard client/lib*.c) client/errors.c
-CTL_SRC := client/kvferryctl.c $(wildcard client/ctl_*.c)
+CTL_SRC := $(wildcard client/ctl/*.c)
 BENCH_SRC := bench/kvferry-bench.c
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 pic = $(patsubst %.c,$(BUILD)/pic/%.o,$(1))
 
-DAEMON_OBJ := $(call obj,$(DAEMON_SRC) $(COMMON_SRC) $(ERR_SRC)) $(BUILD)/obj/proto/kvferry.pb-c.o
+DAEMON_OBJ := $(call obj,$(DAEMON_SRC) $(COMMON_SRC) $(ERR_SRC) $(JSON_SRC)) $(BUILD)/obj/proto/kvferry.pb-c.o
 LIB_PIC := $(call pic,$(LIB_SRC) $(COMMON_SRC)) $(BUILD)/pic/proto/kvferry.pb-c.o
 
 UNIT_SRC := $(wildcard tests/unit/test_*.c)
 UNIT_BIN := $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
 INTEG_SRC := $(wildcard tests/integration/test_*.c)
 INTEG_BIN := $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(INTEG_SRC))
-TESTLIB_SRC := $(wildcard tests/integration/harness.c)
+TESTLIB_SRC := $(wildcard tests/integration/harness.c) $(JSON_SRC)
 ROGUE_BIN := $(BUILD)/tests/kvferryd-rogue
 
 # libkvferry as `make install` lays it out: the real file, its soname, the
@@ -153,10 +157,10 @@ $(BUILD)/libkvferry.a: $(LIB_PIC)
 	@rm -f $@
 	ar rcs $@ $^
 
-$(BUILD)/kvferryctl: $(call obj,$(CTL_SRC)) $(BUILD)/libkvferry.a
+$(BUILD)/kvferryctl: $(call obj,$(CTL_SRC) $(JSON_SRC)) $(BUILD)/libkvferry.a
 	$(CC) $(CFLAGS_BASE) -o $@ $^ $(LDLIBS_C)
 
-$(BUILD)/kvferry-bench: $(call obj,$(BENCH_SRC)) $(BUILD)/libkvferry.a
+$(BUILD)/kvferry-bench: $(call obj,$(BENCH_SRC) $(JSON_SRC)) $(BUILD)/libkvferry.a
 	$(CC) $(CFLAGS_BASE) -o $@ $^ $(LDLIBS_C) -lm
 
 # The daemon's cost per descriptor before a transport sees it (bench/desc_bench.c).
@@ -186,7 +190,7 @@ $(BUILD)/tests/test_xfer: private LDLIBS_D += -Wl,--wrap=kvf__descs_append
 # Black-box tests: real daemons, driven through libkvferry only.
 $(BUILD)/tests/%: tests/integration/%.c $(TESTLIB_SRC) $(BUILD)/libkvferry.a | deps
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_BASE) -Iclient -Itests/integration -o $@ $< $(TESTLIB_SRC) \
+	$(CC) $(CFLAGS_BASE) -Iclient -Iproto -Itests/integration -o $@ $< $(TESTLIB_SRC) \
 	  $(BUILD)/libkvferry.a $(LDLIBS_C) -lcmocka
 
 # Builds every test program and bench tool, also those it cannot run here
@@ -359,7 +363,7 @@ test-build: $(RDMA_TEST_BIN) $(MW_PROBE)
 
 $(BUILD)/tests/rdma/%: tests/rdma/%.c $(TESTLIB_SRC) $(BUILD)/libkvferry.a | deps
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_BASE) -Iclient -Itests/integration -o $@ $< $(TESTLIB_SRC) \
+	$(CC) $(CFLAGS_BASE) -Iclient -Iproto -Itests/integration -o $@ $< $(TESTLIB_SRC) \
 	  $(BUILD)/libkvferry.a $(LDLIBS_C) -lcmocka
 
 # The black-box suite and tests/rdma, and mw_probe first (tests/rdma/run.sh).
@@ -377,7 +381,7 @@ $(MW_PROBE): tests/rdma/mw_probe.c | deps
 # -DKVF_FAILPOINTS (daemon/failpoint.h) and their own objects, for the tests
 # of a peer that misbehaves (tests/integration/test_rogue.c). kvferryd
 # itself is built without failpoints.
-ROGUE_SRC := daemon/main.c $(filter-out daemon/cuda/kernel_image.c,$(DAEMON_SRC)) $(COMMON_SRC) $(ERR_SRC)
+ROGUE_SRC := daemon/main.c $(filter-out daemon/cuda/kernel_image.c,$(DAEMON_SRC)) $(COMMON_SRC) $(ERR_SRC) $(JSON_SRC)
 ROGUE_OBJ := $(patsubst %.c,$(BUILD)/rogue/%.o,$(ROGUE_SRC)) $(BUILD)/obj/daemon/cuda/kernel_image.o \
 	$(BUILD)/obj/proto/kvferry.pb-c.o
 test-build: $(ROGUE_BIN)
@@ -421,7 +425,7 @@ FUZZ_TARGETS ?= fuzz_api fuzz_peer fuzz_config
 FUZZ_DIR := $(BUILD)/fuzz
 FUZZ_CFLAGS := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Wshadow -Wno-unused-parameter -pthread -g -O1 \
 	-fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined
-FUZZ_OBJ := $(patsubst %.c,$(FUZZ_DIR)/obj/%.o,$(DAEMON_SRC) $(COMMON_SRC) $(ERR_SRC) tests/fuzz/fuzz_common.c) \
+FUZZ_OBJ := $(patsubst %.c,$(FUZZ_DIR)/obj/%.o,$(DAEMON_SRC) $(COMMON_SRC) $(ERR_SRC) $(JSON_SRC) tests/fuzz/fuzz_common.c) \
 	$(FUZZ_DIR)/obj/proto/kvferry.pb-c.o
 FUZZ_BIN := $(addprefix $(FUZZ_DIR)/,fuzz_api fuzz_peer fuzz_config)
 
@@ -473,9 +477,9 @@ CHAOS_ARGS ?=
 CHAOS_BIN := $(BUILD)/tests/chaos/chaos_client
 test-build: $(CHAOS_BIN)
 
-$(CHAOS_BIN): tests/chaos/chaos_client.c $(BUILD)/libkvferry.a | deps
+$(CHAOS_BIN): tests/chaos/chaos_client.c $(JSON_SRC) $(BUILD)/libkvferry.a | deps
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS_BASE) -Iclient -o $@ $< $(BUILD)/libkvferry.a $(LDLIBS_C)
+	$(CC) $(CFLAGS_BASE) -Iclient -Iproto -o $@ $< $(JSON_SRC) $(BUILD)/libkvferry.a $(LDLIBS_C)
 
 chaos: all $(CHAOS_BIN)
 	@BUILD=$(BUILD) python3 tests/chaos/chaos.py --trials $(TRIALS) $(CHAOS_ARGS)

@@ -50,6 +50,7 @@
 #include <unistd.h>
 
 #include "cuda/cudrv.h"
+#include "json.h"
 #include "kvferry.h"
 
 #define GOLDEN 0x9e3779b97f4a7c15ULL
@@ -794,16 +795,7 @@ static double percentile(const double *sorted, uint64_t n, double p) {
   return sorted[(rank > n ? n : rank) - 1];
 }
 
-static void json_str(FILE *f, const char *s) {
-  fputc('"', f);
-  for (; *s; s++) {
-    unsigned char ch = (unsigned char)*s;
-    if (ch == '"' || ch == '\\') fprintf(f, "\\%c", ch);
-    else if (ch < 0x20) fprintf(f, "\\u%04x", ch);
-    else fputc(ch, f);
-  }
-  fputc('"', f);
-}
+static void json_str(FILE *f, const char *s) { kvf__json_fquote(f, s); }
 
 typedef struct summary {
   uint64_t bytes, descs;

@@ -1,7 +1,7 @@
 /* errors.c - names and messages for kvferry's error codes.
  *
- * One table describes every enum kvf_errc code; any other negative value is
- * a negative errno. Everything returned is a constant string (strerror's text
+ * One table describes every enum kvf_errc code (KVF_ERR_MAP in kvferry.h);
+ * any other negative value is a negative errno. Everything returned is a constant string (strerror's text
  * comes from the C library's constant table via strerrordesc_np), so these
  * functions are thread-safe. */
 #include "kvferry.h"
@@ -18,24 +18,11 @@ struct err_entry {
   const char *message;
 };
 
-/* The single source of truth for kvferry's own codes. */
+/* kvferry's own codes, from the one list in kvferry.h. */
 static const struct err_entry kvf_errors[] = {
-  {KVF_ESIZE, "KVF_ESIZE", "send and grant descriptors differ in size or count"},
-  {KVF_ENOPEER, "KVF_ENOPEER", "no such peer node"},
-  {KVF_ENOPOOL, "KVF_ENOPOOL", "no such pool"},
-  {KVF_ERANGE, "KVF_ERANGE", "range outside its pool"},
-  {KVF_EPEERLOST, "KVF_EPEERLOST", "peer daemon went away"},
-  {KVF_EREMOTECANCEL, "KVF_EREMOTECANCEL", "cancelled by the other side"},
-  {KVF_EDAEMON, "KVF_EDAEMON", "connection to the local daemon is gone"},
-  {KVF_EVERSION, "KVF_EVERSION", "protocol versions do not match"},
-  {KVF_EPROTO, "KVF_EPROTO", "malformed message"},
-  {KVF_ELIMIT, "KVF_ELIMIT", "refused by a configured limit"},
-  {KVF_EPERM, "KVF_EPERM", "not allowed (credentials or authentication)"},
-  {KVF_EDEADLINE, "KVF_EDEADLINE", "transfer deadline expired"},
-  {KVF_ECANCELED, "KVF_ECANCELED", "cancelled by this side"},
-  {KVF_EEXIST, "KVF_EEXIST", "transfer id already active"},
-  {KVF_ENOENT, "KVF_ENOENT", "no active transfer with this id"},
-  {KVF_EINVAL, "KVF_EINVAL", "invalid argument"},
+#define KVF_ERR_XX(name, code, message) {KVF_##name, "KVF_" #name, message},
+  KVF_ERR_MAP(KVF_ERR_XX)
+#undef KVF_ERR_XX
 };
 
 /* errno values stay below the kernel's MAX_ERRNO; anything else is unknown

@@ -31,24 +31,34 @@ extern "C" {
 #define KVF_XFER_ID_MAX 127   /* bytes, without the terminating NUL */
 #define KVF_NAME_MAX 63       /* node and pool names */
 
-/* kvferry's own error codes. Everything else is a negative errno. */
+/* kvferry's own error codes: XX(name, code, message). Everything else is a
+ * negative errno. This list is the one source: the enum below, the names and
+ * messages of kvf_err_name() and kvf_strerror() (client/errors.c), and,
+ * written by scripts/gen-errors.py, the Python binding's names and
+ * libkvferry(3)'s RETURN VALUE section (tests/ops/test_errors.py checks
+ * that they agree). Codes are part of the ABI: never renumber one. */
+#define KVF_ERR_MAP(XX)                                                              \
+  XX(ESIZE, -4001, "send and grant descriptors differ in size or count")            \
+  XX(ENOPEER, -4002, "no such peer node")                                            \
+  XX(ENOPOOL, -4003, "no such pool")                                                 \
+  XX(ERANGE, -4004, "a range is outside its pool")                                   \
+  XX(EPEERLOST, -4005, "the peer daemon went away")                                  \
+  XX(EREMOTECANCEL, -4006, "the other side cancelled, or its client went away")      \
+  XX(EDAEMON, -4007, "the connection to the local daemon is gone")                   \
+  XX(EVERSION, -4008, "protocol versions do not match")                              \
+  XX(EPROTO, -4009, "malformed message")                                             \
+  XX(ELIMIT, -4010, "a configured limit refused the request")                        \
+  XX(EPERM, -4011, "not allowed (credentials or authentication)")                    \
+  XX(EDEADLINE, -4012, "the transfer's deadline expired")                            \
+  XX(ECANCELED, -4013, "cancelled by this side")                                     \
+  XX(EEXIST, -4014, "a transfer with this id is already active here")                \
+  XX(ENOENT, -4015, "no active transfer with this id")                               \
+  XX(EINVAL, -4016, "invalid argument")
+
 enum kvf_errc {
-  KVF_ESIZE = -4001,          /* send and grant descriptors differ in size or count */
-  KVF_ENOPEER = -4002,        /* no such peer node */
-  KVF_ENOPOOL = -4003,        /* no such pool */
-  KVF_ERANGE = -4004,         /* a range is outside its pool */
-  KVF_EPEERLOST = -4005,      /* the peer daemon went away */
-  KVF_EREMOTECANCEL = -4006,  /* the other side cancelled (or its client went away) */
-  KVF_EDAEMON = -4007,        /* the connection to the local daemon is gone */
-  KVF_EVERSION = -4008,       /* protocol versions do not match */
-  KVF_EPROTO = -4009,         /* malformed message */
-  KVF_ELIMIT = -4010,         /* a configured limit refused the request */
-  KVF_EPERM = -4011,          /* not allowed (credentials, authentication) */
-  KVF_EDEADLINE = -4012,      /* the transfer's deadline expired */
-  KVF_ECANCELED = -4013,      /* cancelled by this side */
-  KVF_EEXIST = -4014,         /* a transfer with this id is already active here */
-  KVF_ENOENT = -4015,         /* no active transfer with this id */
-  KVF_EINVAL = -4016,         /* invalid argument */
+#define KVF_ERR_XX(name, code, message) KVF_##name = (code),
+  KVF_ERR_MAP(KVF_ERR_XX)
+#undef KVF_ERR_XX
 };
 
 const char *kvf_strerror(int err);
@@ -104,6 +114,13 @@ int kvf_grant(kvf_client *c, const char *xfer_id, const char *src_node,
               const kvf_desc *descs, size_t n, uint32_t deadline_ms);
 
 #define KVF_SEND_MORE 0x1u   /* more parts of this transfer follow */
+/* A part that continues a send under way returns as soon as it is written
+ * to the daemon, without waiting for its answer (a layer-by-layer prefill
+ * then does not wait a round trip per layer). A refusal of such a part
+ * fails the send: its KVF_EV_SEND_DONE carries the error. The first part
+ * of a send (and a descriptor part large enough to go in chained frames)
+ * is answered as always. */
+#define KVF_SEND_NOWAIT 0x2u
 
 /* Prefill side: send descs to dst_node (which may be this node). Parts after
  * the first continue the pairing where the previous part stopped.

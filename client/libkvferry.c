@@ -876,28 +876,50 @@ static void trim_dbuf(kvf_client *c) {
   c->dcap = 0;
 }
 
-/* One request carrying descs in *list, one response: the descriptors are
- * packed into dbuf under write_mu, so the buffer serves every call. */
-static int call_with_descs(kvf_client *c, Kvf__ApiRequest *req, Kvf__DescList *list, const kvf_desc *descs,
-                           size_t n) {
+/* One request whose list is packed into dbuf under write_mu (so the
+ * buffer serves every call) by pack(c, arg); answered: one response
+ * awaited, else (KVF_SEND_NOWAIT) written and not awaited. */
+static int call_packed(kvf_client *c, Kvf__ApiRequest *req, int (*pack)(kvf_client *, void *), void *arg,
+                       bool answered) {
   struct pending p;
   pthread_mutex_lock(&c->write_mu);
-  int rc = reserve_dbuf(c, n);
+  int rc = pack(c, arg);
   bool registered = false;
-  if (rc == 0) {
-    pack_descs(descs, n, c->dbuf);
-    list->packed.data = c->dbuf;
-    list->packed.len = n * DESC_WIRE_SIZE;
+  if (rc == 0 && answered) {
     rc = register_pending(c, &p);
     registered = rc == 0;
-  }
-  if (registered) {
     req->seq = p.seq;
-    rc = send_request_locked(c, req);
+  } else if (rc == 0) {
+    pthread_mutex_lock(&c->mu);
+    req->seq = ++c->last_seq; /* nothing answers it */
+    pthread_mutex_unlock(&c->mu);
   }
+  if (rc == 0) rc = send_request_locked(c, req);
   trim_dbuf(c);
   pthread_mutex_unlock(&c->write_mu);
   return registered ? finish_call(c, &p, rc, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL) : rc;
+}
+
+typedef struct desc_list {
+  Kvf__DescList *list;
+  const kvf_desc *descs;
+  size_t n;
+} desc_list;
+
+static int pack_desc_list(kvf_client *c, void *arg) {
+  desc_list *d = arg;
+  int rc = reserve_dbuf(c, d->n);
+  if (rc) return rc;
+  pack_descs(d->descs, d->n, c->dbuf);
+  d->list->packed.data = c->dbuf;
+  d->list->packed.len = d->n * DESC_WIRE_SIZE;
+  return 0;
+}
+
+static int call_with_descs(kvf_client *c, Kvf__ApiRequest *req, Kvf__DescList *list, const kvf_desc *descs,
+                           size_t n, bool answered) {
+  desc_list d = {list, descs, n};
+  return call_packed(c, req, pack_desc_list, &d, answered);
 }
 
 static int check_transfer(const kvf_client *c, const char *xfer_id, const kvf_desc *descs,
@@ -921,7 +943,7 @@ KVF_API int kvf_grant(kvf_client *c, const char *xfer_id, const char *src_node,
   Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
   req.body_case = KVF__API_REQUEST__BODY_GRANT;
   req.grant = &body;
-  return call_with_descs(c, &req, &list, descs, n);
+  return call_with_descs(c, &req, &list, descs, n, true);
 }
 
 /* A send of more than chain_first descriptors goes out as chained frames
@@ -996,7 +1018,7 @@ KVF_API int kvf_send(kvf_client *c, const char *xfer_id, const char *dst_node,
                      const kvf_desc *descs, size_t n, unsigned flags, uint32_t deadline_ms) {
   int rc = check_transfer(c, xfer_id, descs, n);
   if (!rc) rc = check_node_name(dst_node, true);
-  if (!rc && (flags & ~KVF_SEND_MORE)) rc = KVF_EINVAL;
+  if (!rc && (flags & ~(KVF_SEND_MORE | KVF_SEND_NOWAIT))) rc = KVF_EINVAL;
   if (rc) return rc;
   Kvf__SendReq body = KVF__SEND_REQ__INIT;
   body.xfer_id = (char *)xfer_id;
@@ -1011,7 +1033,8 @@ KVF_API int kvf_send(kvf_client *c, const char *xfer_id, const char *dst_node,
   if (c->send_chains && n > c->chain_first) return end_send(c, fresh, send_chained(c, &req, descs, n));
   Kvf__DescList list = KVF__DESC_LIST__INIT;
   body.descs = &list;
-  return end_send(c, fresh, call_with_descs(c, &req, &list, descs, n));
+  body.no_reply = body.continues && (flags & KVF_SEND_NOWAIT);
+  return end_send(c, fresh, call_with_descs(c, &req, &list, descs, n, !body.no_reply));
 }
 
 KVF_API int kvf_cancel(kvf_client *c, const char *xfer_id) {
@@ -1071,25 +1094,24 @@ KVF_API int kvf_layout_free(kvf_client *c, uint32_t id) {
   return call(c, &req, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL);
 }
 
-/* blocks' ids packed into dbuf under write_mu, then one call. */
-static int call_with_blocks(kvf_client *c, Kvf__ApiRequest *req, Kvf__BlockList *list, const kvf_blocks *b) {
-  struct pending p;
-  pthread_mutex_lock(&c->write_mu);
-  int rc = reserve(&c->dbuf, &c->dcap, b->n * 4);
-  bool registered = false;
-  if (rc == 0) {
-    for (size_t i = 0; i < b->n; i++) put_le32(c->dbuf + 4 * i, b->ids[i]);
-    list->ids = (ProtobufCBinaryData){b->n * 4, c->dbuf};
-    rc = register_pending(c, &p);
-    registered = rc == 0;
-  }
-  if (registered) {
-    req->seq = p.seq;
-    rc = send_request_locked(c, req);
-  }
-  trim_dbuf(c);
-  pthread_mutex_unlock(&c->write_mu);
-  return registered ? finish_call(c, &p, rc, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL) : rc;
+typedef struct block_list {
+  Kvf__BlockList *list;
+  const kvf_blocks *b;
+} block_list;
+
+static int pack_block_list(kvf_client *c, void *arg) {
+  block_list *bl = arg;
+  int rc = reserve(&c->dbuf, &c->dcap, bl->b->n * 4);
+  if (rc) return rc;
+  for (size_t i = 0; i < bl->b->n; i++) put_le32(c->dbuf + 4 * i, bl->b->ids[i]);
+  bl->list->ids = (ProtobufCBinaryData){bl->b->n * 4, c->dbuf};
+  return 0;
+}
+
+static int call_with_blocks(kvf_client *c, Kvf__ApiRequest *req, Kvf__BlockList *list, const kvf_blocks *b,
+                            bool answered) {
+  block_list bl = {list, b};
+  return call_packed(c, req, pack_block_list, &bl, answered);
 }
 
 /* ids may be absent only where allowed (a later part of a send). */
@@ -1124,7 +1146,7 @@ KVF_API int kvf_grant_blocks(kvf_client *c, const char *xfer_id, const char *src
   Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
   req.body_case = KVF__API_REQUEST__BODY_GRANT;
   req.grant = &body;
-  return call_with_blocks(c, &req, &list, blocks);
+  return call_with_blocks(c, &req, &list, blocks, true);
 }
 
 KVF_API int kvf_send_blocks(kvf_client *c, const char *xfer_id, const char *dst_node, const kvf_blocks *blocks,
@@ -1133,7 +1155,7 @@ KVF_API int kvf_send_blocks(kvf_client *c, const char *xfer_id, const char *dst_
   int rc = check_xfer_id(xfer_id);
   if (!rc) rc = check_node_name(dst_node, true);
   if (!rc) rc = check_blocks(c, blocks, true);
-  if (!rc && (flags & ~KVF_SEND_MORE)) rc = KVF_EINVAL;
+  if (!rc && (flags & ~(KVF_SEND_MORE | KVF_SEND_NOWAIT))) rc = KVF_EINVAL;
   if (rc) return rc;
   Kvf__BlockList list = KVF__BLOCK_LIST__INIT;
   blocks_to_wire(blocks, &list);
@@ -1149,7 +1171,8 @@ KVF_API int kvf_send_blocks(kvf_client *c, const char *xfer_id, const char *dst_
   Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
   req.body_case = KVF__API_REQUEST__BODY_SEND;
   req.send = &body;
-  return end_send(c, fresh, rc ? rc : call_with_blocks(c, &req, &list, blocks));
+  body.no_reply = body.continues && (flags & KVF_SEND_NOWAIT);
+  return end_send(c, fresh, rc ? rc : call_with_blocks(c, &req, &list, blocks, !body.no_reply));
 }
 
 /* ------------------------------------------------------------ events API */

@@ -436,8 +436,22 @@ static void chain_fail(kvf__session *s, int rc, const char *err) {
   if (ch->posted) kvf__xfer_withdraw_send(s, ch->id, rc, err, ch->created);
 }
 
+/* A part sent with KVF_SEND_NOWAIT: no answer; a refusal fails the send it
+ * continues, whose event says why (none left: its event already went). */
+static void send_no_reply(kvf__session *s, const Kvf__SendReq *q) {
+  char err[256] = "";
+  int rc = q->continues && !q->chained ? send_part(s, q, err, sizeof(err)) : KVF_EPROTO;
+  if (rc == 0) return;
+  if (rc == KVF_EPROTO && !err[0]) snprintf(err, sizeof(err), "a part without an answer must continue a send");
+  kvf__xfer_withdraw_send(s, q->xfer_id, rc, err, false);
+}
+
 static void on_send(kvf__session *s, uint64_t seq, const Kvf__SendReq *q) {
   char err[256] = "";
+  if (q->no_reply) {
+    send_no_reply(s, q);
+    return;
+  }
   send_chain *ch = &s->chain;
   if (!ch->active && q->chained) {
     *ch = (send_chain){.active = true, .created = !kvf__xfer_sending(s, q->xfer_id)};

@@ -1,8 +1,8 @@
 /* auth.h - the cluster key: daemons prove to each other that they hold the
  * same secret (cluster-key-file) without sending it.
  *
- * Primitives: SHA-256 (FIPS 180-4) and HMAC-SHA256 (RFC 2104), written here
- * so that the daemon needs no crypto library, and a constant-time compare.
+ * Primitives: HMAC-SHA256 (RFC 2104) from libgcrypt (gcry_mac; kvferryd
+ * loads libgcrypt through libsystemd anyway), and a constant-time compare.
  *
  * Proofs are HMAC-SHA256(key, transcript). Every transcript starts with a
  * label naming the role of whoever computes it ("... acceptor", "... dialer",
@@ -42,44 +42,38 @@
 #define KVF__AUTH_KEY_MIN 16
 #define KVF__AUTH_KEY_MAX 4096
 
-typedef struct kvf__sha256 {
-  uint32_t h[8];
-  uint64_t bytes;   /* message length so far */
-  uint8_t buf[64];
-  size_t n;         /* bytes in buf */
-} kvf__sha256_ctx;
+/* Initialises libgcrypt once per process (the first call does it; any
+ * thread): 0, or -ENOTSUP when the libgcrypt at run time is older than the
+ * one built against. Every function below calls it; kvferryd calls it at
+ * start to fail there rather than at the first peer. */
+int kvf__auth_init(void);
+/* libgcrypt's version, for the start-up log. */
+const char *kvf__auth_crypto_version(void);
 
-void kvf__sha256_init(kvf__sha256_ctx *s);
-void kvf__sha256_update(kvf__sha256_ctx *s, const void *data, size_t len);
-void kvf__sha256_final(kvf__sha256_ctx *s, uint8_t out[KVF__SHA256_LEN]);
-void kvf__sha256(const void *data, size_t len, uint8_t out[KVF__SHA256_LEN]);
-
-typedef struct kvf__hmac {
-  kvf__sha256_ctx inner, outer;
-} kvf__hmac_ctx;
-
-void kvf__hmac_init(kvf__hmac_ctx *h, const uint8_t *key, size_t keylen);
-void kvf__hmac_update(kvf__hmac_ctx *h, const void *data, size_t len);
-void kvf__hmac_final(kvf__hmac_ctx *h, uint8_t out[KVF__SHA256_LEN]);
-void kvf__hmac_sha256(const uint8_t *key, size_t keylen, const void *data, size_t len,
-                      uint8_t out[KVF__SHA256_LEN]);
+/* HMAC-SHA256 (RFC 2104) by libgcrypt: 0 or a negative errno (out of
+ * memory), with random bytes in out then. */
+int kvf__hmac_sha256(const uint8_t *key, size_t keylen, const void *data, size_t len,
+                     uint8_t out[KVF__SHA256_LEN]);
 
 /* Equal in time that depends on n only, never on where a and b differ. */
 bool kvf__auth_equal(const void *a, const void *b, size_t n);
 
-/* ---- proofs (pure: the key is an argument, for tests) ---- */
+/* ---- proofs (pure: the key is an argument, for tests) ----
+ * Each returns 0, or a negative errno when libgcrypt failed (out of
+ * memory); the proof is then random bytes, which match no proof, so a
+ * caller that only compares fails authentication, never passes it. */
 
 enum kvf__auth_role { KVF__AUTH_ACCEPTOR, KVF__AUTH_DIALER };
 
-void kvf__auth_hello_proof(const uint8_t *key, size_t keylen, enum kvf__auth_role role,
-                           const uint8_t nonce_d[KVF__AUTH_NONCE],
-                           const uint8_t nonce_a[KVF__AUTH_NONCE], const char *acceptor,
-                           const char *dialer, uint8_t out[KVF__AUTH_PROOF]);
-void kvf__auth_data_proof(const uint8_t *key, size_t keylen, const uint8_t nonce_r[KVF__AUTH_NONCE],
-                          uint64_t receiver_session, uint32_t stream, const char *receiver,
-                          const char *sender, uint8_t out[KVF__AUTH_PROOF]);
-void kvf__auth_rdma_proof(const uint8_t *key, size_t keylen, uint64_t sender_session,
-                          uint64_t receiver_session, uint8_t out[KVF__AUTH_RDMA_PROOF]);
+int kvf__auth_hello_proof(const uint8_t *key, size_t keylen, enum kvf__auth_role role,
+                          const uint8_t nonce_d[KVF__AUTH_NONCE],
+                          const uint8_t nonce_a[KVF__AUTH_NONCE], const char *acceptor,
+                          const char *dialer, uint8_t out[KVF__AUTH_PROOF]);
+int kvf__auth_data_proof(const uint8_t *key, size_t keylen, const uint8_t nonce_r[KVF__AUTH_NONCE],
+                         uint64_t receiver_session, uint32_t stream, const char *receiver,
+                         const char *sender, uint8_t out[KVF__AUTH_PROOF]);
+int kvf__auth_rdma_proof(const uint8_t *key, size_t keylen, uint64_t sender_session,
+                         uint64_t receiver_session, uint8_t out[KVF__AUTH_RDMA_PROOF]);
 
 /* ---- the daemon's key ---- */
 

@@ -11,6 +11,7 @@
 #endif
 #include "config.h"
 #include "desc.h"
+#include "json.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -886,49 +887,8 @@ static void dump_pools(const struct opt *o, const kvf__config *cfg, FILE *out) {
 
 /* ---- JSON dump ---------------------------------------------------------- */
 
-/* Length of the valid UTF-8 sequence at s, or 0 (overlongs and surrogates
- * are invalid). */
-static int utf8_seq_len(const unsigned char *s) {
-  unsigned lo = 0x80, hi = 0xBF; /* allowed range of the second byte */
-  int n;
-  if (s[0] >= 0xC2 && s[0] <= 0xDF) {
-    n = 2;
-  } else if (s[0] >= 0xE0 && s[0] <= 0xEF) {
-    n = 3;
-    lo = s[0] == 0xE0 ? 0xA0 : lo;
-    hi = s[0] == 0xED ? 0x9F : hi;
-  } else if (s[0] >= 0xF0 && s[0] <= 0xF4) {
-    n = 4;
-    lo = s[0] == 0xF0 ? 0x90 : lo;
-    hi = s[0] == 0xF4 ? 0x8F : hi;
-  } else {
-    return 0;
-  }
-  if (s[1] < lo || s[1] > hi) return 0;
-  for (int i = 2; i < n; i++)
-    if ((s[i] & 0xC0) != 0x80) return 0;
-  return n;
-}
-
-/* Writes s as a JSON string; bytes that are not UTF-8 become U+FFFD so the
- * output is always valid JSON. */
-static void json_str(FILE *out, const char *str) {
-  const unsigned char *s = (const unsigned char *)str;
-  fputc('"', out);
-  while (*s) {
-    int n = *s >= 0x80 ? utf8_seq_len(s) : 1;
-    if (*s == '"' || *s == '\\')
-      fprintf(out, "\\%c", *s);
-    else if (*s < 0x20 || *s == 0x7f)
-      fprintf(out, "\\u%04x", *s);
-    else if (n == 0)
-      fputs("\\ufffd", out);
-    else
-      fwrite(s, 1, (size_t)n, out);
-    s += n ? n : 1;
-  }
-  fputc('"', out);
-}
+/* proto/json.h's rule: the output is valid JSON whatever the bytes. */
+static void json_str(FILE *out, const char *str) { kvf__json_fquote(out, str); }
 
 static void json_strfield(const struct opt *o, const kvf__config *cfg, FILE *out) {
   json_str(out, cfield(cfg, o->off));

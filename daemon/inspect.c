@@ -128,10 +128,14 @@ static void render_status(kvf__sbuf *b, int json) {
                  kvf__gpu_count());
   kvf__sb_json_str(b, kvf__gpu_why());
   kvf__sb_printf(b, ", \"kernel_launches\": %llu, \"kernel_chunks\": %llu, \"kernel_bytes\": %llu, "
-                    "\"staged_bytes\": %llu, \"fallback_bytes\": %llu, \"errors\": %llu}",
+                    "\"staged_bytes\": %llu, \"fallback_bytes\": %llu, \"errors\": %llu, "
+                    "\"block_copy\": \"%s\", \"block_launches\": %llu, \"block_pieces\": %llu, "
+                    "\"block_bytes\": %llu}",
                  (unsigned long long)gs.launches, (unsigned long long)gs.chunks, (unsigned long long)gs.bytes_kernel,
                  (unsigned long long)gs.bytes_staged, (unsigned long long)gs.bytes_fallback,
-                 (unsigned long long)gs.errors);
+                 (unsigned long long)gs.errors, kvf__gpu_blocks_kernel() ? "kernel" : "cuMemcpy per run (no kernel)",
+                 (unsigned long long)gs.block_launches, (unsigned long long)gs.block_pieces,
+                 (unsigned long long)gs.block_bytes);
   rdma_status(b, json);
   kvf__sb_printf(b, ", \"granted_bytes\": %llu", granted_bytes());
   tcp_status(b);

@@ -565,18 +565,18 @@ static void auth_keyless_refuses(kvf__pconn *c, const Kvf__Hello *h) {
   else auth_notice_and_close(c);
 }
 
-static void hello_proof(kvf__pconn *c, enum kvf__auth_role role, uint8_t out[KVF__AUTH_PROOF]) {
+static int hello_proof(kvf__pconn *c, enum kvf__auth_role role, uint8_t out[KVF__AUTH_PROOF]) {
   size_t klen;
   const uint8_t *key = kvf__auth_key(&klen);
   const char *peer = c->peer->cfg.name;
-  if (c->outbound) kvf__auth_hello_proof(key, klen, role, c->nonce, c->peer_nonce, peer, kvfd.cfg.node, out);
-  else kvf__auth_hello_proof(key, klen, role, c->peer_nonce, c->nonce, kvfd.cfg.node, peer, out);
+  if (c->outbound) return kvf__auth_hello_proof(key, klen, role, c->nonce, c->peer_nonce, peer, kvfd.cfg.node, out);
+  return kvf__auth_hello_proof(key, klen, role, c->peer_nonce, c->nonce, kvfd.cfg.node, peer, out);
 }
 
 static bool proof_ok(kvf__pconn *c, enum kvf__auth_role role, const ProtobufCBinaryData *got) {
   uint8_t want[KVF__AUTH_PROOF];
-  hello_proof(c, role, want);
-  bool ok = got->len == KVF__AUTH_PROOF && kvf__auth_equal(want, got->data, KVF__AUTH_PROOF);
+  bool ok = hello_proof(c, role, want) == 0 && got->len == KVF__AUTH_PROOF &&
+            kvf__auth_equal(want, got->data, KVF__AUTH_PROOF);
   explicit_bzero(want, sizeof(want));
   return ok;
 }
@@ -655,8 +655,8 @@ static void auth_data_check(kvf__pconn *c, const Kvf__Auth *a) {
   uint8_t want[KVF__AUTH_PROOF];
   size_t klen;
   const uint8_t *key = kvf__auth_key(&klen);
-  kvf__auth_data_proof(key, klen, c->nonce, kvfd.session, c->stream, kvfd.cfg.node, c->peer->cfg.name, want);
-  bool ok = a->proof.len == KVF__AUTH_PROOF && kvf__auth_equal(want, a->proof.data, KVF__AUTH_PROOF);
+  int rc = kvf__auth_data_proof(key, klen, c->nonce, kvfd.session, c->stream, kvfd.cfg.node, c->peer->cfg.name, want);
+  bool ok = rc == 0 && a->proof.len == KVF__AUTH_PROOF && kvf__auth_equal(want, a->proof.data, KVF__AUTH_PROOF);
   explicit_bzero(want, sizeof(want));
   if (!ok) {
     auth_fail(c, c->peer->cfg.name, "cluster key mismatch on a data stream");

@@ -1,6 +1,8 @@
 /* sbuf.c - see sbuf.h. */
 #include "sbuf.h"
 
+#include "json.h"
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,14 +36,10 @@ void kvf__sb_printf(kvf__sbuf *b, const char *fmt, ...) {
 }
 
 void kvf__sb_json_str(kvf__sbuf *b, const char *s) {
-  kvf__sb_printf(b, "\"");
-  for (; s && *s; s++) {
-    unsigned char c = (unsigned char)*s;
-    if (c == '"' || c == '\\') kvf__sb_printf(b, "\\%c", c);
-    else if (c < 0x20) kvf__sb_printf(b, "\\u%04x", c);
-    else kvf__sb_printf(b, "%c", c);
-  }
-  kvf__sb_printf(b, "\"");
+  size_t n = kvf__json_quote(NULL, 0, s);
+  if (reserve(b, n)) return;
+  kvf__json_quote(b->s + b->len, n + 1, s);
+  b->len += n;
 }
 
 void kvf__sb_free(kvf__sbuf *b) {

@@ -11,7 +11,8 @@ typedef struct kvf__sbuf {
 } kvf__sbuf;
 
 void kvf__sb_printf(kvf__sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-/* Appends s as a JSON string literal, quotes included. */
+/* Appends s as a JSON string literal, quotes included (proto/json.h's
+ * one escaping rule). */
 void kvf__sb_json_str(kvf__sbuf *b, const char *s);
 void kvf__sb_free(kvf__sbuf *b);
 

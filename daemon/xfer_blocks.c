@@ -148,7 +148,7 @@ static int post_block_part(kvf__xfer *x, uint32_t first, uint32_t n, bool last) 
   s->parts_out++;
   s->bytes_posted += kvf__blocks_bytes(&x->mine.view, x->mine.n, n);
   if (last) kvf__xfer_set_state(x, KVF__SEND_FLUSH);
-  else if (s->state != KVF__SEND_ACTIVE) kvf__xfer_set_state(x, KVF__SEND_ACTIVE);
+  else if (s->state == KVF__SEND_WAIT) kvf__xfer_set_state(x, KVF__SEND_ACTIVE); /* QUEUED stays until its last */
   return 0;
 }
 

@@ -20,7 +20,7 @@ set -e
 # clang): `make fuzz`. nftables and iproute2: `make chaos`'s network
 # faults. iperf3: `make bench-tcp`.
 BUILD_PKGS="build-essential libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-libibverbs-dev librdmacm-dev libsystemd-dev python3"
+libibverbs-dev librdmacm-dev libsystemd-dev libgcrypt20-dev python3"
 TEST_PKGS="pkg-config libcmocka-dev iperf3 iproute2 systemd groff-base curl
 clang libclang-rt-dev nftables"
 BENCH_PKGS="gnuplot-nox"

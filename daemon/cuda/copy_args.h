@@ -50,4 +50,43 @@ KVF_HD kvf_split kvf_chunk_split(unsigned long long src, unsigned long long dst,
   return s;
 }
 
+/* ---------------------------------------------------------------- blocks
+ *
+ * The block-copy kernel (kvf_blocks): KV blocks between two layouts, with
+ * every address computed on the GPU, so that the host's work per request
+ * does not grow with the number of layers. Region r (= (layer - first) *
+ * n_kv + kv, r < n_regions) of a side starts at base + table[r], its block
+ * b at base + table[r] + b * stride. Piece p (r = p / n, i = p % n) copies
+ * source block sids[i] of region r to destination block dids[i] of region
+ * r, block_bytes each. A launch copies pieces [piece0, piece1): two GPUs
+ * share a transfer by launching halves. Each group of `group` threads (a
+ * power of two from 32 to the CTA's size) copies one piece at a time in
+ * kvf_chunk_split's parts, 16 bytes a load where both sides allow.
+ *
+ * The ids travel in the launch's parameters (inline_ids: sids then dids)
+ * when 2 n fit, else in device memory at ids (one copy per request). */
+#define KVF__BLOCKS_INLINE_IDS 864u
+
+typedef struct kvf_blocks_args {
+  unsigned long long src_base, dst_base;    /* device addresses of the pools */
+  unsigned long long src_table, dst_table;  /* device: u64 offset of each region */
+  unsigned long long src_stride, dst_stride;
+  unsigned long long ids;                   /* device: sids[n], dids[n]; 0: inline_ids */
+  unsigned int block_bytes;
+  unsigned int n;                           /* block ids per side */
+  unsigned int n_regions;                   /* layers x regions per layer */
+  unsigned int piece0, piece1;
+  unsigned int group;
+  unsigned int inline_ids[KVF__BLOCKS_INLINE_IDS];
+} kvf_blocks_args;
+
+/* Threads per piece for blocks of `units` 16-byte units and CTAs of
+ * `threads`: enough pieces at once that each thread keeps about 8 loads in
+ * flight (a warp per 4 KiB block, a CTA of 256 per 32 KiB one). */
+KVF_HD unsigned int kvf_blocks_group(unsigned long long units, unsigned int threads) {
+  unsigned int g = 32;
+  while (g * 2 <= threads && (unsigned long long)g * 2 * 8 <= units) g *= 2;
+  return g;
+}
+
 #endif

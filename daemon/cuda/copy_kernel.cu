@@ -189,3 +189,29 @@ extern "C" __global__ void __launch_bounds__(1024) kvf_copy_u8cs(const kvf_chunk
 extern "C" __global__ void __launch_bounds__(1024) kvf_copy_u8nc(const kvf_chunk *__restrict__ chunks, unsigned n) {
   copy_chunks<8, 2>(chunks, n);
 }
+
+// ---------------------------------------------------------------- blocks
+// KV blocks by id between two layouts (copy_args.h, kvf_blocks_args): each
+// group of a.group threads computes its piece's two addresses from the
+// layouts' offset tables and the block ids, then copies it as copy_one
+// does. Within a group the id and the table entry are uniform, so reads of
+// the inline ids from the parameter space are broadcasts; consecutive
+// groups take consecutive ids of one region, so the table entry stays in
+// cache. __grid_constant__: the ids are read where the launch put them,
+// never copied per thread.
+extern "C" __global__ void __launch_bounds__(1024) kvf_blocks(const __grid_constant__ kvf_blocks_args a) {
+  const unsigned gs = a.group, gpc = blockDim.x / gs, t = threadIdx.x & (gs - 1);
+  const unsigned *gids = (const unsigned *)a.ids;
+  const unsigned long long *st = (const unsigned long long *)a.src_table;
+  const unsigned long long *dt = (const unsigned long long *)a.dst_table;
+  for (unsigned p = a.piece0 + blockIdx.x * gpc + threadIdx.x / gs; p < a.piece1; p += gridDim.x * gpc) {
+    const unsigned r = p / a.n, i = p - r * a.n;
+    const unsigned sid = gids ? gids[i] : a.inline_ids[i];
+    const unsigned did = gids ? gids[a.n + i] : a.inline_ids[a.n + i];
+    kvf_chunk ch;
+    ch.src = a.src_base + st[r] + sid * a.src_stride;
+    ch.dst = a.dst_base + dt[r] + did * a.dst_stride;
+    ch.len = a.block_bytes;
+    copy_one<8, 0>(ch, kvf_chunk_split(ch.src, ch.dst, ch.len), t, gs);
+  }
+}

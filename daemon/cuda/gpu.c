@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +16,7 @@
 #include "config.h"
 #include "cudrv.h"
 #include "kernel_image.h"
+#include "layout.h"
 #include "log.h"
 
 #define STAGE_BYTES (64u << 20)     /* copy_all's staging, two halves */
@@ -29,6 +31,7 @@ typedef struct gdev {
   kvf__gpu_info info;
   CUmodule mod;
   CUfunction fn;
+  CUfunction bfn;            /* kvf_blocks */
 } gdev;
 
 static struct {
@@ -42,12 +45,14 @@ static struct {
   bool peer[KVF__GPU_MAX_DEV][KVF__GPU_MAX_DEV];
   bool atomics[KVF__GPU_MAX_DEV][KVF__GPU_MAX_DEV];
   bool kernel;               /* the copy kernel is loaded on every device */
+  bool blocks;               /* ... and the block kernel */
   char kernel_name[32];
   unsigned threads, ctas_per_sm;
   bool pull;
   bool split;                /* GPU<->GPU: part of the copies pushed, the rest pulled */
   unsigned split_pct;        /* ... this percentage pushed by the source GPU */
   atomic_uint_fast64_t launches, chunks, bytes_kernel, bytes_staged, bytes_fallback, errors;
+  atomic_uint_fast64_t block_launches, block_pieces, block_bytes;
   struct copier *free_copiers;
 } G = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
@@ -132,8 +137,10 @@ static void describe(char *buf, size_t len) {
     for (int j = i + 1; j < G.n && o < len; j++)
       o += (size_t)snprintf(buf + o, len - o, "; cuda:%d<->cuda:%d %s", i, j, kvf__gpu_link(i, j));
   if (o < len)
-    snprintf(buf + o, len - o, "; copy kernel %s", G.kernel ? G.kernel_name : "NOT BUILT (no nvcc at build time): "
-                                                                             "cuMemcpy per block, slow");
+    o += (size_t)snprintf(buf + o, len - o, "; copy kernel %s",
+                          G.kernel ? G.kernel_name : "NOT BUILT (no nvcc at build time): cuMemcpy per block, slow");
+  if (o < len && G.kernel)
+    snprintf(buf + o, len - o, "; block kernel %s", G.blocks ? "kvf_blocks" : "MISSING: cuMemcpy per run, slow");
 }
 
 static int load_kernels(char *err, size_t errlen) {
@@ -159,6 +166,14 @@ static int load_kernels(char *err, size_t errlen) {
       return -EIO;
     }
   }
+  /* An image without the block kernel still copies runs; block copies then
+   * go by cuMemcpy (and the start line says so). KVF_CUDA_BLOCKS=memcpy
+   * takes that path on purpose (tests of the fallback). */
+  const char *bk = getenv("KVF_CUDA_BLOCKS");
+  G.blocks = !(bk && strcmp(bk, "memcpy") == 0);
+  for (int i = 0; i < G.n && G.blocks; i++)
+    G.blocks = G.cu.CtxSetCurrent(G.dev[i].ctx) == KVF_CU_SUCCESS &&
+               G.cu.ModuleGetFunction(&G.dev[i].bfn, G.dev[i].mod, "kvf_blocks") == KVF_CU_SUCCESS;
   return 0;
 }
 
@@ -618,6 +633,21 @@ int kvf__gpu_batch_add(kvf__gpu_batch *b, int exec, uint64_t src, uint64_t dst, 
   return 0;
 }
 
+/* The device copy of p's list holds at least need chunks (p->cap of them). */
+static int dev_list_cap(per_dev *p, size_t need) {
+  if (need <= p->d_cap) return 0;
+  if (p->d) {
+    G.cu.StreamSynchronize(p->st);
+    G.cu.MemFree(p->d);
+    p->d = 0;
+    p->d_cap = 0;
+  }
+  size_t cap = p->cap > need ? p->cap : need;
+  CU_TRY("cuMemAlloc (chunk list)", G.cu.MemAlloc(&p->d, cap * sizeof(kvf_chunk)));
+  p->d_cap = cap;
+  return 0;
+}
+
 static int launch_dev(per_dev *p, int dev) {
   gdev *g = &G.dev[dev];
   if (use_dev(dev)) return -EIO;
@@ -629,17 +659,8 @@ static int launch_dev(per_dev *p, int dev) {
     p->launched = true;
     return 0;
   }
-  if (p->n > p->d_cap) {
-    if (p->d) {
-      G.cu.StreamSynchronize(p->st);
-      G.cu.MemFree(p->d);
-      p->d = 0;
-      p->d_cap = 0;
-    }
-    size_t cap = p->cap;
-    CU_TRY("cuMemAlloc (chunk list)", G.cu.MemAlloc(&p->d, cap * sizeof(kvf_chunk)));
-    p->d_cap = cap;
-  }
+  int rc = dev_list_cap(p, p->n);
+  if (rc) return rc;
   CU_TRY("cuMemcpyHtoDAsync (chunk list)", G.cu.MemcpyHtoDAsync(p->d, p->h, p->n * sizeof(kvf_chunk), p->st));
   unsigned n = (unsigned)p->n;
   void *args[] = {&p->d, &n};
@@ -1031,26 +1052,189 @@ static int reaper_start(void) {
   return 0;
 }
 
-int kvf__gpu_copy_start(const kvf__gpu_copy *v, size_t n, kvf__gpu_done_fn done, void *arg) {
-  int exec, exec2;
-  if (!uniform_direct(v, n, &exec, &exec2)) return -EAGAIN;
+/* A job for the reaper, allocated before anything launches (so that a
+ * launched copy always finds its way back), with the reaper running. */
+static job *job_new(kvf__gpu_done_fn done, void *arg) {
   job *j = calloc(1, sizeof(*j));
-  if (!j) return -ENOMEM;
+  if (!j) return NULL;
   pthread_mutex_lock(&R.mu);
   int rc = reaper_start();
   pthread_mutex_unlock(&R.mu);
-  if (rc == 0) rc = launch_uniform(v, n, exec, exec2, &j->c);
   if (rc) {
     free(j);
-    return rc;
+    return NULL;
   }
   j->done = done;
   j->arg = arg;
+  return j;
+}
+
+static void job_queue(job *j) {
   pthread_mutex_lock(&R.mu);
   *R.tail = j;
   R.tail = &j->next;
   pthread_cond_signal(&R.cv);
   pthread_mutex_unlock(&R.mu);
+}
+
+int kvf__gpu_copy_start(const kvf__gpu_copy *v, size_t n, kvf__gpu_done_fn done, void *arg) {
+  int exec, exec2;
+  if (!uniform_direct(v, n, &exec, &exec2)) return -EAGAIN;
+  job *j = job_new(done, arg);
+  if (!j) return -ENOMEM;
+  int rc = launch_uniform(v, n, exec, exec2, &j->c);
+  if (rc) {
+    free(j);
+    return rc;
+  }
+  job_queue(j);
+  return 0;
+}
+
+/* ------------------------------------------------------------ block copies */
+
+bool kvf__gpu_blocks_kernel(void) { return G.ready && G.blocks; }
+
+/* Puts j's ids where a launch on p's device reads them: in the launch's
+ * parameters when they fit, else through p's pinned list into its device
+ * list, one copy on p's stream ahead of the kernel. */
+static int blocks_ids(per_dev *p, const kvf__gpu_blocks *j, kvf_blocks_args *a) {
+  size_t n = j->n, bytes = n * sizeof(uint32_t);
+  if (2 * n <= KVF__BLOCKS_INLINE_IDS) {
+    memcpy(a->inline_ids, j->src.ids, bytes);
+    memcpy(a->inline_ids + n, j->dst.ids, bytes);
+    a->ids = 0;
+    return 0;
+  }
+  size_t need = (2 * bytes + sizeof(kvf_chunk) - 1) / sizeof(kvf_chunk);
+  p->n = 0;
+  int rc = grow_host(p, need);
+  if (rc == 0) rc = dev_list_cap(p, need);
+  if (rc) return rc;
+  memcpy(p->h, j->src.ids, bytes);
+  memcpy((uint8_t *)p->h + bytes, j->dst.ids, bytes);
+  CU_TRY("cuMemcpyHtoDAsync (block ids)", G.cu.MemcpyHtoDAsync(p->d, p->h, 2 * bytes, p->st));
+  a->ids = p->d;
+  return 0;
+}
+
+/* Pieces [p0, p1) of j by the block kernel on dev. */
+static int blocks_kernel(per_dev *p, int dev, const kvf__gpu_blocks *j, uint64_t p0, uint64_t p1) {
+  static _Thread_local kvf_blocks_args a; /* 3.5 KiB: off the stack */
+  memset(&a, 0, offsetof(kvf_blocks_args, inline_ids));
+  int rc = blocks_ids(p, j, &a);
+  if (rc || p1 == p0) return rc;
+  a.src_base = j->src.base;
+  a.dst_base = j->dst.base;
+  a.src_table = j->src.table;
+  a.dst_table = j->dst.table;
+  a.src_stride = j->src.stride;
+  a.dst_stride = j->dst.stride;
+  a.block_bytes = (unsigned)j->block_bytes;
+  a.n = (unsigned)j->n;
+  a.n_regions = j->n_layers * j->n_kv;
+  a.piece0 = (unsigned)p0;
+  a.piece1 = (unsigned)p1;
+  a.group = kvf_blocks_group((j->block_bytes + 15) / 16, G.threads);
+  unsigned per_cta = G.threads / a.group;
+  unsigned grid = kvf__gpu_plan_grid((size_t)((p1 - p0 + per_cta - 1) / per_cta), G.dev[dev].info.sms, G.ctas_per_sm);
+  void *args[] = {&a};
+  CU_TRY("cuLaunchKernel (blocks)", G.cu.LaunchKernel(G.dev[dev].bfn, grid, 1, 1, G.threads, 1, 1, 0, p->st, args, NULL));
+  atomic_fetch_add(&G.launches, 1);
+  atomic_fetch_add(&G.bytes_kernel, (p1 - p0) * j->block_bytes);
+  return 0;
+}
+
+/* Without the block kernel: the layouts walked into coalesced runs
+ * (kvf__blocks_pair), one cuMemcpyAsync each. */
+static int blocks_memcpy(per_dev *p, const kvf__gpu_blocks *j) {
+  const kvf__lview s = {.n_kv = j->n_kv, .n_blocks = UINT32_MAX, .n_layers = j->n_layers,
+                        .block_bytes = j->block_bytes, .block_stride = j->src.stride, .offsets = j->src.offsets};
+  kvf__lview d = s;
+  d.block_stride = j->dst.stride;
+  d.offsets = j->dst.offsets;
+  kvf__runs runs = {0};
+  int rc = kvf__blocks_pair(&s, j->src.ids, &d, j->dst.ids, j->n, 0, j->n_layers, &runs);
+  for (size_t i = 0; i < runs.n && rc == 0; i++) {
+    const kvf__run *r = &runs.v[i];
+    CUresult cr = G.cu.MemcpyAsync(j->dst.base + r->dst_off, j->src.base + r->src_off, r->len, p->st);
+    if (cr != KVF_CU_SUCCESS) rc = cu_fail("cuMemcpyAsync (blocks, no kernel)", cr);
+  }
+  if (rc == 0) atomic_fetch_add(&G.bytes_fallback, runs.bytes);
+  kvf__runs_free(&runs);
+  return rc;
+}
+
+/* Launches j on devs[0..nd) (pieces split evenly), timed by the first
+ * one's events over all of them, as kvf__gpu_batch_launch does. */
+static int blocks_launch(copier *c, const kvf__gpu_blocks *j, const int *devs, int nd) {
+  kvf__gpu_batch *b = c->main;
+  const uint64_t pieces = (uint64_t)j->n * j->n_layers * j->n_kv;
+  for (int k = 0; k < nd; k++) {
+    int rc = per_dev_setup(&b->per[devs[k]], devs[k]);
+    if (rc) return rc;
+    b->per[devs[k]].launched = true; /* from here on, waited for */
+  }
+  per_dev *lead = &b->per[devs[0]];
+  if (use_dev(devs[0])) return -EIO;
+  CU_TRY("cuEventRecord", G.cu.EventRecord(lead->ev0, lead->st));
+  b->lead = devs[0];
+  for (int k = 0; k < nd; k++) {
+    per_dev *p = &b->per[devs[k]];
+    if (use_dev(devs[k])) return -EIO;
+    if (k > 0) CU_TRY("cuStreamWaitEvent", G.cu.StreamWaitEvent(p->st, lead->ev0, 0));
+    int rc = G.blocks ? blocks_kernel(p, devs[k], j, pieces * k / nd, pieces * (k + 1) / nd) : blocks_memcpy(p, j);
+    if (rc) return rc;
+    if (k > 0) {
+      CU_TRY("cuEventRecord", G.cu.EventRecord(p->ev1, p->st));
+      if (use_dev(devs[0])) return -EIO;
+      CU_TRY("cuStreamWaitEvent", G.cu.StreamWaitEvent(lead->st, p->ev1, 0));
+    }
+  }
+  if (use_dev(devs[0])) return -EIO;
+  CU_TRY("cuEventRecord", G.cu.EventRecord(lead->ev1, lead->st));
+  atomic_fetch_add(&G.block_launches, 1);
+  atomic_fetch_add(&G.block_pieces, pieces);
+  atomic_fetch_add(&G.block_bytes, pieces * j->block_bytes);
+  return 0;
+}
+
+/* The GPUs that run j: the one reaching both pools, or (split copies
+ * between two GPUs with peer access both ways) both, half each. */
+static int blocks_devs(const kvf__gpu_blocks *j, int *devs) {
+  kvf__gpu_end s = {.dev = j->src.dev}, d = {.dev = j->dst.dev};
+  if (s.dev < 0 || d.dev < 0) return -EAGAIN; /* host pools: runs */
+  devs[0] = kvf__gpu_plan_exec(&s, &d, kvf__gpu_peer, G.pull);
+  if (devs[0] < 0) return -EAGAIN;
+  if (G.blocks && G.split && s.dev != d.dev && kvf__gpu_peer(s.dev, d.dev) && kvf__gpu_peer(d.dev, s.dev)) {
+    devs[0] = s.dev;
+    devs[1] = d.dev;
+    return 2;
+  }
+  return 1;
+}
+
+int kvf__gpu_blocks_start(const kvf__gpu_blocks *j, kvf__gpu_done_fn done, void *arg) {
+  if (!G.ready) return -ENODEV;
+  uint64_t regions = (uint64_t)j->n_layers * j->n_kv;
+  if (j->block_bytes == 0 || j->block_bytes > UINT32_MAX || regions == 0 || j->n > UINT32_MAX ||
+      regions * j->n > UINT32_MAX)
+    return -EINVAL;
+  int devs[2];
+  int nd = blocks_devs(j, devs);
+  if (nd < 0) return nd;
+  job *jb = job_new(done, arg);
+  if (!jb) return -ENOMEM;
+  copier *c = copier_get();
+  int rc = c ? blocks_launch(c, j, devs, nd) : -ENOMEM;
+  if (rc) {
+    float ms;
+    if (c) finish_copier(c, rc, &ms); /* waits for whatever did start */
+    free(jb);
+    return rc;
+  }
+  jb->c = c;
+  job_queue(jb);
   return 0;
 }
 
@@ -1071,6 +1255,9 @@ void kvf__gpu_stats_get(kvf__gpu_stats *s) {
   s->bytes_staged = atomic_load(&G.bytes_staged);
   s->bytes_fallback = atomic_load(&G.bytes_fallback);
   s->errors = atomic_load(&G.errors);
+  s->block_launches = atomic_load(&G.block_launches);
+  s->block_pieces = atomic_load(&G.block_pieces);
+  s->block_bytes = atomic_load(&G.block_bytes);
 }
 
 void kvf__gpu_shutdown(void) {

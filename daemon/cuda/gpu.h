@@ -135,6 +135,47 @@ int kvf__gpu_copy_all(const kvf__gpu_copy *v, size_t n, const char **route);
 typedef void (*kvf__gpu_done_fn)(void *arg, int rc, float kernel_ms);
 int kvf__gpu_copy_start(const kvf__gpu_copy *v, size_t n, kvf__gpu_done_fn done, void *arg);
 
+/* ---------------------------------------------------------------- block copies */
+
+/* One side of a block copy: a layout's regions of the copied layers in a
+ * cuda pool (base: the pool's device address) and the block ids. table is
+ * the device copy of the regions' offsets (kvf__gpu_layout_table, from the
+ * first copied layer), offsets the host's, with the same indexing (region
+ * r = (layer - first) * n_kv + kv; block b at offsets[r] + b * stride). */
+typedef struct kvf__gpu_bside {
+  int dev;
+  uint64_t base;
+  uint64_t table;
+  const uint64_t *offsets;
+  uint64_t stride;
+  const uint32_t *ids;
+} kvf__gpu_bside;
+
+/* Source block src.ids[i] of every region lands in destination block
+ * dst.ids[i] of the same region, i < n. */
+typedef struct kvf__gpu_blocks {
+  kvf__gpu_bside src, dst;
+  uint64_t block_bytes;
+  uint32_t n_layers, n_kv;
+  size_t n;
+} kvf__gpu_blocks;
+
+/* Starts a block copy asynchronously from the calling thread: one launch of
+ * the block kernel (copy_kernel.cu, kvf_blocks) on the GPU that reaches
+ * both pools (two, half each, between two GPUs with peer access both ways
+ * when copies are split), the ids in the launch's parameters or in one
+ * host-to-device copy: the work here does not grow with the number of
+ * layers. Without the kernel (a build without nvcc), one cuMemcpyAsync per
+ * run of kvf__blocks_pair's walk, counted as fallback bytes. done(arg, rc,
+ * kernel_ms) follows exactly once, as for kvf__gpu_copy_start, and the job
+ * (not the ids) may go when this returns. -EAGAIN: no GPU reaches both
+ * pools (copy runs instead); -EINVAL: sizes the kernel cannot take (a
+ * block of 4 GiB or more, more than 2^32 pieces); other errors: nothing
+ * runs, no callback. */
+int kvf__gpu_blocks_start(const kvf__gpu_blocks *job, kvf__gpu_done_fn done, void *arg);
+/* Whether block copies run in the kernel (else cuMemcpy per run). */
+bool kvf__gpu_blocks_kernel(void);
+
 /* The kernel time (ms, events) of this thread's last kvf__gpu_copy_all
  * launch on the main batch; -1 when none. For traces. */
 float kvf__gpu_last_kernel_ms(void);
@@ -147,6 +188,9 @@ typedef struct kvf__gpu_stats {
   uint64_t bytes_staged;   /* moved through pinned host staging */
   uint64_t bytes_fallback; /* moved by cuMemcpy (no kernel or unmapped host memory) */
   uint64_t errors;
+  uint64_t block_launches;   /* block copies started (kvf__gpu_blocks_start) */
+  uint64_t block_pieces;     /* ... their pieces (blocks x regions) */
+  uint64_t block_bytes;      /* ... their bytes, by the kernel or (without it) cuMemcpy */
 } kvf__gpu_stats;
 void kvf__gpu_stats_get(kvf__gpu_stats *s);
 

@@ -50,6 +50,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "json.h"
 #include "kvferry.h"
 
 #define MAX_CONC 16
@@ -237,21 +238,28 @@ static uint64_t slot_base(int slot, bool dst_half) {
 
 /* Random distinct positions for g->ndesc blocks in a slot, with a random
  * guard (0 or GUARD bytes) between neighbours and a random shift. */
+/* The first n of a random permutation of [0, npos), malloc'ed. */
+static uint32_t *pick_distinct(rng *r, uint64_t npos, uint64_t n) {
+  uint32_t *pos = malloc(npos * sizeof *pos);
+  if (!pos) return NULL;
+  for (uint64_t i = 0; i < npos; i++) pos[i] = (uint32_t)i;
+  for (uint64_t i = 0; i < n; i++) {
+    uint64_t j = i + rbelow(r, npos - i);
+    uint32_t t = pos[i];
+    pos[i] = pos[j];
+    pos[j] = t;
+  }
+  return pos;
+}
+
 static int layout(kvf_desc *d, const geom *g, uint64_t base, uint64_t seed) {
   rng r = {seed};
   uint64_t guard = rbelow(&r, 2) ? GUARD : 0, shift = rbelow(&r, 8);
   uint64_t stride = g->block + guard, npos = (slot_len() - shift) / stride;
   if (npos < g->ndesc) return -1;
-  uint32_t *pos = malloc(npos * sizeof *pos);
+  uint32_t *pos = pick_distinct(&r, npos, g->ndesc);
   if (!pos) return -1;
-  for (uint64_t i = 0; i < npos; i++) pos[i] = (uint32_t)i;
-  for (uint64_t i = 0; i < g->ndesc; i++) {
-    uint64_t j = i + rbelow(&r, npos - i);
-    uint32_t t = pos[i];
-    pos[i] = pos[j];
-    pos[j] = t;
-    d[i] = (kvf_desc){pool_id, base + shift + pos[i] * stride, g->block};
-  }
+  for (uint64_t i = 0; i < g->ndesc; i++) d[i] = (kvf_desc){pool_id, base + shift + pos[i] * stride, g->block};
   free(pos);
   return 0;
 }
@@ -264,19 +272,10 @@ static int block_side(const geom *g, uint64_t base, uint64_t seed, kvf_desc *d, 
   uint64_t regions = g->layers * g->kv, nb = slot_len() / (regions * g->block);
   if (nb < g->nblocks) return -1;
   if (nb > 4096) nb = 4096;
-  uint64_t *off = malloc(regions * sizeof(*off));
-  uint32_t *all = malloc(nb * sizeof(*all));
-  *ids = malloc(g->nblocks * sizeof(**ids));
-  if (!off || !all || !*ids) exit(2);
   rng r = {seed};
-  for (uint64_t i = 0; i < nb; i++) all[i] = (uint32_t)i;
-  for (uint64_t i = 0; i < g->nblocks; i++) {
-    uint64_t j = i + rbelow(&r, nb - i);
-    uint32_t t = all[i];
-    all[i] = all[j];
-    all[j] = t;
-    (*ids)[i] = all[i];
-  }
+  uint64_t *off = malloc(regions * sizeof(*off));
+  *ids = pick_distinct(&r, nb, g->nblocks); /* the first nblocks are the ids */
+  if (!off || !*ids) exit(2);
   for (uint64_t reg = 0; reg < regions; reg++) {
     off[reg] = base + reg * nb * g->block;
     for (uint64_t i = 0; i < g->nblocks; i++)
@@ -286,22 +285,12 @@ static int block_side(const geom *g, uint64_t base, uint64_t seed, kvf_desc *d, 
                   .n_blocks = (uint32_t)nb, .block_bytes = g->block, .block_stride = g->block, .offsets = off};
   int rc = kvf_layout_register(C, &l, lay);
   free(off);
-  free(all);
   return rc;
 }
 
 /* ------------------------------------------------------------- output */
 
-static void json_str(const char *s) {
-  putchar('"');
-  for (; *s; s++) {
-    unsigned char c = (unsigned char)*s;
-    if (c == '"' || c == '\\') printf("\\%c", c);
-    else if (c < 0x20) printf("\\u%04x", c);
-    else putchar(c);
-  }
-  putchar('"');
-}
+static void json_str(const char *s) { kvf__json_fquote(stdout, s); }
 
 static void line_end(void) {
   printf("}\n");

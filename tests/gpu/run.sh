@@ -2,11 +2,15 @@
 # tests/gpu/run.sh - `make check-gpu`: kvferry on real GPUs.
 #
 #   1. the CUDA module alone: every copy route, odd geometries (gpu_copy),
-#      again with peer access disabled (the staged path)
+#      again with peer access disabled (the staged path); block copies
+#      between KV layouts by the block kernel and by its fallback
+#      (gpu_blocks)
 #   2. two kvferryd on loopback with cuda:N and host pools
 #   3. two engine processes mapping one cuda pool at once (gpu_map_client)
 #   4. local handoffs GPU->GPU (and GPU<->host, same pool), odd geometries,
 #      every byte verified by kvferry-bench, path checked
+#   4b. block transfers by KV layout and block ids between two clients
+#      (gpu_blocks_client), by the block kernel
 #   5. tcp-bounce handoffs between the two daemons, GPU->GPU, GPU->host,
 #      host->GPU, odd geometries (RECV_DONE's path is the receiving side's:
 #      tcp-bounce into a GPU pool, tcp into a host pool)
@@ -15,7 +19,8 @@
 # Needs at least one GPU; the GPU->GPU cases need two (skipped, and said,
 # with one). Without any GPU every case is skipped and the exit status is 0.
 # Environment: BUILD (default build); LOGS_TO=DIR saves every log there as
-# check_gpu_logs.tgz. Prints "N passed, N failed, N skipped".
+# check_gpu_logs.tgz; BLOCKS_BENCH=REPS also times the block transfers
+# (gpu_blocks_client bench). Prints "N passed, N failed, N skipped".
 set -u
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
@@ -60,6 +65,18 @@ for mode in peer staged; do
     ok "gpu_copy test ($mode): $(grep -c '^ok' "$TMP/gpu_copy_$mode.log") routes"
   else
     bad "gpu_copy_$mode" "gpu_copy test ($mode)"; tail -n 20 "$TMP/gpu_copy_$mode.log"
+  fi
+done
+
+# the block kernel (KV layouts, addresses computed on the GPU), and its
+# fallback without the kernel (cuMemcpy per run)
+for mode in kernel memcpy; do
+  env=""
+  [ $mode = memcpy ] && env="KVF_CUDA_BLOCKS=memcpy"
+  if env $env timeout 300 "$BUILD/tests/gpu/gpu_blocks" test >"$TMP/gpu_blocks_$mode.log" 2>&1; then
+    ok "gpu_blocks test ($mode): $(grep -c '^ok' "$TMP/gpu_blocks_$mode.log") cases"
+  else
+    bad "gpu_blocks_$mode" "gpu_blocks test ($mode)"; tail -n 20 "$TMP/gpu_blocks_$mode.log"
   fi
 done
 
@@ -165,6 +182,20 @@ bench t_tiny gpua gpub g0 b0 tcp-bounce --layers 4 --kv-heads 1 --head-dim 32 --
 bench t_d2h gpua gpub g0 bh tcp --model deepseek-v3 --tokens 1024 --layerwise
 bench t_h2d gpub gpua bh g1 tcp-bounce --layers 3 --kv-heads 5 --head-dim 33 --block-tokens 3 --dtype-bytes 1 --tokens 2000 --concurrency 2 --requests 4
 bench t_back gpub gpua b0 g0 tcp-bounce --model llama3-8b --tokens 2048 --send-first
+
+# ---------------------------------------------------------------- 4b. block transfers
+# KV layouts in cuda pools, granted and sent by block ids between two
+# clients of one daemon: the block kernel computes the addresses (path as
+# the handoffs above), every byte of the receiver's cache checked.
+if timeout 300 "$BUILD/tests/gpu/gpu_blocks_client" "$TMP/gpua.sock" gpua g0 g1 "$LINK" ${BLOCKS_BENCH:+bench "$BLOCKS_BENCH"} >"$TMP/blocks_client.log" 2>&1; then
+  ok "block transfers g0 -> g1 by layout and block ids ($(grep -c '^ok' "$TMP/blocks_client.log") handoffs, $LINK)"
+  sed 's/^/    /' "$TMP/blocks_client.log"
+else
+  bad blocks_client "block transfers g0 -> g1"; cat "$TMP/blocks_client.log" | tail -n 20
+fi
+if "$BUILD/kvferryctl" -s "$TMP/gpua.sock" --json status | python3 -c 'import json,sys; c=json.load(sys.stdin)["cuda"]; assert c["block_copy"] == "kernel" and c["block_launches"] > 0, c; print("    blocks:", c["block_copy"], c["block_launches"], "launches,", c["block_bytes"], "bytes")'; then
+  ok "status JSON: block copies by the kernel"
+else bad ctlblocks "block copies not counted as the kernel's"; fi
 
 # ---------------------------------------------------------------- 6. ctl, doctor, failures
 if "$BUILD/kvferryctl" -s "$TMP/gpua.sock" pools >"$TMP/pools.txt" 2>&1 && grep -q "cuda:0.*cumem" "$TMP/pools.txt"; then

@@ -217,6 +217,7 @@ static void exec_daemon(const h_daemon *d, const char *exe, pid_t parent) {
   for (long fd = 3; fd < (maxfd > 0 && maxfd < 65536 ? maxfd : 65536); fd++) close((int)fd);
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != parent) _exit(125);
+  setenv("KVF_STRICT", "1", 1); /* a transfer state-table violation aborts the daemon */
   execl(exe, exe, "-c", d->conf, (char *)NULL);
   fprintf(stderr, "kvf-harness: exec %s: %s\n", exe, strerror(errno));
   _exit(127);
@@ -562,96 +563,6 @@ int h_wait_idle(kvf_client *c, int timeout_ms) {
   }
   free(json);
   return 0;
-}
-
-/* ================================================================ JSON */
-
-static const char *ws(const char *p) {
-  while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++;
-  return p;
-}
-
-static const char *skip_str(const char *p) {
-  for (p++; *p; p++) {
-    if (*p == '\\') {
-      if (!*++p) return NULL;
-    } else if (*p == '"') {
-      return p + 1;
-    }
-  }
-  return NULL;
-}
-
-const char *hj_skip(const char *p) {
-  p = ws(p);
-  if (*p == '"') return skip_str(p);
-  if (*p == '{' || *p == '[') {
-    int depth = 0;
-    while (*p) {
-      if (*p == '"') {
-        if (!(p = skip_str(p))) return NULL;
-        continue;
-      }
-      if (*p == '{' || *p == '[') depth++;
-      else if ((*p == '}' || *p == ']') && --depth == 0) return p + 1;
-      p++;
-    }
-    return NULL;
-  }
-  const char *s = p;
-  while (*p && !strchr(",}] \t\r\n", *p)) p++;
-  return p == s ? NULL : p;
-}
-
-const char *hj_get(const char *obj, const char *key) {
-  const char *p = ws(obj);
-  size_t kl = strlen(key);
-  if (*p != '{') return NULL;
-  p = ws(p + 1);
-  while (*p == '"') {
-    const char *k = p + 1, *e = skip_str(p);
-    if (!e) return NULL;
-    int match = (size_t)(e - 1 - k) == kl && !memcmp(k, key, kl);
-    p = ws(e);
-    if (*p != ':') return NULL;
-    p = ws(p + 1);
-    if (match) return p;
-    if (!(p = hj_skip(p))) return NULL;
-    p = ws(p);
-    if (*p != ',') break;
-    p = ws(p + 1);
-  }
-  return NULL;
-}
-
-int hj_str(const char *obj, const char *key, char *out, size_t cap) {
-  const char *v = hj_get(obj, key);
-  size_t n = 0;
-  if (!v || *v != '"' || cap == 0) return -1;
-  for (v++; *v && *v != '"'; v++) {
-    if (*v == '\\' && v[1]) v++;
-    if (n + 1 < cap) out[n++] = *v;
-  }
-  out[n] = 0;
-  return *v == '"' ? 0 : -1;
-}
-
-int hj_u64(const char *obj, const char *key, uint64_t *out) {
-  const char *v = hj_get(obj, key);
-  char *end;
-  if (!v || *v < '0' || *v > '9') return -1;
-  errno = 0;
-  *out = strtoull(v, &end, 10);
-  return errno ? -1 : 0;
-}
-
-const char *hj_next(const char **it) {
-  const char *p = ws(*it), *e;
-  if (*p == '[' || *p == ',') p = ws(p + 1);
-  if (*p == ']' || !*p) return NULL;
-  if (!(e = hj_skip(p))) return NULL;
-  *it = ws(e);
-  return p;
 }
 
 /* ================================================================ patterns */

@@ -139,6 +139,7 @@ typedef struct handoff {
   size_t n;
   uint32_t parts;            /* layer groups the send comes in (0: whole) */
   bool send_first, layer_events;
+  bool nowait;               /* later parts with KVF_SEND_NOWAIT */
   uint64_t seed;
   const char *path;          /* expected path of the events */
 } handoff;
@@ -150,7 +151,8 @@ static int post_send(const handoff *h, const char *id, const uint32_t *sids) {
     uint32_t n = first + per > layers ? layers - first : per;
     kvf_blocks b = {.layout = h->src->id, .ids = first ? NULL : sids, .n = first ? 0 : h->n,
                     .first_layer = first, .n_layers = n};
-    int rc = kvf_send_blocks(h->src->hc->c, id, h->dst_node, &b, first + n < layers ? KVF_SEND_MORE : 0, 0);
+    unsigned flags = (first + n < layers ? KVF_SEND_MORE : 0) | (first && h->nowait ? KVF_SEND_NOWAIT : 0);
+    int rc = kvf_send_blocks(h->src->hc->c, id, h->dst_node, &b, flags, 0);
     if (rc) return h_fail("kvf_send_blocks(layers %u-%u): %s", first, first + n - 1, kvf_strerror(rc));
   }
   return 0;
@@ -298,6 +300,34 @@ static void test_remote_mla(void **state) {
   handoff h = {.src = &src, .dst = &dst, .dst_node = "decode", .src_node = "prefill", .n = 17, .parts = 6,
                .seed = 17, .path = remote_path()};
   H_OK(handoff_run(&h));
+  free_caches(&src, &dst);
+}
+
+/* Later parts that do not wait for their answer; one that is refused
+ * fails the send with its event. */
+static void test_nowait_parts(void **state) {
+  (void)state;
+  cache src, dst;
+  two_caches(&src, &dst, 4 * KIB, false);
+  handoff h = {.src = &src, .dst = &dst, .dst_node = "decode", .src_node = "prefill", .n = 30, .parts = 8,
+               .layer_events = true, .nowait = true, .seed = 21, .path = remote_path()};
+  H_OK(handoff_run(&h));
+  uint32_t ids[4] = {3, 1, 4, 2};
+  char id[96];
+  h_id(id, sizeof(id), "nowait-refused");
+  kvf_blocks g = {.layout = dst.id, .ids = ids, .n = 4};
+  H_OK(kvf_grant_blocks(F.dec.c, id, "prefill", &g, 0, 0));
+  kvf_blocks s = {.layout = src.id, .ids = ids, .n = 4, .first_layer = 0, .n_layers = 2};
+  H_OK(kvf_send_blocks(F.pre.c, id, "decode", &s, KVF_SEND_MORE, 0));
+  s = (kvf_blocks){.layout = src.id, .first_layer = 1, .n_layers = 2}; /* layer 1 again */
+  H_OK(kvf_send_blocks(F.pre.c, id, "decode", &s, KVF_SEND_MORE | KVF_SEND_NOWAIT, 0));
+  kvf_event ev;
+  H_OK(h_wait_event(&F.pre, id, KVF_EV_SEND_DONE, H_XFER_MS, &ev));
+  H_OK(h_expect_rc(ev.status, KVF_EINVAL, "a refused part without an answer"));
+  if (!strstr(ev.error, "layer 1")) fail_msg("the event says \"%s\", not which layer", ev.error);
+  H_OK(h_wait_event(&F.dec, id, KVF_EV_RECV_DONE, H_XFER_MS, &ev));
+  if (ev.status == 0) fail_msg("the grant of a failed send succeeded");
+  H_OK(h_no_events(&F.pre, 50));
   free_caches(&src, &dst);
 }
 
@@ -456,6 +486,7 @@ int main(void) {
       cmocka_unit_test(test_remote_send_first),
       cmocka_unit_test(test_local),
       cmocka_unit_test(test_remote_mla),
+      cmocka_unit_test(test_nowait_parts),
       cmocka_unit_test(test_register_errors),
       cmocka_unit_test(test_request_errors),
       cmocka_unit_test(test_geometry_mismatch),

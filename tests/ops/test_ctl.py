@@ -2,11 +2,14 @@
 """kvferryctl: every command as a table and as JSON, the doctor's checks,
 and the exit statuses kvferryctl(1) promises (0 ok, 1 daemon error or
 metrics off, 2 usage, 3 unreachable, 4 a doctor check failed)."""
+import ctypes
 import json
 import os
+import subprocess
 import unittest
 
 import kvftest  # first: puts the binding from the source tree on sys.path
+import kvferry
 from kvftest import Daemon, run
 
 CTL = kvftest.KVFERRYCTL
@@ -14,6 +17,36 @@ CTL = kvftest.KVFERRYCTL
 
 def ctl(sock, *args):
     return run([CTL, "-s", sock] + list(args), timeout=30)
+
+
+class Layout(ctypes.Structure):
+    """struct kvf_layout (client/kvferry.h); the binding has no layouts yet."""
+    _fields_ = [("pool", ctypes.c_uint32), ("n_layers", ctypes.c_uint32),
+                ("n_kv", ctypes.c_uint32), ("n_blocks", ctypes.c_uint32),
+                ("block_bytes", ctypes.c_uint64), ("block_stride", ctypes.c_uint64),
+                ("offsets", ctypes.POINTER(ctypes.c_uint64)),
+                ("tokens_per_block", ctypes.c_uint32), ("kv_heads", ctypes.c_uint32),
+                ("head_dim", ctypes.c_uint32), ("dtype_bytes", ctypes.c_uint32),
+                ("order", ctypes.c_uint32)]
+
+
+def layout_register(client, pool, offsets, **kw):
+    """kvf_layout_register through the binding's library: the layout's id."""
+    arr = (ctypes.c_uint64 * len(offsets))(*offsets)
+    lay = Layout(pool=pool, offsets=arr, **kw)
+    lid = ctypes.c_uint32()
+    fn = client._lib.kvf_layout_register
+    fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(Layout), ctypes.POINTER(ctypes.c_uint32)]
+    rc = fn(client._handle(), ctypes.byref(lay), ctypes.byref(lid))
+    if rc:
+        raise OSError(rc, "kvf_layout_register: %s" % kvferry.err_name(rc))
+    return lid.value
+
+
+def layout_free(client, lid):
+    fn = client._lib.kvf_layout_free
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+    return fn(client._handle(), lid)
 
 
 class TestCtl(unittest.TestCase):
@@ -104,12 +137,68 @@ class TestCtl(unittest.TestCase):
         self.assertEqual(run([CTL, "bogus"]).returncode, 2)
         self.assertEqual(run([CTL]).returncode, 2)
         self.assertEqual(run([CTL, "--nope", "status"]).returncode, 2)
+        self.assertEqual(run([CTL, "status", "-s"]).returncode, 2)  # -s without its path
+        self.assertEqual(run([CTL, "status", "extra"]).returncode, 2)
+        self.assertEqual(run([CTL, "--socket=", "status"]).returncode, 2)
+        out = run([CTL, "status", "--socket=" + self.dec.sock, "--json"])  # options after
+        self.assertEqual(json.loads(out.stdout)["node"], "decode", out.stderr)
         out = run([CTL, "--help"])
         self.assertEqual(out.returncode, 0)
-        for cmd in ("status", "pools", "peers", "transfers", "metrics", "doctor"):
+        for cmd in ("status", "pools", "peers", "transfers", "layouts", "metrics", "doctor"):
             self.assertIn(cmd, out.stdout)
         env = dict(os.environ, KVFERRY_SOCKET=self.dec.sock)
         self.assertEqual(run([CTL, "status"], env=env).returncode, 0)
+
+    def test_layouts(self):
+        """kvferryctl layouts lists the layouts the node's clients
+        registered, as a table and as JSON, and forgets a freed one."""
+        pool = self.client.pool_find("kv")
+        offsets = [(1 << 20) + r * (64 << 10) for r in range(6)]  # 3 layers, K and V
+        lid = layout_register(self.client, pool.id, offsets, n_layers=3, n_kv=2, n_blocks=8,
+                              block_bytes=4096, block_stride=8192, tokens_per_block=16,
+                              kv_heads=2, head_dim=64, dtype_bytes=2, order=1)
+        try:
+            out = ctl(self.dec.sock, "layouts")
+            self.assertEqual(out.returncode, 0, out.stderr)
+            head, *rows = out.stdout.splitlines()
+            self.assertEqual(head.split()[:4], ["ID", "CLIENT", "PID", "POOL"])
+            row = [r.split() for r in rows if r.split()[0] == str(lid)]
+            self.assertEqual(len(row), 1, out.stdout)
+            self.assertEqual(row[0][2:10], [str(os.getpid()), "kv", "3", "2", "8", "4096", "8192",
+                                            "16"])
+            self.assertIn("16 x 2 x 64 x 2, HND", out.stdout)
+            out = ctl(self.dec.sock, "--json", "layouts")
+            self.assertEqual(out.returncode, 0, out.stderr)
+            mine = [l for l in json.loads(out.stdout)["layouts"] if l["id"] == lid]
+            self.assertEqual(len(mine), 1, out.stdout)
+            want = {"pid": os.getpid(), "pool": "kv", "pool_id": pool.id, "layers": 3, "n_kv": 2,
+                    "blocks": 8, "block_bytes": 4096, "block_stride": 8192,
+                    "tokens_per_block": 16, "kv_heads": 2, "head_dim": 64, "dtype_bytes": 2,
+                    "order": "HND", "transfers": 0}
+            self.assertEqual({k: mine[0][k] for k in want}, want)
+        finally:
+            self.assertEqual(layout_free(self.client, lid), 0)
+        doc = json.loads(ctl(self.dec.sock, "layouts", "--json").stdout)
+        self.assertNotIn(lid, [l["id"] for l in doc["layouts"]])
+
+    def test_utf8_ids(self):
+        """A transfer id is bytes to the daemon (control bytes refused):
+        bytes that are not UTF-8 (stray, truncated, a surrogate) still print
+        as valid UTF-8 JSON, each bad sequence as U+FFFD (proto/json.h)."""
+        raw = b"raw-\xff-\xc3(-\xed\xa0\x80-\"\\-\xe2\x82\xac"
+        want = "raw-\ufffd-\ufffd(-\ufffd\ufffd\ufffd-\"\\-\u20ac"
+        pool = self.client.pool_find("kv")
+        self.client.grant(raw, "prefill", [pool.desc(8192, 8192)])
+        try:
+            out = subprocess.run([CTL, "-s", self.dec.sock, "--json", "transfers"],
+                                 capture_output=True, timeout=30)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            doc = json.loads(out.stdout.decode("utf-8"))  # strict: a bad byte raises
+            self.assertIn(want, [t["id"] for t in doc["transfers"]])
+            doc = self.client.inspect("transfers", json=True)
+            self.assertIn(want, [t["id"] for t in doc["transfers"]])
+        finally:
+            self.client.cancel(raw)
 
 
 if __name__ == "__main__":

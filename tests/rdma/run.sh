@@ -17,7 +17,9 @@
 # "N passed, N failed" summary; the exit status is non-zero on failure.
 #
 # Environment: BUILD (default build), RDMA_VM (the VM's run script),
-# RDMA_VM_MEM_CHECK (default 4G), KVF_TEST_TIMEOUT (per binary, seconds).
+# RDMA_VM_MEM_CHECK (default 4G), KVF_TEST_TIMEOUT (per binary, seconds),
+# RDMA_TESTS (names of test binaries to run instead of all, for work on
+# one of them: RDMA_TESTS="test_blocks test_rdma").
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
@@ -78,4 +80,12 @@ export KVF_TEST_RAIL2_DEVICES="$NODE0_DEV,rxe2 $NODE1_DEV,rxe3"
 bins=()
 for src in tests/integration/test_*.c; do bins+=("$BUILD/tests/$(basename "$src" .c)"); done
 bins+=("$BUILD/tests/rdma/test_rdma")
+if [ -n "${RDMA_TESTS:-}" ]; then
+  want=()
+  for b in "${bins[@]}"; do
+    case " $RDMA_TESTS " in *" $(basename "$b") "*) want+=("$b") ;; esac
+  done
+  say "running only: ${want[*]}"
+  bins=("${want[@]}")
+fi
 BUILD=$BUILD tests/run.sh "${bins[@]}"

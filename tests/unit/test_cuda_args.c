@@ -28,6 +28,7 @@
 #include "libkvferry_cuda.h"
 #include "config.h"
 #include "kvferry.h"
+#include "layout.h"
 #include "log.h"
 #include "pool.h"
 
@@ -180,6 +181,88 @@ static void test_grid(void **state) {
   assert_int_equal(kvf__gpu_plan_grid(16384, 0, 0), 1);
 }
 
+/* ------------------------------------------------------------ blocks */
+
+static void test_blocks_group(void **state) {
+  assert_int_equal(kvf_blocks_group(4096 / 16, 256), 32);    /* a warp per 4 KiB block */
+  assert_int_equal(kvf_blocks_group(32768 / 16, 256), 256);  /* a CTA per 32 KiB block */
+  assert_int_equal(kvf_blocks_group(73728 / 16, 256), 256);  /* capped by the CTA */
+  assert_int_equal(kvf_blocks_group(73728 / 16, 1024), 512);
+  assert_int_equal(kvf_blocks_group(1, 256), 32);
+  assert_int_equal(kvf_blocks_group(8192 / 16, 32), 32);
+  assert_true(sizeof(kvf_blocks_args) <= 4096); /* a launch's parameters */
+}
+
+/* Runs the block kernel's loop (copy_kernel.cu, kvf_blocks) on the CPU:
+ * grid CTAs of `threads`, groups of a->group threads per piece, each
+ * piece's addresses from the tables and the inline ids. */
+static void emulate_blocks(const kvf_blocks_args *a, unsigned grid, unsigned threads) {
+  const unsigned gpc = threads / a->group;
+  const uint64_t *st = (const uint64_t *)(uintptr_t)a->src_table, *dt = (const uint64_t *)(uintptr_t)a->dst_table;
+  for (unsigned b = 0; b < grid; b++)
+    for (unsigned g = 0; g < gpc; g++)
+      for (unsigned p = a->piece0 + b * gpc + g; p < a->piece1; p += grid * gpc) {
+        unsigned r = p / a->n, i = p - r * a->n;
+        assert_true(r < a->n_regions);
+        kvf_chunk ch = {a->src_base + st[r] + a->inline_ids[i] * a->src_stride,
+                        a->dst_base + dt[r] + a->inline_ids[a->n + i] * a->dst_stride, a->block_bytes, 0};
+        emulate_chunk(&ch, a->group);
+      }
+}
+
+/* The kernel's addressing against kvf__blocks_pair's runs: a per-layer
+ * (vLLM) source, a cross-layer destination, odd sizes and offsets, layers
+ * [2, 7) of 8, the pieces in two halves (two GPUs). */
+static void test_blocks_vs_pair(void **state) {
+  enum { L = 8, KV = 2, NB = 40, BB = 1000, N = 23, FIRST = 2, NL = 5 };
+  static uint64_t so[L * KV], dof[L * KV];
+  uint64_t dstride = L * KV * BB + 24;
+  for (unsigned r = 0; r < L * KV; r++) {
+    so[r] = 3 + (uint64_t)r * NB * BB;
+    dof[r] = 8 + (uint64_t)r * BB;
+  }
+  size_t ssize = 3 + (size_t)L * KV * NB * BB, dsize = 8 + (size_t)NB * dstride;
+  uint8_t *sp = malloc(ssize), *dp = malloc(dsize), *ref = malloc(dsize);
+  assert_true(sp && dp && ref);
+  for (size_t i = 0; i < ssize; i++) sp[i] = (uint8_t)rnd();
+  memset(dp, 0x33, dsize);
+  memcpy(ref, dp, dsize);
+  kvf_blocks_args a;
+  memset(&a, 0, sizeof(a));
+  for (unsigned i = 0; i < N; i++) {
+    a.inline_ids[i] = (unsigned)(rnd() % NB);
+    a.inline_ids[N + i] = (i * 7 + 3) % NB; /* distinct */
+  }
+  kvf__lview sv = {.n_kv = KV, .n_blocks = NB, .n_layers = L, .block_bytes = BB, .block_stride = BB, .offsets = so};
+  kvf__lview dv = {.n_kv = KV, .n_blocks = NB, .n_layers = L, .block_bytes = BB, .block_stride = dstride,
+                   .offsets = dof};
+  kvf__runs runs = {0};
+  assert_int_equal(kvf__blocks_pair(&sv, a.inline_ids, &dv, a.inline_ids + N, N, FIRST, NL, &runs), 0);
+  for (size_t i = 0; i < runs.n; i++) memcpy(ref + runs.v[i].dst_off, sp + runs.v[i].src_off, runs.v[i].len);
+  assert_int_equal(runs.bytes, (uint64_t)N * NL * KV * BB);
+  kvf__runs_free(&runs);
+  a.src_base = (uintptr_t)sp;
+  a.dst_base = (uintptr_t)dp;
+  a.src_table = (uintptr_t)(so + FIRST * KV); /* from the first copied layer */
+  a.dst_table = (uintptr_t)(dof + FIRST * KV);
+  a.src_stride = BB;
+  a.dst_stride = dstride;
+  a.block_bytes = BB;
+  a.n = N;
+  a.n_regions = NL * KV;
+  a.group = kvf_blocks_group((BB + 15) / 16, 256);
+  unsigned pieces = N * NL * KV;
+  a.piece1 = pieces / 2;
+  emulate_blocks(&a, 3, 256);
+  a.piece0 = a.piece1;
+  a.piece1 = pieces;
+  emulate_blocks(&a, 5, 256);
+  assert_memory_equal(dp, ref, dsize);
+  free(sp);
+  free(dp);
+  free(ref);
+}
+
 /* ------------------------------------------------------------ routes */
 
 static bool peer01(int a, int b) { return a == b || (a <= 1 && b <= 1); } /* 0<->1 linked, 2 alone */
@@ -272,6 +355,9 @@ static void test_no_driver_daemon(void **state) {
   assert_int_equal(kvf__gpu_copy_all(&c, 1, &route), -ENODEV);
   kvf__gpu_batch *b = NULL;
   assert_int_equal(kvf__gpu_batch_new(&b), -ENODEV);
+  kvf__gpu_blocks j = {.src = {.dev = 0}, .dst = {.dev = 0}, .block_bytes = 4096, .n_layers = 1, .n_kv = 2, .n = 1};
+  assert_int_equal(kvf__gpu_blocks_start(&j, NULL, NULL), -ENODEV);
+  assert_false(kvf__gpu_blocks_kernel());
   kvf__pool_destroy(p);
 }
 
@@ -289,6 +375,7 @@ int main(void) {
       cmocka_unit_test(test_split_widths),     cmocka_unit_test(test_split_random_vs_memcpy),
       cmocka_unit_test(test_cut),              cmocka_unit_test(test_batch_vs_memcpy),
       cmocka_unit_test(test_grid),             cmocka_unit_test(test_exec),
+      cmocka_unit_test(test_blocks_group),     cmocka_unit_test(test_blocks_vs_pair),
       cmocka_unit_test(test_abi),              cmocka_unit_test(test_no_driver_daemon),
       cmocka_unit_test(test_no_driver_client),
   };

@@ -9,7 +9,13 @@
  * block moves without a thread hop, and completes through gpu.c's
  * completion thread and an async handle; the others run on the thread
  * pool. The transfer's path says which way: local-nvlink, local-staged,
- * local-h2d, ... */
+ * local-h2d, ...
+ *
+ * Blocks (KV layouts) between two cuda pools that a GPU reaches go to the
+ * block kernel (kvf__gpu_blocks_start) with the two layouts' offset tables,
+ * uploaded at registration, and the block ids: the GPU computes every
+ * address, so posting does not grow with the number of layers. Other
+ * blocks (host pools, GPUs without peer access) are walked into runs. */
 #include "local.h"
 
 #include <errno.h>
@@ -31,6 +37,8 @@ typedef struct copy_job {
   kvf__runs runs;
   bool last;
   bool gpu;               /* a run touches a cuda pool */
+  bool blocks;            /* a block copy (no runs): pieces and bytes below */
+  uint64_t pieces, bytes;
   kvf__gpu_copy *v;       /* gpu: the runs as copies, built once on the loop */
   int rc;
   uint64_t t_post, t_start, t_built, t_copied; /* for the debug trace */
@@ -86,13 +94,20 @@ static void do_copy(uv_work_t *req) {
   j->kernel_ms = kvf__gpu_last_kernel_ms();
 }
 
-/* "local-<how>" for a post's runs: how the first run touching a GPU moves,
- * or "local-mixed" when runs differ. */
-static const char *gpu_path(const kvf__runs *runs) {
+/* "local-<link>" for a link of kvf__gpu_link (or h2d, d2h); NULL for none. */
+static const char *link_path(const char *link) {
   static const struct { const char *link, *path; } names[] = {
       {"nvlink", "local-nvlink"}, {"pcie-p2p", "local-pcie-p2p"}, {"same-gpu", "local-same-gpu"},
       {"staged", "local-staged"}, {"h2d", "local-h2d"}, {"d2h", "local-d2h"},
   };
+  for (size_t k = 0; link && k < sizeof(names) / sizeof(names[0]); k++)
+    if (strcmp(names[k].link, link) == 0) return names[k].path;
+  return NULL;
+}
+
+/* "local-<how>" for a post's runs: how the first run touching a GPU moves,
+ * or "local-mixed" when runs differ. */
+static const char *gpu_path(const kvf__runs *runs) {
   const char *link = NULL;
   uint32_t sp = UINT32_MAX, dp = UINT32_MAX;
   for (size_t i = 0; i < runs->n; i++) {
@@ -108,17 +123,16 @@ static const char *gpu_path(const kvf__runs *runs) {
     if (link && strcmp(link, l) != 0) return "local-mixed";
     link = l;
   }
-  for (size_t k = 0; link && k < sizeof(names) / sizeof(names[0]); k++)
-    if (strcmp(names[k].link, link) == 0) return names[k].path;
-  return NULL;
+  return link_path(link);
 }
 
 /* Back on the loop: the post is done (status: the thread pool's own). */
 static void finish_job(copy_job *j, int status) {
   if (j->gpu)
-    kvf__debug("local %s: %zu runs, %llu bytes: queued %.0f us, built %.0f us, copied %.0f us (kernel %.0f us), "
-               "back on the loop %.0f us", j->x->path ? j->x->path : "local", j->runs.n,
-               (unsigned long long)j->runs.bytes, (double)(j->t_start - j->t_post) / 1e3,
+    kvf__debug("local %s: %llu %s, %llu bytes: queued %.0f us, built %.0f us, copied %.0f us (kernel %.0f us), "
+               "back on the loop %.0f us", j->x->path ? j->x->path : "local",
+               (unsigned long long)(j->blocks ? j->pieces : j->runs.n), j->blocks ? "block pieces" : "runs",
+               (unsigned long long)(j->blocks ? j->bytes : j->runs.bytes), (double)(j->t_start - j->t_post) / 1e3,
                (double)(j->t_built - j->t_start) / 1e3, (double)(j->t_copied - j->t_built) / 1e3,
                (double)j->kernel_ms * 1e3, (double)(kvf__now_ns() - j->t_copied) / 1e3);
   kvf__xfer_on_posted(j->x, status ? KVF_ECANCELED : j->rc, j->last);
@@ -196,11 +210,72 @@ static int local_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool las
   return rc;
 }
 
+/* One side of a block part as the block kernel sees it: the layout's
+ * table and offsets from layer `first`, the pool's device address. */
+static void block_side(const kvf__lview *v, const kvf__layout *l, const uint32_t *ids, uint32_t first,
+                       kvf__gpu_bside *out) {
+  const kvf__pool *p = kvfd.pools[v->pool];
+  kvf__gpu_end e;
+  kvf__pool_gpu_end(p, 0, &e);
+  size_t skip = (size_t)first * v->n_kv; /* the table holds every layer of l */
+  *out = (kvf__gpu_bside){.dev = p->cuda_dev, .base = e.addr, .table = kvf__gpu_layout_table(l->gpu) + skip * 8,
+                          .offsets = v->offsets + (size_t)(first - v->first_layer) * v->n_kv,
+                          .stride = v->block_stride, .ids = ids};
+}
+
+/* b by the block kernel when both layouts sit in cuda pools with their
+ * tables on the GPU; -EAGAIN when it cannot take them (the caller walks
+ * runs). Completes as local_post's launches do. */
+static int start_blocks(local_transport *lt, kvf__xfer *x, const kvf__bpart *b, bool last) {
+  const kvf__lview *s = b->src, *d = b->dst;
+  if (lt->closing || !b->src_layout || !b->dst_layout || !b->src_layout->gpu || !b->dst_layout->gpu ||
+      !kvf__pool_gpu(kvfd.pools[s->pool]) || !kvf__pool_gpu(kvfd.pools[d->pool]))
+    return -EAGAIN;
+  if (b->n_layers == 0 || b->first < s->first_layer || b->first < d->first_layer ||
+      b->first + b->n_layers > s->first_layer + s->n_layers || b->first + b->n_layers > d->first_layer + d->n_layers)
+    return KVF_ERANGE;
+  if (s->block_bytes != d->block_bytes || s->n_kv != d->n_kv) return KVF_ESIZE;
+  kvf__gpu_blocks g = {.block_bytes = s->block_bytes, .n_layers = b->n_layers, .n_kv = s->n_kv, .n = b->n};
+  block_side(s, b->src_layout, b->sids, b->first, &g.src);
+  block_side(d, b->dst_layout, b->dids, b->first, &g.dst);
+  copy_job *j = calloc(1, sizeof(*j));
+  if (!j) return -ENOMEM;
+  j->lt = lt;
+  j->x = x;
+  j->last = last;
+  j->gpu = j->blocks = true;
+  j->pieces = (uint64_t)b->n * b->n_layers * s->n_kv;
+  j->bytes = j->pieces * s->block_bytes;
+  j->t_post = j->t_start = j->t_built = kvf__now_ns();
+  int rc = kvf__gpu_blocks_start(&g, on_gpu_done, j);
+  if (rc) {
+    free(j);
+    return rc == -EINVAL ? -EAGAIN : rc; /* sizes the kernel does not take: runs */
+  }
+  if (lt->in_flight++ == 0) kvf__mailbox_hold(&lt->mb, true);
+  const char *path = link_path(kvf__gpu_link(g.src.dev, g.dst.dev));
+  x->path = path;
+  if (x->twin) x->twin->path = path;
+  return 0;
+}
+
+static int local_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
+  int rc = start_blocks(to_local(t), x, b, last);
+  if (rc != -EAGAIN) return rc;
+  kvf__runs runs = {0}; /* as transport.c's default */
+  rc = kvf__blocks_pair(b->src, b->sids, b->dst, b->dids, b->n, b->first, b->n_layers, &runs);
+  if (rc == 0) rc = local_post(t, x, &runs, last);
+  kvf__runs_free(&runs);
+  return rc;
+}
+
 /* A copy in flight finishes quickly; its callback completes the abort, so
  * abort, grants and peers keep the defaults (nothing to do). */
 static void local_inspect(kvf__transport *t, char *buf, size_t len) {
   snprintf(buf, len, "\"name\": \"local\", \"engine\": \"%s\"",
-           kvf__gpu_ready() ? "memcpy, cuda batched kernel" : "memcpy");
+           kvf__gpu_ready() ? (kvf__gpu_blocks_kernel() ? "memcpy, cuda batched kernel, cuda block kernel"
+                                                         : "memcpy, cuda batched kernel")
+                            : "memcpy");
 }
 /* Launches still in flight close the mailbox when the last one is back. */
 static void local_destroy(kvf__transport *t) {
@@ -212,6 +287,7 @@ static void local_destroy(kvf__transport *t) {
 static const kvf__transport_ops local_ops = {
     .name = "local",
     .post = local_post,
+    .post_blocks = local_post_blocks,
     .inspect = local_inspect,
     .destroy = local_destroy,
 };

@@ -974,6 +974,13 @@ static int deal_frames(tcp_peer *tp, const kvf__runs *runs, item **items) {
   return 0;
 }
 
+/* Appends it to s's queue; the caller holds the peer's lock. */
+static void enqueue(stream *s, item *it) {
+  if (s->tail) s->tail->next = it;
+  else s->head = it;
+  s->tail = it;
+}
+
 static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) {
   tcp_transport *tt = to_tcp(t);
   tcp_peer *tp = tcp_peer_of(tt, x->peer);
@@ -1009,10 +1016,7 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
     }
     it->tk = tk;
     it->handle = x->handle;
-    stream *s = &tp->out[i];
-    if (s->tail) s->tail->next = it;
-    else s->head = it;
-    s->tail = it;
+    enqueue(&tp->out[i], it);
   }
   pthread_cond_broadcast(&tp->cond);
   pthread_mutex_unlock(&tp->lock);
@@ -1035,10 +1039,7 @@ static bool tcp_mark_layers(kvf__transport *t, kvf__xfer *x, uint32_t first, uin
   for (uint32_t i = 0; i < tp->n_out; i++) {
     item *it = marks[i];
     *it = (item){.handle = x->handle, .marker = true, .first = first, .n_layers = n, .streams = tp->n_out};
-    stream *s = &tp->out[i];
-    if (s->tail) s->tail->next = it;
-    else s->head = it;
-    s->tail = it;
+    enqueue(&tp->out[i], it);
   }
   pthread_cond_broadcast(&tp->cond);
   pthread_mutex_unlock(&tp->lock);

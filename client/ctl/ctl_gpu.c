@@ -446,16 +446,16 @@ int ctl_gpu_pools(const char *pools, char *detail, size_t cap) {
     snprintf(detail, cap, "daemon not reachable");
     return CTL_GPU_SKIP;
   }
-  const char *it = cj_get(pools, "pools"), *e;
+  const char *it = kvf__json_get(pools, "pools"), *e;
   int n = 0, direct = 0, bounce = 0;
   size_t o = 0;
   detail[0] = '\0';
-  while (it && (e = cj_next(&it))) {
+  while (it && (e = kvf__json_next(&it))) {
     char kind[32] = "", name[64] = "", reg[32] = "";
-    cj_str(e, "kind", kind, sizeof kind);
+    kvf__json_get_str(e, "kind", kind, sizeof kind);
     if (strncmp(kind, "cuda:", 5) != 0) continue;
-    cj_str(e, "name", name, sizeof name);
-    if (cj_str(e, "registration", reg, sizeof reg) != 0) snprintf(reg, sizeof reg, "unknown");
+    kvf__json_get_str(e, "name", name, sizeof name);
+    if (kvf__json_get_str(e, "registration", reg, sizeof reg) != 0) snprintf(reg, sizeof reg, "unknown");
     n++;
     bool d = strcmp(reg, "dmabuf") == 0 || strcmp(reg, "peermem") == 0;
     direct += d;

@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "json.h" /* the reader and writer of every JSON document */
 #include "kvferry.h"
 
 /* Exit statuses (kvferryctl(1) documents them; scripts rely on them). */
@@ -21,19 +22,6 @@ enum {
 
 /* Writes text (adding a final newline if missing); CTL_ERROR if stdout fails. */
 int ctl_print(const char *text);
-
-/* ---- tiny JSON reader, for the daemon's own documents ---- */
-
-/* The value of key at the top level of the object at obj, or NULL. */
-const char *cj_get(const char *obj, const char *key);
-/* Iterates an array: *it starts at '['; returns each element, then NULL. */
-const char *cj_next(const char **it);
-int cj_str(const char *obj, const char *key, char *out, size_t cap);
-int cj_u64(const char *obj, const char *key, uint64_t *out);
-/* true / false; dflt when the key is missing. */
-bool cj_bool(const char *obj, const char *key, bool dflt);
-/* Writes s as a JSON string literal. */
-void cj_put_str(FILE *out, const char *s);
 
 /* ---- HTTP ---- */
 

@@ -210,7 +210,7 @@ static void put_value(const char *v, FILE *out) {
   char *end;
   double d = strtod(v, &end);
   if (end != v && isfinite(d)) fprintf(out, "%.17g", d);
-  else cj_put_str(out, v); /* +Inf, NaN: JSON has no numbers for them */
+  else kvf__json_fquote(out, v); /* +Inf, NaN: JSON has no numbers for them */
 }
 
 static int put_sample(const char *line, FILE *out, bool first) {
@@ -235,7 +235,7 @@ enum fam { FAM_NONE, FAM_HEAD, FAM_SAMPLES };
 static void open_samples(FILE *out, enum fam *st, const char *type) {
   if (*st != FAM_HEAD) return;
   fputs(",\"type\":", out);
-  cj_put_str(out, type);
+  kvf__json_fquote(out, type);
   fputs(",\"samples\":[", out);
   *st = FAM_SAMPLES;
 }
@@ -259,7 +259,7 @@ int ctl_metrics_json(const char *text, FILE *out) {
     if (sscanf(line, "# HELP %255s %n", name, &off) == 1) {
       end_family(out, &st);
       fprintf(out, "%s{\"name\":\"%s\",\"help\":", first_fam ? "" : ",", name);
-      cj_put_str(out, line + off);
+      kvf__json_fquote(out, line + off);
       first_fam = false;
       first_sample = true;
       st = FAM_HEAD;

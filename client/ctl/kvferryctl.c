@@ -1,15 +1,17 @@
 /* kvferryctl - asks the local kvferryd what it is doing.
  *
- *   kvferryctl [-s SOCKET] [--json] status|pools|peers|transfers|metrics|doctor
+ *   kvferryctl [-s SOCKET] [--json] status|pools|peers|transfers|layouts|metrics|doctor
  *
- * The daemon renders the status, pools, peers and transfers tables and
+ * The daemon renders the status, pools, peers, transfers and layouts tables and
  * their JSON; this tool forwards the question and prints the answer.
  * metrics reads the daemon's Prometheus endpoint, doctor runs the node
- * checks (ctl_doctor.c). Options may come before or after the command.
+ * checks (ctl_doctor.c). Options may come before or after the command
+ * (getopt_long).
  * Exit statuses are in ctl.h and kvferryctl(1). */
 #include "ctl.h"
 #include "kvferry.h"
 
+#include <getopt.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +35,7 @@ static const struct command commands[] = {
   {"pools", KVF_INSPECT_POOLS, NULL, "memory pools and how they are registered"},
   {"peers", KVF_INSPECT_PEERS, NULL, "peer daemons and the state of each connection"},
   {"transfers", KVF_INSPECT_TRANSFERS, NULL, "active grants and sends, with their path"},
+  {"layouts", KVF_INSPECT_LAYOUTS, NULL, "KV cache layouts the node's clients registered"},
   {"metrics", -1, ctl_metrics, "the daemon's Prometheus metrics (--json: parsed)"},
   {"doctor", -1, ctl_doctor, "check this node for what kvferryd needs"},
 };
@@ -71,32 +74,29 @@ static int usage_error(const char *problem, const char *arg) {
   return EXIT_USAGE;
 }
 
-/* Fills opt from argv; returns EXIT_OK or EXIT_USAGE (message printed). */
+/* Fills opt from argv with getopt_long, as kvferryd parses its own: GNU
+ * order (options before or after COMMAND, "--" ends them, --socket=PATH,
+ * unambiguous abbreviations). Returns EXIT_OK or EXIT_USAGE (message
+ * printed). */
 static int parse_args(int argc, char **argv, struct options *opt) {
-  bool only_operands = false; /* after "--" */
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i];
-    if (!only_operands && a[0] == '-' && a[1] != '\0') {
-      if (strcmp(a, "--") == 0) {
-        only_operands = true;
-      } else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
-        opt->help = true;
-      } else if (strcmp(a, "--json") == 0) {
-        opt->json = true;
-      } else if (strcmp(a, "-s") == 0 || strcmp(a, "--socket") == 0) {
-        if (i + 1 >= argc) return usage_error("missing path after", a);
-        opt->socket = argv[++i];
-      } else if (strncmp(a, "--socket=", 9) == 0) {
-        opt->socket = a + 9;
-      } else {
-        return usage_error("unknown option", a);
-      }
-    } else if (!opt->command) {
-      opt->command = a;
-    } else {
-      return usage_error("unexpected argument", a);
+  enum { OPT_JSON = 0x100 };
+  static const struct option longopts[] = {{"socket", required_argument, NULL, 's'},
+                                           {"json", no_argument, NULL, OPT_JSON},
+                                           {"help", no_argument, NULL, 'h'},
+                                           {0}};
+  int o;
+  opterr = 0; /* our messages, "kvferryctl: ...", not getopt's "argv[0]: ..." */
+  while ((o = getopt_long(argc, argv, ":s:h", longopts, NULL)) != -1) {
+    switch (o) {
+    case 's': opt->socket = optarg; break;
+    case OPT_JSON: opt->json = true; break;
+    case 'h': opt->help = true; break;
+    case ':': return usage_error("missing path after", argv[optind - 1]);
+    default: return usage_error("unknown option", argv[optind - 1]);
     }
   }
+  if (optind < argc) opt->command = argv[optind++];
+  if (optind < argc) return usage_error("unexpected argument", argv[optind]);
   if (opt->socket && !*opt->socket) return usage_error("empty socket path", NULL);
   return EXIT_OK;
 }

@@ -37,22 +37,22 @@ typedef enum result check_fn(const struct doctor *d, char *detail, size_t cap);
 
 static uint64_t host_pool_bytes(const struct doctor *d, size_t *n_host, size_t *n_huge,
                                 size_t *n_unlocked, char *unlocked, size_t cap) {
-  const char *it = cj_get(d->pools, "pools"), *e;
+  const char *it = kvf__json_get(d->pools, "pools"), *e;
   uint64_t total = 0;
   *n_host = *n_huge = *n_unlocked = 0;
   if (cap) unlocked[0] = '\0';
-  while (it && (e = cj_next(&it))) {
+  while (it && (e = kvf__json_next(&it))) {
     char kind[32] = "", backing[32] = "", name[64] = "";
     uint64_t size = 0;
-    cj_str(e, "kind", kind, sizeof kind);
+    kvf__json_get_str(e, "kind", kind, sizeof kind);
     if (strcmp(kind, "host") != 0) continue;
-    cj_str(e, "backing", backing, sizeof backing);
-    cj_str(e, "name", name, sizeof name);
-    cj_u64(e, "size", &size);
+    kvf__json_get_str(e, "backing", backing, sizeof backing);
+    kvf__json_get_str(e, "name", name, sizeof name);
+    kvf__json_get_u64(e, "size", &size);
     total += size;
     (*n_host)++;
     if (strstr(backing, "hugetlb")) (*n_huge)++;
-    if (!cj_bool(e, "locked", false)) {
+    if (!kvf__json_get_bool(e, "locked", false)) {
       size_t used = strlen(unlocked);
       snprintf(unlocked + used, cap - used, "%s%s", (*n_unlocked)++ ? ", " : "", name);
     }
@@ -98,8 +98,8 @@ static enum result check_socket(const struct doctor *d, char *detail, size_t cap
     return R_FAIL;
   }
   char node[64] = "?", version[32] = "?";
-  cj_str(d->status, "node", node, sizeof node);
-  cj_str(d->status, "version", version, sizeof version);
+  kvf__json_get_str(d->status, "node", node, sizeof node);
+  kvf__json_get_str(d->status, "version", version, sizeof version);
   snprintf(detail, cap, "%s answers: kvferryd %s, node %s", d->socket, version, node);
   return R_OK;
 }
@@ -118,7 +118,7 @@ static enum result check_memlock(const struct doctor *d, char *detail, size_t ca
     return rl.rlim_cur == RLIM_INFINITY ? R_OK : R_WARN;
   }
   uint64_t want = host_pool_bytes(d, &n_host, &n_huge, &n_unlocked, names, sizeof names);
-  if (cj_u64(d->status, "pid", &pid) != 0 || proc_memlock(pid, &limit) != 0) {
+  if (kvf__json_get_u64(d->status, "pid", &pid) != 0 || proc_memlock(pid, &limit) != 0) {
     snprintf(detail, cap, "cannot read the limits of kvferryd (pid %" PRIu64 ") from /proc", pid);
     return R_WARN;
   }
@@ -193,16 +193,16 @@ static enum result check_hugepages(const struct doctor *d, char *detail, size_t 
 
 static enum result check_peers(const struct doctor *d, char *detail, size_t cap) {
   if (!d->peers) return R_SKIP;
-  const char *it = cj_get(d->peers, "peers"), *e;
+  const char *it = kvf__json_get(d->peers, "peers"), *e;
   size_t n = 0, down = 0, used = 0;
   detail[0] = '\0';
-  while (it && (e = cj_next(&it))) {
+  while (it && (e = kvf__json_next(&it))) {
     char name[64] = "", state[32] = "", err[128] = "";
     n++;
-    cj_str(e, "name", name, sizeof name);
-    cj_str(e, "state", state, sizeof state);
+    kvf__json_get_str(e, "name", name, sizeof name);
+    kvf__json_get_str(e, "state", state, sizeof state);
     if (strcmp(state, "up") == 0) continue;
-    cj_str(e, "last_error", err, sizeof err);
+    kvf__json_get_str(e, "last_error", err, sizeof err);
     if (used < cap)
       used += (size_t)snprintf(detail + used, cap - used, "%s%s %s%s%s%s", down++ ? "; " : "",
                                name, state, err[0] ? " (" : "", err, err[0] ? ")" : "");
@@ -220,7 +220,7 @@ static enum result check_metrics(const struct doctor *d, char *detail, size_t ca
   char url[320] = "", err[256];
   char *body = NULL;
   if (!d->status) return R_SKIP;
-  if (cj_str(d->status, "metrics", url, sizeof url) != 0 || !url[0]) {
+  if (kvf__json_get_str(d->status, "metrics", url, sizeof url) != 0 || !url[0]) {
     snprintf(detail, cap, "metrics-listen is off");
     return R_SKIP;
   }
@@ -240,11 +240,11 @@ static enum result check_cluster_key(const struct doctor *d, char *detail, size_
   char mode[32] = "";
   uint64_t refused = 0;
   if (!d->status) return R_SKIP;
-  if (cj_str(d->status, "auth", mode, sizeof mode) != 0) {
+  if (kvf__json_get_str(d->status, "auth", mode, sizeof mode) != 0) {
     snprintf(detail, cap, "this kvferryd does not report peer authentication");
     return R_WARN;
   }
-  cj_u64(d->status, "auth_failures", &refused);
+  kvf__json_get_u64(d->status, "auth_failures", &refused);
   if (strcmp(mode, "cluster-key") != 0) {
     snprintf(detail, cap, "cluster-key-file is off: peers are not authenticated");
     return R_WARN;
@@ -284,14 +284,14 @@ static enum result check_gpu_pools(const struct doctor *d, char *detail, size_t 
  * in kvferryd.conf(5)). */
 static enum result check_rdma_writes(const struct doctor *d, char *detail, size_t cap) {
   if (!d->status) return R_SKIP;
-  const char *mw = cj_get(cj_get(d->status, "rdma"), "memory_windows");
+  const char *mw = kvf__json_get(kvf__json_get(d->status, "rdma"), "memory_windows");
   char what[512] = "";
   if (!mw) {
     snprintf(detail, cap, "the rdma transport is not running");
     return R_SKIP;
   }
-  cj_str(mw, "protection", what, sizeof what);
-  bool ok = cj_bool(mw, "in_use", false) && cj_bool(mw, "bounds_enforced", false);
+  kvf__json_get_str(mw, "protection", what, sizeof what);
+  bool ok = kvf__json_get_bool(mw, "in_use", false) && kvf__json_get_bool(mw, "bounds_enforced", false);
   snprintf(detail, cap, "%s", what[0] ? what : "the daemon does not say");
   return ok ? R_OK : R_WARN;
 }
@@ -348,11 +348,11 @@ static void print_row(bool json, bool first, const struct check *ck, enum result
     return;
   }
   printf("%s{\"name\":", first ? "" : ",");
-  cj_put_str(stdout, ck->name);
+  kvf__json_fquote(stdout, ck->name);
   printf(",\"what\":");
-  cj_put_str(stdout, ck->what);
+  kvf__json_fquote(stdout, ck->what);
   printf(",\"result\":\"%s\",\"detail\":", r == R_FAIL ? "fail" : result_names[r]);
-  cj_put_str(stdout, detail);
+  kvf__json_fquote(stdout, detail);
   printf("}");
 }
 
@@ -395,7 +395,7 @@ int ctl_metrics(const char *socket, bool json) {
     fprintf(stderr, "kvferryctl: status: %s (%s)\n", kvf_strerror(rc), kvf_err_name(rc));
     return CTL_ERROR;
   }
-  cj_str(status, "metrics", url, sizeof url);
+  kvf__json_get_str(status, "metrics", url, sizeof url);
   free(status);
   if (!url[0]) {
     fprintf(stderr, "kvferryctl: this kvferryd serves no metrics (set metrics-listen in "
