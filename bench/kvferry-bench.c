@@ -21,7 +21,9 @@
  * --layerwise each layer's send part is posted as its compute ends, with
  * --whole the whole request is sent after the last layer. What the decode
  * side still waits for once the compute is over is the exposed time: from
- * the posting of the last send call to RECV_DONE.
+ * the end of the last layer's compute, when its send is due, to RECV_DONE.
+ * A last send call that earlier calls made late counts: an engine's GPU
+ * would have finished then, whatever its CPU thread was doing.
  *
  * cuda:N pools (--pool-from/--pool-to naming one): kvf_pool_map returns a
  * device pointer; the bench keeps a host shadow of the pool, fills and
@@ -92,6 +94,7 @@ typedef struct opts {
   bool layer_events;      /* grants ask for KVF_EV_LAYER_DONE (with --blocks) */
   bool whole;             /* with compute: one send after the last layer */
   bool compute;           /* --compute-us-per-layer given: emulate prefill */
+  bool nowait;            /* parts after the first with KVF_SEND_NOWAIT */
   uint64_t compute_us;    /* per layer */
 } opts;
 
@@ -121,7 +124,8 @@ typedef struct req {
   kvf_desc *src, *dst;
   int64_t t_post, t_recv;
   int64_t post_ns;       /* spent in the grant and send calls */
-  int64_t t_last_send;   /* the last send call was made (exposed time starts) */
+  int64_t t_last_send;   /* the last send call was made */
+  int64_t t_due;         /* compute mode: the last layer's compute ended (exposed time starts) */
   bool got_recv, got_send;
   uint32_t layers_done;  /* KVF_EV_LAYER_DONE taken */
   uint32_t next_layer;   /* the layer expected next, for the order check */
@@ -136,7 +140,8 @@ typedef struct bench {
   req *slots;            /* one per request in flight */
   double *lat_us;        /* per completed request */
   double *post_us;       /* time in the grant and send calls, per request */
-  double *exposed_us;    /* compute mode: last send posted -> RECV_DONE */
+  double *exposed_us;    /* compute mode: compute ended -> RECV_DONE */
+  double *late_us;       /* compute mode: compute ended -> the last send call */
   uint64_t layer_events; /* LAYER_DONE events taken and checked */
   bool layers_in_order;  /* every request's layer events came in layer order */
   uint64_t done;
@@ -302,7 +307,7 @@ static void prepare_wave(bench *b, uint64_t first, size_t n) {
                    pattern_key(b->o.seed, r->index, d));
       memset(b->dst.base + r->dst[d].offset, poison_byte(r->index), b->block_bytes);
     }
-    r->t_post = r->t_recv = r->t_last_send = r->post_ns = 0;
+    r->t_post = r->t_recv = r->t_last_send = r->t_due = r->post_ns = 0;
     r->got_recv = r->got_send = false;
     r->layers_done = r->next_layer = 0;
     if (r->layer_seen) memset(r->layer_seen, 0, b->o.g.layers);
@@ -463,7 +468,8 @@ static int setup(bench *b) {
   b->lat_us = calloc((size_t)b->o.requests, sizeof *b->lat_us);
   b->post_us = calloc((size_t)b->o.requests, sizeof *b->post_us);
   b->exposed_us = calloc((size_t)b->o.requests, sizeof *b->exposed_us);
-  if (!b->slots || !b->lat_us || !b->post_us || !b->exposed_us) return fail(b, "out of memory");
+  b->late_us = calloc((size_t)b->o.requests, sizeof *b->late_us);
+  if (!b->slots || !b->lat_us || !b->post_us || !b->exposed_us || !b->late_us) return fail(b, "out of memory");
   for (size_t i = 0; i < w; i++) {
     b->slots[i].src = malloc(b->ndesc * sizeof(kvf_desc));
     b->slots[i].dst = malloc(b->ndesc * sizeof(kvf_desc));
@@ -488,6 +494,7 @@ static void teardown(bench *b) {
   free(b->lat_us);
   free(b->post_us);
   free(b->exposed_us);
+  free(b->late_us);
   free(b->src.ids);
   free(b->dst.ids);
   if (b->src.gpu >= 0) free(b->src.base);
@@ -529,8 +536,9 @@ static int post_grant(bench *b, req *r) {
  * blocks, the first part names the ids and later ones continue with them. */
 static int send_part(bench *b, req *r, uint64_t l, uint64_t parts) {
   unsigned flags = l + 1 < parts ? KVF_SEND_MORE : 0;
+  if (l && b->o.nowait) flags |= KVF_SEND_NOWAIT; /* refusals come in SEND_DONE */
   int64_t t0 = now_ns();
-  if (flags == 0) r->t_last_send = t0;
+  if (!(flags & KVF_SEND_MORE)) r->t_last_send = t0;
   int rc;
   if (b->o.blocks) {
     uint64_t per = b->o.g.layers / parts;
@@ -576,7 +584,8 @@ static int post_send(bench *b, req *r, size_t n) {
   for (uint64_t l = 0; l < parts; l++) {
     if (b->o.compute) {
       uint64_t upto = b->o.layerwise ? l + 1 : layers; /* whole: after every layer */
-      if (compute_until(b, n, t0 + (int64_t)upto * step) < 0) return -1;
+      r->t_due = t0 + (int64_t)upto * step;
+      if (compute_until(b, n, r->t_due) < 0) return -1;
     }
     if (send_part(b, r, l, parts) < 0) return -1;
   }
@@ -760,7 +769,9 @@ static int run_wave(bench *b, uint64_t first, size_t n) {
     if (r->t_recv > t1) t1 = r->t_recv;
     b->lat_us[r->index] = (double)(r->t_recv - r->t_post) / 1e3;
     b->post_us[r->index] = (double)r->post_ns / 1e3;
-    b->exposed_us[r->index] = (double)(r->t_recv - r->t_last_send) / 1e3;
+    int64_t due = b->o.compute ? r->t_due : r->t_last_send;
+    b->exposed_us[r->index] = (double)(r->t_recv - due) / 1e3;
+    b->late_us[r->index] = (double)(r->t_last_send - due) / 1e3;
   }
   if (gpu_sync(b, &b->dst, false) < 0) return -1;
   for (size_t i = 0; i < n; i++)
@@ -799,7 +810,7 @@ static void json_str(FILE *f, const char *s) { kvf__json_fquote(f, s); }
 
 typedef struct summary {
   uint64_t bytes, descs;
-  double seconds, gbps, p50, p99, post_p50, exposed_p50, exposed_p99;
+  double seconds, gbps, p50, p99, post_p50, exposed_p50, exposed_p99, late_p50;
   bool ok;
 } summary;
 
@@ -815,6 +826,8 @@ static summary summarize(bench *b) {
   if (b->done) qsort(b->exposed_us, (size_t)b->done, sizeof *b->exposed_us, cmp_double);
   s.exposed_p50 = percentile(b->exposed_us, b->done, 50);
   s.exposed_p99 = percentile(b->exposed_us, b->done, 99);
+  if (b->done) qsort(b->late_us, (size_t)b->done, sizeof *b->late_us, cmp_double);
+  s.late_p50 = percentile(b->late_us, b->done, 50);
   return s;
 }
 
@@ -829,10 +842,11 @@ static void report_json(const bench *b, const summary *s) {
   json_str(stdout, b->o.g.model);
   printf(", \"block_bytes\": %" PRIu64 ", \"concurrency\": %" PRIu64 ", \"tokens\": %" PRIu64
          ", \"api\": \"%s\"", b->block_bytes, b->o.concurrency, b->o.tokens, b->o.blocks ? "blocks" : "descs");
+  if (b->o.nowait) printf(", \"nowait\": true");
   if (b->o.compute)
     printf(", \"mode\": \"%s\", \"compute_us_per_layer\": %" PRIu64
-           ", \"exposed_p50_us\": %.1f, \"exposed_p99_us\": %.1f",
-           b->o.layerwise ? "layerwise" : "whole", b->o.compute_us, s->exposed_p50, s->exposed_p99);
+           ", \"exposed_p50_us\": %.1f, \"exposed_p99_us\": %.1f, \"last_send_late_p50_us\": %.1f",
+           b->o.layerwise ? "layerwise" : "whole", b->o.compute_us, s->exposed_p50, s->exposed_p99, s->late_p50);
   if (b->o.layer_events)
     printf(", \"layer_events\": %" PRIu64 ", \"layer_events_in_order\": %s", b->layer_events,
            b->layers_in_order ? "true" : "false");
@@ -857,9 +871,10 @@ static void report_human(const bench *b, const summary *s) {
          fmt_size((double)s->bytes, tb), s->descs, s->seconds, s->gbps, s->gbps * 8);
   printf("  latency p50 %.1f us, p99 %.1f us (api %s)\n", s->p50, s->p99, b->o.blocks ? "blocks" : "descs");
   if (b->o.compute)
-    printf("  %s after %" PRIu64 " us of compute per layer: exposed p50 %.1f us, p99 %.1f us\n",
+    printf("  %s after %" PRIu64 " us of compute per layer: exposed p50 %.1f us, p99 %.1f us"
+           " (the last send call %.1f us after the compute, p50)\n",
            b->o.layerwise ? "sent layer by layer" : "sent whole", b->o.compute_us, s->exposed_p50,
-           s->exposed_p99);
+           s->exposed_p99, s->late_p50);
   if (b->o.layer_events)
     printf("  layer events: %" PRIu64 ", %s\n", b->layer_events,
            b->layers_in_order ? "each request's in layer order" : "some out of layer order");
@@ -893,9 +908,12 @@ static void usage(FILE *f) {
     "                       emulate prefill: the grant first, then N us of compute\n"
     "                       per layer; with --layerwise each layer's part is sent\n"
     "                       as its compute ends, with --whole the request after the\n"
-    "                       last; adds exposed_p50_us / exposed_p99_us (last send\n"
-    "                       call to RECV_DONE)\n"
+    "                       last; adds exposed_p50_us / exposed_p99_us (end of\n"
+    "                       the compute to RECV_DONE) and last_send_late_p50_us\n"
+    "                       (end of the compute to the last send call)\n"
     "  --whole              with --compute-us-per-layer: one send after all layers\n"
+    "  --nowait             with --layerwise: parts after the first are not awaited\n"
+    "                       (KVF_SEND_NOWAIT); a refused part fails the send\n"
     "  --send-first         post the send before the grant\n"
     "  --time-from-send     post the grant first, untimed; latency runs from the\n"
     "                       send to RECV_DONE\n"
@@ -927,7 +945,8 @@ static int parse_u64(const char *name, const char *s, uint64_t min, uint64_t max
 
 enum { O_FROM = 256, O_TO, O_MODEL, O_LAYERS, O_KVH, O_HDIM, O_BTOK, O_DTYPE, O_MLA, O_TOKENS,
        O_REQS, O_CONC, O_PFROM, O_PTO, O_LAYERWISE, O_SENDFIRST, O_GRANTANY, O_DEADLINE, O_SEED,
-       O_JSON, O_QUIET, O_HELP, O_TFS, O_LEAD, O_BUSY, O_BLOCKS, O_LAYEREV, O_COMPUTE, O_WHOLE };
+       O_JSON, O_QUIET, O_HELP, O_TFS, O_LEAD, O_BUSY, O_BLOCKS, O_LAYEREV, O_COMPUTE, O_WHOLE,
+       O_NOWAIT };
 
 static const struct option long_opts[] = {
   {"from", required_argument, 0, O_FROM}, {"to", required_argument, 0, O_TO},
@@ -944,7 +963,7 @@ static const struct option long_opts[] = {
   {"time-from-send", no_argument, 0, O_TFS}, {"grant-lead-ms", required_argument, 0, O_LEAD},
   {"busy-poll", no_argument, 0, O_BUSY}, {"blocks", no_argument, 0, O_BLOCKS},
   {"layer-events", no_argument, 0, O_LAYEREV}, {"compute-us-per-layer", required_argument, 0, O_COMPUTE},
-  {"whole", no_argument, 0, O_WHOLE},
+  {"whole", no_argument, 0, O_WHOLE}, {"nowait", no_argument, 0, O_NOWAIT},
   {0, 0, 0, 0},
 };
 
@@ -1030,6 +1049,7 @@ static int check_opts(const opts *o) {
   else if (o->compute && !o->whole && !o->layerwise)
     bad = "--compute-us-per-layer needs --layerwise or --whole";
   else if (o->compute && o->send_first) bad = "--send-first and --compute-us-per-layer exclude each other";
+  else if (o->nowait && !o->layerwise) bad = "--nowait needs --layerwise (only a later part can go unawaited)";
   if (bad) {
     fprintf(stderr, "kvferry-bench: %s\n", bad);
     return -1;
@@ -1069,6 +1089,7 @@ static int parse_args(int argc, char **argv, opts *o) {
     else if (c == O_BLOCKS) o->blocks = true;
     else if (c == O_LAYEREV) o->layer_events = true;
     else if (c == O_WHOLE) o->whole = true;
+    else if (c == O_NOWAIT) o->nowait = true;
     else if (c == O_HELP) { usage(stdout); return 1; }
     else { usage(stderr); return -1; }
     if (rc < 0) return -1;

@@ -7,9 +7,11 @@
 # kvferry-bench emulates the prefill (--compute-us-per-layer): it grants
 # first (decode admits the request), then spends N us per layer, to absolute
 # deadlines, and posts each layer's send part as its compute ends
-# (--layerwise) or the whole request after the last layer (--whole). The
-# exposed time is from the last send call to RECV_DONE; every byte of every
-# request is verified. llama3-8b at 128, 1,024, 4,096 and 32,768 tokens,
+# (--layerwise, the parts after the first with KVF_SEND_NOWAIT, as an
+# engine posts them) or the whole request after the last layer (--whole).
+# The exposed time is from the end of the last layer's compute to
+# RECV_DONE (a last send call that the earlier ones made late counts);
+# every byte of every request is verified. llama3-8b at 128, 1,024, 4,096 and 32,768 tokens,
 # one request at a time (one prefill GPU works on one request).
 #
 # The compute model (llama3-8b, bf16, one H100), per layer and T tokens:
@@ -189,8 +191,9 @@ for t in $TOKENS; do
     extra=(); [ "$api" = blocks ] && extra=(--blocks)
     for mode in whole layerwise; do
       say "$t tokens, $api, $mode, $us us/layer, $n requests"
+      how=(--whole); [ "$mode" = layerwise ] && how=(--layerwise --nowait)
       if ! "$BUILD/kvferry-bench" "${BENCH_ARGS[@]}" --model llama3-8b --tokens "$t" --requests "$n" \
-          --compute-us-per-layer "$us" "--$mode" "${extra[@]}" --json >"$TMP/one.json" 2>"$TMP/one.err"; then
+          --compute-us-per-layer "$us" "${how[@]}" "${extra[@]}" --json >"$TMP/one.json" 2>"$TMP/one.err"; then
         cat "$TMP/one.json" "$TMP/one.err" >&2
         die "kvferry-bench failed ($t tokens, $api, $mode); daemon logs: $(tail -n 5 "$TMP"/*.log)"
       fi
@@ -229,22 +232,26 @@ out.append("Compute per layer: %s. One request at a time; every byte verified." 
 out.append("")
 out.append("    " + command)
 out.append("")
-out.append("Exposed time: from the last send call (the last layer's part, or the whole")
-out.append("request) to RECV_DONE, p50 / p99 over the requests, in ms. \"One layer\" is")
-out.append("the whole request's exposed p50 / %d: what one layer's transfer takes." % layers)
+out.append("Exposed time: from the end of the last layer's compute, when its send (the")
+out.append("last layer's part, or the whole request) is due, to RECV_DONE, p50 / p99 over")
+out.append("the requests, in ms; layer-wise parts after the first go with KVF_SEND_NOWAIT.")
+out.append("\"Late\": how long after the compute the last send call was made (p50),")
+out.append("layer-wise. \"One layer\" is the whole request's exposed p50 / %d: what one" % layers)
+out.append("layer's transfer takes.")
 out.append("")
-out.append("| tokens | MiB | api | compute/layer | whole p50 / p99 | layer-wise p50 / p99 | layer-wise / whole | one layer | req |")
-out.append("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+out.append("| tokens | MiB | api | compute/layer | whole p50 / p99 | layer-wise p50 / p99 | layer-wise / whole | late | one layer | req |")
+out.append("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
 for t in tokens:
     for a in apis:
         w, l = by.get((t, a, "whole")), by.get((t, a, "layerwise"))
         if not w or not l:
             continue
         one = w["exposed_p50_us"] / layers
-        out.append("| %d | %.0f | %s | %.2f ms | %.2f / %.2f | %.2f / %.2f | %.2fx | %.2f ms | %d |" % (
+        out.append("| %d | %.0f | %s | %.2f ms | %.2f / %.2f | %.2f / %.2f | %.2fx | %.2f ms | %.2f ms | %d |" % (
             t, w["bytes"] / w["requests"] / 2**20, a, w["compute_us_per_layer"] / 1e3,
             w["exposed_p50_us"] / 1e3, w["exposed_p99_us"] / 1e3, l["exposed_p50_us"] / 1e3,
-            l["exposed_p99_us"] / 1e3, l["exposed_p50_us"] / w["exposed_p50_us"], one / 1e3, w["requests"]))
+            l["exposed_p99_us"] / 1e3, l["exposed_p50_us"] / w["exposed_p50_us"],
+            l.get("last_send_late_p50_us", 0) / 1e3, one / 1e3, w["requests"]))
 out.append("")
 # The issue's goal, checked where it applies.
 notes = []

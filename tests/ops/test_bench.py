@@ -60,11 +60,13 @@ class TestBench(unittest.TestCase):
         as its compute ends; whole: one send after them. Both report the
         exposed time, which cannot exceed the whole latency."""
         for mode in ("layerwise", "whole"):
-            for api in ([], ["--blocks"]):
+            for api in ([], ["--blocks"], ["--blocks", "--nowait"] if mode == "layerwise" else []):
                 d = self.bench("--tokens", "32", "--requests", "3", "--compute-us-per-layer", "300",
                                "--" + mode, *api)
+                self.assertEqual(d.get("nowait", False), "--nowait" in api)
                 self.assertEqual((d["mode"], d["compute_us_per_layer"]), (mode, 300))
                 self.assertGreater(d["exposed_p50_us"], 0)
+                self.assertGreaterEqual(d["last_send_late_p50_us"], 0)
                 self.assertLessEqual(d["exposed_p50_us"], d["exposed_p99_us"])
                 # the latency runs from the grant, before 32 x 300 us of compute
                 self.assertGreater(d["p50_us"], 32 * 300)
@@ -75,6 +77,7 @@ class TestBench(unittest.TestCase):
                            (["--compute-us-per-layer", "10"], "needs --layerwise or --whole"),
                            (["--whole", "--layerwise", "--compute-us-per-layer", "1"], "exclude each other"),
                            (["--layer-events"], "--layer-events needs --blocks"),
+                           (["--nowait"], "--nowait needs --layerwise"),
                            (["--compute-us-per-layer", "x", "--whole"], "is not a number")):
             out = self.bench(*args, ok=False)
             self.assertEqual(out.returncode, 2, out.stdout + out.stderr)
