@@ -242,6 +242,27 @@ class TestBlockTransfers(unittest.TestCase):
         self.finish("pb-layers", len(src_ids), True)
         self.check_pool(want)
 
+    def test_nowait_parts(self):
+        """Layer parts with nowait=True arrive as awaited ones do; a later
+        part the daemon refuses (a layer outside the layout) fails the send
+        in SEND_DONE, since its call could not."""
+        src_ids, dst_ids = [9, 8, 7], [1, 2, 3]
+        want = self.fill(src_ids, dst_ids)
+        self.cd.grant_blocks("pn-ok", "prefill", self.dst, dst_ids, layer_events=True)
+        for layer in range(L):
+            self.cp.send_blocks("pn-ok", "decode", self.src, src_ids if layer == 0 else None,
+                                first_layer=layer, n_layers=1, more=layer < L - 1, nowait=True)
+        self.finish("pn-ok", 3, True)
+        self.check_pool(want)
+        self.cd.grant_blocks("pn-bad", "prefill", self.dst, dst_ids)
+        self.cp.send_blocks("pn-bad", "decode", self.src, src_ids, first_layer=0, n_layers=1, more=True)
+        self.cp.send_blocks("pn-bad", "decode", self.src, None, first_layer=L, n_layers=1, more=True, nowait=True)
+        sev = wait_event(self.cp, "pn-bad")
+        self.assertEqual((sev.type, sev.error_name), (kvferry.SEND_DONE, "KVF_ERANGE"), sev.error)
+        rev = wait_event(self.cd, "pn-bad")
+        self.assertEqual(rev.type, kvferry.RECV_DONE)
+        self.assertNotEqual(rev.status, 0)
+
     def test_whole_and_groups_with_arrays(self):
         src_ids = array.array("I", range(10, 26))
         dst_ids = array.array("I", reversed(range(40, 56)))

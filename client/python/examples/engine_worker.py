@@ -105,8 +105,10 @@ class PrefillWorker:
                 for i, b in enumerate(blocks):  # "the attention layer writes its KV"
                     self.kv.block(tensor, b)[:] = pattern(req_id, layer, kv, i, size)
             last = layer == self.kv.layers - 1
+            # nowait: a later layer's part is not awaited (no round trip
+            # per layer); a refusal would come in SEND_DONE
             self.c.send_blocks(req_id, decode_node, self.kv.layout, blocks if layer == 0 else None,
-                               first_layer=layer, n_layers=1, more=not last)
+                               first_layer=layer, n_layers=1, more=not last, nowait=True)
 
     def on_event(self, ev):
         """SEND_DONE: the source blocks may be reused (whatever the status)."""

@@ -281,12 +281,15 @@ class Client:
                                    _bytes(src_node, "kvf_grant", False), arr, n, deadline_ms),
                "kvf_grant")
 
-    def send(self, xfer_id, dst_node, descs, more=False, deadline_ms=0, flags=0):
+    def send(self, xfer_id, dst_node, descs, more=False, deadline_ms=0, flags=0, nowait=False):
         """Sending side (kvf_send): descs go to dst_node. more=True (or
-        flags=SEND_MORE) on every part but the last. Completion: one
-        SEND_DONE event."""
+        flags=SEND_MORE) on every part but the last. nowait=True (or
+        flags=SEND_NOWAIT): a part that continues a send returns once
+        written, unanswered; its refusal fails the send (in SEND_DONE).
+        Completion: one SEND_DONE event."""
         arr, n = _desc_array(descs)
         flags |= _native.SEND_MORE if more else 0
+        flags |= _native.SEND_NOWAIT if nowait else 0
         _check(self._lib.kvf_send(self._handle(), _bytes(xfer_id, "kvf_send"),
                                   _bytes(dst_node, "kvf_send"), arr, n, flags, deadline_ms),
                "kvf_send")
@@ -344,14 +347,17 @@ class Client:
         del keep
 
     def send_blocks(self, xfer_id, dst_node, layout, block_ids, first_layer=0, n_layers=0,
-                    more=False, deadline_ms=0):
+                    more=False, deadline_ms=0, nowait=False):
         """Sending side by block id (kvf_send_blocks): layers [first_layer,
         first_layer + n_layers) of block_ids of layout; block i lands in
         the grant's block i for every layer and K/V. In parts, layer by
         layer or by groups, more=True on all but the last; a later part may
-        pass block_ids None (the first part's ids)."""
+        pass block_ids None (the first part's ids). nowait=True: a later
+        part returns once written, without the daemon's answer (no round
+        trip per layer); its refusal fails the send, in SEND_DONE."""
         b, keep = self._blocks(layout, block_ids, first_layer, n_layers)
         flags = _native.SEND_MORE if more else 0
+        flags |= _native.SEND_NOWAIT if nowait else 0
         _check(self._lib.kvf_send_blocks(self._handle(), _bytes(xfer_id, "kvf_send_blocks"),
                                          _bytes(dst_node, "kvf_send_blocks"), ctypes.byref(b), flags,
                                          deadline_ms), "kvf_send_blocks")
