@@ -265,9 +265,10 @@ for t in tokens:
             notes.append("%d tokens (%s): layer-wise slower than whole" % (t, a))
         if one < w["compute_us_per_layer"]:
             ok = l["exposed_p50_us"] <= one + 50
-            notes.append("%d tokens (%s): a layer's transfer (%.2f ms) is shorter than its compute; exposed "
-                         "%.2f ms %s one layer + 50 us" % (t, a, one / 1e3, l["exposed_p50_us"] / 1e3,
-                                                           "<=" if ok else "> (goal missed:)"))
+            notes.append("%d tokens (%s): a layer's transfer (%.2f ms) is shorter than its compute (%.2f ms); "
+                         "layer-wise exposed %.2f ms against one layer + 50 us = %.2f ms: %s" % (
+                             t, a, one / 1e3, w["compute_us_per_layer"] / 1e3, l["exposed_p50_us"] / 1e3,
+                             (one + 50) / 1e3, "met" if ok else "missed"))
 if notes:
     out.append("Against the goal (exposed <= one layer's transfer + 50 us where a layer's")
     out.append("transfer is shorter than its compute; layer-wise never slower than whole):")
