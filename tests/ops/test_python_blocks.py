@@ -109,6 +109,23 @@ class TestLayoutFromTensors(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "not contiguous"):
             kvferry.Layout.from_tensors(self.pool, bad)
 
+    def test_array_interface(self):
+        """numpy and CuPy arrays are read through their array interfaces
+        (strides None: C order)."""
+        class Arr:
+            def __init__(self, ptr, strides=None):
+                self.__array_interface__ = {"data": (ptr, False), "shape": (8, 16, 2, 128), "typestr": "<f2",
+                                            "strides": strides, "version": 3}
+        base = self.pool.address
+        ks = [Arr(base + 2 * l * 8 * BB) for l in range(L)]
+        vs = [Arr(base + (2 * l + 1) * 8 * BB) for l in range(L)]
+        lay = kvferry.Layout.from_tensors(self.pool, ks, vs)
+        self.assertEqual((lay.n_blocks, lay.block_bytes, lay.block_stride, lay.offsets[:3]),
+                         (8, BB, BB, [0, 8 * BB, 16 * BB]))
+        self.assertEqual((lay.tokens_per_block, lay.kv_heads, lay.head_dim, lay.dtype_bytes), (16, 2, 128, 2))
+        strided = [Arr(base, (3 * BB, 512, 256, 2))]  # blocks every 3 blocks' bytes: fine
+        self.assertEqual(kvferry.Layout.from_tensors(self.pool, strided).block_stride, 3 * BB)
+
     def test_addresses_and_refusals(self):
         base = self.pool.address
         lay = kvferry.Layout.from_tensors(self.pool, [base, base + 4 * BB], [base + 8 * BB, base + 12 * BB],
