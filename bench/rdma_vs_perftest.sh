@@ -6,6 +6,10 @@
 #   1. ib_write_bw, 32 KiB writes, rxe0 -> rxe1             bandwidth bar
 #   2. kvferry-bench over rdma: llama3-8b, 4096 tokens       512 MiB requests of
 #      (scattered 32 KiB blocks), REQUESTS requests          scattered 32 KiB blocks
+#      and the same request by KV layout and block ids (--blocks)
+#   2b. ib_write_bw, 4 KiB writes, and kvferry-bench with   small blocks
+#      llama3-70b at TP 8 (4 KiB K and V blocks), 4096
+#      tokens, by descriptors and by block ids
 #   3. ib_write_lat, 32 KiB, rxe0 -> rxe1                   latency bar
 #   4. kvferry-bench, one 32 KiB block per request,         1-block handoff
 #      LAT_REQUESTS requests, grant posted first (untimed): p50 / p99 of
@@ -116,6 +120,9 @@ perftest_pair() { # TOOL OUT ARGS...
 say "ib_write_bw, 32 KiB, ${PERF_SECONDS}s"
 perftest_pair ib_write_bw "$TMP/bw" -s 32768 -D "$PERF_SECONDS" --report_gbits
 BW_GBIT=$(perf_field "$TMP/bw" 4)
+say "ib_write_bw, 4 KiB, ${PERF_SECONDS}s"
+perftest_pair ib_write_bw "$TMP/bw4k" -s 4096 -D "$PERF_SECONDS" --report_gbits
+BW4K_GBIT=$(perf_field "$TMP/bw4k" 4)
 say "ib_write_lat, 32 KiB, 1000 iterations"
 perftest_pair ib_write_lat "$TMP/lat" -s 32768 -n 1000
 LAT_TYP=$(perf_field "$TMP/lat" 5)
@@ -181,6 +188,11 @@ bench() { # OUT ARGS...
 start_daemons
 say "kvferry-bench, llama3-8b, 4096 tokens, $REQUESTS requests"
 bench "$TMP/kv.json" --model llama3-8b --tokens 4096 --requests "$REQUESTS"
+say "kvferry-bench, llama3-8b, 4096 tokens, $REQUESTS requests, by block ids"
+bench "$TMP/kv_blocks.json" --model llama3-8b --tokens 4096 --requests "$REQUESTS" --blocks
+say "kvferry-bench, llama3-70b-tp8 (4 KiB blocks), 4096 tokens, $REQUESTS requests, descriptors then block ids"
+bench "$TMP/small.json" --model llama3-70b-tp8 --tokens 4096 --requests "$REQUESTS"
+bench "$TMP/small_blocks.json" --model llama3-70b-tp8 --tokens 4096 --requests "$REQUESTS" --blocks
 # One llama3-8b block: 16 tokens x 8 KV heads x 128 x 2 bytes = 32 KiB.
 ONE="--layers 1 --mla --kv-heads 8 --head-dim 128 --block-tokens 16 --dtype-bytes 2 --tokens 16"
 say "kvferry-bench, one 32 KiB block, $LAT_REQUESTS requests, from the send"
@@ -201,13 +213,15 @@ say "wake-bench in the VM"
 "$BUILD/wake-bench" 400 "$LEAD_MS" >"$TMP/wake.json"
 
 # ---------------------------------------------------------------- report
-python3 - "$TMP" "$BW_GBIT" "$LAT_TYP" "$LAT_AVG" "$DATE" "$LEAD_MS" <<'EOF'
+python3 - "$TMP" "$BW_GBIT" "$LAT_TYP" "$LAT_AVG" "$DATE" "$LEAD_MS" "$BW4K_GBIT" <<'EOF'
 import json, os, sys
-tmp, bw_gbit, lat_typ, lat_avg, date, lead_ms = sys.argv[1:]
+tmp, bw_gbit, lat_typ, lat_avg, date, lead_ms, bw4k_gbit = sys.argv[1:]
 def last_json(path):
     return json.loads([l for l in open(path).read().splitlines() if l.strip()][-1])
 kv, one, one_lead, one_gs, big = (last_json(os.path.join(tmp, n))
                                   for n in ("kv.json", "one.json", "one_lead.json", "one_gs.json", "100k.json"))
+kvb, small, smallb = (last_json(os.path.join(tmp, n)) for n in ("kv_blocks.json", "small.json", "small_blocks.json"))
+bw4k = float(bw4k_gbit) / 8
 rdma = json.load(open(os.path.join(tmp, "status.json")))["rdma"]
 post, mw = rdma["post"], rdma.get("memory_windows") or {}
 dmw = json.load(open(os.path.join(tmp, "decode_status.json")))["rdma"].get("memory_windows") or {}
@@ -230,6 +244,13 @@ print("%-52s %12s" % ("", "value"))
 print("%-52s %9.1f MB/s" % ("ib_write_bw, 32 KiB", bw * 1e3))
 print("%-52s %9.1f MB/s" % ("kvferry rdma, llama3-8b 4096 tok (%d x %.0f MiB)" % (kv["requests"], kv["bytes"] / kv["requests"] / 2**20), k * 1e3))
 print("%-52s %12.3f" % ("  ratio kvferry / ib_write_bw (goal >= 0.97)", k / bw if bw else 0))
+print("%-52s %9.1f MB/s" % ("kvferry rdma, the same by block ids", float(kvb["gbps"]) * 1e3))
+print("%-52s %12.3f" % ("  ratio blocks / ib_write_bw", float(kvb["gbps"]) / bw if bw else 0))
+print("%-52s %9.1f MB/s" % ("ib_write_bw, 4 KiB", bw4k * 1e3))
+print("%-52s %9.1f MB/s" % ("kvferry rdma, llama3-70b-tp8 4096 tok, descriptors", float(small["gbps"]) * 1e3))
+print("%-52s %9.1f MB/s" % ("kvferry rdma, llama3-70b-tp8 4096 tok, block ids", float(smallb["gbps"]) * 1e3))
+print("%-52s %12.3f / %.3f" % ("  ratio to ib_write_bw 4 KiB (goal >= 0.97)", float(small["gbps"]) / bw4k if bw4k else 0,
+                                float(smallb["gbps"]) / bw4k if bw4k else 0))
 print("%-52s %9.1f us" % ("ib_write_lat, 32 KiB, typical (avg %.1f)" % lat_avg, lat_typ))
 print("%-52s %9.1f us" % ("kvferry 1-block handoff p50, from the send (p99 %.0f)" % one["p99_us"], one["p50_us"]))
 print("%-52s %9.1f us" % ("  handoff - ib_write_lat (goal <= 10)", one["p50_us"] - lat_typ))
@@ -255,7 +276,7 @@ if mw.get("in_use"):
 print("memory windows: %s; writes whose window was searched for: %s of %s" % (
       "in use" if mw.get("in_use") else "not in use", mw.get("searches", "-"), mw.get("lookups", "-")))
 print("paths: %s / %s / %s; verified: %s" % (kv["path"], one["path"], big["path"],
-      " ".join(str(r["verified"]) for r in (kv, one, one_lead, one_gs, big))))
+      " ".join(str(r["verified"]) for r in (kv, kvb, small, smallb, one, one_lead, one_gs, big))))
 print(json.dumps({
     "date": date, "host": host, "busy_poll": busy, "ib_write_bw_gbps": round(bw, 4), "kvferry_gbps": k,
     "bw_ratio": round(k / bw, 3) if bw else None, "ib_write_lat_typical_us": lat_typ,
@@ -273,5 +294,9 @@ print(json.dumps({
     "wake_thread_after_gap_us": wake["thread_after_gap_us"],
     "wake_process_after_gap_us": wake["process_after_gap_us"],
     "handoff_wake_model_us": round(model, 1), "handoff_wake_model_after_gap_us": round(model_gap, 1),
-    "path": kv["path"], "verified": all(r["verified"] for r in (kv, one, one_lead, one_gs, big))}))
+    "kvferry_blocks_gbps": kvb["gbps"], "ib_write_bw_4k_gbps": round(bw4k, 4),
+    "small_descs_gbps": small["gbps"], "small_blocks_gbps": smallb["gbps"],
+    "small_descs_ratio": round(float(small["gbps"]) / bw4k, 3) if bw4k else None,
+    "small_blocks_ratio": round(float(smallb["gbps"]) / bw4k, 3) if bw4k else None,
+    "path": kv["path"], "verified": all(r["verified"] for r in (kv, kvb, small, smallb, one, one_lead, one_gs, big))}))
 EOF
