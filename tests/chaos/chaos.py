@@ -454,8 +454,8 @@ class Suite:
         self.wait_peers()
 
     def wait_peers(self, timeout=15):
-        kvftest.wait_until(lambda: self.pre.peers_up() and self.dec.peers_up(), timeout, "both peers up",
-                           step=0.05)
+        kvftest.wait_for(lambda: self.pre.peers_up() and self.dec.peers_up(), timeout, "both peers up",
+                         step=0.05)
 
     def daemons(self):
         return [self.pre, self.dec]
@@ -730,8 +730,8 @@ class Suite:
         # has granted a random one of its transfers (others are in flight
         # then), plus up to 20 ms.
         k = rng.randint(1, max(1, self.args.transfers - 4))
-        kvftest.wait_until(lambda: len(r.of("posted")) >= k or r.proc.poll() is not None,
-                           self.t_main * 5 + 10, "the receiver's transfer %d" % k, step=0.002)
+        kvftest.wait_for(lambda: len(r.of("posted")) >= k or r.proc.poll() is not None,
+                         self.t_main * 5 + 10, "the receiver's transfer %d" % k, step=0.002)
         time.sleep(rng.uniform(0, 0.02))
         kill_t = time.monotonic()
         delay = kill_t - t_ready

@@ -48,7 +48,7 @@ class ClosedStreams(unittest.TestCase):
         try:
             with pre.client() as c:
                 session = int(c.inspect("peers", json=True)["peers"][0]["session"], 16)
-            kvftest.wait_until(lambda: streams_in(dec) == 4, 5, "decode's 4 inbound streams")
+            kvftest.wait_for(lambda: streams_in(dec) == 4, 5, "decode's 4 inbound streams")
             fds = settled_fds(dec)
             for i in range(8):  # streams of a torn-down incarnation, one after another
                 s = socket.create_connection(("127.0.0.1", dec.port), timeout=5)
@@ -56,7 +56,7 @@ class ClosedStreams(unittest.TestCase):
                 self.assertEqual(s.recv(4), b"\0\0\0\0", "the stream's ACK")
                 s.close()
             try:
-                kvftest.wait_until(lambda: settled_fds(dec) == fds and streams_in(dec) == 4, 5, "")
+                kvftest.wait_for(lambda: settled_fds(dec) == fds and streams_in(dec) == 4, 5, "")
             except AssertionError:
                 self.fail("decode has %d fds and %s inbound streams, not %d and 4" % (
                     open_fds(dec), streams_in(dec), fds))
