@@ -75,7 +75,11 @@ class TestStop(unittest.TestCase):
     def test_second_sigterm_stops_at_once(self):
         self.cd.grant("stuck-2", "prefill", descs(self.pd, 0, 1))
         self.dec.signal(signal.SIGTERM)
-        time.sleep(0.2)
+        # The first SIGTERM started a drain that waits for the grant (or,
+        # wrongly, stopped the daemon at once).
+        wait_for(lambda: self.dec.proc.poll() is not None or
+                 "SIGTERM: stopping; 1 transfers in flight" in self.dec.log_text(), 5,
+                 "decode to start draining")
         self.assertIsNone(self.dec.proc.poll(), "stopped without waiting for the grant")
         self.dec.signal(signal.SIGTERM)
         self.assertEqual(self.dec.proc.wait(5), 0)
