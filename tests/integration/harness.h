@@ -219,4 +219,31 @@ int h_expect_rc(int got, int want, const char *what);
  * sockets). */
 int h_wait_clients(kvf_client *c, uint64_t want, int ms);
 
+/* ------------------------------------------------------------ waiting */
+
+/* Tests wait on the condition they need (a status counter, an inspect
+ * field, an event), polled under a deadline as Redis's wait_for_condition
+ * does, never for a fixed time: a slow or loaded machine then makes a test
+ * slower, not flaky or silently weaker.
+ *
+ * A condition returns 1 when it holds, 0 when not yet, negative when it
+ * could not be checked (detail recorded with h_fail). It may describe what
+ * it saw with h_wait_note, which the timeout's message then quotes. */
+typedef int (*h_cond_fn)(void *arg);
+
+/* Polls cond(arg) until it holds, for at most timeout_ms. Fails with
+ * "timed out after N ms waiting for <what> (last seen: <note>)", or at
+ * once with the condition's own error. */
+int h_wait_until(h_cond_fn cond, void *arg, int timeout_ms, const char *what);
+/* What the running condition last saw, for h_wait_until's message. */
+void h_wait_note(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Waits until the top-level number key of c's STATUS is at least min. */
+int h_wait_status(kvf_client *c, const char *key, uint64_t min, int timeout_ms);
+/* The number key (e.g. "bytes": what a sender has posted) of transfer id
+ * in c's TRANSFERS; fails when id is not listed. */
+int h_xfer_u64(kvf_client *c, const char *id, const char *key, uint64_t *out);
+/* Waits until transfer id on c shows "bytes" of at least min (fails at
+ * once when it is no longer listed: it ended). */
+int h_wait_xfer_bytes(kvf_client *c, const char *id, uint64_t min, int timeout_ms);
+
 #endif

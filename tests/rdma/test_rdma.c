@@ -196,7 +196,8 @@ static void start_big(big *b, const char *tag) {
   H_OK(h_prepare(&E.pre, &E.dec, &b->x));
   H_OK(h_post_grant(&E.dec, &b->x, "prefill"));
   H_OK(h_post_send(&E.pre, &b->x, "decode"));
-  h_sleep_ms(300); /* into the data */
+  /* Into the data: prefill has posted a sixteenth of it. */
+  H_OK(h_wait_xfer_bytes(E.pre.c, b->id, (uint64_t)BIG_N * 64 * KIB / 16, 10000));
 }
 
 /* KVF_TEST_LINK_CTL DEV up|down (run.sh's, which also restores the policy
