@@ -63,8 +63,10 @@ typedef struct rig {
   int fake_qp;            /* what the QPs' ibv_qp pointers point at: never used */
 } rig;
 
-static int rig_init(rig *g, unsigned nq) {
+static int rig_init(rig *g, rdma_transport *rt, unsigned nq) {
   memset(g, 0, sizeof(*g));
+  g->rp.rt = rt;
+  g->dev.rt = rt;
   g->lkey = 11;
   g->rkey = 12;
   g->raddr = 1ull << 40;
@@ -137,7 +139,7 @@ static int one_transfer(rig *g, const kvf__descs *src, const kvf__descs *dst, co
   if (grant) x.tp_grant = *grant;
   uint64_t t0 = mono_ns();
   xstate *xs = check_runs(&g->rp, &runs, &extra) == 0 ? xstate_of(&x) : NULL;
-  ticket *tk = xs ? ticket_new(&x, &runs, extra, true) : NULL;
+  ticket *tk = xs ? ticket_new(g->rp.rt, &x, &runs, extra, true) : NULL;
   int rc = tk ? 0 : -1;
   if (tk && grant && ticket_windows(tk, &g->rp, &x, xs) != 0) rc = -1;
   uint64_t t1 = mono_ns();
@@ -167,11 +169,10 @@ int main(int argc, char **argv) {
   static uint8_t *bases[1];
   bases[0] = (uint8_t *)(uintptr_t)(1ull << 44); /* addresses are computed, never touched */
   rt.pool_base = bases;
-  R = &rt;
   rig g;
   kvf__descs src, dst;
   kvf__tp_grant grant = {0};
-  if (rig_init(&g, nq) || scattered(&src, n, 1) || scattered(&dst, n, 2) || grant_windows(&dst, nq, &grant)) {
+  if (rig_init(&g, &rt, nq) || scattered(&src, n, 1) || scattered(&dst, n, 2) || grant_windows(&dst, nq, &grant)) {
     fprintf(stderr, "post-bench: out of memory\n");
     return 1;
   }

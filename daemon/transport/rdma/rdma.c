@@ -118,9 +118,12 @@
 
 enum ev_kind { EV_TICKET = 1, EV_IMM, EV_FAIL };
 
-/* Thread -> loop. */
+typedef struct rdma_transport rdma_transport;
+
+/* Thread -> loop, through the instance's mailbox. */
 typedef struct tevent {
-  struct tevent *next;
+  kvf__mail mail;               /* first member */
+  rdma_transport *rt;
   int kind;
   kvf__peer *peer;
   uint64_t gen;
@@ -264,6 +267,7 @@ struct rlink {
 };
 
 struct rpeer {
+  rdma_transport *rt;
   kvf__peer *p;
   uint64_t gen;
   uint64_t session;             /* the peer's, from its Hello */
@@ -291,6 +295,7 @@ typedef struct cmd {
 enum { CMD_ATTACH = 1, CMD_DETACH, CMD_STOP };
 
 struct rdev {
+  rdma_transport *rt;
   int index;
   char name[64];
   uint8_t port;
@@ -324,6 +329,7 @@ struct rdev {
 typedef struct bchain bchain;
 
 typedef struct rgrant {
+  rdma_transport *rt;
   kvf__xfer *x;
   kvf__peer *peer;
   /* memory windows (loop): one per planned range, bound round-robin on
@@ -342,7 +348,7 @@ typedef struct rgrant {
   bool restart;                 /* a QP failed under the binds: start over */
   unsigned tries;
   uint64_t since_ns;
-  struct rgrant *next_b;        /* R->binding, or R->zombies once closed */
+  struct rgrant *next_b;        /* rt->binding, or rt->zombies once closed */
 } rgrant;
 
 /* Bind work requests posted in one call; the last one's wr_id. */
@@ -371,19 +377,18 @@ typedef struct cm_ev {
   size_t priv_len;
 } cm_ev;
 
-typedef struct rdma_transport {
+struct rdma_transport {
   kvf__transport base;
   rdev devs[MAX_DEVS];
   int n_devs;
   struct ibv_context **all;
   struct rdma_event_channel *cm;
   uv_poll_t cm_poll;
-  uv_async_t async;
+  kvf__mailbox mb;              /* threads -> loop: tevents, tickets */
   uv_timer_t sweep;
   bool handles;
-  pthread_mutex_t ev_lock;
-  tevent *ev_head, *ev_tail;
-  rpeer *peers[KVF__MAX_PEERS_CFG];
+  unsigned closing;             /* handles whose close callback is still due */
+  rpeer *peers[KVF__MAX_PEERS_CFG]; /* every peer up, for the sweeps (each also in its peer's slot) */
   size_t n_peers;
   kvf__map grants;              /* "%08x" token -> rgrant */
   parked *parked;
@@ -420,9 +425,9 @@ typedef struct rdma_transport {
   uint64_t mw_lookups, mw_searches;  /* sender: runs' windows looked up; of those, not by window_of */
   size_t last_win;
   uint64_t last_bind_ns;
-} rdma_transport;
+};
 
-static rdma_transport *R;
+static rdma_transport *to_rdma(kvf__transport *t) { return kvf__container_of(t, rdma_transport, base); }
 
 static void fail_peer_soon(rpeer *rp, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void reset_peer(rpeer *rp, const char *why);
@@ -501,19 +506,14 @@ static void set_port(struct sockaddr_storage *ss, uint16_t port) {
 
 /* ------------------------------------------------------------ events to the loop */
 
-static void push_event(tevent *e) {
-  e->next = NULL;
-  pthread_mutex_lock(&R->ev_lock);
-  if (R->ev_tail) R->ev_tail->next = e;
-  else R->ev_head = e;
-  R->ev_tail = e;
-  pthread_mutex_unlock(&R->ev_lock);
-  uv_async_send(&R->async);
-}
+static void on_event(kvf__mail *m);
+
+static void push_event(tevent *e) { kvf__mailbox_post(&e->rt->mb, &e->mail, on_event); }
 
 static tevent *new_event(int kind, const rpeer *rp) {
   tevent *e = calloc(1, sizeof(*e));
   if (!e) abort(); /* a lost completion would hang a transfer: fail loudly */
+  e->rt = rp->rt;
   e->kind = kind;
   e->peer = rp->p;
   e->gen = rp->gen;
@@ -793,7 +793,8 @@ static uint64_t build_chain(rlink *lk, rqp *q, const kvf__run *runs, const uint3
    * keys and bases at hand instead of looking them up per run. */
   const kvf__run *r = &runs[order ? order[first] : first];
   uint32_t sp = r->src_pool, dp = r->dst_pool, lkey = lk->dev->lkey[sp], rkey = lk->rkey[dp];
-  uintptr_t base = (uintptr_t)R->pool_base[sp];
+  uint8_t *const *pool_base = lk->rp->rt->pool_base;
+  uintptr_t base = (uintptr_t)pool_base[sp];
   uint64_t raddr = lk->raddr[dp], bytes = 0;
   uint32_t max_inline = q->max_inline;
   for (size_t i = 0; i < n; i++) {
@@ -802,7 +803,7 @@ static uint64_t build_chain(rlink *lk, rqp *q, const kvf__run *runs, const uint3
     if (r->src_pool != sp) {
       sp = r->src_pool;
       lkey = lk->dev->lkey[sp];
-      base = (uintptr_t)R->pool_base[sp];
+      base = (uintptr_t)pool_base[sp];
     }
     if (r->dst_pool != dp) {
       dp = r->dst_pool;
@@ -1022,11 +1023,8 @@ static void detach_and_wait(rlink *lk) {
 
 /* ------------------------------------------------------------ the loop: posting */
 
-static rpeer *rpeer_of(const kvf__peer *p) {
-  for (size_t i = 0; i < R->n_peers; i++)
-    if (R->peers[i]->p == p) return R->peers[i];
-  return NULL;
-}
+/* The peer's state: in its slot for this transport (NULL: not up here). */
+static rpeer *rpeer_of(rdma_transport *rt, const kvf__peer *p) { return kvf__transport_peer(&rt->base, p); }
 
 /* Every run must land inside a pool the peer announced and come from one of
  * ours (all registered). *extra gets how many more runs slicing makes. */
@@ -1078,13 +1076,14 @@ static int take_runs(ticket *tk, kvf__runs *runs, size_t extra) {
   return 0;
 }
 
-static ticket *ticket_new(kvf__xfer *x, kvf__runs *runs, size_t extra, bool last) {
+static ticket *ticket_new(rdma_transport *rt, kvf__xfer *x, kvf__runs *runs, size_t extra, bool last) {
   ticket *tk = calloc(1, sizeof(*tk));
   if (!tk || take_runs(tk, runs, extra) != 0) {
     free(tk);
     return NULL;
   }
   tk->ev.kind = EV_TICKET;
+  tk->ev.rt = rt;
   tk->x = x;
   tk->last = last;
   tk->n_body = tk->n_runs;
@@ -1256,8 +1255,8 @@ static int ticket_windows(ticket *tk, const rpeer *rp, const kvf__xfer *x, xstat
     for (size_t i = 0; lane_of && i < nb; i++) tk->order[at[lane_of[i]]++] = (uint32_t)i;
     tk->n_lanes = nl;
     tk->left = nb;
-    R->mw_lookups += nb + (tk->has_tail && tk->tail.len);
-    R->mw_searches += t.searched;
+    rp->rt->mw_lookups += nb + (tk->has_tail && tk->tail.len);
+    rp->rt->mw_searches += t.searched;
   }
   free(lane_of);
   return rc; /* on failure the caller frees the ticket, with what was made here */
@@ -1281,14 +1280,15 @@ static xstate *xstate_of(kvf__xfer *x) {
 }
 
 static void live_link(ticket *tk) {
-  tk->next_live = R->live;
-  if (R->live) R->live->prev_live = tk;
-  R->live = tk;
+  rdma_transport *rt = tk->ev.rt;
+  tk->next_live = rt->live;
+  if (rt->live) rt->live->prev_live = tk;
+  rt->live = tk;
 }
 
 static void live_unlink(ticket *tk) {
   if (tk->prev_live) tk->prev_live->next_live = tk->next_live;
-  else R->live = tk->next_live;
+  else tk->ev.rt->live = tk->next_live;
   if (tk->next_live) tk->next_live->prev_live = tk->prev_live;
 }
 
@@ -1315,15 +1315,16 @@ static void hand_over(rpeer *rp, xstate *xs, ticket *tk) {
 
 static int rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) {
   uint64_t t0 = thread_cpu_ns();
-  rpeer *rp = x->peer ? rpeer_of(x->peer) : NULL;
+  rdma_transport *rt = to_rdma(t);
+  rpeer *rp = x->peer ? rpeer_of(rt, x->peer) : NULL;
   if (!rp) return KVF_EPEERLOST;
   size_t extra = 0;
   int rc = check_runs(rp, runs, &extra);
   if (rc) return rc;
-  if (!x->path && (R->any_gpu || rp->gpu_pools) && runs_touch_gpu(rp, runs)) x->path = "rdma-gdr";
+  if (!x->path && (rt->any_gpu || rp->gpu_pools) && runs_touch_gpu(rp, runs)) x->path = "rdma-gdr";
   size_t n = runs->n;
   xstate *xs = xstate_of(x);
-  ticket *tk = xs ? ticket_new(x, runs, extra, last) : NULL;
+  ticket *tk = xs ? ticket_new(rt, x, runs, extra, last) : NULL;
   rc = tk ? 0 : -ENOMEM;
   if (tk && x->tp_grant.win_len && (rc = ticket_windows(tk, rp, x, xs)) != 0) {
     ticket_free(tk);
@@ -1336,9 +1337,9 @@ static int rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last
   live_link(tk);
   hand_over(rp, xs, tk);
   tk->loop_ns = thread_cpu_ns() - t0;
-  R->posts++;
-  R->post_runs += n;
-  R->post_ns += tk->loop_ns;
+  rt->posts++;
+  rt->post_runs += n;
+  rt->post_ns += tk->loop_ns;
   return 0;
 }
 
@@ -1378,11 +1379,12 @@ static size_t take_back(rpeer *rp, ticket *tk) {
 /* Stops the transfer's unclaimed work; what is in flight completes and the
  * callbacks come as usual. */
 static void rdma_abort(kvf__transport *t, kvf__xfer *x) {
-  rpeer *rp = x->peer ? rpeer_of(x->peer) : NULL;
+  rdma_transport *rt = to_rdma(t);
+  rpeer *rp = x->peer ? rpeer_of(rt, x->peer) : NULL;
   const xstate *xs = x->tp_state;
   if (!rp || !xs || xs->out == 0) return;
   pthread_mutex_lock(&rp->qlock);
-  for (ticket *tk = R->live; tk; tk = tk->next_live)
+  for (ticket *tk = rt->live; tk; tk = tk->next_live)
     if (tk->x == x && tk->rp == rp) credit(tk, take_back(rp, tk), KVF_ECANCELED);
   pthread_mutex_unlock(&rp->qlock);
 }
@@ -1405,6 +1407,7 @@ static void rdma_xfer_done(kvf__transport *t, kvf__xfer *x) {
  * transfer ended: it must be refused (a remote access error here). */
 typedef struct late_write {
   uv_timer_t tm;
+  rdma_transport *rt;
   kvf__peer *p;
   kvf__run run;
   kvf__mw_rec w;
@@ -1414,7 +1417,7 @@ static void late_free(uv_handle_t *h) { free(h->data); }
 
 static void late_fire(uv_timer_t *tm) {
   late_write *l = tm->data;
-  rpeer *rp = rpeer_of(l->p);
+  rpeer *rp = rpeer_of(l->rt, l->p);
   rqp *q = rp ? window_qp(rp, &l->w) : NULL;
   ticket *tk = q ? calloc(1, sizeof(*tk)) : NULL;
   xstate *xs = tk ? calloc(1, sizeof(*xs)) : NULL;
@@ -1430,6 +1433,7 @@ static void late_fire(uv_timer_t *tm) {
               "of a finished transfer", (unsigned long long)l->run.len, l->run.dst_pool,
               (unsigned long long)l->run.dst_off, l->w.rkey);
     tk->ev.kind = EV_TICKET;
+    tk->ev.rt = l->rt;
     tk->runs[0] = l->run;
     tk->rkeys[0] = l->w.rkey;
     tk->lanes[0] = (lane){q, 0, 1};
@@ -1454,10 +1458,11 @@ static bool late_ticket_done(ticket *tk, int st) {
   if (!tk->last || st || !tk->tail_q || !tk->rp || !kvf__failpoint(KVF__FP_LATE_WRITE)) return false;
   late_write *l = calloc(1, sizeof(*l));
   if (!l) return false;
+  l->rt = tk->ev.rt;
   l->p = tk->rp->p;
   l->run = tk->tail;
   l->w = (kvf__mw_rec){.rkey = tk->tail_rkey, .qpn = tk->tail_qpn, .dev = tk->tail_devi};
-  uv_timer_init(kvfd.loop, &l->tm);
+  uv_timer_init(l->rt->base.loop, &l->tm);
   l->tm.data = l;
   uv_timer_start(&l->tm, late_fire, 1000, 0);
   return false;
@@ -1465,6 +1470,7 @@ static bool late_ticket_done(ticket *tk, int st) {
 #endif
 
 static void ticket_done(ticket *tk) {
+  rdma_transport *rt = tk->ev.rt;
   live_unlink(tk);
   xstate *xs = tk->xs;
   kvf__xfer *x = tk->x;
@@ -1479,14 +1485,14 @@ static void ticket_done(ticket *tk) {
   xs->build_ns += atomic_load(&tk->build_ns);
   xs->bell_ns += atomic_load(&tk->bell_ns);
   if (last && xs->wrs) {
-    R->last_wrs = xs->wrs;
-    R->last_loop_ns = xs->loop_ns;
-    R->last_build_ns = xs->build_ns;
-    R->last_bell_ns = xs->bell_ns;
+    rt->last_wrs = xs->wrs;
+    rt->last_loop_ns = xs->loop_ns;
+    rt->last_build_ns = xs->build_ns;
+    rt->last_bell_ns = xs->bell_ns;
     kvf__debug("rdma: %s: %llu work requests; posting cost per request: %.0f ns on the loop, "
                "%.0f ns building, %.0f ns in ibv_post_send",
-               x->id, (unsigned long long)R->last_wrs, (double)R->last_loop_ns / (double)R->last_wrs,
-               (double)R->last_build_ns / (double)R->last_wrs, (double)R->last_bell_ns / (double)R->last_wrs);
+               x->id, (unsigned long long)rt->last_wrs, (double)rt->last_loop_ns / (double)rt->last_wrs,
+               (double)rt->last_build_ns / (double)rt->last_wrs, (double)rt->last_bell_ns / (double)rt->last_wrs);
   }
   ticket_free(tk);
   xs->out--;
@@ -1496,11 +1502,11 @@ static void ticket_done(ticket *tk) {
 static void grant_key(char *buf, size_t len, uint32_t token) { snprintf(buf, len, "%08x", token); }
 
 static void on_imm(const tevent *e) {
-  rpeer *rp = rpeer_of(e->peer);
+  rpeer *rp = rpeer_of(e->rt, e->peer);
   char key[16];
   if (!rp || rp->gen != e->gen) return;
   grant_key(key, sizeof(key), e->imm);
-  rgrant *g = kvf__map_get(&R->grants, key);
+  rgrant *g = kvf__map_get(&e->rt->grants, key);
   if (!g || g->peer != e->peer) {
     kvf__debug("rdma: completion notice %08x from %s matches no open grant", e->imm, peer_name(rp));
     return;
@@ -1508,7 +1514,8 @@ static void on_imm(const tevent *e) {
   kvf__xfer_on_delivered(g->x);
 }
 
-static void handle_event(tevent *e) {
+static void on_event(kvf__mail *m) {
+  tevent *e = kvf__container_of(m, tevent, mail);
   rpeer *rp;
   switch (e->kind) {
   case EV_TICKET:
@@ -1518,28 +1525,17 @@ static void handle_event(tevent *e) {
     on_imm(e);
     break;
   case EV_FAIL:
-    rp = rpeer_of(e->peer);
+    rp = rpeer_of(e->rt, e->peer);
     if (rp && rp->gen == e->gen) reset_peer(rp, e->why);
     break;
   }
   free(e);
 }
 
-static void on_async(uv_async_t *a) {
-  pthread_mutex_lock(&R->ev_lock);
-  tevent *e = R->ev_head;
-  R->ev_head = R->ev_tail = NULL;
-  pthread_mutex_unlock(&R->ev_lock);
-  while (e) {
-    tevent *next = e->next;
-    handle_event(e);
-    e = next;
-  }
-}
 
 /* ------------------------------------------------------------ memory windows: binding
  *
- * With memory windows (R->mw) a grant is opened asynchronously: its
+ * With memory windows (rt->mw) a grant is opened asynchronously: its
  * destination ranges (merged, at most rdma-mw-max-windows) each get a type 2
  * window, bound round-robin on the peer's accepted QPs of every device (a
  * type 2 window takes writes only through the QP it is bound on, and the
@@ -1558,10 +1554,10 @@ static void on_mw_timer(uv_timer_t *tm);
 
 /* The first pass runs at once (the loop's next turn), not a tick later: a
  * Grant waits for its windows, and a send may be waiting for the Grant. */
-static void mw_timer_arm(void) {
-  if (R->mw_timer_on || (!R->binding && !R->zombies)) return;
-  uv_timer_start(&R->mw_timer, on_mw_timer, 0, 1);
-  R->mw_timer_on = true;
+static void mw_timer_arm(rdma_transport *rt) {
+  if (rt->mw_timer_on || (!rt->binding && !rt->zombies)) return;
+  uv_timer_start(&rt->mw_timer, on_mw_timer, 0, 1);
+  rt->mw_timer_on = true;
 }
 
 /* Accepted QPs the peer dials: its devices times its QPs per device. */
@@ -1607,7 +1603,7 @@ static void bind_reset(rgrant *g) {
   for (size_t i = 0; g->mw && i < g->n_win; i++)
     if (g->mw[i]) {
       ibv_dealloc_mw(g->mw[i]);
-      R->mw_live--;
+      g->rt->mw_live--;
     }
   free(g->mw);
   free(g->qs);
@@ -1624,7 +1620,7 @@ static void bind_reset(rgrant *g) {
 /* Picks the QPs (all of the peer's once they are connected, or what is
  * connected CONNECT_MS after the peer came up) and allocates the windows. */
 static void bind_start(rgrant *g) {
-  rpeer *rp = rpeer_of(g->peer);
+  rpeer *rp = rpeer_of(g->rt, g->peer);
   rqp *qs[MAX_LANES];
   if (!rp) {
     grant_failed(g, KVF_EPEERLOST, "the peer is gone");
@@ -1657,7 +1653,7 @@ static struct ibv_mw *window_alloc(rgrant *g, size_t i, rqp *q) {
   if (g->mw[i]) return g->mw[i];
   g->mw[i] = ibv_alloc_mw(q->lk->dev->pd, IBV_MW_TYPE_2);
   if (g->mw[i]) {
-    R->mw_live++;
+    g->rt->mw_live++;
     return g->mw[i];
   }
   int e = errno;
@@ -1690,7 +1686,7 @@ static int bind_chain(rgrant *g, size_t j) {
     wr[k] = (struct ibv_send_wr){
         .next = &wr[k + 1], .opcode = IBV_WR_BIND_MW,
         .bind_mw = {.mw = g->mw[i], .rkey = rkey,
-                    .bind_info = {.mr = q->lk->dev->mrs[w->pool], .addr = (uintptr_t)R->pool_base[w->pool] + w->start,
+                    .bind_info = {.mr = q->lk->dev->mrs[w->pool], .addr = (uintptr_t)g->rt->pool_base[w->pool] + w->start,
                                   .length = w->end - w->start, .mw_access_flags = IBV_ACCESS_REMOTE_WRITE}}};
     window_record(g, i, q, rkey);
   }
@@ -1775,10 +1771,10 @@ static bool poll_binds(rlink *lk) {
   return total > 0;
 }
 
-static void poll_all_binds(void) {
-  for (size_t i = 0; i < R->n_peers; i++)
-    for (int l = 0; l < R->peers[i]->n_links; l++) {
-      rlink *lk = R->peers[i]->links[l];
+static void poll_all_binds(rdma_transport *rt) {
+  for (size_t i = 0; i < rt->n_peers; i++)
+    for (int l = 0; l < rt->peers[i]->n_links; l++) {
+      rlink *lk = rt->peers[i]->links[l];
       if (lk->bcq && lk->binds_out) poll_binds(lk);
     }
 }
@@ -1798,27 +1794,28 @@ static void unlist(rgrant **head, rgrant *g) {
 /* A bound grant: its windows stay until grant_close (or until the QPs
  * they are bound on go: mw_forget_link). */
 static void bind_done(rgrant *g) {
-  unlist(&R->binding, g);
+  rdma_transport *rt = g->rt;
+  unlist(&rt->binding, g);
   g->binding = false;
   free(g->cur);
   g->cur = NULL;
   if (g->status) {
-    R->mw_failed++;
+    rt->mw_failed++;
   } else {
     uint64_t ns = kvf__now_ns() - g->since_ns;
-    R->mw_bound += g->n_win;
-    R->mw_bind_ns += ns;
-    R->last_win = g->n_win;
-    R->last_bind_ns = ns;
+    rt->mw_bound += g->n_win;
+    rt->mw_bind_ns += ns;
+    rt->last_win = g->n_win;
+    rt->last_bind_ns = ns;
     kvf__debug("rdma: %s: %zu memory windows bound in %.1f ms", g->x->id, g->n_win, (double)ns / 1e6);
   }
 }
 
-static void reap_zombies(void) {
-  for (rgrant *g = R->zombies, *next; g; g = next) {
+static void reap_zombies(rdma_transport *rt) {
+  for (rgrant *g = rt->zombies, *next; g; g = next) {
     next = g->next_b;
     if (g->chains_out) continue;
-    unlist(&R->zombies, g);
+    unlist(&rt->zombies, g);
     free(g);
   }
 }
@@ -1826,10 +1823,11 @@ static void reap_zombies(void) {
 /* Every millisecond while binds are in flight. A grant's callback may
  * close any grant (the peer may fail), so after each the scan restarts. */
 static void on_mw_timer(uv_timer_t *tm) {
-  poll_all_binds();
-  reap_zombies();
+  rdma_transport *rt = kvf__container_of(tm, rdma_transport, mw_timer);
+  poll_all_binds(rt);
+  reap_zombies(rt);
   bool pumped = false;
-  for (rgrant *g = R->binding; g; g = g->next_b) {
+  for (rgrant *g = rt->binding; g; g = g->next_b) {
     if (g->restart && !g->chains_out && !g->status) bind_reset(g);
     if (!g->qs && !g->status) bind_start(g);
     if (g->qs && !g->status && !g->restart) {
@@ -1837,17 +1835,17 @@ static void on_mw_timer(uv_timer_t *tm) {
       pumped = true;
     }
   }
-  if (pumped) poll_all_binds(); /* binds the device completed as they were posted (rxe does) */
+  if (pumped) poll_all_binds(rt); /* binds the device completed as they were posted (rxe does) */
   for (;;) {
-    rgrant *g = R->binding;
+    rgrant *g = rt->binding;
     while (g && !bind_finished(g)) g = g->next_b;
     if (!g) break;
     bind_done(g);
     kvf__xfer_on_grant_ready(g->x, g->status, g->status ? "binding the grant's memory windows failed" : NULL);
   }
-  if (!R->binding && !R->zombies) {
-    uv_timer_stop(&R->mw_timer);
-    R->mw_timer_on = false;
+  if (!rt->binding && !rt->zombies) {
+    uv_timer_stop(&rt->mw_timer);
+    rt->mw_timer_on = false;
   }
 }
 
@@ -1875,18 +1873,19 @@ static int mw_grant_open(rgrant *g, kvf__xfer *x) {
    * the sender posts without searching. */
   if (rc == 0) rc = kvf__mw_index(&x->dst, g->win, g->n_win, x->tp_grant.of);
   if (rc) return rc;
+  rdma_transport *rt = g->rt;
   if (merged) {
-    R->mw_merged++;
+    rt->mw_merged++;
     kvf__warn("rdma: grant %s has %zu separate ranges, more than rdma-mw-max-windows (%u): its %zu memory "
               "windows also span the %zu smallest gaps between them", x->id, ranges, kvfd.cfg.rdma_mw_max_windows,
               g->n_win, merged);
   }
-  R->mw_grants++;
+  rt->mw_grants++;
   g->since_ns = kvf__now_ns();
   g->binding = true;
-  g->next_b = R->binding;
-  R->binding = g;
-  mw_timer_arm();
+  g->next_b = rt->binding;
+  rt->binding = g;
+  mw_timer_arm(rt);
   return 1;
 }
 
@@ -1904,13 +1903,14 @@ static void wait_binds(rgrant *g) {
 /* Invalidates and frees g's windows. false: binds are still in flight (a
  * stuck device); g then waits among the zombies for them. */
 static bool mw_release(rgrant *g) {
-  if (g->binding) unlist(&R->binding, g);
+  rdma_transport *rt = g->rt;
+  if (g->binding) unlist(&rt->binding, g);
   g->binding = false;
   if (g->chains_out) wait_binds(g);
   for (size_t i = 0; g->mw && i < g->n_win; i++)
     if (g->mw[i]) {
       ibv_dealloc_mw(g->mw[i]);
-      R->mw_live--;
+      rt->mw_live--;
     }
   free(g->mw);
   free(g->win);
@@ -1924,9 +1924,9 @@ static bool mw_release(rgrant *g) {
   g->closed = true;
   if (!g->chains_out) return true;
   kvf__warn("rdma: binds of a closed grant still in flight after %d ms", BIND_WAIT_MS);
-  g->next_b = R->zombies;
-  R->zombies = g;
-  mw_timer_arm();
+  g->next_b = rt->zombies;
+  rt->zombies = g;
+  mw_timer_arm(rt);
   return false;
 }
 
@@ -1947,16 +1947,17 @@ static void forget_windows(rgrant *g, rlink *lk) {
       if (g->mw[i]) {
         ibv_dealloc_mw(g->mw[i]);
         g->mw[i] = NULL;
-        R->mw_live--;
+        g->rt->mw_live--;
       }
   }
 }
 
 /* The link goes (peer down or reset); its QPs are in the error state. */
 static void mw_forget_link(rlink *lk) {
-  for (size_t i = 0; i < R->grants.nb; i++)
-    for (kvf__map_ent *e = R->grants.b[i]; e; e = e->next) forget_windows(e->val, lk);
-  for (rgrant *g = R->zombies; g; g = g->next_b) forget_windows(g, lk);
+  rdma_transport *rt = lk->rp->rt;
+  for (size_t i = 0; i < rt->grants.nb; i++)
+    for (kvf__map_ent *e = rt->grants.b[i]; e; e = e->next) forget_windows(e->val, lk);
+  for (rgrant *g = rt->zombies; g; g = g->next_b) forget_windows(g, lk);
 }
 
 /* An accepted QP is connected: which QP and device of the peer dialed it
@@ -1966,7 +1967,7 @@ static void accepted_ready(rqp *q) {
   struct ibv_qp_init_attr ia;
   const Kvf__RdmaInfo *ri = q->lk->rp->p->hello ? q->lk->rp->p->hello->rdma : NULL;
   struct sockaddr *sa = rdma_get_peer_addr(q->id);
-  if (!R->mw || !ri || !sa || ibv_query_qp(q->qp, &a, IBV_QP_DEST_QPN, &ia) != 0) return;
+  if (!q->lk->rp->rt->mw || !ri || !sa || ibv_query_qp(q->qp, &a, IBV_QP_DEST_QPN, &ia) != 0) return;
   q->remote_qpn = a.dest_qp_num;
   uint8_t want[16], have[16];
   size_t alen = sa->sa_family == AF_INET6 ? 16 : 4;
@@ -1985,35 +1986,38 @@ static void accepted_ready(rqp *q) {
 /* ------------------------------------------------------------ grants */
 
 static int rdma_grant_open(kvf__transport *t, kvf__xfer *x) {
+  rdma_transport *rt = to_rdma(t);
   char key[16];
-  for (size_t i = 0; R->any_gpu && !x->path && i < x->dst.n; i++)
+  for (size_t i = 0; rt->any_gpu && !x->path && i < x->dst.n; i++)
     if (x->dst.pool[i] < kvfd.n_pools && kvf__pool_gpu(kvfd.pools[x->dst.pool[i]])) x->path = "rdma-gdr";
   grant_key(key, sizeof(key), (uint32_t)x->handle);
   rgrant *g = calloc(1, sizeof(*g));
   if (!g) return -ENOMEM;
+  g->rt = rt;
   g->x = x;
   g->peer = x->peer;
-  int rc = kvf__map_put(&R->grants, key, g);
+  int rc = kvf__map_put(&rt->grants, key, g);
   if (rc) {
     free(g);
     kvf__warn("rdma: grant token %s of %s is still in use; refusing the grant", key, x->id);
     return rc == -EEXIST ? KVF_EEXIST : rc;
   }
-  if (!R->mw) return 0;
+  if (!rt->mw) return 0;
   rc = mw_grant_open(g, x);
   if (rc < 0) {
-    kvf__map_del(&R->grants, key);
+    kvf__map_del(&rt->grants, key);
     if (mw_release(g)) free(g);
   }
   return rc;
 }
 
 static void rdma_grant_close(kvf__transport *t, kvf__xfer *x) {
+  rdma_transport *rt = to_rdma(t);
   char key[16];
   grant_key(key, sizeof(key), (uint32_t)x->handle);
-  rgrant *g = kvf__map_get(&R->grants, key);
+  rgrant *g = kvf__map_get(&rt->grants, key);
   if (!g || g->x != x) return;
-  kvf__map_del(&R->grants, key);
+  kvf__map_del(&rt->grants, key);
   if (mw_release(g)) free(g);
 }
 
@@ -2021,7 +2025,7 @@ static void rdma_grant_close(kvf__transport *t, kvf__xfer *x) {
 
 static bool rdma_usable(kvf__transport *t, kvf__peer *p) {
   const Kvf__RdmaInfo *ri = p->hello ? p->hello->rdma : NULL;
-  return R->n_devs > 0 && ri && ri->version == INFO_VERSION && ri->n_devices > 0;
+  return to_rdma(t)->n_devs > 0 && ri && ri->version == INFO_VERSION && ri->n_devices > 0;
 }
 
 /* Fills b (PRIV_AUTH_LEN bytes of room); returns the length to send. */
@@ -2186,7 +2190,7 @@ static void dial_failed(rqp *q, const char *what, const char *detail) {
 static int dial(rlink *lk) {
   rqp *q = qp_new(lk, true);
   if (!q) return -ENOMEM;
-  if (rdma_create_id(R->cm, &q->id, q, RDMA_PS_TCP) != 0) return -errno;
+  if (rdma_create_id(lk->rp->rt->cm, &q->id, q, RDMA_PS_TCP) != 0) return -errno;
   uint8_t timeout = ACK_TIMEOUT;
   /* A dead path must error the QP well before transfer deadlines. */
   if (rdma_set_option(q->id, RDMA_OPTION_ID, RDMA_OPTION_ID_ACK_TIMEOUT, &timeout, sizeof(timeout)))
@@ -2239,9 +2243,9 @@ static void on_established(rqp *q) {
   }
 }
 
-static rdev *dev_of(struct ibv_context *ctx) {
-  for (int i = 0; i < R->n_devs; i++)
-    if (R->devs[i].ctx == ctx) return &R->devs[i];
+static rdev *dev_of(rdma_transport *rt, struct ibv_context *ctx) {
+  for (int i = 0; i < rt->n_devs; i++)
+    if (rt->devs[i].ctx == ctx) return &rt->devs[i];
   return NULL;
 }
 
@@ -2277,14 +2281,14 @@ static void accept_on(rpeer *rp, rdev *d, struct rdma_cm_id *id) {
   if (rdma_accept(id, &cp) != 0) dial_failed(q, "rdma_accept", strerror(errno));
 }
 
-static rpeer *rpeer_by_session(uint64_t session) {
-  for (size_t i = 0; i < R->n_peers; i++)
-    if (R->peers[i]->session == session) return R->peers[i];
+static rpeer *rpeer_by_session(rdma_transport *rt, uint64_t session) {
+  for (size_t i = 0; i < rt->n_peers; i++)
+    if (rt->peers[i]->session == session) return rt->peers[i];
   return NULL;
 }
 
 /* The peer dialed before its Hello reached us: hold the request a while. */
-static void park(struct rdma_cm_id *id, rdev *d, uint64_t session) {
+static void park(rdma_transport *rt, struct rdma_cm_id *id, rdev *d, uint64_t session) {
   parked *pk = calloc(1, sizeof(*pk));
   if (!pk) {
     reject(id);
@@ -2295,13 +2299,13 @@ static void park(struct rdma_cm_id *id, rdev *d, uint64_t session) {
   pk->dev = d;
   pk->session = session;
   pk->since_ns = kvf__now_ns();
-  pk->next = R->parked;
-  R->parked = pk;
+  pk->next = rt->parked;
+  rt->parked = pk;
 }
 
-static void on_connect_request(const cm_ev *ev) {
+static void on_connect_request(rdma_transport *rt, const cm_ev *ev) {
   uint64_t src, dst;
-  rdev *d = dev_of(ev->id->verbs);
+  rdev *d = dev_of(rt, ev->id->verbs);
   if (!d || priv_decode(ev->priv, ev->priv_len, &src, &dst) != 0 || dst != kvfd.session) {
     kvf__debug("rdma: refused a connection request (unknown, or for an earlier start of this daemon)");
     reject(ev->id);
@@ -2317,15 +2321,15 @@ static void on_connect_request(const cm_ev *ev) {
     reject(ev->id);
     return;
   }
-  rpeer *rp = rpeer_by_session(src);
+  rpeer *rp = rpeer_by_session(rt, src);
   if (rp) accept_on(rp, d, ev->id);
-  else park(ev->id, d, src);
+  else park(rt, ev->id, d, src);
 }
 
 /* Parked requests of this peer (adopt) or too old / of no peer (drop). */
-static void sweep_parked(rpeer *adopt, bool drop_all) {
+static void sweep_parked(rdma_transport *rt, rpeer *adopt, bool drop_all) {
   uint64_t now = kvf__now_ns();
-  parked **pp = &R->parked;
+  parked **pp = &rt->parked;
   while (*pp) {
     parked *pk = *pp;
     bool mine = adopt && pk->session == adopt->session;
@@ -2341,14 +2345,14 @@ static void sweep_parked(rpeer *adopt, bool drop_all) {
   }
 }
 
-static void on_cm_event(const cm_ev *ev) {
+static void on_cm_event(rdma_transport *rt, const cm_ev *ev) {
   if (ev->type == RDMA_CM_EVENT_CONNECT_REQUEST) {
-    on_connect_request(ev);
+    on_connect_request(rt, ev);
     return;
   }
-  for (int i = 0; i < R->n_devs; i++)
-    if (ev->id == R->devs[i].listener) {
-      if (ev->type == RDMA_CM_EVENT_DEVICE_REMOVAL) kvf__err("rdma: device %s was removed", R->devs[i].name);
+  for (int i = 0; i < rt->n_devs; i++)
+    if (ev->id == rt->devs[i].listener) {
+      if (ev->type == RDMA_CM_EVENT_DEVICE_REMOVAL) kvf__err("rdma: device %s was removed", rt->devs[i].name);
       return;
     }
   rqp *q = ev->ctx;
@@ -2377,8 +2381,9 @@ static void on_cm_event(const cm_ev *ev) {
 }
 
 static void on_cm_readable(uv_poll_t *h, int status, int events) {
+  rdma_transport *rt = kvf__container_of(h, rdma_transport, cm_poll);
   struct rdma_cm_event *raw;
-  while (rdma_get_cm_event(R->cm, &raw) == 0) {
+  while (rdma_get_cm_event(rt->cm, &raw) == 0) {
     cm_ev ev = {.type = raw->event, .id = raw->id, .ctx = raw->id->context, .status = raw->status};
     size_t n = raw->param.conn.private_data_len;
     if (raw->event == RDMA_CM_EVENT_CONNECT_REQUEST && raw->param.conn.private_data) {
@@ -2388,7 +2393,8 @@ static void on_cm_readable(uv_poll_t *h, int status, int events) {
     /* Acked before handling: a handler may destroy ids, which waits for
      * their events to be acked. */
     rdma_ack_cm_event(raw);
-    on_cm_event(&ev);
+    on_cm_event(rt, &ev);
+
   }
 }
 
@@ -2416,17 +2422,18 @@ static void destroy_link(rlink *lk) {
 }
 
 static void *reaper_main(void *arg) {
-  pthread_mutex_lock(&R->reap_lock);
+  rdma_transport *rt = arg;
+  pthread_mutex_lock(&rt->reap_lock);
   for (;;) {
-    while (!R->reap_head && !R->reaper_stop) pthread_cond_wait(&R->reap_cond, &R->reap_lock);
-    rlink *lk = R->reap_head;
+    while (!rt->reap_head && !rt->reaper_stop) pthread_cond_wait(&rt->reap_cond, &rt->reap_lock);
+    rlink *lk = rt->reap_head;
     if (!lk) break;
-    R->reap_head = lk->next;
-    pthread_mutex_unlock(&R->reap_lock);
+    rt->reap_head = lk->next;
+    pthread_mutex_unlock(&rt->reap_lock);
     destroy_link(lk);
-    pthread_mutex_lock(&R->reap_lock);
+    pthread_mutex_lock(&rt->reap_lock);
   }
-  pthread_mutex_unlock(&R->reap_lock);
+  pthread_mutex_unlock(&rt->reap_lock);
   return NULL;
 }
 
@@ -2434,6 +2441,7 @@ static void *reaper_main(void *arg) {
  * DMA from our pools), no more CM events for its ids; the reaper destroys
  * the rest. Without a reaper (start failed), at once. */
 static void reap_link(rlink *lk) {
+  rdma_transport *rt = lk->rp->rt;
   for (unsigned i = 0; i < lk->n_all; i++) {
     rqp *q = lk->all[i];
     if (q->qp) ibv_modify_qp(q->qp, &(struct ibv_qp_attr){.qp_state = IBV_QPS_ERR}, IBV_QP_STATE);
@@ -2442,21 +2450,21 @@ static void reap_link(rlink *lk) {
   }
   if (lk->bcq) mw_forget_link(lk);
   if (lk->cq) lk->cq->cq_context = NULL;
-  if (!R->reaper_on) {
+  if (!rt->reaper_on) {
     destroy_link(lk);
     return;
   }
-  pthread_mutex_lock(&R->reap_lock);
-  lk->next = R->reap_head;
-  R->reap_head = lk;
-  pthread_cond_signal(&R->reap_cond);
-  pthread_mutex_unlock(&R->reap_lock);
+  pthread_mutex_lock(&rt->reap_lock);
+  lk->next = rt->reap_head;
+  rt->reap_head = lk;
+  pthread_cond_signal(&rt->reap_cond);
+  pthread_mutex_unlock(&rt->reap_lock);
 }
 
 /* Completes every ticket of rp with KVF_EPEERLOST for what never ran; what
  * was in flight the threads completed when they let go of the links. */
 static void drain_peer(rpeer *rp) {
-  for (ticket *tk = R->live; tk; tk = tk->next_live) {
+  for (ticket *tk = rp->rt->live; tk; tk = tk->next_live) {
     if (tk->rp != rp) continue;
     size_t k = take_back(rp, tk);
     tk->rp = NULL;
@@ -2465,9 +2473,11 @@ static void drain_peer(rpeer *rp) {
 }
 
 static void unregister_peer(rpeer *rp) {
-  for (size_t i = 0; i < R->n_peers; i++)
-    if (R->peers[i] == rp) {
-      R->peers[i] = R->peers[--R->n_peers];
+  rdma_transport *rt = rp->rt;
+  kvf__transport_set_peer(&rt->base, rp->p, NULL);
+  for (size_t i = 0; i < rt->n_peers; i++)
+    if (rt->peers[i] == rp) {
+      rt->peers[i] = rt->peers[--rt->n_peers];
       return;
     }
 }
@@ -2482,7 +2492,7 @@ static void drop_links(rpeer *rp) {
 }
 
 static void rdma_peer_down(kvf__transport *t, kvf__peer *p) {
-  rpeer *rp = rpeer_of(p);
+  rpeer *rp = rpeer_of(to_rdma(t), p);
   if (!rp) return;
   unregister_peer(rp);
   drop_links(rp);
@@ -2530,10 +2540,11 @@ static int make_cq(rlink *lk, const Kvf__RdmaInfo *ri) {
   lk->depth = depth;
   lk->cq = ibv_create_cq(d->ctx, (int)(qps * (depth + 1)), lk, d->ch, 0);
   if (!lk->cq) return -errno;
-  if (!R->mw) return 0;
+  const rdma_transport *rt = lk->rp->rt;
+  if (!rt->mw) return 0;
   /* Binds: every accepted QP's send queue, flushed whole on an error. */
   uint32_t acc = (ri->qps_per_peer ? ri->qps_per_peer : lk->n_out) *
-                 (uint32_t)((ri->n_devices + (size_t)R->n_devs - 1) / (size_t)R->n_devs);
+                 (uint32_t)((ri->n_devices + (size_t)rt->n_devs - 1) / (size_t)rt->n_devs);
   lk->bcq = ibv_create_cq(d->ctx, (int)(acc * (depth + 1)), lk, NULL, 0);
   return lk->bcq ? 0 : -errno;
 }
@@ -2560,12 +2571,13 @@ static int link_new(rpeer *rp, rdev *d, const Kvf__RdmaDevice *rd, const Kvf__Rd
   return rc;
 }
 
-static rpeer *rpeer_new(kvf__peer *p) {
+static rpeer *rpeer_new(rdma_transport *rt, kvf__peer *p) {
   rpeer *rp = calloc(1, sizeof(*rp));
   if (!rp) return NULL;
   const Kvf__Hello *h = p->hello;
+  rp->rt = rt;
   rp->p = p;
-  rp->gen = ++R->gen;
+  rp->gen = ++rt->gen;
   rp->session = p->remote_session;
   rp->up_ns = kvf__now_ns();
   rp->n_pools = h->n_pools;
@@ -2585,7 +2597,8 @@ static rpeer *rpeer_new(kvf__peer *p) {
     rp->gpu_pools |= rp->pool_gpu[pi->id];
   }
   pthread_mutex_init(&rp->qlock, NULL);
-  R->peers[R->n_peers++] = rp;
+  rt->peers[rt->n_peers++] = rp;
+  kvf__transport_set_peer(&rt->base, p, rp);
   return rp;
 }
 
@@ -2593,13 +2606,14 @@ static rpeer *rpeer_new(kvf__peer *p) {
  * (posts queue meanwhile). A failure here is cleaned up by peer_down. */
 /* One link per device of ours, each dialing its QPs. */
 static int make_links(rpeer *rp) {
+  rdma_transport *rt = rp->rt;
   const Kvf__RdmaInfo *ri = rp->p->hello->rdma;
   rp->up_ns = kvf__now_ns();
   rp->said_ready = rp->degraded = false;
-  for (int i = 0; i < R->n_devs; i++) {
-    int rc = link_new(rp, &R->devs[i], ri->devices[(size_t)i % ri->n_devices], ri);
+  for (int i = 0; i < rt->n_devs; i++) {
+    int rc = link_new(rp, &rt->devs[i], ri->devices[(size_t)i % ri->n_devices], ri);
     if (rc) {
-      kvf__warn("rdma: peer %s: cannot set up device %s: %s", peer_name(rp), R->devs[i].name,
+      kvf__warn("rdma: peer %s: cannot set up device %s: %s", peer_name(rp), rt->devs[i].name,
                 rc < -4000 ? kvf_strerror(rc) : strerror(-rc));
       return rc;
     }
@@ -2608,12 +2622,13 @@ static int make_links(rpeer *rp) {
 }
 
 static int rdma_peer_up(kvf__transport *t, kvf__peer *p) {
+  rdma_transport *rt = to_rdma(t);
   const Kvf__RdmaInfo *ri = p->hello ? p->hello->rdma : NULL;
-  if (!ri || ri->n_devices == 0 || R->n_peers == KVF__MAX_PEERS_CFG) return KVF_EPROTO;
-  rpeer *rp = rpeer_new(p);
+  if (!ri || ri->n_devices == 0 || rt->n_peers == KVF__MAX_PEERS_CFG) return KVF_EPROTO;
+  rpeer *rp = rpeer_new(rt, p);
   if (!rp) return -ENOMEM;
   int rc = make_links(rp);
-  if (rc == 0) sweep_parked(rp, false);
+  if (rc == 0) sweep_parked(rt, rp, false);
   return rc;
 }
 
@@ -2628,7 +2643,7 @@ static void reset_peer(rpeer *rp, const char *why) {
   kvf__warn("peer %s: %s; failing its rdma transfers and reconnecting", peer_name(rp), why);
   rp->resets++;
   drop_links(rp);
-  rp->gen = ++R->gen; /* what the old QPs still report is stale */
+  rp->gen = ++rp->rt->gen; /* what the old QPs still report is stale */
   if (make_links(rp) != 0) kvf__peer_fail(rp->p, "rdma: cannot rebuild the queue pairs");
 }
 
@@ -2641,7 +2656,7 @@ static bool any_ready(const rpeer *rp) {
 /* No QP to carry them: posts that wait longer than UNREADY_MS fail. */
 static void fail_queued(rpeer *rp) {
   pthread_mutex_lock(&rp->qlock);
-  for (ticket *tk = R->live; tk; tk = tk->next_live)
+  for (ticket *tk = rp->rt->live; tk; tk = tk->next_live)
     if (tk->rp == rp) credit(tk, take_back(rp, tk), KVF_EPEERLOST);
   pthread_mutex_unlock(&rp->qlock);
 }
@@ -2649,12 +2664,13 @@ static void fail_queued(rpeer *rp) {
 /* Once a second: drop parked requests nobody claimed, and fail peers whose
  * QPs do not connect (a CM that keeps retrying would hold them forever). */
 static void on_sweep(uv_timer_t *tm) {
-  sweep_parked(NULL, false);
-  for (int i = 0; i < R->n_devs; i++)
-    if (!R->devs[i].listener) relisten(&R->devs[i]);
+  rdma_transport *rt = kvf__container_of(tm, rdma_transport, sweep);
+  sweep_parked(rt, NULL, false);
+  for (int i = 0; i < rt->n_devs; i++)
+    if (!rt->devs[i].listener) relisten(&rt->devs[i]);
   uint64_t now = kvf__now_ns();
-  for (size_t i = 0; i < R->n_peers; i++) {
-    rpeer *rp = R->peers[i];
+  for (size_t i = 0; i < rt->n_peers; i++) {
+    rpeer *rp = rt->peers[i];
     for (int l = 0; l < rp->n_links; l++) {
       rlink *lk = rp->links[l];
       for (; lk->redial && now >= lk->redial_at; lk->redial--)
@@ -2714,7 +2730,7 @@ static void on_dev_async(uv_poll_t *h, int status, int events) {
     if ((type == IBV_EVENT_PORT_ACTIVE || type == IBV_EVENT_GID_CHANGE) && port == d->port) relisten(d);
     else if (type == IBV_EVENT_DEVICE_FATAL)
       kvf__err("rdma: %s: fatal device error", d->name);
-    rpeer *rp = p ? rpeer_of(p) : NULL;
+    rpeer *rp = p ? rpeer_of(d->rt, p) : NULL;
     if (rp && rp->gen == gen) {
       char why[128];
       snprintf(why, sizeof(why), "rdma: %s on %s", ibv_event_type_str(type), d->name);
@@ -2797,20 +2813,21 @@ static int pick_gid(rdev *d, uint32_t tbl_len, const struct in6_addr *want) {
 
 /* Adds (ctx, port) when the port is active RoCE with a GID we can use.
  * why gets the reason when it is not. */
-static int add_device(struct ibv_context *ctx, uint8_t port, const struct in6_addr *want, char *why,
-                      size_t wlen) {
+static int add_device(rdma_transport *rt, struct ibv_context *ctx, uint8_t port, const struct in6_addr *want,
+                      char *why, size_t wlen) {
   const char *name = ibv_get_device_name(ctx->device);
   struct ibv_port_attr pa;
   struct ibv_device_attr da;
-  if (R->n_devs == MAX_DEVS) return snprintf(why, wlen, "more than %d devices", MAX_DEVS), -E2BIG;
+  if (rt->n_devs == MAX_DEVS) return snprintf(why, wlen, "more than %d devices", MAX_DEVS), -E2BIG;
   if (ibv_query_port(ctx, port, &pa) != 0 || ibv_query_device(ctx, &da) != 0)
     return snprintf(why, wlen, "%s port %u cannot be queried", name, port), -ENODEV;
   if (pa.state != IBV_PORT_ACTIVE)
     return snprintf(why, wlen, "%s port %u is not active", name, port), -ENODEV;
   if (pa.link_layer != IBV_LINK_LAYER_ETHERNET)
     return snprintf(why, wlen, "%s port %u is not RoCE (InfiniBand needs IPoIB support)", name, port), -ENODEV;
-  rdev *d = &R->devs[R->n_devs];
+  rdev *d = &rt->devs[rt->n_devs];
   memset(d, 0, sizeof(*d));
+  d->rt = rt;
   d->efd = d->epfd = -1;
   pthread_mutex_init(&d->lock, NULL);
   pthread_cond_init(&d->cond, NULL);
@@ -2824,11 +2841,11 @@ static int add_device(struct ibv_context *ctx, uint8_t port, const struct in6_ad
   gid_to_addr(d);
   d->max_cqe = (uint32_t)da.max_cqe;
   d->max_qp_wr = (uint32_t)da.max_qp_wr;
-  d->index = R->n_devs++;
+  d->index = rt->n_devs++;
   return 0;
 }
 
-static int open_named(const struct in6_addr *want, char *err, size_t errlen) {
+static int open_named(rdma_transport *rt, const struct in6_addr *want, char *err, size_t errlen) {
   char list[sizeof(kvfd.cfg.rdma_devices)];
   snprintf(list, sizeof(list), "%s", kvfd.cfg.rdma_devices);
   for (char *save = NULL, *w = strtok_r(list, ",", &save); w; w = strtok_r(NULL, ",", &save)) {
@@ -2836,25 +2853,26 @@ static int open_named(const struct in6_addr *want, char *err, size_t errlen) {
     uint8_t port = colon ? (uint8_t)atoi(colon + 1) : 1;
     if (colon) *colon = 0;
     struct ibv_context *ctx = NULL;
-    for (int i = 0; R->all[i]; i++)
-      if (strcmp(ibv_get_device_name(R->all[i]->device), w) == 0) ctx = R->all[i];
+    for (int i = 0; rt->all[i]; i++)
+      if (strcmp(ibv_get_device_name(rt->all[i]->device), w) == 0) ctx = rt->all[i];
     if (!ctx) return snprintf(err, errlen, "rdma-devices: no device named %s", w), -ENODEV;
     /* A named device need not carry our address: it may be a second rail. */
-    int rc = add_device(ctx, port, NULL, err, errlen);
+    int rc = add_device(rt, ctx, port, NULL, err, errlen);
     if (rc) return rc;
   }
   (void)want;
   return 0;
 }
 
-static int open_auto(const struct in6_addr *want, char *err, size_t errlen) {
+static int open_auto(rdma_transport *rt, const struct in6_addr *want, char *err, size_t errlen) {
   char why[160] = "no RDMA device has an active RoCE port";
-  for (int i = 0; R->all[i]; i++) {
+  for (int i = 0; rt->all[i]; i++) {
     struct ibv_device_attr da;
-    if (ibv_query_device(R->all[i], &da) != 0) continue;
-    for (uint8_t port = 1; port <= da.phys_port_cnt; port++) add_device(R->all[i], port, want, why, sizeof(why));
+    if (ibv_query_device(rt->all[i], &da) != 0) continue;
+    for (uint8_t port = 1; port <= da.phys_port_cnt; port++)
+      add_device(rt, rt->all[i], port, want, why, sizeof(why));
   }
-  if (R->n_devs) return 0;
+  if (rt->n_devs) return 0;
   char ip[INET6_ADDRSTRLEN] = "";
   if (want) inet_ntop(AF_INET6, want, ip, sizeof(ip));
   snprintf(err, errlen, "%s%s%s (set rdma-devices or rdma-listen)", want ? "no RoCE v2 GID for " : why,
@@ -2862,17 +2880,17 @@ static int open_auto(const struct in6_addr *want, char *err, size_t errlen) {
   return -ENODEV;
 }
 
-static int open_devices(char *err, size_t errlen) {
+static int open_devices(rdma_transport *rt, char *err, size_t errlen) {
   int n = 0;
-  R->all = rdma_get_devices(&n);
-  if (!R->all || n == 0) {
+  rt->all = rdma_get_devices(&n);
+  if (!rt->all || n == 0) {
     snprintf(err, errlen, "no RDMA device found");
     return -ENODEV;
   }
   struct in6_addr want;
   bool have = wanted_ip(&want);
-  if (kvfd.cfg.rdma_devices[0]) return open_named(have ? &want : NULL, err, errlen);
-  return open_auto(have ? &want : NULL, err, errlen);
+  if (kvfd.cfg.rdma_devices[0]) return open_named(rt, have ? &want : NULL, err, errlen);
+  return open_auto(rt, have ? &want : NULL, err, errlen);
 }
 
 static bool has_ipc_lock(void) {
@@ -2888,11 +2906,11 @@ static bool has_ipc_lock(void) {
 
 /* Each registration pins the pool again, counted against RLIMIT_MEMLOCK
  * unless we hold CAP_IPC_LOCK. */
-static int check_memlock(char *err, size_t errlen) {
+static int check_memlock(const rdma_transport *rt, char *err, size_t errlen) {
   uint64_t need = 0;
   for (size_t i = 0; i < kvfd.n_pools; i++) /* GPU memory pins no host pages */
     if (!kvf__pool_gpu(kvfd.pools[i])) need += kvfd.pools[i]->size;
-  need *= (uint64_t)R->n_devs;
+  need *= (uint64_t)rt->n_devs;
   struct rlimit rl;
   if (need == 0 || has_ipc_lock() || getrlimit(RLIMIT_MEMLOCK, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY ||
       rl.rlim_cur >= need)
@@ -2900,7 +2918,7 @@ static int check_memlock(char *err, size_t errlen) {
   snprintf(err, errlen,
            "RLIMIT_MEMLOCK is %llu bytes but registering the pools with %d device(s) pins %llu; set "
            "LimitMEMLOCK=infinity in the service (or ulimit -l unlimited), or grant CAP_IPC_LOCK",
-           (unsigned long long)rl.rlim_cur, R->n_devs, (unsigned long long)need);
+           (unsigned long long)rl.rlim_cur, rt->n_devs, (unsigned long long)need);
   return -ENOMEM;
 }
 
@@ -2911,12 +2929,12 @@ static bool access_ok(const char *path) { return access(path, F_OK) == 0; }
  * with nvidia-peermem loaded); p->nic_reg says which. NULL when neither. */
 /* With memory windows the pools take remote writes only through windows
  * bound on them; else through the pool's own rkey. */
-static int pool_access(void) {
-  return IBV_ACCESS_LOCAL_WRITE | (R->mw ? IBV_ACCESS_MW_BIND : IBV_ACCESS_REMOTE_WRITE);
+static int pool_access(const rdma_transport *rt) {
+  return IBV_ACCESS_LOCAL_WRITE | (rt->mw ? IBV_ACCESS_MW_BIND : IBV_ACCESS_REMOTE_WRITE);
 }
 
 static struct ibv_mr *register_gpu_pool(rdev *d, kvf__pool *p, char *why, size_t whylen) {
-  const int access = pool_access();
+  const int access = pool_access(d->rt);
   int fd = -1;
   uint64_t off = 0;
   int rc = kvf__pool_dmabuf(p, &fd, &off);
@@ -2966,7 +2984,7 @@ static int register_pools(rdev *d, char *err, size_t errlen) {
       continue;
     }
     snprintf(p->nic_reg, sizeof(p->nic_reg), "host");
-    d->mrs[i] = ibv_reg_mr(d->pd, p->base, p->size, pool_access());
+    d->mrs[i] = ibv_reg_mr(d->pd, p->base, p->size, pool_access(d->rt));
     if (!d->mrs[i]) {
       int e = errno;
       snprintf(err, errlen, "registering pool %s (%llu bytes) with %s failed: %s%s", p->name,
@@ -3001,18 +3019,18 @@ static void append(char *buf, size_t len, const char *fmt, ...) {
 }
 
 /* The one line that status, doctor and the start log give. */
-static void say_protection(void) {
+static void say_protection(rdma_transport *rt) {
   char weak[160] = "", unknown[160] = "";
-  for (int i = 0; R->mw && i < R->n_devs; i++) {
-    const rdev *d = &R->devs[i];
+  for (int i = 0; rt->mw && i < rt->n_devs; i++) {
+    const rdev *d = &rt->devs[i];
     if (d->mw_bounds == KVF__MW_BOUNDS_IGNORED) append(weak, sizeof(weak), "%s%s", weak[0] ? ", " : "", d->name);
     if (d->mw_bounds == KVF__MW_BOUNDS_UNKNOWN)
       append(unknown, sizeof(unknown), "%s%s (%s)", unknown[0] ? ", " : "", d->name, d->mw_check);
   }
-  char *p = R->protection;
-  size_t n = sizeof(R->protection);
-  if (!R->mw)
-    snprintf(p, n, "no memory windows (%s): a peer can write any byte of a registered pool at any time", R->mw_why);
+  char *p = rt->protection;
+  size_t n = sizeof(rt->protection);
+  if (!rt->mw)
+    snprintf(p, n, "no memory windows (%s): a peer can write any byte of a registered pool at any time", rt->mw_why);
   else if (weak[0])
     snprintf(p, n, "memory windows (type 2) per grant, but %s does not check a write against a window's bounds "
              "(tested at start): a peer can write any byte of the pools its open grants write to, while they are "
@@ -3026,11 +3044,11 @@ static void say_protection(void) {
 
 /* Type 2 windows of every device, and what each does with a write that
  * leaves one (a loopback test, before the pools are registered). */
-static int decide_windows(char *err, size_t errlen) {
+static int decide_windows(rdma_transport *rt, char *err, size_t errlen) {
   int mode = kvfd.cfg.rdma_memory_windows;
   char missing[200] = "";
-  for (int i = 0; mode != KVF__OFF && i < R->n_devs; i++) {
-    rdev *d = &R->devs[i];
+  for (int i = 0; mode != KVF__OFF && i < rt->n_devs; i++) {
+    rdev *d = &rt->devs[i];
     struct ibv_device_attr_ex ax;
     uint64_t f = ibv_query_device_ex(d->ctx, NULL, &ax) == 0
                      ? (uint64_t)ax.orig_attr.device_cap_flags | ax.device_cap_flags_ex
@@ -3043,21 +3061,22 @@ static int decide_windows(char *err, size_t errlen) {
     else if (d->mw_bounds == KVF__MW_BROKEN)
       append(missing, sizeof(missing), "%s%s: %s", missing[0] ? "; " : "", d->name, d->mw_check);
   }
-  R->mw = mode != KVF__OFF && !missing[0];
-  if (mode == KVF__OFF) snprintf(R->mw_why, sizeof(R->mw_why), "rdma-memory-windows off");
-  else snprintf(R->mw_why, sizeof(R->mw_why), "%s", missing);
-  if (mode == KVF__ON && !R->mw) {
+  rt->mw = mode != KVF__OFF && !missing[0];
+  if (mode == KVF__OFF) snprintf(rt->mw_why, sizeof(rt->mw_why), "rdma-memory-windows off");
+  else snprintf(rt->mw_why, sizeof(rt->mw_why), "%s", missing);
+  if (mode == KVF__ON && !rt->mw) {
     snprintf(err, errlen, "rdma-memory-windows on, but the devices cannot take them: %s", missing);
     return -EOPNOTSUPP;
   }
-  say_protection();
+  say_protection(rt);
   return 0;
 }
 
 static int start_listener(rdev *d, uint16_t port, char *err, size_t errlen) {
   struct sockaddr_storage a = d->addr;
   set_port(&a, port);
-  if (rdma_create_id(R->cm, &d->listener, d, RDMA_PS_TCP) != 0 ||
+  if (rdma_create_id(d->rt->cm, &d->listener, d, RDMA_PS_TCP) != 0 ||
+
       rdma_bind_addr(d->listener, (struct sockaddr *)&a) != 0 || rdma_listen(d->listener, 64) != 0) {
     int e = errno;
     snprintf(err, errlen, "CM listener of %s on %s port %u: %s", d->name, d->ip, port, strerror(e));
@@ -3090,33 +3109,40 @@ static int start_thread(rdev *d, char *err, size_t errlen) {
   return 0;
 }
 
-static int start_handles(void) {
-  uv_async_init(kvfd.loop, &R->async, on_async);
-  uv_poll_init(kvfd.loop, &R->cm_poll, R->cm->fd);
-  uv_poll_start(&R->cm_poll, UV_READABLE, on_cm_readable);
-  uv_timer_init(kvfd.loop, &R->sweep);
-  uv_timer_start(&R->sweep, on_sweep, 250, 250);
-  uv_unref((uv_handle_t *)&R->sweep);
-  uv_timer_init(kvfd.loop, &R->mw_timer);
-  for (int i = 0; i < R->n_devs; i++) {
-    rdev *d = &R->devs[i];
-    uv_poll_init(kvfd.loop, &d->async_poll, d->ctx->async_fd);
+static int start_handles(rdma_transport *rt) {
+  uv_loop_t *loop = rt->base.loop;
+  int rc = kvf__mailbox_init(&rt->mb, loop);
+  if (rc) return rc;
+  uv_poll_init(loop, &rt->cm_poll, rt->cm->fd);
+  uv_poll_start(&rt->cm_poll, UV_READABLE, on_cm_readable);
+  uv_timer_init(loop, &rt->sweep);
+  uv_timer_start(&rt->sweep, on_sweep, 250, 250);
+  uv_unref((uv_handle_t *)&rt->sweep);
+  uv_timer_init(loop, &rt->mw_timer);
+  for (int i = 0; i < rt->n_devs; i++) {
+    rdev *d = &rt->devs[i];
+    uv_poll_init(loop, &d->async_poll, d->ctx->async_fd);
     d->async_poll.data = d;
     uv_poll_start(&d->async_poll, UV_READABLE, on_dev_async);
     d->async_on = true;
   }
-  R->handles = true;
+  rt->handles = true;
   return 0;
 }
 
-/* Scrape-time gauges: queue pairs per peer and device, and the devices. */
+/* Scrape-time gauges: queue pairs per peer and device, and the devices.
+ * A collector takes no argument: the instance is the daemon's rdma
+ * transport, found by name (none once it is destroyed). */
 static void rdma_metrics(kvf__sbuf *b) {
+  kvf__transport *t = kvf__transport_find("rdma");
+  if (!t) return;
+  rdma_transport *rt = to_rdma(t);
   kvf__metrics_family(b, "kvferry_rdma_devices", "gauge", "RDMA devices in use.");
-  kvf__sb_printf(b, "kvferry_rdma_devices %d\n", R->n_devs);
+  kvf__sb_printf(b, "kvferry_rdma_devices %d\n", rt->n_devs);
   kvf__metrics_family(b, "kvferry_rdma_queue_pairs", "gauge",
                       "Connected RDMA queue pairs, by peer and local device.");
-  for (size_t i = 0; i < R->n_peers; i++) {
-    rpeer *rp = R->peers[i];
+  for (size_t i = 0; i < rt->n_peers; i++) {
+    rpeer *rp = rt->peers[i];
     for (int j = 0; rp && j < rp->n_links; j++) {
       rlink *lk = rp->links[j];
       if (!lk) continue;
@@ -3129,51 +3155,51 @@ static void rdma_metrics(kvf__sbuf *b) {
   }
 }
 
-static int start(char *err, size_t errlen) {
-  int rc = open_devices(err, errlen);
-  if (rc == 0) rc = check_memlock(err, errlen);
+static int start(rdma_transport *rt, char *err, size_t errlen) {
+  int rc = open_devices(rt, err, errlen);
+  if (rc == 0) rc = check_memlock(rt, err, errlen);
   if (rc) return rc;
   calibrate_clock();
-  R->pool_base = calloc(kvfd.n_pools ? kvfd.n_pools : 1, sizeof(*R->pool_base));
-  if (!R->pool_base) return -ENOMEM;
+  rt->pool_base = calloc(kvfd.n_pools ? kvfd.n_pools : 1, sizeof(*rt->pool_base));
+  if (!rt->pool_base) return -ENOMEM;
   for (size_t i = 0; i < kvfd.n_pools; i++) {
-    R->pool_base[i] = kvfd.pools[i]->base;
-    R->any_gpu |= kvf__pool_gpu(kvfd.pools[i]);
+    rt->pool_base[i] = kvfd.pools[i]->base;
+    rt->any_gpu |= kvf__pool_gpu(kvfd.pools[i]);
   }
-  for (int i = 0; rc == 0 && i < R->n_devs; i++) rc = setup_device(&R->devs[i], err, errlen);
-  if (rc == 0) rc = decide_windows(err, errlen);
-  for (int i = 0; rc == 0 && i < R->n_devs; i++) rc = register_pools(&R->devs[i], err, errlen);
+  for (int i = 0; rc == 0 && i < rt->n_devs; i++) rc = setup_device(&rt->devs[i], err, errlen);
+  if (rc == 0) rc = decide_windows(rt, err, errlen);
+  for (int i = 0; rc == 0 && i < rt->n_devs; i++) rc = register_pools(&rt->devs[i], err, errlen);
   if (rc) return rc;
-  R->cm = rdma_create_event_channel();
-  if (!R->cm || set_nonblock(R->cm->fd)) {
+  rt->cm = rdma_create_event_channel();
+  if (!rt->cm || set_nonblock(rt->cm->fd)) {
     snprintf(err, errlen, "cannot open the RDMA CM (rdma_ucm loaded?)");
     return -ENODEV;
   }
-  for (int i = 0; rc == 0 && i < R->n_devs; i++) rc = start_listener(&R->devs[i], kvfd.cfg.rdma_listen_port, err, errlen);
-  if (rc == 0) rc = start_handles();
-  for (int i = 0; rc == 0 && i < R->n_devs; i++) rc = start_thread(&R->devs[i], err, errlen);
-  if (rc == 0 && pthread_create(&R->reaper, NULL, reaper_main, NULL) != 0) {
+  for (int i = 0; rc == 0 && i < rt->n_devs; i++) rc = start_listener(&rt->devs[i], kvfd.cfg.rdma_listen_port, err, errlen);
+  if (rc == 0) rc = start_handles(rt);
+  for (int i = 0; rc == 0 && i < rt->n_devs; i++) rc = start_thread(&rt->devs[i], err, errlen);
+  if (rc == 0 && pthread_create(&rt->reaper, NULL, reaper_main, rt) != 0) {
     snprintf(err, errlen, "cannot start the reaper thread");
     rc = -EAGAIN;
   }
-  R->reaper_on = rc == 0;
+  rt->reaper_on = rc == 0;
   if (rc == 0) kvf__metrics_add_collector(rdma_metrics);
   return rc;
 }
 
 /* ------------------------------------------------------------ Hello */
 
-static int build_hello(void) {
-  size_t n = (size_t)R->n_devs * (kvfd.n_pools ? kvfd.n_pools : 1);
-  R->hmr = calloc(n, sizeof(*R->hmr));
-  R->hmr_ptr = calloc(n, sizeof(*R->hmr_ptr));
-  if (!R->hmr || !R->hmr_ptr) return -ENOMEM;
-  kvf__rdma_info__init(&R->info);
-  R->info.version = INFO_VERSION;
-  R->info.qps_per_peer = kvfd.cfg.rdma_qps_per_peer;
-  for (int i = 0; i < R->n_devs; i++) {
-    rdev *d = &R->devs[i];
-    Kvf__RdmaDevice *h = &R->hdev[i];
+static int build_hello(rdma_transport *rt) {
+  size_t n = (size_t)rt->n_devs * (kvfd.n_pools ? kvfd.n_pools : 1);
+  rt->hmr = calloc(n, sizeof(*rt->hmr));
+  rt->hmr_ptr = calloc(n, sizeof(*rt->hmr_ptr));
+  if (!rt->hmr || !rt->hmr_ptr) return -ENOMEM;
+  kvf__rdma_info__init(&rt->info);
+  rt->info.version = INFO_VERSION;
+  rt->info.qps_per_peer = kvfd.cfg.rdma_qps_per_peer;
+  for (int i = 0; i < rt->n_devs; i++) {
+    rdev *d = &rt->devs[i];
+    Kvf__RdmaDevice *h = &rt->hdev[i];
     kvf__rdma_device__init(h);
     h->name = d->name;
     h->port = d->port;
@@ -3182,28 +3208,29 @@ static int build_hello(void) {
     h->gid_index = d->gid_index;
     h->cm_addr = d->ip;
     h->cm_port = d->cm_port;
-    h->mrs = &R->hmr_ptr[(size_t)i * kvfd.n_pools];
+    h->mrs = &rt->hmr_ptr[(size_t)i * kvfd.n_pools];
     h->n_mrs = kvfd.n_pools;
     for (size_t k = 0; k < kvfd.n_pools; k++) {
-      Kvf__RdmaMr *m = &R->hmr[(size_t)i * kvfd.n_pools + k];
+      Kvf__RdmaMr *m = &rt->hmr[(size_t)i * kvfd.n_pools + k];
       kvf__rdma_mr__init(m);
       m->pool = (uint32_t)k;
       m->addr = (uint64_t)(uintptr_t)kvfd.pools[k]->base;
-      m->rkey = R->mw ? 0 : d->mrs[k]->rkey; /* windows: no pool-wide write access */
+      m->rkey = rt->mw ? 0 : d->mrs[k]->rkey; /* windows: no pool-wide write access */
       m->length = kvfd.pools[k]->size;
       h->mrs[k] = m;
     }
-    R->hdev_ptr[i] = h;
+    rt->hdev_ptr[i] = h;
   }
-  R->info.devices = R->hdev_ptr;
-  R->info.n_devices = (size_t)R->n_devs;
-  R->info.memory_windows = R->mw;
+  rt->info.devices = rt->hdev_ptr;
+  rt->info.n_devices = (size_t)rt->n_devs;
+  rt->info.memory_windows = rt->mw;
   return 0;
 }
 
 /* Where our devices listen and the rkeys of our pools on each. */
 static void rdma_hello(kvf__transport *t, Kvf__Hello *h) {
-  if (R->n_devs) h->rdma = &R->info;
+  rdma_transport *rt = to_rdma(t);
+  if (rt->n_devs) h->rdma = &rt->info;
 }
 
 /* ------------------------------------------------------------ status */
@@ -3236,7 +3263,7 @@ static void jb_str(jbuf *b, const char *s) {
 }
 
 static void inspect_device_windows(jbuf *b, const rdev *d) {
-  const char *use = R->mw                                        ? "type 2 in use"
+  const char *use = d->rt->mw                                        ? "type 2 in use"
                     : kvfd.cfg.rdma_memory_windows == KVF__OFF ? "off by config"
                     : d->mw2                                   ? "unusable"
                                                                : "not supported";
@@ -3246,28 +3273,28 @@ static void inspect_device_windows(jbuf *b, const rdev *d) {
 }
 
 /* The memory windows: in use or not, what that means, and how many. */
-static void inspect_windows(jbuf *b) {
+static void inspect_windows(jbuf *b, const rdma_transport *rt) {
   static const char *const modes[] = {"auto", "on", "off"};
-  bool enforced = R->mw;
-  for (int i = 0; i < R->n_devs; i++) enforced &= R->devs[i].mw_bounds == KVF__MW_BOUNDS_ENFORCED;
+  bool enforced = rt->mw;
+  for (int i = 0; i < rt->n_devs; i++) enforced &= rt->devs[i].mw_bounds == KVF__MW_BOUNDS_ENFORCED;
   size_t binding = 0;
-  for (rgrant *g = R->binding; g; g = g->next_b) binding++;
+  for (rgrant *g = rt->binding; g; g = g->next_b) binding++;
   jb(b, ", \"memory_windows\": {\"mode\": \"%s\", \"in_use\": %s, \"bounds_enforced\": %s, \"protection\": ",
-     modes[kvfd.cfg.rdma_memory_windows % 3], R->mw ? "true" : "false", enforced ? "true" : "false");
-  jb_str(b, R->protection);
+     modes[kvfd.cfg.rdma_memory_windows % 3], rt->mw ? "true" : "false", enforced ? "true" : "false");
+  jb_str(b, rt->protection);
   jb(b, ", \"max_per_grant\": %u, \"live\": %llu, \"bound\": %llu, \"grants\": %llu, \"binding\": %zu, "
         "\"merged_grants\": %llu, \"failed_grants\": %llu, \"bind_us_per_window\": %.2f, "
         "\"last_grant_windows\": %zu, \"last_bind_ms\": %.3f, \"lookups\": %llu, \"searches\": %llu}",
-     kvfd.cfg.rdma_mw_max_windows, (unsigned long long)R->mw_live, (unsigned long long)R->mw_bound,
-     (unsigned long long)R->mw_grants, binding, (unsigned long long)R->mw_merged, (unsigned long long)R->mw_failed,
-     per(R->mw_bind_ns, R->mw_bound) / 1000.0, R->last_win, (double)R->last_bind_ns / 1e6,
-     (unsigned long long)R->mw_lookups, (unsigned long long)R->mw_searches);
+     kvfd.cfg.rdma_mw_max_windows, (unsigned long long)rt->mw_live, (unsigned long long)rt->mw_bound,
+     (unsigned long long)rt->mw_grants, binding, (unsigned long long)rt->mw_merged, (unsigned long long)rt->mw_failed,
+     per(rt->mw_bind_ns, rt->mw_bound) / 1000.0, rt->last_win, (double)rt->last_bind_ns / 1e6,
+     (unsigned long long)rt->mw_lookups, (unsigned long long)rt->mw_searches);
 }
 
-static void inspect_devices(jbuf *b) {
+static void inspect_devices(jbuf *b, const rdma_transport *rt) {
   jb(b, "\"devices\": [");
-  for (int i = 0; i < R->n_devs; i++) {
-    rdev *d = &R->devs[i];
+  for (int i = 0; i < rt->n_devs; i++) {
+    const rdev *d = &rt->devs[i];
     struct ibv_port_attr pa;
     const char *state = ibv_query_port(d->ctx, d->port, &pa) == 0 && pa.state == IBV_PORT_ACTIVE ? "active" : "down";
     char gid[INET6_ADDRSTRLEN];
@@ -3285,10 +3312,10 @@ static void inspect_devices(jbuf *b) {
   jb(b, "]");
 }
 
-static void inspect_peers(jbuf *b) {
+static void inspect_peers(jbuf *b, const rdma_transport *rt) {
   jb(b, ", \"peers\": [");
-  for (size_t i = 0; i < R->n_peers; i++) {
-    rpeer *rp = R->peers[i];
+  for (size_t i = 0; i < rt->n_peers; i++) {
+    rpeer *rp = rt->peers[i];
     jb(b, "%s{\"name\": \"%s\", \"resets\": %u, \"qps\": [", i ? ", " : "", peer_name(rp), rp->resets);
     int k = 0;
     for (int l = 0; l < rp->n_links; l++) {
@@ -3309,53 +3336,40 @@ static void inspect_peers(jbuf *b) {
 /* The posting cost: on the loop (ticket, slicing, checks) per run, in the
  * progress threads (building work requests, then ibv_post_send, which on
  * soft-RoCE also runs the emulated NIC) per work request. */
-static void inspect_post(jbuf *b) {
+static void inspect_post(jbuf *b, const rdma_transport *rt) {
   uint64_t wrs = 0, build = 0, bell = 0;
-  for (int i = 0; i < R->n_devs; i++) {
-    wrs += atomic_load(&R->devs[i].wrs);
-    build += atomic_load(&R->devs[i].build_ns);
-    bell += atomic_load(&R->devs[i].bell_ns);
+  for (int i = 0; i < rt->n_devs; i++) {
+    wrs += atomic_load(&rt->devs[i].wrs);
+    build += atomic_load(&rt->devs[i].build_ns);
+    bell += atomic_load(&rt->devs[i].bell_ns);
   }
   jb(b, ", \"post\": {\"calls\": %llu, \"runs\": %llu, \"work_requests\": %llu, \"loop_ns_per_run\": %.1f, "
         "\"build_ns_per_wr\": %.1f, \"doorbell_ns_per_wr\": %.1f, \"last_work_requests\": %llu, "
         "\"last_loop_ns_per_wr\": %.1f, \"last_build_ns_per_wr\": %.1f, \"last_doorbell_ns_per_wr\": %.1f}",
-     (unsigned long long)R->posts, (unsigned long long)R->post_runs, (unsigned long long)wrs,
-     per(R->post_ns, R->post_runs), per(build, wrs), per(bell, wrs), (unsigned long long)R->last_wrs,
-     per(R->last_loop_ns, R->last_wrs), per(R->last_build_ns, R->last_wrs), per(R->last_bell_ns, R->last_wrs));
+     (unsigned long long)rt->posts, (unsigned long long)rt->post_runs, (unsigned long long)wrs,
+     per(rt->post_ns, rt->post_runs), per(build, wrs), per(bell, wrs), (unsigned long long)rt->last_wrs,
+     per(rt->last_loop_ns, rt->last_wrs), per(rt->last_build_ns, rt->last_wrs), per(rt->last_bell_ns, rt->last_wrs));
 }
 
 static void rdma_inspect(kvf__transport *t, char *buf, size_t len) {
+  const rdma_transport *rt = to_rdma(t);
   jbuf b = {buf, len, 0};
   if (len) buf[0] = 0;
   jb(&b, "\"name\": \"rdma\", \"qps_per_peer\": %u, \"queue_depth\": %u, \"slice\": %u, \"inline\": %u, ",
      kvfd.cfg.rdma_qps_per_peer, kvfd.cfg.rdma_queue_depth, kvfd.cfg.rdma_slice, kvfd.cfg.rdma_inline);
-  inspect_devices(&b);
-  inspect_peers(&b);
-  inspect_post(&b);
+  inspect_devices(&b, rt);
+  inspect_peers(&b, rt);
+  inspect_post(&b, rt);
   size_t parked_n = 0;
-  for (parked *pk = R->parked; pk; pk = pk->next) parked_n++;
-  jb(&b, ", \"open_grants\": %zu, \"parked_requests\": %zu", R->grants.n, parked_n);
-  inspect_windows(&b);
+  for (parked *pk = rt->parked; pk; pk = pk->next) parked_n++;
+  jb(&b, ", \"open_grants\": %zu, \"parked_requests\": %zu", rt->grants.n, parked_n);
+  inspect_windows(&b, rt);
 }
 
-static const char *rdma_protection(kvf__transport *t) { return R->protection; }
+static const char *rdma_protection(kvf__transport *t) { return to_rdma(t)->protection; }
+
 
 /* ------------------------------------------------------------ teardown */
-
-static void stop_device(rdev *d) {
-  if (d->started) {
-    send_cmd(d, CMD_STOP, NULL);
-    pthread_join(d->thr, NULL);
-    d->started = false;
-  }
-  if (d->listener) rdma_destroy_id(d->listener);
-  d->listener = NULL;
-  if (d->async_on) {
-    uv_poll_stop(&d->async_poll);
-    uv_close((uv_handle_t *)&d->async_poll, NULL);
-    d->async_on = false;
-  }
-}
 
 static void free_device(rdev *d) {
   for (size_t i = 0; d->mrs && i < kvfd.n_pools; i++)
@@ -3371,61 +3385,91 @@ static void free_device(rdev *d) {
 }
 
 /* Before the PDs go: every window deallocated. */
-static void free_grants(void) {
-  for (size_t i = 0; i < R->grants.nb; i++)
-    for (kvf__map_ent *e = R->grants.b[i]; e; e = e->next)
+static void free_grants(rdma_transport *rt) {
+  for (size_t i = 0; i < rt->grants.nb; i++)
+    for (kvf__map_ent *e = rt->grants.b[i]; e; e = e->next)
       if (mw_release(e->val)) free(e->val);
-  kvf__map_free(&R->grants);
-  while (R->zombies) {
-    rgrant *g = R->zombies;
-    R->zombies = g->next_b;
+  kvf__map_free(&rt->grants);
+  while (rt->zombies) {
+    rgrant *g = rt->zombies;
+    rt->zombies = g->next_b;
     free(g);
+  }
+}
+
+static void stop_reaper(rdma_transport *rt) {
+  if (!rt->reaper_on) return;
+  pthread_mutex_lock(&rt->reap_lock);
+  rt->reaper_stop = true;
+  pthread_cond_signal(&rt->reap_cond);
+  pthread_mutex_unlock(&rt->reap_lock);
+  pthread_join(rt->reaper, NULL); /* it destroys what is queued first */
+  rt->reaper_on = false;
+}
+
+/* The instance is freed once its teardown is over and every handle it
+ * closed is closed: libuv touches a handle until its close callback ran. */
+static void unref(rdma_transport *rt) {
+  if (--rt->closing == 0) free(rt);
+}
+
+static void on_closed(uv_handle_t *h) { unref(h->data); }
+static void on_mailbox_closed(kvf__mailbox *mb) { unref(kvf__container_of(mb, rdma_transport, mb)); }
+
+static void close_handle(rdma_transport *rt, uv_handle_t *h) {
+  h->data = rt;
+  rt->closing++;
+  uv_close(h, on_closed);
+}
+
+static void stop_device(rdev *d) {
+  if (d->started) {
+    send_cmd(d, CMD_STOP, NULL);
+    pthread_join(d->thr, NULL);
+    d->started = false;
+  }
+  if (d->listener) rdma_destroy_id(d->listener);
+  d->listener = NULL;
+  if (d->async_on) {
+    uv_poll_stop(&d->async_poll);
+    close_handle(d->rt, (uv_handle_t *)&d->async_poll);
+    d->async_on = false;
   }
 }
 
 /* Everything, in the order the libraries need: threads off the QPs, QPs and
  * ids before the event channel, MRs before the PD. */
-static void stop_reaper(void) {
-  if (!R->reaper_on) return;
-  pthread_mutex_lock(&R->reap_lock);
-  R->reaper_stop = true;
-  pthread_cond_signal(&R->reap_cond);
-  pthread_mutex_unlock(&R->reap_lock);
-  pthread_join(R->reaper, NULL); /* it destroys what is queued first */
-  R->reaper_on = false;
-}
-
-static void teardown(void) {
-  while (R->n_peers) rdma_peer_down(&R->base, R->peers[0]->p);
-  stop_reaper();
-  sweep_parked(NULL, true);
-  for (int i = 0; i < R->n_devs; i++) stop_device(&R->devs[i]);
-  if (R->handles) {
-    uv_poll_stop(&R->cm_poll);
-    uv_close((uv_handle_t *)&R->cm_poll, NULL);
-    on_async(&R->async); /* deliver what is left */
-    uv_close((uv_handle_t *)&R->async, NULL);
-    uv_timer_stop(&R->sweep);
-    uv_close((uv_handle_t *)&R->sweep, NULL);
-    uv_timer_stop(&R->mw_timer);
-    uv_close((uv_handle_t *)&R->mw_timer, NULL);
-    R->handles = false;
+static void teardown(rdma_transport *rt) {
+  while (rt->n_peers) rdma_peer_down(&rt->base, rt->peers[0]->p);
+  stop_reaper(rt);
+  sweep_parked(rt, NULL, true);
+  for (int i = 0; i < rt->n_devs; i++) stop_device(&rt->devs[i]);
+  if (rt->handles) {
+    uv_poll_stop(&rt->cm_poll);
+    close_handle(rt, (uv_handle_t *)&rt->cm_poll);
+    rt->closing++;
+    kvf__mailbox_close(&rt->mb, on_mailbox_closed); /* delivers what is left first */
+    uv_timer_stop(&rt->sweep);
+    close_handle(rt, (uv_handle_t *)&rt->sweep);
+    uv_timer_stop(&rt->mw_timer);
+    close_handle(rt, (uv_handle_t *)&rt->mw_timer);
+    rt->handles = false;
   }
-  free_grants();
-  for (int i = 0; i < R->n_devs; i++) free_device(&R->devs[i]);
-  if (R->cm) rdma_destroy_event_channel(R->cm);
-  if (R->all) rdma_free_devices(R->all);
-  free(R->pool_base);
-  free(R->hmr);
-  free(R->hmr_ptr);
-  pthread_mutex_destroy(&R->ev_lock);
-  pthread_mutex_destroy(&R->reap_lock);
-  pthread_cond_destroy(&R->reap_cond);
+  free_grants(rt);
+  for (int i = 0; i < rt->n_devs; i++) free_device(&rt->devs[i]);
+  if (rt->cm) rdma_destroy_event_channel(rt->cm);
+  if (rt->all) rdma_free_devices(rt->all);
+  free(rt->pool_base);
+  free(rt->hmr);
+  free(rt->hmr_ptr);
+  pthread_mutex_destroy(&rt->reap_lock);
+  pthread_cond_destroy(&rt->reap_cond);
 }
 
 static void rdma_destroy(kvf__transport *t) {
-  teardown();
-  R = NULL;
+  rdma_transport *rt = to_rdma(t);
+  teardown(rt);
+  unref(rt);
 }
 
 static const kvf__transport_ops rdma_ops = {
@@ -3445,32 +3489,31 @@ static const kvf__transport_ops rdma_ops = {
     .destroy = rdma_destroy,
 };
 
-static void log_devices(void) {
-  for (int i = 0; i < R->n_devs; i++) {
-    rdev *d = &R->devs[i];
+static void log_devices(const rdma_transport *rt) {
+  for (int i = 0; i < rt->n_devs; i++) {
+    const rdev *d = &rt->devs[i];
     kvf__info("rdma: device %s port %u, GID[%u] %s, CM listening on %s:%u, %zu pool(s) registered", d->name,
               d->port, d->gid_index, d->ip, d->ip, d->cm_port, kvfd.n_pools);
   }
-  if (R->mw) kvf__info("rdma: writes: %s", R->protection);
-  else kvf__warn("rdma: writes: %s", R->protection);
+  if (rt->mw) kvf__info("rdma: writes: %s", rt->protection);
+  else kvf__warn("rdma: writes: %s", rt->protection);
 }
 
 int kvf__rdma_create(uv_loop_t *loop, unsigned slot, kvf__transport **out, char *err, size_t errlen) {
-  static rdma_transport rt;
-  memset(&rt, 0, sizeof(rt));
-  R = &rt;
-  kvf__transport_init(&rt.base, &rdma_ops, loop, slot);
-  pthread_mutex_init(&rt.ev_lock, NULL);
-  pthread_mutex_init(&rt.reap_lock, NULL);
-  pthread_cond_init(&rt.reap_cond, NULL);
-  int rc = start(err, errlen);
-  if (rc == 0) rc = build_hello();
+  rdma_transport *rt = calloc(1, sizeof(*rt));
+  if (!rt) return -ENOMEM;
+  rt->closing = 1; /* the instance's own, dropped by destroy */
+  kvf__transport_init(&rt->base, &rdma_ops, loop, slot);
+  pthread_mutex_init(&rt->reap_lock, NULL);
+  pthread_cond_init(&rt->reap_cond, NULL);
+  int rc = start(rt, err, errlen);
+  if (rc == 0) rc = build_hello(rt);
   if (rc) {
-    teardown();
-    R = NULL;
+    teardown(rt);
+    unref(rt);
     return rc;
   }
-  log_devices();
-  *out = &rt.base;
+  log_devices(rt);
+  *out = &rt->base;
   return 0;
 }
