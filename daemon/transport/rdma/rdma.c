@@ -59,7 +59,7 @@ static int start_handles(rdma_transport *rt) {
   uv_timer_init(loop, &rt->sweep);
   uv_timer_start(&rt->sweep, kvf__rdma_on_sweep, 250, 250);
   uv_unref((uv_handle_t *)&rt->sweep);
-  uv_timer_init(loop, &rt->mw_timer);
+  uv_timer_init(loop, &rt->mw.timer);
   for (int i = 0; i < rt->n_devs; i++) {
     rdev *d = &rt->devs[i];
     uv_poll_init(loop, &d->async_poll, d->ctx->async_fd);
@@ -94,11 +94,11 @@ static int start(rdma_transport *rt, char *err, size_t errlen) {
   for (int i = 0; rc == 0 && i < rt->n_devs; i++) rc = kvf__rdma_start_listener(&rt->devs[i], kvfd.cfg.rdma_listen_port, err, errlen);
   if (rc == 0) rc = start_handles(rt);
   for (int i = 0; rc == 0 && i < rt->n_devs; i++) rc = kvf__rdma_start_thread(&rt->devs[i], err, errlen);
-  if (rc == 0 && pthread_create(&rt->reaper, NULL, kvf__rdma_reaper_main, rt) != 0) {
+  if (rc == 0 && pthread_create(&rt->reaper.thr, NULL, kvf__rdma_reaper_main, rt) != 0) {
     snprintf(err, errlen, "cannot start the reaper thread");
     rc = -EAGAIN;
   }
-  rt->reaper_on = rc == 0;
+  rt->reaper.on = rc == 0;
   if (rc == 0) kvf__metrics_add_collector(kvf__rdma_metrics);
   return rc;
 }
@@ -107,13 +107,13 @@ static const char *rdma_protection(kvf__transport *t) { return to_rdma(t)->prote
 
 
 static void stop_reaper(rdma_transport *rt) {
-  if (!rt->reaper_on) return;
-  pthread_mutex_lock(&rt->reap_lock);
-  rt->reaper_stop = true;
-  pthread_cond_signal(&rt->reap_cond);
-  pthread_mutex_unlock(&rt->reap_lock);
-  pthread_join(rt->reaper, NULL); /* it destroys what is queued first */
-  rt->reaper_on = false;
+  if (!rt->reaper.on) return;
+  pthread_mutex_lock(&rt->reaper.lock);
+  rt->reaper.stop = true;
+  pthread_cond_signal(&rt->reaper.cond);
+  pthread_mutex_unlock(&rt->reaper.lock);
+  pthread_join(rt->reaper.thr, NULL); /* it destroys what is queued first */
+  rt->reaper.on = false;
 }
 
 /* The instance is freed once its teardown is over and every handle it
@@ -160,8 +160,8 @@ static void teardown(rdma_transport *rt) {
     kvf__mailbox_close(&rt->mb, on_mailbox_closed); /* delivers what is left first */
     uv_timer_stop(&rt->sweep);
     close_handle(rt, (uv_handle_t *)&rt->sweep);
-    uv_timer_stop(&rt->mw_timer);
-    close_handle(rt, (uv_handle_t *)&rt->mw_timer);
+    uv_timer_stop(&rt->mw.timer);
+    close_handle(rt, (uv_handle_t *)&rt->mw.timer);
     rt->handles = false;
   }
   kvf__rdma_free_grants(rt);
@@ -169,10 +169,10 @@ static void teardown(rdma_transport *rt) {
   if (rt->cm) rdma_destroy_event_channel(rt->cm);
   if (rt->all) rdma_free_devices(rt->all);
   free(rt->pool_base);
-  free(rt->hmr);
-  free(rt->hmr_ptr);
-  pthread_mutex_destroy(&rt->reap_lock);
-  pthread_cond_destroy(&rt->reap_cond);
+  free(rt->hello.mr);
+  free(rt->hello.mr_ptr);
+  pthread_mutex_destroy(&rt->reaper.lock);
+  pthread_cond_destroy(&rt->reaper.cond);
 }
 
 static void rdma_destroy(kvf__transport *t) {
@@ -204,7 +204,7 @@ static void log_devices(const rdma_transport *rt) {
     kvf__info("rdma: device %s port %u, GID[%u] %s, CM listening on %s:%u, %zu pool(s) registered", d->name,
               d->port, d->gid_index, d->ip, d->ip, d->cm_port, kvfd.n_pools);
   }
-  if (rt->mw) kvf__info("rdma: writes: %s", rt->protection);
+  if (rt->mw.on) kvf__info("rdma: writes: %s", rt->protection);
   else kvf__warn("rdma: writes: %s", rt->protection);
 }
 
@@ -213,8 +213,8 @@ int kvf__rdma_create(uv_loop_t *loop, unsigned slot, kvf__transport **out, char 
   if (!rt) return -ENOMEM;
   rt->closing = 1; /* the instance's own, dropped by destroy */
   kvf__transport_init(&rt->base, &rdma_ops, loop, slot);
-  pthread_mutex_init(&rt->reap_lock, NULL);
-  pthread_cond_init(&rt->reap_cond, NULL);
+  pthread_mutex_init(&rt->reaper.lock, NULL);
+  pthread_cond_init(&rt->reaper.cond, NULL);
   int rc = start(rt, err, errlen);
   if (rc == 0) rc = kvf__rdma_build_hello(rt);
   if (rc) {

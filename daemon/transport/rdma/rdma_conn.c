@@ -447,17 +447,17 @@ static void destroy_link(rlink *lk) {
 
 void *kvf__rdma_reaper_main(void *arg) {
   rdma_transport *rt = arg;
-  pthread_mutex_lock(&rt->reap_lock);
+  pthread_mutex_lock(&rt->reaper.lock);
   for (;;) {
-    while (!rt->reap_head && !rt->reaper_stop) pthread_cond_wait(&rt->reap_cond, &rt->reap_lock);
-    rlink *lk = rt->reap_head;
+    while (!rt->reaper.head && !rt->reaper.stop) pthread_cond_wait(&rt->reaper.cond, &rt->reaper.lock);
+    rlink *lk = rt->reaper.head;
     if (!lk) break;
-    rt->reap_head = lk->next;
-    pthread_mutex_unlock(&rt->reap_lock);
+    rt->reaper.head = lk->next;
+    pthread_mutex_unlock(&rt->reaper.lock);
     destroy_link(lk);
-    pthread_mutex_lock(&rt->reap_lock);
+    pthread_mutex_lock(&rt->reaper.lock);
   }
-  pthread_mutex_unlock(&rt->reap_lock);
+  pthread_mutex_unlock(&rt->reaper.lock);
   return NULL;
 }
 
@@ -474,15 +474,15 @@ static void reap_link(rlink *lk) {
   }
   if (lk->bcq) kvf__rdma_mw_forget_link(lk);
   if (lk->cq) lk->cq->cq_context = NULL;
-  if (!rt->reaper_on) {
+  if (!rt->reaper.on) {
     destroy_link(lk);
     return;
   }
-  pthread_mutex_lock(&rt->reap_lock);
-  lk->next = rt->reap_head;
-  rt->reap_head = lk;
-  pthread_cond_signal(&rt->reap_cond);
-  pthread_mutex_unlock(&rt->reap_lock);
+  pthread_mutex_lock(&rt->reaper.lock);
+  lk->next = rt->reaper.head;
+  rt->reaper.head = lk;
+  pthread_cond_signal(&rt->reaper.cond);
+  pthread_mutex_unlock(&rt->reaper.lock);
 }
 
 /* Completes every ticket of rp with KVF_EPEERLOST for what never ran; what
@@ -565,7 +565,7 @@ static int make_cq(rlink *lk, const Kvf__RdmaInfo *ri) {
   lk->cq = ibv_create_cq(d->ctx, (int)(qps * (depth + 1)), lk, d->ch, 0);
   if (!lk->cq) return -errno;
   const rdma_transport *rt = lk->rp->rt;
-  if (!rt->mw) return 0;
+  if (!rt->mw.on) return 0;
   /* Binds: every accepted QP's send queue, flushed whole on an error. */
   uint32_t acc = (ri->qps_per_peer ? ri->qps_per_peer : lk->n_out) *
                  (uint32_t)((ri->n_devices + (size_t)rt->n_devs - 1) / (size_t)rt->n_devs);
@@ -719,15 +719,15 @@ void kvf__rdma_on_sweep(uv_timer_t *tm) {
 
 int kvf__rdma_build_hello(rdma_transport *rt) {
   size_t n = (size_t)rt->n_devs * (kvfd.n_pools ? kvfd.n_pools : 1);
-  rt->hmr = calloc(n, sizeof(*rt->hmr));
-  rt->hmr_ptr = calloc(n, sizeof(*rt->hmr_ptr));
-  if (!rt->hmr || !rt->hmr_ptr) return -ENOMEM;
-  kvf__rdma_info__init(&rt->info);
-  rt->info.version = INFO_VERSION;
-  rt->info.qps_per_peer = kvfd.cfg.rdma_qps_per_peer;
+  rt->hello.mr = calloc(n, sizeof(*rt->hello.mr));
+  rt->hello.mr_ptr = calloc(n, sizeof(*rt->hello.mr_ptr));
+  if (!rt->hello.mr || !rt->hello.mr_ptr) return -ENOMEM;
+  kvf__rdma_info__init(&rt->hello.info);
+  rt->hello.info.version = INFO_VERSION;
+  rt->hello.info.qps_per_peer = kvfd.cfg.rdma_qps_per_peer;
   for (int i = 0; i < rt->n_devs; i++) {
     rdev *d = &rt->devs[i];
-    Kvf__RdmaDevice *h = &rt->hdev[i];
+    Kvf__RdmaDevice *h = &rt->hello.dev[i];
     kvf__rdma_device__init(h);
     h->name = d->name;
     h->port = d->port;
@@ -736,28 +736,28 @@ int kvf__rdma_build_hello(rdma_transport *rt) {
     h->gid_index = d->gid_index;
     h->cm_addr = d->ip;
     h->cm_port = d->cm_port;
-    h->mrs = &rt->hmr_ptr[(size_t)i * kvfd.n_pools];
+    h->mrs = &rt->hello.mr_ptr[(size_t)i * kvfd.n_pools];
     h->n_mrs = kvfd.n_pools;
     for (size_t k = 0; k < kvfd.n_pools; k++) {
-      Kvf__RdmaMr *m = &rt->hmr[(size_t)i * kvfd.n_pools + k];
+      Kvf__RdmaMr *m = &rt->hello.mr[(size_t)i * kvfd.n_pools + k];
       kvf__rdma_mr__init(m);
       m->pool = (uint32_t)k;
       m->addr = (uint64_t)(uintptr_t)kvfd.pools[k]->base;
-      m->rkey = rt->mw ? 0 : d->mrs[k]->rkey; /* windows: no pool-wide write access */
+      m->rkey = rt->mw.on ? 0 : d->mrs[k]->rkey; /* windows: no pool-wide write access */
       m->length = kvfd.pools[k]->size;
       h->mrs[k] = m;
     }
-    rt->hdev_ptr[i] = h;
+    rt->hello.dev_ptr[i] = h;
   }
-  rt->info.devices = rt->hdev_ptr;
-  rt->info.n_devices = (size_t)rt->n_devs;
-  rt->info.memory_windows = rt->mw;
+  rt->hello.info.devices = rt->hello.dev_ptr;
+  rt->hello.info.n_devices = (size_t)rt->n_devs;
+  rt->hello.info.memory_windows = rt->mw.on;
   return 0;
 }
 
 /* Where our devices listen and the rkeys of our pools on each. */
 void kvf__rdma_hello(kvf__transport *t, Kvf__Hello *h) {
   rdma_transport *rt = to_rdma(t);
-  if (rt->n_devs) h->rdma = &rt->info;
+  if (rt->n_devs) h->rdma = &rt->hello.info;
 }
 

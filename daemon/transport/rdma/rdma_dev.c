@@ -267,7 +267,7 @@ static bool access_ok(const char *path) { return access(path, F_OK) == 0; }
 /* With memory windows the pools take remote writes only through windows
  * bound on them; else through the pool's own rkey. */
 static int pool_access(const rdma_transport *rt) {
-  return IBV_ACCESS_LOCAL_WRITE | (rt->mw ? IBV_ACCESS_MW_BIND : IBV_ACCESS_REMOTE_WRITE);
+  return IBV_ACCESS_LOCAL_WRITE | (rt->mw.on ? IBV_ACCESS_MW_BIND : IBV_ACCESS_REMOTE_WRITE);
 }
 
 static struct ibv_mr *register_gpu_pool(rdev *d, kvf__pool *p, char *why, size_t whylen) {

@@ -303,7 +303,7 @@ typedef struct rgrant {
   bool restart;                 /* a QP failed under the binds: start over */
   unsigned tries;
   uint64_t since_ns;
-  struct rgrant *next_b;        /* rt->binding, or rt->zombies once closed */
+  struct rgrant *next_b;        /* rt->mw.binding, or rt->mw.zombies once closed */
 } rgrant;
 
 /* Bind work requests posted in one call; the last one's wr_id. */
@@ -332,54 +332,68 @@ typedef struct cm_ev {
   size_t priv_len;
 } cm_ev;
 
+/* The instance: reached from the kvf__transport every op gets (to_rdma).
+ * Loop-owned unless a field says otherwise. */
 struct rdma_transport {
   kvf__transport base;
+  /* devices (rdma_dev.c) */
   rdev devs[MAX_DEVS];
   int n_devs;
-  struct ibv_context **all;
-  struct rdma_event_channel *cm;
-  uv_poll_t cm_poll;
-  kvf__mailbox mb;              /* threads -> loop: tevents, tickets */
-  uv_timer_t sweep;
-  bool handles;
-  unsigned closing;             /* handles whose close callback is still due */
-  rpeer *peers[KVF__MAX_PEERS_CFG]; /* every peer up, for the sweeps (each also in its peer's slot) */
-  size_t n_peers;
-  kvf__map grants;              /* "%08x" token -> rgrant */
-  parked *parked;
-  ticket *live;
-  uint64_t gen;
+  struct ibv_context **all;     /* librdmacm's device list */
   uint8_t **pool_base;          /* pool memory, by pool id */
   bool any_gpu;                 /* some pool of ours is GPU memory */
+  /* connections (rdma_conn.c) */
+  struct rdma_event_channel *cm;
+  uv_poll_t cm_poll;
+  uv_timer_t sweep;
+  rpeer *peers[KVF__MAX_PEERS_CFG]; /* every peer up, for the sweeps (each also in its peer's slot) */
+  size_t n_peers;
+  uint64_t gen;                 /* incarnations of peers' data paths */
+  parked *parked;
+  kvf__map grants;              /* "%08x" token -> rgrant */
   /* The reaper destroys dead links' QPs, ids and CQs: with the path gone
    * rdma_destroy_id can block for seconds, which the loop must not. */
-  pthread_t reaper;
-  bool reaper_on, reaper_stop;
-  pthread_mutex_t reap_lock;
-  pthread_cond_t reap_cond;
-  rlink *reap_head;
-  Kvf__RdmaInfo info;
-  Kvf__RdmaDevice hdev[MAX_DEVS];
-  Kvf__RdmaDevice *hdev_ptr[MAX_DEVS];
-  Kvf__RdmaMr *hmr;
-  Kvf__RdmaMr **hmr_ptr;
-  /* loop-side counters of the posting cost */
-  uint64_t posts, post_runs, post_ns;
-  /* the last finished transfer's posting cost, summed over its tickets
-   * (a chained send posts one per frame) */
-  uint64_t last_wrs, last_loop_ns, last_build_ns, last_bell_ns;
-  /* memory windows (loop) */
-  bool mw;                      /* in use: pools take no remote writes but through them */
-  char mw_why[200];             /* why not, when not */
+  struct {
+    pthread_t thr;
+    bool on, stop;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    rlink *head;                /* links to destroy (lock) */
+  } reaper;
+  /* our Hello's rdma part, pointing into devs (kvf__rdma_build_hello) */
+  struct {
+    Kvf__RdmaInfo info;
+    Kvf__RdmaDevice dev[MAX_DEVS];
+    Kvf__RdmaDevice *dev_ptr[MAX_DEVS];
+    Kvf__RdmaMr *mr;            /* n_devs x pools */
+    Kvf__RdmaMr **mr_ptr;
+  } hello;
+  /* posting (rdma_post.c) */
+  kvf__mailbox mb;              /* threads -> loop: tevents, tickets */
+  ticket *live;                 /* tickets not yet called back */
+  struct {
+    uint64_t calls, runs, ns;   /* loop-side cost of ops->post */
+    /* the last finished transfer's posting cost, summed over its tickets
+     * (a chained send posts one per frame) */
+    uint64_t last_wrs, last_loop_ns, last_build_ns, last_bell_ns;
+  } post;
+  /* memory windows (rdma_mw.c) */
   char protection[400];         /* one line for status, doctor and the log */
-  rgrant *binding;              /* grants whose windows are being bound */
-  rgrant *zombies;              /* closed grants with binds still in flight */
-  uv_timer_t mw_timer;
-  bool mw_timer_on;
-  uint64_t mw_live, mw_bound, mw_grants, mw_merged, mw_failed, mw_bind_ns;
-  uint64_t mw_lookups, mw_searches;  /* sender: runs' windows looked up; of those, not by window_of */
-  size_t last_win;
-  uint64_t last_bind_ns;
+  struct {
+    bool on;                    /* in use: pools take no remote writes but through them */
+    char why[200];              /* why not, when not */
+    rgrant *binding;            /* grants whose windows are being bound */
+    rgrant *zombies;            /* closed grants with binds still in flight */
+    uv_timer_t timer;
+    bool timer_on;
+    uint64_t live, bound, grants, merged, failed, bind_ns;
+    uint64_t lookups, searches; /* sender: runs' windows looked up; of those, not by window_of */
+    size_t last_win;
+    uint64_t last_bind_ns;
+  } mw;
+  /* lifetime (rdma.c) */
+  bool handles;                 /* the handles above are initialised */
+  unsigned closing;             /* references: the instance's own, and handles whose close callback is due */
 };
 
 /* ------------------------------------------------------------ small helpers */

@@ -480,8 +480,8 @@ int kvf__rdma_ticket_windows(ticket *tk, const rpeer *rp, const kvf__xfer *x, xs
     for (size_t i = 0; lane_of && i < nb; i++) tk->order[at[lane_of[i]]++] = (uint32_t)i;
     tk->n_lanes = nl;
     tk->left = nb;
-    rp->rt->mw_lookups += nb + (tk->has_tail && tk->tail.len);
-    rp->rt->mw_searches += t.searched;
+    rp->rt->mw.lookups += nb + (tk->has_tail && tk->tail.len);
+    rp->rt->mw.searches += t.searched;
   }
   free(lane_of);
   return rc; /* on failure the caller frees the ticket, with what was made here */
@@ -489,13 +489,13 @@ int kvf__rdma_ticket_windows(ticket *tk, const rpeer *rp, const kvf__xfer *x, xs
 
 /* ------------------------------------------------------------ memory windows: binding
  *
- * With memory windows (rt->mw) a grant is opened asynchronously: its
+ * With memory windows (rt->mw.on) a grant is opened asynchronously: its
  * destination ranges (merged, at most rdma-mw-max-windows) each get a type 2
  * window, bound round-robin on the peer's accepted QPs of every device (a
  * type 2 window takes writes only through the QP it is bound on, and the
  * sender writes through its end of that QP). The loop owns it all: binds go
  * on the accepted QPs' send queues, whose completions land in a CQ of their
- * own (lk->bcq) that only the loop polls (mw_timer, every millisecond while
+ * own (lk->bcq) that only the loop polls (mw.timer, every millisecond while
  * binds are in flight). Once every bind completed the Grant goes out with
  * the windows (kvf__xfer_on_grant_ready). When the transfer ends, however
  * it ends, grant_close deallocates the windows (which invalidates them)
@@ -509,9 +509,9 @@ static void on_mw_timer(uv_timer_t *tm);
 /* The first pass runs at once (the loop's next turn), not a tick later: a
  * Grant waits for its windows, and a send may be waiting for the Grant. */
 static void mw_timer_arm(rdma_transport *rt) {
-  if (rt->mw_timer_on || (!rt->binding && !rt->zombies)) return;
-  uv_timer_start(&rt->mw_timer, on_mw_timer, 0, 1);
-  rt->mw_timer_on = true;
+  if (rt->mw.timer_on || (!rt->mw.binding && !rt->mw.zombies)) return;
+  uv_timer_start(&rt->mw.timer, on_mw_timer, 0, 1);
+  rt->mw.timer_on = true;
 }
 
 /* Accepted QPs the peer dials: its devices times its QPs per device. */
@@ -557,7 +557,7 @@ static void bind_reset(rgrant *g) {
   for (size_t i = 0; g->mw && i < g->n_win; i++)
     if (g->mw[i]) {
       ibv_dealloc_mw(g->mw[i]);
-      g->rt->mw_live--;
+      g->rt->mw.live--;
     }
   free(g->mw);
   free(g->qs);
@@ -607,7 +607,7 @@ static struct ibv_mw *window_alloc(rgrant *g, size_t i, rqp *q) {
   if (g->mw[i]) return g->mw[i];
   g->mw[i] = ibv_alloc_mw(q->lk->dev->pd, IBV_MW_TYPE_2);
   if (g->mw[i]) {
-    g->rt->mw_live++;
+    g->rt->mw.live++;
     return g->mw[i];
   }
   int e = errno;
@@ -749,27 +749,27 @@ static void unlist(rgrant **head, rgrant *g) {
  * they are bound on go: kvf__rdma_mw_forget_link). */
 static void bind_done(rgrant *g) {
   rdma_transport *rt = g->rt;
-  unlist(&rt->binding, g);
+  unlist(&rt->mw.binding, g);
   g->binding = false;
   free(g->cur);
   g->cur = NULL;
   if (g->status) {
-    rt->mw_failed++;
+    rt->mw.failed++;
   } else {
     uint64_t ns = kvf__now_ns() - g->since_ns;
-    rt->mw_bound += g->n_win;
-    rt->mw_bind_ns += ns;
-    rt->last_win = g->n_win;
-    rt->last_bind_ns = ns;
+    rt->mw.bound += g->n_win;
+    rt->mw.bind_ns += ns;
+    rt->mw.last_win = g->n_win;
+    rt->mw.last_bind_ns = ns;
     kvf__debug("rdma: %s: %zu memory windows bound in %.1f ms", g->x->id, g->n_win, (double)ns / 1e6);
   }
 }
 
 static void reap_zombies(rdma_transport *rt) {
-  for (rgrant *g = rt->zombies, *next; g; g = next) {
+  for (rgrant *g = rt->mw.zombies, *next; g; g = next) {
     next = g->next_b;
     if (g->chains_out) continue;
-    unlist(&rt->zombies, g);
+    unlist(&rt->mw.zombies, g);
     free(g);
   }
 }
@@ -777,11 +777,11 @@ static void reap_zombies(rdma_transport *rt) {
 /* Every millisecond while binds are in flight. A grant's callback may
  * close any grant (the peer may fail), so after each the scan restarts. */
 static void on_mw_timer(uv_timer_t *tm) {
-  rdma_transport *rt = kvf__container_of(tm, rdma_transport, mw_timer);
+  rdma_transport *rt = kvf__container_of(tm, rdma_transport, mw.timer);
   poll_all_binds(rt);
   reap_zombies(rt);
   bool pumped = false;
-  for (rgrant *g = rt->binding; g; g = g->next_b) {
+  for (rgrant *g = rt->mw.binding; g; g = g->next_b) {
     if (g->restart && !g->chains_out && !g->status) bind_reset(g);
     if (!g->qs && !g->status) bind_start(g);
     if (g->qs && !g->status && !g->restart) {
@@ -791,15 +791,15 @@ static void on_mw_timer(uv_timer_t *tm) {
   }
   if (pumped) poll_all_binds(rt); /* binds the device completed as they were posted (rxe does) */
   for (;;) {
-    rgrant *g = rt->binding;
+    rgrant *g = rt->mw.binding;
     while (g && !bind_finished(g)) g = g->next_b;
     if (!g) break;
     bind_done(g);
     kvf__xfer_on_grant_ready(g->x, g->status, g->status ? "binding the grant's memory windows failed" : NULL);
   }
-  if (!rt->binding && !rt->zombies) {
-    uv_timer_stop(&rt->mw_timer);
-    rt->mw_timer_on = false;
+  if (!rt->mw.binding && !rt->mw.zombies) {
+    uv_timer_stop(&rt->mw.timer);
+    rt->mw.timer_on = false;
   }
 }
 
@@ -829,16 +829,16 @@ static int mw_grant_open(rgrant *g, kvf__xfer *x) {
   if (rc) return rc;
   rdma_transport *rt = g->rt;
   if (merged) {
-    rt->mw_merged++;
+    rt->mw.merged++;
     kvf__warn("rdma: grant %s has %zu separate ranges, more than rdma-mw-max-windows (%u): its %zu memory "
               "windows also span the %zu smallest gaps between them", x->id, ranges, kvfd.cfg.rdma_mw_max_windows,
               g->n_win, merged);
   }
-  rt->mw_grants++;
+  rt->mw.grants++;
   g->since_ns = kvf__now_ns();
   g->binding = true;
-  g->next_b = rt->binding;
-  rt->binding = g;
+  g->next_b = rt->mw.binding;
+  rt->mw.binding = g;
   mw_timer_arm(rt);
   return 1;
 }
@@ -858,13 +858,13 @@ static void wait_binds(rgrant *g) {
  * stuck device); g then waits among the zombies for them. */
 static bool mw_release(rgrant *g) {
   rdma_transport *rt = g->rt;
-  if (g->binding) unlist(&rt->binding, g);
+  if (g->binding) unlist(&rt->mw.binding, g);
   g->binding = false;
   if (g->chains_out) wait_binds(g);
   for (size_t i = 0; g->mw && i < g->n_win; i++)
     if (g->mw[i]) {
       ibv_dealloc_mw(g->mw[i]);
-      rt->mw_live--;
+      rt->mw.live--;
     }
   free(g->mw);
   free(g->win);
@@ -878,8 +878,8 @@ static bool mw_release(rgrant *g) {
   g->closed = true;
   if (!g->chains_out) return true;
   kvf__warn("rdma: binds of a closed grant still in flight after %d ms", BIND_WAIT_MS);
-  g->next_b = rt->zombies;
-  rt->zombies = g;
+  g->next_b = rt->mw.zombies;
+  rt->mw.zombies = g;
   mw_timer_arm(rt);
   return false;
 }
@@ -901,7 +901,7 @@ static void forget_windows(rgrant *g, rlink *lk) {
       if (g->mw[i]) {
         ibv_dealloc_mw(g->mw[i]);
         g->mw[i] = NULL;
-        g->rt->mw_live--;
+        g->rt->mw.live--;
       }
   }
 }
@@ -911,7 +911,7 @@ void kvf__rdma_mw_forget_link(rlink *lk) {
   rdma_transport *rt = lk->rp->rt;
   for (size_t i = 0; i < rt->grants.nb; i++)
     for (kvf__map_ent *e = rt->grants.b[i]; e; e = e->next) forget_windows(e->val, lk);
-  for (rgrant *g = rt->zombies; g; g = g->next_b) forget_windows(g, lk);
+  for (rgrant *g = rt->mw.zombies; g; g = g->next_b) forget_windows(g, lk);
 }
 
 /* An accepted QP is connected: which QP and device of the peer dialed it
@@ -921,7 +921,7 @@ void kvf__rdma_accepted_ready(rqp *q) {
   struct ibv_qp_init_attr ia;
   const Kvf__RdmaInfo *ri = q->lk->rp->p->hello ? q->lk->rp->p->hello->rdma : NULL;
   struct sockaddr *sa = rdma_get_peer_addr(q->id);
-  if (!q->lk->rp->rt->mw || !ri || !sa || ibv_query_qp(q->qp, &a, IBV_QP_DEST_QPN, &ia) != 0) return;
+  if (!q->lk->rp->rt->mw.on || !ri || !sa || ibv_query_qp(q->qp, &a, IBV_QP_DEST_QPN, &ia) != 0) return;
   q->remote_qpn = a.dest_qp_num;
   uint8_t want[16], have[16];
   size_t alen = sa->sa_family == AF_INET6 ? 16 : 4;
@@ -956,7 +956,7 @@ int kvf__rdma_grant_open(kvf__transport *t, kvf__xfer *x) {
     kvf__warn("rdma: grant token %s of %s is still in use; refusing the grant", key, x->id);
     return rc == -EEXIST ? KVF_EEXIST : rc;
   }
-  if (!rt->mw) return 0;
+  if (!rt->mw.on) return 0;
   rc = mw_grant_open(g, x);
   if (rc < 0) {
     kvf__map_del(&rt->grants, key);
@@ -989,7 +989,7 @@ static void append(char *buf, size_t len, const char *fmt, ...) {
 /* The one line that status, doctor and the start log give. */
 static void say_protection(rdma_transport *rt) {
   char weak[160] = "", unknown[160] = "";
-  for (int i = 0; rt->mw && i < rt->n_devs; i++) {
+  for (int i = 0; rt->mw.on && i < rt->n_devs; i++) {
     const rdev *d = &rt->devs[i];
     if (d->mw_bounds == KVF__MW_BOUNDS_IGNORED) append(weak, sizeof(weak), "%s%s", weak[0] ? ", " : "", d->name);
     if (d->mw_bounds == KVF__MW_BOUNDS_UNKNOWN)
@@ -997,8 +997,8 @@ static void say_protection(rdma_transport *rt) {
   }
   char *p = rt->protection;
   size_t n = sizeof(rt->protection);
-  if (!rt->mw)
-    snprintf(p, n, "no memory windows (%s): a peer can write any byte of a registered pool at any time", rt->mw_why);
+  if (!rt->mw.on)
+    snprintf(p, n, "no memory windows (%s): a peer can write any byte of a registered pool at any time", rt->mw.why);
   else if (weak[0])
     snprintf(p, n, "memory windows (type 2) per grant, but %s does not check a write against a window's bounds "
              "(tested at start): a peer can write any byte of the pools its open grants write to, while they are "
@@ -1029,10 +1029,10 @@ int kvf__rdma_decide_windows(rdma_transport *rt, char *err, size_t errlen) {
     else if (d->mw_bounds == KVF__MW_BROKEN)
       append(missing, sizeof(missing), "%s%s: %s", missing[0] ? "; " : "", d->name, d->mw_check);
   }
-  rt->mw = mode != KVF__OFF && !missing[0];
-  if (mode == KVF__OFF) snprintf(rt->mw_why, sizeof(rt->mw_why), "rdma-memory-windows off");
-  else snprintf(rt->mw_why, sizeof(rt->mw_why), "%s", missing);
-  if (mode == KVF__ON && !rt->mw) {
+  rt->mw.on = mode != KVF__OFF && !missing[0];
+  if (mode == KVF__OFF) snprintf(rt->mw.why, sizeof(rt->mw.why), "rdma-memory-windows off");
+  else snprintf(rt->mw.why, sizeof(rt->mw.why), "%s", missing);
+  if (mode == KVF__ON && !rt->mw.on) {
     snprintf(err, errlen, "rdma-memory-windows on, but the devices cannot take them: %s", missing);
     return -EOPNOTSUPP;
   }
@@ -1045,9 +1045,9 @@ void kvf__rdma_free_grants(rdma_transport *rt) {
     for (kvf__map_ent *e = rt->grants.b[i]; e; e = e->next)
       if (mw_release(e->val)) free(e->val);
   kvf__map_free(&rt->grants);
-  while (rt->zombies) {
-    rgrant *g = rt->zombies;
-    rt->zombies = g->next_b;
+  while (rt->mw.zombies) {
+    rgrant *g = rt->mw.zombies;
+    rt->mw.zombies = g->next_b;
     free(g);
   }
 }

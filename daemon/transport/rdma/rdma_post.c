@@ -741,9 +741,9 @@ int kvf__rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) 
   live_link(tk);
   hand_over(rp, xs, tk);
   tk->loop_ns = thread_cpu_ns() - t0;
-  rt->posts++;
-  rt->post_runs += n;
-  rt->post_ns += tk->loop_ns;
+  rt->post.calls++;
+  rt->post.runs += n;
+  rt->post.ns += tk->loop_ns;
   return 0;
 }
 
@@ -889,14 +889,14 @@ static void ticket_done(ticket *tk) {
   xs->build_ns += atomic_load(&tk->build_ns);
   xs->bell_ns += atomic_load(&tk->bell_ns);
   if (last && xs->wrs) {
-    rt->last_wrs = xs->wrs;
-    rt->last_loop_ns = xs->loop_ns;
-    rt->last_build_ns = xs->build_ns;
-    rt->last_bell_ns = xs->bell_ns;
+    rt->post.last_wrs = xs->wrs;
+    rt->post.last_loop_ns = xs->loop_ns;
+    rt->post.last_build_ns = xs->build_ns;
+    rt->post.last_bell_ns = xs->bell_ns;
     kvf__debug("rdma: %s: %llu work requests; posting cost per request: %.0f ns on the loop, "
                "%.0f ns building, %.0f ns in ibv_post_send",
-               x->id, (unsigned long long)rt->last_wrs, (double)rt->last_loop_ns / (double)rt->last_wrs,
-               (double)rt->last_build_ns / (double)rt->last_wrs, (double)rt->last_bell_ns / (double)rt->last_wrs);
+               x->id, (unsigned long long)rt->post.last_wrs, (double)rt->post.last_loop_ns / (double)rt->post.last_wrs,
+               (double)rt->post.last_build_ns / (double)rt->post.last_wrs, (double)rt->post.last_bell_ns / (double)rt->post.last_wrs);
   }
   kvf__rdma_ticket_free(tk);
   xs->out--;

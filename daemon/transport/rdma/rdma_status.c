@@ -64,7 +64,7 @@ static void jb_str(jbuf *b, const char *s) {
 }
 
 static void inspect_device_windows(jbuf *b, const rdev *d) {
-  const char *use = d->rt->mw                                        ? "type 2 in use"
+  const char *use = d->rt->mw.on                                        ? "type 2 in use"
                     : kvfd.cfg.rdma_memory_windows == KVF__OFF ? "off by config"
                     : d->mw2                                   ? "unusable"
                                                                : "not supported";
@@ -76,20 +76,20 @@ static void inspect_device_windows(jbuf *b, const rdev *d) {
 /* The memory windows: in use or not, what that means, and how many. */
 static void inspect_windows(jbuf *b, const rdma_transport *rt) {
   static const char *const modes[] = {"auto", "on", "off"};
-  bool enforced = rt->mw;
+  bool enforced = rt->mw.on;
   for (int i = 0; i < rt->n_devs; i++) enforced &= rt->devs[i].mw_bounds == KVF__MW_BOUNDS_ENFORCED;
   size_t binding = 0;
-  for (rgrant *g = rt->binding; g; g = g->next_b) binding++;
+  for (rgrant *g = rt->mw.binding; g; g = g->next_b) binding++;
   jb(b, ", \"memory_windows\": {\"mode\": \"%s\", \"in_use\": %s, \"bounds_enforced\": %s, \"protection\": ",
-     modes[kvfd.cfg.rdma_memory_windows % 3], rt->mw ? "true" : "false", enforced ? "true" : "false");
+     modes[kvfd.cfg.rdma_memory_windows % 3], rt->mw.on ? "true" : "false", enforced ? "true" : "false");
   jb_str(b, rt->protection);
   jb(b, ", \"max_per_grant\": %u, \"live\": %llu, \"bound\": %llu, \"grants\": %llu, \"binding\": %zu, "
         "\"merged_grants\": %llu, \"failed_grants\": %llu, \"bind_us_per_window\": %.2f, "
         "\"last_grant_windows\": %zu, \"last_bind_ms\": %.3f, \"lookups\": %llu, \"searches\": %llu}",
-     kvfd.cfg.rdma_mw_max_windows, (unsigned long long)rt->mw_live, (unsigned long long)rt->mw_bound,
-     (unsigned long long)rt->mw_grants, binding, (unsigned long long)rt->mw_merged, (unsigned long long)rt->mw_failed,
-     per(rt->mw_bind_ns, rt->mw_bound) / 1000.0, rt->last_win, (double)rt->last_bind_ns / 1e6,
-     (unsigned long long)rt->mw_lookups, (unsigned long long)rt->mw_searches);
+     kvfd.cfg.rdma_mw_max_windows, (unsigned long long)rt->mw.live, (unsigned long long)rt->mw.bound,
+     (unsigned long long)rt->mw.grants, binding, (unsigned long long)rt->mw.merged, (unsigned long long)rt->mw.failed,
+     per(rt->mw.bind_ns, rt->mw.bound) / 1000.0, rt->mw.last_win, (double)rt->mw.last_bind_ns / 1e6,
+     (unsigned long long)rt->mw.lookups, (unsigned long long)rt->mw.searches);
 }
 
 static void inspect_devices(jbuf *b, const rdma_transport *rt) {
@@ -147,9 +147,9 @@ static void inspect_post(jbuf *b, const rdma_transport *rt) {
   jb(b, ", \"post\": {\"calls\": %llu, \"runs\": %llu, \"work_requests\": %llu, \"loop_ns_per_run\": %.1f, "
         "\"build_ns_per_wr\": %.1f, \"doorbell_ns_per_wr\": %.1f, \"last_work_requests\": %llu, "
         "\"last_loop_ns_per_wr\": %.1f, \"last_build_ns_per_wr\": %.1f, \"last_doorbell_ns_per_wr\": %.1f}",
-     (unsigned long long)rt->posts, (unsigned long long)rt->post_runs, (unsigned long long)wrs,
-     per(rt->post_ns, rt->post_runs), per(build, wrs), per(bell, wrs), (unsigned long long)rt->last_wrs,
-     per(rt->last_loop_ns, rt->last_wrs), per(rt->last_build_ns, rt->last_wrs), per(rt->last_bell_ns, rt->last_wrs));
+     (unsigned long long)rt->post.calls, (unsigned long long)rt->post.runs, (unsigned long long)wrs,
+     per(rt->post.ns, rt->post.runs), per(build, wrs), per(bell, wrs), (unsigned long long)rt->post.last_wrs,
+     per(rt->post.last_loop_ns, rt->post.last_wrs), per(rt->post.last_build_ns, rt->post.last_wrs), per(rt->post.last_bell_ns, rt->post.last_wrs));
 }
 
 void kvf__rdma_inspect(kvf__transport *t, char *buf, size_t len) {
