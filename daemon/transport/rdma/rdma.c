@@ -50,6 +50,10 @@
 #include "metrics.h"
 #include "pool.h"
 
+/* ------------------------------------------------------------ start */
+
+/* The loop's handles: the mailbox, the CM channel, the sweep and memory
+ * window timers, each device's async events. */
 static int start_handles(rdma_transport *rt) {
   uv_loop_t *loop = rt->base.loop;
   int rc = kvf__mailbox_init(&rt->mb, loop);
@@ -71,6 +75,8 @@ static int start_handles(rdma_transport *rt) {
   return 0;
 }
 
+/* Devices, pools, windows, the CM, then the threads; on error the caller
+ * tears down what was made. */
 static int start(rdma_transport *rt, char *err, size_t errlen) {
   int rc = kvf__rdma_open_devices(rt, err, errlen);
   if (rc == 0) rc = kvf__rdma_check_memlock(rt, err, errlen);
@@ -103,8 +109,7 @@ static int start(rdma_transport *rt, char *err, size_t errlen) {
   return rc;
 }
 
-static const char *rdma_protection(kvf__transport *t) { return to_rdma(t)->protection; }
-
+/* ------------------------------------------------------------ teardown */
 
 static void stop_reaper(rdma_transport *rt) {
   if (!rt->reaper.on) return;
@@ -180,6 +185,10 @@ static void rdma_destroy(kvf__transport *t) {
   teardown(rt);
   unref(rt);
 }
+
+/* ------------------------------------------------------------ the transport */
+
+static const char *rdma_protection(kvf__transport *t) { return to_rdma(t)->protection; }
 
 static const kvf__transport_ops rdma_ops = {
     .name = "rdma",

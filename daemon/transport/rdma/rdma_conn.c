@@ -32,6 +32,7 @@
 #include "peer.h"
 #include "pool.h"
 
+/* The CM request's private data: little-endian fields. */
 static void put_u32(uint8_t *p, uint32_t v) {
   for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
 }

@@ -22,61 +22,13 @@
 #include "peer.h"
 #include "pool.h"
 
+/* ------------------------------------------------------------ finding devices */
+
 void kvf__rdma_addr_text(const struct sockaddr_storage *ss, char *buf, size_t len) {
   const void *a = ss->ss_family == AF_INET6 ? (const void *)&((const struct sockaddr_in6 *)ss)->sin6_addr
                                             : (const void *)&((const struct sockaddr_in *)ss)->sin_addr;
   if (!inet_ntop(ss->ss_family, a, buf, (socklen_t)len)) snprintf(buf, len, "?");
 }
-
-/* ------------------------------------------------------------ device async events */
-
-/* After its port went down and up (or its GIDs changed) a device's CM
- * listener hears no more requests (seen with rxe on Linux 6.1): listen again
- * on the same address and port, which the peers already know. */
-void kvf__rdma_relisten(rdev *d) {
-  char err[256];
-  if (d->listener) rdma_destroy_id(d->listener);
-  d->listener = NULL;
-  if (kvf__rdma_start_listener(d, d->cm_port, err, sizeof(err)) != 0) kvf__warn("rdma: %s; retrying", err);
-  else kvf__info("rdma: %s listening again on %s:%u", d->name, d->ip, d->cm_port);
-}
-
-void kvf__rdma_on_dev_async(uv_poll_t *h, int status, int events) {
-  rdev *d = h->data;
-  struct ibv_async_event ev;
-  while (ibv_get_async_event(d->ctx, &ev) == 0) {
-    enum ibv_event_type type = ev.event_type;
-    kvf__peer *p = NULL;
-    uint64_t gen = 0;
-    if ((type == IBV_EVENT_QP_FATAL || type == IBV_EVENT_QP_REQ_ERR || type == IBV_EVENT_QP_ACCESS_ERR) &&
-        ev.element.qp && ev.element.qp->qp_context) {
-      rqp *q = ev.element.qp->qp_context;
-      if (q->outbound) { /* accepted QPs: see qp_failed */
-        p = q->lk->rp->p;
-        gen = q->lk->rp->gen;
-      }
-    } else if (type == IBV_EVENT_CQ_ERR && ev.element.cq && ev.element.cq->cq_context) {
-      rlink *lk = ev.element.cq->cq_context;
-      p = lk->rp->p;
-      gen = lk->rp->gen;
-    }
-    int port = ev.element.port_num;
-    ibv_ack_async_event(&ev); /* before acting: tearing down waits for the ack */
-    if (type == IBV_EVENT_PORT_ERR || type == IBV_EVENT_PORT_ACTIVE)
-      kvf__warn("rdma: %s port %d is %s", d->name, port, type == IBV_EVENT_PORT_ACTIVE ? "active" : "down");
-    if ((type == IBV_EVENT_PORT_ACTIVE || type == IBV_EVENT_GID_CHANGE) && port == d->port) kvf__rdma_relisten(d);
-    else if (type == IBV_EVENT_DEVICE_FATAL)
-      kvf__err("rdma: %s: fatal device error", d->name);
-    rpeer *rp = p ? rpeer_of(d->rt, p) : NULL;
-    if (rp && rp->gen == gen) {
-      char why[128];
-      snprintf(why, sizeof(why), "rdma: %s on %s", ibv_event_type_str(type), d->name);
-      kvf__rdma_reset_peer(rp, why);
-    }
-  }
-}
-
-/* ------------------------------------------------------------ devices */
 
 static bool is_wildcard(const char *host) {
   return !host[0] || strcmp(host, "0.0.0.0") == 0 || strcmp(host, "::") == 0;
@@ -230,6 +182,8 @@ int kvf__rdma_open_devices(rdma_transport *rt, char *err, size_t errlen) {
   return open_auto(rt, have ? &want : NULL, err, errlen);
 }
 
+/* ------------------------------------------------------------ registering the pools */
+
 static bool has_ipc_lock(void) {
   FILE *f = fopen("/proc/self/status", "r");
   char line[256];
@@ -344,6 +298,8 @@ int kvf__rdma_setup_device(rdev *d, char *err, size_t errlen) {
   return 0;
 }
 
+/* ------------------------------------------------------------ listeners and progress threads */
+
 int kvf__rdma_start_listener(rdev *d, uint16_t port, char *err, size_t errlen) {
   struct sockaddr_storage a = d->addr;
   set_port(&a, port);
@@ -380,6 +336,56 @@ int kvf__rdma_start_thread(rdev *d, char *err, size_t errlen) {
   d->started = true;
   return 0;
 }
+
+/* After its port went down and up (or its GIDs changed) a device's CM
+ * listener hears no more requests (seen with rxe on Linux 6.1): listen again
+ * on the same address and port, which the peers already know. */
+void kvf__rdma_relisten(rdev *d) {
+  char err[256];
+  if (d->listener) rdma_destroy_id(d->listener);
+  d->listener = NULL;
+  if (kvf__rdma_start_listener(d, d->cm_port, err, sizeof(err)) != 0) kvf__warn("rdma: %s; retrying", err);
+  else kvf__info("rdma: %s listening again on %s:%u", d->name, d->ip, d->cm_port);
+}
+
+/* ------------------------------------------------------------ device async events */
+
+void kvf__rdma_on_dev_async(uv_poll_t *h, int status, int events) {
+  rdev *d = h->data;
+  struct ibv_async_event ev;
+  while (ibv_get_async_event(d->ctx, &ev) == 0) {
+    enum ibv_event_type type = ev.event_type;
+    kvf__peer *p = NULL;
+    uint64_t gen = 0;
+    if ((type == IBV_EVENT_QP_FATAL || type == IBV_EVENT_QP_REQ_ERR || type == IBV_EVENT_QP_ACCESS_ERR) &&
+        ev.element.qp && ev.element.qp->qp_context) {
+      rqp *q = ev.element.qp->qp_context;
+      if (q->outbound) { /* accepted QPs: see qp_failed */
+        p = q->lk->rp->p;
+        gen = q->lk->rp->gen;
+      }
+    } else if (type == IBV_EVENT_CQ_ERR && ev.element.cq && ev.element.cq->cq_context) {
+      rlink *lk = ev.element.cq->cq_context;
+      p = lk->rp->p;
+      gen = lk->rp->gen;
+    }
+    int port = ev.element.port_num;
+    ibv_ack_async_event(&ev); /* before acting: tearing down waits for the ack */
+    if (type == IBV_EVENT_PORT_ERR || type == IBV_EVENT_PORT_ACTIVE)
+      kvf__warn("rdma: %s port %d is %s", d->name, port, type == IBV_EVENT_PORT_ACTIVE ? "active" : "down");
+    if ((type == IBV_EVENT_PORT_ACTIVE || type == IBV_EVENT_GID_CHANGE) && port == d->port) kvf__rdma_relisten(d);
+    else if (type == IBV_EVENT_DEVICE_FATAL)
+      kvf__err("rdma: %s: fatal device error", d->name);
+    rpeer *rp = p ? rpeer_of(d->rt, p) : NULL;
+    if (rp && rp->gen == gen) {
+      char why[128];
+      snprintf(why, sizeof(why), "rdma: %s on %s", ibv_event_type_str(type), d->name);
+      kvf__rdma_reset_peer(rp, why);
+    }
+  }
+}
+
+/* ------------------------------------------------------------ teardown */
 
 void kvf__rdma_free_device(rdev *d) {
   for (size_t i = 0; d->mrs && i < kvfd.n_pools; i++)

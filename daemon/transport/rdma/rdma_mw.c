@@ -321,173 +321,72 @@ const char *kvf__mw_bounds_name(int b) {
   }
 }
 
-/* ---- memory windows, sender side */
+/* ------------------------------------------------------------ deciding: whether to use them (rdma-memory-windows) */
 
-/* Our QP that a window's record names (its receiving end holds it). */
-rqp *kvf__rdma_window_qp(const rpeer *rp, const kvf__mw_rec *w) {
-  for (int i = 0; i < rp->n_links; i++) {
-    rlink *lk = rp->links[i];
-    if (lk->dev->index != (int)w->dev) continue;
-    for (unsigned j = 0; j < lk->n_all; j++) {
-      rqp *q = lk->all[j];
-      if (q->outbound && !q->gone && q->qp && q->qp_num == w->qpn) return q;
-    }
-  }
-  return NULL;
+static void append(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void append(char *buf, size_t len, const char *fmt, ...) {
+  size_t used = strlen(buf);
+  va_list ap;
+  va_start(ap, fmt);
+  if (used < len) vsnprintf(buf + used, len - used, fmt, ap);
+  va_end(ap);
 }
 
-#ifdef KVF_FAILPOINTS
-/* Failpoint write-wrong-qp: the tail goes on another of our QPs than the
- * one its window is bound on (a type 2 window takes writes only there). */
-static void rogue_tail_qp(ticket *tk, const rpeer *rp) {
-  for (int i = 0; i < rp->n_links; i++)
-    for (unsigned j = 0; j < rp->links[i]->n_all; j++) {
-      rqp *q = rp->links[i]->all[j];
-      if (!q->outbound || q->gone || !q->established || q == tk->tail_q) continue;
-      kvf__warn("failpoint write-wrong-qp: the last write goes on QP %u instead of %u", q->qp_num,
-                tk->tail_q->qp_num);
-      tk->tail_q = q;
-      tk->tail_dev = q->lk->dev;
-      return;
-    }
-}
-#endif
-
-void kvf__rdma_wtable_free(wtable *t) {
-  if (!t) return;
-  free(t->v);
-  free(t->lane);
-  free(t);
-}
-
-/* Decodes a Grant's windows, each with its lane: a (device, QP) of the
- * records; few. */
-static int wtable_decode(const kvf__xfer *x, wtable **out) {
-  if (kvf__mw_recs_check(x->tp_grant.win, x->tp_grant.win_len) != 0) return KVF_EPROTO;
-  wtable *t = calloc(1, sizeof(*t));
-  if (!t) return -ENOMEM;
-  t->n = x->tp_grant.win_len / KVF__MW_REC;
-  t->of = x->tp_grant.of;
-  t->of_len = x->tp_grant.of_len;
-  t->v = malloc((t->n ? t->n : 1) * sizeof(*t->v));
-  t->lane = malloc((t->n ? t->n : 1) * sizeof(*t->lane));
-  if (!t->v || !t->lane) {
-    kvf__rdma_wtable_free(t);
-    return -ENOMEM;
+/* The one line that status, doctor and the start log give. */
+static void say_protection(rdma_transport *rt) {
+  char weak[160] = "", unknown[160] = "";
+  for (int i = 0; rt->mw.on && i < rt->n_devs; i++) {
+    const rdev *d = &rt->devs[i];
+    if (d->mw_bounds == KVF__MW_BOUNDS_IGNORED) append(weak, sizeof(weak), "%s%s", weak[0] ? ", " : "", d->name);
+    if (d->mw_bounds == KVF__MW_BOUNDS_UNKNOWN)
+      append(unknown, sizeof(unknown), "%s%s (%s)", unknown[0] ? ", " : "", d->name, d->mw_check);
   }
-  kvf__mw_recs_decode(x->tp_grant.win, t->n, t->v);
-  for (size_t i = 0; i < t->n; i++) {
-    const kvf__mw_rec *w = &t->v[i];
-    size_t l = 0;
-    while (l < t->nl && (t->v[t->first[l]].qpn != w->qpn || t->v[t->first[l]].dev != w->dev)) l++;
-    t->lane[i] = l < MAX_LANES ? (uint32_t)l : UINT32_MAX;
-    if (l < t->nl || l == MAX_LANES) continue;
-    t->first[t->nl++] = i;
+  char *p = rt->protection;
+  size_t n = sizeof(rt->protection);
+  if (!rt->mw.on)
+    snprintf(p, n, "no memory windows (%s): a peer can write any byte of a registered pool at any time", rt->mw.why);
+  else if (weak[0])
+    snprintf(p, n, "memory windows (type 2) per grant, but %s does not check a write against a window's bounds "
+             "(tested at start): a peer can write any byte of the pools its open grants write to, while they are "
+             "open", weak);
+  else if (unknown[0])
+    snprintf(p, n, "memory windows (type 2) per grant; whether the device checks a write against a window's "
+             "bounds could not be tested at start on %s", unknown);
+  else
+    snprintf(p, n, "memory windows (type 2): a peer can write only the ranges of its open grants");
+}
+
+/* Type 2 windows of every device, and what each does with a write that
+ * leaves one (a loopback test, before the pools are registered). */
+int kvf__rdma_decide_windows(rdma_transport *rt, char *err, size_t errlen) {
+  int mode = kvfd.cfg.rdma_memory_windows;
+  char missing[200] = "";
+  for (int i = 0; mode != KVF__OFF && i < rt->n_devs; i++) {
+    rdev *d = &rt->devs[i];
+    struct ibv_device_attr_ex ax;
+    uint64_t f = ibv_query_device_ex(d->ctx, NULL, &ax) == 0
+                     ? (uint64_t)ax.orig_attr.device_cap_flags | ax.device_cap_flags_ex
+                     : 0;
+    d->mw2 = f & (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B);
+    if (d->mw2) d->mw_bounds = kvf__mw_check_bounds(d->ctx, d->pd, d->port, d->gid_index, d->mw_check,
+                                                    sizeof(d->mw_check));
+    if (!d->mw2)
+      append(missing, sizeof(missing), "%snot supported by %s", missing[0] ? "; " : "", d->name);
+    else if (d->mw_bounds == KVF__MW_BROKEN)
+      append(missing, sizeof(missing), "%s%s: %s", missing[0] ? "; " : "", d->name, d->mw_check);
   }
-  *out = t;
+  rt->mw.on = mode != KVF__OFF && !missing[0];
+  if (mode == KVF__OFF) snprintf(rt->mw.why, sizeof(rt->mw.why), "rdma-memory-windows off");
+  else snprintf(rt->mw.why, sizeof(rt->mw.why), "%s", missing);
+  if (mode == KVF__ON && !rt->mw.on) {
+    snprintf(err, errlen, "rdma-memory-windows on, but the devices cannot take them: %s", missing);
+    return -EOPNOTSUPP;
+  }
+  say_protection(rt);
   return 0;
 }
 
-/* The table of a post: the transfer's windows and, looked up anew for each
- * post (a QP can be rebuilt between two), our QP behind each lane. */
-typedef struct wpost {
-  const wtable *t;
-  rqp *qs[MAX_LANES];           /* by lane; NULL: that QP is gone */
-  size_t hint;                  /* the last run's window: the next often is it or the one after */
-  uint64_t searched;            /* runs whose Grant.window_of entry did not hold them */
-} wpost;
-
-static int wpost_init(wpost *wp, xstate *xs, const rpeer *rp, const kvf__xfer *x) {
-  int rc = xs->wt ? 0 : wtable_decode(x, &xs->wt);
-  if (rc) return rc;
-  wp->t = xs->wt;
-  wp->hint = 0;
-  wp->searched = 0;
-  for (size_t l = 0; l < wp->t->nl; l++) wp->qs[l] = kvf__rdma_window_qp(rp, &wp->t->v[wp->t->first[l]]);
-  return 0;
-}
-
-/* The window that holds run r: 0, KVF_ERANGE when none does, KVF_EPEERLOST
- * when the QP it is bound through is gone. */
-static int wtable_find(wpost *wp, const kvf__run *r, const kvf__mw_rec **w, uint32_t *ln) {
-  const wtable *t = wp->t;
-  bool rogue = false;
-#ifdef KVF_FAILPOINTS
-  rogue = kvf__failpoint(KVF__FP_WRITE_OUTSIDE); /* writes outside with a window it holds */
-#endif
-  /* The receiver says which window holds each of its descriptors; a
-   * wrong or missing entry costs a search, never a write. */
-  long i = -1;
-  uint32_t k = rogue ? UINT32_MAX : kvf__mw_index_get(t->of, t->of_len, r->dst_desc);
-#ifdef KVF_FAILPOINTS
-  if (k != UINT32_MAX && kvf__failpoint(KVF__FP_BAD_WINDOW_INDEX)) k++;
-#endif
-  if (k < t->n && kvf__mw_holds(&t->v[k], r->dst_pool, r->dst_off, r->len)) i = (long)k;
-  else {
-    /* Engines hand out KV blocks in runs, so a run is often in the window
-     * of the one before it, or the next: two compares before a search. */
-    wp->searched += !rogue;
-    if (!rogue && wp->hint < t->n && kvf__mw_holds(&t->v[wp->hint], r->dst_pool, r->dst_off, r->len))
-      i = (long)wp->hint;
-    else if (!rogue && wp->hint + 1 < t->n &&
-             kvf__mw_holds(&t->v[wp->hint + 1], r->dst_pool, r->dst_off, r->len))
-      i = (long)wp->hint + 1;
-    else i = kvf__mw_find(t->v, t->n, r->dst_pool, r->dst_off, r->len, rogue);
-  }
-  if (i < 0) return KVF_ERANGE;
-  wp->hint = (size_t)i;
-  *w = &t->v[i];
-  *ln = t->lane[i];
-  return *ln < t->nl && wp->qs[*ln] ? 0 : KVF_EPEERLOST;
-}
-
-/* The grant has memory windows: each run goes through the window that
- * holds it, posted on the QP whose receiving end the window is bound to;
- * body runs are grouped into one lane per QP. */
-int kvf__rdma_ticket_windows(ticket *tk, const rpeer *rp, const kvf__xfer *x, xstate *xs) {
-  wpost t;
-  size_t nb = tk->n_body, cnt[MAX_LANES] = {0}, at[MAX_LANES];
-  int rc = wpost_init(&t, xs, rp, x);
-  size_t nl = rc == 0 ? t.t->nl : 0;
-  uint16_t *lane_of = nl > 1 ? malloc((nb ? nb : 1) * sizeof(*lane_of)) : NULL;
-  tk->rkeys = malloc((nb ? nb : 1) * sizeof(*tk->rkeys));
-  tk->order = nl > 1 ? malloc((nb ? nb : 1) * sizeof(*tk->order)) : NULL;
-  tk->lanes = nl ? calloc(nl, sizeof(*tk->lanes)) : NULL;
-  if (rc == 0 && (!tk->rkeys || (nl > 1 && !(lane_of && tk->order)) || (nl && !tk->lanes))) rc = -ENOMEM;
-  const kvf__mw_rec *w = NULL;
-  uint32_t ln = 0;
-  for (size_t i = 0; rc == 0 && i < nb; i++) {
-    if ((rc = wtable_find(&t, &tk->runs[i], &w, &ln)) != 0) break;
-    if (lane_of) lane_of[i] = (uint16_t)ln;
-    tk->rkeys[i] = w->rkey;
-    cnt[ln]++;
-  }
-  if (rc == 0 && tk->has_tail && tk->tail.len && (rc = wtable_find(&t, &tk->tail, &w, &ln)) == 0) {
-    tk->tail_q = t.qs[ln];
-    tk->tail_dev = tk->tail_q->lk->dev;
-    tk->tail_rkey = w->rkey;
-    tk->tail_qpn = w->qpn;
-    tk->tail_devi = w->dev;
-  }
-#ifdef KVF_FAILPOINTS
-  if (rc == 0 && tk->tail_q && kvf__failpoint(KVF__FP_WRONG_QP)) rogue_tail_qp(tk, rp);
-#endif
-  if (rc == 0) { /* lane by lane, in post order within each: indices, not copies of runs */
-    for (size_t l = 0, off = 0; l < nl; off += cnt[l++]) {
-      at[l] = off;
-      tk->lanes[l] = (lane){t.qs[l], off, off + cnt[l]};
-    }
-    for (size_t i = 0; lane_of && i < nb; i++) tk->order[at[lane_of[i]]++] = (uint32_t)i;
-    tk->n_lanes = nl;
-    tk->left = nb;
-    rp->rt->mw.lookups += nb + (tk->has_tail && tk->tail.len);
-    rp->rt->mw.searches += t.searched;
-  }
-  free(lane_of);
-  return rc; /* on failure the caller frees the ticket, with what was made here */
-}
-
-/* ------------------------------------------------------------ memory windows: binding
+/* ------------------------------------------------------------ binding (receiver)
  *
  * With memory windows (rt->mw.on) a grant is opened asynchronously: its
  * destination ranges (merged, at most rdma-mw-max-windows) each get a type 2
@@ -975,71 +874,7 @@ void kvf__rdma_grant_close(kvf__transport *t, kvf__xfer *x) {
   if (mw_release(g)) free(g);
 }
 
-/* ---- memory windows: whether to use them (rdma-memory-windows) */
-
-static void append(char *buf, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void append(char *buf, size_t len, const char *fmt, ...) {
-  size_t used = strlen(buf);
-  va_list ap;
-  va_start(ap, fmt);
-  if (used < len) vsnprintf(buf + used, len - used, fmt, ap);
-  va_end(ap);
-}
-
-/* The one line that status, doctor and the start log give. */
-static void say_protection(rdma_transport *rt) {
-  char weak[160] = "", unknown[160] = "";
-  for (int i = 0; rt->mw.on && i < rt->n_devs; i++) {
-    const rdev *d = &rt->devs[i];
-    if (d->mw_bounds == KVF__MW_BOUNDS_IGNORED) append(weak, sizeof(weak), "%s%s", weak[0] ? ", " : "", d->name);
-    if (d->mw_bounds == KVF__MW_BOUNDS_UNKNOWN)
-      append(unknown, sizeof(unknown), "%s%s (%s)", unknown[0] ? ", " : "", d->name, d->mw_check);
-  }
-  char *p = rt->protection;
-  size_t n = sizeof(rt->protection);
-  if (!rt->mw.on)
-    snprintf(p, n, "no memory windows (%s): a peer can write any byte of a registered pool at any time", rt->mw.why);
-  else if (weak[0])
-    snprintf(p, n, "memory windows (type 2) per grant, but %s does not check a write against a window's bounds "
-             "(tested at start): a peer can write any byte of the pools its open grants write to, while they are "
-             "open", weak);
-  else if (unknown[0])
-    snprintf(p, n, "memory windows (type 2) per grant; whether the device checks a write against a window's "
-             "bounds could not be tested at start on %s", unknown);
-  else
-    snprintf(p, n, "memory windows (type 2): a peer can write only the ranges of its open grants");
-}
-
-/* Type 2 windows of every device, and what each does with a write that
- * leaves one (a loopback test, before the pools are registered). */
-int kvf__rdma_decide_windows(rdma_transport *rt, char *err, size_t errlen) {
-  int mode = kvfd.cfg.rdma_memory_windows;
-  char missing[200] = "";
-  for (int i = 0; mode != KVF__OFF && i < rt->n_devs; i++) {
-    rdev *d = &rt->devs[i];
-    struct ibv_device_attr_ex ax;
-    uint64_t f = ibv_query_device_ex(d->ctx, NULL, &ax) == 0
-                     ? (uint64_t)ax.orig_attr.device_cap_flags | ax.device_cap_flags_ex
-                     : 0;
-    d->mw2 = f & (IBV_DEVICE_MEM_WINDOW_TYPE_2A | IBV_DEVICE_MEM_WINDOW_TYPE_2B);
-    if (d->mw2) d->mw_bounds = kvf__mw_check_bounds(d->ctx, d->pd, d->port, d->gid_index, d->mw_check,
-                                                    sizeof(d->mw_check));
-    if (!d->mw2)
-      append(missing, sizeof(missing), "%snot supported by %s", missing[0] ? "; " : "", d->name);
-    else if (d->mw_bounds == KVF__MW_BROKEN)
-      append(missing, sizeof(missing), "%s%s: %s", missing[0] ? "; " : "", d->name, d->mw_check);
-  }
-  rt->mw.on = mode != KVF__OFF && !missing[0];
-  if (mode == KVF__OFF) snprintf(rt->mw.why, sizeof(rt->mw.why), "rdma-memory-windows off");
-  else snprintf(rt->mw.why, sizeof(rt->mw.why), "%s", missing);
-  if (mode == KVF__ON && !rt->mw.on) {
-    snprintf(err, errlen, "rdma-memory-windows on, but the devices cannot take them: %s", missing);
-    return -EOPNOTSUPP;
-  }
-  say_protection(rt);
-  return 0;
-}
-
+/* Before the PDs go: every grant closed, every window deallocated. */
 void kvf__rdma_free_grants(rdma_transport *rt) {
   for (size_t i = 0; i < rt->grants.nb; i++)
     for (kvf__map_ent *e = rt->grants.b[i]; e; e = e->next)
@@ -1050,4 +885,170 @@ void kvf__rdma_free_grants(rdma_transport *rt) {
     rt->mw.zombies = g->next_b;
     free(g);
   }
+}
+
+/* ------------------------------------------------------------ sending: the window of each run */
+
+/* Our QP that a window's record names (its receiving end holds it). */
+rqp *kvf__rdma_window_qp(const rpeer *rp, const kvf__mw_rec *w) {
+  for (int i = 0; i < rp->n_links; i++) {
+    rlink *lk = rp->links[i];
+    if (lk->dev->index != (int)w->dev) continue;
+    for (unsigned j = 0; j < lk->n_all; j++) {
+      rqp *q = lk->all[j];
+      if (q->outbound && !q->gone && q->qp && q->qp_num == w->qpn) return q;
+    }
+  }
+  return NULL;
+}
+
+#ifdef KVF_FAILPOINTS
+/* Failpoint write-wrong-qp: the tail goes on another of our QPs than the
+ * one its window is bound on (a type 2 window takes writes only there). */
+static void rogue_tail_qp(ticket *tk, const rpeer *rp) {
+  for (int i = 0; i < rp->n_links; i++)
+    for (unsigned j = 0; j < rp->links[i]->n_all; j++) {
+      rqp *q = rp->links[i]->all[j];
+      if (!q->outbound || q->gone || !q->established || q == tk->tail_q) continue;
+      kvf__warn("failpoint write-wrong-qp: the last write goes on QP %u instead of %u", q->qp_num,
+                tk->tail_q->qp_num);
+      tk->tail_q = q;
+      tk->tail_dev = q->lk->dev;
+      return;
+    }
+}
+#endif
+
+void kvf__rdma_wtable_free(wtable *t) {
+  if (!t) return;
+  free(t->v);
+  free(t->lane);
+  free(t);
+}
+
+/* Decodes a Grant's windows, each with its lane: a (device, QP) of the
+ * records; few. */
+static int wtable_decode(const kvf__xfer *x, wtable **out) {
+  if (kvf__mw_recs_check(x->tp_grant.win, x->tp_grant.win_len) != 0) return KVF_EPROTO;
+  wtable *t = calloc(1, sizeof(*t));
+  if (!t) return -ENOMEM;
+  t->n = x->tp_grant.win_len / KVF__MW_REC;
+  t->of = x->tp_grant.of;
+  t->of_len = x->tp_grant.of_len;
+  t->v = malloc((t->n ? t->n : 1) * sizeof(*t->v));
+  t->lane = malloc((t->n ? t->n : 1) * sizeof(*t->lane));
+  if (!t->v || !t->lane) {
+    kvf__rdma_wtable_free(t);
+    return -ENOMEM;
+  }
+  kvf__mw_recs_decode(x->tp_grant.win, t->n, t->v);
+  for (size_t i = 0; i < t->n; i++) {
+    const kvf__mw_rec *w = &t->v[i];
+    size_t l = 0;
+    while (l < t->nl && (t->v[t->first[l]].qpn != w->qpn || t->v[t->first[l]].dev != w->dev)) l++;
+    t->lane[i] = l < MAX_LANES ? (uint32_t)l : UINT32_MAX;
+    if (l < t->nl || l == MAX_LANES) continue;
+    t->first[t->nl++] = i;
+  }
+  *out = t;
+  return 0;
+}
+
+/* The table of a post: the transfer's windows and, looked up anew for each
+ * post (a QP can be rebuilt between two), our QP behind each lane. */
+typedef struct wpost {
+  const wtable *t;
+  rqp *qs[MAX_LANES];           /* by lane; NULL: that QP is gone */
+  size_t hint;                  /* the last run's window: the next often is it or the one after */
+  uint64_t searched;            /* runs whose Grant.window_of entry did not hold them */
+} wpost;
+
+static int wpost_init(wpost *wp, xstate *xs, const rpeer *rp, const kvf__xfer *x) {
+  int rc = xs->wt ? 0 : wtable_decode(x, &xs->wt);
+  if (rc) return rc;
+  wp->t = xs->wt;
+  wp->hint = 0;
+  wp->searched = 0;
+  for (size_t l = 0; l < wp->t->nl; l++) wp->qs[l] = kvf__rdma_window_qp(rp, &wp->t->v[wp->t->first[l]]);
+  return 0;
+}
+
+/* The window that holds run r: 0, KVF_ERANGE when none does, KVF_EPEERLOST
+ * when the QP it is bound through is gone. */
+static int wtable_find(wpost *wp, const kvf__run *r, const kvf__mw_rec **w, uint32_t *ln) {
+  const wtable *t = wp->t;
+  bool rogue = false;
+#ifdef KVF_FAILPOINTS
+  rogue = kvf__failpoint(KVF__FP_WRITE_OUTSIDE); /* writes outside with a window it holds */
+#endif
+  /* The receiver says which window holds each of its descriptors; a
+   * wrong or missing entry costs a search, never a write. */
+  long i = -1;
+  uint32_t k = rogue ? UINT32_MAX : kvf__mw_index_get(t->of, t->of_len, r->dst_desc);
+#ifdef KVF_FAILPOINTS
+  if (k != UINT32_MAX && kvf__failpoint(KVF__FP_BAD_WINDOW_INDEX)) k++;
+#endif
+  if (k < t->n && kvf__mw_holds(&t->v[k], r->dst_pool, r->dst_off, r->len)) i = (long)k;
+  else {
+    /* Engines hand out KV blocks in runs, so a run is often in the window
+     * of the one before it, or the next: two compares before a search. */
+    wp->searched += !rogue;
+    if (!rogue && wp->hint < t->n && kvf__mw_holds(&t->v[wp->hint], r->dst_pool, r->dst_off, r->len))
+      i = (long)wp->hint;
+    else if (!rogue && wp->hint + 1 < t->n &&
+             kvf__mw_holds(&t->v[wp->hint + 1], r->dst_pool, r->dst_off, r->len))
+      i = (long)wp->hint + 1;
+    else i = kvf__mw_find(t->v, t->n, r->dst_pool, r->dst_off, r->len, rogue);
+  }
+  if (i < 0) return KVF_ERANGE;
+  wp->hint = (size_t)i;
+  *w = &t->v[i];
+  *ln = t->lane[i];
+  return *ln < t->nl && wp->qs[*ln] ? 0 : KVF_EPEERLOST;
+}
+
+/* The grant has memory windows: each run goes through the window that
+ * holds it, posted on the QP whose receiving end the window is bound to;
+ * body runs are grouped into one lane per QP. */
+int kvf__rdma_ticket_windows(ticket *tk, const rpeer *rp, const kvf__xfer *x, xstate *xs) {
+  wpost t;
+  size_t nb = tk->n_body, cnt[MAX_LANES] = {0}, at[MAX_LANES];
+  int rc = wpost_init(&t, xs, rp, x);
+  size_t nl = rc == 0 ? t.t->nl : 0;
+  uint16_t *lane_of = nl > 1 ? malloc((nb ? nb : 1) * sizeof(*lane_of)) : NULL;
+  tk->rkeys = malloc((nb ? nb : 1) * sizeof(*tk->rkeys));
+  tk->order = nl > 1 ? malloc((nb ? nb : 1) * sizeof(*tk->order)) : NULL;
+  tk->lanes = nl ? calloc(nl, sizeof(*tk->lanes)) : NULL;
+  if (rc == 0 && (!tk->rkeys || (nl > 1 && !(lane_of && tk->order)) || (nl && !tk->lanes))) rc = -ENOMEM;
+  const kvf__mw_rec *w = NULL;
+  uint32_t ln = 0;
+  for (size_t i = 0; rc == 0 && i < nb; i++) {
+    if ((rc = wtable_find(&t, &tk->runs[i], &w, &ln)) != 0) break;
+    if (lane_of) lane_of[i] = (uint16_t)ln;
+    tk->rkeys[i] = w->rkey;
+    cnt[ln]++;
+  }
+  if (rc == 0 && tk->has_tail && tk->tail.len && (rc = wtable_find(&t, &tk->tail, &w, &ln)) == 0) {
+    tk->tail_q = t.qs[ln];
+    tk->tail_dev = tk->tail_q->lk->dev;
+    tk->tail_rkey = w->rkey;
+    tk->tail_qpn = w->qpn;
+    tk->tail_devi = w->dev;
+  }
+#ifdef KVF_FAILPOINTS
+  if (rc == 0 && tk->tail_q && kvf__failpoint(KVF__FP_WRONG_QP)) rogue_tail_qp(tk, rp);
+#endif
+  if (rc == 0) { /* lane by lane, in post order within each: indices, not copies of runs */
+    for (size_t l = 0, off = 0; l < nl; off += cnt[l++]) {
+      at[l] = off;
+      tk->lanes[l] = (lane){t.qs[l], off, off + cnt[l]};
+    }
+    for (size_t i = 0; lane_of && i < nb; i++) tk->order[at[lane_of[i]]++] = (uint32_t)i;
+    tk->n_lanes = nl;
+    tk->left = nb;
+    rp->rt->mw.lookups += nb + (tk->has_tail && tk->tail.len);
+    rp->rt->mw.searches += t.searched;
+  }
+  free(lane_of);
+  return rc; /* on failure the caller frees the ticket, with what was made here */
 }

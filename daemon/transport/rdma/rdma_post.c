@@ -44,7 +44,7 @@
 #include "failpoint.h"
 #endif
 
-/* ------------------------------------------------------------ helpers */
+/* ------------------------------------------------------------ clocks */
 
 /* CPU time of the calling thread: what posting costs the loop, whatever
  * else the (few, shared) CPUs run meanwhile. A syscall; used once per post. */
