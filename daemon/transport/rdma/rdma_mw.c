@@ -452,7 +452,9 @@ static void bind_retry(rgrant *g, const char *why) {
   g->restart = true;
 }
 
-static void bind_reset(rgrant *g) {
+/* Deallocates g's windows (which invalidates them) and forgets the QPs
+ * they were bound on. */
+static void drop_windows(rgrant *g) {
   for (size_t i = 0; g->mw && i < g->n_win; i++)
     if (g->mw[i]) {
       ibv_dealloc_mw(g->mw[i]);
@@ -465,6 +467,10 @@ static void bind_reset(rgrant *g) {
   g->qs = NULL;
   g->cur = NULL;
   g->nq = 0;
+}
+
+static void bind_reset(rgrant *g) {
+  drop_windows(g);
   g->posted = 0;
   g->restart = false;
   g->tries++;
@@ -760,20 +766,9 @@ static bool mw_release(rgrant *g) {
   if (g->binding) unlist(&rt->mw.binding, g);
   g->binding = false;
   if (g->chains_out) wait_binds(g);
-  for (size_t i = 0; g->mw && i < g->n_win; i++)
-    if (g->mw[i]) {
-      ibv_dealloc_mw(g->mw[i]);
-      rt->mw.live--;
-    }
-  free(g->mw);
+  drop_windows(g);
   free(g->win);
-  free(g->qs);
-  free(g->cur);
-  g->mw = NULL;
   g->win = NULL;
-  g->qs = NULL;
-  g->cur = NULL;
-  g->nq = 0;
   g->closed = true;
   if (!g->chains_out) return true;
   kvf__warn("rdma: binds of a closed grant still in flight after %d ms", BIND_WAIT_MS);
