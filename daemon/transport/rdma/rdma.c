@@ -54,10 +54,13 @@
 
 /* The loop's handles: the mailbox, the CM channel, the sweep and memory
  * window timers, each device's async events. */
-static int start_handles(rdma_transport *rt) {
+static int start_handles(rdma_transport *rt, char *err, size_t errlen) {
   uv_loop_t *loop = rt->base.loop;
   int rc = kvf__mailbox_init(&rt->mb, loop);
-  if (rc) return rc;
+  if (rc) {
+    snprintf(err, errlen, "cannot set up the rdma transport's mailbox: %s", uv_strerror(rc));
+    return rc;
+  }
   uv_poll_init(loop, &rt->cm_poll, rt->cm->fd);
   uv_poll_start(&rt->cm_poll, UV_READABLE, kvf__rdma_on_cm_readable);
   uv_timer_init(loop, &rt->sweep);
@@ -98,7 +101,7 @@ static int start(rdma_transport *rt, char *err, size_t errlen) {
     return -ENODEV;
   }
   for (int i = 0; rc == 0 && i < rt->n_devs; i++) rc = kvf__rdma_start_listener(&rt->devs[i], kvfd.cfg.rdma_listen_port, err, errlen);
-  if (rc == 0) rc = start_handles(rt);
+  if (rc == 0) rc = start_handles(rt, err, errlen);
   for (int i = 0; rc == 0 && i < rt->n_devs; i++) rc = kvf__rdma_start_thread(&rt->devs[i], err, errlen);
   if (rc == 0 && pthread_create(&rt->reaper.thr, NULL, kvf__rdma_reaper_main, rt) != 0) {
     snprintf(err, errlen, "cannot start the reaper thread");
