@@ -371,7 +371,7 @@ static int write_key(const char *dir, char *path, size_t cap) {
 }
 
 /* Both daemons with one cluster-key-file: every CM request then carries the
- * sender's truncated proof in its private data (rdma.c), which the acceptor
+ * sender's truncated proof in its private data (rdma_conn.c), which the acceptor
  * checks before rdma_accept; the QPs must connect and carry data. */
 static int setup_keyed(void **state) {
   uint16_t ports[2];
