@@ -21,7 +21,7 @@
 #define H_SOCK_MAX 108        /* sun_path */
 #define H_MAX_PEERS 4
 #define H_STASH 256           /* events kept per client for later waits */
-#define H_READY_MS 10000      /* bound on daemon start and peers up */
+#define H_READY_MS 30000      /* bound on daemon start and peers up (a loaded VM sets up pools slowly) */
 #define H_STOP_MS 10000       /* SIGTERM grace before SIGKILL (the daemon drains for up to 5 s) */
 #define H_XFER_MS 30000       /* default bound on a transfer's two events */
 

@@ -7,6 +7,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 
+#include "json.h"
 #include "metrics.h"
 
 /* Scrape-time gauges: queue pairs per peer and device, and the devices.
@@ -55,12 +56,9 @@ static double per(uint64_t ns, uint64_t n) { return n ? (double)ns / (double)n :
 
 /* A string value, escaped (device checks quote the verbs' words). */
 static void jb_str(jbuf *b, const char *s) {
-  jb(b, "\"");
-  for (; *s; s++) {
-    if (*s == '"' || *s == '\\') jb(b, "\\%c", *s);
-    else if ((unsigned char)*s >= 0x20) jb(b, "%c", *s);
-  }
-  jb(b, "\"");
+  if (b->n >= b->len) return;
+  size_t k = kvf__json_quote(b->p + b->n, b->len - b->n, s);
+  b->n = b->n + k < b->len ? b->n + k : b->len; /* cut, like jb */
 }
 
 static void inspect_device_windows(jbuf *b, const rdev *d) {
