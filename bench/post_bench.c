@@ -11,15 +11,20 @@
  *
  * The chains are built and not posted: ibv_post_send is the provider's and
  * the NIC's work (rxe does the NIC's in it), which bench-rdma measures in
- * the soft-RoCE VM, where this same cost is blurred by the emulation. To
- * reach rdma.c's static functions this file compiles it in, against a fake
- * peer of QPS dialed QPs on one device (no verbs call is made).
+ * the soft-RoCE VM, where this same cost is blurred by the emulation. The
+ * functions timed are the daemon's own (rdma_post.c, rdma_mw.c, reached
+ * through rdma_int.h and linked with the daemon's objects), run against a
+ * fake peer of QPS dialed QPs on one device (no verbs call is made).
  *
  *   post-bench [N REPS QPS]     (defaults 100000 9 2: rdma-qps-per-peer)
  *
  * Prints one JSON line per mode (windows off, on): ns per descriptor, the
  * mean over REPS transfers after a first, untimed one. */
-#include "transport/rdma/rdma.c"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "transport/rdma/rdma_int.h"
 
 #define SLOT 1024u
 #define POOL (1ull << 30)
@@ -63,8 +68,10 @@ typedef struct rig {
   int fake_qp;            /* what the QPs' ibv_qp pointers point at: never used */
 } rig;
 
-static int rig_init(rig *g, unsigned nq) {
+static int rig_init(rig *g, rdma_transport *rt, unsigned nq) {
   memset(g, 0, sizeof(*g));
+  g->rp.rt = rt;
+  g->dev.rt = rt;
   g->lkey = 11;
   g->rkey = 12;
   g->raddr = 1ull << 40;
@@ -75,7 +82,7 @@ static int rig_init(rig *g, unsigned nq) {
   for (unsigned j = 0; j < nq; j++) {
     rqp *q = &g->qs[j];
     *q = (rqp){.lk = &g->lk, .qp = (struct ibv_qp *)&g->fake_qp, .qp_num = 100 + j, .outbound = true};
-    init_chain(q);
+    kvf__rdma_init_chain(q);
     g->lk.all[g->lk.n_all++] = q;
   }
   g->rp.links[0] = &g->lk;
@@ -95,7 +102,7 @@ static int grant_windows(const kvf__descs *dst, unsigned nq, kvf__tp_grant *t) {
   if (kvf__rangeset_build(&rs, dst) || kvf__mw_plan(&rs, kvfd.cfg.rdma_mw_max_windows, &win, &nw, &merged))
     return -1;
   kvf__rangeset_free(&rs);
-  if (grant_part_alloc(t, nw, dst->n) || kvf__mw_index(dst, win, nw, t->of)) return -1;
+  if (kvf__rdma_grant_part_alloc(t, nw, dst->n) || kvf__mw_index(dst, win, nw, t->of)) return -1;
   for (size_t i = 0; i < nw; i++) {
     kvf__mw_rec r = {.pool = win[i].pool, .off = win[i].start, .len = win[i].end - win[i].start,
                      .rkey = 1000 + (uint32_t)i, .qpn = 100 + (uint32_t)(i % nq), .dev = 0};
@@ -115,14 +122,14 @@ static uint64_t build_all(rig *g, ticket *tk, unsigned nq) {
     for (unsigned k = 0; first < end; first += CHAIN_MAX, k++) {
       rqp *q = tk->lanes ? tk->lanes[l].q : &g->qs[k % nq];
       size_t cnt = end - first < CHAIN_MAX ? end - first : CHAIN_MAX;
-      bytes += build_chain(&g->lk, q, tk->runs, tk->order, first, cnt, tk->rkeys);
-      restore_chain(q, cnt);
+      bytes += kvf__rdma_build_chain(&g->lk, q, tk->runs, tk->order, first, cnt, tk->rkeys);
+      kvf__rdma_restore_chain(q, cnt);
     }
   }
   if (tk->has_tail) {
     rqp *q = tk->tail_q ? tk->tail_q : &g->qs[0];
-    bytes += build_chain(&g->lk, q, &tk->tail, NULL, 0, 1, tk->rkeys ? &tk->tail_rkey : NULL);
-    restore_chain(q, 1);
+    bytes += kvf__rdma_build_chain(&g->lk, q, &tk->tail, NULL, 0, 1, tk->rkeys ? &tk->tail_rkey : NULL);
+    kvf__rdma_restore_chain(q, 1);
   }
   return bytes;
 }
@@ -136,16 +143,16 @@ static int one_transfer(rig *g, const kvf__descs *src, const kvf__descs *dst, co
   kvf__xfer x = {.handle = 7};
   if (grant) x.tp_grant = *grant;
   uint64_t t0 = mono_ns();
-  xstate *xs = check_runs(&g->rp, &runs, &extra) == 0 ? xstate_of(&x) : NULL;
-  ticket *tk = xs ? ticket_new(&x, &runs, extra, true) : NULL;
+  xstate *xs = kvf__rdma_check_runs(&g->rp, &runs, &extra) == 0 ? kvf__rdma_xstate_of(&x) : NULL;
+  ticket *tk = xs ? kvf__rdma_ticket_new(g->rp.rt, &x, &runs, extra, true) : NULL;
   int rc = tk ? 0 : -1;
-  if (tk && grant && ticket_windows(tk, &g->rp, &x, xs) != 0) rc = -1;
+  if (tk && grant && kvf__rdma_ticket_windows(tk, &g->rp, &x, xs) != 0) rc = -1;
   uint64_t t1 = mono_ns();
   if (rc == 0) *bytes = build_all(g, tk, nq);
   *build_ns = mono_ns() - t1;
   *loop_ns = t1 - t0;
-  if (tk) ticket_free(tk);
-  if (xs) wtable_free(xs->wt);
+  if (tk) kvf__rdma_ticket_free(tk);
+  if (xs) kvf__rdma_wtable_free(xs->wt);
   free(xs);
   kvf__runs_free(&runs);
   return rc;
@@ -167,11 +174,10 @@ int main(int argc, char **argv) {
   static uint8_t *bases[1];
   bases[0] = (uint8_t *)(uintptr_t)(1ull << 44); /* addresses are computed, never touched */
   rt.pool_base = bases;
-  R = &rt;
   rig g;
   kvf__descs src, dst;
   kvf__tp_grant grant = {0};
-  if (rig_init(&g, nq) || scattered(&src, n, 1) || scattered(&dst, n, 2) || grant_windows(&dst, nq, &grant)) {
+  if (rig_init(&g, &rt, nq) || scattered(&src, n, 1) || scattered(&dst, n, 2) || grant_windows(&dst, nq, &grant)) {
     fprintf(stderr, "post-bench: out of memory\n");
     return 1;
   }

@@ -19,8 +19,8 @@
 #      send both timed
 #   5. two transfers of 100,000 1 KiB descriptors, and the  posting cost
 #      daemon's posting cost per descriptor of the second from its status
-#   6. build/post-bench (bench/post_bench.c: the same posting code, rdma.c
-#      compiled in, on a fake peer with no device, 100k descriptors, memory
+#   6. build/post-bench (bench/post_bench.c: the same posting code,
+#      rdma_post.c and rdma_mw.c linked in, on a fake peer with no device, 100k descriptors, memory
 #      windows as the daemons use them) on the host before the VM boots and
 #      in the VM: the sender's own cost per descriptor on the host's CPU,
 #      and how much of the daemon's figure in the VM is the emulation

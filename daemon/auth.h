@@ -23,7 +23,8 @@
  *                       receiver session || stream || receiver || sender)}
  *   rdma CM request   16 bytes of HMAC(key, label("rdma") || sender session ||
  *                     receiver session) in the private data (one-shot: see
- *                     rdma.c for what that does and does not cover).
+ *                     rdma/rdma_conn.c for what that does and does not
+ *                     cover).
  *
  * This authenticates who may join and open data paths; it neither encrypts
  * nor protects the integrity of what follows (use a private network, IPsec

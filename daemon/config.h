@@ -68,7 +68,7 @@ typedef struct kvf__config {
   char metrics_host[256];          /* metrics-listen; empty = no metrics endpoint */
   uint16_t metrics_port;
   uint32_t stop_timeout_ms;        /* SIGTERM: how long in-flight transfers may finish */
-  /* rdma transport (daemon/transport/rdma.c) */
+  /* rdma transport (daemon/transport/rdma/) */
   char rdma_devices[256];          /* "" = auto, else "name[:port],..." */
   int32_t rdma_gid_index;          /* -1 = auto (the RoCE v2 IPv4 GID) */
   char rdma_listen_host[256];      /* rdma-listen; empty or wildcard = auto */

@@ -454,8 +454,8 @@ class Suite:
         self.wait_peers()
 
     def wait_peers(self, timeout=15):
-        kvftest.wait_until(lambda: self.pre.peers_up() and self.dec.peers_up(), timeout, "both peers up",
-                           step=0.05)
+        kvftest.wait_for(lambda: self.pre.peers_up() and self.dec.peers_up(), timeout, "both peers up",
+                         step=0.05)
 
     def daemons(self):
         return [self.pre, self.dec]
@@ -554,9 +554,12 @@ class Suite:
         log("calibration: main pair ran %.2f s; %s (%.1f s)" % (self.t_main, res, time.monotonic() - t0))
         if res["completed"] != sum(len(e.plan) for e in allx if e.role != "recv"):
             raise RuntimeError("calibration: not every transfer completed: %s" % res)
-        # The baseline: what each daemon shows with no work in progress.
-        time.sleep(0.3)
+        # The baseline: what each daemon shows with no work in progress,
+        # once the engines' API sessions (and their fds) are gone: the one
+        # session left is that of the kvferryctl asking.
         for d in self.daemons():
+            kvftest.wait_for(lambda: (d.snapshot() or {}).get("clients") == 1, 10,
+                             "%s to close the engines' API sessions" % d.name)
             self.baseline[d.name] = snap = self.settle(d, None, 5)
             # With one peer up: tcp-streams (4) data streams each way, and
             # both daemons alike (a stream left over from a flap is a leak).
@@ -730,13 +733,13 @@ class Suite:
         # has granted a random one of its transfers (others are in flight
         # then), plus up to 20 ms.
         k = rng.randint(1, max(1, self.args.transfers - 4))
-        kvftest.wait_until(lambda: len(r.of("posted")) >= k or r.proc.poll() is not None,
-                           self.t_main * 5 + 10, "the receiver's transfer %d" % k, step=0.002)
-        time.sleep(rng.uniform(0, 0.02))
+        kvftest.wait_for(lambda: len(r.of("posted")) >= k or r.proc.poll() is not None,
+                         self.t_main * 5 + 10, "the receiver's transfer %d" % k, step=0.002)
+        time.sleep(rng.uniform(0, 0.02))  # the random moment: part of the trial, not a wait
         kill_t = time.monotonic()
         delay = kill_t - t_ready
         note = self.strike(kind, s, r)
-        time.sleep(0.2)  # a little more traffic after the restart or restore
+        time.sleep(0.2)  # a little more traffic after the restart or restore (the trial's load)
         self.stop(everyone)
         stuck = self.finish(everyone)
         worst = prober.stop()
@@ -800,7 +803,7 @@ class Suite:
             victim.kill()
             self.stop([other])
             pause = rng.uniform(0.1, 0.8)
-            time.sleep(pause)
+            time.sleep(pause)  # how long the daemon stays dead: the fault itself
             t0 = time.monotonic()
             victim.start()
             self.wait_peers()
@@ -833,7 +836,7 @@ class Suite:
             hold = rng.uniform(0.5, 2.5)
             self.net.link(False)
             what = "took the link down for %.1f s" % hold
-        time.sleep(hold)
+        time.sleep(hold)  # how long the fault lasts: the thing under test
         self.net.nft_rule(None)
         self.net.link(True)
         self.wait_peers(20)
@@ -850,7 +853,7 @@ class Suite:
     def netem_fault(self, kind):
         hold = self.rng.uniform(2.0, 4.0) if kind != "netem-blackout" else self.rng.uniform(1.5, 3.0)
         Netem.set(self.NETEM[kind])
-        time.sleep(hold)
+        time.sleep(hold)  # how long the fault lasts: the thing under test
         Netem.set(None)
         self.wait_peers(30)
         return "netem %s on n0 and n1 for %.1f s" % (self.NETEM[kind], hold)

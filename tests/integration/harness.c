@@ -873,3 +873,99 @@ int h_wait_clients(kvf_client *c, uint64_t want, int ms) {
   return h_fail("%s: %llu clients, expected %llu", kvf_node(c), (unsigned long long)n,
                 (unsigned long long)want);
 }
+
+/* ================================================================ waiting */
+
+static _Thread_local char wait_note[512];
+
+void h_wait_note(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(wait_note, sizeof wait_note, fmt, ap);
+  va_end(ap);
+}
+
+int h_wait_until(h_cond_fn cond, void *arg, int timeout_ms, const char *what) {
+  uint64_t end = h_now_ms() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0);
+  unsigned step = 1;
+  wait_note[0] = 0;
+  for (;;) {
+    /* The deadline is read before the check, so that a condition that
+     * holds by the deadline is seen even when checking it is slow. */
+    int late = h_left_ms(end) == 0, rc = cond(arg);
+    if (rc > 0) return 0;
+    if (rc < 0) {
+      char why[sizeof lasterr];
+      snprintf(why, sizeof why, "%s", h_lasterr()); /* h_fail writes lasterr */
+      return h_fail("while waiting for %s: %s", what, why);
+    }
+    if (late)
+      return h_fail("timed out after %d ms waiting for %s%s%s%s", timeout_ms, what,
+                    wait_note[0] ? " (last seen: " : "", wait_note, wait_note[0] ? ")" : "");
+    /* From 1 ms up to 20: quick for what is nearly there, light on a
+     * daemon that takes long. */
+    unsigned left = (unsigned)h_left_ms(end);
+    h_sleep_ms(step < left ? step : left);
+    if (step < 20) step *= 2;
+  }
+}
+
+typedef struct {
+  kvf_client *c;
+  const char *key;
+  uint64_t min;
+} status_at_least;
+
+static int status_cond(void *arg) {
+  status_at_least *s = arg;
+  uint64_t v;
+  if (h_status_u64(s->c, s->key, &v)) return -1;
+  h_wait_note("%s %llu", s->key, (unsigned long long)v);
+  return v >= s->min;
+}
+
+int h_wait_status(kvf_client *c, const char *key, uint64_t min, int timeout_ms) {
+  char what[192];
+  status_at_least s = {c, key, min};
+  snprintf(what, sizeof what, "%s's STATUS %s >= %llu", kvf_node(c), key,
+           (unsigned long long)min);
+  return h_wait_until(status_cond, &s, timeout_ms, what);
+}
+
+int h_xfer_u64(kvf_client *c, const char *id, const char *key, uint64_t *out) {
+  char *json = NULL, got[KVF_XFER_ID_MAX + 1];
+  const char *it, *e;
+  int rc = 1;
+  if (h_inspect(c, KVF_INSPECT_TRANSFERS, &json)) return -1;
+  it = hj_get(json, "transfers");
+  while (rc > 0 && it && *it == '[' && (e = hj_next(&it)))
+    if (!hj_str(e, "id", got, sizeof got) && !strcmp(got, id))
+      rc = hj_u64(e, key, out) ? h_fail("%s: transfer %s has no number \"%s\": %s", kvf_node(c),
+                                        id, key, json)
+                               : 0;
+  if (rc > 0) rc = h_fail("%s does not list transfer %s: %s", kvf_node(c), id, json);
+  free(json);
+  return rc;
+}
+
+typedef struct {
+  kvf_client *c;
+  const char *id;
+  uint64_t min;
+} xfer_at_least;
+
+static int xfer_bytes_cond(void *arg) {
+  xfer_at_least *x = arg;
+  uint64_t v;
+  if (h_xfer_u64(x->c, x->id, "bytes", &v)) return -1;
+  h_wait_note("%llu bytes", (unsigned long long)v);
+  return v >= x->min;
+}
+
+int h_wait_xfer_bytes(kvf_client *c, const char *id, uint64_t min, int timeout_ms) {
+  char what[256];
+  xfer_at_least x = {c, id, min};
+  snprintf(what, sizeof what, "%s's transfer %s to show %llu bytes", kvf_node(c), id,
+           (unsigned long long)min);
+  return h_wait_until(xfer_bytes_cond, &x, timeout_ms, what);
+}

@@ -21,7 +21,7 @@
 #define H_SOCK_MAX 108        /* sun_path */
 #define H_MAX_PEERS 4
 #define H_STASH 256           /* events kept per client for later waits */
-#define H_READY_MS 10000      /* bound on daemon start and peers up */
+#define H_READY_MS 30000      /* bound on daemon start and peers up (a loaded VM sets up pools slowly) */
 #define H_STOP_MS 10000       /* SIGTERM grace before SIGKILL (the daemon drains for up to 5 s) */
 #define H_XFER_MS 30000       /* default bound on a transfer's two events */
 
@@ -218,5 +218,32 @@ int h_expect_rc(int got, int want, const char *what);
 /* Waits until the daemon of c counts want clients (nothing kept for dead
  * sockets). */
 int h_wait_clients(kvf_client *c, uint64_t want, int ms);
+
+/* ------------------------------------------------------------ waiting */
+
+/* Tests wait on the condition they need (a status counter, an inspect
+ * field, an event), polled under a deadline as Redis's wait_for_condition
+ * does, never for a fixed time: a slow or loaded machine then makes a test
+ * slower, not flaky or silently weaker.
+ *
+ * A condition returns 1 when it holds, 0 when not yet, negative when it
+ * could not be checked (detail recorded with h_fail). It may describe what
+ * it saw with h_wait_note, which the timeout's message then quotes. */
+typedef int (*h_cond_fn)(void *arg);
+
+/* Polls cond(arg) until it holds, for at most timeout_ms. Fails with
+ * "timed out after N ms waiting for <what> (last seen: <note>)", or at
+ * once with the condition's own error. */
+int h_wait_until(h_cond_fn cond, void *arg, int timeout_ms, const char *what);
+/* What the running condition last saw, for h_wait_until's message. */
+void h_wait_note(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Waits until the top-level number key of c's STATUS is at least min. */
+int h_wait_status(kvf_client *c, const char *key, uint64_t min, int timeout_ms);
+/* The number key (e.g. "bytes": what a sender has posted) of transfer id
+ * in c's TRANSFERS; fails when id is not listed. */
+int h_xfer_u64(kvf_client *c, const char *id, const char *key, uint64_t *out);
+/* Waits until transfer id on c shows "bytes" of at least min (fails at
+ * once when it is no longer listed: it ended). */
+int h_wait_xfer_bytes(kvf_client *c, const char *id, uint64_t min, int timeout_ms);
 
 #endif

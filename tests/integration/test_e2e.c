@@ -207,7 +207,8 @@ static void test_grant_long_before_send(void **state) {
   h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N, .seed = 507};
   H_OK(h_prepare(&E.pre, &E.dec, &x));
   H_OK(h_post_grant(&E.dec, &x, "prefill"));
-  h_sleep_ms(300); /* several heartbeats: the grant has reached prefill */
+  /* The grant has reached prefill and waits there for the send. */
+  H_OK(h_wait_status(E.pre.c, "pregrants", 1, 10000));
   H_OK(h_post_send(&E.pre, &x, "decode"));
   H_OK(h_wait_event(&E.dec, id, KVF_EV_RECV_DONE, 10000, &rev));
   H_OK(h_wait_event(&E.pre, id, KVF_EV_SEND_DONE, 10000, &sev));
@@ -228,7 +229,8 @@ static void test_grant_between_parts(void **state) {
   h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N, .seed = 513};
   H_OK(h_prepare(&E.pre, &E.dec, &x));
   assert_int_equal(kvf_send(E.pre.c, id, "decode", src, N / 3, KVF_SEND_MORE, 0), 0);
-  h_sleep_ms(50);
+  /* Decode holds the send's intent before it sees the grant. */
+  H_OK(h_wait_status(E.dec.c, "waiting_sends", 1, 10000));
   H_OK(h_post_grant(&E.dec, &x, "prefill"));
   assert_int_equal(kvf_send(E.pre.c, id, "decode", src + N / 3, N / 3, KVF_SEND_MORE, 0), 0);
   assert_int_equal(kvf_send(E.pre.c, id, "decode", src + 2 * (N / 3), N - 2 * (N / 3), 0, 0), 0);

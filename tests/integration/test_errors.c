@@ -437,7 +437,8 @@ static void start_half(h_xfer *x, kvf_desc *src, kvf_desc *dst, char *id, const 
   H_OK(h_post_grant(&E.dec, x, "prefill"));
   H_OK(h_expect_rc(kvf_send(E.pre.c, id, "decode", src, CN / 2, KVF_SEND_MORE, 20000), 0,
                  "first half"));
-  h_sleep_ms(50); /* let the first half move */
+  /* The first half is on its way: prefill has posted all of it. */
+  H_OK(h_wait_xfer_bytes(E.pre.c, id, CN / 2 * 64 * KIB, 10000));
 }
 
 static void test_cancel_by_receiver(void **state) {
@@ -615,7 +616,7 @@ static void test_cancelled_grant_revoked(void **state) {
               .seed = 32};
   H_OK(h_prepare(&E.pre, &E.dec, &x));
   H_OK(h_post_grant(&E.dec, &x, "prefill"));
-  h_sleep_ms(200); /* the grant has been pushed to prefill */
+  H_OK(h_wait_status(E.pre.c, "pregrants", 1, 5000)); /* pushed to prefill */
   H_OK(h_expect_rc(kvf_cancel(E.dec.c, id), 0, "cancel grant"));
   H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_ECANCELED, 5000, NULL));
   H_OK(h_post_send(&E.pre, &x, "decode"));
@@ -777,8 +778,9 @@ static void grant_child(int wfd, const char *id, const kvf_desc *d, size_t n) {
   int rc = kvf_connect(E.p.decode.sock, &c);
   if (rc == 0) rc = kvf_grant(c, id, "prefill", d, n, 20000);
   if (write(wfd, &rc, sizeof rc) != sizeof rc) _exit(2);
-  h_sleep_ms(30000); /* bounded, should the parent never kill us */
-  _exit(3);
+  /* Waits to be killed; SIGALRM ends it should the parent never do so. */
+  alarm(30);
+  for (;;) pause();
 }
 
 static int read_child_rc(int rfd, int *rc) {
@@ -812,9 +814,11 @@ static void test_client_killed(void **state) {
   /* Half of the send, then the receiving client dies mid-transfer. */
   H_OK(h_expect_rc(kvf_send(E.pre.c, id, "decode", src, CN / 2, KVF_SEND_MORE, 3000), 0,
                  "first half"));
-  h_sleep_ms(50);
+  /* Mid-transfer: prefill has posted the first half into the grant. */
+  int moved = h_wait_xfer_bytes(E.pre.c, id, CN / 2 * 64 * KIB, 10000);
   kill(pid, SIGKILL);
   waitpid(pid, &st, 0);
+  H_OK(moved);
   H_OK(h_wait_event(&E.pre, id, KVF_EV_SEND_DONE, 6000, &ev));
   if (ev.status == KVF_EDEADLINE)
     fprintf(stderr, "note: client death reached the sender only as its deadline\n");
@@ -882,7 +886,7 @@ static void test_stale_pushed_grant(void **state) {
   h_xfer x = {.id = id, .src = src, .nsrc = CN, .dst = dst, .ndst = CN, .seed = 52,
               .send_first = true};
   H_OK(h_post_grant(&E.dec, &x, "prefill"));
-  h_sleep_ms(200); /* pushed to prefill by now */
+  H_OK(h_wait_status(E.pre.c, "pregrants", 1, 5000)); /* pushed to prefill */
   H_OK(h_daemon_kill9(&E.p.decode));
   h_client_close(&E.dec);
   H_OK(h_daemon_spawn(&E.p.decode));

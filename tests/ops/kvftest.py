@@ -133,15 +133,26 @@ def free_ports(n):
             s.close()
 
 
-def wait_until(pred, timeout, what, step=0.02):
+def wait_for(cond, timeout, what, step=0.02):
+    """Polls cond() until it returns something true, and returns that, as
+    Redis's wait_for_condition: tests wait on the condition they need (a
+    status counter, an inspect field, a log line, an event), never for a
+    fixed time, so that a slow machine makes them slower, not flaky or
+    silently weaker. On timeout, fails saying what was awaited and what
+    cond() last returned (when that says more than False). Polls every
+    millisecond at first, backing off to step."""
     end = time.monotonic() + timeout
+    delay = 0.001
     while True:
-        v = pred()
+        late = time.monotonic() > end  # before the check: one slow check still counts
+        v = cond()
         if v:
             return v
-        if time.monotonic() > end:
-            raise AssertionError("timed out after %.1fs waiting for %s" % (timeout, what))
-        time.sleep(step)
+        if late:
+            seen = "" if v is None or v is False else " (last seen: %r)" % (v,)
+            raise AssertionError("timed out after %.1fs waiting for %s%s" % (timeout, what, seen))
+        time.sleep(delay)
+        delay = min(delay * 2, step)
 
 
 # ---------------------------------------------------------------- daemons
@@ -206,7 +217,7 @@ class Daemon:
                 raise AssertionError("%s exited with %s during start:\n%s" % (
                     self.name, self.proc.returncode, self.log_text()[-3000:]))
             return self.api_answers()
-        wait_until(ready, timeout, "%s's API socket" % self.name)
+        wait_for(ready, timeout, "%s's API socket" % self.name)
 
     def client(self):
         import kvferry
@@ -222,7 +233,7 @@ class Daemon:
         return peers and all(p["state"] == "up" for p in peers)
 
     def wait_peers_up(self, timeout=READY_S):
-        wait_until(self.peers_up, timeout, "%s's peers up" % self.name)
+        wait_for(self.peers_up, timeout, "%s's peers up" % self.name)
 
     def metrics_url(self):
         return self.status()["metrics"]

@@ -14,12 +14,11 @@ import json
 import os
 import socket
 import struct
-import time
 import unittest
 import urllib.request
 
 import kvftest  # first: puts the binding from the source tree on sys.path
-from kvftest import Daemon, field_bytes, field_varint, pb_decode as decode, run, wait_until
+from kvftest import Daemon, field_bytes, field_varint, pb_decode as decode, run, wait_for
 
 import kvferry
 
@@ -191,6 +190,13 @@ class TestClusterKey(unittest.TestCase):
             self.assertIsNone(d.proc.poll(), "%s died:\n%s" % (d.name, d.log_text()[-3000:]))
             self.assertTrue(d.api_answers(), d.name)
 
+    def wait_redials_refused(self, *daemons, n=4):
+        """Until each daemon has refused n handshakes: the first and
+        several redials (reconnect-max-ms is 300), all of them refused."""
+        for d in daemons:
+            wait_for(lambda: d.status()["auth_failures"] >= n, 10,
+                     "%s to refuse %d handshakes" % (d.name, n))
+
     def assert_never_up(self, *daemons):
         """Not up now, and never was (not even for a moment)."""
         for d in daemons:
@@ -249,9 +255,9 @@ class TestClusterKey(unittest.TestCase):
     def test_different_keys_never_come_up(self):
         pre, dec = self.daemons(self.key1, self.key2, metrics=True)
         for d in (pre, dec):
-            wait_until(lambda: "cluster key mismatch" in d.log_text(), 10,
-                       "%s to log a key mismatch" % d.name)
-        time.sleep(0.5)  # redials keep failing: never up
+            wait_for(lambda: "cluster key mismatch" in d.log_text(), 10,
+                     "%s to log a key mismatch" % d.name)
+        self.wait_redials_refused(pre, dec)
         self.assert_never_up(pre, dec)
         self.assertIn("refused peer decode at 127.0.0.1:", pre.log_text())
         self.assertIn("refused peer prefill at 127.0.0.1:", dec.log_text())
@@ -271,11 +277,11 @@ class TestClusterKey(unittest.TestCase):
 
     def test_key_on_one_side_only(self):
         pre, dec = self.daemons(self.key1, None)
-        wait_until(lambda: "has no cluster key and this daemon requires one" in pre.log_text(), 10,
-                   "prefill to refuse a keyless peer")
-        wait_until(lambda: "uses a cluster key and this daemon has none" in dec.log_text(), 10,
-                   "decode to refuse a keyed peer")
-        time.sleep(0.5)
+        wait_for(lambda: "has no cluster key and this daemon requires one" in pre.log_text(), 10,
+                 "prefill to refuse a keyless peer")
+        wait_for(lambda: "uses a cluster key and this daemon has none" in dec.log_text(), 10,
+                 "decode to refuse a keyed peer")
+        self.wait_redials_refused(pre, dec)
         self.assert_never_up(pre, dec)
         self.assertIn(send_error(dec, pre, "auth-oneside"), ("KVF_EPEERLOST", "KVF_ENOPEER"))
         self.assertEqual(dec.status()["auth"], "off")
@@ -372,7 +378,7 @@ class TestClusterKey(unittest.TestCase):
         self.assertTrue(r.closed_within(10))
         r.close()
 
-        wait_until(lambda: dec.status()["auth_failures"] >= base + 5, 5, "5 refusals counted")
+        wait_for(lambda: dec.status()["auth_failures"] >= base + 5, 5, "5 refusals counted")
         log = dec.log_text()
         self.assertIn("refused peer prefill at 127.0.0.1:", log)
         self.assertIn("it has no cluster key and this daemon requires one", log)
@@ -423,8 +429,8 @@ class TestClusterKey(unittest.TestCase):
                                                 "decode", "prefill")))
         self.assertTrue(r.closed_within(REFUSED_S))
         r.close()
-        wait_until(lambda: count(dec.log_text(), "cluster key mismatch") >= mismatches + 3, 5,
-                   "three mismatches logged")
+        wait_for(lambda: count(dec.log_text(), "cluster key mismatch") >= mismatches + 3, 5,
+                 "three mismatches logged")
 
         # tcp data streams: challenged, and adopted only with a fresh proof.
         with pre.client() as c:

@@ -9,7 +9,6 @@ import os
 import selectors
 import sys
 import threading
-import time
 import unittest
 
 import kvftest  # first: puts the binding from the source tree on sys.path
@@ -18,6 +17,28 @@ from kvftest import wait_event
 import kvferry
 
 BLK = 65536
+
+
+def blocked_in_wait_events(thread):
+    """A condition for kvftest.wait_for: thread sits in kvf_wait_events
+    without the GIL. While we check, we hold the GIL, so a thread whose
+    innermost Python frame is Client.wait_events is either inside the
+    foreign call or waiting for the GIL. The latter cannot sleep through a
+    poll interval (wait_for's sleep frees the GIL and wakes it): so the
+    thread is in the call once two polls in a row find it there, asleep,
+    with the same count of sleeps (voluntary_ctxt_switches)."""
+    last = []
+
+    def check():
+        frame = sys._current_frames().get(thread.ident)
+        with open("/proc/self/task/%d/status" % thread.native_id) as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        seen = (frame.f_code.co_name if frame else None, fields["State"].split()[0],
+                int(fields["voluntary_ctxt_switches"]))
+        held = seen[:2] == ("wait_events", "S") and last == [seen]
+        last[:] = [seen]
+        return held
+    return check
 
 
 class TestBinding(unittest.TestCase):
@@ -168,7 +189,7 @@ class TestBinding(unittest.TestCase):
         got = []
         waiter = threading.Thread(target=lambda: got.extend(self.cd.wait_events(4, 10000)))
         waiter.start()
-        time.sleep(0.1)  # the waiter sits in kvf_wait_events, without the GIL
+        kvftest.wait_for(blocked_in_wait_events(waiter), 5, "the waiter to block in kvf_wait_events")
         self.cd.grant("py-thread", None, [self.pd.desc(0, BLK)])
         self.cp.send("py-thread", "decode", [self.pp.desc(0, BLK)])
         waiter.join(15)

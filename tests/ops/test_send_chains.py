@@ -95,7 +95,7 @@ class SendChains(unittest.TestCase):
 
     def tearDown(self):
         self.c.close()
-        kvftest.wait_until(lambda: self.d.status()["sends_active"] == 0, 5, "no send left")
+        kvftest.wait_for(lambda: self.d.status()["sends_active"] == 0, 5, "no send left")
 
     def test_one_response_for_the_call(self):
         for seq, chained in ((2, True), (3, True), (4, False)):

@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 
 import kvftest  # first: puts the binding from the source tree on sys.path
-from kvftest import Daemon, wait_event, wait_until
+from kvftest import Daemon, wait_event, wait_for
 
 import kvferry
 
@@ -47,7 +47,7 @@ class TestStop(unittest.TestCase):
         t0 = time.monotonic()
         self.pre.signal(signal.SIGTERM)
         # No new clients: the socket goes away...
-        wait_until(lambda: not os.path.exists(self.pre.sock), 5, "the API socket to go")
+        wait_for(lambda: not os.path.exists(self.pre.sock), 5, "the API socket to go")
         with self.assertRaises(kvferry.KvferryError):
             kvferry.Client(self.pre.sock)
         # ...and no new transfers from the clients still connected.
@@ -75,7 +75,11 @@ class TestStop(unittest.TestCase):
     def test_second_sigterm_stops_at_once(self):
         self.cd.grant("stuck-2", "prefill", descs(self.pd, 0, 1))
         self.dec.signal(signal.SIGTERM)
-        time.sleep(0.2)
+        # The first SIGTERM started a drain that waits for the grant (or,
+        # wrongly, stopped the daemon at once).
+        wait_for(lambda: self.dec.proc.poll() is not None or
+                 "SIGTERM: stopping; 1 transfers in flight" in self.dec.log_text(), 5,
+                 "decode to start draining")
         self.assertIsNone(self.dec.proc.poll(), "stopped without waiting for the grant")
         self.dec.signal(signal.SIGTERM)
         self.assertEqual(self.dec.proc.wait(5), 0)
@@ -121,8 +125,8 @@ class TestReload(unittest.TestCase):
         n = daemon.log_text().count("reload done") + daemon.log_text().count("reload refused")
         daemon.write_conf(text)
         daemon.signal(signal.SIGHUP)
-        wait_until(lambda: daemon.log_text().count("reload done") +
-                   daemon.log_text().count("reload refused") > n, 5, "the reload")
+        wait_for(lambda: daemon.log_text().count("reload done") +
+                 daemon.log_text().count("reload refused") > n, 5, "the reload")
 
     def peers_of(self, daemon):
         with daemon.client() as c:
@@ -161,7 +165,7 @@ class TestReload(unittest.TestCase):
         self.a.peers = []
         self.reload(self.a, self.a.config_text())
         self.assertEqual(self.peers_of(self.a), {})
-        wait_until(lambda: self.peers_of(self.b)["alpha"]["state"] != "up", 5, "beta to see alpha go")
+        wait_for(lambda: self.peers_of(self.b)["alpha"]["state"] != "up", 5, "beta to see alpha go")
         self.assertIn("reload: peer beta removed", self.a.log_text())
 
         # And back: the same slot comes back up.

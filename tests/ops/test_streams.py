@@ -7,7 +7,6 @@ not wait for the next time the peer goes down. Found by the chaos suite
 daemon."""
 import os
 import socket
-import time
 import unittest
 
 import kvftest
@@ -25,21 +24,12 @@ def open_fds(d):
     return len(os.listdir("/proc/%d/fd" % d.proc.pid))
 
 
-def settled_fds(d):
-    """The daemon's fd count once it holds still: the API session of the
-    last status() call closes on the daemon's next loop turn, not when our
-    end of it does."""
-    prev = open_fds(d)
-    while True:
-        time.sleep(0.1)
-        n = open_fds(d)
-        if n == prev:
-            return n
-        prev = n
-
-
-def streams_in(d):
-    return (d.status().get("tcp") or {}).get("streams_in")
+def settled(c):
+    """True when, as c's daemon says, c is its only API session (those of
+    earlier calls are closed, fds with them) and 4 tcp data streams came in
+    (what a peer opens)."""
+    st = c.inspect("status", json=True)
+    return st["clients"] == 1 and (st.get("tcp") or {}).get("streams_in") == 4
 
 
 class ClosedStreams(unittest.TestCase):
@@ -48,18 +38,22 @@ class ClosedStreams(unittest.TestCase):
         try:
             with pre.client() as c:
                 session = int(c.inspect("peers", json=True)["peers"][0]["session"], 16)
-            kvftest.wait_until(lambda: streams_in(dec) == 4, 5, "decode's 4 inbound streams")
-            fds = settled_fds(dec)
-            for i in range(8):  # streams of a torn-down incarnation, one after another
-                s = socket.create_connection(("127.0.0.1", dec.port), timeout=5)
-                s.sendall(data_hello(b"prefill", session, 100 + i))
-                self.assertEqual(s.recv(4), b"\0\0\0\0", "the stream's ACK")
-                s.close()
-            try:
-                kvftest.wait_until(lambda: settled_fds(dec) == fds and streams_in(dec) == 4, 5, "")
-            except AssertionError:
-                self.fail("decode has %d fds and %s inbound streams, not %d and 4" % (
-                    open_fds(dec), streams_in(dec), fds))
+            # One API session for every status call: the fd count then only
+            # moves with the streams.
+            with dec.client() as c:
+                kvftest.wait_for(lambda: settled(c), 5,
+                                 "decode's 4 inbound streams and no other API session")
+                fds = open_fds(dec)
+                for i in range(8):  # streams of a torn-down incarnation, one after another
+                    s = socket.create_connection(("127.0.0.1", dec.port), timeout=5)
+                    s.sendall(data_hello(b"prefill", session, 100 + i))
+                    self.assertEqual(s.recv(4), b"\0\0\0\0", "the stream's ACK")
+                    s.close()
+                try:
+                    kvftest.wait_for(lambda: open_fds(dec) == fds and settled(c), 5, "")
+                except AssertionError:
+                    self.fail("decode has %d fds and status %s, not %d fds and 4 inbound streams" % (
+                        open_fds(dec), c.inspect("status", json=True).get("tcp"), fds))
             self.assertTrue(pre.peers_up() and dec.peers_up())
         finally:
             self.assertEqual(pre.stop(), 0)

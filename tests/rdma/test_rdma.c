@@ -196,7 +196,8 @@ static void start_big(big *b, const char *tag) {
   H_OK(h_prepare(&E.pre, &E.dec, &b->x));
   H_OK(h_post_grant(&E.dec, &b->x, "prefill"));
   H_OK(h_post_send(&E.pre, &b->x, "decode"));
-  h_sleep_ms(300); /* into the data */
+  /* Into the data: prefill has posted a sixteenth of it. */
+  H_OK(h_wait_xfer_bytes(E.pre.c, b->id, (uint64_t)BIG_N * 64 * KIB / 16, 10000));
 }
 
 /* KVF_TEST_LINK_CTL DEV up|down (run.sh's, which also restores the policy
@@ -370,7 +371,7 @@ static int write_key(const char *dir, char *path, size_t cap) {
 }
 
 /* Both daemons with one cluster-key-file: every CM request then carries the
- * sender's truncated proof in its private data (rdma.c), which the acceptor
+ * sender's truncated proof in its private data (rdma_conn.c), which the acceptor
  * checks before rdma_accept; the QPs must connect and carry data. */
 static int setup_keyed(void **state) {
   uint16_t ports[2];

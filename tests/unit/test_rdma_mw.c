@@ -1,5 +1,5 @@
 /* test_rdma_mw.c - the pure parts of the rdma transport's memory windows
- * (daemon/transport/rdma_mw.c): the 32-byte records a Grant carries, the
+ * (daemon/transport/rdma/rdma_mw.c): the 32-byte records a Grant carries, the
  * checks a sender makes of them, finding the window of a write, the plan
  * of a grant's windows under rdma-mw-max-windows, and each descriptor's
  * window (Grant.window_of). (Binding them needs

@@ -1,5 +1,7 @@
-/* rdma.h - the rdma transport (this folder): one-sided RDMA WRITE over RC
- * queue pairs set up through librdmacm. */
+/* rdma.h - the rdma transport (this folder), as the daemon sees it: one-
+ * sided RDMA WRITE over RC queue pairs set up through librdmacm. Everything
+ * else goes through its kvf__transport_ops (transport.h); the folder's own
+ * types and functions are in its private header, rdma_int.h. */
 #ifndef KVF_RDMA_H
 #define KVF_RDMA_H
 

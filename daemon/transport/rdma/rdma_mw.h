@@ -1,4 +1,4 @@
-/* rdma_mw.h - memory windows of the rdma transport (rdma.c): the window
+/* rdma_mw.h - memory windows of the rdma transport (rdma_mw.c): the window
  * records a Grant carries, finding the window a write goes through,
  * planning the windows of a grant, and the start-time check of whether a
  * device enforces a window's bounds.

@@ -1,0 +1,512 @@
+/* rdma_int.h - the rdma transport's one private header: the constants and
+ * types its files share, and the kvf__rdma_ functions that cross them.
+ * Only the files of this folder include it (and bench/post_bench.c, which
+ * times the posting code without a device); the daemon sees rdma.h.
+ *
+ * The objects, from the instance down:
+ *   rdma_transport  the instance (embeds kvf__transport; to_rdma())
+ *   rdev            a device port we use: PD, MRs of every pool, CM
+ *                   listener, completion channel, progress thread
+ *   rpeer           a peer that is up (in the peer's slot: rpeer_of()):
+ *                   its queues of tickets, its pools, one rlink per rdev
+ *   rlink           a peer on one of our devices: its CQ(s) and QPs
+ *   rqp             one RC queue pair, dialed (we write) or accepted
+ *                   (the peer's completion notices; window binds)
+ *   ticket          one ops->post call, queued on the rpeer
+ *   xstate          per transfer (x->tp_state), across its tickets
+ *   rgrant          a grant this side accepts writes for (memory windows)
+ *   tevent          what a thread hands to the loop (mailbox.h)
+ *
+ * Who touches what: the loop owns the CM, the peers, the grants and the
+ * windows; a device's progress thread owns the send and receive queues and
+ * the CQs of its links once they are published to it; fields say "(loop)",
+ * "(qlock)" or "thread" where that matters. */
+#ifndef KVF_RDMA_INT_H
+#define KVF_RDMA_INT_H
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <infiniband/verbs.h>
+#include <pthread.h>
+#include <rdma/rdma_cma.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "auth.h"
+#include "map.h"
+#include "rdma.h"
+#include "rdma_mw.h"
+#include "sbuf.h"
+#include "xfer.h"
+
+#define MAX_DEVS 8
+#define MAX_QPS 128             /* per link: dialed and accepted */
+#define CHAIN_MAX 32            /* work requests per ibv_post_send (one doorbell) */
+#define QP_WINDOW (4u << 20)    /* bytes in flight per QP before it claims more: a
+                                   transfer spreads over every QP and device
+                                   instead of filling the first send queue */
+#define CQ_BATCH 32
+#define RESOLVE_MS 1000          /* address and route resolution; retried (REDIAL_MS) */
+#define CONNECT_MS 15000        /* else the peer is failed (last resort) */
+#define UNREADY_MS 2000         /* posts wait this long for a QP, then fail */
+#define ACK_TIMEOUT 14          /* 4.096 us << 14 = 67 ms per try: with 6 retries a
+                                   dead path errors the QP in about half a second */
+#define RETRY_COUNT 6             /* not 7: rxe (like the RNR count) reads 7 as infinite */
+#define REDIAL_MS 250             /* first retry of a dialed QP that did not connect */
+#define RNR_RETRY 7             /* infinite: a receiver short of receives slows us */
+#define PARK_MS 5000            /* how long a CM request may wait for its peer */
+#define PRIV_MAGIC 0x5246564bu  /* "KVFR" */
+#define PRIV_VERSION 1
+#define PRIV_LEN 24
+/* With a cluster key the request also carries 16 bytes of the sender's
+ * proof (auth.h): 40 of the 56 bytes of private data RDMA_PS_TCP leaves. */
+#define PRIV_AUTH_LEN (PRIV_LEN + KVF__AUTH_RDMA_PROOF)
+#define INFO_VERSION 1
+#define TAG_RECV UINT64_MAX     /* wr_id of every receive */
+#define CAP_IPC_LOCK_BIT 14
+
+/* ------------------------------------------------------------ types */
+
+enum ev_kind { EV_TICKET = 1, EV_IMM, EV_FAIL };
+
+typedef struct rdma_transport rdma_transport;
+
+/* Thread -> loop, through the instance's mailbox. */
+typedef struct tevent {
+  kvf__mail mail;               /* first member */
+  rdma_transport *rt;
+  int kind;
+  kvf__peer *peer;
+  uint64_t gen;
+  uint32_t imm;
+  char why[160];
+} tevent;
+
+typedef struct rdev rdev;
+typedef struct rpeer rpeer;
+typedef struct rlink rlink;
+typedef struct rqp rqp;
+typedef struct xstate xstate;
+
+/* Memory windows, sender side: the body runs of a ticket that go through
+ * windows bound on one QP (a type 2 window takes writes only from there). */
+typedef struct lane {
+  rqp *q;                       /* compared, never followed, by the threads */
+  size_t next, end;             /* order[next..end) not yet claimed (qlock) */
+} lane;
+
+/* One ops->post call. Its parts: n_body plain writes and, for the last post
+ * of a transfer, the tail. It is called back once every part is done. */
+typedef struct ticket {
+  tevent ev;                    /* EV_TICKET; first member */
+  struct ticket *next_q;        /* the peer's body or tail queue (qlock) */
+  struct ticket *prev_live, *next_live; /* tickets not yet called back (loop) */
+  kvf__xfer *x;
+  xstate *xs;
+  rpeer *rp;                    /* NULL once the peer is gone (loop) */
+  kvf__run *runs;               /* owned; each at most rdma-slice */
+  size_t n_runs;
+  size_t n_body;                /* runs[0..n_body) are plain writes */
+  size_t next;                  /* next body run to claim (qlock) */
+  bool last, has_tail;
+  kvf__run tail;                /* WRITE_WITH_IMM; len 0 when the post had no run */
+  uint32_t imm;
+  /* Memory windows (the grant has them): each run's rkey is its window's
+   * (rkeys, by run); body runs are claimed lane by lane through order
+   * (indices into runs; NULL when there is one lane: runs as they are);
+   * the tail goes on its window's QP. */
+  uint32_t *rkeys;
+  uint32_t *order;
+  lane *lanes;
+  size_t n_lanes;
+  size_t left;                  /* lanes: body runs not yet claimed (qlock) */
+  uint32_t tail_rkey;
+  rqp *tail_q;                  /* NULL: any QP */
+  rdev *tail_dev;               /* its device, to wake */
+  uint32_t tail_qpn;            /* tail_q, by number and device index */
+  uint16_t tail_devi;
+  size_t total;                 /* n_body + has_tail */
+  atomic_size_t done;
+  atomic_int status;
+  atomic_uint_fast64_t build_ns, bell_ns, wrs;
+  uint64_t loop_ns;
+} ticket;
+
+#define MAX_LANES 256
+
+/* A Grant's memory windows as the sender looks them up: decoded once per
+ * transfer, however many posts (a chained send's frames) it takes. */
+typedef struct wtable {
+  const uint8_t *of;            /* Grant.window_of (x->tp_grant): each descriptor's window */
+  size_t of_len;
+  kvf__mw_rec *v;
+  uint32_t *lane;               /* per record: its (device, QP) lane */
+  size_t n, nl;
+  size_t first[MAX_LANES];      /* per lane: a record naming it */
+} wtable;
+
+/* Per transfer (x->tp_state), from its first post until xfer_done. */
+struct xstate {
+  atomic_long pending;          /* body writes handed over, not yet completed */
+  _Atomic(ticket *) tail;       /* the last part, waiting for pending == 0 */
+  unsigned out;                 /* tickets not yet called back (loop) */
+  wtable *wt;                   /* the Grant's windows, once a post needed them */
+  uint64_t wrs, loop_ns, build_ns, bell_ns; /* posting cost, summed over its tickets (loop) */
+};
+
+typedef struct inflight {       /* one posted chain */
+  ticket *tk;
+  uint64_t seq;                 /* wr_id of its last, signalled, work request */
+  uint32_t wrs;                 /* send queue slots it holds */
+  uint32_t runs;                /* body runs it completes */
+  bool tail;
+  uint64_t bytes;
+} inflight;
+
+struct rqp {
+  rlink *lk;
+  struct rdma_cm_id *id;
+  struct ibv_qp *qp;            /* NULL until created */
+  uint32_t qp_num;
+  bool outbound;
+  bool established;             /* loop */
+  bool gone;                    /* loop: failed and replaced or dropped; inert until the link goes */
+  atomic_bool ready;            /* dialed and established: the thread may post */
+  /* memory windows, accepted QPs (loop): binds go on their send queue */
+  int peer_dev;                 /* the dialing device, by index in the peer's Hello; -1 unknown */
+  uint32_t remote_qpn;          /* the dialing QP */
+  uint32_t bind_cap, bind_used; /* send queue slots for binds */
+  /* progress thread only, once published */
+  bool dead;
+  uint32_t max_inline;
+  uint32_t sq_cap, sq_used;
+  uint64_t bytes_out;           /* in flight */
+  uint32_t rq_cap, rq_posted;
+  uint64_t seq;
+  inflight *ring;
+  uint32_t ring_head, ring_n;
+  struct ibv_send_wr wr[CHAIN_MAX];
+  struct ibv_sge sge[CHAIN_MAX];
+};
+
+/* A peer on one of our devices: its CQ and QPs. */
+struct rlink {
+  rlink *next;                  /* the device thread's list */
+  rpeer *rp;
+  rdev *dev;
+  char peer_dev[64];
+  struct sockaddr_storage dst;  /* the peer device's CM address */
+  struct ibv_cq *cq;
+  struct ibv_cq *bcq;           /* memory windows: the accepted QPs' binds (loop only) */
+  unsigned binds_out;           /* bind chains in flight on bcq */
+  uint32_t depth;
+  uint64_t *raddr;              /* per peer pool, on the peer device */
+  uint32_t *rkey;
+  size_t n_rpools;
+  unsigned n_out;
+  unsigned n_ready;             /* dialed QPs established (loop) */
+  unsigned redial;              /* dialed QPs to try again (loop) */
+  uint32_t redial_ms;
+  uint64_t redial_at;
+  rqp *all[MAX_QPS];            /* every QP, for teardown (loop) */
+  unsigned n_all;
+  _Atomic(rqp *) qps[MAX_QPS];  /* those the thread may touch */
+  atomic_uint n_qps;
+  bool attached;
+  bool detached;                /* the thread let go (dev->lock) */
+  bool cq_failed;               /* thread */
+};
+
+struct rpeer {
+  rdma_transport *rt;
+  kvf__peer *p;
+  uint64_t gen;
+  uint64_t session;             /* the peer's, from its Hello */
+  rlink *links[MAX_DEVS];
+  int n_links;
+  pthread_mutex_t qlock;
+  ticket *qhead, *qtail;        /* body work, in post order */
+  ticket *thead, *ttail;        /* tails cleared to go */
+  atomic_uint queued;           /* tickets in either queue */
+  uint64_t *pool_size;          /* the peer's pools, by id */
+  size_t n_pools;
+  bool gpu_pools;                /* the peer has cuda pools (path rdma-gdr) */
+  bool *pool_gpu;
+  uint64_t up_ns;               /* the current set of QPs was dialed */
+  bool said_ready;
+  bool degraded;                /* said that some links stay down */
+  unsigned resets;
+};
+
+typedef struct cmd {
+  struct cmd *next;
+  int kind;
+  rlink *lk;
+} cmd;
+enum { CMD_ATTACH = 1, CMD_DETACH, CMD_STOP };
+
+struct rdev {
+  rdma_transport *rt;
+  int index;
+  char name[64];
+  uint8_t port;
+  struct ibv_context *ctx;
+  struct ibv_pd *pd;
+  struct ibv_comp_channel *ch;
+  struct ibv_mr **mrs;          /* per pool */
+  uint32_t *lkey;
+  union ibv_gid gid;
+  uint32_t gid_index;
+  struct sockaddr_storage addr; /* the GID's address: CM listener and source */
+  char ip[INET6_ADDRSTRLEN];
+  uint16_t cm_port;
+  struct rdma_cm_id *listener;
+  uint32_t max_cqe, max_qp_wr;
+  bool mw2;                     /* type 2 memory windows */
+  int mw_bounds;                /* enum kvf__mw_bounds, from the start check */
+  char mw_check[160];           /* what the check saw */
+  uv_poll_t async_poll;
+  bool async_on;
+  pthread_t thr;
+  bool started;
+  int efd, epfd;
+  pthread_mutex_t lock;         /* cmds, link->detached */
+  pthread_cond_t cond;
+  cmd *cmds, *cmds_tail;
+  rlink *links;                 /* thread only */
+  atomic_uint_fast64_t wrs, bytes, chains, imms, cqes, build_ns, bell_ns, sleeps;
+};
+
+typedef struct bchain bchain;
+
+typedef struct rgrant {
+  rdma_transport *rt;
+  kvf__xfer *x;
+  kvf__peer *peer;
+  /* memory windows (loop): one per planned range, bound round-robin on
+   * the peer's accepted QPs */
+  kvf__range *win;
+  size_t n_win;
+  struct ibv_mw **mw;
+  rqp **qs;                     /* while binding: the QPs, NULL once lost */
+  size_t nq;
+  size_t *cur;                  /* per QP: its next window (i = j, j + nq, ...) */
+  size_t posted;
+  unsigned chains_out;
+  bchain *chains;
+  int status;
+  bool binding, closed;
+  bool restart;                 /* a QP failed under the binds: start over */
+  unsigned tries;
+  uint64_t since_ns;
+  struct rgrant *next_b;        /* rt->mw.binding, or rt->mw.zombies once closed */
+} rgrant;
+
+/* Bind work requests posted in one call; the last one's wr_id. */
+struct bchain {
+  bchain *next;
+  rgrant *g;
+  rqp *q;
+  uint32_t n;
+};
+
+typedef struct parked {         /* a CM request whose peer is not up yet */
+  struct parked *next;
+  struct rdma_cm_id *id;
+  rdev *dev;
+  uint64_t session;
+  uint64_t since_ns;
+} parked;
+
+/* What the loop needs of a CM event after it is acked. */
+typedef struct cm_ev {
+  enum rdma_cm_event_type type;
+  struct rdma_cm_id *id;
+  void *ctx;                    /* id->context, read before the ack */
+  int status;
+  uint8_t priv[PRIV_AUTH_LEN];
+  size_t priv_len;
+} cm_ev;
+
+/* The instance: reached from the kvf__transport every op gets (to_rdma).
+ * Loop-owned unless a field says otherwise. */
+struct rdma_transport {
+  kvf__transport base;
+  /* devices (rdma_dev.c) */
+  rdev devs[MAX_DEVS];
+  int n_devs;
+  struct ibv_context **all;     /* librdmacm's device list */
+  uint8_t **pool_base;          /* pool memory, by pool id */
+  bool any_gpu;                 /* some pool of ours is GPU memory */
+  /* connections (rdma_conn.c) */
+  struct rdma_event_channel *cm;
+  uv_poll_t cm_poll;
+  uv_timer_t sweep;
+  rpeer *peers[KVF__MAX_PEERS_CFG]; /* every peer up, for the sweeps (each also in its peer's slot) */
+  size_t n_peers;
+  uint64_t gen;                 /* incarnations of peers' data paths */
+  parked *parked;
+  kvf__map grants;              /* "%08x" token -> rgrant */
+  /* The reaper destroys dead links' QPs, ids and CQs: with the path gone
+   * rdma_destroy_id can block for seconds, which the loop must not. */
+  struct {
+    pthread_t thr;
+    bool on, stop;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    rlink *head;                /* links to destroy (lock) */
+  } reaper;
+  /* our Hello's rdma part, pointing into devs (kvf__rdma_build_hello) */
+  struct {
+    Kvf__RdmaInfo info;
+    Kvf__RdmaDevice dev[MAX_DEVS];
+    Kvf__RdmaDevice *dev_ptr[MAX_DEVS];
+    Kvf__RdmaMr *mr;            /* n_devs x pools */
+    Kvf__RdmaMr **mr_ptr;
+  } hello;
+  /* posting (rdma_post.c) */
+  kvf__mailbox mb;              /* threads -> loop: tevents, tickets */
+  ticket *live;                 /* tickets not yet called back */
+  struct {
+    uint64_t calls, runs, ns;   /* loop-side cost of ops->post */
+    /* the last finished transfer's posting cost, summed over its tickets
+     * (a chained send posts one per frame) */
+    uint64_t last_wrs, last_loop_ns, last_build_ns, last_bell_ns;
+  } post;
+  /* memory windows (rdma_mw.c) */
+  char protection[400];         /* one line for status, doctor and the log */
+  struct {
+    bool on;                    /* in use: pools take no remote writes but through them */
+    char why[200];              /* why not, when not */
+    rgrant *binding;            /* grants whose windows are being bound */
+    rgrant *zombies;            /* closed grants with binds still in flight */
+    uv_timer_t timer;
+    bool timer_on;
+    uint64_t live, bound, grants, merged, failed, bind_ns;
+    uint64_t lookups, searches; /* sender: runs' windows looked up; of those, not by window_of */
+    size_t last_win;
+    uint64_t last_bind_ns;
+  } mw;
+  /* lifetime (rdma.c) */
+  bool handles;                 /* the handles above are initialised */
+  unsigned closing;             /* references: the instance's own, and handles whose close callback is due */
+};
+
+/* ------------------------------------------------------------ small helpers */
+
+static inline rdma_transport *to_rdma(kvf__transport *t) { return kvf__container_of(t, rdma_transport, base); }
+
+/* The peer's state: in its slot for this transport (NULL: not up here). */
+static inline rpeer *rpeer_of(rdma_transport *rt, const kvf__peer *p) { return kvf__transport_peer(&rt->base, p); }
+
+static inline const char *peer_name(const rpeer *rp) { return rp->p->cfg.name; }
+
+/* The key of a grant in rt->grants: the token its final write carries. */
+static inline void grant_key(char *buf, size_t len, uint32_t token) { snprintf(buf, len, "%08x", token); }
+
+static inline uint64_t mono_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static inline int set_nonblock(int fd) {
+  int fl = fcntl(fd, F_GETFL);
+  return fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0 ? -errno : 0;
+}
+
+static inline void set_port(struct sockaddr_storage *ss, uint16_t port) {
+  if (ss->ss_family == AF_INET6) ((struct sockaddr_in6 *)ss)->sin6_port = htons(port);
+  else ((struct sockaddr_in *)ss)->sin_port = htons(port);
+}
+
+/* ------------------------------------------------------------ rdma_post.c
+ * Posting (loop side), the progress threads, and events to the loop. */
+
+void kvf__rdma_calibrate_clock(void);
+/* From any thread: the loop resets the peer's data path (if still that
+ * incarnation). */
+void kvf__rdma_fail_peer_soon(rpeer *rp, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* k parts of tk are over (status 0: completed); the last queues its
+ * callback. Any thread. */
+void kvf__rdma_credit(ticket *tk, size_t k, int status);
+void kvf__rdma_wake(rdev *d);
+/* Takes back what of tk no thread has claimed; returns how many parts.
+ * qlock held (or no thread left on rp). */
+size_t kvf__rdma_take_back(rpeer *rp, ticket *tk);
+int kvf__rdma_post_recvs(rqp *q, uint32_t n);
+/* The send chain template of a dialed QP, and filling it (post_bench
+ * times these two without a device). */
+void kvf__rdma_init_chain(rqp *q);
+uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const uint32_t *order, size_t first,
+                               size_t n, const uint32_t *rkeys);
+void kvf__rdma_restore_chain(rqp *q, size_t n);
+void *kvf__rdma_progress_main(void *arg);
+void kvf__rdma_send_cmd(rdev *d, int kind, rlink *lk);
+/* Returns once the device thread no longer touches lk. */
+void kvf__rdma_detach_and_wait(rlink *lk);
+int kvf__rdma_check_runs(const rpeer *rp, const kvf__runs *runs, size_t *extra);
+ticket *kvf__rdma_ticket_new(rdma_transport *rt, kvf__xfer *x, kvf__runs *runs, size_t extra, bool last);
+void kvf__rdma_ticket_free(ticket *tk);
+xstate *kvf__rdma_xstate_of(kvf__xfer *x);
+int kvf__rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last);
+void kvf__rdma_abort(kvf__transport *t, kvf__xfer *x);
+void kvf__rdma_xfer_done(kvf__transport *t, kvf__xfer *x);
+
+/* ------------------------------------------------------------ rdma_conn.c
+ * The CM, queue pairs, peers, the Hello. */
+
+bool kvf__rdma_usable(kvf__transport *t, kvf__peer *p);
+int kvf__rdma_peer_up(kvf__transport *t, kvf__peer *p);
+void kvf__rdma_peer_down(kvf__transport *t, kvf__peer *p);
+void kvf__rdma_reset_peer(rpeer *rp, const char *why);
+void kvf__rdma_on_cm_readable(uv_poll_t *h, int status, int events);
+void kvf__rdma_on_sweep(uv_timer_t *tm);
+/* Parked CM requests of adopt (accepted) or too old (rejected; all of
+ * them with drop_all). */
+void kvf__rdma_sweep_parked(rdma_transport *rt, rpeer *adopt, bool drop_all);
+void *kvf__rdma_reaper_main(void *arg);
+int kvf__rdma_build_hello(rdma_transport *rt);
+void kvf__rdma_hello(kvf__transport *t, Kvf__Hello *h);
+
+/* ------------------------------------------------------------ rdma_dev.c
+ * Devices: discovery, registration, listeners, threads, async events. */
+
+int kvf__rdma_open_devices(rdma_transport *rt, char *err, size_t errlen);
+int kvf__rdma_check_memlock(const rdma_transport *rt, char *err, size_t errlen);
+int kvf__rdma_setup_device(rdev *d, char *err, size_t errlen);
+int kvf__rdma_register_pools(rdev *d, char *err, size_t errlen);
+int kvf__rdma_start_listener(rdev *d, uint16_t port, char *err, size_t errlen);
+void kvf__rdma_relisten(rdev *d);
+int kvf__rdma_start_thread(rdev *d, char *err, size_t errlen);
+void kvf__rdma_on_dev_async(uv_poll_t *h, int status, int events);
+void kvf__rdma_free_device(rdev *d);
+void kvf__rdma_addr_text(const struct sockaddr_storage *ss, char *buf, size_t len);
+
+/* ------------------------------------------------------------ rdma_mw.c
+ * Memory windows (rdma_mw.h has their records and planning). */
+
+int kvf__rdma_decide_windows(rdma_transport *rt, char *err, size_t errlen);
+int kvf__rdma_grant_open(kvf__transport *t, kvf__xfer *x);
+void kvf__rdma_grant_close(kvf__transport *t, kvf__xfer *x);
+/* Before the PDs go: every grant closed, every window deallocated. */
+void kvf__rdma_free_grants(rdma_transport *rt);
+/* Sender: each run of tk through its window, lane by lane. */
+int kvf__rdma_ticket_windows(ticket *tk, const rpeer *rp, const kvf__xfer *x, xstate *xs);
+void kvf__rdma_wtable_free(wtable *t);
+rqp *kvf__rdma_window_qp(const rpeer *rp, const kvf__mw_rec *w);
+/* Room for a Grant's window records and each descriptor's window. */
+int kvf__rdma_grant_part_alloc(kvf__tp_grant *t, size_t n_win, size_t n_desc);
+void kvf__rdma_accepted_ready(rqp *q);
+void kvf__rdma_mw_forget_link(rlink *lk);
+
+/* ------------------------------------------------------------ rdma_status.c */
+
+void kvf__rdma_inspect(kvf__transport *t, char *buf, size_t len);
+void kvf__rdma_metrics(kvf__sbuf *b);
+
+#endif
