@@ -150,11 +150,18 @@ KVFERRY_SEND_CHAIN=0 e2e e2e_one_frame --model llama3-8b --tokens 4096 --request
 e2e e2e_layerwise --model llama3-8b --tokens 4096 --requests 8 --layerwise --time-from-send
 e2e e2e_conc4 --model llama3-8b --tokens 4096 --requests 24 --concurrency 4 --time-from-send
 e2e e2e_tiny_blocks --layers 32 --kv-heads 1 --head-dim 2 --block-tokens 16 --dtype-bytes 1 --tokens 4096 --requests 16 --time-from-send
+# the same request by KV layout and block ids (the block kernel computes
+# addresses on the GPU; issue 13's goal: 4 in flight >= 0.9x memcpy_peer)
+e2e e2e_blocks_from_send --model llama3-8b --tokens 4096 --requests 16 --time-from-send --blocks
+e2e e2e_blocks_layerwise --model llama3-8b --tokens 4096 --requests 8 --layerwise --nowait --time-from-send --blocks
+e2e e2e_blocks_conc4 --model llama3-8b --tokens 4096 --requests 24 --concurrency 4 --time-from-send --blocks
 # other chain shapes (KVFERRY_SEND_CHAIN=FIRST:MAX descriptors per frame)
 for ch in ${CHAINS:-}; do KVFERRY_SEND_CHAIN=$ch e2e "e2e_chain_$ch" --model llama3-8b --tokens 4096 --requests 16 --time-from-send; done
 E2E=$(python3 -c 'import json; print("%.1f" % json.load(open("'"$TMP"'/e2e_from_send.json"))["gbps"])' 2>/dev/null)
 E2EC=$(python3 -c 'import json; print("%.1f" % json.load(open("'"$TMP"'/e2e_conc4.json"))["gbps"])' 2>/dev/null)
+E2EB=$(python3 -c 'import json; print("%.1f" % json.load(open("'"$TMP"'/e2e_blocks_from_send.json"))["gbps"])' 2>/dev/null)
+E2EBC=$(python3 -c 'import json; print("%.1f" % json.load(open("'"$TMP"'/e2e_blocks_conc4.json"))["gbps"])' 2>/dev/null)
 grep "transfer '" "$TMP/d.log" | tail -n 3 | sed 's/.*local[^:]*: /  trace: /'
 "$BUILD/kvferryctl" -s "$TMP/d.sock" --json status | python3 -c 'import json,sys; print("  daemon cuda counters:", json.load(sys.stdin)["cuda"])'
 KER=$(gbps_of "$TMP/k.json" kernel_scattered)
-echo "== summary: memcpy_peer ${PEER:-?} GB/s, nccl ${NCCL:-?} GB/s, kernel (default) ${KER:-?} GB/s ($(python3 -c "print('%.3f' % (${KER:-0}/${PEER:-1}))")x peer), e2e one request (send->RECV_DONE) ${E2E:-?} GB/s ($(python3 -c "print('%.3f' % (${E2E:-0}/${PEER:-1}))")x), e2e 4 in flight ${E2EC:-?} GB/s ($(python3 -c "print('%.3f' % (${E2EC:-0}/${PEER:-1}))")x)"
+echo "== summary: memcpy_peer ${PEER:-?} GB/s, nccl ${NCCL:-?} GB/s, kernel (default) ${KER:-?} GB/s ($(python3 -c "print('%.3f' % (${KER:-0}/${PEER:-1}))")x peer), e2e one request (send->RECV_DONE) ${E2E:-?} GB/s ($(python3 -c "print('%.3f' % (${E2E:-0}/${PEER:-1}))")x), e2e 4 in flight ${E2EC:-?} GB/s ($(python3 -c "print('%.3f' % (${E2EC:-0}/${PEER:-1}))")x); by block ids: one request ${E2EB:-?} GB/s ($(python3 -c "print('%.3f' % (${E2EB:-0}/${PEER:-1}))")x), 4 in flight ${E2EBC:-?} GB/s ($(python3 -c "print('%.3f' % (${E2EBC:-0}/${PEER:-1}))")x)"
