@@ -3,7 +3,9 @@
 # one run on one machine, so the three figures share the same CPU, kernel and
 # load: iperf3 with one stream, iperf3 with 4 streams (kvferryd's tcp-streams),
 # and kvferry-bench handing 8 llama3-8b KV caches (4096 tokens, 512 MiB each)
-# between two kvferryd. All rates in GB/s (1e9 bytes/s).
+# between two kvferryd; then the same by KV layout and block ids (--blocks),
+# and llama3-70b at TP 8 (4 KiB K and V blocks) by descriptors and by
+# block ids. All rates in GB/s (1e9 bytes/s).
 #
 # Prints a table, then (last line of stdout) the same as one JSON line.
 # Environment: BUILD (default build), POOL (pool size per daemon, default 2G),
@@ -203,13 +205,25 @@ if ! "$BUILD/kvferry-bench" --from "$TMP/a.sock" --to "$TMP/b.sock" --model llam
 $(daemon_logs)"
 fi
 cat "$TMP/bench.err" >&2
+more_bench() { # NAME ARGS...
+  name=$1
+  shift
+  say "kvferry-bench $*"
+  "$BUILD/kvferry-bench" --from "$TMP/a.sock" --to "$TMP/b.sock" --tokens 4096 --requests "$REQUESTS" --json "$@" \
+    >"$TMP/$name.json" 2>"$TMP/$name.err" || { cat "$TMP/$name.json" "$TMP/$name.err" >&2; die "kvferry-bench $* failed"; }
+}
+more_bench blocks --model llama3-8b --blocks
+more_bench small --model llama3-70b-tp8
+more_bench small_blocks --model llama3-70b-tp8 --blocks
 
 # ---------------------------------------------------------------- report
 python3 - "$TMP/bench.json" "$IPERF_P1" "$IPERF_P4" "$NPROC" "$CPU" "$KERNEL" "$DATE" <<'EOF'
-import json, sys
+import json, os, sys
 bench_file, p1, p4, nproc, cpu, kernel, date = sys.argv[1:]
-lines = [l for l in open(bench_file).read().splitlines() if l.strip()]
-kvf = json.loads(lines[-1])
+def last(path):
+    return json.loads([l for l in open(path).read().splitlines() if l.strip()][-1])
+kvf = last(bench_file)
+more = {n: last(os.path.join(os.path.dirname(bench_file), n + ".json")) for n in ("blocks", "small", "small_blocks")}
 p1, p4, k = float(p1), float(p4), float(kvf["gbps"])
 def ratio(a, b):
     return round(a / b, 3) if b > 0 else None
@@ -225,11 +239,20 @@ label = "kvferry tcp (%s, %d req, p50 %.0f ms)" % (kvf.get("model"), kvf.get("re
 print("%-44s %10.3f %10.2f" % (label, k, k * 8))
 print("kvferry / iperf3 1 stream: %s   kvferry / iperf3 4 streams: %s   (path %s, verified %s)"
       % (fmt(ratio(k, p1)), fmt(ratio(k, p4)), kvf.get("path"), json.dumps(kvf.get("verified"))))
+for name, label in (("blocks", "llama3-8b by block ids"), ("small", "llama3-70b-tp8 (4 KiB), descriptors"),
+                    ("small_blocks", "llama3-70b-tp8 (4 KiB), block ids")):
+    g = float(more[name]["gbps"])
+    print("%-44s %10.3f %10.2f   / iperf3 4 streams: %s (verified %s)" % ("kvferry tcp, " + label, g, g * 8,
+          fmt(ratio(g, p4)), json.dumps(more[name].get("verified"))))
 print(json.dumps({
     "date": date,
     "machine": {"nproc": int(nproc), "cpu": cpu, "kernel": kernel},
     "iperf3_p1_gbps": p1, "iperf3_p4_gbps": p4, "kvferry_gbps": k,
     "kvferry_vs_iperf3_p1": ratio(k, p1), "kvferry_vs_iperf3_p4": ratio(k, p4),
     "kvferry": kvf,
+    "blocks_gbps": float(more["blocks"]["gbps"]), "small_descs_gbps": float(more["small"]["gbps"]),
+    "small_blocks_gbps": float(more["small_blocks"]["gbps"]),
+    "small_blocks_vs_iperf3_p4": ratio(float(more["small_blocks"]["gbps"]), p4),
+    "verified_all": all(m.get("verified") for m in [kvf] + list(more.values())),
 }))
 EOF
