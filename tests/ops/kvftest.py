@@ -433,3 +433,19 @@ def main():
         _failed = not result.wasSuccessful()
         _cleanup()
     sys.exit(0 if result.wasSuccessful() else 1)
+
+
+class PairTestCase(unittest.TestCase):
+    """Tests against one "prefill"/"decode" pair for the whole class (pool
+    POOL each); both daemons must exit 0 at the end."""
+    POOL = "32M"
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = tempdir()
+        cls.pre, cls.dec = pair(cls.dir, pool=cls.POOL)
+
+    @classmethod
+    def tearDownClass(cls):
+        for d in (cls.pre, cls.dec):
+            assert d.stop() == 0

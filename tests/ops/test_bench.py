@@ -16,16 +16,8 @@ FIELDS = {"path", "bytes", "descriptors", "requests", "seconds", "gbps", "gbit_s
           "post_p50_us", "verified", "model", "block_bytes", "concurrency", "tokens", "api"}
 
 
-class TestBench(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.dir = kvftest.tempdir()
-        cls.pre, cls.dec = kvftest.pair(cls.dir, pool="64M")
-
-    @classmethod
-    def tearDownClass(cls):
-        for d in (cls.pre, cls.dec):
-            assert d.stop() == 0
+class TestBench(kvftest.PairTestCase):
+    POOL = "64M"
 
     def bench(self, *args, to=None, ok=True):
         out = kvftest.run([BENCH, "--from", self.pre.sock, "--to", to or self.dec.sock, "--json"] + list(args),

@@ -41,16 +41,7 @@ def blocked_in_wait_events(thread):
     return check
 
 
-class TestBinding(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.dir = kvftest.tempdir()
-        cls.pre, cls.dec = kvftest.pair(cls.dir, pool="32M")
-
-    @classmethod
-    def tearDownClass(cls):
-        for d in (cls.pre, cls.dec):
-            assert d.stop() == 0
+class TestBinding(kvftest.PairTestCase):
 
     def setUp(self):
         self.cp = kvferry.connect(self.pre.sock)

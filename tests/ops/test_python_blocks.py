@@ -172,16 +172,7 @@ class TestLayoutFromTensors(unittest.TestCase):
         self.assertEqual(list(block_id_array(numpy.array([4, 2], dtype=numpy.int64))[0]), [4, 2])
 
 
-class TestBlockTransfers(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.dir = kvftest.tempdir()
-        cls.pre, cls.dec = kvftest.pair(cls.dir, pool="32M")
-
-    @classmethod
-    def tearDownClass(cls):
-        for d in (cls.pre, cls.dec):
-            assert d.stop() == 0
+class TestBlockTransfers(kvftest.PairTestCase):
 
     def setUp(self):
         self.cp = kvferry.Client(self.pre.sock)
