@@ -969,3 +969,16 @@ int h_wait_xfer_bytes(kvf_client *c, const char *id, uint64_t min, int timeout_m
            (unsigned long long)min);
   return h_wait_until(xfer_bytes_cond, &x, timeout_ms, what);
 }
+
+/* ------------------------------------------------------------ fixture */
+
+int h_fixture_start(h_fixture *f, const char *pool_size) {
+  if (h_pair_start(&f->p, pool_size)) return -1;
+  return h_client_open(&f->pre, &f->p.prefill) || h_client_open(&f->dec, &f->p.decode) ? -1 : 0;
+}
+
+int h_fixture_stop(h_fixture *f) {
+  h_client_close(&f->pre);
+  h_client_close(&f->dec);
+  return h_pair_stop(&f->p);
+}

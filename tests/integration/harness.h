@@ -104,9 +104,18 @@ int h_pair_start_ex(h_pair *p, const char *pool_size, const char *prefill_exe, c
 int h_pair_wait_up(h_pair *p);
 int h_pair_stop(h_pair *p);
 
+/* What most suites share for a whole group: the usual pair and one
+ * client of each daemon (pre: of "prefill", the usual sender; dec: of
+ * "decode", the usual receiver). stop closes both clients and stops the
+ * pair even when one step fails; it returns the first failure. */
+typedef struct h_client h_client;
+typedef struct h_fixture h_fixture;
+int h_fixture_start(h_fixture *f, const char *pool_size);
+int h_fixture_stop(h_fixture *f);
+
 /* ------------------------------------------------------------ clients */
 
-typedef struct h_client {
+struct h_client {
   kvf_client *c;
   char node[64];
   uint32_t pool;                       /* id of pool "kv" */
@@ -114,7 +123,12 @@ typedef struct h_client {
   uint64_t size;
   kvf_event stash[H_STASH];            /* events taken but not yet asked for */
   size_t nstash;
-} h_client;
+};
+
+struct h_fixture {
+  h_pair p;
+  h_client pre, dec;
+};
 
 /* Connects, finds pool "kv" and maps it. */
 int h_client_open(h_client *hc, const h_daemon *d);

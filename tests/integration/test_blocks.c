@@ -21,30 +21,18 @@
 #define KIB (1ull << 10)
 #define MIB (1ull << 20)
 
-typedef struct fixture {
-  h_pair p;
-  h_client pre;  /* a client of "prefill", the usual sender */
-  h_client dec;  /* a client of "decode", the usual receiver */
-  h_client dec2; /* a second client of "decode": the local sender */
-} fixture;
-
-static fixture F;
+static h_fixture F;
+static h_client dec2; /* a second client of "decode": the local sender */
 
 static int group_setup(void **state) {
   (void)state;
-  if (h_pair_start(&F.p, "64M")) return -1;
-  if (h_client_open(&F.pre, &F.p.prefill) || h_client_open(&F.dec, &F.p.decode) ||
-      h_client_open(&F.dec2, &F.p.decode))
-    return -1;
-  return 0;
+  return h_fixture_start(&F, "64M") || h_client_open(&dec2, &F.p.decode) ? -1 : 0;
 }
 
 static int group_teardown(void **state) {
   (void)state;
-  h_client_close(&F.pre);
-  h_client_close(&F.dec);
-  h_client_close(&F.dec2);
-  return h_pair_stop(&F.p);
+  h_client_close(&dec2);
+  return h_fixture_stop(&F);
 }
 
 /* ---------------------------------------------------------------- layouts */
@@ -274,7 +262,7 @@ static void test_remote_send_first(void **state) {
 static void test_local(void **state) {
   (void)state;
   cache src, dst;
-  cache_init(&src, &F.dec2, 16 * MIB, 8, 2, 64, 4 * KIB, true);
+  cache_init(&src, &dec2, 16 * MIB, 8, 2, 64, 4 * KIB, true);
   cache_init(&dst, &F.dec, 0, 8, 2, 64, 4 * KIB, false);
   cache_register(&src);
   cache_register(&dst);
@@ -358,7 +346,7 @@ static void test_request_errors(void **state) {
   H_OK(h_expect_rc(kvf_send_blocks(F.pre.c, "e1", "decode", &b, 0, 0), KVF_ENOENT, "send, unknown layout"));
   /* another client's layout is unknown to this one */
   b.layout = src.id;
-  H_OK(h_expect_rc(kvf_grant_blocks(F.dec2.c, "e1", "prefill", &b, 0, 0), KVF_ENOENT, "a layout of another client"));
+  H_OK(h_expect_rc(kvf_grant_blocks(dec2.c, "e1", "prefill", &b, 0, 0), KVF_ENOENT, "a layout of another client"));
   b = (kvf_blocks){.layout = dst.id, .ids = bad, .n = 2};
   H_OK(h_expect_rc(kvf_grant_blocks(F.dec.c, "e1", "prefill", &b, 0, 0), KVF_ERANGE, "a block id past the layout"));
   b = (kvf_blocks){.layout = src.id, .ids = bad, .n = 2};

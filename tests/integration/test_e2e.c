@@ -21,27 +21,17 @@
 #define MIB (1ull << 20)
 #define KIB (1ull << 10)
 
-typedef struct e2e {
-  h_pair p;
-  h_client pre; /* a client of "prefill", the usual sender */
-  h_client dec; /* a client of "decode", the usual receiver */
-} e2e;
-
-static e2e E;
+static h_fixture E;
 
 static int group_setup(void **state) {
   (void)state;
   /* 384M: the 256 MiB single-descriptor case plus the h_quick area. */
-  if (h_pair_start(&E.p, "384M")) return -1;
-  if (h_client_open(&E.pre, &E.p.prefill) || h_client_open(&E.dec, &E.p.decode)) return -1;
-  return 0;
+  return h_fixture_start(&E, "384M");
 }
 
 static int group_teardown(void **state) {
   (void)state;
-  h_client_close(&E.pre);
-  h_client_close(&E.dec);
-  return h_pair_stop(&E.p);
+  return h_fixture_stop(&E);
 }
 
 /* Sends n blocks of len bytes, scattered on both sides (different shuffles),

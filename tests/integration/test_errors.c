@@ -27,19 +27,11 @@
 
 #define KIB (1ull << 10)
 
-typedef struct errs {
-  h_pair p;
-  h_client pre; /* a client of "prefill", the usual sender */
-  h_client dec; /* a client of "decode", the usual receiver */
-} errs;
-
-static errs E;
+static h_fixture E;
 
 static int group_setup(void **state) {
   (void)state;
-  if (h_pair_start(&E.p, "64M")) return -1;
-  if (h_client_open(&E.pre, &E.p.prefill) || h_client_open(&E.dec, &E.p.decode)) return -1;
-  return 0;
+  return h_fixture_start(&E, "64M");
 }
 
 /* Every case starts with both daemons up and connected, so that one
@@ -51,9 +43,7 @@ static int healthy(void **state) {
 
 static int group_teardown(void **state) {
   (void)state;
-  h_client_close(&E.pre);
-  h_client_close(&E.dec);
-  return h_pair_stop(&E.p);
+  return h_fixture_stop(&E);
 }
 
 /* Waits for id's event of type and fails unless its status is want. */
