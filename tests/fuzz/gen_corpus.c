@@ -90,34 +90,32 @@ static void api(buf *b, Kvf__ApiRequest *q) {
 
 static uint64_t seq;
 
+/* One request of body CASE (field = body) into b, with the next seq. */
+#define API_REQ(b, CASE, field, body)                   \
+  do {                                                  \
+    Kvf__ApiRequest q_ = KVF__API_REQUEST__INIT;        \
+    q_.seq = ++seq;                                     \
+    q_.body_case = KVF__API_REQUEST__BODY_##CASE;       \
+    q_.field = (body);                                  \
+    api(b, &q_);                                        \
+  } while (0)
+
 static void a_hello(buf *b, uint32_t version) {
   Kvf__HelloReq h = KVF__HELLO_REQ__INIT;
   h.version = version;
   h.client_name = "fuzz-seed";
-  Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
-  q.seq = ++seq;
-  q.body_case = KVF__API_REQUEST__BODY_HELLO;
-  q.hello = &h;
-  api(b, &q);
+  API_REQ(b, HELLO, hello, &h);
 }
 
 static void a_pools(buf *b) {
   Kvf__PoolsReq r = KVF__POOLS_REQ__INIT;
-  Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
-  q.seq = ++seq;
-  q.body_case = KVF__API_REQUEST__BODY_POOLS;
-  q.pools = &r;
-  api(b, &q);
+  API_REQ(b, POOLS, pools, &r);
 }
 
 static void a_map(buf *b, uint32_t pool) {
   Kvf__MapReq r = KVF__MAP_REQ__INIT;
   r.pool = pool;
-  Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
-  q.seq = ++seq;
-  q.body_case = KVF__API_REQUEST__BODY_MAP;
-  q.map = &r;
-  api(b, &q);
+  API_REQ(b, MAP, map, &r);
 }
 
 static void a_grant_w(buf *b, const char *id, const char *src, Kvf__DescList *w, uint32_t deadline) {
@@ -126,11 +124,7 @@ static void a_grant_w(buf *b, const char *id, const char *src, Kvf__DescList *w,
   g.src_node = (char *)src;
   g.descs = w;
   g.deadline_ms = deadline;
-  Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
-  q.seq = ++seq;
-  q.body_case = KVF__API_REQUEST__BODY_GRANT;
-  q.grant = &g;
-  api(b, &q);
+  API_REQ(b, GRANT, grant, &g);
 }
 
 static void a_grant(buf *b, const char *id, const char *src, const desc *d, size_t n) {
@@ -147,11 +141,7 @@ static void a_send_w(buf *b, const char *id, const char *dst, Kvf__DescList *w, 
   s.descs = w;
   s.more = more != 0;
   s.chained = more == 2;
-  Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
-  q.seq = ++seq;
-  q.body_case = KVF__API_REQUEST__BODY_SEND;
-  q.send = &s;
-  api(b, &q);
+  API_REQ(b, SEND, send, &s);
 }
 
 static void a_send(buf *b, const char *id, const char *dst, int more, const desc *d, size_t n) {
@@ -163,22 +153,14 @@ static void a_send(buf *b, const char *id, const char *dst, int more, const desc
 static void a_cancel(buf *b, const char *id) {
   Kvf__CancelReq c = KVF__CANCEL_REQ__INIT;
   c.xfer_id = (char *)id;
-  Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
-  q.seq = ++seq;
-  q.body_case = KVF__API_REQUEST__BODY_CANCEL;
-  q.cancel = &c;
-  api(b, &q);
+  API_REQ(b, CANCEL, cancel, &c);
 }
 
 static void a_inspect(buf *b, int what, bool json) {
   Kvf__InspectReq r = KVF__INSPECT_REQ__INIT;
   r.what = what;
   r.json = json;
-  Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
-  q.seq = ++seq;
-  q.body_case = KVF__API_REQUEST__BODY_INSPECT;
-  q.inspect = &r;
-  api(b, &q);
+  API_REQ(b, INSPECT, inspect, &r);
 }
 
 /* A small KV layout in pool 1: layers x 2 regions of 4 blocks of 4 KiB,
@@ -204,21 +186,13 @@ static void a_layout(buf *b, uint32_t layers, uint64_t base) {
   Kvf__Layout l;
   Kvf__LayoutReq r = KVF__LAYOUT_REQ__INIT;
   r.layout = lay(&l, space, layers, base);
-  Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
-  q.seq = ++seq;
-  q.body_case = KVF__API_REQUEST__BODY_LAYOUT;
-  q.layout = &r;
-  api(b, &q);
+  API_REQ(b, LAYOUT, layout, &r);
 }
 
 static void a_layout_free(buf *b, uint32_t id) {
   Kvf__LayoutFreeReq r = KVF__LAYOUT_FREE_REQ__INIT;
   r.id = id;
-  Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
-  q.seq = ++seq;
-  q.body_case = KVF__API_REQUEST__BODY_LAYOUT_FREE;
-  q.layout_free = &r;
-  api(b, &q);
+  API_REQ(b, LAYOUT_FREE, layout_free, &r);
 }
 
 /* ids: a string of small block ids ("0123": blocks 0, 1, 2, 3). */
@@ -245,11 +219,7 @@ static void a_grant_blocks(buf *b, const char *id, const char *src, uint32_t lay
   g.src_node = (char *)src;
   g.blocks = blist(&w, space, layout, ids, 0, 0);
   g.layer_events = events;
-  Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
-  q.seq = ++seq;
-  q.body_case = KVF__API_REQUEST__BODY_GRANT;
-  q.grant = &g;
-  api(b, &q);
+  API_REQ(b, GRANT, grant, &g);
 }
 
 static void a_send_blocks(buf *b, const char *id, const char *dst, uint32_t layout, const char *ids, uint32_t first,
@@ -262,11 +232,7 @@ static void a_send_blocks(buf *b, const char *id, const char *dst, uint32_t layo
   s.blocks = blist(&w, space, layout, ids, first, n);
   s.more = more;
   s.continues = continues;
-  Kvf__ApiRequest q = KVF__API_REQUEST__INIT;
-  q.seq = ++seq;
-  q.body_case = KVF__API_REQUEST__BODY_SEND;
-  q.send = &s;
-  api(b, &q);
+  API_REQ(b, SEND, send, &s);
 }
 
 static void api_block_seeds(const char *T) {
@@ -463,6 +429,15 @@ static void peer(buf *b, Kvf__PeerMsg *m) {
   free(p);
 }
 
+/* One peer message of body CASE (field = body) into b. */
+#define PEER_MSG(b, CASE, field, body)              \
+  do {                                              \
+    Kvf__PeerMsg m_ = KVF__PEER_MSG__INIT;          \
+    m_.body_case = KVF__PEER_MSG__BODY_##CASE;      \
+    m_.field = (body);                              \
+    peer(b, &m_);                                   \
+  } while (0)
+
 static void p_grant(buf *b, const char *id, uint64_t handle, const desc *d, size_t n) {
   uint8_t space[128 * KVF__DESC_WIRE_SIZE];
   Kvf__DescList w;
@@ -471,10 +446,7 @@ static void p_grant(buf *b, const char *id, uint64_t handle, const desc *d, size
   g.handle = handle;
   g.descs = dl(&w, space, d, n);
   g.deadline_ms = 5000;
-  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
-  m.body_case = KVF__PEER_MSG__BODY_GRANT;
-  m.grant = &g;
-  peer(b, &m);
+  PEER_MSG(b, GRANT, grant, &g);
 }
 
 /* A Grant of blocks: the receiver's view (layers x 2 regions of 4 blocks
@@ -491,10 +463,7 @@ static void p_grant_blocks(buf *b, const char *id, uint64_t handle, uint32_t lay
   g.block_ids = blist(&w, idspace, 0, ids, 0, 0)->ids;
   g.layer_events = events;
   g.deadline_ms = 5000;
-  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
-  m.body_case = KVF__PEER_MSG__BODY_GRANT;
-  m.grant = &g;
-  peer(b, &m);
+  PEER_MSG(b, GRANT, grant, &g);
 }
 
 static void p_layers_done(buf *b, uint64_t handle, uint32_t first, uint32_t n) {
@@ -502,20 +471,14 @@ static void p_layers_done(buf *b, uint64_t handle, uint32_t first, uint32_t n) {
   d.handle = handle;
   d.first_layer = first;
   d.n_layers = n;
-  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
-  m.body_case = KVF__PEER_MSG__BODY_LAYERS_DONE;
-  m.layers_done = &d;
-  peer(b, &m);
+  PEER_MSG(b, LAYERS_DONE, layers_done, &d);
 }
 
 static void p_intent(buf *b, const char *id) {
   Kvf__SendIntent s = KVF__SEND_INTENT__INIT;
   s.xfer_id = (char *)id;
   s.deadline_ms = 5000;
-  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
-  m.body_case = KVF__PEER_MSG__BODY_SEND_INTENT;
-  m.send_intent = &s;
-  peer(b, &m);
+  PEER_MSG(b, SEND_INTENT, send_intent, &s);
 }
 
 static void p_done(buf *b, uint64_t handle, uint64_t bytes, uint64_t descs) {
@@ -523,10 +486,7 @@ static void p_done(buf *b, uint64_t handle, uint64_t bytes, uint64_t descs) {
   d.handle = handle;
   d.bytes = bytes;
   d.descriptors = descs;
-  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
-  m.body_case = KVF__PEER_MSG__BODY_SEND_DONE;
-  m.send_done = &d;
-  peer(b, &m);
+  PEER_MSG(b, SEND_DONE, send_done, &d);
 }
 
 static void p_result(buf *b, uint64_t handle, int status, const char *err) {
@@ -534,10 +494,7 @@ static void p_result(buf *b, uint64_t handle, int status, const char *err) {
   r.handle = handle;
   r.status = status;
   r.error = (char *)err;
-  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
-  m.body_case = KVF__PEER_MSG__BODY_RECV_RESULT;
-  m.recv_result = &r;
-  peer(b, &m);
+  PEER_MSG(b, RECV_RESULT, recv_result, &r);
 }
 
 static void p_cancel_ex(buf *b, uint64_t handle, const char *id, int status, bool to_sender, bool ack) {
@@ -548,10 +505,7 @@ static void p_cancel_ex(buf *b, uint64_t handle, const char *id, int status, boo
   c.error = "seed";
   c.to_sender = to_sender;
   c.ack = ack;
-  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
-  m.body_case = KVF__PEER_MSG__BODY_CANCEL;
-  m.cancel = &c;
-  peer(b, &m);
+  PEER_MSG(b, CANCEL, cancel, &c);
 }
 
 static void p_cancel(buf *b, uint64_t handle, const char *id, int status, bool to_sender) {
@@ -564,10 +518,7 @@ static void p_cancel_ack(buf *b, uint64_t handle, const char *id) { p_cancel_ex(
 static void p_cancel_done(buf *b, uint64_t handle) {
   Kvf__CancelDone d = KVF__CANCEL_DONE__INIT;
   d.handle = handle;
-  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
-  m.body_case = KVF__PEER_MSG__BODY_CANCEL_DONE;
-  m.cancel_done = &d;
-  peer(b, &m);
+  PEER_MSG(b, CANCEL_DONE, cancel_done, &d);
 }
 
 static void p_simple(buf *b, int which) {
