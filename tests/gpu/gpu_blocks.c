@@ -33,44 +33,15 @@
 #include "config.h"
 #include "cuda/cudrv.h"
 #include "cuda/gpu.h"
+#include "gpu_test.h"
 #include "log.h"
 
 static kvf_cu cu;
 static int failures;
 
-#define CHECK(cond, ...)                     \
-  do {                                       \
-    if (!(cond)) {                           \
-      fprintf(stderr, "FAIL: " __VA_ARGS__); \
-      fprintf(stderr, "\n");                 \
-      failures++;                            \
-      return -1;                             \
-    }                                        \
-  } while (0)
-
 static uint64_t rng = 0x2545f4914f6cdd1dull;
-static uint64_t rnd(void) {
-  rng ^= rng << 13;
-  rng ^= rng >> 7;
-  rng ^= rng << 17;
-  return rng;
-}
+static uint64_t rnd(void) { return gt_xorshift(&rng); }
 
-static double now_us(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof(*v), cmp_double);
-  return v[n / 2];
-}
 
 /* ------------------------------------------------------------ pools */
 
@@ -216,9 +187,9 @@ static int run_copy(const copy *c, pool *ps, pool *pd, float *ms, double *host_u
   pthread_mutex_lock(&W.mu);
   int before = W.calls;
   pthread_mutex_unlock(&W.mu);
-  double t0 = now_us();
+  double t0 = gt_now_us();
   int rc = kvf__gpu_blocks_start(&j, on_done, &W);
-  if (host_us) *host_us = now_us() - t0;
+  if (host_us) *host_us = gt_now_us() - t0;
   CHECK(rc == 0, "%s: kvf__gpu_blocks_start: %d", c->name, rc);
   pthread_mutex_lock(&W.mu);
   while (W.calls == before) pthread_cond_wait(&W.cv, &W.mu);
@@ -355,7 +326,7 @@ static double memcpy_ms(uint64_t dst, uint64_t src, uint64_t bytes, int reps) {
     cu.EventElapsedTime(&ms, e0, e1);
     v[r] = ms;
   }
-  double m = median(v, reps);
+  double m = gt_median(v, reps);
   cu.EventDestroy(e0);
   cu.EventDestroy(e1);
   cu.StreamDestroy(st);
@@ -379,7 +350,7 @@ static int bench_copy(copy *c, pool *ps, pool *pd, uint64_t scratch, int reps, c
   if (rc == 0) rc = pool_verify(pd, c->name);
   uint64_t bytes = (uint64_t)c->n * c->nl * 2 * c->s->bb;
   if (rc == 0) {
-    double km = median(ms, reps), hu = median(host, reps);
+    double km = gt_median(ms, reps), hu = gt_median(host, reps);
     double mm = memcpy_ms(scratch, ps->mem.dptr, bytes, reps);
     printf("{\"what\": \"blocks\", \"case\": \"%s\", \"shape\": \"%s\", \"src\": \"%s\", \"dst\": \"%s\", "
            "\"block_bytes\": %" PRIu64 ", \"blocks\": %zu, \"layers\": %u, \"pieces\": %zu, \"bytes\": %" PRIu64 ", "
@@ -411,7 +382,7 @@ static int bench_host(pool *ps, pool *pd, int reps) {
     if (rc == 0) rc = pool_verify(pd, "host-time");
     if (rc == 0)
       printf("{\"what\": \"blocks_host\", \"layers\": %u, \"blocks\": 256, \"pieces\": %u, \"host_start_us_p50\": %.1f}\n",
-             layers[k], 256 * 2 * layers[k], median(host, reps));
+             layers[k], 256 * 2 * layers[k], gt_median(host, reps));
     free(host);
     copy_free(&c);
     kvf__gpu_layout_free(l.gpu);

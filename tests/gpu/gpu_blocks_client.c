@@ -24,6 +24,7 @@
 #include <time.h>
 
 #include "cuda/cudrv.h"
+#include "gpu_test.h"
 #include "kvferry.h"
 
 #define MIB (1ull << 20)
@@ -31,12 +32,7 @@
 static kvf_cu cu;
 
 static uint64_t rng = 0x853c49e6748fea9bull;
-static uint64_t rnd(void) {
-  rng ^= rng << 13;
-  rng ^= rng >> 7;
-  rng ^= rng << 17;
-  return rng;
-}
+static uint64_t rnd(void) { return gt_xorshift(&rng); }
 
 static int fail(const char *fmt, ...) {
   va_list ap;
@@ -172,21 +168,6 @@ static int handoff(const char *name, cache *src, cache *dst, size_t n, bool part
 
 /* ------------------------------------------------------------ bench */
 
-static double now_us(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec / 1e3;
-}
-
-static int cmp_double(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-  qsort(v, (size_t)n, sizeof(*v), cmp_double);
-  return v[n / 2];
-}
 
 /* Takes count events of type (any of this wave's transfers), each good. */
 static int wait_n(kvf_client *c, int type, int count, const char *path) {
@@ -217,16 +198,16 @@ static int wave(cache *src, cache *dst, const uint32_t *sids, const uint32_t *di
     if (rc) return fail("kvf_grant_blocks: %s", kvf_strerror(rc));
   }
   uint32_t per = 32 / parts;
-  double t0 = now_us();
+  double t0 = gt_now_us();
   for (int i = 0; i < w; i++)
     for (uint32_t l = 0; l < 32; l += per) {
       kvf_blocks b = {.layout = src->id, .ids = l ? NULL : sids, .n = l ? 0 : n, .first_layer = l, .n_layers = per};
       int rc = kvf_send_blocks(src->s->c, x[i], node, &b, (l + per < 32 ? KVF_SEND_MORE : 0) | (l ? later_flags : 0), 0);
       if (rc) return fail("kvf_send_blocks: %s", kvf_strerror(rc));
     }
-  *send_us = now_us() - t0;
+  *send_us = gt_now_us() - t0;
   int rc = wait_n(dst->s->c, KVF_EV_RECV_DONE, w, path);
-  *done_us = now_us() - t0;
+  *done_us = gt_now_us() - t0;
   return rc ? rc : wait_n(src->s->c, KVF_EV_SEND_DONE, w, path);
 }
 
@@ -271,15 +252,15 @@ static int bench(cache *src, cache *dst, const char *node, const char *path, int
   if (rc == 0 && cu.MemcpyDtoH(got, dst->s->base + dst->off, dst->span)) rc = fail("bench: reading back");
   if (rc == 0 && memcmp(got, want, dst->span) != 0) rc = fail("bench: the receiver's cache differs");
   if (rc == 0) {
-    double send = median(v[0], reps), whole = median(v[1], reps), p32 = median(v[2], reps), w4 = median(v[3], reps);
-    double p32nw = median(v[5], reps);
+    double send = gt_median(v[0], reps), whole = gt_median(v[1], reps), p32 = gt_median(v[2], reps), w4 = gt_median(v[3], reps);
+    double p32nw = gt_median(v[5], reps);
     printf("{\"what\": \"blocks_daemon\", \"path\": \"%s\", \"bytes\": %" PRIu64 ", \"blocks\": %zu, "
            "\"send_call_us_p50\": %.1f, \"whole_us_p50\": %.1f, \"whole_gbps\": %.1f, \"parts32_us_p50\": %.1f, "
            "\"parts32_vs_whole\": %.3f, \"parts32_nowait_us_p50\": %.1f, \"parts32_nowait_vs_whole\": %.3f, "
            "\"inflight4_us_p50\": %.1f, \"inflight4_gbps\": %.1f, "
            "\"inflight4_send_calls_us_p50\": %.1f, \"verified\": true}\n",
            path, bytes, n, send, whole, (double)bytes / whole / 1e3, p32, whole / p32, p32nw, whole / p32nw, w4,
-           4.0 * (double)bytes / w4 / 1e3, median(v[4], reps));
+           4.0 * (double)bytes / w4 / 1e3, gt_median(v[4], reps));
   }
   free(hs);
   free(want);

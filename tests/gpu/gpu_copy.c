@@ -38,28 +38,14 @@
 #include "config.h"
 #include "cuda/cudrv.h"
 #include "cuda/gpu.h"
+#include "gpu_test.h"
 #include "log.h"
 
 static kvf_cu cu;
 static int failures;
 
-#define CHECK(cond, ...)                     \
-  do {                                       \
-    if (!(cond)) {                           \
-      fprintf(stderr, "FAIL: " __VA_ARGS__); \
-      fprintf(stderr, "\n");                 \
-      failures++;                            \
-      return -1;                             \
-    }                                        \
-  } while (0)
-
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
-static uint64_t rnd(void) {
-  rng ^= rng << 13;
-  rng ^= rng >> 7;
-  rng ^= rng << 17;
-  return rng;
-}
+static uint64_t rnd(void) { return gt_xorshift(&rng); }
 
 static void set_ctx(int dev) {
   CUdevice d;
