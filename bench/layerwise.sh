@@ -86,22 +86,8 @@ for bin in kvferryd kvferryctl kvferry-bench; do
 done
 command -v python3 >/dev/null || die "python3 is missing"
 
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/kvferry-layerwise.XXXXXX")
-PIDS=""
-# Stops exactly the daemons this script started (SIGTERM, SIGKILL after 5 s).
-cleanup() {
-  for pid in $PIDS; do kill "$pid" 2>/dev/null || true; done
-  for pid in $PIDS; do
-    i=0
-    while kill -0 "$pid" 2>/dev/null && [ "$i" -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
-    kill -9 "$pid" 2>/dev/null || true
-    wait "$pid" 2>/dev/null || true
-  done
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+. bench/lib.sh
+bench_setup layerwise
 
 # ---------------------------------------------------------------- the model
 compute_us() { # TOKENS -> us of compute per layer

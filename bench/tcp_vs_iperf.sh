@@ -29,23 +29,8 @@ for tool in iperf3 python3 ss; do
   command -v "$tool" >/dev/null || die "$tool is missing (scripts/install-deps.sh installs it)"
 done
 
-TMP=$(mktemp -d "${TMPDIR:-/tmp}/kvferry-iperf.XXXXXX")
-PIDS=""
-# Stops exactly the processes this script started (SIGTERM, then SIGKILL
-# after 5 s: a stuck daemon must not hang the script), then removes its files.
-cleanup() {
-  for pid in $PIDS; do kill "$pid" 2>/dev/null || true; done
-  for pid in $PIDS; do
-    i=0
-    while kill -0 "$pid" 2>/dev/null && [ "$i" -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
-    kill -9 "$pid" 2>/dev/null || true
-    wait "$pid" 2>/dev/null || true
-  done
-  rm -rf "$TMP"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+. bench/lib.sh
+bench_setup iperf
 
 # Free ports from the kernel (bind to port 0). Another process could take
 # one before we use it; then a start fails loudly rather than measuring junk.
