@@ -831,21 +831,11 @@ KVF_API int kvf_pool_map(kvf_client *c, uint32_t pool, void **addr, uint64_t *si
 /* ------------------------------------------------------------ transfers */
 
 
-static void put_le32(uint8_t *p, uint32_t v) {
-  v = htole32(v);
-  memcpy(p, &v, sizeof v);
-}
-
-static void put_le64(uint8_t *p, uint64_t v) {
-  v = htole64(v);
-  memcpy(p, &v, sizeof v);
-}
-
 static void pack_descs(const kvf_desc *descs, size_t n, uint8_t *p) {
   for (size_t i = 0; i < n; i++, p += DESC_WIRE_SIZE) {
-    put_le32(p, descs[i].pool);
-    put_le64(p + 4, descs[i].offset);
-    put_le64(p + 12, descs[i].len);
+    kvf__le32_put(p, descs[i].pool);
+    kvf__le64_put(p + 4, descs[i].offset);
+    kvf__le64_put(p + 12, descs[i].len);
   }
 }
 
@@ -1056,7 +1046,7 @@ KVF_API int kvf_layout_register(kvf_client *c, const kvf_layout *l, uint32_t *id
   size_t n = (size_t)l->n_layers * l->n_kv;
   uint8_t *packed = malloc(n * 8);
   if (!packed) return -ENOMEM;
-  for (size_t i = 0; i < n; i++) put_le64(packed + 8 * i, l->offsets[i]);
+  for (size_t i = 0; i < n; i++) kvf__le64_put(packed + 8 * i, l->offsets[i]);
   Kvf__Layout w = KVF__LAYOUT__INIT;
   w.pool = l->pool;
   w.n_layers = l->n_layers;
@@ -1103,7 +1093,7 @@ static int pack_block_list(kvf_client *c, void *arg) {
   block_list *bl = arg;
   int rc = reserve(&c->dbuf, &c->dcap, bl->b->n * 4);
   if (rc) return rc;
-  for (size_t i = 0; i < bl->b->n; i++) put_le32(c->dbuf + 4 * i, bl->b->ids[i]);
+  for (size_t i = 0; i < bl->b->n; i++) kvf__le32_put(c->dbuf + 4 * i, bl->b->ids[i]);
   bl->list->ids = (ProtobufCBinaryData){bl->b->n * 4, c->dbuf};
   return 0;
 }

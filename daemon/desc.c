@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "frame.h"
 #include "kvferry.h"
 
 static int descs_alloc(kvf__descs *d, size_t n) {
@@ -28,30 +29,6 @@ void kvf__descs_free(kvf__descs *d) {
   memset(d, 0, sizeof(*d));
 }
 
-/* Little-endian field access without unaligned loads: records are 20 bytes,
- * so every other one starts off an 8-byte boundary. */
-static uint32_t get_le32(const uint8_t *p) {
-  uint32_t v;
-  memcpy(&v, p, sizeof v);
-  return le32toh(v);
-}
-
-static uint64_t get_le64(const uint8_t *p) {
-  uint64_t v;
-  memcpy(&v, p, sizeof v);
-  return le64toh(v);
-}
-
-static void put_le32(uint8_t *p, uint32_t v) {
-  v = htole32(v);
-  memcpy(p, &v, sizeof v);
-}
-
-static void put_le64(uint8_t *p, uint64_t v) {
-  v = htole64(v);
-  memcpy(p, &v, sizeof v);
-}
-
 int kvf__descs_from_wire(kvf__descs *d, const Kvf__DescList *w, size_t max) {
   memset(d, 0, sizeof(*d));
   if (!w) return KVF_EINVAL;
@@ -65,7 +42,7 @@ int kvf__descs_from_wire(kvf__descs *d, const Kvf__DescList *w, size_t max) {
   const uint8_t *p = w->packed.data;
   uint64_t total = 0;
   for (size_t i = 0; i < n; i++, p += KVF__DESC_WIRE_SIZE) {
-    uint64_t len = get_le64(p + 12);
+    uint64_t len = kvf__le64_get(p + 12);
     /* Zero-length descriptors pair ambiguously and an overflowing total
      * would defeat every later size check. */
     if (len == 0 || total + len < total) {
@@ -73,8 +50,8 @@ int kvf__descs_from_wire(kvf__descs *d, const Kvf__DescList *w, size_t max) {
       return KVF_EINVAL;
     }
     total += len;
-    d->pool[i] = get_le32(p);
-    d->offset[i] = get_le64(p + 4);
+    d->pool[i] = kvf__le32_get(p);
+    d->offset[i] = kvf__le64_get(p + 4);
     d->length[i] = len;
   }
   d->total = total;
@@ -120,9 +97,9 @@ int kvf__descs_to_wire(const kvf__descs *d, Kvf__DescList *w) {
   w->packed.data = p;
   w->packed.len = d->n * KVF__DESC_WIRE_SIZE;
   for (size_t i = 0; i < d->n; i++, p += KVF__DESC_WIRE_SIZE) {
-    put_le32(p, d->pool[i]);
-    put_le64(p + 4, d->offset[i]);
-    put_le64(p + 12, d->length[i]);
+    kvf__le32_put(p, d->pool[i]);
+    kvf__le64_put(p + 4, d->offset[i]);
+    kvf__le64_put(p + 12, d->length[i]);
   }
   return 0;
 }

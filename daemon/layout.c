@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "frame.h"
+
 /* ------------------------------------------------------------ validation */
 
 static int shape_error(char *err, size_t errlen, const char *what) {
@@ -266,21 +268,11 @@ int kvf__blocks_descs(const kvf__lview *v, const uint32_t *ids, size_t n, kvf__d
 
 /* ------------------------------------------------------------ the wire */
 
-static uint64_t get_le64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
-  return v;
-}
-
-static void put_le64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-
 static int offsets_from_wire(ProtobufCBinaryData w, size_t n, uint64_t **out) {
   if (w.len != n * 8) return KVF_EPROTO;
   uint64_t *v = malloc((n ? n : 1) * sizeof(*v));
   if (!v) return -ENOMEM;
-  for (size_t i = 0; i < n; i++) v[i] = get_le64(w.data + 8 * i);
+  for (size_t i = 0; i < n; i++) v[i] = kvf__le64_get(w.data + 8 * i);
   *out = v;
   return 0;
 }
@@ -325,7 +317,7 @@ void kvf__lview_to_wire(const kvf__lview *v, Kvf__Layout *w, uint8_t *buf) {
   w->dtype_bytes = v->geom.dtype_bytes;
   w->order = v->geom.order;
   size_t n = (size_t)v->n_layers * v->n_kv;
-  for (size_t i = 0; i < n; i++) put_le64(buf + 8 * i, v->offsets[i]);
+  for (size_t i = 0; i < n; i++) kvf__le64_put(buf + 8 * i, v->offsets[i]);
   w->offsets = (ProtobufCBinaryData){n * 8, buf};
 }
 

@@ -5,7 +5,9 @@
 #define KVF_FRAME_H
 
 #include <stddef.h>
+#include <endian.h>
 #include <stdint.h>
+#include <string.h>
 
 #define KVF__FRAME_HDR 4u
 #define KVF__FRAME_MAX_DEFAULT (64u << 20)
@@ -35,6 +37,28 @@ int kvf__framebuf_next(kvf__framebuf *fb, const uint8_t **payload, uint32_t *len
 /* Writes the 4-byte header for a payload of len bytes. */
 void kvf__frame_put_header(uint8_t hdr[KVF__FRAME_HDR], uint32_t len);
 uint32_t kvf__frame_get_u32(const uint8_t *p);
+
+/* Little-endian fields of the wire's packed lists (descriptors, block ids,
+ * layout offsets), without unaligned loads: a 20-byte descriptor record
+ * puts every other one off an 8-byte boundary. */
+static inline uint32_t kvf__le32_get(const uint8_t *p) {
+  uint32_t v;
+  memcpy(&v, p, sizeof v);
+  return le32toh(v);
+}
+static inline uint64_t kvf__le64_get(const uint8_t *p) {
+  uint64_t v;
+  memcpy(&v, p, sizeof v);
+  return le64toh(v);
+}
+static inline void kvf__le32_put(uint8_t *p, uint32_t v) {
+  v = htole32(v);
+  memcpy(p, &v, sizeof v);
+}
+static inline void kvf__le64_put(uint8_t *p, uint64_t v) {
+  v = htole64(v);
+  memcpy(p, &v, sizeof v);
+}
 
 /* sendmsg of the whole buffer with an optional fd (-1 for none), retrying on
  * EINTR and partial writes; blocking socket. */

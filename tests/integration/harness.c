@@ -7,6 +7,7 @@
 #include <ftw.h>
 #include <inttypes.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -981,4 +982,19 @@ int h_fixture_stop(h_fixture *f) {
   h_client_close(&f->pre);
   h_client_close(&f->dec);
   return h_pair_stop(&f->p);
+}
+
+int h_expect_closed(int fd, int ms, const char *what, size_t *bytes_seen) {
+  uint64_t end = h_now_ms() + (uint64_t)ms;
+  char buf[65536];
+  if (bytes_seen) *bytes_seen = 0;
+  for (;;) {
+    struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    int r = poll(&pfd, 1, h_left_ms(end));
+    if (r == 0) return h_fail("%s: connection still open after %d ms", what, ms);
+    if (r < 0) continue;
+    ssize_t n = recv(fd, buf, sizeof buf, 0);
+    if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN)) return 0;
+    if (n > 0 && bytes_seen) *bytes_seen += (size_t)n;
+  }
 }

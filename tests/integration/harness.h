@@ -227,6 +227,9 @@ int h_raw_unix(const char *path);
 int h_raw_tcp(uint16_t port);
 /* Writes what the socket takes; stops quietly when the peer closes. */
 void h_raw_write(int fd, const void *p, size_t n);
+/* Succeeds when the peer closes fd within ms; anything said first is
+ * ignored (its bytes counted in *bytes_seen when not NULL). */
+int h_expect_closed(int fd, int ms, const char *what, size_t *bytes_seen);
 /* 0 when got == want, else says what returned what. */
 int h_expect_rc(int got, int want, const char *what);
 /* Waits until the daemon of c counts want clients (nothing kept for dead

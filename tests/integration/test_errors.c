@@ -622,21 +622,6 @@ static void test_cancelled_grant_revoked(void **state) {
 
 /* ---------------------------------------------------------------- garbage */
 
-/* Succeeds when the daemon closes fd within ms (anything it says first,
- * like an error reply or its own hello, is ignored). */
-static int expect_closed(int fd, int ms, const char *what) {
-  uint64_t end = h_now_ms() + (uint64_t)ms;
-  char buf[4096];
-  for (;;) {
-    struct pollfd pfd = {.fd = fd, .events = POLLIN};
-    int r = poll(&pfd, 1, h_left_ms(end));
-    if (r == 0) return h_fail("%s: connection still open after %d ms", what, ms);
-    if (r < 0) continue;
-    ssize_t n = recv(fd, buf, sizeof buf, 0);
-    if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN)) return 0;
-  }
-}
-
 static void put_u32le(uint8_t *p, uint32_t v) {
   p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8), p[2] = (uint8_t)(v >> 16), p[3] = (uint8_t)(v >> 24);
 }
@@ -655,13 +640,13 @@ static int garbage_cases(opener op, const void *where) {
   h_fill(buf, sizeof buf, 0xbad, 1);
   h_raw_write(fd, buf, sizeof buf);
   shutdown(fd, SHUT_WR);
-  int rc = expect_closed(fd, 3000, "random bytes");
+  int rc = h_expect_closed(fd, 3000, "random bytes", NULL);
   close(fd);
   /* 2. A length prefix of 0xFFFFFFFF: over any maximum, refused at once. */
   if (rc || (fd = op(where)) < 0) return -1;
   put_u32le(buf, 0xFFFFFFFFu);
   h_raw_write(fd, buf, 16);
-  rc = expect_closed(fd, 3000, "length 0xFFFFFFFF");
+  rc = h_expect_closed(fd, 3000, "length 0xFFFFFFFF", NULL);
   close(fd);
   /* 3. A header announcing 100 bytes, 10 of them, then we hang up. */
   if (rc || (fd = op(where)) < 0) return -1;
@@ -675,7 +660,7 @@ static int garbage_cases(opener op, const void *where) {
   put_u32le(buf, sizeof bad);
   memcpy(buf + 4, bad, sizeof bad);
   h_raw_write(fd, buf, 4 + sizeof bad);
-  rc = expect_closed(fd, 3000, "undecodable frame");
+  rc = h_expect_closed(fd, 3000, "undecodable frame", NULL);
   close(fd);
   return rc;
 }

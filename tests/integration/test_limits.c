@@ -121,23 +121,6 @@ static int read_exact(int fd, void *p, size_t n, int ms) {
   return 0;
 }
 
-/* Succeeds when the daemon closes fd within ms. Anything it says first is
- * counted in *frames_seen (whole bytes, as a hint) and ignored. */
-static int expect_closed(int fd, int ms, const char *what, size_t *bytes_seen) {
-  uint64_t end = h_now_ms() + (uint64_t)ms;
-  char buf[65536];
-  if (bytes_seen) *bytes_seen = 0;
-  for (;;) {
-    struct pollfd pfd = {.fd = fd, .events = POLLIN};
-    int r = poll(&pfd, 1, h_left_ms(end));
-    if (r == 0) return h_fail("%s: connection still open after %d ms", what, ms);
-    if (r < 0) continue;
-    ssize_t n = recv(fd, buf, sizeof buf, 0);
-    if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN)) return 0;
-    if (n > 0 && bytes_seen) *bytes_seen += (size_t)n;
-  }
-}
-
 /* Fails when the daemon closed fd or said anything on it within ms. */
 static int expect_open(int fd, int ms, const char *what) {
   struct pollfd pfd = {.fd = fd, .events = POLLIN};
@@ -417,7 +400,7 @@ static void test_max_clients(void **state) {
   H_OK(read_response(fd, 7, &r, 5000));
   if (r.status != KVF_ELIMIT || !strstr(r.error, "max-clients (3)"))
     fail_msg("refused hello: status %s, error \"%s\"", kvf_err_name(r.status), r.error);
-  H_OK(expect_closed(fd, 3000, "refused client", NULL));
+  H_OK(h_expect_closed(fd, 3000, "refused client", NULL));
   raw_close(fd);
   H_OK(wait_log(&S.d, "max-clients (3) clients are connected", lines + 2, 3000));
   /* A refused connection that never says hello... */
@@ -436,7 +419,7 @@ static void test_max_clients(void **state) {
   uint8_t hdr[8];
   put_u32le(hdr, 5000);
   h_raw_write(idle, hdr, sizeof hdr);
-  H_OK(expect_closed(idle, 3000, "a refused client's 5000-byte frame", NULL));
+  H_OK(h_expect_closed(idle, 3000, "a refused client's 5000-byte frame", NULL));
   raw_close(idle);
   H_OK(wait_log(&S.d, "sent a frame of 5000 bytes, more than a refused client may send (4096)", 1,
                 3000));
@@ -458,7 +441,7 @@ static void test_refused_flood(void **state) {
   H_OK(h_wait_clients(S.a.c, 3 + HELD, 3000));
   int extra = raw_unix(S.d.sock);
   assert_true(extra >= 0);
-  H_OK(expect_closed(extra, 2000, "a refused connection past 64", NULL));
+  H_OK(h_expect_closed(extra, 2000, "a refused connection past 64", NULL));
   raw_close(extra);
   H_OK(wait_log(&S.d, "refused connections are still open", lines + 1, 3000));
   H_OK(expect_open(held[0], 0, "a refused connection within 64"));
@@ -567,7 +550,7 @@ static void test_max_frame_api(void **state) {
   /* ...one byte more and the client is dropped unanswered, with a line. */
   put_u32le(big, SOLO_FRAME + 1);
   h_raw_write(fd, big, 4 + SOLO_FRAME + 1);
-  H_OK(expect_closed(fd, 3000, "frame over max-frame", &seen));
+  H_OK(h_expect_closed(fd, 3000, "frame over max-frame", &seen));
   raw_close(fd);
   if (seen) fail_msg("the daemon answered an oversized frame (%zu bytes)", seen);
   snprintf(needle, sizeof needle, "sent a frame of %u bytes, more than max-frame (%u)",
@@ -590,7 +573,7 @@ static void test_slow_reader(void **state) {
   H_OK(wait_log(&S.d, "bytes of replies and events unread", lines + 1, 20000));
   /* The others were served all along. */
   H_OK(solo_serves());
-  H_OK(expect_closed(fd, 5000, "slow reader", &seen));
+  H_OK(h_expect_closed(fd, 5000, "slow reader", &seen));
   raw_close(fd);
   /* It got some replies, far from all (each is ~1 KiB). */
   if (seen >= (size_t)N * 512) fail_msg("the slow reader got %zu bytes: not dropped?", seen);
@@ -897,7 +880,7 @@ static void test_pending_peers(void **state) {
   uint64_t t0 = h_now_ms();
   int extra = raw_tcp(P.dec.port);
   assert_true(extra >= 0);
-  H_OK(expect_closed(extra, 4000, "connection past max-pending-peers", NULL));
+  H_OK(h_expect_closed(extra, 4000, "connection past max-pending-peers", NULL));
   raw_close(extra);
   if (h_now_ms() - t0 > 2000)
     fail_msg("closed after %llu ms: the handshake timeout, not the limit",
@@ -913,7 +896,7 @@ static void test_pending_peers(void **state) {
   uint8_t hdr[8];
   put_u32le(hdr, 100000);
   h_raw_write(idle[0], hdr, sizeof hdr);
-  H_OK(expect_closed(idle[0], 2000, "a 100 KB frame before Hello", NULL));
+  H_OK(h_expect_closed(idle[0], 2000, "a 100 KB frame before Hello", NULL));
   H_OK(wait_log(&P.dec, "a peer may send before its Hello (65536)", 1, 3000));
   /* The daemon counted idle[0] out before closing it (seen above): with
    * the other seven still pending, one more is held again. */
