@@ -112,6 +112,18 @@ typedef struct h_client h_client;
 typedef struct h_fixture h_fixture;
 int h_fixture_start(h_fixture *f, const char *pool_size);
 int h_fixture_stop(h_fixture *f);
+/* The cmocka group functions of a suite whose group shares one fixture
+ * var (pools of pool_size): group_setup and group_teardown. */
+#define H_FIXTURE_GROUP(var, pool_size)                                    \
+  static h_fixture var;                                                    \
+  static int group_setup(void **state) {                                   \
+    (void)state;                                                           \
+    return h_fixture_start(&var, pool_size);                               \
+  }                                                                        \
+  static int group_teardown(void **state) {                                \
+    (void)state;                                                           \
+    return h_fixture_stop(&var);                                           \
+  }
 
 /* ------------------------------------------------------------ clients */
 

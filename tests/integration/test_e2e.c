@@ -21,18 +21,8 @@
 #define MIB (1ull << 20)
 #define KIB (1ull << 10)
 
-static h_fixture E;
-
-static int group_setup(void **state) {
-  (void)state;
-  /* 384M: the 256 MiB single-descriptor case plus the h_quick area. */
-  return h_fixture_start(&E, "384M");
-}
-
-static int group_teardown(void **state) {
-  (void)state;
-  return h_fixture_stop(&E);
-}
+/* 384M: the 256 MiB single-descriptor case plus the h_quick area. */
+H_FIXTURE_GROUP(E, "384M")
 
 /* Sends n blocks of len bytes, scattered on both sides (different shuffles),
  * from prefill to decode and verifies them. */

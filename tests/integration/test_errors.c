@@ -27,12 +27,7 @@
 
 #define KIB (1ull << 10)
 
-static h_fixture E;
-
-static int group_setup(void **state) {
-  (void)state;
-  return h_fixture_start(&E, "64M");
-}
+H_FIXTURE_GROUP(E, "64M")
 
 /* Every case starts with both daemons up and connected, so that one
  * failure does not cascade into the cases after it. */
@@ -41,10 +36,6 @@ static int healthy(void **state) {
   return h_pair_wait_up(&E.p);
 }
 
-static int group_teardown(void **state) {
-  (void)state;
-  return h_fixture_stop(&E);
-}
 
 /* Waits for id's event of type and fails unless its status is want. */
 static int expect_status(h_client *hc, const char *id, int type, int want, int ms,

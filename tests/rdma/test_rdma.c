@@ -34,13 +34,8 @@
 #define DEADLINE_MS 120000 /* ...long before their deadline */
 #define READY_MS 30000
 
-typedef struct env {
-  h_pair p;
-  h_client pre, dec;
-  bool up;
-} env;
-
-static env E;
+static h_fixture E;
+static bool up; /* E is started */
 
 /* ---------------------------------------------------------------- status */
 
@@ -125,19 +120,15 @@ static int qps_per_pair(size_t devices) { return (int)(devices * 4); } /* 2 dial
 static int pair_up(const char *devices, size_t ndev) {
   if (devices) setenv("KVF_TEST_RDMA_DEVICES", devices, 1);
   else unsetenv("KVF_TEST_RDMA_DEVICES");
-  if (h_pair_start(&E.p, "512M") || h_client_open(&E.pre, &E.p.prefill) ||
-      h_client_open(&E.dec, &E.p.decode))
-    return -1;
-  E.up = true;
+  if (h_fixture_start(&E, "512M")) return -1;
+  up = true;
   return wait_rdma_ready((size_t)qps_per_pair(ndev));
 }
 
 static int pair_down(void) {
-  if (!E.up) return 0;
-  h_client_close(&E.pre);
-  h_client_close(&E.dec);
-  E.up = false;
-  return h_pair_stop(&E.p);
+  if (!up) return 0;
+  up = false;
+  return h_fixture_stop(&E);
 }
 
 static int setup_one(void **state) { return pair_up(NULL, 1); }
@@ -390,7 +381,7 @@ static int setup_keyed(void **state) {
   if (h_daemon_spawn(&E.p.prefill) || h_daemon_spawn(&E.p.decode) || h_pair_wait_up(&E.p) ||
       h_client_open(&E.pre, &E.p.prefill) || h_client_open(&E.dec, &E.p.decode))
     return -1;
-  E.up = true;
+  up = true;
   return wait_rdma_ready((size_t)qps_per_pair(1));
 }
 
