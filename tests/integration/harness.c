@@ -978,6 +978,23 @@ int h_fixture_start(h_fixture *f, const char *pool_size) {
   return h_client_open(&f->pre, &f->p.prefill) || h_client_open(&f->dec, &f->p.decode) ? -1 : 0;
 }
 
+int h_scattered(h_fixture *f, const char *tag, size_t n, uint64_t len, size_t parts, uint64_t seed, int timeout_ms) {
+  kvf_desc *src = calloc(n, sizeof *src), *dst = calloc(n, sizeof *dst);
+  char id[96];
+  int rc = src && dst ? 0 : h_fail("%s: out of memory for %zu descriptors", tag, n);
+  if (rc == 0) {
+    h_id(id, sizeof id, tag);
+    h_layout(src, n, f->pre.pool, 0, len, true, seed);
+    h_layout(dst, n, f->dec.pool, 0, len, true, seed * 31 + 1);
+    h_xfer x = {.id = id, .src = src, .nsrc = n, .dst = dst, .ndst = n, .parts = parts,
+                .seed = seed, .timeout_ms = timeout_ms};
+    rc = h_transfer(&f->pre, &f->dec, &x);
+  }
+  free(src);
+  free(dst);
+  return rc;
+}
+
 int h_fixture_stop(h_fixture *f) {
   h_client_close(&f->pre);
   h_client_close(&f->dec);

@@ -112,6 +112,10 @@ typedef struct h_client h_client;
 typedef struct h_fixture h_fixture;
 int h_fixture_start(h_fixture *f, const char *pool_size);
 int h_fixture_stop(h_fixture *f);
+/* n descriptors of len bytes, scattered on both sides (different
+ * shuffles by seed), from f's prefill to its decode in parts sends,
+ * every byte verified (h_transfer) within timeout_ms. */
+int h_scattered(h_fixture *f, const char *tag, size_t n, uint64_t len, size_t parts, uint64_t seed, int timeout_ms);
 /* The cmocka group functions of a suite whose group shares one fixture
  * var (pools of pool_size): group_setup and group_teardown. */
 #define H_FIXTURE_GROUP(var, pool_size)                                    \

@@ -27,19 +27,7 @@ H_FIXTURE_GROUP(E, "384M")
 /* Sends n blocks of len bytes, scattered on both sides (different shuffles),
  * from prefill to decode and verifies them. */
 static void scattered(const char *name, size_t n, uint64_t len, size_t parts, uint64_t seed) {
-  kvf_desc *src = calloc(n, sizeof *src), *dst = calloc(n, sizeof *dst);
-  char id[96];
-  assert_non_null(src);
-  assert_non_null(dst);
-  h_id(id, sizeof id, name);
-  h_layout(src, n, E.pre.pool, 0, len, true, seed);
-  h_layout(dst, n, E.dec.pool, 0, len, true, seed * 31 + 1);
-  h_xfer x = {.id = id, .src = src, .nsrc = n, .dst = dst, .ndst = n, .parts = parts,
-              .seed = seed, .timeout_ms = 60000};
-  int rc = h_transfer(&E.pre, &E.dec, &x);
-  free(src);
-  free(dst);
-  H_OK(rc);
+  H_OK(h_scattered(&E, name, n, len, parts, seed, 60000));
 }
 
 /* ---------------------------------------------------------------- presets */

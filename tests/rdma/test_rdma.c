@@ -143,19 +143,7 @@ static int teardown(void **state) { return pair_down(); }
 
 /* n blocks of len, scattered on both sides; a fresh seed per call. */
 static void verified(const char *tag, size_t n, uint64_t len, uint64_t seed) {
-  kvf_desc *src = calloc(n, sizeof *src), *dst = calloc(n, sizeof *dst);
-  char id[96];
-  assert_non_null(src);
-  assert_non_null(dst);
-  h_id(id, sizeof id, tag);
-  h_layout(src, n, E.pre.pool, 0, len, true, seed);
-  h_layout(dst, n, E.dec.pool, 0, len, true, seed * 7 + 3);
-  h_xfer x = {.id = id, .src = src, .nsrc = n, .dst = dst, .ndst = n, .seed = seed,
-              .timeout_ms = 180000};
-  int rc = h_transfer(&E.pre, &E.dec, &x);
-  free(src);
-  free(dst);
-  H_OK(rc);
+  H_OK(h_scattered(&E, tag, n, len, 0, seed, 180000));
 }
 
 static int expect_lost(h_client *hc, const char *id, int type, uint64_t t0) {
