@@ -63,12 +63,14 @@ static bool in_pool(uint32_t pool, uint64_t off, uint64_t len) {
   return pool < kvfd.n_pools && kvf__pool_check_range(kvfd.pools[pool], off, len) == 0;
 }
 
-static const kvf__transport_ops local_ops, net_ops, one_sided_ops;
+/* Made with kvf__transport_init (below): the ops left out get the
+ * defaults, and t->ops is the instance's merged copy. */
+static kvf__transport tp_local, tp_net, tp_one_sided;
 
 /* Every run's source is in our pools (the API checked the send); a local
  * run's destination too (the API checked the grant). */
 static int f_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) {
-  bool local = t->ops == &local_ops;
+  bool local = t == &tp_local; /* not t->ops: that is the merged copy */
   uint64_t bytes = 0;
   for (size_t i = 0; i < runs->n; i++) {
     const kvf__run *r = &runs->v[i];
@@ -156,8 +158,6 @@ static const kvf__transport_ops one_sided_ops = {
     .name = "rdma", .one_sided = true, .post = f_post, .abort = f_abort,
     .grant_open = f_grant_open, .grant_close = f_grant_close,
 };
-/* Made with kvf__transport_init: the ops left out get the defaults. */
-static kvf__transport tp_local, tp_net, tp_one_sided;
 
 void fz_pump(bool land) {
   while (posts.n) {

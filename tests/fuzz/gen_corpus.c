@@ -222,16 +222,19 @@ static void a_grant_blocks(buf *b, const char *id, const char *src, uint32_t lay
   API_REQ(b, GRANT, grant, &g);
 }
 
+/* how: SB_MORE, SB_CONTINUES, SB_NOWAIT (no_reply) */
+enum { SB_MORE = 1, SB_CONTINUES = 2, SB_NOWAIT = 4 };
 static void a_send_blocks(buf *b, const char *id, const char *dst, uint32_t layout, const char *ids, uint32_t first,
-                          uint32_t n, bool more, bool continues) {
+                          uint32_t n, int how) {
   uint8_t space[256];
   Kvf__BlockList w;
   Kvf__SendReq s = KVF__SEND_REQ__INIT;
   s.xfer_id = (char *)id;
   s.dst_node = (char *)dst;
   s.blocks = blist(&w, space, layout, ids, first, n);
-  s.more = more;
-  s.continues = continues;
+  s.more = (how & SB_MORE) != 0;
+  s.continues = (how & SB_CONTINUES) != 0;
+  s.no_reply = (how & SB_NOWAIT) != 0;
   API_REQ(b, SEND, send, &s);
 }
 
@@ -242,8 +245,9 @@ static void api_block_seeds(const char *T) {
   a_layout(&b, 4, 0);
   a_layout(&b, 4, 131072);
   a_grant_blocks(&b, "k1", "", 1, "0213", true);
-  a_send_blocks(&b, "k1", "A", 2, "3120", 0, 2, true, false);
-  a_send_blocks(&b, "k1", "A", 2, "", 2, 2, false, true);
+  a_send_blocks(&b, "k1", "A", 2, "3120", 0, 1, SB_MORE);
+  a_send_blocks(&b, "k1", "A", 2, "", 1, 1, SB_MORE | SB_CONTINUES | SB_NOWAIT);
+  a_send_blocks(&b, "k1", "A", 2, "", 2, 2, SB_CONTINUES);
   a_inspect(&b, KVF__INSPECT_WHAT__INSPECT_LAYOUTS, true);
   a_layout_free(&b, 1);
   a_layout_free(&b, 1);
@@ -252,9 +256,9 @@ static void api_block_seeds(const char *T) {
   /* to peer B, send first; a part after a cancel */
   a_hello(&b, KVF__API_VERSION);
   a_layout(&b, 2, 0);
-  a_send_blocks(&b, "k2", "B", 1, "01", 0, 1, true, false);
+  a_send_blocks(&b, "k2", "B", 1, "01", 0, 1, SB_MORE);
   a_cancel(&b, "k2");
-  a_send_blocks(&b, "k2", "B", 1, "", 1, 1, false, true);
+  a_send_blocks(&b, "k2", "B", 1, "", 1, 1, SB_CONTINUES | SB_NOWAIT);
   a_grant_blocks(&b, "k3", "B", 1, "23", false);
   out(T, "blocks-remote", &b);
 
@@ -265,9 +269,9 @@ static void api_block_seeds(const char *T) {
   a_layout(&b, 4, 200000);
   a_layout(&b, 1, 0);
   a_grant_blocks(&b, "k4", "", 1, "9", false);
-  a_send_blocks(&b, "k4", "A", 1, "0", 1, 3, false, false);
+  a_send_blocks(&b, "k4", "A", 1, "0", 1, 3, 0);
   a_grant(&b, "k5", "", D({{1, 0, 4096}}));
-  a_send_blocks(&b, "k5", "A", 1, "0", 0, 0, false, false);
+  a_send_blocks(&b, "k5", "A", 1, "0", 0, 0, 0);
   out(T, "blocks-errors", &b);
 }
 
