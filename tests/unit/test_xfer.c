@@ -156,29 +156,13 @@ static void f_grant_close(kvf__transport *t, kvf__xfer *x) {
   if (F.nclosed < MAXREC) F.closed[F.nclosed++] = x;
 }
 
-static const kvf__transport_ops local_ops = {
-    .name = "fake-local",
-    .post = f_post,
-    .abort = f_abort,
-    .grant_open = f_grant_open,
-    .grant_close = f_grant_close,
-};
-static const kvf__transport_ops net_ops = {
-    .name = "fake-net",
-    .post = f_post,
-    .abort = f_abort,
-    .grant_open = f_grant_open,
-    .grant_close = f_grant_close,
-};
-static const kvf__transport_ops one_sided_ops = {
-    .name = "fake-rdma",
-    .one_sided = true,
-    .post = f_post,
-    .abort = f_abort,
-    .grant_open = f_grant_open,
-    .grant_close = f_grant_close,
-};
-/* Made with kvf__transport_init (group_setup): the ops left out get the
+/* The fake transports share their ops; name and one_sided tell them apart.
+ * kvf__transport_init copies them (and fills in the defaults). */
+static void fake_init(kvf__transport *t, const char *name, bool one_sided, unsigned slot) {
+  kvf__transport_ops o = {.name = name, .one_sided = one_sided, .post = f_post, .abort = f_abort,
+                          .grant_open = f_grant_open, .grant_close = f_grant_close};
+  kvf__transport_init(t, &o, &F.loop, slot);
+}/* Made with kvf__transport_init (group_setup): the ops left out get the
  * defaults, as a real transport's do. */
 static kvf__transport TL, TN, TO;
 
@@ -483,9 +467,9 @@ static int group_setup(void **state) {
   if (!F.pb || !F.pc) return -1;
   snprintf(F.pb->cfg.name, sizeof(F.pb->cfg.name), "B");
   snprintf(F.pc->cfg.name, sizeof(F.pc->cfg.name), "C");
-  kvf__transport_init(&TL, &local_ops, &F.loop, 0);
-  kvf__transport_init(&TN, &net_ops, &F.loop, 1);
-  kvf__transport_init(&TO, &one_sided_ops, &F.loop, 1);
+  fake_init(&TL, "fake-local", false, 0);
+  fake_init(&TN, "fake-net", false, 1);
+  fake_init(&TO, "fake-rdma", true, 1);
   kvf__xfer_env env = {
       .emit = f_emit,
       .peer_send = f_peer_send,
