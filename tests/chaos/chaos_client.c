@@ -432,6 +432,12 @@ static void refused(xfer *x, const char *side, int rc, const char *what) {
     daemon_gone();
     return;
   }
+  if (rc == KVF_ENOENT && !strcmp(side, "send") && x->parts_posted > 0) {
+    /* the send this part continues has ended already (its daemon or peer
+     * failed it): not an outcome of its own; its SEND_DONE says how */
+    x->parts_posted = x->g.parts;
+    return;
+  }
   outcome(x, side, rc, what, kvf_strerror(rc), -1, NULL, NULL);
   hold_until_ms = now_ms() + 100;
   if (!strcmp(side, "recv")) x->need_recv = false;
