@@ -227,34 +227,31 @@ out.append("layer's transfer takes.")
 out.append("")
 out.append("| tokens | MiB | api | compute/layer | whole p50 / p99 | layer-wise p50 / p99 | layer-wise / whole | late | one layer | req |")
 out.append("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
-for t in tokens:
-    for a in apis:
-        w, l = by.get((t, a, "whole")), by.get((t, a, "layerwise"))
-        if not w or not l:
-            continue
-        one = w["exposed_p50_us"] / layers
-        out.append("| %d | %.0f | %s | %.2f ms | %.2f / %.2f | %.2f / %.2f | %.2fx | %.2f ms | %.2f ms | %d |" % (
-            t, w["bytes"] / w["requests"] / 2**20, a, w["compute_us_per_layer"] / 1e3,
-            w["exposed_p50_us"] / 1e3, w["exposed_p99_us"] / 1e3, l["exposed_p50_us"] / 1e3,
-            l["exposed_p99_us"] / 1e3, l["exposed_p50_us"] / w["exposed_p50_us"],
-            l.get("last_send_late_p50_us", 0) / 1e3, one / 1e3, w["requests"]))
+def measured():
+    """(tokens, api, whole, layer-wise, one layer's transfer) of each length and API both modes ran."""
+    for t in tokens:
+        for a in apis:
+            w, l = by.get((t, a, "whole")), by.get((t, a, "layerwise"))
+            if w and l:
+                yield t, a, w, l, w["exposed_p50_us"] / layers
+for t, a, w, l, one in measured():
+    out.append("| %d | %.0f | %s | %.2f ms | %.2f / %.2f | %.2f / %.2f | %.2fx | %.2f ms | %.2f ms | %d |" % (
+        t, w["bytes"] / w["requests"] / 2**20, a, w["compute_us_per_layer"] / 1e3,
+        w["exposed_p50_us"] / 1e3, w["exposed_p99_us"] / 1e3, l["exposed_p50_us"] / 1e3,
+        l["exposed_p99_us"] / 1e3, l["exposed_p50_us"] / w["exposed_p50_us"],
+        l.get("last_send_late_p50_us", 0) / 1e3, one / 1e3, w["requests"]))
 out.append("")
 # The issue's goal, checked where it applies.
 notes = []
-for t in tokens:
-    for a in apis:
-        w, l = by.get((t, a, "whole")), by.get((t, a, "layerwise"))
-        if not w or not l:
-            continue
-        one = w["exposed_p50_us"] / layers
-        if l["exposed_p50_us"] > w["exposed_p50_us"]:
-            notes.append("%d tokens (%s): layer-wise slower than whole" % (t, a))
-        if one < w["compute_us_per_layer"]:
-            ok = l["exposed_p50_us"] <= one + 50
-            notes.append("%d tokens (%s): a layer's transfer (%.2f ms) is shorter than its compute (%.2f ms); "
-                         "layer-wise exposed %.2f ms against one layer + 50 us = %.2f ms: %s" % (
-                             t, a, one / 1e3, w["compute_us_per_layer"] / 1e3, l["exposed_p50_us"] / 1e3,
-                             (one + 50) / 1e3, "met" if ok else "missed"))
+for t, a, w, l, one in measured():
+    if l["exposed_p50_us"] > w["exposed_p50_us"]:
+        notes.append("%d tokens (%s): layer-wise slower than whole" % (t, a))
+    if one < w["compute_us_per_layer"]:
+        ok = l["exposed_p50_us"] <= one + 50
+        notes.append("%d tokens (%s): a layer's transfer (%.2f ms) is shorter than its compute (%.2f ms); "
+                     "layer-wise exposed %.2f ms against one layer + 50 us = %.2f ms: %s" % (
+                         t, a, one / 1e3, w["compute_us_per_layer"] / 1e3, l["exposed_p50_us"] / 1e3,
+                         (one + 50) / 1e3, "met" if ok else "missed"))
 if notes:
     out.append("Against the goal (exposed <= one layer's transfer + 50 us where a layer's")
     out.append("transfer is shorter than its compute; layer-wise never slower than whole):")

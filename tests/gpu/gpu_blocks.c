@@ -426,11 +426,7 @@ static int run_bench(cases *k, pool *ps, pool *pd, int reps) {
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "test";
   kvf__log_init(KVF__LOG_INFO);
-  char err[256];
-  if (kvf__cu_load(&cu, err, sizeof(err)) != 0) {
-    printf("SKIP: no CUDA driver: %s\n", err);
-    return 77;
-  }
+  if (gt_load_driver(&cu)) return 77;
   if (kvf__gpu_init(KVF__AUTO) != 0 || kvf__gpu_count() == 0) {
     printf("SKIP: no usable GPU: %s\n", kvf__gpu_why());
     return 77;

@@ -274,11 +274,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "usage: gpu_blocks_client SOCKET NODE SRC_POOL DST_POOL PATH\n");
     return 2;
   }
-  char err[256];
-  if (kvf__cu_load(&cu, err, sizeof(err)) != 0) {
-    printf("SKIP: %s\n", err);
-    return 77;
-  }
+  if (gt_load_driver(&cu)) return 77;
   side s, d;
   if (side_open(&s, argv[1], argv[3]) || side_open(&d, argv[1], argv[4])) return 1;
   CUdevice dev;

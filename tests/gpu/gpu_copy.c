@@ -898,11 +898,7 @@ static int run_kvlayout(unsigned T, unsigned m, uint64_t bs, unsigned nb, int re
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "test";
   kvf__log_init(KVF__LOG_INFO);
-  char err[256];
-  if (kvf__cu_load(&cu, err, sizeof(err)) != 0) {
-    printf("SKIP: %s\n", err);
-    return 77;
-  }
+  if (gt_load_driver(&cu)) return 77;
   if (kvf__gpu_init(KVF__ON) != 0) return 1;
   int rc;
   if (strcmp(mode, "bench") == 0) {

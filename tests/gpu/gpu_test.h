@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "cuda/cudrv.h"
+
 /* Says what failed, counts it in `failures` (the file's), returns -1. */
 #define CHECK(cond, ...)                     \
   do {                                       \
@@ -41,6 +43,15 @@ static inline int gt_cmp_double(const void *a, const void *b) {
 static inline double gt_median(double *v, int n) {
   qsort(v, (size_t)n, sizeof(*v), gt_cmp_double);
   return v[n / 2];
+}
+
+/* Loads the CUDA driver into *cu: 0, or 77 (the suite's skip) said on
+ * stdout when there is none. */
+static inline int gt_load_driver(kvf_cu *cu) {
+  char err[256];
+  if (kvf__cu_load(cu, err, sizeof(err)) == 0) return 0;
+  printf("SKIP: no CUDA driver: %s\n", err);
+  return 77;
 }
 
 #endif
