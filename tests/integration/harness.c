@@ -911,26 +911,28 @@ int h_wait_until(h_cond_fn cond, void *arg, int timeout_ms, const char *what) {
   }
 }
 
+/* A number that must reach min: a top-level one of STATUS (id NULL), or
+ * one of transfer id in TRANSFERS. */
 typedef struct {
   kvf_client *c;
-  const char *key;
+  const char *id, *key;
   uint64_t min;
-} status_at_least;
+} at_least;
 
-static int status_cond(void *arg) {
-  status_at_least *s = arg;
+static int at_least_cond(void *arg) {
+  at_least *a = arg;
   uint64_t v;
-  if (h_status_u64(s->c, s->key, &v)) return -1;
-  h_wait_note("%s %llu", s->key, (unsigned long long)v);
-  return v >= s->min;
+  if (a->id ? h_xfer_u64(a->c, a->id, a->key, &v) : h_status_u64(a->c, a->key, &v)) return -1;
+  h_wait_note("%s %llu", a->key, (unsigned long long)v);
+  return v >= a->min;
 }
 
 int h_wait_status(kvf_client *c, const char *key, uint64_t min, int timeout_ms) {
   char what[192];
-  status_at_least s = {c, key, min};
+  at_least a = {c, NULL, key, min};
   snprintf(what, sizeof what, "%s's STATUS %s >= %llu", kvf_node(c), key,
            (unsigned long long)min);
-  return h_wait_until(status_cond, &s, timeout_ms, what);
+  return h_wait_until(at_least_cond, &a, timeout_ms, what);
 }
 
 int h_xfer_u64(kvf_client *c, const char *id, const char *key, uint64_t *out) {
@@ -949,26 +951,12 @@ int h_xfer_u64(kvf_client *c, const char *id, const char *key, uint64_t *out) {
   return rc;
 }
 
-typedef struct {
-  kvf_client *c;
-  const char *id;
-  uint64_t min;
-} xfer_at_least;
-
-static int xfer_bytes_cond(void *arg) {
-  xfer_at_least *x = arg;
-  uint64_t v;
-  if (h_xfer_u64(x->c, x->id, "bytes", &v)) return -1;
-  h_wait_note("%llu bytes", (unsigned long long)v);
-  return v >= x->min;
-}
-
 int h_wait_xfer_bytes(kvf_client *c, const char *id, uint64_t min, int timeout_ms) {
   char what[256];
-  xfer_at_least x = {c, id, min};
+  at_least a = {c, id, "bytes", min};
   snprintf(what, sizeof what, "%s's transfer %s to show %llu bytes", kvf_node(c), id,
            (unsigned long long)min);
-  return h_wait_until(xfer_bytes_cond, &x, timeout_ms, what);
+  return h_wait_until(at_least_cond, &a, timeout_ms, what);
 }
 
 /* ------------------------------------------------------------ fixture */
