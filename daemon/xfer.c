@@ -48,8 +48,7 @@ typedef struct pregrant {
   int refused;            /* we refused this grant: the send fails with it */
   char why[128];
   kvf__tp_grant tp;       /* owned */
-  bool blocks;            /* a grant of blocks: */
-  kvf__xblocks gb;        /* its view and ids, owned */
+  kvf__xblocks gb;        /* a grant of blocks: its view and ids, owned */
   bool layer_events;
 } pregrant;
 

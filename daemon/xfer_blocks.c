@@ -15,7 +15,6 @@
 #include "xfer.h"
 #include "xfer_int.h"
 
-
 void kvf__xblocks_free(kvf__xblocks *b) {
   if (b->layout) kvf__layout_release(b->layout);
   free(b->offsets);

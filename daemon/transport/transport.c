@@ -18,13 +18,14 @@ static bool def_mark_layers(kvf__transport *t, kvf__xfer *x, uint32_t first, uin
 
 /* Blocks as runs, for transports that move runs (tcp, rdma): the layouts
  * are walked straight into coalesced runs, no descriptor lists. */
-static int def_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
+int kvf__transport_post_block_runs(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
   kvf__runs runs = {0};
   int rc = kvf__blocks_pair(b->src, b->sids, b->dst, b->dids, b->n, b->first, b->n_layers, &runs);
   if (rc == 0) rc = t->ops->post(t, x, &runs, last);
   kvf__runs_free(&runs);
   return rc;
 }
+
 static int def_grant_open(kvf__transport *t, kvf__xfer *x) { return 0; }
 static int def_peer_up(kvf__transport *t, kvf__peer *p) { return 0; }
 static void def_peer_down(kvf__transport *t, kvf__peer *p) {}
@@ -39,7 +40,7 @@ static const kvf__transport_ops defaults = {
     .name = "none",
     .usable = def_usable,
     .post = def_post,
-    .post_blocks = def_post_blocks,
+    .post_blocks = kvf__transport_post_block_runs,
     .mark_layers = def_mark_layers,
     .abort = def_xfer,
     .xfer_done = def_xfer,

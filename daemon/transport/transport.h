@@ -112,6 +112,11 @@ typedef int (*kvf__transport_create_fn)(uv_loop_t *loop, unsigned slot, kvf__tra
 
 void kvf__transport_init(kvf__transport *t, const kvf__transport_ops *ops, uv_loop_t *loop, unsigned slot);
 
+/* The default post_blocks: the part's two layouts walked into runs
+ * (kvf__blocks_pair), then t's post. A backend that takes only some parts
+ * its own way hands it the others. */
+int kvf__transport_post_block_runs(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last);
+
 /* t's state for peer p (NULL when it has none), and setting it. */
 static inline void *kvf__transport_peer(const kvf__transport *t, const kvf__peer *p) {
   return p->tp_slot[t->slot];

@@ -261,12 +261,7 @@ static int start_blocks(local_transport *lt, kvf__xfer *x, const kvf__bpart *b, 
 
 static int local_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
   int rc = start_blocks(to_local(t), x, b, last);
-  if (rc != -EAGAIN) return rc;
-  kvf__runs runs = {0}; /* as transport.c's default */
-  rc = kvf__blocks_pair(b->src, b->sids, b->dst, b->dids, b->n, b->first, b->n_layers, &runs);
-  if (rc == 0) rc = local_post(t, x, &runs, last);
-  kvf__runs_free(&runs);
-  return rc;
+  return rc == -EAGAIN ? kvf__transport_post_block_runs(t, x, b, last) : rc;
 }
 
 /* A copy in flight finishes quickly; its callback completes the abort, so

@@ -53,6 +53,7 @@
 #define ENT_LEN 16u                 /* per frame: pool, len, offset */
 #define SLICE (1u << 20)            /* one frame carries at most this */
 #define BATCH_FRAMES 256            /* frames per batch (one writev, one readv) */
+#define MAX_STREAMS 64              /* tcp-streams is capped here */
 #define STAGE_SLOT (4u << 20)       /* a GPU staging slot; >= SLICE */
 /* A GPU copy failed (internal): fails the transfer, not the stream. */
 #define GPU_COPY_FAILED (-EREMOTEIO)
@@ -677,15 +678,21 @@ static int discard(int fd, uint64_t len, uint8_t *ahead, uint32_t *have) {
   return 0;
 }
 
+/* The open grant of handle that tp's peer may write into, or NULL; the
+ * caller holds g_lock. */
+static rgrant *open_grant_of(tcp_peer *tp, uint64_t handle) {
+  char key[32];
+  grant_key(key, sizeof(key), handle);
+  rgrant *g = kvf__map_get(&tp->tt->grants, key);
+  return g && !g->closed && g->peer == tp->p ? g : NULL;
+}
+
 /* Looks up and pins the grant a batch writes into; NULL when the batch must
  * be discarded. A batch with any entry outside its grant fails that grant. */
 static rgrant *pin_grant(tcp_peer *tp, const batch_hdr *h, const batch_ent *e) {
   tcp_transport *tt = tp->tt;
-  char key[32];
-  grant_key(key, sizeof(key), h->handle);
   pthread_mutex_lock(&tt->g_lock);
-  rgrant *g = kvf__map_get(&tt->grants, key);
-  if (g && (g->closed || g->peer != tp->p)) g = NULL;
+  rgrant *g = open_grant_of(tp, h->handle);
   uint32_t bad = g ? first_outside(&g->rs, e, h->count) : h->count;
   if (bad < h->count) {
     kvf__warn("peer %s wrote outside grant %016llx (pool %u offset %llu len %u): refused",
@@ -891,14 +898,12 @@ static int receive_marker(stream *s, const batch_hdr *h, uint8_t *ahead, uint32_
   if (rc) return rc;
   batch_ent e;
   ent_decode(raw, &e);
-  if (h->count == 0 || h->count > 64 || e.len == 0) return KVF_EPROTO;
+  if (h->count == 0 || h->count > MAX_STREAMS || e.len == 0) return KVF_EPROTO;
   rstage_drain(s);
   tcp_transport *tt = s->tp->tt;
-  char key[32];
-  grant_key(key, sizeof(key), h->handle);
   pthread_mutex_lock(&tt->g_lock);
-  rgrant *g = kvf__map_get(&tt->grants, key);
-  if (g && !g->closed && g->peer == s->tp->p) count_marker(s->tp, g, h->handle, e.pool, e.len, h->count);
+  rgrant *g = open_grant_of(s->tp, h->handle);
+  if (g) count_marker(s->tp, g, h->handle, e.pool, e.len, h->count);
   pthread_mutex_unlock(&tt->g_lock);
   return 0;
 }
@@ -985,7 +990,7 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
   tcp_transport *tt = to_tcp(t);
   tcp_peer *tp = tcp_peer_of(tt, x->peer);
   if (!tp || atomic_load(&tp->stop)) return KVF_EPEERLOST;
-  item *items[64] = {0};
+  item *items[MAX_STREAMS] = {0};
   ticket *tk = calloc(1, sizeof(*tk));
   int rc = tk ? 0 : -ENOMEM;
   for (uint32_t i = 0; rc == 0 && i < tp->n_out; i++)
@@ -1029,7 +1034,7 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
 static bool tcp_mark_layers(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n) {
   tcp_peer *tp = tcp_peer_of(to_tcp(t), x->peer);
   if (!tp || atomic_load(&tp->stop)) return false;
-  item *marks[64] = {0};
+  item *marks[MAX_STREAMS] = {0};
   for (uint32_t i = 0; i < tp->n_out; i++)
     if (!(marks[i] = calloc(1, sizeof(item)))) {
       for (uint32_t j = 0; j < i; j++) free(marks[j]);
@@ -1136,7 +1141,7 @@ static int tcp_peer_up(kvf__transport *t, kvf__peer *p) {
   tp->p = p;
   tp->gen = ++tt->gen;
   tp->n_out = kvfd.cfg.tcp_streams;
-  if (tp->n_out > 64) tp->n_out = 64;
+  if (tp->n_out > MAX_STREAMS) tp->n_out = MAX_STREAMS;
   tp->out = calloc(tp->n_out, sizeof(stream));
   if (!tp->out) {
     free(tp);
