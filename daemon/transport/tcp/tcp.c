@@ -1032,13 +1032,16 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
 /* A marker behind the part just posted, on every stream (the format's
  * comment at the top). */
 static bool tcp_mark_layers(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n) {
+  /* Never false: the sender's word after its post is called back would
+   * come before the data landed here (a tcp post completes once written to
+   * the socket). Unmarked layers are reported with RECV_DONE instead. */
   tcp_peer *tp = tcp_peer_of(to_tcp(t), x->peer);
-  if (!tp || atomic_load(&tp->stop)) return false;
+  if (!tp || atomic_load(&tp->stop)) return true; /* the peer is gone: so is the transfer */
   item *marks[MAX_STREAMS] = {0};
   for (uint32_t i = 0; i < tp->n_out; i++)
     if (!(marks[i] = calloc(1, sizeof(item)))) {
       for (uint32_t j = 0; j < i; j++) free(marks[j]);
-      return false; /* the transfer announces them itself */
+      return true; /* out of memory: unmarked */
     }
   pthread_mutex_lock(&tp->lock);
   for (uint32_t i = 0; i < tp->n_out; i++) {
