@@ -53,7 +53,8 @@ extern "C" {
   XX(ECANCELED, -4013, "cancelled by this side")                                     \
   XX(EEXIST, -4014, "a transfer with this id is already active here")                \
   XX(ENOENT, -4015, "no active transfer with this id")                               \
-  XX(EINVAL, -4016, "invalid argument")
+  XX(EINVAL, -4016, "invalid argument")                                              \
+  XX(EBUSY, -4017, "the memory is in use by a transfer")
 
 enum kvf_errc {
 #define KVF_ERR_XX(name, code, message) KVF_##name = (code),
@@ -80,6 +81,8 @@ typedef struct kvf_pool_info {
   char kind[16];      /* "host" or "cuda:N" */
   char backing[32];   /* how the daemon allocated it */
   uint64_t size;
+  int engine;         /* 1: engine memory (kvf_mem_register) */
+  char nic_reg[16];   /* how NICs reach it: "dmabuf", "peermem", "host", "bounce", "none" */
 } kvf_pool_info;
 
 /* Fills up to cap entries; returns the number of pools (may exceed cap). */
@@ -99,6 +102,44 @@ int kvf_pool_find(kvf_client *c, const char *name, kvf_pool_info *out);
  * leaves the calling thread's current context unchanged. Returns -ENODEV
  * when this process has no usable CUDA driver. */
 int kvf_pool_map(kvf_client *c, uint32_t pool, void **addr, uint64_t *size);
+
+/* ------------------------------------------------------------ engine memory
+ *
+ * Besides the daemon's pools, an engine may hand kvferry memory it already
+ * allocated (its KV cache, from PyTorch or cudaMalloc); it becomes a pool
+ * (kvf_pool_info.engine) usable in descriptors and layouts. The memory stays
+ * the engine's: the daemon drops it on kvf_mem_unregister, kvf_close or when
+ * the engine exits, and never while a transfer uses it.
+ *
+ *   KVF_MEM_HOST: addr..addr+size must lie in one MAP_SHARED mapping of a
+ *     memfd (memfd_create; the daemon seals it against shrinking), or of a
+ *     file on tmpfs (shm_open) or hugetlbfs. fd -1 lets the library find the
+ *     file from /proc/self/maps; else fd is the file, addr is mapped from
+ *     fd_offset. Anonymous memory (malloc) cannot be shared: KVF_EINVAL.
+ *   KVF_MEM_CUDA: addr is a CUDA device pointer inside one allocation
+ *     (cudaMalloc, torch, or cuMemCreate with POSIX fd export). The library
+ *     exports the allocation (cuIpcGetMemHandle, or its shareable fd) and the
+ *     daemon imports it; NICs reach it by dmabuf or nvidia-peermem, else
+ *     transfers bounce through pinned host memory (kvf_pool_info.nic_reg). */
+#define KVF_MEM_HOST 0
+#define KVF_MEM_CUDA 1
+
+typedef struct kvf_mem {
+  int kind;                /* KVF_MEM_HOST or KVF_MEM_CUDA */
+  void *addr;
+  uint64_t size;
+  int fd;                  /* KVF_MEM_HOST: the file, or -1 (found for you) */
+  uint64_t fd_offset;      /* KVF_MEM_HOST with fd: the file offset of addr */
+  const char *name;        /* shown in status; NULL: "<pid>-mem<n>" */
+} kvf_mem;
+
+/* Registers m; *pool names it wherever a pool id goes. Descriptor and
+ * layout offsets in it count from m->addr. */
+int kvf_mem_register(kvf_client *c, const kvf_mem *m, uint32_t *pool);
+/* Drops memory this client registered. KVF_EBUSY while a transfer uses
+ * it (nothing changes; retry once it ended); this client's layouts on it
+ * are freed with it. */
+int kvf_mem_unregister(kvf_client *c, uint32_t pool);
 
 typedef struct kvf_desc {
   uint32_t pool;

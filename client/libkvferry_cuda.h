@@ -15,4 +15,20 @@
 int kvf__cuda_map_fd(int fd, uint64_t size, void **addr, void **state);
 void kvf__cuda_unmap(void *state);
 
+/* How a device pointer's allocation can be handed to the daemon
+ * (kvf_mem_register). Implemented in libkvferry_cuda.c. */
+typedef struct kvf__cuda_export {
+  int dev;                 /* the allocation's device ordinal */
+  uint64_t alloc_base;     /* the allocation's first byte (cuMemGetAddressRange) */
+  uint64_t alloc_size;
+  int fd;                  /* VMM allocation exported as a POSIX fd, or -1 */
+  uint8_t ipc[64];         /* else its CUipcMemHandle */
+} kvf__cuda_export;
+/* Fills *ex for the allocation holding [dptr, dptr + size): the VMM fd when
+ * the allocation allows it (cuMemRetainAllocationHandle +
+ * cuMemExportToShareableHandle), else cuIpcGetMemHandle. Returns 0,
+ * -ENODEV (no CUDA driver), KVF_EINVAL (not device memory, or the range
+ * leaves its allocation) or -EIO. The caller closes ex->fd when >= 0. */
+int kvf__cuda_export_range(const void *dptr, uint64_t size, kvf__cuda_export *ex);
+
 #endif

@@ -13,6 +13,7 @@
 
 #include "cuda/gpu.h"
 #include "kvferry.h"
+#include "kvferryd.h"
 #include "log.h"
 
 #ifndef MFD_HUGETLB
@@ -168,6 +169,8 @@ void kvf__pool_gpu_end(const kvf__pool *p, uint64_t offset, struct kvf__gpu_end 
   e->host = kvf__pool_gpu(p) ? NULL : p->base + offset;
   e->addr = (kvf__pool_gpu(p) ? (uint64_t)(uintptr_t)p->base : p->dev_alias) + offset;
 }
+
+kvf__pool *kvf__pool_get(uint32_t id) { return id < kvfd.n_pools ? kvfd.pools[id] : NULL; }
 
 int kvf__pool_check_range(const kvf__pool *p, uint64_t offset, uint64_t len) {
   if (len == 0) return KVF_EINVAL;

@@ -29,8 +29,19 @@ struct kvf__pool {
    * registers pools sets it; it is printed at start, in status and in
    * metrics. */
   char nic_reg[16];
+  /* Engine memory (kvf_mem_register; pool_engine.c): the session that
+   * registered it, and how it was brought in. NULL owner: a daemon pool. */
+  struct kvf__session *owner;
+  void *engine;          /* pool_engine.c's record of how it came in */
 };
 typedef struct kvf__pool kvf__pool;
+
+/* The pool table: config pools take ids 0 .. n-1 at start; engine memory
+ * takes the lowest free id above them. kvfd.n_pools is one past the
+ * highest id in use; slots in between may be empty. */
+#define KVF__POOLS_MAX 1024
+/* The pool with this id, or NULL (never was, or unregistered). */
+kvf__pool *kvf__pool_get(uint32_t id);
 
 /* Allocates and maps a pool from its config entry. */
 int kvf__pool_create(const kvf__pool_cfg *pc, uint32_t id, int hugepages, bool want_mlock,

@@ -71,6 +71,30 @@ void kvf__gpu_mem_free(kvf__gpu_mem *m);
  * 0, or -ENOTSUP (driver/kernel without dmabuf), or -EIO. The caller closes
  * *fd. */
 int kvf__gpu_mem_dmabuf(const kvf__gpu_mem *m, int *fd, uint64_t *offset);
+/* ------------------------------------------------------- engine memory
+ * GPU memory an engine allocated and exported (kvf_mem_register): imported
+ * into the daemon for its copies (implemented in gpu_import.c). */
+typedef struct kvf__gpu_import {
+  int dev;
+  uint64_t dptr;          /* the daemon's address of the allocation's first byte */
+  uint64_t size;          /* the allocation's size */
+  int kind;               /* internal: how it was imported (for the release) */
+  unsigned long long handle; /* VMM imports: the allocation handle */
+} kvf__gpu_import;
+/* A cudaMalloc allocation by its 64-byte CUipcMemHandle
+ * (cuIpcOpenMemHandle, with lazy peer access), on device dev. */
+int kvf__gpu_import_ipc(int dev, const uint8_t handle[64], uint64_t alloc_size, kvf__gpu_import *im, char *err,
+                        size_t errlen);
+/* A VMM allocation by its POSIX fd (cuMemImportFromShareableHandle, then
+ * mapped at a fresh address, read-write for dev and its peers). The caller
+ * keeps fd. */
+int kvf__gpu_import_fd(int dev, int fd, uint64_t alloc_size, kvf__gpu_import *im, char *err, size_t errlen);
+void kvf__gpu_import_release(kvf__gpu_import *im);
+/* A dmabuf fd for [dptr, dptr + len) of any device memory mapped in this
+ * process (cuMemGetHandleForAddressRange; len and dptr page aligned), for
+ * ibv_reg_dmabuf_mr: 0, -ENOTSUP, or -EIO. The caller closes *fd. */
+int kvf__gpu_range_dmabuf(uint64_t dptr, uint64_t len, int *fd, uint64_t *offset);
+
 /* Page-locks host memory and maps it for every device; *dev_alias is the
  * address kernels use for it (equal to p on UVA systems). */
 int kvf__gpu_host_register(void *p, size_t len, uint64_t *dev_alias);

@@ -3,6 +3,7 @@
 #include "transport.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "local/local.h"
@@ -29,6 +30,11 @@ int kvf__transport_post_block_runs(kvf__transport *t, kvf__xfer *x, const kvf__b
 static int def_grant_open(kvf__transport *t, kvf__xfer *x) { return 0; }
 static int def_peer_up(kvf__transport *t, kvf__peer *p) { return 0; }
 static void def_peer_down(kvf__transport *t, kvf__peer *p) {}
+static int def_pool_added(kvf__transport *t, kvf__pool *p, char *err, size_t errlen) {
+  snprintf(err, errlen, "the %s transport cannot take memory registered after start", t->ops->name);
+  return -EOPNOTSUPP;
+}
+static void def_pool_removed(kvf__transport *t, kvf__pool *p) {}
 static void def_hello(kvf__transport *t, Kvf__Hello *h) {}
 static const char *def_protection(kvf__transport *t) { return NULL; }
 static void def_inspect(kvf__transport *t, char *buf, size_t len) {
@@ -48,6 +54,8 @@ static const kvf__transport_ops defaults = {
     .grant_close = def_xfer,
     .peer_up = def_peer_up,
     .peer_down = def_peer_down,
+    .pool_added = def_pool_added,
+    .pool_removed = def_pool_removed,
     .hello = def_hello,
     .protection = def_protection,
     .inspect = def_inspect,
@@ -69,6 +77,8 @@ void kvf__transport_init(kvf__transport *t, const kvf__transport_ops *ops, uv_lo
   TAKE(grant_close);
   TAKE(peer_up);
   TAKE(peer_down);
+  TAKE(pool_added);
+  TAKE(pool_removed);
   TAKE(hello);
   TAKE(protection);
   TAKE(inspect);

@@ -86,6 +86,14 @@ typedef struct kvf__transport_ops {
    * memory for that peer. */
   int (*peer_up)(kvf__transport *t, kvf__peer *p);
   void (*peer_down)(kvf__transport *t, kvf__peer *p);
+  /* Engine memory (kvf_mem_register): pool p came after start / is going
+   * (no transfer uses it any more; the transport's threads must be done
+   * with it when pool_removed returns). pool_added returns 0, or an error
+   * with err, and the registration fails; a transport that registers pools
+   * with NICs sets p->nic_reg. Default: -EOPNOTSUPP (a transport that
+   * cannot take pools after start refuses engine memory). */
+  int (*pool_added)(kvf__transport *t, kvf__pool *p, char *err, size_t errlen);
+  void (*pool_removed)(kvf__transport *t, kvf__pool *p);
   /* Our Hello: what a peer needs to reach us over this transport (rdma: its
    * devices, CM addresses and keys). */
   void (*hello)(kvf__transport *t, Kvf__Hello *h);

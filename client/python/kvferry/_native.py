@@ -35,6 +35,7 @@ ERRORS = {
     "KVF_EEXIST": -4014,
     "KVF_ENOENT": -4015,
     "KVF_EINVAL": -4016,
+    "KVF_EBUSY": -4017,
 }
 # end of KVF_ERR_MAP
 
