@@ -88,6 +88,7 @@ struct opt_kind {
 #define CAP(field) (sizeof(((kvf__config *)0)->field))
 
 static const char *const tristate_words[] = {"auto", "on", "off", NULL};
+static const char *const gdr_words[] = {"auto", "off", NULL}; /* enum kvf__gdr */
 static const char *const level_words[] = {"err", "warn", "info", "debug", NULL};
 static const char *const transport_words[] = {"tcp", "rdma", NULL};
 
@@ -123,7 +124,9 @@ static const struct opt opts[] = {
              "start). A change needs a restart."},
     {.name = "pool", .type = OPT_POOL, .json = "pools", .def = "",
      .help = "A memory pool allocated at start, in host RAM or on GPU N; SIZE is a "
-             "multiple of 4K. Repeat the line for each pool."},
+             "multiple of 4K. gpu-direct=off: the NICs do not reach this pool, its rdma "
+             "transfers are staged through pinned host memory (path rdma-bounce; see "
+             "gpu-direct). Repeat the line for each pool."},
     {.name = "default-deadline-ms", .reload = true, .type = OPT_U32, .off = F(default_deadline_ms),
      .min = 1, .max = 86400000, .def = "30000",
      .help = "Deadline of a transfer whose client gave none."},
@@ -255,6 +258,19 @@ static const struct opt opts[] = {
              "more separate ranges gets windows that also span the smallest gaps between "
              "its ranges, so the peer may write those gaps too while the grant is open; "
              "this is logged and counted (merged_grants in the status)."},
+    {.name = "gpu-direct", .type = OPT_ENUM, .off = F(gpu_direct), .words = gdr_words, .def = "auto",
+     .help = "Whether the NICs reach pools directly (in the spirit of NCCL_NET_GDR_LEVEL). auto = "
+             "register every pool with each rdma device (GPU pools by dmabuf, else "
+             "nvidia-peermem), and bounce only those that cannot be; off = register none: "
+             "every pool's rdma transfers are staged through pinned host memory (path "
+             "rdma-bounce), to compare GPUDirect on and off on one machine. A pool line's "
+             "gpu-direct=off does the same for one pool."},
+    {.name = "rdma-bounce-size", .type = OPT_SIZE32, .off = F(rdma_bounce_size),
+     .min = 1u << 20, .max = 1u << 30, .def = "64M",
+     .help = "Pinned host memory per rdma device, registered once, through which transfers "
+             "of pools the NIC cannot reach are staged (path rdma-bounce): half for sending, "
+             "half for receiving, in chunks of up to 1M, several in flight so that copies "
+             "overlap the writes."},
 };
 #define N_OPTS (sizeof(opts) / sizeof(opts[0]))
 
@@ -791,6 +807,12 @@ static int parse_pool(const struct opt *o, kvf__config *cfg, char **argv, int ar
                 show(pc, argv[1]), CUDA_DEV_MAX);
   int rc = parse_pool_size(argv[2], &p->size, pc);
   if (rc) return rc;
+  p->gpu_direct = KVF__GDR_AUTO;
+  if (argc > 3) {
+    if (strcmp(argv[3], "gpu-direct=off") == 0) p->gpu_direct = KVF__GDR_OFF;
+    else if (strcmp(argv[3], "gpu-direct=auto") != 0)
+      return fail(pc, -EINVAL, "pool: '%s' is not gpu-direct=auto or gpu-direct=off", show(pc, argv[3]));
+  }
   cfg->n_pools++;
   return 0;
 }
@@ -881,8 +903,9 @@ static void dump_peers(const struct opt *o, const kvf__config *cfg, FILE *out) {
 static void dump_pools(const struct opt *o, const kvf__config *cfg, FILE *out) {
   char buf[32];
   for (size_t i = 0; i < cfg->n_pools && i < KVF__MAX_POOLS_CFG; i++)
-    fprintf(out, "pool %s %s %s\n", cfg->pools[i].name, cfg->pools[i].kind,
-            format_size(cfg->pools[i].size, buf));
+    fprintf(out, "pool %s %s %s%s\n", cfg->pools[i].name, cfg->pools[i].kind,
+            format_size(cfg->pools[i].size, buf),
+            cfg->pools[i].gpu_direct == KVF__GDR_OFF ? " gpu-direct=off" : "");
 }
 
 /* ---- JSON dump ---------------------------------------------------------- */
@@ -954,7 +977,8 @@ static void json_pools(const struct opt *o, const kvf__config *cfg, FILE *out) {
     json_str(out, cfg->pools[i].name);
     fputs(",\"kind\":", out);
     json_str(out, cfg->pools[i].kind);
-    fprintf(out, ",\"size\":%" PRIu64 "}", cfg->pools[i].size);
+    fprintf(out, ",\"size\":%" PRIu64 ",\"gpu_direct\":\"%s\"}", cfg->pools[i].size,
+            cfg->pools[i].gpu_direct == KVF__GDR_OFF ? "off" : "auto");
   }
   fputc(']', out);
 }
@@ -974,7 +998,7 @@ static const struct opt_kind kinds[OPT_NTYPES] = {
     [OPT_TRANSPORTS] = {"tcp|rdma[,...]", 1, MAX_WORDS, false, parse_transports, dump_str,
                         json_strfield},
     [OPT_PEER] = {"NAME HOST:PORT", 2, 2, true, parse_peer, dump_peers, json_peers},
-    [OPT_POOL] = {"NAME host|cuda:N SIZE", 3, 3, true, parse_pool, dump_pools, json_pools},
+    [OPT_POOL] = {"NAME host|cuda:N SIZE [gpu-direct=auto|off]", 3, 4, true, parse_pool, dump_pools, json_pools},
     [OPT_DEVICES] = {"auto|DEV[:PORT][,...]", 1, MAX_WORDS, false, parse_devices, dump_devices,
                      json_devices},
     [OPT_AUTO_U32] = {"auto|N", 1, 1, false, parse_auto_u32, dump_auto_u32, json_auto_u32},

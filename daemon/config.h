@@ -29,9 +29,11 @@ typedef struct kvf__pool_cfg {
   char name[KVF__NAME_MAX + 1];
   char kind[16];         /* "host" or "cuda:N" */
   uint64_t size;         /* bytes */
+  int gpu_direct;        /* enum kvf__gdr: "gpu-direct=off" forces the rdma bounce */
 } kvf__pool_cfg;
 
 enum kvf__tristate { KVF__AUTO = 0, KVF__ON = 1, KVF__OFF = 2 };
+enum kvf__gdr { KVF__GDR_AUTO = 0, KVF__GDR_OFF = 1 }; /* gpu-direct */
 enum kvf__log_level { KVF__LOG_ERR = 0, KVF__LOG_WARN, KVF__LOG_INFO, KVF__LOG_DEBUG };
 
 typedef struct kvf__config {
@@ -81,6 +83,8 @@ typedef struct kvf__config {
   bool busy_poll;                  /* the loop and the rdma progress threads never sleep */
   int rdma_memory_windows;         /* enum kvf__tristate: a type 2 memory window per grant range */
   uint32_t rdma_mw_max_windows;    /* windows per grant; more ranges are merged across gaps */
+  int gpu_direct;                  /* enum kvf__gdr: off = every pool bounces */
+  uint32_t rdma_bounce_size;       /* pinned staging per device for the rdma bounce path */
   /* peer authentication (daemon/auth.c) */
   char cluster_key_file[256];      /* "" = off: peers are not authenticated */
 } kvf__config;

@@ -108,7 +108,7 @@ static void report_gpu_pools(void) {
     else
       kvf__log(direct ? KVF__LOG_INFO : KVF__LOG_WARN, "pool %s: %s %s (%s): NIC registration %s%s", p->name,
                p->kind, gi.name, gi.bdf, p->nic_reg,
-               direct ? " (GPUDirect RDMA)" : ": remote transfers bounce through pinned host memory (tcp-bounce)");
+               direct ? " (GPUDirect RDMA)" : ": remote transfers bounce through pinned host memory (rdma-bounce)");
   }
 }
 

@@ -179,7 +179,24 @@ static void write_rdma_conf(FILE *f, const h_daemon *d) {
   if (devs[0]) fprintf(f, "rdma-devices %s\n", devs);
 }
 
+/* KVF_TEST_CONF_<NAME> (NAME upper-cased: PREFILL, DECODE): more config
+ * lines for that daemon, separated by ';' (e.g. "gpu-direct off", for the
+ * rdma bounce path); KVF_TEST_POOL_<NAME>: words appended to its pool line
+ * (e.g. "gpu-direct=off"). */
+static const char *role_env(const char *what, const char *name, char *buf, size_t cap) {
+  char key[96];
+  size_t n = (size_t)snprintf(key, sizeof key, "KVF_TEST_%s_", what);
+  for (const char *p = name; *p && n + 1 < sizeof key; p++) key[n++] = (char)(*p >= 'a' && *p <= 'z' ? *p - 32 : *p);
+  key[n] = 0;
+  const char *v = getenv(key);
+  snprintf(buf, cap, "%s", v ? v : "");
+  for (char *p = buf; *p; p++)
+    if (*p == ';') *p = '\n';
+  return buf;
+}
+
 int h_daemon_write_conf(const h_daemon *d) {
+  char conf_env[512], pool_env[128];
   const char *lvl = getenv("KVF_TEST_LOG_LEVEL");
   FILE *f = fopen(d->conf, "w");
   if (!f) return h_fail("%s: %s", d->conf, strerror(errno));
@@ -191,11 +208,12 @@ int h_daemon_write_conf(const h_daemon *d) {
   /* Fast heartbeats and reconnects keep the crash tests short; max-descs
    * above the 20000-descriptor case. */
   if (strcmp(test_transport(), "rdma") == 0) write_rdma_conf(f, d);
-  fprintf(f, "pool kv host %s\n"
+  fprintf(f, "pool kv host %s %s\n"
              "heartbeat-ms 100\npeer-timeout-ms 1000\n"
              "reconnect-min-ms 50\nreconnect-max-ms 500\n"
-             "transports %s\nmax-descs 100000\nlog-level %s\n%s\n",
-          d->pool_size, test_transport(), lvl && *lvl ? lvl : "info", d->extra);
+             "transports %s\nmax-descs 100000\nlog-level %s\n%s\n%s\n",
+          d->pool_size, role_env("POOL", d->name, pool_env, sizeof pool_env), test_transport(),
+          lvl && *lvl ? lvl : "info", d->extra, role_env("CONF", d->name, conf_env, sizeof conf_env));
   if (fclose(f) != 0) return h_fail("%s: %s", d->conf, strerror(errno));
   return 0;
 }
@@ -755,8 +773,10 @@ int h_check_event(const kvf_event *ev, int type, const char *path, const char *p
   if (ev->status != 0)
     return h_fail("%s: %s failed: %s (%s)", ev->xfer_id, ev_name(type),
                   kvf_err_name(ev->status), ev->error);
-  /* The suite names the remote path "tcp"; it means the one under test. */
-  if (path && !strcmp(path, "tcp")) path = test_transport();
+  /* The suite names the remote path "tcp"; it means the one under test
+   * (KVF_TEST_PATH when that is more precise: "rdma-bounce"). */
+  const char *want = getenv("KVF_TEST_PATH");
+  if (path && !strcmp(path, "tcp")) path = want && *want ? want : test_transport();
   if (path && strcmp(ev->path, path))
     return h_fail("%s: %s path \"%s\", expected \"%s\"", ev->xfer_id, ev_name(type), ev->path,
                   path);

@@ -12,7 +12,9 @@
 #      the same cases as `make check`, every event's path must be "rdma";
 #   2. tests/rdma/test_rdma: 100k descriptors, large sliced descriptors, a
 #      link down mid-transfer, the receiving / sending daemon killed
-#      mid-transfer, then two devices per node (striping, one rail down).
+#      mid-transfer, then two devices per node (striping, one rail down);
+#      tests/rdma/test_bounce: the bounce path (pools the NICs do not reach);
+#   3. test_blocks and test_e2e again with both sides bouncing.
 # Every transfer verifies every byte. The last line is tests/run.sh's
 # "N passed, N failed" summary; the exit status is non-zero on failure.
 #
@@ -79,7 +81,7 @@ export KVF_TEST_LINK=n1 KVF_TEST_LINK2=m1
 export KVF_TEST_RAIL2_DEVICES="$NODE0_DEV,rxe2 $NODE1_DEV,rxe3"
 bins=()
 for src in tests/integration/test_*.c; do bins+=("$BUILD/tests/$(basename "$src" .c)"); done
-bins+=("$BUILD/tests/rdma/test_rdma")
+bins+=("$BUILD/tests/rdma/test_rdma" "$BUILD/tests/rdma/test_bounce")
 if [ -n "${RDMA_TESTS:-}" ]; then
   want=()
   for b in "${bins[@]}"; do
@@ -88,4 +90,15 @@ if [ -n "${RDMA_TESTS:-}" ]; then
   say "running only: ${want[*]}"
   bins=("${want[@]}")
 fi
-BUILD=$BUILD tests/run.sh "${bins[@]}"
+rc=0
+BUILD=$BUILD tests/run.sh "${bins[@]}" || rc=$?
+# 3. the bounce path: KV layouts and descriptors again with both sides'
+#    pools unreachable by the NICs (gpu-direct off), through 2 MiB of
+#    staging; every event's path must be "rdma-bounce".
+if [ -z "${RDMA_TESTS:-}" ] || [[ " $RDMA_TESTS " == *" bounce "* ]]; then
+  say "the bounce path: test_blocks and test_e2e with gpu-direct off on both sides"
+  KVF_TEST_PATH=rdma-bounce KVF_TEST_CONF_PREFILL="gpu-direct off;rdma-bounce-size 2M" \
+    KVF_TEST_CONF_DECODE="gpu-direct off;rdma-bounce-size 2M" \
+    BUILD=$BUILD tests/run.sh "$BUILD/tests/test_blocks" "$BUILD/tests/test_e2e" || rc=$?
+fi
+exit $rc

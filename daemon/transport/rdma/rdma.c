@@ -85,11 +85,15 @@ static int start(rdma_transport *rt, char *err, size_t errlen) {
   if (rc == 0) rc = kvf__rdma_check_memlock(rt, err, errlen);
   if (rc) return rc;
   kvf__rdma_calibrate_clock();
+  rt->n_pool_slots = kvfd.n_pools;
   rt->pool_base = calloc(kvfd.n_pools ? kvfd.n_pools : 1, sizeof(*rt->pool_base));
-  if (!rt->pool_base) return -ENOMEM;
+  rt->pool_bounce = calloc(kvfd.n_pools ? kvfd.n_pools : 1, sizeof(*rt->pool_bounce));
+  if (!rt->pool_base || !rt->pool_bounce) return -ENOMEM;
   for (size_t i = 0; i < kvfd.n_pools; i++) {
-    rt->pool_base[i] = kvfd.pools[i]->base;
-    rt->any_gpu |= kvf__pool_gpu(kvfd.pools[i]);
+    const kvf__pool *p = kvf__pool_get((uint32_t)i);
+    if (!p) continue;
+    rt->pool_base[i] = p->base;
+    rt->any_gpu |= kvf__pool_gpu(p);
   }
   for (int i = 0; rc == 0 && i < rt->n_devs; i++) rc = kvf__rdma_setup_device(&rt->devs[i], err, errlen);
   if (rc == 0) rc = kvf__rdma_decide_windows(rt, err, errlen);
@@ -177,10 +181,12 @@ static void teardown(rdma_transport *rt) {
   if (rt->cm) rdma_destroy_event_channel(rt->cm);
   if (rt->all) rdma_free_devices(rt->all);
   free(rt->pool_base);
+  free(rt->pool_bounce);
   free(rt->hello.mr);
   free(rt->hello.mr_ptr);
   pthread_mutex_destroy(&rt->reaper.lock);
   pthread_cond_destroy(&rt->reaper.cond);
+  pthread_mutex_destroy(&rt->bounce.lock);
 }
 
 static void rdma_destroy(kvf__transport *t) {
@@ -211,10 +217,15 @@ static const kvf__transport_ops rdma_ops = {
 };
 
 static void log_devices(const rdma_transport *rt) {
+  size_t bounced = 0;
+  for (size_t i = 0; i < rt->n_pool_slots; i++) bounced += rt->pool_bounce[i];
   for (int i = 0; i < rt->n_devs; i++) {
     const rdev *d = &rt->devs[i];
-    kvf__info("rdma: device %s port %u, GID[%u] %s, CM listening on %s:%u, %zu pool(s) registered", d->name,
-              d->port, d->gid_index, d->ip, d->ip, d->cm_port, kvfd.n_pools);
+    kvf__info("rdma: device %s port %u, GID[%u] %s, CM listening on %s:%u, %zu pool(s) registered, %zu "
+              "bounced (gpu-direct %s; staging %zu MiB: %u chunks of %zu KiB)", d->name, d->port, d->gid_index,
+              d->ip, d->ip, d->cm_port, rt->n_pool_slots - bounced, bounced,
+              kvfd.cfg.gpu_direct == KVF__GDR_OFF ? "off" : "auto", d->bb.len >> 20, d->bb.n_tx + d->bb.n_rx,
+              d->bb.chunk >> 10);
   }
   if (rt->mw.on) kvf__info("rdma: writes: %s", rt->protection);
   else kvf__warn("rdma: writes: %s", rt->protection);
@@ -227,6 +238,7 @@ int kvf__rdma_create(uv_loop_t *loop, unsigned slot, kvf__transport **out, char 
   kvf__transport_init(&rt->base, &rdma_ops, loop, slot);
   pthread_mutex_init(&rt->reaper.lock, NULL);
   pthread_cond_init(&rt->reaper.cond, NULL);
+  pthread_mutex_init(&rt->bounce.lock, NULL);
   int rc = start(rt, err, errlen);
   if (rc == 0) rc = kvf__rdma_build_hello(rt);
   if (rc) {

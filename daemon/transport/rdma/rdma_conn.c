@@ -524,6 +524,7 @@ void kvf__rdma_peer_down(kvf__transport *t, kvf__peer *p) {
   pthread_mutex_destroy(&rp->qlock);
   free(rp->pool_size);
   free(rp->pool_gpu);
+  free(rp->pool_bounce);
   free(rp);
 }
 
@@ -608,11 +609,19 @@ static rpeer *rpeer_new(rdma_transport *rt, kvf__peer *p) {
   rp->n_pools = h->n_pools;
   rp->pool_size = calloc(h->n_pools ? h->n_pools : 1, sizeof(*rp->pool_size));
   rp->pool_gpu = calloc(h->n_pools ? h->n_pools : 1, sizeof(*rp->pool_gpu));
-  if (!rp->pool_size || !rp->pool_gpu) {
+  rp->pool_bounce = calloc(h->n_pools ? h->n_pools : 1, sizeof(*rp->pool_bounce));
+  if (!rp->pool_size || !rp->pool_gpu || !rp->pool_bounce) {
     free(rp->pool_size);
     free(rp->pool_gpu);
+    free(rp->pool_bounce);
     free(rp);
     return NULL;
+  }
+  /* Pools its NICs do not reach (the same on each of its devices). */
+  const Kvf__RdmaInfo *ri = h->rdma;
+  for (size_t i = 0; ri && ri->n_devices && i < ri->devices[0]->n_mrs; i++) {
+    const Kvf__RdmaMr *m = ri->devices[0]->mrs[i];
+    if (m->pool < h->n_pools && m->bounce) rp->pool_bounce[m->pool] = true;
   }
   for (size_t i = 0; i < h->n_pools; i++) {
     const Kvf__PoolInfo *pi = h->pools[i];
@@ -742,10 +751,12 @@ int kvf__rdma_build_hello(rdma_transport *rt) {
     for (size_t k = 0; k < kvfd.n_pools; k++) {
       Kvf__RdmaMr *m = &rt->hello.mr[(size_t)i * kvfd.n_pools + k];
       kvf__rdma_mr__init(m);
+      const kvf__pool *p = kvf__pool_get((uint32_t)k);
       m->pool = (uint32_t)k;
-      m->addr = (uint64_t)(uintptr_t)kvfd.pools[k]->base;
-      m->rkey = rt->mw.on ? 0 : d->mrs[k]->rkey; /* windows: no pool-wide write access */
-      m->length = kvfd.pools[k]->size;
+      m->bounce = !p || rt->pool_bounce[k]; /* no MR: writes go through our staging */
+      m->addr = m->bounce ? 0 : (uint64_t)(uintptr_t)p->base;
+      m->rkey = rt->mw.on || m->bounce ? 0 : d->mrs[k]->rkey; /* windows: no pool-wide write access */
+      m->length = p ? p->size : 0;
       h->mrs[k] = m;
     }
     rt->hello.dev_ptr[i] = h;

@@ -6,8 +6,9 @@
  * with a GID for our address (rdma-listen, else peer-listen). Its CM
  * listener binds the GID's IP, never a wildcard, as several daemons may
  * share one host. GPU pools are registered for GPUDirect (dmabuf, else
- * nvidia-peermem); when one cannot be, rdma steps aside and tcp carries
- * the transfers. */
+ * nvidia-peermem); a pool that cannot be, or whose gpu-direct is off, is
+ * not registered: its transfers go through the bounce path's staging
+ * (rdma_bounce.c), which each device registers once here too. */
 #include "rdma_int.h"
 
 #include <errno.h>
@@ -198,9 +199,11 @@ static bool has_ipc_lock(void) {
 /* Each registration pins the pool again, counted against RLIMIT_MEMLOCK
  * unless we hold CAP_IPC_LOCK. */
 int kvf__rdma_check_memlock(const rdma_transport *rt, char *err, size_t errlen) {
-  uint64_t need = 0;
-  for (size_t i = 0; i < kvfd.n_pools; i++) /* GPU memory pins no host pages */
-    if (!kvf__pool_gpu(kvfd.pools[i])) need += kvfd.pools[i]->size;
+  uint64_t need = kvfd.cfg.rdma_bounce_size; /* the bounce staging */
+  for (size_t i = 0; i < kvfd.n_pools; i++) { /* GPU memory pins no host pages */
+    const kvf__pool *p = kvf__pool_get((uint32_t)i);
+    if (p && !kvf__pool_gpu(p) && !kvf__rdma_pool_wants_bounce(p)) need += p->size;
+  }
   need *= (uint64_t)rt->n_devs;
   struct rlimit rl;
   if (need == 0 || has_ipc_lock() || getrlimit(RLIMIT_MEMLOCK, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY ||
@@ -254,38 +257,62 @@ static struct ibv_mr *register_gpu_pool(rdev *d, kvf__pool *p, char *why, size_t
   return NULL;
 }
 
-int kvf__rdma_register_pools(rdev *d, char *err, size_t errlen) {
-  d->mrs = calloc(kvfd.n_pools ? kvfd.n_pools : 1, sizeof(*d->mrs));
-  d->lkey = calloc(kvfd.n_pools ? kvfd.n_pools : 1, sizeof(*d->lkey));
-  if (!d->mrs || !d->lkey) return -ENOMEM;
-  for (size_t i = 0; i < kvfd.n_pools; i++) {
-    kvf__pool *p = kvfd.pools[i];
-    if (kvf__pool_gpu(p)) {
-      char why[256] = "";
-      d->mrs[i] = register_gpu_pool(d, p, why, sizeof(why));
-      if (!d->mrs[i]) {
-        /* No half-registered daemon: without GPUDirect for this pool, rdma
-         * steps aside (start fails with -ENODEV) and tcp carries the
-         * transfers, staged through pinned memory (tcp-bounce); said. */
-        snprintf(err, errlen, "pool %s (%s) cannot be registered with %s: %s; GPU pools are bounce-only", p->name,
-                 p->kind, d->name, why);
-        return -ENODEV;
-      }
-      d->lkey[i] = d->mrs[i]->lkey;
-      continue;
-    }
-    snprintf(p->nic_reg, sizeof(p->nic_reg), "host");
-    d->mrs[i] = ibv_reg_mr(d->pd, p->base, p->size, pool_access(d->rt));
+/* Pool p (id i) with device d: its MR, or none when it bounces (said
+ * once, by the first device). */
+int kvf__rdma_register_pool(rdev *d, kvf__pool *p, char *err, size_t errlen) {
+  rdma_transport *rt = d->rt;
+  uint32_t i = p->id;
+  if (kvf__rdma_pool_wants_bounce(p) || rt->pool_bounce[i]) {
+    if (!rt->pool_bounce[i])
+      kvf__info("rdma: pool %s (%s): gpu-direct off: its transfers are staged through pinned memory "
+                "(rdma-bounce)", p->name, p->kind);
+    rt->pool_bounce[i] = true;
+    snprintf(p->nic_reg, sizeof(p->nic_reg), "bounce");
+    return 0;
+  }
+  if (kvf__pool_gpu(p)) {
+    char why[256] = "";
+    d->mrs[i] = register_gpu_pool(d, p, why, sizeof(why));
     if (!d->mrs[i]) {
-      int e = errno;
-      snprintf(err, errlen, "registering pool %s (%llu bytes) with %s failed: %s%s", p->name,
-               (unsigned long long)p->size, d->name, strerror(e),
-               e == ENOMEM || e == EPERM ? " (raise RLIMIT_MEMLOCK: LimitMEMLOCK=infinity)" : "");
-      return -e;
+      /* Without GPUDirect for this pool on some device, every device
+       * stages it: one path per pool, said once. */
+      kvf__warn("rdma: pool %s (%s) cannot be registered with %s: %s; its transfers are staged through "
+                "pinned memory (rdma-bounce)", p->name, p->kind, d->name, why);
+      for (int k = 0; k < d->index; k++) {
+        if (rt->devs[k].mrs[i]) ibv_dereg_mr(rt->devs[k].mrs[i]);
+        rt->devs[k].mrs[i] = NULL;
+        rt->devs[k].lkey[i] = 0;
+      }
+      rt->pool_bounce[i] = true;
+      return 0;
     }
     d->lkey[i] = d->mrs[i]->lkey;
+    return 0;
   }
+  snprintf(p->nic_reg, sizeof(p->nic_reg), "host");
+  d->mrs[i] = ibv_reg_mr(d->pd, p->base, p->size, pool_access(rt));
+  if (!d->mrs[i]) {
+    int e = errno;
+    snprintf(err, errlen, "registering pool %s (%llu bytes) with %s failed: %s%s", p->name,
+             (unsigned long long)p->size, d->name, strerror(e),
+             e == ENOMEM || e == EPERM ? " (raise RLIMIT_MEMLOCK: LimitMEMLOCK=infinity)" : "");
+    return -e;
+  }
+  d->lkey[i] = d->mrs[i]->lkey;
   return 0;
+}
+
+int kvf__rdma_register_pools(rdev *d, char *err, size_t errlen) {
+  size_t n = d->rt->n_pool_slots;
+  d->mrs = calloc(n ? n : 1, sizeof(*d->mrs));
+  d->lkey = calloc(n ? n : 1, sizeof(*d->lkey));
+  if (!d->mrs || !d->lkey) return -ENOMEM;
+  for (size_t i = 0; i < kvfd.n_pools; i++) {
+    kvf__pool *p = kvf__pool_get((uint32_t)i);
+    int rc = p ? kvf__rdma_register_pool(d, p, err, errlen) : 0;
+    if (rc) return rc;
+  }
+  return kvf__rdma_bounce_setup(d, err, errlen);
 }
 
 int kvf__rdma_setup_device(rdev *d, char *err, size_t errlen) {
@@ -388,8 +415,9 @@ void kvf__rdma_on_dev_async(uv_poll_t *h, int status, int events) {
 /* ------------------------------------------------------------ teardown */
 
 void kvf__rdma_free_device(rdev *d) {
-  for (size_t i = 0; d->mrs && i < kvfd.n_pools; i++)
+  for (size_t i = 0; d->mrs && i < d->rt->n_pool_slots; i++)
     if (d->mrs[i]) ibv_dereg_mr(d->mrs[i]);
+  kvf__rdma_bounce_free(d);
   free(d->mrs);
   free(d->lkey);
   if (d->ch) ibv_destroy_comp_channel(d->ch);

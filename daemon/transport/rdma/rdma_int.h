@@ -134,6 +134,10 @@ typedef struct ticket {
   atomic_int status;
   atomic_uint_fast64_t build_ns, bell_ns, wrs;
   uint64_t loop_ns;
+  /* The bounce path (rdma_bounce.c): runs staged through pinned memory,
+   * claimed a chunk at a time by the thread of the lane's QP */
+  bool bounce;
+  struct xbounce *xb;           /* the receiver stages too (its grant's slots); else NULL */
 } ticket;
 
 #define MAX_LANES 256
@@ -155,6 +159,7 @@ struct xstate {
   _Atomic(ticket *) tail;       /* the last part, waiting for pending == 0 */
   unsigned out;                 /* tickets not yet called back (loop) */
   wtable *wt;                   /* the Grant's windows, once a post needed them */
+  struct xbounce *xb;           /* the receiver's staging slots, once a post needed them */
   uint64_t wrs, loop_ns, build_ns, bell_ns; /* posting cost, summed over its tickets (loop) */
 };
 
@@ -165,6 +170,7 @@ typedef struct inflight {       /* one posted chain */
   uint32_t runs;                /* body runs it completes */
   bool tail;
   uint64_t bytes;
+  int32_t chunk;                /* the bounce chunk it holds (-1: none) */
 } inflight;
 
 struct rqp {
@@ -236,6 +242,7 @@ struct rpeer {
   size_t n_pools;
   bool gpu_pools;                /* the peer has cuda pools (path rdma-gdr) */
   bool *pool_gpu;
+  bool *pool_bounce;            /* its NICs do not reach the pool: writes go through its staging */
   uint64_t up_ns;               /* the current set of QPs was dialed */
   bool said_ready;
   bool degraded;                /* said that some links stay down */
@@ -279,6 +286,20 @@ struct rdev {
   cmd *cmds, *cmds_tail;
   rlink *links;                 /* thread only */
   atomic_uint_fast64_t wrs, bytes, chains, imms, cqes, build_ns, bell_ns, sleeps;
+  /* The bounce path's staging (rdma_bounce.c): one registered area, the
+   * sending chunks first (the thread's own), then the receiving slots
+   * (given to grants by the loop, under rt->bounce.lock). */
+  struct {
+    uint8_t *mem;
+    uint64_t alias;             /* its device address when CUDA maps it; 0: not */
+    size_t len, chunk;          /* chunk: a sending chunk's and a receiving slot's size */
+    struct ibv_mr *mr;
+    uint32_t n_tx, n_rx;
+    int32_t *free_tx;           /* thread: free sending chunks (a stack) */
+    uint32_t n_free;
+    uint8_t *rx_used;           /* per receiving slot (bounce.lock) */
+    atomic_uint_fast64_t tx_bytes, tx_chunks, rx_bytes, rx_chunks, credits, stalls;
+  } bb;
 };
 
 typedef struct bchain bchain;
@@ -304,6 +325,8 @@ typedef struct rgrant {
   unsigned tries;
   uint64_t since_ns;
   struct rgrant *next_b;        /* rt->mw.binding, or rt->mw.zombies once closed */
+  struct bgrant *bg;            /* the bounce path: its staging slots (receiver) */
+  struct xbounce *credit_of;    /* not a grant: the token of a send's credits (sender) */
 } rgrant;
 
 /* Bind work requests posted in one call; the last one's wr_id. */
@@ -341,6 +364,8 @@ struct rdma_transport {
   int n_devs;
   struct ibv_context **all;     /* librdmacm's device list */
   uint8_t **pool_base;          /* pool memory, by pool id */
+  bool *pool_bounce;            /* pool not registered with the NICs: staged (rdma_bounce.c) */
+  size_t n_pool_slots;          /* length of the per-pool arrays (pool_base, pool_bounce, mrs, lkey) */
   bool any_gpu;                 /* some pool of ours is GPU memory */
   /* connections (rdma_conn.c) */
   struct rdma_event_channel *cm;
@@ -391,6 +416,13 @@ struct rdma_transport {
     size_t last_win;
     uint64_t last_bind_ns;
   } mw;
+  /* the bounce path (rdma_bounce.c) */
+  struct {
+    pthread_mutex_t lock;       /* rx, devices' rx_used; held by a thread while it copies into a grant */
+    struct bgrant *rx;          /* receiving grants with staging slots */
+    atomic_uint n_rx;
+    uint64_t grants, sends, no_slots;
+  } bounce;
   /* lifetime (rdma.c) */
   bool handles;                 /* the handles above are initialised */
   unsigned closing;             /* references: the instance's own, and handles whose close callback is due */
@@ -428,6 +460,15 @@ static inline void set_port(struct sockaddr_storage *ss, uint16_t port) {
  * Posting (loop side), the progress threads, and events to the loop. */
 
 void kvf__rdma_calibrate_clock(void);
+uint64_t kvf__rdma_fast_ns(void);
+/* A chain of n work requests in q->wr (last->next NULL) completing runs
+ * body runs of tk (or the tail), holding bounce chunk (-1: none). */
+int kvf__rdma_doorbell(rlink *lk, rqp *q, ticket *tk, size_t n, uint32_t runs, bool tail, uint64_t t0,
+                       uint64_t bytes, int32_t chunk);
+/* A signalled request posted with wr_id ++q->seq, in flight (tk NULL: no
+ * ticket's, e.g. a bounce credit). */
+void kvf__rdma_ring_push(rqp *q, ticket *tk, uint32_t wrs, uint32_t runs, bool tail, uint64_t bytes,
+                         int32_t chunk);
 /* From any thread: the loop resets the peer's data path (if still that
  * incarnation). */
 void kvf__rdma_fail_peer_soon(rpeer *rp, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -449,8 +490,10 @@ void *kvf__rdma_progress_main(void *arg);
 void kvf__rdma_send_cmd(rdev *d, int kind, rlink *lk);
 /* Returns once the device thread no longer touches lk. */
 void kvf__rdma_detach_and_wait(rlink *lk);
-int kvf__rdma_check_runs(const rpeer *rp, const kvf__runs *runs, size_t *extra);
-ticket *kvf__rdma_ticket_new(rdma_transport *rt, kvf__xfer *x, kvf__runs *runs, size_t extra, bool last);
+/* slice: the most bytes a run may have (rdma-slice; less when it bounces). */
+int kvf__rdma_check_runs(const rpeer *rp, const kvf__runs *runs, uint64_t slice, size_t *extra);
+ticket *kvf__rdma_ticket_new(rdma_transport *rt, kvf__xfer *x, kvf__runs *runs, uint64_t slice, size_t extra,
+                             bool last);
 void kvf__rdma_ticket_free(ticket *tk);
 xstate *kvf__rdma_xstate_of(kvf__xfer *x);
 int kvf__rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last);
@@ -480,6 +523,7 @@ int kvf__rdma_open_devices(rdma_transport *rt, char *err, size_t errlen);
 int kvf__rdma_check_memlock(const rdma_transport *rt, char *err, size_t errlen);
 int kvf__rdma_setup_device(rdev *d, char *err, size_t errlen);
 int kvf__rdma_register_pools(rdev *d, char *err, size_t errlen);
+int kvf__rdma_register_pool(rdev *d, kvf__pool *p, char *err, size_t errlen);
 int kvf__rdma_start_listener(rdev *d, uint16_t port, char *err, size_t errlen);
 void kvf__rdma_relisten(rdev *d);
 int kvf__rdma_start_thread(rdev *d, char *err, size_t errlen);
@@ -503,6 +547,70 @@ rqp *kvf__rdma_window_qp(const rpeer *rp, const kvf__mw_rec *w);
 int kvf__rdma_grant_part_alloc(kvf__tp_grant *t, size_t n_win, size_t n_desc);
 void kvf__rdma_accepted_ready(rqp *q);
 void kvf__rdma_mw_forget_link(rlink *lk);
+
+/* ------------------------------------------------------------ rdma_bounce.c
+ * The bounce path: pools the NICs do not reach, staged through pinned
+ * host memory registered once per device. */
+
+#define BOUNCE_HDR 4096u        /* a slot's header: where its runs go; data follows */
+#define BOUNCE_MAGIC 0x4b564242u
+#define BOUNCE_REC_POOL UINT32_MAX /* Grant.windows: the record of the receiver's slots */
+
+/* Sender, per transfer whose receiver stages too: its grant's slots. */
+typedef struct xbounce {
+  uint64_t addr;                /* the first slot, on the receiver's device */
+  uint32_t rkey;
+  uint32_t slot, n_slots;       /* slot: a slot's size */
+  uint16_t dev;                 /* the receiver's device, by index in its Hello */
+  uint32_t token;               /* the grant's, for the chunks' immediates */
+  uint32_t credit;              /* ours, that the receiver's credits carry */
+  atomic_int credits;           /* slots free at the receiver */
+  uint32_t next;                /* the next slot (the pinned QP's thread) */
+  rqp *q;                       /* every chunk and the tail go on it, */
+  int qdev;                     /* found again by (device, number) at each post */
+  uint32_t qpn;
+  rdma_transport *rt;
+} xbounce;
+
+/* Receiver, per grant with slots. */
+typedef struct bgrant {
+  struct bgrant *next;
+  kvf__peer *peer;
+  uint32_t token;
+  rdev *dev;
+  uint32_t first, n;            /* its slots */
+  uint32_t next_slot;           /* the slot the next chunk fills (thread) */
+  uint32_t credit;              /* the sender's token for credits (from the first chunk) */
+  uint32_t owed;                /* credits not yet posted (no room on a QP) */
+  kvf__rangeset rs;             /* where its chunks may go */
+} bgrant;
+
+bool kvf__rdma_pool_wants_bounce(const kvf__pool *p);
+int kvf__rdma_bounce_setup(rdev *d, char *err, size_t errlen);
+void kvf__rdma_bounce_free(rdev *d);
+/* Receiver: a grant to pools some of which bounce gets slots (1) or is not
+ * a bounce grant (0), or an error. */
+int kvf__rdma_bounce_grant_open(rgrant *g, kvf__xfer *x);
+void kvf__rdma_bounce_grant_close(rgrant *g);
+/* Receiver thread: a WRITE_WITH_IMM with data landed; true when it was a
+ * bounce chunk (copied to its grant, and credited). */
+bool kvf__rdma_bounce_chunk(rlink *lk, uint32_t imm);
+void kvf__rdma_bounce_pay_credits(rlink *lk);
+/* Loop: a credit for one of our sends. */
+void kvf__rdma_bounce_credit(rdma_transport *rt, rgrant *marker);
+/* Sender (loop, post): whether runs bounce, and *cap, the most bytes a
+ * run may have then (the caller slices them). */
+bool kvf__rdma_bounce_wanted(const rpeer *rp, const kvf__xfer *x, const kvf__runs *runs, uint64_t *cap);
+/* Makes tk a bounce ticket: its lane (or *windows: take the lanes of the
+ * grant's memory windows), and the receiver's slots when it stages too. */
+int kvf__rdma_bounce_ticket(ticket *tk, rpeer *rp, kvf__xfer *x, xstate *xs, bool *windows);
+void kvf__rdma_bounce_xstate_free(rdma_transport *rt, xstate *xs);
+/* Sender thread: posts up to a chunk of tk's runs [first, first + cnt) of
+ * its lane (order) through a free chunk of lk's device. */
+int kvf__rdma_bounce_post(rlink *lk, rqp *q, ticket *tk, size_t first, size_t cnt);
+/* How many of tk's next runs (from first, in order) fit one chunk. */
+size_t kvf__rdma_bounce_fit(const rdev *d, const ticket *tk, size_t first, size_t avail);
+void kvf__rdma_bounce_chunk_free(rdev *d, int32_t chunk);
 
 /* ------------------------------------------------------------ rdma_status.c */
 

@@ -836,8 +836,11 @@ void kvf__rdma_accepted_ready(rqp *q) {
 int kvf__rdma_grant_open(kvf__transport *t, kvf__xfer *x) {
   rdma_transport *rt = to_rdma(t);
   char key[16];
-  for (size_t i = 0; rt->any_gpu && !x->path && i < x->dst.n; i++)
-    if (x->dst.pool[i] < kvfd.n_pools && kvf__pool_gpu(kvfd.pools[x->dst.pool[i]])) x->path = "rdma-gdr";
+  for (size_t i = 0; rt->any_gpu && !x->path && i < x->dst.n; i++) {
+    const kvf__pool *p = kvf__pool_get(x->dst.pool[i]);
+    if (p && kvf__pool_gpu(p) && !(x->dst.pool[i] < rt->n_pool_slots && rt->pool_bounce[x->dst.pool[i]]))
+      x->path = "rdma-gdr";
+  }
   grant_key(key, sizeof(key), (uint32_t)x->handle);
   rgrant *g = calloc(1, sizeof(*g));
   if (!g) return -ENOMEM;
@@ -850,7 +853,16 @@ int kvf__rdma_grant_open(kvf__transport *t, kvf__xfer *x) {
     kvf__warn("rdma: grant token %s of %s is still in use; refusing the grant", key, x->id);
     return rc == -EEXIST ? KVF_EEXIST : rc;
   }
-  if (!rt->mw.on) return 0;
+  /* A grant to pools that bounce: staging slots, and no windows (nothing
+   * of those pools is registered). */
+  rc = kvf__rdma_bounce_grant_open(g, x);
+  if (rc < 0) {
+    kvf__map_del(&rt->grants, key);
+    kvf__rdma_bounce_grant_close(g);
+    free(g);
+    return rc;
+  }
+  if (rc > 0 || !rt->mw.on) return 0;
   rc = mw_grant_open(g, x);
   if (rc < 0) {
     kvf__map_del(&rt->grants, key);
@@ -866,14 +878,18 @@ void kvf__rdma_grant_close(kvf__transport *t, kvf__xfer *x) {
   rgrant *g = kvf__map_get(&rt->grants, key);
   if (!g || g->x != x) return;
   kvf__map_del(&rt->grants, key);
+  kvf__rdma_bounce_grant_close(g);
   if (mw_release(g)) free(g);
 }
 
 /* Before the PDs go: every grant closed, every window deallocated. */
 void kvf__rdma_free_grants(rdma_transport *rt) {
   for (size_t i = 0; i < rt->grants.nb; i++)
-    for (kvf__map_ent *e = rt->grants.b[i]; e; e = e->next)
+    for (kvf__map_ent *e = rt->grants.b[i]; e; e = e->next) {
+      if (((rgrant *)e->val)->credit_of) continue; /* a send's credit token: goes with its transfer */
+      kvf__rdma_bounce_grant_close(e->val);
       if (mw_release(e->val)) free(e->val);
+    }
   kvf__map_free(&rt->grants);
   while (rt->mw.zombies) {
     rgrant *g = rt->mw.zombies;

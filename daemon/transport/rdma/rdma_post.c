@@ -67,6 +67,8 @@ static uint64_t fast_ns(void) {
 #endif
 }
 
+uint64_t kvf__rdma_fast_ns(void) { return fast_ns(); }
+
 void kvf__rdma_calibrate_clock(void) {
 #if defined(__x86_64__) || defined(__i386__)
   uint64_t t0 = mono_ns(), c0 = __rdtsc();
@@ -162,9 +164,10 @@ static rqp *qp_by_num(rlink *lk, uint32_t num) {
   return NULL;
 }
 
-static void ring_push(rqp *q, ticket *tk, uint32_t wrs, uint32_t runs, bool tail, uint64_t bytes) {
+void kvf__rdma_ring_push(rqp *q, ticket *tk, uint32_t wrs, uint32_t runs, bool tail, uint64_t bytes,
+                         int32_t chunk) {
   uint32_t i = (q->ring_head + q->ring_n) % q->sq_cap;
-  q->ring[i] = (inflight){tk, q->seq, wrs, runs, tail, bytes};
+  q->ring[i] = (inflight){tk, q->seq, wrs, runs, tail, bytes, chunk};
   q->ring_n++;
   q->sq_used += wrs;
   q->bytes_out += bytes;
@@ -183,6 +186,8 @@ static inflight ring_pop(rqp *q) {
 static void retire(rlink *lk, rqp *q, uint64_t seq) {
   while (q->ring_n && q->ring[q->ring_head].seq <= seq) {
     inflight f = ring_pop(q);
+    kvf__rdma_bounce_chunk_free(lk->dev, f.chunk);
+    if (!f.tk) continue; /* a bounce credit */
     if (f.runs) body_done(f.tk->xs, lk->rp, f.runs);
     kvf__rdma_credit(f.tk, f.runs + f.tail, 0);
   }
@@ -192,7 +197,8 @@ static void retire(rlink *lk, rqp *q, uint64_t seq) {
 static void flush_ring(rqp *q, int status) {
   while (q->ring_n) {
     inflight f = ring_pop(q);
-    kvf__rdma_credit(f.tk, f.runs + f.tail, status);
+    kvf__rdma_bounce_chunk_free(q->lk->dev, f.chunk);
+    if (f.tk) kvf__rdma_credit(f.tk, f.runs + f.tail, status);
   }
 }
 
@@ -216,6 +222,8 @@ static void on_recv_wc(rlink *lk, rqp *q, const struct ibv_wc *wc) {
   }
   if (wc->opcode != IBV_WC_RECV_RDMA_WITH_IMM) return;
   atomic_fetch_add_explicit(&lk->dev->imms, 1, memory_order_relaxed);
+  /* a chunk of the bounce path: placed here, in CQ order, before any later notice */
+  if (wc->byte_len && kvf__rdma_bounce_chunk(lk, ntohl(wc->imm_data))) return;
   tevent *e = new_event(EV_IMM, lk->rp);
   e->imm = ntohl(wc->imm_data);
   push_event(e);
@@ -228,7 +236,8 @@ static void on_recv_wc(rlink *lk, rqp *q, const struct ibv_wc *wc) {
 static void refused(rqp *q) {
   if (!q->ring_n) return;
   inflight f = ring_pop(q);
-  kvf__rdma_credit(f.tk, f.runs + f.tail, KVF_EPERM);
+  kvf__rdma_bounce_chunk_free(q->lk->dev, f.chunk);
+  if (f.tk) kvf__rdma_credit(f.tk, f.runs + f.tail, KVF_EPERM);
 }
 
 static void on_wc(rlink *lk, const struct ibv_wc *wc) {
@@ -323,7 +332,16 @@ static ticket *claim_body(rpeer *rp, rqp *q, uint32_t room, size_t *first, size_
       end = l->end;
     }
     *first = *next;
-    *cnt = end - *next < room ? end - *next : room;
+    if (tk->bounce) { /* a chunk of runs, when a chunk (and the receiver's slot) is free */
+      if (q->lk->dev->bb.n_free == 0 || (tk->xb && atomic_load(&tk->xb->credits) <= 0)) {
+        atomic_fetch_add_explicit(&q->lk->dev->bb.stalls, 1, memory_order_relaxed);
+        continue;
+      }
+      if (tk->xb) atomic_fetch_sub(&tk->xb->credits, 1);
+      *cnt = kvf__rdma_bounce_fit(q->lk->dev, tk, *next, end - *next);
+    } else {
+      *cnt = end - *next < room ? end - *next : room;
+    }
     *next += *cnt;
     bool drained = l ? (tk->left -= *cnt) == 0 : *next == end;
     if (drained) {
@@ -420,8 +438,8 @@ static void account(rdev *d, ticket *tk, uint64_t wrs, uint64_t bytes, uint64_t 
 
 /* Signals the chain's last request and rings the doorbell once. On failure
  * nothing of the chain counts as done: the QP is failed. */
-static int ring_doorbell(rlink *lk, rqp *q, ticket *tk, size_t n, uint32_t runs, bool tail,
-                         uint64_t t0, uint64_t bytes) {
+int kvf__rdma_doorbell(rlink *lk, rqp *q, ticket *tk, size_t n, uint32_t runs, bool tail, uint64_t t0,
+                       uint64_t bytes, int32_t chunk) {
   struct ibv_send_wr *last = &q->wr[n - 1], *bad = NULL;
   last->send_flags |= IBV_SEND_SIGNALED;
   last->wr_id = ++q->seq;
@@ -430,18 +448,19 @@ static int ring_doorbell(rlink *lk, rqp *q, ticket *tk, size_t n, uint32_t runs,
   account(lk->dev, tk, n, bytes, t1 - t0, fast_ns() - t1);
   kvf__rdma_restore_chain(q, n);
   if (rc) {
+    kvf__rdma_bounce_chunk_free(lk->dev, chunk);
     kvf__rdma_credit(tk, runs + tail, KVF_EPEERLOST);
     qp_failed(lk, q, strerror(rc));
     return -rc;
   }
-  ring_push(q, tk, (uint32_t)n, runs, tail, bytes);
+  kvf__rdma_ring_push(q, tk, (uint32_t)n, runs, tail, bytes, chunk);
   return 0;
 }
 
 static int post_chunk(rlink *lk, rqp *q, ticket *tk, size_t first, size_t cnt) {
   uint64_t t0 = fast_ns();
   uint64_t bytes = kvf__rdma_build_chain(lk, q, tk->runs, tk->order, first, cnt, tk->rkeys);
-  return ring_doorbell(lk, q, tk, cnt, (uint32_t)cnt, false, t0, bytes);
+  return kvf__rdma_doorbell(lk, q, tk, cnt, (uint32_t)cnt, false, t0, bytes, -1);
 }
 
 /* The transfer's last write, with the token of the receiver's grant. */
@@ -459,7 +478,7 @@ static int post_tail(rlink *lk, rqp *q, ticket *tk) {
   }
   w->opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
   w->imm_data = htonl(tk->imm);
-  return ring_doorbell(lk, q, tk, 1, 0, true, t0, tk->tail.len);
+  return kvf__rdma_doorbell(lk, q, tk, 1, 0, true, t0, tk->tail.len, -1);
 }
 
 static bool pump_qp(rlink *lk, rqp *q) {
@@ -470,6 +489,7 @@ static bool pump_qp(rlink *lk, rqp *q) {
     ticket *tk = claim(lk->rp, q, q->sq_cap - q->sq_used, &first, &cnt, &tail);
     if (!tk) break;
     if (tail) post_tail(lk, q, tk);
+    else if (tk->bounce) kvf__rdma_bounce_post(lk, q, tk, first, cnt);
     else post_chunk(lk, q, tk, first, cnt);
     any = true;
   }
@@ -478,6 +498,7 @@ static bool pump_qp(rlink *lk, rqp *q) {
 
 static bool pump_link(rlink *lk) {
   bool any = false;
+  kvf__rdma_bounce_pay_credits(lk);
   unsigned n = atomic_load(&lk->n_qps);
   for (unsigned i = 0; i < n; i++) {
     rqp *q = atomic_load(&lk->qps[i]);
@@ -598,8 +619,7 @@ void kvf__rdma_detach_and_wait(rlink *lk) {
 
 /* Every run must land inside a pool the peer announced and come from one of
  * ours (all registered). *extra gets how many more runs slicing makes. */
-int kvf__rdma_check_runs(const rpeer *rp, const kvf__runs *runs, size_t *extra) {
-  uint64_t slice = kvfd.cfg.rdma_slice;
+int kvf__rdma_check_runs(const rpeer *rp, const kvf__runs *runs, uint64_t slice, size_t *extra) {
   *extra = 0;
   for (size_t i = 0; i < runs->n; i++) {
     const kvf__run *r = &runs->v[i];
@@ -614,14 +634,13 @@ int kvf__rdma_check_runs(const rpeer *rp, const kvf__runs *runs, size_t *extra) 
 /* GPUDirect: the NIC reads or writes GPU memory on either end. */
 static bool runs_touch_gpu(const rpeer *rp, const kvf__runs *runs) {
   for (size_t i = 0; i < runs->n; i++)
-    if (kvf__pool_gpu(kvfd.pools[runs->v[i].src_pool]) || rp->pool_gpu[runs->v[i].dst_pool]) return true;
+    if (kvf__pool_gpu(kvf__pool_get(runs->v[i].src_pool)) || rp->pool_gpu[runs->v[i].dst_pool]) return true;
   return false;
 }
 
 /* Takes the runs (no copy) or, when some exceed rdma-slice (extra more
  * runs), a sliced copy. */
-static int take_runs(ticket *tk, kvf__runs *runs, size_t extra) {
-  uint64_t slice = kvfd.cfg.rdma_slice;
+static int take_runs(ticket *tk, kvf__runs *runs, uint64_t slice, size_t extra) {
   if (extra == 0) {
     tk->runs = runs->v;
     tk->n_runs = runs->n;
@@ -646,9 +665,10 @@ static int take_runs(ticket *tk, kvf__runs *runs, size_t extra) {
   return 0;
 }
 
-ticket *kvf__rdma_ticket_new(rdma_transport *rt, kvf__xfer *x, kvf__runs *runs, size_t extra, bool last) {
+ticket *kvf__rdma_ticket_new(rdma_transport *rt, kvf__xfer *x, kvf__runs *runs, uint64_t slice, size_t extra,
+                             bool last) {
   ticket *tk = calloc(1, sizeof(*tk));
-  if (!tk || take_runs(tk, runs, extra) != 0) {
+  if (!tk || take_runs(tk, runs, slice, extra) != 0) {
     free(tk);
     return NULL;
   }
@@ -723,14 +743,22 @@ int kvf__rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) 
   rpeer *rp = x->peer ? rpeer_of(rt, x->peer) : NULL;
   if (!rp) return KVF_EPEERLOST;
   size_t extra = 0;
-  int rc = kvf__rdma_check_runs(rp, runs, &extra);
+  uint64_t slice = kvfd.cfg.rdma_slice, cap = 0;
+  bool bounce = kvf__rdma_bounce_wanted(rp, x, runs, &cap), windows = x->tp_grant.win_len != 0;
+  if (bounce && cap < slice) slice = cap;
+  int rc = kvf__rdma_check_runs(rp, runs, slice, &extra);
   if (rc) return rc;
-  if (!x->path && (rt->any_gpu || rp->gpu_pools) && runs_touch_gpu(rp, runs)) x->path = "rdma-gdr";
+  if (!bounce && !x->path && (rt->any_gpu || rp->gpu_pools) && runs_touch_gpu(rp, runs)) x->path = "rdma-gdr";
   size_t n = runs->n;
   xstate *xs = kvf__rdma_xstate_of(x);
-  ticket *tk = xs ? kvf__rdma_ticket_new(rt, x, runs, extra, last) : NULL;
+  ticket *tk = xs ? kvf__rdma_ticket_new(rt, x, runs, slice, extra, last) : NULL;
   rc = tk ? 0 : -ENOMEM;
-  if (tk && x->tp_grant.win_len && (rc = kvf__rdma_ticket_windows(tk, rp, x, xs)) != 0) {
+  if (tk && bounce) rc = kvf__rdma_bounce_ticket(tk, rp, x, xs, &windows);
+  if (rc == 0 && tk && windows && (rc = kvf__rdma_ticket_windows(tk, rp, x, xs)) != 0) {
+    kvf__rdma_ticket_free(tk);
+    tk = NULL;
+  }
+  if (tk && rc) {
     kvf__rdma_ticket_free(tk);
     tk = NULL;
   }
@@ -797,6 +825,7 @@ void kvf__rdma_abort(kvf__transport *t, kvf__xfer *x) {
 void kvf__rdma_xfer_done(kvf__transport *t, kvf__xfer *x) {
   xstate *xs = x->tp_state;
   if (!xs) return;
+  kvf__rdma_bounce_xstate_free(to_rdma(t), xs);
   kvf__rdma_wtable_free(xs->wt);
   free(xs);
   x->tp_state = NULL;
@@ -909,7 +938,11 @@ static void on_imm(const tevent *e) {
   if (!rp || rp->gen != e->gen) return;
   grant_key(key, sizeof(key), e->imm);
   rgrant *g = kvf__map_get(&e->rt->grants, key);
-  if (!g || g->peer != e->peer) {
+  if (g && g->credit_of && g->peer == e->peer) { /* a slot of the peer's bounce staging is free again */
+    kvf__rdma_bounce_credit(e->rt, g);
+    return;
+  }
+  if (!g || g->peer != e->peer || !g->x) {
     kvf__debug("rdma: completion notice %08x from %s matches no open grant", e->imm, peer_name(rp));
     return;
   }

@@ -9,6 +9,7 @@
 
 #include "json.h"
 #include "metrics.h"
+#include "pool.h"
 
 /* Scrape-time gauges: queue pairs per peer and device, and the devices.
  * A collector takes no argument: the instance is the daemon's rdma
@@ -32,6 +33,18 @@ void kvf__rdma_metrics(kvf__sbuf *b) {
       kvf__metrics_label(b, lk->dev->name);
       kvf__sb_printf(b, "} %u\n", atomic_load(&lk->n_qps));
     }
+  }
+  kvf__metrics_family(b, "kvferry_rdma_bounce_bytes_total", "counter",
+                      "Bytes the rdma bounce path staged through pinned memory (path rdma-bounce), by device "
+                      "and direction.");
+  for (int i = 0; i < rt->n_devs; i++) {
+    const rdev *d = &rt->devs[i];
+    kvf__sb_printf(b, "kvferry_rdma_bounce_bytes_total{device=");
+    kvf__metrics_label(b, d->name);
+    kvf__sb_printf(b, ",dir=\"send\"} %llu\n", (unsigned long long)atomic_load(&d->bb.tx_bytes));
+    kvf__sb_printf(b, "kvferry_rdma_bounce_bytes_total{device=");
+    kvf__metrics_label(b, d->name);
+    kvf__sb_printf(b, ",dir=\"recv\"} %llu\n", (unsigned long long)atomic_load(&d->bb.rx_bytes));
   }
 }
 
@@ -106,7 +119,13 @@ static void inspect_devices(jbuf *b, const rdma_transport *rt) {
        (unsigned long long)atomic_load(&d->chains), (unsigned long long)atomic_load(&d->cqes),
        (unsigned long long)atomic_load(&d->imms), (unsigned long long)atomic_load(&d->sleeps));
     inspect_device_windows(b, d);
-    jb(b, "}");
+    jb(b, ", \"bounce\": {\"staging_bytes\": %zu, \"chunk\": %zu, \"send_chunks\": %u, \"recv_slots\": %u, "
+          "\"sent_bytes\": %llu, \"sent_chunks\": %llu, \"received_bytes\": %llu, \"received_chunks\": %llu, "
+          "\"credits_sent\": %llu, \"stalls\": %llu}}",
+       d->bb.len, d->bb.chunk, d->bb.n_tx, d->bb.n_rx, (unsigned long long)atomic_load(&d->bb.tx_bytes),
+       (unsigned long long)atomic_load(&d->bb.tx_chunks), (unsigned long long)atomic_load(&d->bb.rx_bytes),
+       (unsigned long long)atomic_load(&d->bb.rx_chunks), (unsigned long long)atomic_load(&d->bb.credits),
+       (unsigned long long)atomic_load(&d->bb.stalls));
   }
   jb(b, "]");
 }
@@ -162,6 +181,14 @@ void kvf__rdma_inspect(kvf__transport *t, char *buf, size_t len) {
   size_t parked_n = 0;
   for (parked *pk = rt->parked; pk; pk = pk->next) parked_n++;
   jb(&b, ", \"open_grants\": %zu, \"parked_requests\": %zu", rt->grants.n, parked_n);
+  jb(&b, ", \"gpu_direct\": \"%s\", \"bounce\": {\"grants\": %llu, \"sends\": %llu, \"refused_no_slots\": %llu, "
+         "\"pools\": [", kvfd.cfg.gpu_direct == KVF__GDR_OFF ? "off" : "auto", (unsigned long long)rt->bounce.grants,
+     (unsigned long long)rt->bounce.sends, (unsigned long long)rt->bounce.no_slots);
+  for (size_t i = 0, k = 0; i < rt->n_pool_slots; i++) {
+    const kvf__pool *p = kvf__pool_get((uint32_t)i);
+    if (p && rt->pool_bounce[i]) jb(&b, "%s\"%s\"", k++ ? ", " : "", p->name);
+  }
+  jb(&b, "]}");
   inspect_windows(&b, rt);
 }
 
