@@ -775,8 +775,10 @@ int h_check_event(const kvf_event *ev, int type, const char *path, const char *p
                   kvf_err_name(ev->status), ev->error);
   /* The suite names the remote path "tcp"; it means the one under test
    * (KVF_TEST_PATH when that is more precise: "rdma-bounce"). */
-  const char *want = getenv("KVF_TEST_PATH");
+  const char *want = getenv("KVF_TEST_PATH"), *recv = getenv("KVF_TEST_RECV_PATH");
   if (path && !strcmp(path, "tcp")) path = want && *want ? want : test_transport();
+  /* The receiver's word when it differs (rdma: only the sender stages) */
+  if (path && type == KVF_EV_RECV_DONE && recv && *recv) path = recv;
   if (path && strcmp(ev->path, path))
     return h_fail("%s: %s path \"%s\", expected \"%s\"", ev->xfer_id, ev_name(type), ev->path,
                   path);

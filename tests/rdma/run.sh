@@ -21,7 +21,7 @@
 # Environment: BUILD (default build), RDMA_VM (the VM's run script),
 # RDMA_VM_MEM_CHECK (default 4G), KVF_TEST_TIMEOUT (per binary, seconds),
 # RDMA_TESTS (names of test binaries to run instead of all, for work on
-# one of them: RDMA_TESTS="test_blocks test_rdma").
+# one of them: RDMA_TESTS="test_blocks test_rdma"; "bounce" names step 3).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
@@ -88,10 +88,10 @@ if [ -n "${RDMA_TESTS:-}" ]; then
     case " $RDMA_TESTS " in *" $(basename "$b") "*) want+=("$b") ;; esac
   done
   say "running only: ${want[*]}"
-  bins=("${want[@]}")
+  bins=("${want[@]+"${want[@]}"}")
 fi
 rc=0
-BUILD=$BUILD tests/run.sh "${bins[@]}" || rc=$?
+[ ${#bins[@]} -eq 0 ] || BUILD=$BUILD tests/run.sh "${bins[@]}" || rc=$?
 # 3. the bounce path: KV layouts and descriptors again with both sides'
 #    pools unreachable by the NICs (gpu-direct off), through 2 MiB of
 #    staging; every event's path must be "rdma-bounce".
