@@ -67,6 +67,7 @@ static int start_handles(rdma_transport *rt, char *err, size_t errlen) {
   uv_timer_start(&rt->sweep, kvf__rdma_on_sweep, 250, 250);
   uv_unref((uv_handle_t *)&rt->sweep);
   uv_timer_init(loop, &rt->mw.timer);
+  uv_timer_init(loop, &rt->bounce.timer);
   for (int i = 0; i < rt->n_devs; i++) {
     rdev *d = &rt->devs[i];
     uv_poll_init(loop, &d->async_poll, d->ctx->async_fd);
@@ -174,6 +175,8 @@ static void teardown(rdma_transport *rt) {
     close_handle(rt, (uv_handle_t *)&rt->sweep);
     uv_timer_stop(&rt->mw.timer);
     close_handle(rt, (uv_handle_t *)&rt->mw.timer);
+    uv_timer_stop(&rt->bounce.timer);
+    close_handle(rt, (uv_handle_t *)&rt->bounce.timer);
     rt->handles = false;
   }
   kvf__rdma_free_grants(rt);

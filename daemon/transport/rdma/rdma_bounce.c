@@ -146,6 +146,17 @@ static uint32_t free_run(const rdev *d, uint32_t want, uint32_t *first) {
   return best;
 }
 
+static int reserve(rdma_transport *rt, bgrant *b);
+
+/* The first waiting grant, b, takes slots, if there are. */
+static int reserve_again(rdma_transport *rt, bgrant *b) {
+  bgrant *next = b->next;
+  if (reserve(rt, b) != 0) return KVF_EBUSY;
+  rt->bounce.waiting = next;
+  b->waiting = false;
+  return 0;
+}
+
 static int reserve(rdma_transport *rt, bgrant *b) {
   uint32_t best = 0, first = 0;
   pthread_mutex_lock(&rt->bounce.lock);
@@ -169,26 +180,10 @@ static int reserve(rdma_transport *rt, bgrant *b) {
   return best ? 0 : KVF_EBUSY;
 }
 
-int kvf__rdma_bounce_grant_open(rgrant *g, kvf__xfer *x) {
-  rdma_transport *rt = g->rt;
-  if (!grant_bounces(rt, x)) return 0;
-  bgrant *b = calloc(1, sizeof(*b));
-  if (!b) return -ENOMEM;
-  b->peer = x->peer;
-  b->token = (uint32_t)x->handle;
-  int rc = kvf__rangeset_build(&b->rs, &x->dst);
-  if (rc == 0 && (rc = reserve(rt, b)) != 0) {
-    rt->bounce.no_slots++;
-    kvf__warn("rdma: grant %s: every bounce staging slot is taken (rdma-bounce-size); refused", x->id);
-  }
-  if (rc) {
-    kvf__rangeset_free(&b->rs);
-    free(b);
-    return rc;
-  }
-  g->bg = b;
-  rc = kvf__rdma_grant_part_alloc(&x->tp_grant, 1, 0);
-  if (rc) return rc; /* the caller closes g */
+/* The Grant's record of b's slots. */
+static int fill_grant(bgrant *b, kvf__xfer *x) {
+  int rc = kvf__rdma_grant_part_alloc(&x->tp_grant, 1, 0);
+  if (rc) return rc; /* the caller closes the grant */
   rdev *d = b->dev;
   kvf__mw_rec r = {.pool = BOUNCE_REC_POOL,
                    .off = (uint64_t)(uintptr_t)(d->bb.mem + (size_t)(d->bb.n_tx + b->first) * d->bb.chunk),
@@ -197,9 +192,45 @@ int kvf__rdma_bounce_grant_open(rgrant *g, kvf__xfer *x) {
                    .qpn = (uint32_t)d->bb.chunk,
                    .dev = (uint16_t)d->index};
   kvf__mw_rec_put(x->tp_grant.win, &r);
+  return 0;
+}
+
+int kvf__rdma_bounce_grant_open(rgrant *g, kvf__xfer *x) {
+  rdma_transport *rt = g->rt;
+  if (!grant_bounces(rt, x)) return 0;
+  bgrant *b = calloc(1, sizeof(*b));
+  if (!b) return -ENOMEM;
+  b->g = g;
+  b->x = x;
+  b->peer = x->peer;
+  b->token = (uint32_t)x->handle;
+  int rc = kvf__rangeset_build(&b->rs, &x->dst);
+  if (rc) {
+    free(b);
+    return rc;
+  }
+  g->bg = b;
   x->path = "rdma-bounce";
   rt->bounce.grants++;
-  return 1;
+  if (reserve(rt, b) == 0) return fill_grant(b, x) ?: 1;
+  /* Every slot is taken: the grant waits (its deadline runs) for one. */
+  rt->bounce.waits++;
+  b->waiting = true;
+  bgrant **pp = &rt->bounce.waiting;
+  while (*pp) pp = &(*pp)->next;
+  *pp = b;
+  return 2;
+}
+
+/* Slots came free: the waiting grants take them, oldest first. */
+void kvf__rdma_on_bounce_timer(uv_timer_t *tm) {
+  rdma_transport *rt = kvf__container_of(tm, rdma_transport, bounce.timer);
+  while (rt->bounce.waiting) {
+    bgrant *b = rt->bounce.waiting;
+    if (reserve_again(rt, b) != 0) break;
+    int rc = fill_grant(b, b->x);
+    kvf__xfer_on_grant_ready(b->x, rc, rc ? "out of memory" : NULL);
+  }
 }
 
 /* After this no thread copies into the grant's memory. */
@@ -207,15 +238,25 @@ void kvf__rdma_bounce_grant_close(rgrant *g) {
   bgrant *b = g->bg;
   if (!b) return;
   rdma_transport *rt = g->rt;
-  pthread_mutex_lock(&rt->bounce.lock);
-  for (bgrant **pp = &rt->bounce.rx; *pp; pp = &(*pp)->next)
-    if (*pp == b) {
-      *pp = b->next;
-      atomic_fetch_sub(&rt->bounce.n_rx, 1);
-      memset(b->dev->bb.rx_used + b->first, 0, b->n);
-      break;
-    }
-  pthread_mutex_unlock(&rt->bounce.lock);
+  if (b->waiting) {
+    for (bgrant **pp = &rt->bounce.waiting; *pp; pp = &(*pp)->next)
+      if (*pp == b) {
+        *pp = b->next;
+        break;
+      }
+  } else {
+    pthread_mutex_lock(&rt->bounce.lock);
+    for (bgrant **pp = &rt->bounce.rx; *pp; pp = &(*pp)->next)
+      if (*pp == b) {
+        *pp = b->next;
+        atomic_fetch_sub(&rt->bounce.n_rx, 1);
+        memset(b->dev->bb.rx_used + b->first, 0, b->n);
+        break;
+      }
+    pthread_mutex_unlock(&rt->bounce.lock);
+    /* not from inside the close: the grant that takes them goes on */
+    if (rt->bounce.waiting && rt->handles) uv_timer_start(&rt->bounce.timer, kvf__rdma_on_bounce_timer, 0, 0);
+  }
   kvf__rangeset_free(&b->rs);
   free(b);
   g->bg = NULL;

@@ -421,7 +421,9 @@ struct rdma_transport {
     pthread_mutex_t lock;       /* rx, devices' rx_used; held by a thread while it copies into a grant */
     struct bgrant *rx;          /* receiving grants with staging slots */
     atomic_uint n_rx;
-    uint64_t grants, sends, no_slots;
+    struct bgrant *waiting;     /* (loop) grants waiting for slots, oldest first */
+    uv_timer_t timer;           /* slots came free: the waiting grants take them */
+    uint64_t grants, sends, waits;
   } bounce;
   /* lifetime (rdma.c) */
   bool handles;                 /* the handles above are initialised */
@@ -574,7 +576,10 @@ typedef struct xbounce {
 
 /* Receiver, per grant with slots. */
 typedef struct bgrant {
-  struct bgrant *next;
+  struct bgrant *next;          /* rt->bounce.rx, or .waiting while no slot is free */
+  struct rgrant *g;
+  kvf__xfer *x;
+  bool waiting;
   kvf__peer *peer;
   uint32_t token;
   rdev *dev;
@@ -588,8 +593,10 @@ typedef struct bgrant {
 bool kvf__rdma_pool_wants_bounce(const kvf__pool *p);
 int kvf__rdma_bounce_setup(rdev *d, char *err, size_t errlen);
 void kvf__rdma_bounce_free(rdev *d);
-/* Receiver: a grant to pools some of which bounce gets slots (1) or is not
- * a bounce grant (0), or an error. */
+/* Receiver: a grant to pools some of which bounce gets slots (1), or waits
+ * for them (2: kvf__xfer_on_grant_ready follows), or is not a bounce grant
+ * (0), or an error. */
+void kvf__rdma_on_bounce_timer(uv_timer_t *tm);
 int kvf__rdma_bounce_grant_open(rgrant *g, kvf__xfer *x);
 void kvf__rdma_bounce_grant_close(rgrant *g);
 /* Receiver thread: a WRITE_WITH_IMM with data landed; true when it was a

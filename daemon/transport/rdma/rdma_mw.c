@@ -862,7 +862,7 @@ int kvf__rdma_grant_open(kvf__transport *t, kvf__xfer *x) {
     free(g);
     return rc;
   }
-  if (rc > 0 || !rt->mw.on) return 0;
+  if (rc > 0 || !rt->mw.on) return rc == 2; /* 2: waiting for staging slots */
   rc = mw_grant_open(g, x);
   if (rc < 0) {
     kvf__map_del(&rt->grants, key);

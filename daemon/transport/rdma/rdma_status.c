@@ -181,9 +181,9 @@ void kvf__rdma_inspect(kvf__transport *t, char *buf, size_t len) {
   size_t parked_n = 0;
   for (parked *pk = rt->parked; pk; pk = pk->next) parked_n++;
   jb(&b, ", \"open_grants\": %zu, \"parked_requests\": %zu", rt->grants.n, parked_n);
-  jb(&b, ", \"gpu_direct\": \"%s\", \"bounce\": {\"grants\": %llu, \"sends\": %llu, \"refused_no_slots\": %llu, "
+  jb(&b, ", \"gpu_direct\": \"%s\", \"bounce\": {\"grants\": %llu, \"sends\": %llu, \"waited_for_slots\": %llu, "
          "\"pools\": [", kvfd.cfg.gpu_direct == KVF__GDR_OFF ? "off" : "auto", (unsigned long long)rt->bounce.grants,
-     (unsigned long long)rt->bounce.sends, (unsigned long long)rt->bounce.no_slots);
+     (unsigned long long)rt->bounce.sends, (unsigned long long)rt->bounce.waits);
   for (size_t i = 0, k = 0; i < rt->n_pool_slots; i++) {
     const kvf__pool *p = kvf__pool_get((uint32_t)i);
     if (p && rt->pool_bounce[i]) jb(&b, "%s\"%s\"", k++ ? ", " : "", p->name);
