@@ -29,6 +29,7 @@ static const char *const all_keys[] = {
     "mlock", "cuda", "log-level", "transports", "metrics-listen", "stop-timeout-ms",
     "rdma-devices", "rdma-gid-index", "rdma-listen", "rdma-qps-per-peer", "rdma-queue-depth",
     "rdma-inline", "rdma-slice", "rdma-poll-us", "busy-poll", "rdma-memory-windows", "rdma-mw-max-windows",
+    "gpu-direct", "rdma-bounce-size",
 };
 #define N_KEYS (sizeof all_keys / sizeof all_keys[0])
 
@@ -229,6 +230,10 @@ static void test_bounds(void **state) {
   expect_error("pool a gpu 4K\n", -EINVAL, 1, NULL);
   expect_error("pool a host 99999999999T\n", -ERANGE, 1, NULL);
   expect_error("pool bad/name host 4K\n", -EINVAL, 1, "valid name");
+  expect_error("pool a host 4K gpu-direct=on\n", -EINVAL, 1, "gpu-direct=off");
+  expect_error("pool a host 4K gpu-direct=off x\n", -EINVAL, 1, NULL);
+  expect_error("gpu-direct on\n", -EINVAL, 1, "auto|off");
+  expect_error("rdma-bounce-size 64K\n", -ERANGE, 1, NULL);
   expect_error("node a b\n", -EINVAL, 1, "node takes NAME");
   expect_error("node\n", -EINVAL, 1, NULL);
   expect_error("node 0123456789012345678901234567890123456789012345678901234567890123\n",
@@ -549,8 +554,13 @@ static void test_dump_round_trip(void **state) {
   assert_int_equal(parse_str(c, every_key, err), 0);
   round_trip(c);
   const char *odd = "node n\npeer-listen off\npeer x [::1]:9\n"
-                    "pool a host 12K\npool b host 3G\nmax-frame 1052672\n";
+                    "pool a host 12K\npool b host 3G gpu-direct=off\nmax-frame 1052672\n"
+                    "gpu-direct off\nrdma-bounce-size 3M\n";
   assert_int_equal(parse_str(c, odd, err), 0);
+  assert_int_equal(c->pools[0].gpu_direct, KVF__GDR_AUTO);
+  assert_int_equal(c->pools[1].gpu_direct, KVF__GDR_OFF);
+  assert_int_equal(c->gpu_direct, KVF__GDR_OFF);
+  assert_int_equal(c->rdma_bounce_size, 3u << 20);
   round_trip(c);
 }
 
@@ -568,7 +578,7 @@ static void test_dump_json(void **state) {
   assert_contains(json, "\"api-allow-users\":[1,2]");
   assert_contains(json, "\"peers\":[{\"name\":\"x\",\"host\":\"::1\",\"port\":9},"
                         "{\"name\":\"y\",\"host\":\"h\",\"port\":1}]");
-  assert_contains(json, "\"pools\":[{\"name\":\"a\",\"kind\":\"host\",\"size\":4096}]");
+  assert_contains(json, "\"pools\":[{\"name\":\"a\",\"kind\":\"host\",\"size\":4096,\"gpu_direct\":\"auto\"}]");
   assert_contains(json, "\"mlock\":true");
   assert_contains(json, "\"max-frame\":67108864");
   assert_contains(json, "\"hugepages\":\"auto\"");
