@@ -356,6 +356,7 @@ check-gpu: all $(GPU_BIN)
 #                     killed mid-transfer): tests/rdma/run.sh
 #   make demo-rdma    `make demo TRANSPORT=rdma` inside the VM, on two nodes
 #   make bench-rdma   bench/rdma_vs_perftest.sh (a benchmark, not a test)
+#   make bench-rdma-bounce  bench/rdma_bounce.sh: rdma direct vs rdma-bounce
 RDMA_VM ?= $(abspath ../shared/rdma-vm/run)
 RDMA_TEST_SRC := $(wildcard tests/rdma/test_*.c)
 RDMA_TEST_BIN := $(patsubst tests/rdma/%.c,$(BUILD)/tests/rdma/%,$(RDMA_TEST_SRC))
@@ -402,7 +403,11 @@ demo-rdma: all
 bench-rdma: all $(BUILD)/post-bench $(BUILD)/wake-bench
 	@BUILD=$(BUILD) RDMA_VM=$(RDMA_VM) bench/rdma_vs_perftest.sh
 
-.PHONY: check-rdma demo-rdma bench-rdma
+# rdma direct against rdma-bounce (gpu-direct off), one VM run.
+bench-rdma-bounce: all
+	@BUILD=$(BUILD) RDMA_VM=$(RDMA_VM) bench/rdma_bounce.sh
+
+.PHONY: check-rdma demo-rdma bench-rdma bench-rdma-bounce
 
 # ---------------------------------------------------------------- fuzz
 # libFuzzer targets (tests/fuzz/README.md), built by clang with ASan+UBSan
