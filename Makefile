@@ -106,7 +106,7 @@ bench-tools: $(BENCH_TOOLS)
 # gets nothing from apt-get). SKIP_DEPS=1 skips it.
 DEPS_TEST_GOALS := test-build check unit integration check-ops check-gpu check-rdma chaos chaos-vm \
 	fuzz fuzz-build bench-tcp
-DEPS_BUILD_GOALS := demo demo-up demo-rdma bench-rdma bench-tools fuzz-corpus
+DEPS_BUILD_GOALS := demo demo-up demo-rdma bench-rdma bench-rdma-bounce bench-tools fuzz-corpus
 DEPS_ARGS := --check build
 ifneq ($(filter $(DEPS_BUILD_GOALS),$(MAKECMDGOALS)),)
 DEPS_ARGS := build
