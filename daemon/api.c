@@ -528,15 +528,17 @@ static void on_layout_free(kvf__session *s, uint64_t seq, const Kvf__LayoutFreeR
  * an ipc pipe receives), or -1. The caller owns it. */
 static int take_passed_fd(kvf__session *s) {
   if (s->sink || uv_pipe_pending_count(&s->pipe) == 0) return -1;
-  uv_pipe_t tmp;
+  /* uv_accept opens any kind of fd as a pipe handle; we keep a dup of it
+   * and let libuv close the original with the handle (closed on a later
+   * turn of the loop, hence on the heap). */
+  uv_pipe_t *tmp = malloc(sizeof(*tmp));
+  if (!tmp) return -1;
   uv_os_fd_t fd = -1;
   int dup_fd = -1;
-  uv_pipe_init(A.loop, &tmp, 0);
-  /* uv_accept opens any kind of fd as the pipe; we keep a dup of it and
-   * let libuv close the original with the handle. */
-  if (uv_accept((uv_stream_t *)&s->pipe, (uv_stream_t *)&tmp) == 0 && uv_fileno((uv_handle_t *)&tmp, &fd) == 0)
+  uv_pipe_init(A.loop, tmp, 0);
+  if (uv_accept((uv_stream_t *)&s->pipe, (uv_stream_t *)tmp) == 0 && uv_fileno((uv_handle_t *)tmp, &fd) == 0)
     dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-  uv_close((uv_handle_t *)&tmp, NULL);
+  uv_close((uv_handle_t *)tmp, on_fdpipe_closed);
   return dup_fd;
 }
 

@@ -363,7 +363,9 @@ void kvf__pool_engine_shutdown(void) {
 
 /* ------------------------------------------------------ guarded host copy */
 
-static __thread sigjmp_buf *copy_guard;
+/* volatile: memcpy does not read it, so the compiler would otherwise drop
+ * the store before the copy as dead. */
+static __thread sigjmp_buf *volatile copy_guard;
 
 /* SIGBUS inside kvf__pool_copy: the file under a mapping shrank. Anywhere
  * else it is the bug it always was: default action. */

@@ -236,6 +236,15 @@ static void tp_grant_free(kvf__tp_grant *t) {
   memset(t, 0, sizeof(*t));
 }
 
+/* What a transport's failed post means, for the event. */
+static const char *post_failure(int status) {
+  switch (status) {
+  case KVF_EPERM: return "the receiver refused a write (outside its memory windows, or after they were invalidated)";
+  case -EFAULT: return "the memory of a pool went away under the copy (an engine's memory file shrank)";
+  default: return "the transport failed";
+  }
+}
+
 /* Engine memory a transfer names stays registered until the transfer is
  * gone (kvf_mem_unregister meanwhile: KVF_EBUSY). Only our own pools. */
 static int hold_pool(kvf__xfer *x, uint32_t pool) {
@@ -1010,11 +1019,7 @@ void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
     return;
   }
   if (status) {
-    kvf__xfer_fail(x, status,
-         status == KVF_EPERM ? "the receiver refused a write (outside its memory windows, or after they were "
-                               "invalidated)"
-                             : "the transport failed",
-         true, status);
+    kvf__xfer_fail(x, status, post_failure(status), true, status);
     return;
   }
   if (s->parts_out > 0) return;
