@@ -295,5 +295,44 @@ class EngineWire(unittest.TestCase):
         self.assertEqual(bytes(mb[:]), pattern(5, REGION))
 
 
+class EngineWireTcp(kvftest.PairTestCase):
+    """Engine memory at both ends of a tcp transfer between two daemons;
+    a peer learns of it from the grant (the Hello listed only the config's
+    pools)."""
+    POOL = "8M"
+
+    def test_engine_to_engine_over_tcp(self):
+        pre, dec = Client(self.pre.sock, b"prefill"), Client(self.dec.sock, b"decode")
+        fs = memfd("kvftest-src", 4 * REGION)
+        fd = memfd("kvftest-dst", 4 * REGION)
+        try:
+            ms, md = mmap.mmap(fs, 4 * REGION), mmap.mmap(fd, 4 * REGION)
+            ms[:] = pattern(11, 4 * REGION)
+            md[:] = pattern(12, 4 * REGION)
+            # a region at an offset of the file, not page aligned
+            src = pre.register(b"engine-src", fs, 3 * REGION, offset=100)[1][0]
+            dst = dec.register(b"engine-dst", fd, 4 * REGION)[1][0]
+            blocks = [(i * 3 + 1) % 12 for i in range(12)]
+            g = [(dst, b * 64 * KiB, 64 * KiB) for b in blocks]
+            sd = [(src, i * 64 * KiB, 64 * KiB) for i in range(12)]
+            self.assertEqual(dec.call(grant, b"tcp-engine", *g)[0], 0)
+            self.assertEqual(pre.call(send, b"tcp-engine", b"decode", *sd)[0], 0)
+            for c in (pre, dec):
+                (_, xid, status, e), = c.events(1)
+                self.assertEqual((xid, status, e[4][0]), (b"tcp-engine", 0, b"tcp"), e.get(8))
+            want = bytearray(pattern(12, 4 * REGION))
+            src_bytes = pattern(11, 4 * REGION)
+            for i, b in enumerate(blocks):
+                want[b * 64 * KiB:(b + 1) * 64 * KiB] = src_bytes[100 + i * 64 * KiB:100 + (i + 1) * 64 * KiB]
+            self.assertEqual(bytes(md[:]), bytes(want), "every byte at the decode end")
+        finally:
+            pre.close()
+            dec.close()
+            os.close(fs)
+            os.close(fd)
+        for d in (self.pre, self.dec):
+            kvftest.wait_for(lambda: d.status()["engine_pools"] == 0, 5, "dropped")
+
+
 if __name__ == "__main__":
     kvftest.main()
