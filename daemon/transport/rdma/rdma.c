@@ -86,9 +86,10 @@ static int start(rdma_transport *rt, char *err, size_t errlen) {
   if (rc == 0) rc = kvf__rdma_check_memlock(rt, err, errlen);
   if (rc) return rc;
   kvf__rdma_calibrate_clock();
-  rt->n_pool_slots = kvfd.n_pools;
-  rt->pool_base = calloc(kvfd.n_pools ? kvfd.n_pools : 1, sizeof(*rt->pool_base));
-  rt->pool_bounce = calloc(kvfd.n_pools ? kvfd.n_pools : 1, sizeof(*rt->pool_bounce));
+  rt->n_pool_slots = KVF__POOLS_MAX;
+  rt->n_hello_pools = kvfd.n_pools;
+  rt->pool_base = calloc(KVF__POOLS_MAX, sizeof(*rt->pool_base));
+  rt->pool_bounce = calloc(KVF__POOLS_MAX, sizeof(*rt->pool_bounce));
   if (!rt->pool_base || !rt->pool_bounce) return -ENOMEM;
   for (size_t i = 0; i < kvfd.n_pools; i++) {
     const kvf__pool *p = kvf__pool_get((uint32_t)i);
@@ -213,6 +214,8 @@ static const kvf__transport_ops rdma_ops = {
     .grant_close = kvf__rdma_grant_close,
     .peer_up = kvf__rdma_peer_up,
     .peer_down = kvf__rdma_peer_down,
+    .pool_added = kvf__rdma_pool_added,
+    .pool_removed = kvf__rdma_pool_removed,
     .hello = kvf__rdma_hello,
     .protection = rdma_protection,
     .inspect = kvf__rdma_inspect,
@@ -221,12 +224,12 @@ static const kvf__transport_ops rdma_ops = {
 
 static void log_devices(const rdma_transport *rt) {
   size_t bounced = 0;
-  for (size_t i = 0; i < rt->n_pool_slots; i++) bounced += rt->pool_bounce[i];
+  for (size_t i = 0; i < kvfd.n_pools; i++) bounced += rt->pool_bounce[i];
   for (int i = 0; i < rt->n_devs; i++) {
     const rdev *d = &rt->devs[i];
     kvf__info("rdma: device %s port %u, GID[%u] %s, CM listening on %s:%u, %zu pool(s) registered, %zu "
               "bounced (gpu-direct %s; staging %zu MiB: %u chunks of %zu KiB)", d->name, d->port, d->gid_index,
-              d->ip, d->ip, d->cm_port, rt->n_pool_slots - bounced, bounced,
+              d->ip, d->ip, d->cm_port, kvfd.n_pools - bounced, bounced,
               kvfd.cfg.gpu_direct == KVF__GDR_OFF ? "off" : "auto", d->bb.len >> 20, d->bb.n_tx + d->bb.n_rx,
               d->bb.chunk >> 10);
   }

@@ -38,6 +38,7 @@
 
 #include "cuda/gpu.h"
 #include "pool.h"
+#include "pool_engine.h"
 
 #define RX_SLOTS_PER_GRANT 4u
 #define HDR_FIXED 16u
@@ -106,11 +107,8 @@ void kvf__rdma_bounce_chunk_free(rdev *d, int32_t chunk) {
 /* The copy: the one step that differs between host and GPU pools. */
 static int bounce_copy(const kvf__pool *p, uint64_t off, uint8_t *stage, uint64_t alias, uint64_t len,
                        bool to_pool) {
-  if (!kvf__pool_gpu(p)) {
-    if (to_pool) memcpy(p->base + off, stage, len);
-    else memcpy(stage, p->base + off, len);
-    return 0;
-  }
+  if (!kvf__pool_gpu(p)) /* guarded: engine memory may be a file that shrinks (pool_engine.c) */
+    return to_pool ? kvf__pool_copy(p->base + off, stage, len) : kvf__pool_copy(stage, p->base + off, len);
   kvf__gpu_end pe, se = {.dev = -1, .mapped = alias != 0, .addr = alias ? alias : (uint64_t)(uintptr_t)stage,
                          .host = stage};
   kvf__pool_gpu_end(p, off, &pe);
@@ -459,7 +457,7 @@ bool kvf__rdma_bounce_wanted(const rpeer *rp, const kvf__xfer *x, const kvf__run
   bool rx = rx_record(x, &r), any = rx;
   for (size_t i = 0; !any && i < runs->n; i++)
     any = (runs->v[i].src_pool < rt->n_pool_slots && rt->pool_bounce[runs->v[i].src_pool]) ||
-          rp->pool_bounce[runs->v[i].dst_pool];
+          (runs->v[i].dst_pool < rp->n_pools && rp->pool_bounce[runs->v[i].dst_pool]);
   size_t chunk = rt->devs[0].bb.chunk;
   *cap = rx ? (r.qpn < chunk ? r.qpn : chunk) - BOUNCE_HDR : chunk;
   return any;

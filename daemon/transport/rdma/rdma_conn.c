@@ -530,8 +530,9 @@ void kvf__rdma_peer_down(kvf__transport *t, kvf__peer *p) {
 
 static int find_mrs(rlink *lk, const Kvf__RdmaDevice *rd, const rpeer *rp) {
   lk->n_rpools = rp->n_pools;
-  lk->raddr = calloc(rp->n_pools ? rp->n_pools : 1, sizeof(*lk->raddr));
-  lk->rkey = calloc(rp->n_pools ? rp->n_pools : 1, sizeof(*lk->rkey));
+  /* KVF__POOLS_MAX: the peer's engine memory comes later, in its grants */
+  lk->raddr = calloc(KVF__POOLS_MAX, sizeof(*lk->raddr));
+  lk->rkey = calloc(KVF__POOLS_MAX, sizeof(*lk->rkey));
   if (!lk->raddr || !lk->rkey) return -ENOMEM;
   size_t found = 0;
   for (size_t i = 0; i < rd->n_mrs; i++) {
@@ -607,9 +608,9 @@ static rpeer *rpeer_new(rdma_transport *rt, kvf__peer *p) {
   rp->session = p->remote_session;
   rp->up_ns = kvf__now_ns();
   rp->n_pools = h->n_pools;
-  rp->pool_size = calloc(h->n_pools ? h->n_pools : 1, sizeof(*rp->pool_size));
-  rp->pool_gpu = calloc(h->n_pools ? h->n_pools : 1, sizeof(*rp->pool_gpu));
-  rp->pool_bounce = calloc(h->n_pools ? h->n_pools : 1, sizeof(*rp->pool_bounce));
+  rp->pool_size = calloc(KVF__POOLS_MAX, sizeof(*rp->pool_size));
+  rp->pool_gpu = calloc(KVF__POOLS_MAX, sizeof(*rp->pool_gpu));
+  rp->pool_bounce = calloc(KVF__POOLS_MAX, sizeof(*rp->pool_bounce));
   if (!rp->pool_size || !rp->pool_gpu || !rp->pool_bounce) {
     free(rp->pool_size);
     free(rp->pool_gpu);

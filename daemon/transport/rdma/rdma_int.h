@@ -365,7 +365,9 @@ struct rdma_transport {
   struct ibv_context **all;     /* librdmacm's device list */
   uint8_t **pool_base;          /* pool memory, by pool id */
   bool *pool_bounce;            /* pool not registered with the NICs: staged (rdma_bounce.c) */
-  size_t n_pool_slots;          /* length of the per-pool arrays (pool_base, pool_bounce, mrs, lkey) */
+  size_t n_pool_slots;          /* length of the per-pool arrays (pool_base, pool_bounce, mrs, lkey):
+                                   KVF__POOLS_MAX, so that engine memory never moves them */
+  size_t n_hello_pools;         /* our pools the Hello lists (the config's) */
   bool any_gpu;                 /* some pool of ours is GPU memory */
   /* connections (rdma_conn.c) */
   struct rdma_event_channel *cm;
@@ -557,6 +559,7 @@ void kvf__rdma_mw_forget_link(rlink *lk);
 #define BOUNCE_HDR 4096u        /* a slot's header: where its runs go; data follows */
 #define BOUNCE_MAGIC 0x4b564242u
 #define BOUNCE_REC_POOL UINT32_MAX /* Grant.windows: the record of the receiver's slots */
+#define KVF__MR_REC_POOL (UINT32_MAX - 1) /* Grant.windows: a pool's MR (rdma_engine.c) */
 
 /* Sender, per transfer whose receiver stages too: its grant's slots. */
 typedef struct xbounce {
@@ -618,6 +621,18 @@ int kvf__rdma_bounce_post(rlink *lk, rqp *q, ticket *tk, size_t first, size_t cn
 /* How many of tk's next runs (from first, in order) fit one chunk. */
 size_t kvf__rdma_bounce_fit(const rdev *d, const ticket *tk, size_t first, size_t avail);
 void kvf__rdma_bounce_chunk_free(rdev *d, int32_t chunk);
+
+/* ------------------------------------------------------------ rdma_engine.c
+ * Pools after start (engine memory). */
+
+int kvf__rdma_pool_added(kvf__transport *t, kvf__pool *p, char *err, size_t errlen);
+void kvf__rdma_pool_removed(kvf__transport *t, kvf__pool *p);
+/* Receiver: MR records for the grant's pools our Hello did not list. */
+int kvf__rdma_grant_add_mrs(rdma_transport *rt, kvf__xfer *x);
+/* Sender: how many of the Grant's records are memory windows (the MR and
+ * bounce records follow them); learning the MR records. */
+size_t kvf__rdma_window_records(const kvf__tp_grant *g);
+int kvf__rdma_learn_mrs(rpeer *rp, const kvf__xfer *x);
 
 /* ------------------------------------------------------------ rdma_status.c */
 

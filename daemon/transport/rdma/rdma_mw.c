@@ -862,8 +862,13 @@ int kvf__rdma_grant_open(kvf__transport *t, kvf__xfer *x) {
     free(g);
     return rc;
   }
-  if (rc > 0 || !rt->mw.on) return rc == 2; /* 2: waiting for staging slots */
-  rc = mw_grant_open(g, x);
+  if (rc > 0) return rc == 2; /* 2: waiting for staging slots */
+  rc = rt->mw.on ? mw_grant_open(g, x) : 0;
+  /* engine memory our Hello did not list: its MRs, for the sender */
+  if (rc >= 0) {
+    int e = kvf__rdma_grant_add_mrs(rt, x);
+    if (e) rc = e;
+  }
   if (rc < 0) {
     kvf__map_del(&rt->grants, key);
     if (mw_release(g)) free(g);
@@ -940,10 +945,11 @@ void kvf__rdma_wtable_free(wtable *t) {
 /* Decodes a Grant's windows, each with its lane: a (device, QP) of the
  * records; few. */
 static int wtable_decode(const kvf__xfer *x, wtable **out) {
-  if (kvf__mw_recs_check(x->tp_grant.win, x->tp_grant.win_len) != 0) return KVF_EPROTO;
+  size_t n_win = kvf__rdma_window_records(&x->tp_grant); /* MR and bounce records follow */
+  if (kvf__mw_recs_check(x->tp_grant.win, n_win * KVF__MW_REC) != 0) return KVF_EPROTO;
   wtable *t = calloc(1, sizeof(*t));
   if (!t) return -ENOMEM;
-  t->n = x->tp_grant.win_len / KVF__MW_REC;
+  t->n = n_win;
   t->of = x->tp_grant.of;
   t->of_len = x->tp_grant.of_len;
   t->v = malloc((t->n ? t->n : 1) * sizeof(*t->v));

@@ -744,9 +744,11 @@ int kvf__rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) 
   if (!rp) return KVF_EPEERLOST;
   size_t extra = 0;
   uint64_t slice = kvfd.cfg.rdma_slice, cap = 0;
-  bool bounce = kvf__rdma_bounce_wanted(rp, x, runs, &cap), windows = x->tp_grant.win_len != 0;
+  int rc = x->tp_grant.win_len ? kvf__rdma_learn_mrs(rp, x) : 0; /* engine memory of the peer's */
+  if (rc) return rc;
+  bool bounce = kvf__rdma_bounce_wanted(rp, x, runs, &cap), windows = kvf__rdma_window_records(&x->tp_grant) != 0;
   if (bounce && cap < slice) slice = cap;
-  int rc = kvf__rdma_check_runs(rp, runs, slice, &extra);
+  rc = kvf__rdma_check_runs(rp, runs, slice, &extra);
   if (rc) return rc;
   if (!bounce && !x->path && (rt->any_gpu || rp->gpu_pools) && runs_touch_gpu(rp, runs)) x->path = "rdma-gdr";
   size_t n = runs->n;
