@@ -143,7 +143,7 @@ static int one_transfer(rig *g, const kvf__descs *src, const kvf__descs *dst, co
   kvf__xfer x = {.handle = 7};
   if (grant) x.tp_grant = *grant;
   uint64_t t0 = mono_ns();
-  xstate *xs = kvf__rdma_check_runs(&g->rp, &runs, kvfd.cfg.rdma_slice, &extra) == 0 ? kvf__rdma_xstate_of(&x) : NULL;
+  xstate *xs = kvf__rdma_check_runs(&g->rp, &runs, kvfd.cfg.rdma_slice, false, &extra) == 0 ? kvf__rdma_xstate_of(&x) : NULL;
   ticket *tk = xs ? kvf__rdma_ticket_new(g->rp.rt, &x, &runs, kvfd.cfg.rdma_slice, extra, true) : NULL;
   int rc = tk ? 0 : -1;
   if (tk && grant && kvf__rdma_ticket_windows(tk, &g->rp, &x, xs) != 0) rc = -1;

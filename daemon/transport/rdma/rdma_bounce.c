@@ -363,6 +363,11 @@ static bool rx_record(const kvf__xfer *x, kvf__mw_rec *r) {
   return r->pool == BOUNCE_REC_POOL;
 }
 
+bool kvf__rdma_bounce_staged(const kvf__xfer *x) {
+  kvf__mw_rec r;
+  return rx_record(x, &r);
+}
+
 /* Our dialed QP, ready, on a link to the peer's device dev (by index in
  * its Hello; -1: any), the k-th such. */
 static rqp *pick_qp(const rpeer *rp, int dev, unsigned k) {

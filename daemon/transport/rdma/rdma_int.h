@@ -495,7 +495,8 @@ void kvf__rdma_send_cmd(rdev *d, int kind, rlink *lk);
 /* Returns once the device thread no longer touches lk. */
 void kvf__rdma_detach_and_wait(rlink *lk);
 /* slice: the most bytes a run may have (rdma-slice; less when it bounces). */
-int kvf__rdma_check_runs(const rpeer *rp, const kvf__runs *runs, uint64_t slice, size_t *extra);
+/* staged: the receiver stages them (its pools need not be known here). */
+int kvf__rdma_check_runs(const rpeer *rp, const kvf__runs *runs, uint64_t slice, bool staged, size_t *extra);
 ticket *kvf__rdma_ticket_new(rdma_transport *rt, kvf__xfer *x, kvf__runs *runs, uint64_t slice, size_t extra,
                              bool last);
 void kvf__rdma_ticket_free(ticket *tk);
@@ -611,6 +612,8 @@ void kvf__rdma_bounce_credit(rdma_transport *rt, rgrant *marker);
 /* Sender (loop, post): whether runs bounce, and *cap, the most bytes a
  * run may have then (the caller slices them). */
 bool kvf__rdma_bounce_wanted(const rpeer *rp, const kvf__xfer *x, const kvf__runs *runs, uint64_t *cap);
+/* Whether x's grant names the receiver's staging slots. */
+bool kvf__rdma_bounce_staged(const kvf__xfer *x);
 /* Makes tk a bounce ticket: its lane (or *windows: take the lanes of the
  * grant's memory windows), and the receiver's slots when it stages too. */
 int kvf__rdma_bounce_ticket(ticket *tk, rpeer *rp, kvf__xfer *x, xstate *xs, bool *windows);

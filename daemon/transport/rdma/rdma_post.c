@@ -619,12 +619,12 @@ void kvf__rdma_detach_and_wait(rlink *lk) {
 
 /* Every run must land inside a pool the peer announced and come from one of
  * ours (all registered). *extra gets how many more runs slicing makes. */
-int kvf__rdma_check_runs(const rpeer *rp, const kvf__runs *runs, uint64_t slice, size_t *extra) {
+int kvf__rdma_check_runs(const rpeer *rp, const kvf__runs *runs, uint64_t slice, bool staged, size_t *extra) {
   *extra = 0;
   for (size_t i = 0; i < runs->n; i++) {
     const kvf__run *r = &runs->v[i];
-    if (r->src_pool >= kvfd.n_pools || r->dst_pool >= rp->n_pools) return KVF_ENOPOOL;
-    uint64_t size = rp->pool_size[r->dst_pool];
+    if (r->src_pool >= kvfd.n_pools || (!staged && r->dst_pool >= rp->n_pools)) return KVF_ENOPOOL;
+    uint64_t size = staged ? UINT64_MAX : rp->pool_size[r->dst_pool];
     if (r->len == 0 || r->dst_off > size || r->len > size - r->dst_off) return KVF_ERANGE;
     if (r->len > slice) *extra += (size_t)((r->len - 1) / slice);
   }
@@ -748,7 +748,8 @@ int kvf__rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) 
   if (rc) return rc;
   bool bounce = kvf__rdma_bounce_wanted(rp, x, runs, &cap), windows = kvf__rdma_window_records(&x->tp_grant) != 0;
   if (bounce && cap < slice) slice = cap;
-  rc = kvf__rdma_check_runs(rp, runs, slice, &extra);
+  /* Through the receiver's staging, its own check of every run is what counts */
+  rc = kvf__rdma_check_runs(rp, runs, slice, bounce && kvf__rdma_bounce_staged(x), &extra);
   if (rc) return rc;
   if (!bounce && !x->path && (rt->any_gpu || rp->gpu_pools) && runs_touch_gpu(rp, runs)) x->path = "rdma-gdr";
   size_t n = runs->n;
