@@ -4,8 +4,9 @@
  * and both; transfers many times larger than the staging area
  * (rdma-bounce-size 2M: 8 sending chunks and 8 receiving slots of 128 KiB),
  * in one part and in several; many small scattered descriptors; a deadline
- * and a cancel in the middle of a bounced transfer, after which the pair
- * carries verified transfers again. Every transfer's path must be
+ * and a cancel in the middle of a bounced transfer, and either daemon
+ * killed in the middle of one, after which the pair carries verified
+ * transfers again. Every transfer's path must be
  * "rdma-bounce" on both sides (but the receiver's when only the sender
  * stages: "rdma", it cannot tell) and every byte is verified (harness
  * h_transfer: the gaps between destinations are checked to be untouched).
@@ -166,11 +167,63 @@ static void test_deadline_cancel(void **state) {
   transfers("after");
 }
 
+/* Connected rdma QPs of a daemon (the data path is up, not only control). */
+static size_t connected_qps(h_client *hc) {
+  char *json = NULL;
+  size_t n = 0;
+  if (h_inspect(hc->c, KVF_INSPECT_STATUS, &json)) return 0;
+  const char *r = hj_get(json, "rdma"), *peers = r ? hj_get(r, "peers") : NULL, *p;
+  if (peers && *peers != '[') peers = NULL;
+  while (peers && (p = hj_next(&peers))) {
+    const char *qps = hj_get(p, "qps"), *q;
+    if (qps && *qps != '[') qps = NULL;
+    while (qps && (q = hj_next(&qps))) {
+      char state[32];
+      if (!hj_str(q, "state", state, sizeof state) && !strcmp(state, "connected")) n++;
+    }
+  }
+  free(json);
+  return n;
+}
+
+static void respawn(h_daemon *d, h_client *hc) {
+  h_client_close(hc);
+  H_OK(h_daemon_spawn(d));
+  H_OK(h_pair_wait_up(&E.p));
+  H_OK(h_client_open(hc, d));
+  uint64_t end = h_now_ms() + 30000;
+  while ((connected_qps(&E.pre) < 4 || connected_qps(&E.dec) < 4) && h_now_ms() < end) h_sleep_ms(50);
+  if (h_now_ms() >= end) fail_msg("rdma QPs not connected again within 30 s");
+}
+
+/* A daemon killed in the middle of a bounced transfer: the other side
+ * fails with KVF_EPEERLOST long before the deadline (120 s), and once the
+ * daemon is back the pair carries verified bounced transfers (no staging
+ * slot or chunk was lost with the peer). */
+static void peer_killed(bool receiver) {
+  char id[64];
+  h_xfer x;
+  start_big(&x, id, sizeof id, receiver ? "brx-killed" : "btx-killed", 120000);
+  H_OK(h_wait_xfer_bytes(E.pre.c, id, 8 * MIB, 20000));
+  uint64_t t0 = h_now_ms();
+  H_OK(h_daemon_kill9(receiver ? &E.p.decode : &E.p.prefill));
+  expect_end(receiver ? &E.pre : &E.dec, id, KVF_EPEERLOST, 10000);
+  fprintf(stderr, "note: %s killed: the %s failed after %llu ms\n", receiver ? "receiver" : "sender",
+          receiver ? "send" : "grant", (unsigned long long)(h_now_ms() - t0));
+  if (receiver) respawn(&E.p.decode, &E.dec);
+  else respawn(&E.p.prefill, &E.pre);
+  transfers(receiver ? "after-rx-kill" : "after-tx-kill");
+}
+
+static void test_receiver_killed(void **state) { peer_killed(true); }
+static void test_sender_killed(void **state) { peer_killed(false); }
+
 int main(void) {
   h_init();
   const struct CMUnitTest sender[] = {cmocka_unit_test(test_sender)};
   const struct CMUnitTest receiver[] = {cmocka_unit_test(test_receiver)};
-  const struct CMUnitTest both[] = {cmocka_unit_test(test_both), cmocka_unit_test(test_deadline_cancel)};
+  const struct CMUnitTest both[] = {cmocka_unit_test(test_both), cmocka_unit_test(test_deadline_cancel),
+                                    cmocka_unit_test(test_receiver_killed), cmocka_unit_test(test_sender_killed)};
   int failed = cmocka_run_group_tests_name("bounce-sender", sender, setup_sender, pair_down);
   failed += cmocka_run_group_tests_name("bounce-receiver", receiver, setup_receiver, pair_down);
   failed += cmocka_run_group_tests_name("bounce-both", both, setup_both, pair_down);
