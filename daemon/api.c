@@ -7,6 +7,7 @@
 #include "api.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <grp.h>
 #include <pwd.h>
 #include <stdio.h>
@@ -23,6 +24,7 @@
 #include "layouts.h"
 #include "metrics.h"
 #include "pool.h"
+#include "pool_engine.h"
 #include "xfer.h"
 
 #define READ_CHUNK (256u << 10)
@@ -256,47 +258,68 @@ static void pool_info(const kvf__pool *p, Kvf__PoolInfo *pi) {
   pi->kind = (char *)p->kind;
   pi->size = p->size;
   pi->backing = (char *)p->backing;
+  pi->engine = p->engine != NULL;
+  pi->nic_reg = (char *)p->nic_reg;
 }
 
+/* The daemon's pools and this client's own engine memory. */
 static void on_pools(kvf__session *s, uint64_t seq) {
-  Kvf__PoolInfo infos[KVF__MAX_POOLS_CFG], *ptrs[KVF__MAX_POOLS_CFG];
-  for (size_t i = 0; i < kvfd.n_pools; i++) {
-    pool_info(kvfd.pools[i], &infos[i]);
-    ptrs[i] = &infos[i];
+  Kvf__PoolInfo *infos = calloc(kvfd.n_pools ? kvfd.n_pools : 1, sizeof(*infos));
+  Kvf__PoolInfo **ptrs = calloc(kvfd.n_pools ? kvfd.n_pools : 1, sizeof(*ptrs));
+  if (!infos || !ptrs) {
+    free(infos);
+    free(ptrs);
+    reply_status(s, seq, -ENOMEM, "out of memory");
+    return;
   }
   Kvf__PoolsResp pr = KVF__POOLS_RESP__INIT;
+  for (uint32_t i = 0; i < kvfd.n_pools; i++) {
+    const kvf__pool *p = kvf__pool_get(i);
+    if (!kvf__pool_usable_by(p, s)) continue;
+    pool_info(p, &infos[pr.n_pools]);
+    ptrs[pr.n_pools] = &infos[pr.n_pools];
+    pr.n_pools++;
+  }
   pr.pools = ptrs;
-  pr.n_pools = kvfd.n_pools;
   Kvf__ApiResponse r = KVF__API_RESPONSE__INIT;
   r.seq = seq;
   r.body_case = KVF__API_RESPONSE__BODY_POOLS;
   r.pools = &pr;
   reply_fd(s, &r, -1);
+  free(infos);
+  free(ptrs);
 }
 
 static void on_map(kvf__session *s, uint64_t seq, const Kvf__MapReq *mr) {
-  if (mr->pool >= kvfd.n_pools) {
+  const kvf__pool *p = kvf__pool_get(mr->pool);
+  if (!kvf__pool_usable_by(p, s)) {
     reply_status(s, seq, KVF_ENOPOOL, "no such pool");
     return;
   }
+  if (p->engine) {
+    reply_status(s, seq, KVF_EINVAL, "engine memory is this client's own: it has it mapped already");
+    return;
+  }
   Kvf__PoolInfo pi;
-  pool_info(kvfd.pools[mr->pool], &pi);
+  pool_info(p, &pi);
   Kvf__MapResp mresp = KVF__MAP_RESP__INIT;
   mresp.pool = &pi;
   Kvf__ApiResponse r = KVF__API_RESPONSE__INIT;
   r.seq = seq;
   r.body_case = KVF__API_RESPONSE__BODY_MAP;
   r.map = &mresp;
-  reply_fd(s, &r, kvfd.pools[mr->pool]->fd);
+  reply_fd(s, &r, p->fd);
 }
 
+/* ctx: the session, which may name daemon pools and its own engine memory. */
 static int check_range(void *ctx, uint32_t pool, uint64_t off, uint64_t len) {
-  if (pool >= kvfd.n_pools) return KVF_ENOPOOL;
-  return kvf__pool_check_range(kvfd.pools[pool], off, len);
+  const kvf__pool *p = kvf__pool_get(pool);
+  if (!kvf__pool_usable_by(p, ctx)) return KVF_ENOPOOL;
+  return kvf__pool_check_range(p, off, len);
 }
 
-/* Copies and checks a request's descriptors against this daemon's pools. */
-static int take_descs(const Kvf__DescList *w, kvf__descs *d, char *err, size_t errlen) {
+/* Copies and checks a request's descriptors against the pools s may name. */
+static int take_descs(kvf__session *s, const Kvf__DescList *w, kvf__descs *d, char *err, size_t errlen) {
   int rc = kvf__descs_from_wire(d, w, kvfd.cfg.max_descs);
   if (rc == KVF_ELIMIT) snprintf(err, errlen, "more than max-descs (%u) descriptors", kvfd.cfg.max_descs);
   else if (rc == KVF_EPROTO)
@@ -304,7 +327,7 @@ static int take_descs(const Kvf__DescList *w, kvf__descs *d, char *err, size_t e
   else if (rc) snprintf(err, errlen, "malformed descriptor list (empty, zero length or total overflow)");
   if (rc) return rc;
   size_t bad = 0;
-  rc = kvf__descs_check(d, check_range, NULL, &bad);
+  rc = kvf__descs_check(d, check_range, s, &bad);
   if (rc) {
     snprintf(err, errlen, "descriptor %zu (pool %u, offset %llu, length %llu): %s", bad, d->pool[bad],
              (unsigned long long)d->offset[bad], (unsigned long long)d->length[bad],
@@ -368,7 +391,7 @@ static int grant_descs(kvf__session *s, const Kvf__GrantReq *g, char *err, size_
     snprintf(err, errlen, "layer events need a grant of blocks");
     return KVF_EINVAL;
   }
-  int rc = take_descs(g->descs, &d, err, errlen);
+  int rc = take_descs(s, g->descs, &d, err, errlen);
   if (rc) return rc;
   rc = kvf__xfer_grant(s, g->xfer_id, g->src_node, &d, g->deadline_ms, err, errlen);
   kvf__descs_free(&d);
@@ -417,7 +440,7 @@ static int send_part(kvf__session *s, const Kvf__SendReq *q, char *err, size_t e
     free(ids);
     return rc;
   }
-  if (rc == 0) rc = take_descs(q->descs, &d, err, errlen);
+  if (rc == 0) rc = take_descs(s, q->descs, &d, err, errlen);
   if (rc == 0) {
     rc = kvf__xfer_send(s, q->xfer_id, q->dst_node, &d, q->more, q->deadline_ms, err, errlen);
     kvf__descs_free(&d);
@@ -499,6 +522,76 @@ static void on_layout_free(kvf__session *s, uint64_t seq, const Kvf__LayoutFreeR
   reply_status(s, seq, rc, rc ? "this client has no such layout" : "");
 }
 
+/* ---------------------------------------------------------- engine memory */
+
+/* The fd that rode with the current frame (SCM_RIGHTS; libuv queues what
+ * an ipc pipe receives), or -1. The caller owns it. */
+static int take_passed_fd(kvf__session *s) {
+  if (s->sink || uv_pipe_pending_count(&s->pipe) == 0) return -1;
+  /* uv_accept opens any kind of fd as a pipe handle; we keep a dup of it
+   * and let libuv close the original with the handle (closed on a later
+   * turn of the loop, hence on the heap). */
+  uv_pipe_t *tmp = malloc(sizeof(*tmp));
+  if (!tmp) return -1;
+  uv_os_fd_t fd = -1;
+  int dup_fd = -1;
+  uv_pipe_init(A.loop, tmp, 0);
+  if (uv_accept((uv_stream_t *)&s->pipe, (uv_stream_t *)tmp) == 0 && uv_fileno((uv_handle_t *)tmp, &fd) == 0)
+    dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  uv_close((uv_handle_t *)tmp, on_fdpipe_closed);
+  return dup_fd;
+}
+
+/* fds no frame asked for are closed, not kept: a client cannot make the
+ * daemon hold its files. */
+static void drop_stray_fds(kvf__session *s) {
+  int fd;
+  while ((fd = take_passed_fd(s)) >= 0) {
+    close(fd);
+    kvf__debug("client %u (pid %d): closed an fd that no request asked for", s->id, (int)s->pid);
+  }
+}
+
+static void on_mem_register(kvf__session *s, uint64_t seq, const Kvf__MemRegisterReq *q) {
+  char err[256] = "";
+  int fd = q->has_fd ? take_passed_fd(s) : -1;
+  int rc = 0;
+  if (q->has_fd && fd < 0) {
+    snprintf(err, sizeof(err), "the request says an fd rides with it, and none came");
+    rc = KVF_EINVAL;
+  }
+  kvf__pool *p = NULL;
+  kvf__mem_timing t = {0};
+  if (rc == 0) rc = kvf__pool_engine_add(s, q, fd, &p, &t, err, sizeof(err));
+  else if (fd >= 0) close(fd);
+  if (rc) {
+    reply_status(s, seq, rc, err);
+    return;
+  }
+  Kvf__PoolInfo pi;
+  pool_info(p, &pi);
+  Kvf__MemRegisterResp mr = KVF__MEM_REGISTER_RESP__INIT;
+  mr.pool = &pi;
+  mr.import_ns = t.import_ns;
+  mr.nic_ns = t.nic_ns;
+  Kvf__ApiResponse r = KVF__API_RESPONSE__INIT;
+  r.seq = seq;
+  r.body_case = KVF__API_RESPONSE__BODY_MEM_REGISTER;
+  r.mem_register = &mr;
+  reply_fd(s, &r, -1);
+}
+
+/* The client's layouts on the pool go with it (they could not be used). */
+static void on_mem_unregister(kvf__session *s, uint64_t seq, const Kvf__MemUnregisterReq *q) {
+  char err[256] = "";
+  int rc = kvf__pool_engine_removable(s, q->pool, err, sizeof(err));
+  if (rc == 0) {
+    kvf__layouts_pool_gone(s, q->pool);
+    rc = kvf__pool_engine_remove(s, q->pool, err, sizeof(err));
+  }
+  reply_status(s, seq, rc, err);
+}
+
 static void on_inspect(kvf__session *s, uint64_t seq, const Kvf__InspectReq *q) {
   char *text = kvf__inspect_render(q->what, q->json);
   if (!text) {
@@ -541,6 +634,8 @@ static void on_request(kvf__session *s, const Kvf__ApiRequest *q) {
   case KVF__API_REQUEST__BODY_INSPECT: on_inspect(s, q->seq, q->inspect); break;
   case KVF__API_REQUEST__BODY_LAYOUT: on_layout(s, q->seq, q->layout); break;
   case KVF__API_REQUEST__BODY_LAYOUT_FREE: on_layout_free(s, q->seq, q->layout_free); break;
+  case KVF__API_REQUEST__BODY_MEM_REGISTER: on_mem_register(s, q->seq, q->mem_register); break;
+  case KVF__API_REQUEST__BODY_MEM_UNREGISTER: on_mem_unregister(s, q->seq, q->mem_unregister); break;
   default: reply_status(s, q->seq, KVF_EPROTO, "unknown request"); break;
   }
 }
@@ -559,6 +654,7 @@ static void session_close(kvf__session *s, const char *why) {
   if (why) kvf__info("client %u (%s, pid %d): %s", s->id, s->name, (int)s->pid, why);
   kvf__xfer_session_gone(s);
   kvf__layouts_session_gone(s);
+  kvf__pool_engine_session_gone(s);
   if (s->prev) s->prev->next = s->next;
   else A.head = s->next;
   if (s->next) s->next->prev = s->prev;
@@ -603,6 +699,7 @@ static void drain_frames(kvf__session *s) {
     }
     on_request(s, q);
     kvf__api_request__free_unpacked(q, NULL);
+    if (!s->closing) drop_stray_fds(s);
   }
 }
 

@@ -382,6 +382,8 @@ static bool valid_name(const char *s) {
   return true;
 }
 
+bool kvf__config_valid_name(const char *s) { return valid_name(s); }
+
 /* Copies a string into a fixed field, zeroing the rest so that equal
  * configurations are equal byte for byte whatever their history. */
 static void set_str(char *dst, size_t cap, const char *src) {

@@ -85,6 +85,8 @@ typedef struct kvf__config {
   char cluster_key_file[256];      /* "" = off: peers are not authenticated */
 } kvf__config;
 
+/* A node, pool or peer name: 1..KVF__NAME_MAX of [A-Za-z0-9._-]. */
+bool kvf__config_valid_name(const char *s);
 /* Sets every key to its default. */
 void kvf__config_defaults(kvf__config *cfg);
 /* Parses a config file over the current values. On error returns a negative

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "api.h"
+#include "pool_engine.h"
 #include "auth.h"
 #include "cuda/gpu.h"
 #include "kvferryd.h"
@@ -23,16 +24,26 @@ static void peer_addr(const kvf__peer *p, char *buf, size_t len) {
   snprintf(buf, len, strchr(h, ':') ? "[%s]:%u" : "%s:%u", h, p->cfg.port);
 }
 
+/* Engine memory: the pid of the client that registered it (0: its client
+ * went away and a transfer still holds it), -1 for daemon pools. */
+static int owner_pid(const kvf__pool *p) {
+  if (!p->engine) return -1;
+  return p->owner ? (int)kvf__api_session_pid(p->owner) : 0;
+}
+
 static void pools_json(kvf__sbuf *b) {
   kvf__sb_printf(b, "[");
+  const char *sep = "";
   for (size_t i = 0; i < kvfd.n_pools; i++) {
     const kvf__pool *p = kvfd.pools[i];
-    kvf__sb_printf(b, "%s{\"id\": %u, \"name\": ", i ? ", " : "", p->id);
+    if (!p) continue;
+    kvf__sb_printf(b, "%s{\"id\": %u, \"name\": ", sep, p->id);
+    sep = ", ";
     kvf__sb_json_str(b, p->name);
     kvf__sb_printf(b, ", \"kind\": \"%s\", \"size\": %llu, \"backing\": \"%s\", \"locked\": %s, "
-                      "\"registration\": \"%s\", \"cuda_mapped\": %s}",
+                      "\"registration\": \"%s\", \"cuda_mapped\": %s, \"engine\": %s, \"owner_pid\": %d}",
                    p->kind, (unsigned long long)p->size, p->backing, p->locked ? "true" : "false", p->nic_reg,
-                   kvf__pool_gpu(p) || p->dev_alias ? "true" : "false");
+                   kvf__pool_gpu(p) || p->dev_alias ? "true" : "false", p->engine ? "true" : "false", owner_pid(p));
   }
   kvf__sb_printf(b, "]");
 }
@@ -88,12 +99,13 @@ static void render_status(kvf__sbuf *b, int json) {
                       "api socket      %s\npeer listen     %s:%d\nclients         %zu\npeers           %zu up of %zu\n"
                       "transfers       %zu active (%zu grants, %zu sends), %zu pre-grants, %zu waiting sends\n"
                       "completed       %llu done, %llu failed\nbytes           %llu sent, %llu received\n"
-                      "pools           %zu\n",
+                      "pools           %zu (%zu engine memory)\n",
                    kvfd.cfg.node, KVF__VERSION, (int)getpid(), up, kvfd.cfg.api_socket, kvfd.cfg.listen_host,
                    kvf__peers_listen_port(), kvf__api_sessions(), peers_up(), kvf__peer_count(), xc.active,
                    xc.grants, xc.sends, xc.pregrants, xc.intents, (unsigned long long)st->transfers_done,
                    (unsigned long long)st->transfers_failed, (unsigned long long)st->bytes_sent,
-                   (unsigned long long)st->bytes_received, kvfd.n_pools);
+                   (unsigned long long)st->bytes_received, kvfd.cfg.n_pools + kvf__pool_engine_count(),
+                   kvf__pool_engine_count());
     kvf__sb_printf(b, "metrics         %s\nstate           %s\ncuda            %s\n",
                    kvf__metrics_url()[0] ? kvf__metrics_url() : "off", run_state(), kvf__gpu_why());
     kvf__sb_printf(b, "auth            %s (%llu refused)\n", auth_mode(),
@@ -117,7 +129,7 @@ static void render_status(kvf__sbuf *b, int json) {
                  (unsigned long long)st->bytes_received, (unsigned long long)st->api_errors,
                  (unsigned long long)st->peer_errors, kvf__transport_find("rdma") ? "\"rdma\", " : "");
   pools_json(b);
-  kvf__sb_printf(b, ", \"metrics\": ");
+  kvf__sb_printf(b, ", \"engine_pools\": %zu, \"metrics\": ", kvf__pool_engine_count());
   kvf__sb_json_str(b, kvf__metrics_url());
   kvf__sb_printf(b, ", \"state\": \"%s\"", run_state());
   kvf__sb_printf(b, ", \"auth\": \"%s\", \"auth_failures\": %llu", auth_mode(),
@@ -149,11 +161,12 @@ static void render_pools(kvf__sbuf *b, int json) {
     kvf__sb_printf(b, "}\n");
     return;
   }
-  kvf__sb_printf(b, "%-4s %-20s %-8s %14s %-14s %-6s %s\n", "ID", "NAME", "KIND", "SIZE", "BACKING", "LOCKED",
+  kvf__sb_printf(b, "%-4s %-20s %-8s %14s %-17s %-6s %s\n", "ID", "NAME", "KIND", "SIZE", "BACKING", "LOCKED",
                  "NIC REGISTRATION");
   for (size_t i = 0; i < kvfd.n_pools; i++) {
     const kvf__pool *p = kvfd.pools[i];
-    kvf__sb_printf(b, "%-4u %-20s %-8s %14llu %-14s %-6s %s\n", p->id, p->name, p->kind,
+    if (!p) continue;
+    kvf__sb_printf(b, "%-4u %-20s %-8s %14llu %-17s %-6s %s\n", p->id, p->name, p->kind,
                    (unsigned long long)p->size, p->backing, p->locked ? "yes" : "no",
                    kvf__pool_gpu(p) && strcmp(p->nic_reg, "none") == 0 ? "none (tcp-bounce)" : p->nic_reg);
   }
@@ -227,7 +240,8 @@ static void render_layouts(kvf__sbuf *b, int json) {
   int first = 1;
   for (const kvf__layout *l = kvf__layouts_first(); l; l = kvf__layouts_next(l)) {
     const kvf__lgeom *g = &l->geom;
-    const char *pool = l->pool < kvfd.n_pools ? kvfd.pools[l->pool]->name : "?";
+    const kvf__pool *lp = kvf__pool_get(l->pool);
+    const char *pool = lp ? lp->name : "?";
     if (!json) {
       kvf__sb_printf(b, "%-6u %-7u %-8d %-16s %6u %3u %8u %10llu %10llu %u x %u x %u x %u, %s\n", l->id,
                      kvf__api_session_id(l->owner), (int)kvf__api_session_pid(l->owner), pool, l->n_layers,

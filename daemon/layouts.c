@@ -8,6 +8,7 @@
 #include "cuda/gpu.h"
 #include "kvferryd.h"
 #include "pool.h"
+#include "pool_engine.h"
 
 typedef struct entry {
   kvf__layout l;
@@ -28,11 +29,12 @@ static size_t owned_by(const kvf__session *owner) {
 }
 
 int kvf__layouts_add(kvf__session *owner, kvf__layout *l, uint32_t *id, char *err, size_t errlen) {
-  if (l->pool >= kvfd.n_pools) {
+  const kvf__pool *p = kvf__pool_get(l->pool);
+  if (!kvf__pool_usable_by(p, owner)) {
     snprintf(err, errlen, "layout: no pool %u", l->pool);
     return KVF_ENOPOOL;
   }
-  int rc = kvf__layout_validate(l, kvfd.pools[l->pool]->size, err, errlen);
+  int rc = kvf__layout_validate(l, p->size, err, errlen);
   if (rc) return rc;
   if (owned_by(owner) >= KVF__LAYOUTS_PER_CLIENT) {
     snprintf(err, errlen, "this client has %u layouts registered", KVF__LAYOUTS_PER_CLIENT);
@@ -44,8 +46,8 @@ int kvf__layouts_add(kvf__session *owner, kvf__layout *l, uint32_t *id, char *er
   e->l.id = ++Y.next_id ? Y.next_id : ++Y.next_id; /* 0 is never an id */
   e->l.owner = owner;
   e->l.refs = 1;
-  if (kvf__pool_gpu(kvfd.pools[l->pool])) {
-    rc = kvf__gpu_layout_upload(kvfd.pools[l->pool]->cuda_dev, e->l.offsets, (size_t)l->n_layers * l->n_kv,
+  if (kvf__pool_gpu(p)) {
+    rc = kvf__gpu_layout_upload(p->cuda_dev, e->l.offsets, (size_t)l->n_layers * l->n_kv,
                                 &e->l.gpu);
     if (rc) {
       snprintf(err, errlen, "layout: cannot put its offsets on the GPU: %s", kvf_strerror(rc));
@@ -97,6 +99,13 @@ void kvf__layouts_session_gone(kvf__session *owner) {
   for (entry *e = Y.head, *next; e; e = next) {
     next = e->next;
     if (e->l.owner == owner) unlist(e);
+  }
+}
+
+void kvf__layouts_pool_gone(kvf__session *owner, uint32_t pool) {
+  for (entry *e = Y.head, *next; e; e = next) {
+    next = e->next;
+    if (e->l.owner == owner && e->l.pool == pool) unlist(e);
   }
 }
 

@@ -18,6 +18,8 @@ kvf__layout *kvf__layouts_get(const kvf__session *owner, uint32_t id);
 /* KVF_ENOENT when owner has no layout id. */
 int kvf__layouts_free(kvf__session *owner, uint32_t id);
 void kvf__layouts_session_gone(kvf__session *owner);
+/* owner's layouts on pool: freed (the pool goes, kvf_mem_unregister). */
+void kvf__layouts_pool_gone(kvf__session *owner, uint32_t pool);
 void kvf__layout_hold(kvf__layout *l);
 void kvf__layout_release(kvf__layout *l);
 /* Registered layouts, oldest first (freed ones still held are not listed). */

@@ -21,6 +21,7 @@
 #include "notify.h"
 #include "peer.h"
 #include "pool.h"
+#include "pool_engine.h"
 #include "transport/transport.h"
 #include "xfer.h"
 
@@ -72,7 +73,8 @@ static void report_auth(void) {
 }
 
 static int create_pools(void) {
-  kvfd.pools = calloc(kvfd.cfg.n_pools ? kvfd.cfg.n_pools : 1, sizeof(kvf__pool *));
+  /* room for engine memory (pool_engine.c) after the config's pools */
+  kvfd.pools = calloc(KVF__POOLS_MAX, sizeof(kvf__pool *));
   if (!kvfd.pools) return -ENOMEM;
   for (size_t i = 0; i < kvfd.cfg.n_pools; i++) {
     char err[256];
@@ -256,6 +258,7 @@ int main(int argc, char **argv) {
   uv_walk(kvfd.loop, close_walk, NULL);
   uv_run(kvfd.loop, UV_RUN_DEFAULT);
   uv_loop_close(kvfd.loop);
+  kvf__pool_engine_shutdown();
   for (size_t i = 0; i < kvfd.n_pools; i++) kvf__pool_destroy(kvfd.pools[i]);
   free(kvfd.pools);
   kvf__gpu_shutdown();

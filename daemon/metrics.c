@@ -354,6 +354,7 @@ static void granted_bytes(uint64_t *out, size_t n_pools) {
 /* One line per pool: name{pool=".."} value. */
 static void pool_lines(kvf__sbuf *b, const char *name, const uint64_t *v) {
   for (size_t i = 0; i < kvfd.n_pools; i++) {
+    if (!kvfd.pools[i]) continue;
     kvf__sb_printf(b, "%s{pool=", name);
     kvf__metrics_label(b, kvfd.pools[i]->name);
     kvf__sb_printf(b, "} %llu\n", (unsigned long long)v[i]);
@@ -361,12 +362,13 @@ static void pool_lines(kvf__sbuf *b, const char *name, const uint64_t *v) {
 }
 
 static void render_pools(kvf__sbuf *b) {
-  uint64_t v[KVF__MAX_POOLS_CFG];
-  size_t n = kvfd.n_pools < KVF__MAX_POOLS_CFG ? kvfd.n_pools : KVF__MAX_POOLS_CFG;
+  static uint64_t v[KVF__POOLS_MAX]; /* the loop thread's */
+  size_t n = kvfd.n_pools;
   kvf__metrics_family(b, "kvferry_pool_size_bytes", "gauge",
-                      "Size of each memory pool, with its kind and backing.");
+                      "Size of each memory pool, with its kind and backing (engine-* for engine memory).");
   for (size_t i = 0; i < n; i++) {
     const kvf__pool *p = kvfd.pools[i];
+    if (!p) continue;
     kvf__sb_printf(b, "kvferry_pool_size_bytes{pool=");
     kvf__metrics_label(b, p->name);
     kvf__sb_printf(b, ",kind=");
@@ -377,7 +379,7 @@ static void render_pools(kvf__sbuf *b) {
   }
   kvf__metrics_family(b, "kvferry_pool_locked", "gauge",
                       "1 when the pool is locked in RAM (mlock succeeded).");
-  for (size_t i = 0; i < n; i++) v[i] = kvfd.pools[i]->locked;
+  for (size_t i = 0; i < n; i++) v[i] = kvfd.pools[i] && kvfd.pools[i]->locked;
   pool_lines(b, "kvferry_pool_locked", v);
   kvf__metrics_family(b, "kvferry_pool_granted_bytes", "gauge",
                       "Bytes of each pool reserved by active receive grants.");

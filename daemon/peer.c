@@ -169,7 +169,10 @@ static void send_hello(kvf__pconn *c) {
   h.transports = names;
   h.n_transports = P.n_tps;
   Kvf__PoolInfo infos[KVF__MAX_POOLS_CFG], *ptrs[KVF__MAX_POOLS_CFG];
-  for (size_t i = 0; i < kvfd.n_pools && i < KVF__MAX_POOLS_CFG; i++) {
+  /* The config's pools: engine memory that comes later reaches a peer in
+   * the grants that name it. */
+  size_t n_pools = kvfd.cfg.n_pools < KVF__MAX_POOLS_CFG ? kvfd.cfg.n_pools : KVF__MAX_POOLS_CFG;
+  for (size_t i = 0; i < n_pools; i++) {
     kvf__pool_info__init(&infos[i]);
     infos[i].id = (uint32_t)i;
     infos[i].name = (char *)kvfd.cfg.pools[i].name;
@@ -178,7 +181,7 @@ static void send_hello(kvf__pconn *c) {
     ptrs[i] = &infos[i];
   }
   h.pools = ptrs;
-  h.n_pools = kvfd.n_pools;
+  h.n_pools = n_pools;
   /* What each transport says of itself (rdma: where its devices listen
    * and the rkeys of our pools on each). */
   for (size_t i = 0; i < KVF__TRANSPORTS_MAX; i++)

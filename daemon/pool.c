@@ -15,6 +15,7 @@
 #include "kvferry.h"
 #include "kvferryd.h"
 #include "log.h"
+#include "pool_engine.h"
 
 #ifndef MFD_HUGETLB
 #define MFD_HUGETLB 0x0004U
@@ -158,6 +159,7 @@ void kvf__pool_destroy(kvf__pool *p) {
 
 int kvf__pool_dmabuf(const kvf__pool *p, int *fd, uint64_t *offset) {
   if (!kvf__pool_gpu(p)) return -EINVAL;
+  if (p->engine) return kvf__pool_engine_dmabuf(p, fd, offset);
   kvf__gpu_mem m = {.dev = p->cuda_dev, .size = p->size, .dptr = (uint64_t)(uintptr_t)p->base,
                     .handle = p->cu_handle, .fd = p->fd};
   return kvf__gpu_mem_dmabuf(&m, fd, offset);

@@ -33,6 +33,7 @@
 #include "map.h"
 #include "metrics.h"
 #include "peer.h"
+#include "pool_engine.h"
 #ifdef KVF_FAILPOINTS
 #include "failpoint.h"
 #endif
@@ -235,8 +236,54 @@ static void tp_grant_free(kvf__tp_grant *t) {
   memset(t, 0, sizeof(*t));
 }
 
+/* What a transport's failed post means, for the event. */
+static const char *post_failure(int status) {
+  switch (status) {
+  case KVF_EPERM: return "the receiver refused a write (outside its memory windows, or after they were invalidated)";
+  case -EFAULT: return "the memory of a pool went away under the copy (an engine's memory file shrank)";
+  default: return "the transport failed";
+  }
+}
+
+/* Engine memory a transfer names stays registered until the transfer is
+ * gone (kvf_mem_unregister meanwhile: KVF_EBUSY). Only our own pools. */
+static int hold_pool(kvf__xfer *x, uint32_t pool) {
+  if (!kvf__pool_is_engine(pool)) return 0;
+  for (uint32_t i = 0; i < x->n_held; i++)
+    if (x->held[i] == pool) return 0;
+  if (x->n_held == x->cap_held) {
+    uint32_t cap = x->cap_held ? 2 * x->cap_held : 2;
+    uint32_t *v = realloc(x->held, cap * sizeof(*v));
+    if (!v) return -ENOMEM;
+    x->held = v;
+    x->cap_held = cap;
+  }
+  x->held[x->n_held++] = pool;
+  kvf__pool_engine_hold(pool);
+  return 0;
+}
+
+static int hold_descs(kvf__xfer *x, const kvf__descs *d) {
+  uint32_t last = UINT32_MAX;
+  for (size_t i = 0; i < d->n; i++) {
+    if (d->pool[i] == last) continue;
+    last = d->pool[i];
+    int rc = hold_pool(x, last);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
+static void release_pools(kvf__xfer *x) {
+  for (uint32_t i = 0; i < x->n_held; i++) kvf__pool_engine_release(x->held[i]);
+  free(x->held);
+  x->held = NULL;
+  x->n_held = x->cap_held = 0;
+}
+
 static void free_after_close(uv_handle_t *h) {
   kvf__xfer *x = h->data;
+  release_pools(x);
   kvf__descs_free(&x->dst);
   kvf__xblocks_free(&x->mine);
   if (x->role == KVF__SEND) {
@@ -731,9 +778,11 @@ int kvf__xfer_send(kvf__session *s, const char *id, const char *dst_node,
     snprintf(err, errlen, "transfer '%s' sends blocks: a part of descriptors cannot continue it", id);
     return KVF_EINVAL;
   }
+  if (x && (rc = hold_descs(x, descs)) != 0) return rc;
   if (x) return continue_send(x, descs, !more);
   if ((rc = send_new(s, id, dst_node, p, deadline_ms, &x, err, errlen)) != 0) return rc;
-  rc = queue_part(x, descs, !more);
+  rc = hold_descs(x, descs);
+  if (rc == 0) rc = queue_part(x, descs, !more);
   if (rc) {
     xfer_destroy(x); /* unseen: no event follows an error */
     return rc;
@@ -758,7 +807,8 @@ int kvf__xfer_send_blocks(kvf__session *s, const char *id, const char *dst_node,
     return KVF_EINVAL;
   }
   if ((rc = send_new(s, id, dst_node, p, deadline_ms, &x, err, errlen)) != 0) return rc;
-  rc = kvf__xsend_blocks_begin(x, b);
+  rc = hold_pool(x, b->layout->pool);
+  if (rc == 0) rc = kvf__xsend_blocks_begin(x, b);
   if (rc == 0) rc = kvf__xsend_part_take(x, &v, !more);
   if (rc) {
     xfer_destroy(x); /* unseen: no event follows an error */
@@ -836,6 +886,10 @@ int kvf__xfer_grant(kvf__session *s, const char *id, const char *src_node,
   if (!x) return -ENOMEM;
   x->dst = *descs;
   memset(descs, 0, sizeof(*descs));
+  if ((rc = hold_descs(x, &x->dst)) != 0) {
+    xfer_destroy(x);
+    return rc;
+  }
   return grant_start(x, src_node, src);
 }
 
@@ -857,6 +911,10 @@ int kvf__xfer_grant_blocks(kvf__session *s, const char *id, const char *src_node
   kvf__xblocks_take(&x->mine, b, &v);
   x->recv.layer_events = b->layer_events;
   x->recv.landed = landed;
+  if ((rc = hold_pool(x, b->layout->pool)) != 0) {
+    xfer_destroy(x);
+    return rc;
+  }
   return grant_start(x, src_node, src);
 }
 
@@ -961,11 +1019,7 @@ void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
     return;
   }
   if (status) {
-    kvf__xfer_fail(x, status,
-         status == KVF_EPERM ? "the receiver refused a write (outside its memory windows, or after they were "
-                               "invalidated)"
-                             : "the transport failed",
-         true, status);
+    kvf__xfer_fail(x, status, post_failure(status), true, status);
     return;
   }
   if (s->parts_out > 0) return;

@@ -248,6 +248,8 @@ struct kvf__xfer {
     kvf__xrecv recv;
     kvf__xsend send;
   };
+  uint32_t *held;             /* engine pools of ours it names, held until */
+  uint32_t n_held, cap_held;  /* it is gone (pool_engine.h) */
   kvf__xfer *prev, *next;     /* every live transfer */
 };
 

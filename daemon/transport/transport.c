@@ -34,6 +34,7 @@ static int def_pool_added(kvf__transport *t, kvf__pool *p, char *err, size_t err
   snprintf(err, errlen, "the %s transport cannot take memory registered after start", t->ops->name);
   return -EOPNOTSUPP;
 }
+int kvf__transport_pool_mapped(kvf__transport *t, kvf__pool *p, char *err, size_t errlen) { return 0; }
 static void def_pool_removed(kvf__transport *t, kvf__pool *p) {}
 static void def_hello(kvf__transport *t, Kvf__Hello *h) {}
 static const char *def_protection(kvf__transport *t) { return NULL; }

@@ -125,6 +125,10 @@ void kvf__transport_init(kvf__transport *t, const kvf__transport_ops *ops, uv_lo
  * its own way hands it the others. */
 int kvf__transport_post_block_runs(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last);
 
+/* pool_added for a transport that reaches every pool through the daemon's
+ * own mapping (tcp, local): nothing to register. */
+int kvf__transport_pool_mapped(kvf__transport *t, kvf__pool *p, char *err, size_t errlen);
+
 /* t's state for peer p (NULL when it has none), and setting it. */
 static inline void *kvf__transport_peer(const kvf__transport *t, const kvf__peer *p) {
   return p->tp_slot[t->slot];

@@ -368,6 +368,59 @@ def frame(msg):
     return struct.pack("<I", len(msg)) + msg
 
 
+def request(seq, body_num, body):
+    """An ApiRequest frame: seq and one body field."""
+    return frame(field_varint(1, seq) + field_bytes(body_num, body))
+
+
+def hello_frame(seq, name):
+    return request(seq, 10, field_varint(1, 1) + field_bytes(2, name))
+
+
+class Raw:
+    """A client that writes frames and reads ApiMessages."""
+
+    def __init__(self, path):
+        self.s = socket.socket(socket.AF_UNIX)
+        self.s.settimeout(5)
+        self.s.connect(path)
+        self.buf = b""
+
+    def write(self, frame, fds=()):
+        """Sends a frame; fds ride with its first byte (SCM_RIGHTS), as
+        libkvferry sends them."""
+        if fds:
+            n = socket.send_fds(self.s, [frame], list(fds))
+            if n < len(frame):
+                self.s.sendall(frame[n:])
+        else:
+            self.s.sendall(frame)
+
+    def next(self, timeout=5.0):
+        """('response', seq, status, fields) or ('event', id, status, fields);
+        None when nothing comes within timeout."""
+        self.s.settimeout(timeout)
+        while len(self.buf) < 4 or len(self.buf) < 4 + struct.unpack("<I", self.buf[:4])[0]:
+            try:
+                chunk = self.s.recv(65536)
+            except socket.timeout:
+                return None
+            if not chunk:
+                raise AssertionError("the daemon closed the connection")
+            self.buf += chunk
+        n = struct.unpack("<I", self.buf[:4])[0]
+        msg, self.buf = pb_decode(self.buf[4:4 + n]), self.buf[4 + n:]
+        if 1 in msg:
+            r = pb_decode(msg[1][0])
+            return ("response", r.get(1, [0])[0], zigzag(r.get(2, [0])[0]), r)
+        e = pb_decode(msg[2][0])
+        return ("event", e.get(2, [b""])[0], zigzag(e.get(3, [0])[0]), e)
+
+    def close(self):
+        self.s.close()
+
+
+
 # ---------------------------------------------------------------- TAP
 
 class TapResult(unittest.TestResult):

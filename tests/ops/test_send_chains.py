@@ -5,9 +5,7 @@ whole call; a frame that changes the transfer id fails the call with
 KVF_EPROTO and withdraws, without an event, the send the call began. The
 library's side (splitting, refusals in later frames) is tested through
 libkvferry in tests/integration/test_errors.c."""
-import socket
 import struct
-import time
 import unittest
 
 import kvftest
@@ -16,15 +14,14 @@ KVF_EPROTO = -4009
 KVF_ECANCELED = -4013
 
 
-from kvftest import field_bytes as ld, field_varint, frame, pb_decode as fields, zigzag
+from kvftest import field_bytes as ld, field_varint, pb_decode as fields
 
 
-def request(seq, body_num, body):
-    return frame(field_varint(1, seq) + ld(body_num, body))
+from kvftest import Raw, request
 
 
 def hello(seq):
-    return request(seq, 10, field_varint(1, 1) + ld(2, b"test_send_chains"))
+    return kvftest.hello_frame(seq, "test_send_chains")
 
 
 def send(seq, xfer_id, node, pool, off, length, chained):
@@ -39,42 +36,6 @@ def send(seq, xfer_id, node, pool, off, length, chained):
 
 def cancel(seq, xfer_id):
     return request(seq, 15, ld(1, xfer_id))
-
-
-class Raw:
-    """A client that writes frames and reads ApiMessages."""
-
-    def __init__(self, path):
-        self.s = socket.socket(socket.AF_UNIX)
-        self.s.settimeout(5)
-        self.s.connect(path)
-        self.buf = b""
-
-    def write(self, frame):
-        self.s.sendall(frame)
-
-    def next(self, timeout=5.0):
-        """('response', seq, status, fields) or ('event', id, status, fields);
-        None when nothing comes within timeout."""
-        self.s.settimeout(timeout)
-        while len(self.buf) < 4 or len(self.buf) < 4 + struct.unpack("<I", self.buf[:4])[0]:
-            try:
-                chunk = self.s.recv(65536)
-            except socket.timeout:
-                return None
-            if not chunk:
-                raise AssertionError("the daemon closed the connection")
-            self.buf += chunk
-        n = struct.unpack("<I", self.buf[:4])[0]
-        msg, self.buf = fields(self.buf[4:4 + n]), self.buf[4 + n:]
-        if 1 in msg:
-            r = fields(msg[1][0])
-            return ("response", r.get(1, [0])[0], zigzag(r.get(2, [0])[0]), r)
-        e = fields(msg[2][0])
-        return ("event", e.get(2, [b""])[0], zigzag(e.get(3, [0])[0]), e)
-
-    def close(self):
-        self.s.close()
 
 
 class SendChains(unittest.TestCase):

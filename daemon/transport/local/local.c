@@ -25,6 +25,7 @@
 
 #include "cuda/gpu.h"
 #include "pool.h"
+#include "pool_engine.h"
 #include "xfer.h"
 
 typedef struct local_transport local_transport;
@@ -82,9 +83,11 @@ static void do_copy(uv_work_t *req) {
   copy_job *j = req->data;
   if (!j->gpu) {
     j->t_start = kvf__now_ns();
-    for (size_t i = 0; i < j->runs.n; i++) {
+    /* guarded: engine memory may be a file its engine shrinks (pool_engine.c) */
+    for (size_t i = 0; i < j->runs.n && j->rc == 0; i++) {
       const kvf__run *r = &j->runs.v[i];
-      memcpy(kvfd.pools[r->dst_pool]->base + r->dst_off, kvfd.pools[r->src_pool]->base + r->src_off, r->len);
+      j->rc = kvf__pool_copy(kvfd.pools[r->dst_pool]->base + r->dst_off, kvfd.pools[r->src_pool]->base + r->src_off,
+                             r->len);
     }
     return;
   }
@@ -282,6 +285,7 @@ static void local_destroy(kvf__transport *t) {
 static const kvf__transport_ops local_ops = {
     .name = "local",
     .post = local_post,
+    .pool_added = kvf__transport_pool_mapped,
     .post_blocks = local_post_blocks,
     .inspect = local_inspect,
     .destroy = local_destroy,

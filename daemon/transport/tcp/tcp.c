@@ -1345,6 +1345,7 @@ static const kvf__transport_ops tcp_ops = {
     .abort = tcp_abort,
     .grant_open = tcp_grant_open,
     .grant_close = tcp_grant_close,
+    .pool_added = kvf__transport_pool_mapped,
     .peer_up = tcp_peer_up,
     .peer_down = tcp_peer_down,
     .inspect = tcp_inspect,
