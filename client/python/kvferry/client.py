@@ -181,7 +181,8 @@ class _Region:
 class Pool(_Region):
     """A daemon-owned memory pool (kvf_pool_info). Its memory is mapped into
     this process on first use (kvf_pool_map) and stays mapped until the
-    client is closed."""
+    client is closed. .engine: engine memory (an EnginePool when this
+    client registered it); .nic_reg: how NICs reach it."""
 
     def __init__(self, client, info):
         self._client = client
@@ -189,13 +190,12 @@ class Pool(_Region):
         self.name = info.name.decode()
         self.kind = info.kind.decode()
         self.backing = info.backing.decode()
+        self.engine = bool(info.engine)  # engine memory (Client.register)
+        self.nic_reg = info.nic_reg.decode()
         super().__init__(self, 0, info.size)
 
     def _mapped_address(self):
         return self._client._map(self.id)[0]
-
-        self.engine = bool(getattr(info, "engine", 0))
-        self.nic_reg = info.nic_reg.decode() if hasattr(info, "nic_reg") else ""
 
     def __repr__(self):
         return "Pool(id=%d, name=%r, kind=%r, backing=%r, size=%d, engine=%r)" % (
