@@ -1425,8 +1425,10 @@ static int layout_to_wire(const kvf_layout *l, uint32_t pool, Kvf__Layout *w, ui
   return 0;
 }
 
-/* Registers l with its pool as the daemon's id pool; *did: the layout's. */
-static int layout_request(kvf_client *c, const kvf_layout *l, uint32_t pool, uint64_t gen, bool restoring,
+/* Registers l with its pool as the daemon's id pool; *did: the layout's.
+ * restoring: on the reader thread, which reads the answer itself, and
+ * *answered says whether it came (a refusal, not a broken stream). */
+static int layout_request(kvf_client *c, const kvf_layout *l, uint32_t pool, uint64_t gen, bool *restoring,
                           uint32_t *did) {
   Kvf__Layout w;
   uint8_t *packed;
@@ -1438,7 +1440,7 @@ static int layout_request(kvf_client *c, const kvf_layout *l, uint32_t pool, uin
   req.body_case = KVF__API_REQUEST__BODY_LAYOUT;
   req.layout = &body;
   Kvf__ApiMessage *msg;
-  rc = restoring ? sync_call(c, &req, -1, KVF__API_RESPONSE__BODY_LAYOUT, &msg, NULL)
+  rc = restoring ? sync_call_answered(c, &req, -1, KVF__API_RESPONSE__BODY_LAYOUT, &msg, NULL, restoring)
                  : call_on(c, gen, &req, -1, KVF__API_RESPONSE__BODY_LAYOUT, &msg, NULL);
   free(packed);
   if (rc) return rc;
@@ -1464,7 +1466,7 @@ KVF_API int kvf_layout_register(kvf_client *c, const kvf_layout *l, uint32_t *id
   uint32_t pool, did;
   uint64_t gen;
   int rc = id_out_on(c, &c->pools, l->pool, &pool, &gen);
-  if (!rc) rc = layout_request(c, l, pool, gen, false, &did);
+  if (!rc) rc = layout_request(c, l, pool, gen, NULL, &did);
   if (rc) {
     free(lc);
     return rc;
@@ -1608,9 +1610,8 @@ static void mem_request(const struct engine_mem *em, const char *name, Kvf__MemR
   body->has_fd = *fd_out >= 0;
 }
 
-/* Registers em with the daemon; *info: the pool it became. */
-static int mem_register_call(kvf_client *c, const struct engine_mem *em, const char *name, bool restoring,
-                             Kvf__ApiMessage **msg) {
+/* Registers em with the daemon; *msg: the answer, with the pool it became. */
+static int mem_register_call(kvf_client *c, const struct engine_mem *em, const char *name, Kvf__ApiMessage **msg) {
   Kvf__MemRegisterReq body;
   char kind[24];
   int fd;
@@ -1618,8 +1619,7 @@ static int mem_register_call(kvf_client *c, const struct engine_mem *em, const c
   Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
   req.body_case = KVF__API_REQUEST__BODY_MEM_REGISTER;
   req.mem_register = &body;
-  int rc = restoring ? sync_call(c, &req, fd, KVF__API_RESPONSE__BODY_MEM_REGISTER, msg, NULL)
-                     : call_on(c, ANY_GEN, &req, fd, KVF__API_RESPONSE__BODY_MEM_REGISTER, msg, NULL);
+  int rc = call_on(c, ANY_GEN, &req, fd, KVF__API_RESPONSE__BODY_MEM_REGISTER, msg, NULL);
   if (rc == 0 && !(*msg)->response->mem_register->pool) {
     kvf__api_message__free_unpacked(*msg, NULL);
     rc = KVF_EPROTO;
@@ -1672,7 +1672,7 @@ KVF_API int kvf_mem_register(kvf_client *c, const kvf_mem *m, uint32_t *pool) {
   int rc = engine_mem_new(m, &em);
   if (rc) return rc;
   Kvf__ApiMessage *msg;
-  rc = mem_register_call(c, em, name, false, &msg);
+  rc = mem_register_call(c, em, name, &msg);
   if (rc) {
     engine_mem_free(em);
     return rc;
@@ -1732,15 +1732,22 @@ KVF_API int kvf_mem_unregister(kvf_client *c, uint32_t pool) {
 /* Engine memory, registered again from the fd or export kept. */
 static int restore_mems(kvf_client *c) {
   for (size_t i = 0;; i++) {
+    /* A copy with an fd of its own: an unregister that succeeded just
+     * before the break may free the entry meanwhile. */
     pthread_mutex_lock(&c->mu);
     bool more = i < c->pools.n;
-    struct engine_mem *em = more ? c->pools.v[i].data : NULL;
+    const struct engine_mem *kept = more ? c->pools.v[i].data : NULL;
+    struct engine_mem copy = kept ? *kept : (struct engine_mem){0};
+    if (kept && kept->fd >= 0) copy.fd = copy.ex.fd = fcntl(kept->fd, F_DUPFD_CLOEXEC, 0);
+    if (kept && kept->kind == KVF_MEM_HOST) copy.ex.fd = -1;
     uint32_t vid = more ? c->pools.v[i].vid : 0;
     char name[64];
     if (more) copy_string(name, sizeof(name), c->pools.v[i].name);
     pthread_mutex_unlock(&c->mu);
     if (!more) return 0;
-    if (!em) continue;
+    if (!kept) continue;
+    if (kept->fd >= 0 && copy.fd < 0) return -errno;
+    const struct engine_mem *em = &copy;
     Kvf__ApiMessage *msg;
     bool answered;
     Kvf__MemRegisterReq body;
@@ -1751,6 +1758,7 @@ static int restore_mems(kvf_client *c) {
     req.body_case = KVF__API_REQUEST__BODY_MEM_REGISTER;
     req.mem_register = &body;
     int rc = sync_call_answered(c, &req, fd, KVF__API_RESPONSE__BODY_MEM_REGISTER, &msg, NULL, &answered);
+    if (copy.fd >= 0) close(copy.fd);
     if (rc && !answered) return rc;
     const Kvf__PoolInfo *info = rc == 0 ? msg->response->mem_register->pool : NULL;
     pthread_mutex_lock(&c->mu);
@@ -1799,9 +1807,10 @@ static int restore_layouts(kvf_client *c) {
     if (!more) return 0;
     if (!lc) return -ENOMEM;
     uint32_t did = KVF__NO_ID;
-    int rc = layout_request(c, &lc->l, pool, ANY_GEN, true, &did);
+    bool answered = false;
+    int rc = layout_request(c, &lc->l, pool, ANY_GEN, &answered, &did);
     free(lc);
-    if (rc == KVF_EDAEMON || rc == KVF_EPROTO || rc == -ETIMEDOUT || rc == -ENOMEM) return rc;
+    if (rc && !answered) return rc;
     pthread_mutex_lock(&c->mu);
     kvf__idrec *r = kvf__ids_by_vid(&c->layouts, vid);
     if (r) r->did = rc == 0 ? did : KVF__NO_ID;
