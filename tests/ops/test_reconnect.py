@@ -264,6 +264,16 @@ class TestRestart(unittest.TestCase):
         self.assertEqual(cm.exception.code, EDAEMON)
         c.close()
 
+    def test_close_while_reconnecting(self):
+        c = kvferry.Client(self.d.sock, reconnect_ms=60000)
+        efd = c.event_fd()
+        c.grant("pending", None, [(c.pool_find("kv").id, 0, 4096)])
+        self.d.kill()
+        wait_for(lambda: fd_readable(efd), 10, "the in-flight grant's event")
+        t0 = time.monotonic()
+        c.close()  # the reader is retrying: close stops it at once
+        self.assertLess(time.monotonic() - t0, 1.0)
+
     def test_ids_translated_after_restart(self):
         c = kvferry.Client(self.d.sock)
         kv = c.pool_find("kv")
