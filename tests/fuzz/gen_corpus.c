@@ -195,6 +195,27 @@ static void a_layout_free(buf *b, uint32_t id) {
   API_REQ(b, LAYOUT_FREE, layout_free, &r);
 }
 
+/* Engine memory: the fuzzer's sessions are detached (no socket), so no
+ * fd ever comes: has_fd requests are refused, cuda ones find garbage
+ * handles (or no CUDA). Both must be answered, nothing kept. */
+static void a_mem_register(buf *b, const char *name, const char *kind, uint64_t size, bool has_fd, size_t ipc_len) {
+  uint8_t handle[64] = {0};
+  Kvf__MemRegisterReq r = KVF__MEM_REGISTER_REQ__INIT;
+  r.name = (char *)name;
+  r.kind = (char *)kind;
+  r.size = size;
+  r.has_fd = has_fd;
+  r.cuda_ipc_handle = (ProtobufCBinaryData){ipc_len, handle};
+  r.alloc_size = size;
+  API_REQ(b, MEM_REGISTER, mem_register, &r);
+}
+
+static void a_mem_unregister(buf *b, uint32_t pool) {
+  Kvf__MemUnregisterReq r = KVF__MEM_UNREGISTER_REQ__INIT;
+  r.pool = pool;
+  API_REQ(b, MEM_UNREGISTER, mem_unregister, &r);
+}
+
 /* ids: a string of small block ids ("0123": blocks 0, 1, 2, 3). */
 static Kvf__BlockList *blist(Kvf__BlockList *w, uint8_t *space, uint32_t layout, const char *ids, uint32_t first,
                              uint32_t n) {
@@ -236,6 +257,19 @@ static void a_send_blocks(buf *b, const char *id, const char *dst, uint32_t layo
   s.continues = (how & SB_CONTINUES) != 0;
   s.no_reply = (how & SB_NOWAIT) != 0;
   API_REQ(b, SEND, send, &s);
+}
+
+static void api_mem_seeds(const char *T) {
+  buf b = {0};
+  a_hello(&b, KVF__API_VERSION);
+  a_mem_register(&b, "eng0", "host", 1 << 20, true, 0);
+  a_mem_register(&b, "eng1", "host", 1 << 20, false, 0);
+  a_mem_register(&b, "eng2", "cuda:0", 1 << 20, false, 64);
+  a_mem_register(&b, "eng3", "cuda:99", 0, true, 3);
+  a_mem_unregister(&b, 2);
+  a_mem_unregister(&b, 0);
+  a_grant(&b, "m1", "", D({{2, 0, 4096}}));
+  out(T, "mem-register", &b);
 }
 
 static void api_block_seeds(const char *T) {
@@ -421,6 +455,7 @@ static void api_seeds(void) {
   out(T, "empty-requests", &b);
 
   api_block_seeds(T);
+  api_mem_seeds(T);
 }
 
 /* ------------------------------------------------------------------ peer */
