@@ -76,13 +76,16 @@ static int ipc_open_any(const kvf_cu *cu, int dev, const kvf_cu_ipc_handle *h, C
     snprintf(err, errlen, "cuIpcOpenMemHandle: %s", cu_err(cu, first, buf, sizeof(buf)));
     return first == KVF_CU_ERROR_NOT_SUPPORTED ? -ENOTSUP : -EINVAL;
   }
+  /* Closed before the reopen: a handle open twice in one process is
+   * something drivers have refused or reference-counted. */
   int owner = dev_of(cu, *d);
   if (owner >= 0 && owner != *opener) {
-    CUdeviceptr d2 = 0;
-    if (ipc_open(cu, owner, h, &d2) == KVF_CU_SUCCESS) {
-      ipc_close(cu, *opener, *d);
-      *d = d2;
+    ipc_close(cu, *opener, *d);
+    if (ipc_open(cu, owner, h, d) == KVF_CU_SUCCESS) {
       *opener = owner;
+    } else if (ipc_open(cu, *opener, h, d) != KVF_CU_SUCCESS) {
+      snprintf(err, errlen, "cuIpcOpenMemHandle: the handle opened once, then not again");
+      return -EIO;
     }
   }
   return 0;
