@@ -142,7 +142,7 @@ typedef struct galloc {
   CUmemGenericAllocationHandle h;
 } galloc;
 
-static int engine_alloc(galloc *a, int route, uint64_t want) {
+static int engine_alloc_types(galloc *a, int route, uint64_t want, int handle_types) {
   memset(a, 0, sizeof(*a));
   a->route = route;
   if (route == ROUTE_IPC) {
@@ -152,7 +152,7 @@ static int engine_alloc(galloc *a, int route, uint64_t want) {
   kvf_cu_mem_prop prop;
   memset(&prop, 0, sizeof(prop));
   prop.type = KVF_CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.requestedHandleTypes = KVF_CU_MEM_HANDLE_TYPE_POSIX_FD;
+  prop.requestedHandleTypes = handle_types;
   prop.location.type = KVF_CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = 0;
   size_t gran = 0;
@@ -170,6 +170,10 @@ static int engine_alloc(galloc *a, int route, uint64_t want) {
   }
   cu.MemRelease(a->h);
   return -1;
+}
+
+static int engine_alloc(galloc *a, int route, uint64_t want) {
+  return engine_alloc_types(a, route, want, KVF_CU_MEM_HANDLE_TYPE_POSIX_FD);
 }
 
 static void engine_free(galloc *a) {
@@ -220,6 +224,15 @@ static int engine_checks(const galloc *a, uint64_t off, uint64_t len) {
   CHECK(b.ex.alloc_base == a->d && b.ex.dev == 0, "%s: export from a bare thread: base/dev wrong", route_name[a->route]);
   CHECK(b.after == NULL, "%s: the bare thread was left with a current context", route_name[a->route]);
   if (b.ex.fd >= 0) close(b.ex.fd);
+  if (a->route == ROUTE_VMM) {
+    /* VMM memory made without the POSIX fd handle type (what PyTorch's
+     * expandable segments did) cannot be shared: said, not faked. */
+    galloc nofd;
+    CHECK(engine_alloc_types(&nofd, ROUTE_VMM, 2u << 20, 0) == 0, "vmm: allocation without handle types");
+    rc = kvf__cuda_export_range((void *)(uintptr_t)nofd.d, nofd.size, &ex);
+    engine_free(&nofd);
+    CHECK(rc == -ENOTSUP && ex.fd == -1, "vmm: memory without the POSIX fd type: export says %d, not -ENOTSUP", rc);
+  }
   return 0;
 }
 
