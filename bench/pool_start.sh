@@ -57,9 +57,13 @@ for mode in $MODES; do
   case $mode in
     huge)
       hp=on
-      if [ "$(huge_free)" -lt "$want_huge" ] && [ "$RESERVE" = 1 ]; then
-        echo $((huge_before + want_huge - $(huge_free))) >/proc/sys/vm/nr_hugepages 2>/dev/null || true
-      fi
+      # pages other processes hold count in nr_hugepages but are not free:
+      # raise it by what is missing, a few times (the kernel may give fewer)
+      tries=0
+      while [ "$(huge_free)" -lt "$want_huge" ] && [ "$RESERVE" = 1 ] && [ $tries -lt 3 ]; do
+        echo $(($(cat /proc/sys/vm/nr_hugepages) + want_huge - $(huge_free))) >/proc/sys/vm/nr_hugepages 2>/dev/null || true
+        tries=$((tries + 1))
+      done
       if [ "$(huge_free)" -lt "$want_huge" ]; then
         say "mode huge skipped: $(huge_free) free 2 MiB huge pages, $want_huge needed (RESERVE=1 as root reserves them)"
         continue

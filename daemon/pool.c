@@ -40,7 +40,6 @@
 typedef struct fill {
   uint8_t *base;
   uint64_t len;
-  uint64_t page;
   bool lock;
   int rc;                /* populating: 0 or -errno */
   int lock_errno;        /* mlock: 0 or errno */
@@ -51,16 +50,17 @@ typedef struct fill {
  * 5.14+) reports a failure (no huge page left, out of memory) as an error
  * instead of a SIGBUS; older kernels get one write per page, which is safe
  * because a MAP_SHARED hugetlb mapping reserved its pages at mmap. */
-static int populate(uint8_t *base, uint64_t len, uint64_t page) {
+static int populate(uint8_t *base, uint64_t len) {
   if (madvise(base, len, MADV_POPULATE_WRITE) == 0) return 0;
   if (errno != EINVAL) return -errno;
+  uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
   for (uint64_t off = 0; off < len; off += page) ((volatile uint8_t *)base)[off] = 0; /* fresh memory: zeros */
   return 0;
 }
 
 static void *fill_main(void *arg) {
   fill *f = arg;
-  f->rc = populate(f->base, f->len, f->page);
+  f->rc = populate(f->base, f->len);
   if (f->rc == 0 && f->lock && mlock(f->base, f->len) != 0) f->lock_errno = errno;
   return NULL;
 }
@@ -77,17 +77,18 @@ static unsigned fill_threads(uint64_t len) {
 }
 
 /* Populates [base, base + len) and, when lock, mlocks it, in slices of a
- * multiple of page (hugetlb mappings split only there), one thread each
+ * multiple of align (hugetlb mappings split only at their page size; huge
+ * folios of shmem are not shared between threads), one thread each
  * (the caller's thread takes the first). Returns 0 or population's -errno;
  * *lock_errno is 0 when all of it is locked, else mlock's errno (and
  * nothing stays locked). */
-static int fill_range(uint8_t *base, uint64_t len, uint64_t page, bool lock, int *lock_errno) {
+static int fill_range(uint8_t *base, uint64_t len, uint64_t align, bool lock, int *lock_errno) {
   fill f[FILL_THREADS_MAX];
   unsigned n = fill_threads(len);
-  uint64_t slice = (len / n + page - 1) / page * page;
+  uint64_t slice = (len / n + align - 1) / align * align;
   unsigned used = 0;
   for (uint64_t off = 0; off < len && used < n; off += slice, used++)
-    f[used] = (fill){.base = base + off, .len = len - off < slice ? len - off : slice, .page = page, .lock = lock};
+    f[used] = (fill){.base = base + off, .len = len - off < slice ? len - off : slice, .lock = lock};
   /* The helpers take no signals: the daemon's loop handles them later. */
   sigset_t all, old;
   sigfillset(&all);
@@ -145,8 +146,13 @@ static int map_memfd(kvf__pool *p, const char *name, int hugepages, bool want_ml
     close(fd);
     return e;
   }
+  /* Transparent huge pages for the pool where the admin allows them for
+   * shmem on request (shmem_enabled=advise): 512 times fewer faults to
+   * bring it in (4 GiB: 0.8 s instead of 3.5-5 s on the dev machine) and
+   * fewer TLB misses. A no-op where shmem_enabled is never (the default). */
+  madvise(base, p->size, MADV_HUGEPAGE);
   if (want_mlock) {
-    int rc = fill_range(base, p->size, (uint64_t)sysconf(_SC_PAGESIZE), true, lock_errno);
+    int rc = fill_range(base, p->size, 2ull << 20, true, lock_errno);
     if (rc) {
       munmap(base, p->size);
       close(fd);
