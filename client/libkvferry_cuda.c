@@ -189,9 +189,12 @@ static int export_in_context(CUdeviceptr p, uint64_t size, kvf__cuda_export *ex)
     return KVF_EINVAL; /* managed memory cannot be shared between processes */
   if (cu.PointerGetAttribute(&ord, KVF_CU_POINTER_ATTR_DEVICE_ORDINAL, p) != KVF_CU_SUCCESS) return -EIO;
   if (cu.PointerGetAttribute(&owner, KVF_CU_POINTER_ATTR_CONTEXT, p) != KVF_CU_SUCCESS) owner = NULL;
-  CUdevice d;
+  /* The primary context only when the memory has no context of its own:
+   * retaining an inactive one would create it. */
+  CUdevice d = -1;
   CUcontext primary = NULL;
-  if (cu.DeviceGet(&d, ord) != KVF_CU_SUCCESS || cu.DevicePrimaryCtxRetain(&primary, d) != KVF_CU_SUCCESS) return -EIO;
+  if (!owner && (cu.DeviceGet(&d, ord) != KVF_CU_SUCCESS || cu.DevicePrimaryCtxRetain(&primary, d) != KVF_CU_SUCCESS))
+    return -EIO;
   int rc = cu.CtxSetCurrent(owner ? owner : primary) == KVF_CU_SUCCESS ? 0 : -EIO;
   CUdeviceptr base = 0;
   size_t asz = 0;
@@ -205,7 +208,7 @@ static int export_in_context(CUdeviceptr p, uint64_t size, kvf__cuda_export *ex)
     ex->alloc_size = asz;
     rc = export_handle(base, ex);
   }
-  cu.DevicePrimaryCtxRelease(d);
+  if (primary) cu.DevicePrimaryCtxRelease(d);
   return rc;
 }
 
