@@ -17,7 +17,8 @@
 # it to another build to compare), POOL (default 4G), TRIALS (default 3),
 # MODES (default "huge normal"), MLOCK (yes/no, default yes), RESERVE.
 # Prints one line per trial and a summary line per mode (median seconds);
-# the last line of stdout is the same as JSON.
+# the last line of stdout is the same as JSON. Each trial line also gives the
+# daemon's CPU time (user + system, all threads) up to READY=1.
 # Usage: make && RESERVE=1 bench/pool_start.sh
 set -eu
 
@@ -105,6 +106,11 @@ for t in range(trials):
             msg = s.recv(4096)
             if b"READY=1" in msg.split(b"\n"):
                 ready = time.monotonic() - t0
+                # CPU time to ready (all threads, ended ones included):
+                # on a busy machine wall time says more about the others
+                with open("/proc/%d/stat" % p.pid) as f:
+                    st = f.read().rsplit(")", 1)[1].split()
+                cpu = (int(st[11]) + int(st[12])) / os.sysconf("SC_CLK_TCK")
     except socket.timeout:
         pass
     p.terminate()
@@ -116,7 +122,7 @@ for t in range(trials):
         sys.stderr.write(text)
         sys.exit("pool_start: %s trial %d: %s (exit %d)" % (mode, t, "no READY=1" if ready is None else "ready", rc))
     pool = [l.split("pool p: ", 1)[1] for l in text.splitlines() if "pool p: " in l]
-    print("pool_start: %s trial %d: %.3f s to ready (%s)" % (mode, t, ready, pool[0] if pool else "?"),
+    print("pool_start: %s trial %d: %.3f s to ready, %.2f s of CPU (%s)" % (mode, t, ready, cpu, pool[0] if pool else "?"),
           file=sys.stderr)
     times.append(ready)
 print("%s %.3f %.3f %.3f" % (mode, statistics.median(times), min(times), max(times)))
