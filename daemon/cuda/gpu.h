@@ -91,7 +91,8 @@ typedef struct kvf__gpu_import {
  *
  * A cudaMalloc allocation by its 64-byte CUipcMemHandle
  * (cuIpcOpenMemHandle, with lazy peer access), opened in its GPU's primary
- * context. */
+ * context. The same handle imported again (two ranges of one allocation)
+ * shares the first open; each import is released on its own. */
 int kvf__gpu_import_ipc(int dev, const uint8_t handle[64], uint64_t alloc_size, kvf__gpu_import *im, char *err,
                         size_t errlen);
 /* A VMM allocation by its POSIX fd (cuMemImportFromShareableHandle, then

@@ -9,7 +9,10 @@
  * first guess only and return the allocation's device in the daemon's
  * numbering, as the driver reports it after the import. */
 #include <errno.h>
+#include <stdbool.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -17,12 +20,7 @@
 #include "gpu_int.h"
 #include "log.h"
 
-enum { IMPORT_IPC = 1, IMPORT_VMM = 2 };
-/* kind: the import type in the low byte; for IPC imports, the device whose
- * context opened the handle above it (cuIpcCloseMemHandle runs there). */
-#define KIND(type, opener) ((type) | ((opener) << 8))
-#define KIND_TYPE(k) ((k) & 0xff)
-#define KIND_OPENER(k) ((k) >> 8)
+enum { IMPORT_IPC = 1, IMPORT_VMM = 2 }; /* kvf__gpu_import.kind */
 
 static const char *cu_err(const kvf_cu *cu, CUresult r, char *buf, size_t len) {
   return kvf__cu_errstr(cu, r, buf, len);
@@ -91,6 +89,78 @@ static int ipc_open_any(const kvf_cu *cu, int dev, const kvf_cu_ipc_handle *h, C
   return 0;
 }
 
+/* Every IPC handle open in this process, counted: an engine may register
+ * two ranges of one allocation (K and V caches in one PyTorch segment), and
+ * drivers refuse or share a second cuIpcOpenMemHandle of a handle; one open
+ * per handle, shared, closed with its last import. */
+typedef struct ipc_open_rec {
+  struct ipc_open_rec *next;
+  uint8_t handle[64];
+  CUdeviceptr d;
+  uint64_t have;             /* what the handle maps */
+  int dev, opener;
+  unsigned refs;
+} ipc_open_rec;
+
+static pthread_mutex_t ipc_mu = PTHREAD_MUTEX_INITIALIZER;
+static ipc_open_rec *ipc_opens;
+
+static ipc_open_rec *ipc_find(const uint8_t *handle, CUdeviceptr d) {
+  for (ipc_open_rec *o = ipc_opens; o; o = o->next)
+    if (handle ? memcmp(o->handle, handle, sizeof(o->handle)) == 0 : o->d == d) return o;
+  return NULL;
+}
+
+/* Opens the handle (or finds it open) and checks what it maps; ipc_mu
+ * held. */
+static int ipc_get(const kvf_cu *cu, int dev, const uint8_t handle[64], ipc_open_rec **out, char *err,
+                   size_t errlen) {
+  ipc_open_rec *o = ipc_find(handle, 0);
+  if (o) {
+    o->refs++;
+    *out = o;
+    return 0;
+  }
+  kvf_cu_ipc_handle h;
+  memcpy(h.reserved, handle, sizeof(h.reserved));
+  CUdeviceptr d = 0;
+  int opener;
+  int rc = ipc_open_any(cu, dev, &h, &d, &opener, err, errlen);
+  if (rc) return rc;
+  CUdeviceptr base = 0;
+  size_t have = 0;
+  CUresult r = cu->MemGetAddressRange(&base, &have, d);
+  if (r != KVF_CU_SUCCESS || base != d || !(o = calloc(1, sizeof(*o)))) {
+    char buf[200];
+    if (r != KVF_CU_SUCCESS) snprintf(err, errlen, "cuMemGetAddressRange of the imported memory: %s", cu_err(cu, r, buf, sizeof(buf)));
+    else snprintf(err, errlen, "the imported memory starts %llu bytes into its range", (unsigned long long)(d - base));
+    ipc_close(cu, opener, d);
+    return r != KVF_CU_SUCCESS || base != d ? -EIO : -ENOMEM;
+  }
+  memcpy(o->handle, handle, sizeof(o->handle));
+  o->d = d;
+  o->have = have;
+  int owner = dev_of(cu, d);
+  o->dev = owner >= 0 ? owner : opener;
+  o->opener = opener;
+  o->refs = 1;
+  o->next = ipc_opens;
+  ipc_opens = o;
+  *out = o;
+  return 0;
+}
+
+static void ipc_put(const kvf_cu *cu, ipc_open_rec *o) {
+  if (--o->refs) return;
+  for (ipc_open_rec **pp = &ipc_opens; *pp; pp = &(*pp)->next)
+    if (*pp == o) {
+      *pp = o->next;
+      break;
+    }
+  ipc_close(cu, o->opener, o->d);
+  free(o);
+}
+
 int kvf__gpu_import_ipc(int dev, const uint8_t handle[64], uint64_t alloc_size, kvf__gpu_import *im, char *err,
                         size_t errlen) {
   memset(im, 0, sizeof(*im));
@@ -106,30 +176,25 @@ int kvf__gpu_import_ipc(int dev, const uint8_t handle[64], uint64_t alloc_size, 
     snprintf(err, errlen, "CUDA IPC import: allocation size 0");
     return -EINVAL;
   }
-  kvf_cu_ipc_handle h;
-  memcpy(h.reserved, handle, sizeof(h.reserved));
-  CUdeviceptr d = 0;
-  int opener;
-  if ((rc = ipc_open_any(cu, dev, &h, &d, &opener, err, errlen)) != 0) return rc;
+  pthread_mutex_lock(&ipc_mu);
+  ipc_open_rec *o = NULL;
+  rc = ipc_get(cu, dev, handle, &o, err, errlen);
   /* The engine's size must not exceed what the handle maps: every later
    * range check trusts im->size. */
-  CUdeviceptr base = 0;
-  size_t have = 0;
-  CUresult r = cu->MemGetAddressRange(&base, &have, d);
-  if (r != KVF_CU_SUCCESS || base != d || alloc_size > have) {
-    char buf[200];
-    if (r != KVF_CU_SUCCESS) snprintf(err, errlen, "cuMemGetAddressRange of the imported memory: %s", cu_err(cu, r, buf, sizeof(buf)));
-    else snprintf(err, errlen, "the engine says its allocation has %llu bytes; the handle maps %llu at offset %llu",
-                  (unsigned long long)alloc_size, (unsigned long long)have, (unsigned long long)(d - base));
-    ipc_close(cu, opener, d);
-    return r != KVF_CU_SUCCESS ? -EIO : -EINVAL;
+  if (rc == 0 && alloc_size > o->have) {
+    snprintf(err, errlen, "the engine says its allocation has %llu bytes; the handle maps %llu",
+             (unsigned long long)alloc_size, (unsigned long long)o->have);
+    ipc_put(cu, o);
+    rc = -EINVAL;
   }
-  int owner = dev_of(cu, d);
-  im->dev = owner >= 0 ? owner : opener;
-  im->dptr = d;
-  im->size = alloc_size;
-  im->kind = KIND(IMPORT_IPC, opener);
-  return 0;
+  if (rc == 0) {
+    im->dev = o->dev;
+    im->dptr = o->d;
+    im->size = alloc_size;
+    im->kind = IMPORT_IPC;
+  }
+  pthread_mutex_unlock(&ipc_mu);
+  return rc;
 }
 
 /* ------------------------------------------------------------ VMM (POSIX fd) */
@@ -222,15 +287,18 @@ int kvf__gpu_import_fd(int dev, int fd, uint64_t alloc_size, kvf__gpu_import *im
   im->dptr = va;
   im->size = alloc_size;
   im->handle = h;
-  im->kind = KIND(IMPORT_VMM, owner);
+  im->kind = IMPORT_VMM;
   return 0;
 }
 
 void kvf__gpu_import_release(kvf__gpu_import *im) {
   const kvf_cu *cu = kvf__gpu_driver();
   if (!cu || !im->kind) return;
-  if (KIND_TYPE(im->kind) == IMPORT_IPC) {
-    ipc_close(cu, KIND_OPENER(im->kind), im->dptr);
+  if (im->kind == IMPORT_IPC) {
+    pthread_mutex_lock(&ipc_mu);
+    ipc_open_rec *o = ipc_find(NULL, im->dptr);
+    if (o) ipc_put(cu, o);
+    pthread_mutex_unlock(&ipc_mu);
   } else if (kvf__gpu_use(im->dev) == 0) {
     cu->MemUnmap(im->dptr, im->size);
     cu->MemAddressFree(im->dptr, im->size);
@@ -255,12 +323,15 @@ int kvf__gpu_range_dmabuf(uint64_t dptr, uint64_t len, int *fd, uint64_t *offset
   if (rc) return rc;
   int f = -1;
   CUresult r = cu->MemGetHandleForAddressRange(&f, dptr, len, KVF_CU_MEM_RANGE_HANDLE_DMA_BUF_FD, 0);
-  if (r == KVF_CU_ERROR_NOT_SUPPORTED) return -ENOTSUP;
   if (r != KVF_CU_SUCCESS) {
+    /* Refusals (memory the driver will not export, e.g. some imported
+     * memory) send the caller to its next way (peermem, bounce); the line
+     * says why. */
+    bool refused = r == 1 /* INVALID_VALUE */ || r == 800 /* NOT_PERMITTED */ || r == KVF_CU_ERROR_NOT_SUPPORTED;
     char buf[200];
-    kvf__warn("cuda: dmabuf export of %llu bytes of cuda:%d memory failed: %s", (unsigned long long)len, dev,
-              cu_err(cu, r, buf, sizeof(buf)));
-    return -EIO;
+    kvf__log(refused ? KVF__LOG_INFO : KVF__LOG_WARN, "cuda: dmabuf export of %llu bytes of cuda:%d memory %s: %s",
+             (unsigned long long)len, dev, refused ? "refused" : "failed", cu_err(cu, r, buf, sizeof(buf)));
+    return refused ? -ENOTSUP : -EIO;
   }
   *fd = f;
   *offset = 0;

@@ -18,15 +18,17 @@
  *                        memory, ranges leaving the allocation, sizes the
  *                        handle does not map), an export from a thread
  *                        without a current context, the caller's context
- *                        left unchanged, and kvf__gpu_range_dmabuf on the
- *                        imported memory (0 or -ENOTSUP).
+ *                        left unchanged, two imports of one allocation at
+ *                        once, and kvf__gpu_range_dmabuf on the imported
+ *                        memory (0 or -ENOTSUP).
  *   gpu_ipc --bench SIZE the registration of SIZE bytes (e.g. 64G; halved
  *                        until the GPU can allocate it) by each route: the
  *                        engine's export, the daemon's import, the dmabuf
  *                        export of the whole allocation (the GPU half of NIC
  *                        registration) and, when this host has an RDMA
- *                        device, ibv_reg_dmabuf_mr of it (the NIC half);
- *                        one JSON line per route.
+ *                        device, ibv_reg_dmabuf_mr of it (the NIC half;
+ *                        ibv_reg_mr of the device address, nvidia-peermem,
+ *                        when there is no dmabuf); one JSON line per route.
  *
  * Exit 0: passed; 77: no CUDA driver or no GPU (said on stdout); 1: failed. */
 #include <errno.h>
@@ -344,7 +346,9 @@ static int do_import(const msg *m, int fd, int guess, kvf__gpu_import *im, char 
 }
 
 /* The NIC half, where this host has an RDMA device: ibv_reg_dmabuf_mr of
- * the dmabuf. *ms < 0 and what in *what when it could not be tried. */
+ * the dmabuf, or without one (dmabuf >= 0 not given) ibv_reg_mr of the
+ * device address (nvidia-peermem). *ms < 0 and why in *what when it did
+ * not register. */
 static void nic_register(int dmabuf, uint64_t len, uint64_t iova, double *ms, char *what, size_t wlen) {
   *ms = -1;
   int n = 0;
@@ -359,16 +363,18 @@ static void nic_register(int dmabuf, uint64_t len, uint64_t iova, double *ms, ch
   if (!pd) {
     snprintf(what, wlen, "%s: cannot open", ibv_get_device_name(list[0]));
   } else {
+    int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+    const char *how = dmabuf >= 0 ? "ibv_reg_dmabuf_mr" : "ibv_reg_mr (peermem)";
     double t0 = gt_now_us();
-    struct ibv_mr *mr = ibv_reg_dmabuf_mr(pd, 0, len, iova, dmabuf,
-                                          IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ);
+    struct ibv_mr *mr = dmabuf >= 0 ? ibv_reg_dmabuf_mr(pd, 0, len, iova, dmabuf, access)
+                                    : ibv_reg_mr(pd, (void *)(uintptr_t)iova, len, access);
     double t1 = gt_now_us();
     if (mr) {
       *ms = (t1 - t0) / 1e3;
-      snprintf(what, wlen, "%s", ibv_get_device_name(list[0]));
+      snprintf(what, wlen, "%s %s", ibv_get_device_name(list[0]), how);
       ibv_dereg_mr(mr);
     } else {
-      snprintf(what, wlen, "%s: ibv_reg_dmabuf_mr: %s", ibv_get_device_name(list[0]), strerror(errno));
+      snprintf(what, wlen, "%s: %s: %s", ibv_get_device_name(list[0]), how, strerror(errno));
     }
   }
   if (pd) ibv_dealloc_pd(pd);
@@ -446,6 +452,37 @@ static int daemon_refusals(const msg *m, int fd) {
   return 0;
 }
 
+/* A second import of the same allocation (an engine registering K and V
+ * of one segment apart), released before the first is used: the first
+ * must stay whole (daemon_copy reads and writes it next). */
+static int daemon_twice(const msg *m, int fd, const kvf__gpu_import *first) {
+  kvf__gpu_import im2;
+  char err[300] = "";
+  int rc = do_import(m, fd, m->dev, &im2, err, sizeof(err));
+  CHECK(rc == 0, "%s: a second import of the same allocation: %d %s", route_name[m->route], rc, err);
+  CHECK(im2.dev == first->dev && im2.size == first->size, "%s: the second import differs", route_name[m->route]);
+  uint8_t a, b;
+  kvf__gpu_end e1 = {.dev = first->dev, .mapped = true, .addr = first->dptr + m->off};
+  kvf__gpu_end e2 = {.dev = im2.dev, .mapped = true, .addr = im2.dptr + m->off};
+  uint64_t alias = 0;
+  uint8_t *h = kvf__gpu_host_alloc(2, &alias);
+  CHECK(h, "pinned host buffer");
+  kvf__gpu_copy c[2] = {{.src = e1, .dst = {.dev = -1, .mapped = true, .addr = alias, .host = h}, .len = 1},
+                        {.src = e2, .dst = {.dev = -1, .mapped = true, .addr = alias + 1, .host = h + 1}, .len = 1}};
+  const char *route;
+  rc = kvf__gpu_copy_all(c, 2, &route);
+  a = h[0];
+  b = h[1];
+  kvf__gpu_host_free(h);
+  bool shared = im2.dptr == first->dptr;
+  kvf__gpu_import_release(&im2);
+  CHECK(rc == 0 && a == pat(m->seed, m->off) && b == a, "%s: the two imports read %d %d, want %d (rc %d)",
+        route_name[m->route], a, b, pat(m->seed, m->off), rc);
+  printf("ok   %s: imported twice at once (%s), the second released alone\n", route_name[m->route],
+         shared ? "one mapping shared" : "two mappings");
+  return 0;
+}
+
 typedef struct figures {
   double import_ms, dmabuf_ms, nic_ms, release_ms;
   const char *dmabuf;
@@ -460,12 +497,8 @@ static int daemon_dmabuf(const kvf__gpu_import *im, const msg *m, figures *f) {
   int rc = kvf__gpu_range_dmabuf(im->dptr, len, &dfd, &doff);
   f->dmabuf_ms = (gt_now_us() - t0) / 1e3;
   f->dmabuf = rc == 0 ? "ok" : rc == -ENOTSUP ? "unsupported" : "FAILED";
-  f->nic_ms = -1;
-  snprintf(f->nic, sizeof(f->nic), "no dmabuf");
-  if (rc == 0) {
-    nic_register(dfd, len, im->dptr, &f->nic_ms, f->nic, sizeof(f->nic));
-    close(dfd);
-  }
+  nic_register(rc == 0 ? dfd : -1, len, im->dptr, &f->nic_ms, f->nic, sizeof(f->nic));
+  if (rc == 0) close(dfd);
   CHECK(rc == 0 || rc == -ENOTSUP, "%s: kvf__gpu_range_dmabuf of the import: %d", route_name[m->route], rc);
   return 0;
 }
@@ -497,6 +530,7 @@ static int daemon_route(int s, bool bench) {
       rc = -1;
     }
   }
+  if (rc == 0 && !bench) rc = daemon_twice(&m, fd, &im);
   if (fd >= 0) close(fd); /* the import holds its own reference */
   if (rc == 0 && !bench) rc = daemon_copy(&im, &m, seed2);
   if (rc == 0) rc = daemon_dmabuf(&im, &m, &f);
