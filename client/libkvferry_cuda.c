@@ -155,8 +155,7 @@ static int borrow_context(CUdevice *dev) {
 
 /* The allocation's handle as a POSIX fd (VMM), or its IPC handle
  * (cudaMalloc). A VMM allocation created without the POSIX fd handle type
- * (PyTorch's expandable segments before it asked for one) cannot be
- * shared: -ENOTSUP. So cannot memory from a stream-ordered pool
+ * cannot be shared: -ENOTSUP. So cannot memory from a stream-ordered pool
  * (cudaMallocAsync), which refuses cuIpcGetMemHandle. */
 static int export_handle(CUdeviceptr base, kvf__cuda_export *ex) {
   CUmemGenericAllocationHandle h = 0;
@@ -200,8 +199,16 @@ static int export_in_context(CUdeviceptr p, uint64_t size, kvf__cuda_export *ex)
   size_t asz = 0;
   if (rc == 0 && cu.MemGetAddressRange(&base, &asz, p) != KVF_CU_SUCCESS) rc = -EIO;
   /* One allocation only: for VMM memory the address range is one handle's
-   * mapping, so a range over several (expandable segments) ends here. */
-  if (rc == 0 && (p < base || size > asz - (p - base))) rc = KVF_EINVAL;
+   * mapping, so a range over several (PyTorch's expandable segments map
+   * many) ends here: -ENOTSUP when its last byte is device memory too (it
+   * spans allocations), KVF_EINVAL when it leaves device memory. */
+  if (rc == 0 && (p < base || size > asz - (p - base))) {
+    unsigned last = 0;
+    rc = cu.PointerGetAttribute(&last, KVF_CU_POINTER_ATTR_MEMORY_TYPE, p + size - 1) == KVF_CU_SUCCESS &&
+                 last == KVF_CU_MEMORYTYPE_DEVICE
+             ? -ENOTSUP
+             : KVF_EINVAL;
+  }
   if (rc == 0) {
     ex->dev = ord;
     ex->alloc_base = base;

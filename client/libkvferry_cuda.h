@@ -30,11 +30,11 @@ typedef struct kvf__cuda_export {
  * cuMemExportToShareableHandle), else cuIpcGetMemHandle. ex->dev is in this
  * process's numbering (the daemon finds the GPU itself). Returns 0, -ENODEV
  * (no CUDA driver), KVF_EINVAL (not device memory of this process, managed
- * memory, or the range leaves its allocation: with PyTorch's
- * expandable_segments a tensor may span several VMM allocations), -ENOTSUP
- * (the allocation cannot be shared: a VMM allocation made without the POSIX
- * fd handle type, a cudaMallocAsync pool's memory, a driver without these
- * calls) or -EIO. The calling thread's current context is left as it was.
+ * memory, or the range leaves device memory), -ENOTSUP (it cannot be
+ * shared as one allocation: the range spans several, as a large tensor
+ * does under PyTorch's expandable_segments; a VMM allocation made without
+ * the POSIX fd handle type; a cudaMallocAsync pool's memory; a driver
+ * without these calls) or -EIO. The calling thread's current context is left as it was.
  * The caller closes ex->fd when >= 0. */
 int kvf__cuda_export_range(const void *dptr, uint64_t size, kvf__cuda_export *ex);
 

@@ -205,6 +205,41 @@ static void *bare_thread(void *arg) {
   return NULL;
 }
 
+/* A range over two VMM allocations mapped side by side (what PyTorch's
+ * expandable segments do): -ENOTSUP, one allocation being what the daemon
+ * imports. The second mapping is of handle h again (any allocation will
+ * do). */
+static int engine_span(CUmemGenericAllocationHandle h) {
+  kvf_cu_mem_prop prop;
+  memset(&prop, 0, sizeof(prop));
+  prop.type = KVF_CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = KVF_CU_MEM_HANDLE_TYPE_POSIX_FD;
+  prop.location.type = KVF_CU_MEM_LOCATION_TYPE_DEVICE;
+  size_t gran = 0;
+  CUmemGenericAllocationHandle h2 = 0;
+  CUdeviceptr va = 0;
+  CHECK(cu.MemGetAllocationGranularity(&gran, &prop, KVF_CU_MEM_GRANULARITY_MINIMUM) == KVF_CU_SUCCESS &&
+            cu.MemCreate(&h2, gran, &prop, 0) == KVF_CU_SUCCESS,
+        "vmm: a second allocation");
+  int rc = -1;
+  kvf_cu_access_desc acc = {{KVF_CU_MEM_LOCATION_TYPE_DEVICE, 0}, KVF_CU_MEM_ACCESS_RW};
+  kvf__cuda_export ex;
+  if (cu.MemAddressReserve(&va, 2 * gran, gran, 0, 0) == KVF_CU_SUCCESS) {
+    if (cu.MemMap(va, gran, 0, h2, 0) == KVF_CU_SUCCESS) {
+      if (cu.MemMap(va + gran, gran, 0, h, 0) == KVF_CU_SUCCESS) {
+        if (cu.MemSetAccess(va, 2 * gran, &acc, 1) == KVF_CU_SUCCESS)
+          rc = kvf__cuda_export_range((void *)(uintptr_t)(va + gran - 4096), 8192, &ex);
+        cu.MemUnmap(va + gran, gran);
+      }
+      cu.MemUnmap(va, gran);
+    }
+    cu.MemAddressFree(va, 2 * gran);
+  }
+  cu.MemRelease(h2);
+  CHECK(rc == -ENOTSUP, "vmm: a range over two allocations side by side: export says %d, not -ENOTSUP", rc);
+  return 0;
+}
+
 /* Refusals and context handling, on allocation a, range [off, off+len). */
 static int engine_checks(const galloc *a, uint64_t off, uint64_t len) {
   kvf__cuda_export ex;
@@ -216,8 +251,10 @@ static int engine_checks(const galloc *a, uint64_t off, uint64_t len) {
   size_t asz = 0; /* the driver's idea of the allocation (may be rounded up) */
   CHECK(cu.MemGetAddressRange && cu.MemGetAddressRange(&base, &asz, a->d) == KVF_CU_SUCCESS && base == a->d,
         "%s: cuMemGetAddressRange", route_name[a->route]);
+  /* KVF_EINVAL past device memory; -ENOTSUP when another allocation
+   * happens to follow in the address space */
   int rc = kvf__cuda_export_range(p, asz - off + 1, &ex);
-  CHECK(rc == KVF_EINVAL, "%s: a range one byte past the allocation not refused (%d)", route_name[a->route], rc);
+  CHECK(rc == KVF_EINVAL || rc == -ENOTSUP, "%s: a range one byte past the allocation not refused (%d)", route_name[a->route], rc);
   bare b = {.p = a->d + off, .len = len};
   pthread_t t;
   CHECK(pthread_create(&t, NULL, bare_thread, &b) == 0, "pthread_create");
@@ -234,6 +271,7 @@ static int engine_checks(const galloc *a, uint64_t off, uint64_t len) {
     rc = kvf__cuda_export_range((void *)(uintptr_t)nofd.d, nofd.size, &ex);
     engine_free(&nofd);
     CHECK(rc == -ENOTSUP && ex.fd == -1, "vmm: memory without the POSIX fd type: export says %d, not -ENOTSUP", rc);
+    CHECK(engine_span(a->h) == 0, "vmm: a range over two allocations");
   }
   return 0;
 }
