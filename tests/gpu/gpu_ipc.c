@@ -157,6 +157,11 @@ static int engine_alloc_types(galloc *a, int route, uint64_t want, int handle_ty
   prop.requestedHandleTypes = handle_types;
   prop.location.type = KVF_CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = 0;
+  /* as an engine that wants NICs to reach it would (dmabuf of VMM memory
+   * needs it) */
+  int gdr = 0;
+  cu.DeviceGetAttribute(&gdr, KVF_CU_ATTR_GDR_WITH_VMM_SUPPORTED, 0);
+  prop.allocFlags.gpuDirectRDMACapable = gdr ? 1 : 0;
   size_t gran = 0;
   if (cu.MemGetAllocationGranularity(&gran, &prop, KVF_CU_MEM_GRANULARITY_MINIMUM) != KVF_CU_SUCCESS || !gran)
     return -1;
