@@ -1,4 +1,5 @@
-/* libkvferry_cuda.c - kvf_pool_map for cuda:N pools (see libkvferry_cuda.h).
+/* libkvferry_cuda.c - kvf_pool_map for cuda:N pools, and the export of the
+ * engine's own GPU memory for kvf_mem_register (see libkvferry_cuda.h).
  *
  * The daemon allocates the pool with cuMemCreate and passes its POSIX fd;
  * we import it and map it into this process's unified address space, so the
@@ -123,4 +124,119 @@ void kvf__cuda_unmap(void *state) {
   cu.DevicePrimaryCtxRelease(m->dev);   /* the mapping's */
   cu.CtxSetCurrent(old);
   free(m);
+}
+
+/* ------------------------------------------------------------ export */
+
+/* A context to ask the driver about pointers in, when the calling thread
+ * has none: an active primary context (the engine's memory lives in one;
+ * retaining an inactive one would create a context, and take GPU memory,
+ * on a GPU the engine never used). *dev is the device retained, or -1. */
+static int borrow_context(CUdevice *dev) {
+  *dev = -1;
+  int n = 0;
+  if (!cu.DevicePrimaryCtxGetState || cu.DeviceGetCount(&n) != KVF_CU_SUCCESS) return -EIO;
+  for (int i = 0; i < n; i++) {
+    CUdevice d;
+    unsigned flags = 0;
+    int active = 0;
+    CUcontext ctx = NULL;
+    if (cu.DeviceGet(&d, i) != KVF_CU_SUCCESS || cu.DevicePrimaryCtxGetState(d, &flags, &active) != KVF_CU_SUCCESS ||
+        !active || cu.DevicePrimaryCtxRetain(&ctx, d) != KVF_CU_SUCCESS)
+      continue;
+    if (cu.CtxSetCurrent(ctx) == KVF_CU_SUCCESS) {
+      *dev = d;
+      return 0;
+    }
+    cu.DevicePrimaryCtxRelease(d);
+  }
+  return KVF_EINVAL; /* no active context: the pointer cannot be device memory of this process */
+}
+
+/* The allocation's handle as a POSIX fd (VMM), or its IPC handle
+ * (cudaMalloc). A VMM allocation created without the POSIX fd handle type
+ * cannot be shared: -ENOTSUP. So cannot memory from a stream-ordered pool
+ * (cudaMallocAsync), which refuses cuIpcGetMemHandle. */
+static int export_handle(CUdeviceptr base, kvf__cuda_export *ex) {
+  CUmemGenericAllocationHandle h = 0;
+  if (cu.MemRetainAllocationHandle && cu.MemRetainAllocationHandle(&h, (void *)(uintptr_t)base) == KVF_CU_SUCCESS) {
+    int fd = -1;
+    CUresult r = cu.MemExportToShareableHandle(&fd, h, KVF_CU_MEM_HANDLE_TYPE_POSIX_FD, 0);
+    cu.MemRelease(h); /* the retain's reference; the engine's mapping keeps the memory */
+    if (r != KVF_CU_SUCCESS) return -ENOTSUP;
+    ex->fd = fd;
+    return 0;
+  }
+  if (!cu.IpcGetMemHandle) return -ENOTSUP;
+  kvf_cu_ipc_handle ipc;
+  if (cu.IpcGetMemHandle(&ipc, base) != KVF_CU_SUCCESS) return -ENOTSUP;
+  memcpy(ex->ipc, ipc.reserved, sizeof(ex->ipc));
+  return 0;
+}
+
+/* With some context current: what p is, and the export, in the
+ * allocation's own context (or its GPU's primary one: VMM memory belongs
+ * to no context). */
+static int export_in_context(CUdeviceptr p, uint64_t size, kvf__cuda_export *ex) {
+  unsigned mtype = 0, managed = 0;
+  int ord = -1;
+  CUcontext owner = NULL;
+  if (cu.PointerGetAttribute(&mtype, KVF_CU_POINTER_ATTR_MEMORY_TYPE, p) != KVF_CU_SUCCESS ||
+      mtype != KVF_CU_MEMORYTYPE_DEVICE)
+    return KVF_EINVAL; /* host memory, or not CUDA's at all */
+  if (cu.PointerGetAttribute(&managed, KVF_CU_POINTER_ATTR_IS_MANAGED, p) != KVF_CU_SUCCESS || managed)
+    return KVF_EINVAL; /* managed memory cannot be shared between processes */
+  if (cu.PointerGetAttribute(&ord, KVF_CU_POINTER_ATTR_DEVICE_ORDINAL, p) != KVF_CU_SUCCESS) return -EIO;
+  if (cu.PointerGetAttribute(&owner, KVF_CU_POINTER_ATTR_CONTEXT, p) != KVF_CU_SUCCESS) owner = NULL;
+  /* The primary context only when the memory has no context of its own:
+   * retaining an inactive one would create it. */
+  CUdevice d = -1;
+  CUcontext primary = NULL;
+  if (!owner && (cu.DeviceGet(&d, ord) != KVF_CU_SUCCESS || cu.DevicePrimaryCtxRetain(&primary, d) != KVF_CU_SUCCESS))
+    return -EIO;
+  int rc = cu.CtxSetCurrent(owner ? owner : primary) == KVF_CU_SUCCESS ? 0 : -EIO;
+  CUdeviceptr base = 0;
+  size_t asz = 0;
+  if (rc == 0 && cu.MemGetAddressRange(&base, &asz, p) != KVF_CU_SUCCESS) rc = -EIO;
+  /* One allocation only: for VMM memory the address range is one handle's
+   * mapping, so a range over several (PyTorch's expandable segments map
+   * many) ends here: -ENOTSUP when its last byte is device memory too (it
+   * spans allocations), KVF_EINVAL when it leaves device memory. */
+  if (rc == 0 && (p < base || size > asz - (p - base))) {
+    unsigned last = 0;
+    rc = cu.PointerGetAttribute(&last, KVF_CU_POINTER_ATTR_MEMORY_TYPE, p + size - 1) == KVF_CU_SUCCESS &&
+                 last == KVF_CU_MEMORYTYPE_DEVICE
+             ? -ENOTSUP
+             : KVF_EINVAL;
+  }
+  if (rc == 0) {
+    ex->dev = ord;
+    ex->alloc_base = base;
+    ex->alloc_size = asz;
+    rc = export_handle(base, ex);
+  }
+  if (primary) cu.DevicePrimaryCtxRelease(d);
+  return rc;
+}
+
+int kvf__cuda_export_range(const void *dptr, uint64_t size, kvf__cuda_export *ex) {
+  memset(ex, 0, sizeof(*ex));
+  ex->dev = -1;
+  ex->fd = -1;
+  pthread_once(&cu_once, load_once);
+  if (cu_state) return cu_state;
+  if (!cu.PointerGetAttribute || !cu.MemGetAddressRange) return -ENOTSUP;
+  if (!dptr || size == 0) return KVF_EINVAL;
+  CUcontext old = NULL;
+  cu.CtxGetCurrent(&old);
+  CUdevice borrowed = -1;
+  int rc = old ? 0 : borrow_context(&borrowed);
+  if (rc == 0) rc = export_in_context((CUdeviceptr)(uintptr_t)dptr, size, ex);
+  cu.CtxSetCurrent(old);
+  if (borrowed >= 0) cu.DevicePrimaryCtxRelease(borrowed);
+  if (rc) {
+    ex->dev = -1;
+    ex->fd = -1;
+  }
+  return rc;
 }
