@@ -155,11 +155,3 @@ int kvf__host_mem_fd(const void *addr, uint64_t size, int *fd, uint64_t *offset)
   return 0;
 }
 
-/* TEMP: replaced by libkvferry_cuda.c (kvf__cuda_export_range is being
- * written there); weak so that the real one wins once it is merged. */
-__attribute__((weak)) int kvf__cuda_export_range(const void *dptr, uint64_t size, kvf__cuda_export *ex) {
-  (void)dptr;
-  (void)size;
-  (void)ex;
-  return -ENOTSUP;
-}

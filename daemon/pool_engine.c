@@ -153,10 +153,8 @@ static int import_cuda(int fd, const Kvf__MemRegisterReq *q, kvf__pool *p, engin
     snprintf(err, errlen, "kind %s needs CUDA, which is unavailable to kvferryd: %s", q->kind, kvf__gpu_why());
     return -ENODEV;
   }
-  if (p->cuda_dev >= kvf__gpu_count()) {
-    snprintf(err, errlen, "kind %s: kvferryd sees %d GPUs", q->kind, kvf__gpu_count());
-    return KVF_EINVAL;
-  }
+  /* the engine's device number is a first guess (see below) */
+  if (p->cuda_dev >= kvf__gpu_count()) p->cuda_dev = 0;
   if (q->offset > q->alloc_size || q->size > q->alloc_size - q->offset) {
     snprintf(err, errlen, "offset %llu + size %llu passes the end of the allocation (%llu bytes)",
              (unsigned long long)q->offset, (unsigned long long)q->size, (unsigned long long)q->alloc_size);
@@ -175,6 +173,10 @@ static int import_cuda(int fd, const Kvf__MemRegisterReq *q, kvf__pool *p, engin
   }
   if (rc) return rc;
   r->cuda = true;
+  /* the engine's cuda:N may count GPUs differently (CUDA_VISIBLE_DEVICES):
+   * the import found the allocation's device in our numbering */
+  p->cuda_dev = r->im.dev;
+  snprintf(p->kind, sizeof(p->kind), "cuda:%d", r->im.dev);
   p->base = (uint8_t *)(uintptr_t)(r->im.dptr + q->offset);
   p->locked = true; /* device memory is never paged */
   return 0;
@@ -398,19 +400,3 @@ int kvf__pool_copy(void *dst, const void *src, size_t n) {
   return 0;
 }
 
-/* TEMP: the GPU import half lands with daemon/cuda/gpu_import.c; until then
- * GPU engine memory is refused. */
-__attribute__((weak)) int kvf__gpu_import_ipc(int dev, const uint8_t handle[64], uint64_t alloc_size,
-                                              kvf__gpu_import *im, char *err, size_t errlen) {
-  snprintf(err, errlen, "GPU engine memory is not built in");
-  return -ENOTSUP;
-}
-__attribute__((weak)) int kvf__gpu_import_fd(int dev, int fd, uint64_t alloc_size, kvf__gpu_import *im, char *err,
-                                             size_t errlen) {
-  snprintf(err, errlen, "GPU engine memory is not built in");
-  return -ENOTSUP;
-}
-__attribute__((weak)) void kvf__gpu_import_release(kvf__gpu_import *im) {}
-__attribute__((weak)) int kvf__gpu_range_dmabuf(uint64_t dptr, uint64_t len, int *fd, uint64_t *offset) {
-  return -ENOTSUP;
-}
