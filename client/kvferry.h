@@ -86,9 +86,9 @@ int kvf_connect(const char *socket_path, kvf_client **out);
  *   too, once no event is left), and the event fd is not raised for it
  *   (an engine polling it does not spin). Once connected again, the library
  *   registers this client's engine memory (the same memory) and layouts
- *   again and maps host pools it had mapped at the same addresses (now the
- *   new daemon's memory: daemon pools start empty; cuda:N pools are not
- *   remapped), before it takes calls. Pool and layout ids held by the
+ *   again and maps daemon pools it had mapped at the same addresses (host
+ *   and cuda:N; now the new daemon's memory: daemon pools start empty),
+ *   before it takes calls. Pool and layout ids held by the
  *   engine keep naming the same pools and layouts, whatever ids the new
  *   daemon gives them. A daemon that does not come back within
  *   reconnect_ms leaves the client as without reconnecting: every call

@@ -1818,22 +1818,22 @@ static int restore_layouts(kvf_client *c) {
   }
 }
 
-/* Host pools this engine mapped: the new daemon's memory at the same
- * addresses (MAP_FIXED over the old mapping), so pointers the engine holds
- * stay valid. GPU pools are not remapped (their old mapping stays, on the
- * old daemon's memory): a cuda:N pool must be mapped anew by the engine. */
+/* Pools this engine mapped: the new daemon's memory at the same addresses
+ * (host: MAP_FIXED over the old mapping; cuda:N: the new allocation mapped
+ * under the same reserved device addresses), so pointers the engine holds
+ * stay valid. */
 static int restore_maps(kvf_client *c) {
   for (size_t i = 0;; i++) {
     pthread_mutex_lock(&c->mu);
     struct mapping *m = c->maps;
     for (size_t k = 0; m && k < i; k++) m = m->next;
     uint32_t pool = m ? kvf__ids_out(&c->pools, m->pool) : 0;
-    bool host = m && !m->gpu;
+    void *gpu = m ? m->gpu : NULL;
     void *addr = m ? m->addr : NULL;
     uint64_t size = m ? m->size : 0;
     pthread_mutex_unlock(&c->mu);
     if (!m) return 0;
-    if (!host || pool == KVF__NO_ID) continue;
+    if (pool == KVF__NO_ID) continue;
     Kvf__MapReq body = KVF__MAP_REQ__INIT;
     body.pool = pool;
     Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
@@ -1849,7 +1849,9 @@ static int restore_maps(kvf_client *c) {
     struct stat st;
     /* Only a file that backs the whole old mapping: beyond it the engine
      * would take SIGBUS. Otherwise the old daemon's memory stays. */
-    if (info && info->size >= size && fd >= 0 && fstat(fd, &st) == 0 && (uint64_t)st.st_size >= size)
+    if (gpu && info && fd >= 0)
+      kvf__cuda_remap_fd(gpu, fd, size);
+    else if (info && info->size >= size && fd >= 0 && fstat(fd, &st) == 0 && (uint64_t)st.st_size >= size)
       mmap(addr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
     if (fd >= 0) close(fd);
     kvf__api_message__free_unpacked(msg, NULL);

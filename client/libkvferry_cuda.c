@@ -32,6 +32,23 @@ static void load_once(void) {
   cu_state = kvf__cu_load(&cu, err, sizeof(err)) == 0 ? 0 : -ENODEV;
 }
 
+/* Read-write for its own GPU, and every GPU that can reach it (a
+ * tensor-parallel engine may read a neighbour's pool over NVLink). */
+static int set_access(const struct cuda_map *m) {
+  int n = 0;
+  cu.DeviceGetCount(&n);
+  kvf_cu_access_desc acc[64];
+  size_t na = 0;
+  for (int i = 0; i < n && na < 64; i++) {
+    CUdevice d;
+    int can = 0;
+    if (cu.DeviceGet(&d, i) != KVF_CU_SUCCESS) continue;
+    if (d != m->dev && (cu.DeviceCanAccessPeer(&can, d, m->dev) != KVF_CU_SUCCESS || !can)) continue;
+    acc[na++] = (kvf_cu_access_desc){{KVF_CU_MEM_LOCATION_TYPE_DEVICE, d}, KVF_CU_MEM_ACCESS_RW};
+  }
+  return cu.MemSetAccess(m->ptr, m->size, acc, na) == KVF_CU_SUCCESS ? 0 : -EIO;
+}
+
 static int map(int fd, uint64_t size, struct cuda_map *m) {
   CUmemGenericAllocationHandle h = 0;
   if (cu.MemImportFromShareableHandle(&h, (void *)(intptr_t)fd, KVF_CU_MEM_HANDLE_TYPE_POSIX_FD) != KVF_CU_SUCCESS)
@@ -65,20 +82,7 @@ static int map(int fd, uint64_t size, struct cuda_map *m) {
     cu.DevicePrimaryCtxRelease(m->dev);
     goto release;
   }
-  /* Its own GPU, and every GPU that can reach it (a tensor-parallel engine
-   * may read a neighbour's pool over NVLink). */
-  int n = 0;
-  cu.DeviceGetCount(&n);
-  kvf_cu_access_desc acc[64];
-  size_t na = 0;
-  for (int i = 0; i < n && na < 64; i++) {
-    CUdevice d;
-    int can = 0;
-    if (cu.DeviceGet(&d, i) != KVF_CU_SUCCESS) continue;
-    if (d != m->dev && (cu.DeviceCanAccessPeer(&can, d, m->dev) != KVF_CU_SUCCESS || !can)) continue;
-    acc[na++] = (kvf_cu_access_desc){{KVF_CU_MEM_LOCATION_TYPE_DEVICE, d}, KVF_CU_MEM_ACCESS_RW};
-  }
-  if (cu.MemSetAccess(m->ptr, size, acc, na) != KVF_CU_SUCCESS) {
+  if (set_access(m) != 0) {
     cu.MemUnmap(m->ptr, size);
     cu.MemAddressFree(m->ptr, size);
     cu.DevicePrimaryCtxRelease(m->dev);
@@ -107,6 +111,42 @@ int kvf__cuda_map_fd(int fd, uint64_t size, void **addr, void **state) {
   *addr = (void *)(uintptr_t)m->ptr;
   *state = m;
   return 0;
+}
+
+/* The new allocation replaces the old one under the same reserved
+ * addresses: unmap, map, grant access again. */
+static int remap(struct cuda_map *m, int fd, uint64_t size) {
+  CUmemGenericAllocationHandle h = 0;
+  if (size != m->size) return KVF_EPROTO;
+  if (cu.MemImportFromShareableHandle(&h, (void *)(intptr_t)fd, KVF_CU_MEM_HANDLE_TYPE_POSIX_FD) != KVF_CU_SUCCESS)
+    return -EIO;
+  kvf_cu_mem_prop prop;
+  memset(&prop, 0, sizeof(prop));
+  CUdevice dev;
+  int rc = -EIO;
+  if (cu.MemGetAllocationPropertiesFromHandle(&prop, h) != KVF_CU_SUCCESS ||
+      cu.DeviceGet(&dev, prop.location.id) != KVF_CU_SUCCESS)
+    goto release;
+  rc = KVF_EPROTO;
+  if (dev != m->dev) goto release; /* another GPU now: not the same pool */
+  rc = -EIO;
+  cu.MemUnmap(m->ptr, m->size);
+  if (cu.MemMap(m->ptr, size, 0, h, 0) == KVF_CU_SUCCESS) rc = set_access(m);
+release:
+  cu.MemRelease(h);
+  return rc;
+}
+
+int kvf__cuda_remap_fd(void *state, int fd, uint64_t size) {
+  struct cuda_map *m = state;
+  if (!m || fd < 0) return KVF_EPROTO;
+  CUcontext old = NULL, ctx = NULL;
+  cu.CtxGetCurrent(&old);
+  if (cu.DevicePrimaryCtxRetain(&ctx, m->dev) != KVF_CU_SUCCESS) return -EIO;
+  int rc = cu.CtxSetCurrent(ctx) == KVF_CU_SUCCESS ? remap(m, fd, size) : -EIO;
+  cu.DevicePrimaryCtxRelease(m->dev);
+  cu.CtxSetCurrent(old);
+  return rc;
 }
 
 void kvf__cuda_unmap(void *state) {

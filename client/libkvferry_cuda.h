@@ -15,6 +15,12 @@
  * current CUDA context is left as it was. */
 int kvf__cuda_map_fd(int fd, uint64_t size, void **addr, void **state);
 void kvf__cuda_unmap(void *state);
+/* After a daemon restart: the pool's new fd mapped at the same addresses as
+ * state's mapping (the engine's pointers stay valid; the memory is the new
+ * daemon's). 0; KVF_EPROTO when the new pool has another size or GPU (the
+ * old mapping is left as it was); -EIO when the driver refuses (the range
+ * may then be unmapped: the engine must map the pool anew). */
+int kvf__cuda_remap_fd(void *state, int fd, uint64_t size);
 
 /* How a device pointer's allocation can be handed to the daemon
  * (kvf_mem_register). Implemented in libkvferry_cuda.c. */

@@ -199,5 +199,43 @@ class EngineGpuTcp(unittest.TestCase):
             self.assertTrue(torch.equal(dst, src))
 
 
+@unittest.skipUnless(torch is not None, "torch is not installed")
+class DaemonGpuPoolRemap(unittest.TestCase):
+    """A cuda:N daemon pool the engine mapped is mapped again, at the same
+    device address, on the restarted daemon's new allocation."""
+
+    @classmethod
+    def setUpClass(cls):
+        if not torch.cuda.is_available():
+            raise unittest.SkipTest("no CUDA device")
+        cls.d = Daemon(kvftest.tempdir(), "gpu", pool="16M", extra="pool hbm cuda:0 64M").start()
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.d.stop() == 0
+
+    def test_same_address_after_restart(self):
+        with self.d.client() as c:
+            hbm, host = c.pool_find("hbm"), c.pool_find("kv")
+            before = hbm.address
+            self.d.kill()
+            self.d.start()
+            t0 = time.monotonic()
+            while True:
+                try:
+                    host.memory[0:MIB] = bytes(range(256)) * (MIB // 256)
+                    c.grant("remap-1", None, [hbm.desc(5 * MIB, MIB)])
+                    break
+                except kvferry.KvferryError:
+                    self.assertLess(time.monotonic() - t0, 5, "the library reconnected")
+                    time.sleep(0.005)
+            c.send("remap-1", c.node, [host.desc(0, MIB)])
+            finish(self, [(c, kvferry.RECV_DONE), (c, kvferry.SEND_DONE)], "remap-1", "local")
+            self.assertEqual(hbm.address, before)
+            t = torch.as_tensor(hbm.view(5 * MIB, MIB), device="cuda")  # the old address
+            want = torch.arange(256, dtype=torch.uint8, device="cuda").repeat(MIB // 256)
+            self.assertTrue(torch.equal(t, want), "the new daemon's memory at the old address")
+
+
 if __name__ == "__main__":
     kvftest.main()
