@@ -222,13 +222,13 @@ class DaemonGpuPoolRemap(unittest.TestCase):
             self.d.start()
             t0 = time.monotonic()
             while True:
-                try:
-                    host.memory[0:MIB] = bytes(range(256)) * (MIB // 256)
+                try:  # succeeds once the library restored the mappings
                     c.grant("remap-1", None, [hbm.desc(5 * MIB, MIB)])
                     break
                 except kvferry.KvferryError:
                     self.assertLess(time.monotonic() - t0, 5, "the library reconnected")
                     time.sleep(0.005)
+            host.memory[0:MIB] = bytes(range(256)) * (MIB // 256)
             c.send("remap-1", c.node, [host.desc(0, MIB)])
             finish(self, [(c, kvferry.RECV_DONE), (c, kvferry.SEND_DONE)], "remap-1", "local")
             self.assertEqual(hbm.address, before)
