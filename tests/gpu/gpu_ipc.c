@@ -212,26 +212,27 @@ static void *bare_thread(void *arg) {
 
 /* A range over two VMM allocations mapped side by side (what PyTorch's
  * expandable segments do): -ENOTSUP, one allocation being what the daemon
- * imports. The second mapping is of handle h again (any allocation will
- * do). */
+ * imports. Two fresh allocations of one granule each (a handle maps whole:
+ * the engine's own one is larger). */
 static int engine_span(CUmemGenericAllocationHandle h) {
+  (void)h;
   kvf_cu_mem_prop prop;
   memset(&prop, 0, sizeof(prop));
   prop.type = KVF_CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.requestedHandleTypes = KVF_CU_MEM_HANDLE_TYPE_POSIX_FD;
   prop.location.type = KVF_CU_MEM_LOCATION_TYPE_DEVICE;
   size_t gran = 0;
-  CUmemGenericAllocationHandle h2 = 0;
+  CUmemGenericAllocationHandle h2 = 0, h3 = 0;
   CUdeviceptr va = 0;
   CHECK(cu.MemGetAllocationGranularity(&gran, &prop, KVF_CU_MEM_GRANULARITY_MINIMUM) == KVF_CU_SUCCESS &&
-            cu.MemCreate(&h2, gran, &prop, 0) == KVF_CU_SUCCESS,
-        "vmm: a second allocation");
+            cu.MemCreate(&h2, gran, &prop, 0) == KVF_CU_SUCCESS && cu.MemCreate(&h3, gran, &prop, 0) == KVF_CU_SUCCESS,
+        "vmm: two more allocations");
   int rc = -1;
   kvf_cu_access_desc acc = {{KVF_CU_MEM_LOCATION_TYPE_DEVICE, 0}, KVF_CU_MEM_ACCESS_RW};
   kvf__cuda_export ex;
   if (cu.MemAddressReserve(&va, 2 * gran, gran, 0, 0) == KVF_CU_SUCCESS) {
     if (cu.MemMap(va, gran, 0, h2, 0) == KVF_CU_SUCCESS) {
-      if (cu.MemMap(va + gran, gran, 0, h, 0) == KVF_CU_SUCCESS) {
+      if (cu.MemMap(va + gran, gran, 0, h3, 0) == KVF_CU_SUCCESS) {
         if (cu.MemSetAccess(va, 2 * gran, &acc, 1) == KVF_CU_SUCCESS)
           rc = kvf__cuda_export_range((void *)(uintptr_t)(va + gran - 4096), 8192, &ex);
         cu.MemUnmap(va + gran, gran);
@@ -241,6 +242,7 @@ static int engine_span(CUmemGenericAllocationHandle h) {
     cu.MemAddressFree(va, 2 * gran);
   }
   cu.MemRelease(h2);
+  cu.MemRelease(h3);
   CHECK(rc == -ENOTSUP, "vmm: a range over two allocations side by side: export says %d, not -ENOTSUP", rc);
   return 0;
 }
