@@ -117,7 +117,9 @@ struct engine_mem {
   int kind;
   uintptr_t addr;
   uint64_t size;
-  int fd;               /* host: the file; cuda: the VMM fd or -1 */
+  int fd;               /* host: the file; cuda: the VMM fd, else the
+                           allocation's dmabuf (ex.dmabuf_fd) or -1 */
+  bool vmm;             /* cuda: exported as a VMM fd, not an IPC handle */
   uint64_t offset;      /* in the fd (host) or the allocation (cuda) */
   kvf__cuda_export ex;  /* cuda */
 };
@@ -1603,8 +1605,9 @@ static void mem_request(const struct engine_mem *em, const char *name, Kvf__MemR
   } else {
     snprintf(kind, kind_cap, "cuda:%d", em->ex.dev);
     body->alloc_size = em->ex.alloc_size;
-    *fd_out = em->ex.fd;
-    if (em->ex.fd < 0) body->cuda_ipc_handle = (ProtobufCBinaryData){sizeof(em->ex.ipc), (uint8_t *)em->ex.ipc};
+    /* the VMM fd; or, with the IPC handle, the allocation's dmabuf */
+    *fd_out = em->fd;
+    if (!em->vmm) body->cuda_ipc_handle = (ProtobufCBinaryData){sizeof(em->ex.ipc), (uint8_t *)em->ex.ipc};
   }
   body->kind = kind;
   body->has_fd = *fd_out >= 0;
@@ -1644,7 +1647,9 @@ static int engine_mem_new(const kvf_mem *m, struct engine_mem **out) {
     rc = kvf__host_mem_fd(m->addr, m->size, &em->fd, &em->offset);
   } else {
     rc = kvf__cuda_export_range(m->addr, m->size, &em->ex);
-    em->fd = em->ex.fd;
+    em->vmm = em->ex.fd >= 0;
+    em->fd = em->vmm ? em->ex.fd : em->ex.dmabuf_fd;
+    em->ex.fd = em->ex.dmabuf_fd = -1; /* kept once, as em->fd */
     em->offset = (uintptr_t)m->addr - em->ex.alloc_base;
   }
   if (rc) {
@@ -1738,8 +1743,7 @@ static int restore_mems(kvf_client *c) {
     bool more = i < c->pools.n;
     const struct engine_mem *kept = more ? c->pools.v[i].data : NULL;
     struct engine_mem copy = kept ? *kept : (struct engine_mem){0};
-    if (kept && kept->fd >= 0) copy.fd = copy.ex.fd = fcntl(kept->fd, F_DUPFD_CLOEXEC, 0);
-    if (kept && kept->kind == KVF_MEM_HOST) copy.ex.fd = -1;
+    if (kept && kept->fd >= 0) copy.fd = fcntl(kept->fd, F_DUPFD_CLOEXEC, 0);
     uint32_t vid = more ? c->pools.v[i].vid : 0;
     char name[64];
     if (more) copy_string(name, sizeof(name), c->pools.v[i].name);

@@ -13,6 +13,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "cuda/cudrv.h"
 #include "kvferry.h"
@@ -193,6 +194,18 @@ static int borrow_context(CUdevice *dev) {
   return KVF_EINVAL; /* no active context: the pointer cannot be device memory of this process */
 }
 
+/* A dmabuf of cudaMalloc memory, made here because only its own process
+ * can: the driver refuses memory imported by IPC handle (seen on an H200,
+ * driver 13.0). -1 where the driver or GPU has none; NICs then take the
+ * daemon's other ways (peermem, bounce). */
+static int allocation_dmabuf(CUdeviceptr base, uint64_t size) {
+  int fd = -1;
+  if (!cu.MemGetHandleForAddressRange || base % 4096 || size % 4096) return -1;
+  if (cu.MemGetHandleForAddressRange(&fd, base, size, KVF_CU_MEM_RANGE_HANDLE_DMA_BUF_FD, 0) != KVF_CU_SUCCESS)
+    return -1;
+  return fd;
+}
+
 /* The allocation's handle as a POSIX fd (VMM), or its IPC handle
  * (cudaMalloc). A VMM allocation created without the POSIX fd handle type
  * cannot be shared: -ENOTSUP. So cannot memory from a stream-ordered pool
@@ -211,6 +224,7 @@ static int export_handle(CUdeviceptr base, kvf__cuda_export *ex) {
   kvf_cu_ipc_handle ipc;
   if (cu.IpcGetMemHandle(&ipc, base) != KVF_CU_SUCCESS) return -ENOTSUP;
   memcpy(ex->ipc, ipc.reserved, sizeof(ex->ipc));
+  ex->dmabuf_fd = allocation_dmabuf(base, ex->alloc_size);
   return 0;
 }
 
@@ -263,6 +277,7 @@ int kvf__cuda_export_range(const void *dptr, uint64_t size, kvf__cuda_export *ex
   memset(ex, 0, sizeof(*ex));
   ex->dev = -1;
   ex->fd = -1;
+  ex->dmabuf_fd = -1;
   pthread_once(&cu_once, load_once);
   if (cu_state) return cu_state;
   if (!cu.PointerGetAttribute || !cu.MemGetAddressRange) return -ENOTSUP;
@@ -275,8 +290,10 @@ int kvf__cuda_export_range(const void *dptr, uint64_t size, kvf__cuda_export *ex
   cu.CtxSetCurrent(old);
   if (borrowed >= 0) cu.DevicePrimaryCtxRelease(borrowed);
   if (rc) {
+    if (ex->fd >= 0) close(ex->fd);
+    if (ex->dmabuf_fd >= 0) close(ex->dmabuf_fd);
     ex->dev = -1;
-    ex->fd = -1;
+    ex->fd = ex->dmabuf_fd = -1;
   }
   return rc;
 }

@@ -26,6 +26,9 @@ int kvf__cuda_remap_fd(void *state, int fd, uint64_t size);
  * (kvf_mem_register). Implemented in libkvferry_cuda.c. */
 typedef struct kvf__cuda_export {
   int dev;                 /* the allocation's device ordinal */
+  int dmabuf_fd;           /* ipc route: a dmabuf of the whole allocation for
+                              the daemon's NICs (a process that imported an
+                              IPC handle cannot make one), or -1 */
   uint64_t alloc_base;     /* the allocation's first byte (cuMemGetAddressRange) */
   uint64_t alloc_size;
   int fd;                  /* VMM allocation exported as a POSIX fd, or -1 */

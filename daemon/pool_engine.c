@@ -35,6 +35,8 @@ typedef struct engine_rec {
   uint8_t *map;           /* host: the daemon's mapping (page aligned) */
   uint64_t map_len;
   kvf__gpu_import im;     /* cuda */
+  int dmabuf_fd;          /* cuda by IPC handle: the engine's dmabuf of the */
+                          /* allocation (for NICs), or -1 */
   uint32_t holds;         /* transfers naming the pool */
   bool orphan;            /* its owner went away or unregistered it: */
                           /* it goes when holds reaches 0 */
@@ -161,12 +163,15 @@ static int import_cuda(int fd, const Kvf__MemRegisterReq *q, kvf__pool *p, engin
     return KVF_ERANGE;
   }
   int rc;
-  if (fd >= 0) {
-    rc = kvf__gpu_import_fd(p->cuda_dev, fd, q->alloc_size, &r->im, err, errlen);
-    snprintf(p->backing, sizeof(p->backing), "engine-cumem");
-  } else if (q->cuda_ipc_handle.len == 64) {
+  if (q->cuda_ipc_handle.len == 64) {
     rc = kvf__gpu_import_ipc(p->cuda_dev, q->cuda_ipc_handle.data, q->alloc_size, &r->im, err, errlen);
     snprintf(p->backing, sizeof(p->backing), "engine-cuipc");
+    /* the fd with an IPC handle: the allocation's dmabuf, which only the
+     * engine's process could make (kept for the NICs' registration) */
+    if (rc == 0 && fd >= 0) r->dmabuf_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  } else if (fd >= 0) {
+    rc = kvf__gpu_import_fd(p->cuda_dev, fd, q->alloc_size, &r->im, err, errlen);
+    snprintf(p->backing, sizeof(p->backing), "engine-cumem");
   } else {
     snprintf(err, errlen, "GPU memory comes with a CUDA IPC handle (64 bytes) or a VMM fd");
     return KVF_EINVAL;
@@ -186,6 +191,7 @@ static int import_cuda(int fd, const Kvf__MemRegisterReq *q, kvf__pool *p, engin
 
 static void release_memory(kvf__pool *p) {
   engine_rec *r = rec_of(p);
+  if (r->dmabuf_fd >= 0) close(r->dmabuf_fd);
   if (r->cuda) {
     kvf__gpu_import_release(&r->im);
   } else if (r->map) {
@@ -253,6 +259,7 @@ static kvf__pool *pool_new(kvf__session *owner, const Kvf__MemRegisterReq *q, ui
   p->cuda_dev = cuda_dev_of(q->kind);
   p->owner = owner;
   p->engine = r;
+  r->dmabuf_fd = -1;
   snprintf(p->name, sizeof(p->name), "%s", q->name);
   snprintf(p->kind, sizeof(p->kind), "%s", q->kind);
   snprintf(p->nic_reg, sizeof(p->nic_reg), "none");
@@ -289,9 +296,10 @@ int kvf__pool_engine_add(kvf__session *owner, const Kvf__MemRegisterReq *q, int 
   t->import_ns = t1 - t0;
   t->nic_ns = kvf__now_ns() - t1;
   table_put(p);
-  kvf__info("pool %s: engine memory of client pid %d, %s, %llu bytes, %s; NIC %s (import %.3f ms, NIC %.3f ms)",
-            p->name, (int)kvf__api_session_pid(owner), p->kind, (unsigned long long)p->size, p->backing, p->nic_reg,
-            t->import_ns / 1e6, t->nic_ns / 1e6);
+  kvf__info("pool %s: engine memory of client pid %d, %s, %llu bytes, %s%s; NIC %s (import %.3f ms, NIC %.3f ms)",
+            p->name, (int)kvf__api_session_pid(owner), p->kind, (unsigned long long)p->size, p->backing,
+            rec_of(p)->dmabuf_fd >= 0 ? " with the engine's dmabuf" : "", p->nic_reg, t->import_ns / 1e6,
+            t->nic_ns / 1e6);
   *out = p;
   return 0;
 }
@@ -350,9 +358,15 @@ void kvf__pool_engine_release(uint32_t id) {
 int kvf__pool_engine_dmabuf(const kvf__pool *p, int *fd, uint64_t *offset) {
   engine_rec *r = rec_of(p);
   if (!r || !r->cuda) return -EINVAL;
+  uint64_t in_alloc = (uint64_t)(uintptr_t)p->base - r->im.dptr;
+  if (r->dmabuf_fd >= 0) { /* the engine's, of the whole allocation */
+    *fd = fcntl(r->dmabuf_fd, F_DUPFD_CLOEXEC, 0);
+    *offset = in_alloc;
+    return *fd >= 0 ? 0 : -errno;
+  }
   /* the whole allocation: its ends are page aligned, the region's need not be */
   int rc = kvf__gpu_range_dmabuf(r->im.dptr, r->im.size, fd, offset);
-  if (rc == 0) *offset += (uint64_t)(uintptr_t)p->base - r->im.dptr;
+  if (rc == 0) *offset += in_alloc;
   return rc;
 }
 

@@ -356,6 +356,11 @@ static int engine_route(int s, int route, uint64_t want, bool bench) {
   memcpy(m.ipc, ex.ipc, sizeof(m.ipc));
   rc = send_msg(s, &m, m.rc == 0 ? ex.fd : -1);
   if (ex.fd >= 0) close(ex.fd);
+  /* the IPC route's dmabuf, which the daemon cannot make of imported memory */
+  if (route == ROUTE_IPC)
+    printf("     %s: the engine's own dmabuf of its allocation: %s\n", route_name[route],
+           ex.dmabuf_fd >= 0 ? "made" : "refused by the driver");
+  if (ex.dmabuf_fd >= 0) close(ex.dmabuf_fd);
   msg chk;
   int nofd;
   if (rc == 0) rc = recv_msg(s, &chk, &nofd);

@@ -59,6 +59,12 @@ class EngineGpuLocal(unittest.TestCase):
             ps, pd = c.register(src, name="src"), c.register(dst, name="dst")
             self.assertTrue(ps.engine)
             self.assertEqual(ps.kind, "cuda:0")
+            # cudaMalloc memory: the daemon imports the IPC handle; the
+            # engine made the dmabuf NICs would register (where the GPU
+            # exports dmabuf at all: said, not required)
+            line = [x for x in self.d.log_text().splitlines() if "pool src: engine memory" in x][-1]
+            print("# " + line.split("info: ", 1)[-1], flush=True)
+            self.assertIn("engine-cuipc", line)
             order = [(i * 7) % 32 for i in range(32)]  # scattered blocks
             c.grant("eg-1", None, [pd.desc(b * MIB, MIB) for b in order])
             c.send("eg-1", c.node, [ps.desc(i * MIB, MIB) for i in range(32)])
