@@ -37,12 +37,19 @@ typedef struct engine_rec {
   kvf__gpu_import im;     /* cuda */
   int dmabuf_fd;          /* cuda by IPC handle: the engine's dmabuf of the */
                           /* allocation (for NICs), or -1 */
+  kvf__mem_timing timing; /* what registering it cost (status) */
   uint32_t holds;         /* transfers naming the pool */
   bool orphan;            /* its owner went away or unregistered it: */
                           /* it goes when holds reaches 0 */
 } engine_rec;
 
 static engine_rec *rec_of(const kvf__pool *p) { return p ? p->engine : NULL; }
+
+bool kvf__pool_engine_timing(const kvf__pool *p, kvf__mem_timing *t) {
+  const engine_rec *r = rec_of(p);
+  if (r) *t = r->timing;
+  return r != NULL;
+}
 
 bool kvf__pool_is_engine(uint32_t id) { return rec_of(kvf__pool_get(id)) != NULL; }
 
@@ -295,6 +302,7 @@ int kvf__pool_engine_add(kvf__session *owner, const Kvf__MemRegisterReq *q, int 
   }
   t->import_ns = t1 - t0;
   t->nic_ns = kvf__now_ns() - t1;
+  rec_of(p)->timing = *t;
   table_put(p);
   kvf__info("pool %s: engine memory of client pid %d, %s, %llu bytes, %s%s; NIC %s (import %.3f ms, NIC %.3f ms)",
             p->name, (int)kvf__api_session_pid(owner), p->kind, (unsigned long long)p->size, p->backing,

@@ -188,7 +188,13 @@ class EngineGpuTcp(unittest.TestCase):
         src, dst = filled(16 * MIB, 4), torch.zeros(16 * MIB, dtype=torch.uint8, device="cuda")
         with self.pre.client() as cp, self.dec.client() as cd:
             ps, pd = cp.register(src, name="pre-r"), cd.register(dst, name="dec-r")
+            # under load: a transfer in flight when the daemon dies
+            cd.grant("eg-before", "prefill", [pd.desc(0, 16 * MIB)])
+            cp.send("eg-before", "decode", [ps.desc(0, 16 * MIB)])
             self.dec.kill()
+            ev = wait_event(cd, "eg-before", type=kvferry.RECV_DONE, timeout=10)
+            self.assertTrue(ev.ok or ev.status == -4007, ev)  # landed first, or KVF_EDAEMON
+            wait_event(cp, "eg-before", type=kvferry.SEND_DONE, timeout=10)
             self.dec.start()
             self.pre.wait_peers_up()
             ready = time.monotonic()
