@@ -68,8 +68,41 @@ const char *kvf_err_name(int err);
 typedef struct kvf_client kvf_client;
 
 /* Connects to the daemon listening on socket_path (NULL: $KVFERRY_SOCKET or
- * /run/kvferry/kvferryd.sock). */
+ * /run/kvferry/kvferryd.sock), with the default kvf_connect_opts. */
 int kvf_connect(const char *socket_path, kvf_client **out);
+
+/* How a client waits for its daemon. A field < 0 takes its default: from
+ * the environment ($KVFERRY_CONNECT_WAIT_MS, $KVFERRY_RECONNECT_MS) when
+ * set, else the KVF_*_DEFAULT below.
+ *
+ * wait_ms: kvf_connect waits up to this long for a daemon that is starting
+ *   (its socket missing or refusing connections), retrying every few ms.
+ *   0: fail at once (-ENOENT, -ECONNREFUSED).
+ * reconnect_ms: when the connection breaks (the daemon restarted), the
+ *   library connects again by itself, retrying for up to this long: every
+ *   grant and send in flight first ends with its KVF_EV_RECV_DONE /
+ *   KVF_EV_SEND_DONE carrying KVF_EDAEMON (the event fd wakes); every call
+ *   made while disconnected fails at once with KVF_EDAEMON (kvf_wait_events
+ *   too, once no event is left), and the event fd is not raised for it
+ *   (an engine polling it does not spin). Once connected again, the library
+ *   registers this client's engine memory (the same memory) and layouts
+ *   again and maps daemon pools it had mapped at the same addresses (host
+ *   and cuda:N; now the new daemon's memory: daemon pools start empty),
+ *   before it takes calls. Pool and layout ids held by the
+ *   engine keep naming the same pools and layouts, whatever ids the new
+ *   daemon gives them. A daemon that does not come back within
+ *   reconnect_ms leaves the client as without reconnecting: every call
+ *   fails with KVF_EDAEMON and the event fd stays raised; kvf_close it.
+ *   0: never reconnect. */
+typedef struct kvf_connect_opts {
+  int wait_ms;
+  int reconnect_ms;
+} kvf_connect_opts;
+#define KVF_CONNECT_WAIT_MS_DEFAULT 0
+#define KVF_RECONNECT_MS_DEFAULT 30000
+#define KVF_CONNECT_OPTS_INIT {-1, -1}
+
+int kvf_connect_ex(const char *socket_path, const kvf_connect_opts *opts, kvf_client **out);
 /* Closes the connection. The daemon cancels this client's transfers. */
 void kvf_close(kvf_client *c);
 /* The daemon's node name. */
@@ -115,7 +148,11 @@ int kvf_pool_map(kvf_client *c, uint32_t pool, void **addr, uint64_t *size);
  *     memfd (memfd_create; the daemon seals it against shrinking), or of a
  *     file on tmpfs (shm_open) or hugetlbfs. fd -1 lets the library find the
  *     file from /proc/self/maps; else fd is the file, addr is mapped from
- *     fd_offset. Anonymous memory (malloc) cannot be shared: KVF_EINVAL.
+ *     fd_offset. Anonymous or private memory (malloc, MAP_PRIVATE) has no
+ *     file to hand over: KVF_EINVAL, as for a file this process holds no
+ *     descriptor of and cannot open (a deleted one). The library keeps a
+ *     descriptor of the file until the memory is unregistered (to register
+ *     it again with a daemon that restarted).
  *   KVF_MEM_CUDA: addr is a CUDA device pointer inside one allocation
  *     (cudaMalloc, torch, or cuMemCreate with POSIX fd export). The library
  *     exports the allocation (cuIpcGetMemHandle, or its shareable fd) and the

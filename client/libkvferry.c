@@ -5,16 +5,23 @@
  * arrives. One reader thread owns the inbound stream: it hands responses to
  * their waiters, queues events for kvf_wait_events / kvf_event_fd, and keeps
  * the fds that arrive by SCM_RIGHTS until the MapResp they belong to is read.
- * When the connection breaks, everything waiting wakes up with KVF_EDAEMON.
+ * When the connection breaks, everything waiting wakes up with KVF_EDAEMON,
+ * every transfer in flight gets its DONE event with KVF_EDAEMON, and the
+ * reader reconnects (within reconnect_ms): it re-registers engine memory
+ * and layouts and remaps daemon pools at the same addresses before calls
+ * are taken again. The ids the engine holds are translated to the new
+ * daemon's (client_int.h) wherever they go out.
  */
 #include "kvferry.h"
 
+#include "client_int.h"
 #include "frame.h"
 #include "kvferry.pb-c.h"
 #include "libkvferry_cuda.h"
 
 #include <endian.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
 #include <signal.h>
@@ -48,6 +55,7 @@
  * is linked into kvf_client.waiting while the request is in flight. */
 struct pending {
   uint64_t seq;
+  uint64_t gen;         /* the connection it went out on */
   bool done;
   Kvf__ApiMessage *msg; /* the response, once done */
   int fd;               /* the fd passed with it, or -1 */
@@ -65,13 +73,14 @@ struct queued_event {
  * once the send ended instead of starting a new one. A chained hash set. */
 struct open_send {
   struct open_send *next;
+  int count;            /* inflight: calls that opened it (a refused one undoes its own) */
   char id[];
 };
 
 #define OPEN_SENDS_BUCKETS 1024u
 
 struct mapping {
-  uint32_t pool;
+  uint32_t pool;        /* the id the engine holds */
   void *addr;           /* host address, or a CUDA device pointer (gpu set) */
   uint64_t size;
   void *gpu;            /* cuda:N pools: libkvferry_cuda.c's state */
@@ -102,10 +111,40 @@ struct inbound {
   size_t nfds;
 };
 
+/* Engine memory (kvf_mem_register), kept to register it again with a
+ * daemon that restarted: the same memory, by the fd or export kept here. */
+struct engine_mem {
+  int kind;
+  uintptr_t addr;
+  uint64_t size;
+  int fd;               /* host: the file; cuda: the VMM fd, else the
+                           allocation's dmabuf (ex.dmabuf_fd) or -1 */
+  bool vmm;             /* cuda: exported as a VMM fd, not an IPC handle */
+  uint64_t offset;      /* in the fd (host) or the allocation (cuda) */
+  kvf__cuda_export ex;  /* cuda */
+};
+
+/* A layout, kept to register it again after a restart; pool is the
+ * engine's id. */
+struct layout_copy {
+  kvf_layout l;
+  uint64_t offsets[];
+};
+
+enum conn_state {
+  CONN_UP,   /* calls are taken */
+  CONN_DOWN, /* broken; the reader is reconnecting: calls fail with KVF_EDAEMON */
+  CONN_GONE, /* for good (kvf_close, no reconnect, or past reconnect_ms) */
+};
+
 struct kvf_client {
-  /* Set up by kvf_connect before the reader starts; constant afterwards. */
+  /* Set up by kvf_connect before the reader starts; afterwards changed
+   * only by the reader while it reconnects (sock under write_mu and mu). */
   int sock;
+  uint64_t sock_gen;  /* under write_mu: the connection sock belongs to */
   int event_fd;
+  char *socket_path;
+  int reconnect_ms;   /* 0: never */
   char node[KVF_NAME_MAX + 1];
   uint32_t max_frame; /* largest frame either way */
   uint32_t max_descs; /* 0: the daemon set no limit */
@@ -124,13 +163,22 @@ struct kvf_client {
   pthread_mutex_t mu;        /* guards every field below */
   pthread_cond_t responded;  /* a response arrived, or the connection died */
   pthread_cond_t evented;    /* an event was queued, or the connection died */
-  bool dead;                 /* the connection is gone for good */
+  pthread_cond_t state_cv;   /* conn changed, or kvf_close began */
+  enum conn_state conn;
+  uint64_t gen;              /* counts connections: a break starts the next */
+  bool closing;              /* kvf_close: stop reconnecting */
   bool event_fd_raised;      /* event_fd currently polls readable */
   uint64_t last_seq;
   struct pending *waiting;
   struct queued_event *ev_head, **ev_tail;
   struct mapping *maps;
   struct open_send *open_sends[OPEN_SENDS_BUCKETS];
+  /* Grants ("g" + id) and sends ("s" + id) of this client whose DONE event
+   * has not come: the ones that get KVF_EDAEMON when the connection breaks. */
+  struct open_send *inflight[OPEN_SENDS_BUCKETS];
+  kvf__ids pools;            /* data: struct engine_mem for engine memory */
+  kvf__ids layouts;          /* data: struct layout_copy */
+  uint32_t mem_seq;          /* default names of engine memory */
 };
 
 /* ------------------------------------------------------------ small helpers */
@@ -168,16 +216,30 @@ static int check_descs(const kvf_client *c, const kvf_desc *descs, size_t n) {
   return 0;
 }
 
+static struct timespec deadline_after_ms(int ms) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  t.tv_sec += ms / 1000;
+  t.tv_nsec += (long)(ms % 1000) * 1000000L;
+  if (t.tv_nsec >= 1000000000L) {
+    t.tv_sec++;
+    t.tv_nsec -= 1000000000L;
+  }
+  return t;
+}
+
 /* ------------------------------------------------------------ open sends */
 
 /* All under mu. */
-static struct open_send **open_send_slot(kvf_client *c, const char *id) {
+static struct open_send **table_slot(struct open_send **table, const char *id) {
   uint32_t h = 2166136261u; /* FNV-1a */
   for (const char *p = id; *p; p++) h = (h ^ (uint8_t)*p) * 16777619u;
-  struct open_send **pp = &c->open_sends[h % OPEN_SENDS_BUCKETS];
+  struct open_send **pp = &table[h % OPEN_SENDS_BUCKETS];
   while (*pp && strcmp((*pp)->id, id) != 0) pp = &(*pp)->next;
   return pp;
 }
+
+static struct open_send **open_send_slot(kvf_client *c, const char *id) { return table_slot(c->open_sends, id); }
 
 static bool send_is_open(kvf_client *c, const char *id) { return *open_send_slot(c, id) != NULL; }
 
@@ -187,6 +249,7 @@ static struct open_send *open_send_new(const char *id) {
   if (o) {
     memcpy(o->id, id, n);
     o->next = NULL;
+    o->count = 1;
   }
   return o;
 }
@@ -206,22 +269,70 @@ static void close_send(kvf_client *c, const char *id) {
   free(o);
 }
 
-static void free_open_sends(kvf_client *c) {
+static void free_table(struct open_send **table) {
   for (size_t b = 0; b < OPEN_SENDS_BUCKETS; b++)
-    while (c->open_sends[b]) {
-      struct open_send *o = c->open_sends[b];
-      c->open_sends[b] = o->next;
+    while (table[b]) {
+      struct open_send *o = table[b];
+      table[b] = o->next;
       free(o);
     }
 }
 
+/* ------------------------------------------------------------ transfers in flight */
+
+/* The key of a grant ('g') or send ('s') of xfer_id. */
+static void inflight_key(char *key, char type, const char *xfer_id) {
+  key[0] = type;
+  copy_string(key + 1, KVF_XFER_ID_MAX + 1, xfer_id);
+}
+
+/* Counts a call that may start transfer xfer_id, before its request goes
+ * out (its DONE event may come before the call returns). */
+static int inflight_add(kvf_client *c, char type, const char *xfer_id) {
+  char key[KVF_XFER_ID_MAX + 2];
+  inflight_key(key, type, xfer_id);
+  pthread_mutex_lock(&c->mu);
+  struct open_send **pp = table_slot(c->inflight, key);
+  int rc = 0;
+  if (*pp) (*pp)->count++;
+  else if ((*pp = open_send_new(key)) == NULL) rc = -ENOMEM;
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+/* The call of inflight_add ended: a refused one takes its count back. */
+static int inflight_end(kvf_client *c, char type, const char *xfer_id, int rc) {
+  if (rc == 0) return 0;
+  char key[KVF_XFER_ID_MAX + 2];
+  inflight_key(key, type, xfer_id);
+  pthread_mutex_lock(&c->mu);
+  struct open_send **pp = table_slot(c->inflight, key), *o = *pp;
+  if (o && --o->count <= 0) {
+    *pp = o->next;
+    free(o);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+/* Its DONE event came (mu held). */
+static void inflight_done(kvf_client *c, int type, const char *xfer_id) {
+  char key[KVF_XFER_ID_MAX + 2];
+  inflight_key(key, type == KVF_EV_RECV_DONE ? 'g' : 's', xfer_id);
+  struct open_send **pp = table_slot(c->inflight, key), *o = *pp;
+  if (!o) return;
+  *pp = o->next;
+  free(o);
+}
+
 /* ------------------------------------------------------------ events */
 
-/* Keeps event_fd readable exactly while kvf_wait_events would return at
- * once: events are queued, or the connection is gone (so that an engine
- * polling only the fd still learns of it). Called with mu held. */
+/* Keeps event_fd readable while events are queued or the connection is
+ * gone for good (so that an engine polling only the fd still learns of
+ * it). While the library reconnects it is not raised without events: an
+ * engine polling it would spin. Called with mu held. */
 static void sync_event_fd(kvf_client *c) {
-  bool want = c->ev_head != NULL || c->dead;
+  bool want = c->ev_head != NULL || c->conn == CONN_GONE;
   uint64_t v = 1;
   if (want && !c->event_fd_raised) {
     if (write(c->event_fd, &v, sizeof(v)) < 0) { /* cannot fail: counter < 2 */ }
@@ -244,18 +355,46 @@ static void event_from_wire(kvf_event *ev, const Kvf__Event *w) {
   ev->layer = w->layer;
 }
 
+/* Called with mu held. */
+static void enqueue_locked(kvf_client *c, struct queued_event *q) {
+  q->next = NULL;
+  *c->ev_tail = q;
+  c->ev_tail = &q->next;
+  if (q->ev.type == KVF_EV_RECV_DONE || q->ev.type == KVF_EV_SEND_DONE) inflight_done(c, q->ev.type, q->ev.xfer_id);
+  sync_event_fd(c);
+  pthread_cond_broadcast(&c->evented);
+}
+
 static int queue_event(kvf_client *c, const Kvf__Event *w) {
   struct queued_event *q = malloc(sizeof(*q));
   if (!q) return -ENOMEM; /* losing an event silently would be worse */
   event_from_wire(&q->ev, w);
-  q->next = NULL;
   pthread_mutex_lock(&c->mu);
-  *c->ev_tail = q;
-  c->ev_tail = &q->next;
-  sync_event_fd(c);
-  pthread_cond_broadcast(&c->evented);
+  enqueue_locked(c, q);
   pthread_mutex_unlock(&c->mu);
   return 0;
+}
+
+/* The connection broke: every grant and send in flight ends with
+ * KVF_EDAEMON (mu held). An event that cannot be allocated is lost with
+ * its transfer's entry; kvf_wait_events still reports KVF_EDAEMON. */
+static void fail_inflight(kvf_client *c) {
+  for (size_t b = 0; b < OPEN_SENDS_BUCKETS; b++) {
+    while (c->inflight[b]) {
+      struct open_send *o = c->inflight[b];
+      c->inflight[b] = o->next;
+      struct queued_event *q = calloc(1, sizeof(*q));
+      if (q) {
+        q->ev.type = o->id[0] == 'g' ? KVF_EV_RECV_DONE : KVF_EV_SEND_DONE;
+        q->ev.status = KVF_EDAEMON;
+        copy_string(q->ev.xfer_id, sizeof(q->ev.xfer_id), o->id + 1);
+        copy_string(q->ev.path, sizeof(q->ev.path), "daemon");
+        copy_string(q->ev.error, sizeof(q->ev.error), "the connection to kvferryd broke");
+        enqueue_locked(c, q);
+      }
+      free(o);
+    }
+  }
 }
 
 /* Moves up to cap queued events to out. Called with mu held. */
@@ -380,20 +519,38 @@ static int pump_inbound(kvf_client *c) {
   return rc == 0 ? 0 : KVF_EPROTO; /* -EMSGSIZE: a frame over max_frame */
 }
 
-static void mark_dead(kvf_client *c) {
+/* The connection broke: callers waiting for a response wake with
+ * KVF_EDAEMON, transfers in flight get their events, and a new connection
+ * number starts. Returns whether to reconnect. */
+static bool connection_lost(kvf_client *c) {
   pthread_mutex_lock(&c->mu);
-  c->dead = true;
+  c->gen++;
+  c->conn = c->closing || c->reconnect_ms == 0 ? CONN_GONE : CONN_DOWN;
+  fail_inflight(c);
   sync_event_fd(c);
   pthread_cond_broadcast(&c->responded);
   pthread_cond_broadcast(&c->evented);
+  pthread_cond_broadcast(&c->state_cv);
+  bool again = c->conn == CONN_DOWN;
   pthread_mutex_unlock(&c->mu);
+  return again;
 }
+
+static int reconnect(kvf_client *c);
 
 static void *reader_main(void *arg) {
   kvf_client *c = arg;
-  while (pump_inbound(c) == 0) {
+  for (;;) {
+    while (pump_inbound(c) == 0) {
+    }
+    if (!connection_lost(c) || reconnect(c) != 0) break;
   }
-  mark_dead(c);
+  pthread_mutex_lock(&c->mu);
+  c->conn = CONN_GONE;
+  sync_event_fd(c);
+  pthread_cond_broadcast(&c->evented);
+  pthread_cond_broadcast(&c->state_cv);
+  pthread_mutex_unlock(&c->mu);
   return NULL;
 }
 
@@ -417,8 +574,10 @@ static int start_reader(kvf_client *c) {
  * page fault per 4 KiB once malloc hands the memory back to the kernel. */
 #define WBUF_KEEP (4u << 20)
 
-/* Writes one request frame; the caller holds write_mu. */
-static int send_request_locked(kvf_client *c, Kvf__ApiRequest *req) {
+/* Writes one request frame, with fd attached when >= 0, on connection gen
+ * (KVF_EDAEMON when that connection is over); the caller holds write_mu. */
+static int send_request_locked(kvf_client *c, Kvf__ApiRequest *req, uint64_t gen, int fd) {
+  if (gen != c->sock_gen) return KVF_EDAEMON;
   size_t len = kvf__api_request__get_packed_size(req);
   if (len > c->max_frame) return KVF_ELIMIT;
   size_t total = KVF__FRAME_HDR + len;
@@ -434,7 +593,7 @@ static int send_request_locked(kvf_client *c, Kvf__ApiRequest *req) {
   }
   kvf__frame_put_header(frame, (uint32_t)len);
   kvf__api_request__pack(req, frame + KVF__FRAME_HDR);
-  int rc = kvf__send_all(c->sock, frame, total, -1);
+  int rc = kvf__send_all(c->sock, frame, total, fd);
   if (frame != c->wbuf) free(frame);
   if (rc == -EAGAIN) return -ETIMEDOUT; /* only during hello (SO_SNDTIMEO) */
   if (rc) {
@@ -446,9 +605,9 @@ static int send_request_locked(kvf_client *c, Kvf__ApiRequest *req) {
   return 0;
 }
 
-static int send_request(kvf_client *c, Kvf__ApiRequest *req) {
+static int send_request(kvf_client *c, Kvf__ApiRequest *req, uint64_t gen, int fd) {
   pthread_mutex_lock(&c->write_mu);
-  int rc = send_request_locked(c, req);
+  int rc = send_request_locked(c, req, gen, fd);
   pthread_mutex_unlock(&c->write_mu);
   return rc;
 }
@@ -462,15 +621,21 @@ static void unlink_pending(kvf_client *c, struct pending *p) {
   }
 }
 
+/* Any connection (for register_pending_on): the current one, when up. */
+#define ANY_GEN 0
+
 /* Registers p before the request is written, so that the response cannot
- * arrive ahead of its waiter, then writes the request. */
-static int register_pending(kvf_client *c, struct pending *p) {
+ * arrive ahead of its waiter. gen: the connection the request was made
+ * for (ids translated for it), or ANY_GEN. While the connection is down
+ * only the reader's own requests (restoring, true) go out. */
+static int register_pending_on(kvf_client *c, struct pending *p, uint64_t gen, bool restoring) {
   *p = (struct pending){.fd = -1};
   pthread_mutex_lock(&c->mu);
-  if (c->dead) {
+  if ((!restoring && c->conn != CONN_UP) || (gen != ANY_GEN && gen != c->gen)) {
     pthread_mutex_unlock(&c->mu);
     return KVF_EDAEMON;
   }
+  p->gen = c->gen;
   p->seq = ++c->last_seq;
   p->next = c->waiting;
   c->waiting = p;
@@ -478,11 +643,29 @@ static int register_pending(kvf_client *c, struct pending *p) {
   return 0;
 }
 
-static int begin_call(kvf_client *c, Kvf__ApiRequest *req, struct pending *p) {
-  int rc = register_pending(c, p);
+static int register_pending(kvf_client *c, struct pending *p) { return register_pending_on(c, p, ANY_GEN, false); }
+
+/* A number for a request nobody waits the answer of, on the current
+ * connection: *gen for send_request_locked. */
+static int unanswered_seq(kvf_client *c, Kvf__ApiRequest *req, uint64_t *gen) {
+  pthread_mutex_lock(&c->mu);
+  int rc = c->conn == CONN_UP ? 0 : KVF_EDAEMON;
+  req->seq = ++c->last_seq;
+  *gen = c->gen;
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+static int begin_call_on(kvf_client *c, Kvf__ApiRequest *req, struct pending *p, uint64_t gen, bool restoring,
+                         int fd) {
+  int rc = register_pending_on(c, p, gen, restoring);
   if (rc) return rc;
   req->seq = p->seq;
-  return send_request(c, req);
+  return send_request(c, req, p->gen, fd);
+}
+
+static int begin_call(kvf_client *c, Kvf__ApiRequest *req, struct pending *p) {
+  return begin_call_on(c, req, p, ANY_GEN, false, -1);
 }
 
 /* Unregisters p and turns its outcome into a return value. rc is what went
@@ -518,7 +701,7 @@ static int end_call(kvf_client *c, struct pending *p, int rc, int expect, Kvf__A
 /* Waits for the response to p (registered) after its request went out. */
 static int finish_call(kvf_client *c, struct pending *p, int rc, int expect, Kvf__ApiMessage **out, int *fd) {
   pthread_mutex_lock(&c->mu);
-  while (rc == 0 && !p->done && !c->dead) pthread_cond_wait(&c->responded, &c->mu);
+  while (rc == 0 && !p->done && p->gen == c->gen) pthread_cond_wait(&c->responded, &c->mu);
   pthread_mutex_unlock(&c->mu);
   return end_call(c, p, rc, expect, out, fd);
 }
@@ -528,6 +711,31 @@ static int call(kvf_client *c, Kvf__ApiRequest *req, int expect, Kvf__ApiMessage
   struct pending p;
   int rc = begin_call(c, req, &p);
   return finish_call(c, &p, rc, expect, out, fd);
+}
+
+/* call() for a request made for connection gen (its ids translated for
+ * it), with fd_out attached when >= 0. */
+static int call_on(kvf_client *c, uint64_t gen, Kvf__ApiRequest *req, int fd_out, int expect, Kvf__ApiMessage **out,
+                   int *fd) {
+  struct pending p;
+  int rc = begin_call_on(c, req, &p, gen, false, fd_out);
+  return finish_call(c, &p, rc, expect, out, fd);
+}
+
+/* One request answered on this thread, which reads the socket itself: the
+ * hello, and the reader's requests while it restores a new connection. */
+static int sync_call_answered(kvf_client *c, Kvf__ApiRequest *req, int fd_out, int expect, Kvf__ApiMessage **out,
+                              int *fd, bool *answered) {
+  struct pending p;
+  int rc = begin_call_on(c, req, &p, ANY_GEN, true, fd_out);
+  while (rc == 0 && !p.done) rc = pump_inbound(c);
+  if (rc == -EAGAIN) rc = -ETIMEDOUT; /* SO_RCVTIMEO expired */
+  if (answered) *answered = p.done;
+  return end_call(c, &p, rc, expect, out, fd);
+}
+
+static int sync_call(kvf_client *c, Kvf__ApiRequest *req, int fd_out, int expect, Kvf__ApiMessage **out, int *fd) {
+  return sync_call_answered(c, req, fd_out, expect, out, fd, NULL);
 }
 
 /* ------------------------------------------------------------ connect */
@@ -608,16 +816,25 @@ static int exchange_hello(kvf_client *c) {
   req.body_case = KVF__API_REQUEST__BODY_HELLO;
   req.hello = &hello;
 
-  struct pending p;
-  int rc = begin_call(c, &req, &p);
-  while (rc == 0 && !p.done) rc = pump_inbound(c);
-  if (rc == -EAGAIN) rc = -ETIMEDOUT; /* SO_RCVTIMEO expired */
   Kvf__ApiMessage *msg;
-  rc = end_call(c, &p, rc, KVF__API_RESPONSE__BODY_HELLO, &msg, NULL);
+  int rc = sync_call(c, &req, -1, KVF__API_RESPONSE__BODY_HELLO, &msg, NULL);
   if (rc) return rc;
   rc = adopt_hello(c, msg->response->hello);
   kvf__api_message__free_unpacked(msg, NULL);
   return rc;
+}
+
+static void engine_mem_free(struct engine_mem *em) {
+  if (!em) return;
+  if (em->fd >= 0) close(em->fd);
+  free(em);
+}
+
+static void free_ids(kvf_client *c) {
+  for (size_t i = 0; i < c->pools.n; i++) engine_mem_free(c->pools.v[i].data);
+  for (size_t i = 0; i < c->layouts.n; i++) free(c->layouts.v[i].data);
+  kvf__ids_free(&c->pools);
+  kvf__ids_free(&c->layouts);
 }
 
 /* Mutex and condvar initialisation cannot fail with glibc (NULL or clock
@@ -641,7 +858,10 @@ static kvf_client *client_new(void) {
   pthread_condattr_setclock(&attr, CLOCK_MONOTONIC); /* timeouts immune to clock steps */
   pthread_cond_init(&c->responded, &attr);
   pthread_cond_init(&c->evented, &attr);
+  pthread_cond_init(&c->state_cv, &attr);
   pthread_condattr_destroy(&attr);
+  c->conn = CONN_DOWN; /* until the hello is answered */
+  c->gen = c->sock_gen = 1;
   return c;
 }
 
@@ -661,9 +881,13 @@ static void client_free(kvf_client *c) {
     unmap(m->addr, m->size, m->gpu);
     free(m);
   }
-  free_open_sends(c);
+  free_table(c->open_sends);
+  free_table(c->inflight);
+  free_ids(c);
+  free(c->socket_path);
   close(c->event_fd);
   pthread_cond_destroy(&c->evented);
+  pthread_cond_destroy(&c->state_cv);
   pthread_cond_destroy(&c->responded);
   pthread_mutex_destroy(&c->mu);
   pthread_mutex_destroy(&c->write_mu);
@@ -672,15 +896,73 @@ static void client_free(kvf_client *c) {
   free(c);
 }
 
-KVF_API int kvf_connect(const char *socket_path, kvf_client **out) {
+/* A number of milliseconds from the environment, or def when unset or
+ * not a number >= 0. */
+static int env_ms(const char *name, int def) {
+  const char *v = getenv(name);
+  if (!v || !*v) return def;
+  char *end;
+  long ms = strtol(v, &end, 10);
+  return *end || ms < 0 || ms > INT_MAX ? def : (int)ms;
+}
+
+static int64_t now_ms(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* Whether a failed connect means "no daemon listening yet": its socket is
+ * not there, or nobody accepts on it. */
+static bool daemon_not_up(int rc) { return rc == -ENOENT || rc == -ECONNREFUSED; }
+
+/* Sleeps ms (or until kvf_close); returns false when closing. */
+static bool backoff_sleep(kvf_client *c, int ms) {
+  struct timespec until = deadline_after_ms(ms);
+  pthread_mutex_lock(&c->mu);
+  while (!c->closing && pthread_cond_timedwait(&c->state_cv, &c->mu, &until) != ETIMEDOUT) {
+  }
+  bool go_on = !c->closing;
+  pthread_mutex_unlock(&c->mu);
+  return go_on;
+}
+
+/* Retries after RETRY_FIRST_MS, doubling up to RETRY_MAX_MS: a daemon
+ * that comes back is found within RETRY_MAX_MS (the 100 ms goal of the
+ * first transfer after a restart), and a connect to a socket nobody
+ * listens on costs microseconds. */
+#define RETRY_FIRST_MS 1
+#define RETRY_MAX_MS 10
+
+/* connect_unix, retried while the daemon is not up, for up to wait_ms. */
+static int connect_waiting(kvf_client *c, int wait_ms, int *sock) {
+  int64_t end = now_ms() + wait_ms;
+  int delay = RETRY_FIRST_MS;
+  for (;;) {
+    int rc = connect_unix(c->socket_path, sock);
+    if (!daemon_not_up(rc)) return rc;
+    int64_t left = end - now_ms();
+    if (left <= 0) return rc;
+    if (!backoff_sleep(c, delay < left ? delay : (int)left)) return rc;
+    delay = delay * 2 < RETRY_MAX_MS ? delay * 2 : RETRY_MAX_MS;
+  }
+}
+
+KVF_API int kvf_connect_ex(const char *socket_path, const kvf_connect_opts *o, kvf_client **out) {
   if (!out) return KVF_EINVAL;
   *out = NULL;
+  int wait_ms = o && o->wait_ms >= 0 ? o->wait_ms : env_ms("KVFERRY_CONNECT_WAIT_MS", KVF_CONNECT_WAIT_MS_DEFAULT);
+  int reconnect_ms = o && o->reconnect_ms >= 0 ? o->reconnect_ms
+                                               : env_ms("KVFERRY_RECONNECT_MS", KVF_RECONNECT_MS_DEFAULT);
   kvf_client *c = client_new();
   if (!c) return -ENOMEM;
-  int rc = connect_unix(resolve_socket_path(socket_path), &c->sock);
+  c->reconnect_ms = reconnect_ms;
+  c->socket_path = strdup(resolve_socket_path(socket_path));
+  int rc = c->socket_path ? connect_waiting(c, wait_ms, &c->sock) : -ENOMEM;
   if (!rc) rc = exchange_hello(c);
   if (!rc) {
     set_socket_timeouts(c->sock, 0); /* from now on a slow daemon is waited for */
+    c->conn = CONN_UP;
     rc = start_reader(c);
   }
   if (rc) {
@@ -691,10 +973,18 @@ KVF_API int kvf_connect(const char *socket_path, kvf_client **out) {
   return 0;
 }
 
+KVF_API int kvf_connect(const char *socket_path, kvf_client **out) {
+  return kvf_connect_ex(socket_path, NULL, out);
+}
+
 KVF_API void kvf_close(kvf_client *c) {
   if (!c) return;
   if (c->reader_started) {
+    pthread_mutex_lock(&c->mu);
+    c->closing = true;
+    pthread_cond_broadcast(&c->state_cv);
     shutdown(c->sock, SHUT_RDWR); /* the reader sees EOF and exits */
+    pthread_mutex_unlock(&c->mu);
     pthread_join(c->reader, NULL);
   }
   client_free(c);
@@ -704,13 +994,41 @@ KVF_API const char *kvf_node(const kvf_client *c) { return c ? c->node : ""; }
 
 /* ------------------------------------------------------------ pools */
 
-static void pool_from_wire(kvf_pool_info *dst, const Kvf__PoolInfo *src) {
+/* The engine's id of a pool the daemon reports (by its name: the id a
+ * restarted daemon gives it may differ). Learns pools seen for the first
+ * time; called with mu held. */
+static uint32_t learn_pool_locked(kvf_client *c, const Kvf__PoolInfo *w) {
+  kvf__idrec *r = kvf__ids_by_name(&c->pools, w->name);
+  if (!r) r = kvf__ids_by_did(&c->pools, w->id);
+  if (!r) r = kvf__ids_add(&c->pools, w->id, w->name, NULL);
+  if (!r) return w->id; /* out of memory: the daemon's id, untranslated */
+  r->did = w->id;
+  return r->vid;
+}
+
+static void pool_from_wire(kvf_client *c, kvf_pool_info *dst, const Kvf__PoolInfo *src) {
   memset(dst, 0, sizeof(*dst));
-  dst->id = src->id;
+  pthread_mutex_lock(&c->mu);
+  dst->id = learn_pool_locked(c, src);
+  pthread_mutex_unlock(&c->mu);
   copy_string(dst->name, sizeof(dst->name), src->name);
   copy_string(dst->kind, sizeof(dst->kind), src->kind);
   copy_string(dst->backing, sizeof(dst->backing), src->backing);
   dst->size = src->size;
+  dst->engine = src->engine;
+  copy_string(dst->nic_reg, sizeof(dst->nic_reg), src->nic_reg);
+}
+
+/* The daemon's id of the engine's pool (or layout, ids) for a request on
+ * the connection *gen: translated only while the connection is up, so
+ * that a request never carries ids of one daemon to the next. */
+static int id_out_on(kvf_client *c, kvf__ids *ids, uint32_t vid, uint32_t *did, uint64_t *gen) {
+  pthread_mutex_lock(&c->mu);
+  int rc = c->conn == CONN_UP ? 0 : KVF_EDAEMON;
+  *did = kvf__ids_out(ids, vid);
+  *gen = c->gen;
+  pthread_mutex_unlock(&c->mu);
+  return rc;
 }
 
 /* Asks the daemon for its pools; *msg holds them until freed. */
@@ -728,7 +1046,7 @@ KVF_API int kvf_pools(kvf_client *c, kvf_pool_info *out, size_t cap) {
   int rc = fetch_pools(c, &msg);
   if (rc) return rc;
   const Kvf__PoolsResp *pools = msg->response->pools;
-  for (size_t i = 0; i < pools->n_pools && i < cap; i++) pool_from_wire(&out[i], pools->pools[i]);
+  for (size_t i = 0; i < pools->n_pools && i < cap; i++) pool_from_wire(c, &out[i], pools->pools[i]);
   int count = pools->n_pools > INT_MAX ? INT_MAX : (int)pools->n_pools;
   kvf__api_message__free_unpacked(msg, NULL);
   return count;
@@ -743,7 +1061,7 @@ KVF_API int kvf_pool_find(kvf_client *c, const char *name, kvf_pool_info *out) {
   rc = KVF_ENOPOOL;
   for (size_t i = 0; i < pools->n_pools && rc; i++) {
     if (strcmp(pools->pools[i]->name, name) == 0) {
-      pool_from_wire(out, pools->pools[i]);
+      pool_from_wire(c, out, pools->pools[i]);
       rc = 0;
     }
   }
@@ -808,15 +1126,22 @@ KVF_API int kvf_pool_map(kvf_client *c, uint32_t pool, void **addr, uint64_t *si
   if (!c || !addr) return KVF_EINVAL;
   if (lookup_mapping(c, pool, addr, size)) return 0;
   Kvf__MapReq body = KVF__MAP_REQ__INIT;
-  body.pool = pool;
+  uint64_t gen;
+  int rc = id_out_on(c, &c->pools, pool, &body.pool, &gen);
+  if (rc) return rc;
   Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
   req.body_case = KVF__API_REQUEST__BODY_MAP;
   req.map = &body;
   Kvf__ApiMessage *msg;
   int fd;
-  int rc = call(c, &req, KVF__API_RESPONSE__BODY_MAP, &msg, &fd);
+  rc = call_on(c, gen, &req, -1, KVF__API_RESPONSE__BODY_MAP, &msg, &fd);
   if (rc) return rc;
   const Kvf__PoolInfo *info = msg->response->map->pool;
+  if (info) {
+    pthread_mutex_lock(&c->mu);
+    learn_pool_locked(c, info);
+    pthread_mutex_unlock(&c->mu);
+  }
   uint64_t pool_size = info ? info->size : 0;
   bool gpu = info && info->kind && strncmp(info->kind, "cuda:", 5) == 0;
   kvf__api_message__free_unpacked(msg, NULL);
@@ -831,9 +1156,30 @@ KVF_API int kvf_pool_map(kvf_client *c, uint32_t pool, void **addr, uint64_t *si
 /* ------------------------------------------------------------ transfers */
 
 
-static void pack_descs(const kvf_desc *descs, size_t n, uint8_t *p) {
+/* The current daemon's ids for the engine's pools, copied so that a long
+ * list is translated without holding mu. */
+static int snap_pools(kvf_client *c, kvf__idsnap *s) {
+  pthread_mutex_lock(&c->mu);
+  int rc = kvf__ids_snap(&c->pools, s);
+  pthread_mutex_unlock(&c->mu);
+  return rc;
+}
+
+static uint32_t layout_out(kvf_client *c, uint32_t layout) {
+  pthread_mutex_lock(&c->mu);
+  uint32_t did = kvf__ids_out(&c->layouts, layout);
+  pthread_mutex_unlock(&c->mu);
+  return did;
+}
+
+static void pack_descs(const kvf_desc *descs, size_t n, uint8_t *p, const kvf__idsnap *ids) {
+  uint32_t last_v = 0, last_d = kvf__idsnap_out(ids, 0);
   for (size_t i = 0; i < n; i++, p += DESC_WIRE_SIZE) {
-    kvf__le32_put(p, descs[i].pool);
+    if (descs[i].pool != last_v) { /* runs of one pool: one lookup */
+      last_v = descs[i].pool;
+      last_d = kvf__idsnap_out(ids, last_v);
+    }
+    kvf__le32_put(p, last_d);
     kvf__le64_put(p + 4, descs[i].offset);
     kvf__le64_put(p + 12, descs[i].len);
   }
@@ -868,23 +1214,26 @@ static void trim_dbuf(kvf_client *c) {
 
 /* One request whose list is packed into dbuf under write_mu (so the
  * buffer serves every call) by pack(c, arg); answered: one response
- * awaited, else (KVF_SEND_NOWAIT) written and not awaited. */
+ * awaited, else (KVF_SEND_NOWAIT) written and not awaited. The ids are
+ * translated after the request is numbered for a connection, so that a
+ * list translated for one daemon never reaches the next. */
 static int call_packed(kvf_client *c, Kvf__ApiRequest *req, int (*pack)(kvf_client *, void *), void *arg,
                        bool answered) {
   struct pending p;
+  uint64_t gen = 0;
   pthread_mutex_lock(&c->write_mu);
-  int rc = pack(c, arg);
+  int rc;
   bool registered = false;
-  if (rc == 0 && answered) {
+  if (answered) {
     rc = register_pending(c, &p);
     registered = rc == 0;
     req->seq = p.seq;
-  } else if (rc == 0) {
-    pthread_mutex_lock(&c->mu);
-    req->seq = ++c->last_seq; /* nothing answers it */
-    pthread_mutex_unlock(&c->mu);
+    gen = p.gen;
+  } else {
+    rc = unanswered_seq(c, req, &gen); /* nothing answers it */
   }
-  if (rc == 0) rc = send_request_locked(c, req);
+  if (rc == 0) rc = pack(c, arg);
+  if (rc == 0) rc = send_request_locked(c, req, gen, -1);
   trim_dbuf(c);
   pthread_mutex_unlock(&c->write_mu);
   return registered ? finish_call(c, &p, rc, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL) : rc;
@@ -899,8 +1248,11 @@ typedef struct desc_list {
 static int pack_desc_list(kvf_client *c, void *arg) {
   desc_list *d = arg;
   int rc = reserve_dbuf(c, d->n);
+  kvf__idsnap ids;
+  if (!rc) rc = snap_pools(c, &ids);
   if (rc) return rc;
-  pack_descs(d->descs, d->n, c->dbuf);
+  pack_descs(d->descs, d->n, c->dbuf, &ids);
+  kvf__idsnap_free(&ids);
   d->list->packed.data = c->dbuf;
   d->list->packed.len = d->n * DESC_WIRE_SIZE;
   return 0;
@@ -933,7 +1285,8 @@ KVF_API int kvf_grant(kvf_client *c, const char *xfer_id, const char *src_node,
   Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
   req.body_case = KVF__API_REQUEST__BODY_GRANT;
   req.grant = &body;
-  return call_with_descs(c, &req, &list, descs, n, true);
+  if ((rc = inflight_add(c, 'g', xfer_id)) != 0) return rc;
+  return inflight_end(c, 'g', xfer_id, call_with_descs(c, &req, &list, descs, n, true));
 }
 
 /* A send of more than chain_first descriptors goes out as chained frames
@@ -950,7 +1303,11 @@ static int send_chained(kvf_client *c, Kvf__ApiRequest *req, const kvf_desc *des
   body->chained = true;
   struct pending p;
   pthread_mutex_lock(&c->write_mu);
-  int rc = reserve_dbuf(c, c->chain_max);
+  uint64_t gen;
+  kvf__idsnap ids = {.identity = true};
+  int rc = unanswered_seq(c, req, &gen); /* every frame goes to this connection */
+  if (rc == 0) rc = reserve_dbuf(c, c->chain_max);
+  if (rc == 0) rc = snap_pools(c, &ids);
   uint8_t *packed = c->dbuf;
   list.packed.data = packed;
   list.packed.len = (size_t)c->chain_max * DESC_WIRE_SIZE;
@@ -958,22 +1315,21 @@ static int send_chained(kvf_client *c, Kvf__ApiRequest *req, const kvf_desc *des
   bool registered = false;
   for (size_t at = 0, slice = c->chain_first; rc == 0 && at < n; slice = slice * 2 < c->chain_max ? slice * 2 : c->chain_max) {
     size_t k = n - at < slice ? n - at : slice;
-    pack_descs(descs + at, k, packed);
+    pack_descs(descs + at, k, packed, &ids);
     list.packed.len = k * DESC_WIRE_SIZE;
     at += k;
     body->chained = at < n;
     body->more = at < n ? true : more;
     if (at == n) {
-      rc = register_pending(c, &p);
+      rc = register_pending_on(c, &p, gen, false);
       registered = rc == 0;
       req->seq = p.seq;
     } else {
-      pthread_mutex_lock(&c->mu);
-      req->seq = ++c->last_seq; /* answered by the last frame's response */
-      pthread_mutex_unlock(&c->mu);
+      rc = unanswered_seq(c, req, &gen); /* answered by the last frame's response */
     }
-    if (rc == 0) rc = send_request_locked(c, req);
+    if (rc == 0) rc = send_request_locked(c, req, gen, -1);
   }
+  kvf__idsnap_free(&ids);
   pthread_mutex_unlock(&c->write_mu);
   return registered ? finish_call(c, &p, rc, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL) : rc;
 }
@@ -988,13 +1344,20 @@ static int begin_send(kvf_client *c, const char *xfer_id, protobuf_c_boolean *co
   pthread_mutex_unlock(&c->mu);
   *continues = open;
   *fresh = open ? NULL : open_send_new(xfer_id);
-  return open || *fresh ? 0 : -ENOMEM;
+  if (!open && !*fresh) return -ENOMEM;
+  int rc = open ? 0 : inflight_add(c, 's', xfer_id); /* a first part starts a transfer */
+  if (rc) {
+    free(*fresh);
+    *fresh = NULL;
+  }
+  return rc;
 }
 
 /* A send call's result: one that succeeded opens its id (a failed first
  * part began nothing; a failed later part still ends with its event). */
 static int end_send(kvf_client *c, struct open_send *fresh, int rc) {
   if (rc) {
+    if (fresh) inflight_end(c, 's', fresh->id, rc);
     free(fresh);
     return rc;
   }
@@ -1041,47 +1404,107 @@ KVF_API int kvf_cancel(kvf_client *c, const char *xfer_id) {
 
 /* ------------------------------------------------------------ layouts and blocks */
 
-KVF_API int kvf_layout_register(kvf_client *c, const kvf_layout *l, uint32_t *id) {
-  if (!c || !l || !id || !l->offsets || l->n_kv == 0 || l->n_kv > 2 || l->n_layers == 0) return KVF_EINVAL;
+/* The wire form of l, its pool given as the daemon's id; *packed holds
+ * the offsets until freed. */
+static int layout_to_wire(const kvf_layout *l, uint32_t pool, Kvf__Layout *w, uint8_t **packed) {
   size_t n = (size_t)l->n_layers * l->n_kv;
-  uint8_t *packed = malloc(n * 8);
-  if (!packed) return -ENOMEM;
-  for (size_t i = 0; i < n; i++) kvf__le64_put(packed + 8 * i, l->offsets[i]);
-  Kvf__Layout w = KVF__LAYOUT__INIT;
-  w.pool = l->pool;
-  w.n_layers = l->n_layers;
-  w.n_kv = l->n_kv;
-  w.n_blocks = l->n_blocks;
-  w.block_bytes = l->block_bytes;
-  w.block_stride = l->block_stride;
-  w.offsets = (ProtobufCBinaryData){n * 8, packed};
-  w.tokens_per_block = l->tokens_per_block;
-  w.kv_heads = l->kv_heads;
-  w.head_dim = l->head_dim;
-  w.dtype_bytes = l->dtype_bytes;
-  w.order = l->order;
+  *packed = malloc(n * 8);
+  if (!*packed) return -ENOMEM;
+  for (size_t i = 0; i < n; i++) kvf__le64_put(*packed + 8 * i, l->offsets[i]);
+  *w = (Kvf__Layout)KVF__LAYOUT__INIT;
+  w->pool = pool;
+  w->n_layers = l->n_layers;
+  w->n_kv = l->n_kv;
+  w->n_blocks = l->n_blocks;
+  w->block_bytes = l->block_bytes;
+  w->block_stride = l->block_stride;
+  w->offsets = (ProtobufCBinaryData){n * 8, *packed};
+  w->tokens_per_block = l->tokens_per_block;
+  w->kv_heads = l->kv_heads;
+  w->head_dim = l->head_dim;
+  w->dtype_bytes = l->dtype_bytes;
+  w->order = l->order;
+  return 0;
+}
+
+/* Registers l with its pool as the daemon's id pool; *did: the layout's.
+ * restoring: on the reader thread, which reads the answer itself, and
+ * *answered says whether it came (a refusal, not a broken stream). */
+static int layout_request(kvf_client *c, const kvf_layout *l, uint32_t pool, uint64_t gen, bool *restoring,
+                          uint32_t *did) {
+  Kvf__Layout w;
+  uint8_t *packed;
+  int rc = layout_to_wire(l, pool, &w, &packed);
+  if (rc) return rc;
   Kvf__LayoutReq body = KVF__LAYOUT_REQ__INIT;
   body.layout = &w;
   Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
   req.body_case = KVF__API_REQUEST__BODY_LAYOUT;
   req.layout = &body;
   Kvf__ApiMessage *msg;
-  int rc = call(c, &req, KVF__API_RESPONSE__BODY_LAYOUT, &msg, NULL);
+  rc = restoring ? sync_call_answered(c, &req, -1, KVF__API_RESPONSE__BODY_LAYOUT, &msg, NULL, restoring)
+                 : call_on(c, gen, &req, -1, KVF__API_RESPONSE__BODY_LAYOUT, &msg, NULL);
   free(packed);
   if (rc) return rc;
-  *id = msg->response->layout->id;
+  *did = msg->response->layout->id;
   kvf__api_message__free_unpacked(msg, NULL);
   return 0;
+}
+
+static struct layout_copy *layout_copy_new(const kvf_layout *l) {
+  size_t n = (size_t)l->n_layers * l->n_kv;
+  struct layout_copy *lc = malloc(sizeof(*lc) + n * sizeof(uint64_t));
+  if (!lc) return NULL;
+  lc->l = *l;
+  memcpy(lc->offsets, l->offsets, n * sizeof(uint64_t));
+  lc->l.offsets = lc->offsets;
+  return lc;
+}
+
+KVF_API int kvf_layout_register(kvf_client *c, const kvf_layout *l, uint32_t *id) {
+  if (!c || !l || !id || !l->offsets || l->n_kv == 0 || l->n_kv > 2 || l->n_layers == 0) return KVF_EINVAL;
+  struct layout_copy *lc = layout_copy_new(l); /* kept to register it again after a restart */
+  if (!lc) return -ENOMEM;
+  uint32_t pool, did;
+  uint64_t gen;
+  int rc = id_out_on(c, &c->pools, l->pool, &pool, &gen);
+  if (!rc) rc = layout_request(c, l, pool, gen, NULL, &did);
+  if (rc) {
+    free(lc);
+    return rc;
+  }
+  pthread_mutex_lock(&c->mu);
+  kvf__idrec *r = kvf__ids_add(&c->layouts, did, NULL, lc);
+  *id = r ? r->vid : did; /* out of memory: not kept across a restart */
+  pthread_mutex_unlock(&c->mu);
+  if (!r) free(lc);
+  return 0;
+}
+
+/* Forgets a layout (mu held). */
+static void drop_layout_locked(kvf_client *c, uint32_t vid) {
+  kvf__idrec *r = kvf__ids_by_vid(&c->layouts, vid);
+  if (!r) return;
+  free(r->data);
+  kvf__ids_drop(&c->layouts, vid);
 }
 
 KVF_API int kvf_layout_free(kvf_client *c, uint32_t id) {
   if (!c) return KVF_EINVAL;
   Kvf__LayoutFreeReq body = KVF__LAYOUT_FREE_REQ__INIT;
-  body.id = id;
+  uint64_t gen;
+  int rc = id_out_on(c, &c->layouts, id, &body.id, &gen);
+  if (rc) return rc;
   Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
   req.body_case = KVF__API_REQUEST__BODY_LAYOUT_FREE;
   req.layout_free = &body;
-  return call(c, &req, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL);
+  rc = call_on(c, gen, &req, -1, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL);
+  if (rc == 0) {
+    pthread_mutex_lock(&c->mu);
+    drop_layout_locked(c, id);
+    pthread_mutex_unlock(&c->mu);
+  }
+  return rc;
 }
 
 typedef struct block_list {
@@ -1091,6 +1514,7 @@ typedef struct block_list {
 
 static int pack_block_list(kvf_client *c, void *arg) {
   block_list *bl = arg;
+  bl->list->layout = layout_out(c, bl->b->layout);
   int rc = reserve(&c->dbuf, &c->dcap, bl->b->n * 4);
   if (rc) return rc;
   for (size_t i = 0; i < bl->b->n; i++) kvf__le32_put(c->dbuf + 4 * i, bl->b->ids[i]);
@@ -1136,7 +1560,8 @@ KVF_API int kvf_grant_blocks(kvf_client *c, const char *xfer_id, const char *src
   Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
   req.body_case = KVF__API_REQUEST__BODY_GRANT;
   req.grant = &body;
-  return call_with_blocks(c, &req, &list, blocks, true);
+  if ((rc = inflight_add(c, 'g', xfer_id)) != 0) return rc;
+  return inflight_end(c, 'g', xfer_id, call_with_blocks(c, &req, &list, blocks, true));
 }
 
 KVF_API int kvf_send_blocks(kvf_client *c, const char *xfer_id, const char *dst_node, const kvf_blocks *blocks,
@@ -1165,21 +1590,355 @@ KVF_API int kvf_send_blocks(kvf_client *c, const char *xfer_id, const char *dst_
   return end_send(c, fresh, rc ? rc : call_with_blocks(c, &req, &list, blocks, !body.no_reply));
 }
 
+/* ------------------------------------------------------------ engine memory */
+
+/* The MemRegisterReq of em, named name; *fd_out: the fd to attach or -1. */
+static void mem_request(const struct engine_mem *em, const char *name, Kvf__MemRegisterReq *body, char *kind,
+                        size_t kind_cap, int *fd_out) {
+  *body = (Kvf__MemRegisterReq)KVF__MEM_REGISTER_REQ__INIT;
+  body->name = (char *)name;
+  body->size = em->size;
+  body->offset = em->offset;
+  if (em->kind == KVF_MEM_HOST) {
+    copy_string(kind, kind_cap, "host");
+    *fd_out = em->fd;
+  } else {
+    snprintf(kind, kind_cap, "cuda:%d", em->ex.dev);
+    body->alloc_size = em->ex.alloc_size;
+    /* the VMM fd; or, with the IPC handle, the allocation's dmabuf */
+    *fd_out = em->fd;
+    if (!em->vmm) body->cuda_ipc_handle = (ProtobufCBinaryData){sizeof(em->ex.ipc), (uint8_t *)em->ex.ipc};
+  }
+  body->kind = kind;
+  body->has_fd = *fd_out >= 0;
+}
+
+/* Registers em with the daemon; *msg: the answer, with the pool it became. */
+static int mem_register_call(kvf_client *c, const struct engine_mem *em, const char *name, Kvf__ApiMessage **msg) {
+  Kvf__MemRegisterReq body;
+  char kind[24];
+  int fd;
+  mem_request(em, name, &body, kind, sizeof(kind), &fd);
+  Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
+  req.body_case = KVF__API_REQUEST__BODY_MEM_REGISTER;
+  req.mem_register = &body;
+  int rc = call_on(c, ANY_GEN, &req, fd, KVF__API_RESPONSE__BODY_MEM_REGISTER, msg, NULL);
+  if (rc == 0 && !(*msg)->response->mem_register->pool) {
+    kvf__api_message__free_unpacked(*msg, NULL);
+    rc = KVF_EPROTO;
+  }
+  return rc;
+}
+
+/* What the library keeps of m: the file (host) or the export (cuda). */
+static int engine_mem_new(const kvf_mem *m, struct engine_mem **out) {
+  struct engine_mem *em = calloc(1, sizeof(*em));
+  if (!em) return -ENOMEM;
+  em->kind = m->kind;
+  em->addr = (uintptr_t)m->addr;
+  em->size = m->size;
+  em->fd = -1;
+  int rc;
+  if (m->kind == KVF_MEM_HOST && m->fd >= 0) {
+    em->fd = fcntl(m->fd, F_DUPFD_CLOEXEC, 0); /* ours, for a restarted daemon */
+    em->offset = m->fd_offset;
+    rc = em->fd >= 0 ? 0 : -errno;
+  } else if (m->kind == KVF_MEM_HOST) {
+    rc = kvf__host_mem_fd(m->addr, m->size, &em->fd, &em->offset);
+  } else {
+    rc = kvf__cuda_export_range(m->addr, m->size, &em->ex);
+    em->vmm = em->ex.fd >= 0;
+    em->fd = em->vmm ? em->ex.fd : em->ex.dmabuf_fd;
+    em->ex.fd = em->ex.dmabuf_fd = -1; /* kept once, as em->fd */
+    em->offset = (uintptr_t)m->addr - em->ex.alloc_base;
+  }
+  if (rc) {
+    engine_mem_free(em);
+    return rc;
+  }
+  *out = em;
+  return 0;
+}
+
+KVF_API int kvf_mem_register(kvf_client *c, const kvf_mem *m, uint32_t *pool) {
+  if (!c || !m || !pool || !m->addr || m->size == 0) return KVF_EINVAL;
+  if (m->kind != KVF_MEM_HOST && m->kind != KVF_MEM_CUDA) return KVF_EINVAL;
+  if (m->name && (!*m->name || strnlen(m->name, KVF_NAME_MAX + 1) > KVF_NAME_MAX)) return KVF_EINVAL;
+  char name[KVF_NAME_MAX + 1];
+  if (m->name) {
+    copy_string(name, sizeof(name), m->name);
+  } else {
+    pthread_mutex_lock(&c->mu);
+    uint32_t n = ++c->mem_seq;
+    pthread_mutex_unlock(&c->mu);
+    snprintf(name, sizeof(name), "%ld-mem%u", (long)getpid(), n);
+  }
+  struct engine_mem *em;
+  int rc = engine_mem_new(m, &em);
+  if (rc) return rc;
+  Kvf__ApiMessage *msg;
+  rc = mem_register_call(c, em, name, &msg);
+  if (rc) {
+    engine_mem_free(em);
+    return rc;
+  }
+  const Kvf__PoolInfo *info = msg->response->mem_register->pool;
+  pthread_mutex_lock(&c->mu);
+  kvf__idrec *r = kvf__ids_by_name(&c->pools, info->name);
+  if (!r) r = kvf__ids_add(&c->pools, info->id, info->name, NULL);
+  if (r) {
+    r->did = info->id;
+    engine_mem_free(r->data); /* a stale entry of the same name */
+    r->data = em;
+    *pool = r->vid;
+  } else {
+    *pool = info->id; /* out of memory: not registered again after a restart */
+    engine_mem_free(em);
+  }
+  pthread_mutex_unlock(&c->mu);
+  kvf__api_message__free_unpacked(msg, NULL);
+  return 0;
+}
+
+KVF_API int kvf_mem_unregister(kvf_client *c, uint32_t pool) {
+  if (!c) return KVF_EINVAL;
+  Kvf__MemUnregisterReq body = KVF__MEM_UNREGISTER_REQ__INIT;
+  uint64_t gen;
+  int rc = id_out_on(c, &c->pools, pool, &body.pool, &gen);
+  if (rc) return rc;
+  Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
+  req.body_case = KVF__API_REQUEST__BODY_MEM_UNREGISTER;
+  req.mem_unregister = &body;
+  rc = call_on(c, gen, &req, -1, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL);
+  if (rc) return rc;
+  /* The daemon dropped the memory and this client's layouts on it. */
+  pthread_mutex_lock(&c->mu);
+  kvf__idrec *r = kvf__ids_by_vid(&c->pools, pool);
+  if (r) {
+    engine_mem_free(r->data);
+    kvf__ids_drop(&c->pools, pool);
+  }
+  for (size_t i = c->layouts.n; i-- > 0;) {
+    const struct layout_copy *lc = c->layouts.v[i].data;
+    if (lc && lc->l.pool == pool) drop_layout_locked(c, c->layouts.v[i].vid);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return 0;
+}
+
+/* ------------------------------------------------------------ reconnect
+ *
+ * All on the reader thread, which reads the new socket itself (sync_call)
+ * while the connection is down: engine calls fail with KVF_EDAEMON until
+ * the engine's memory, layouts and mappings are back. A refusal by the new
+ * daemon leaves that one pool or layout with no id there (KVF__NO_ID);
+ * a broken stream fails the attempt. */
+
+/* Engine memory, registered again from the fd or export kept. */
+static int restore_mems(kvf_client *c) {
+  for (size_t i = 0;; i++) {
+    /* A copy with an fd of its own: an unregister that succeeded just
+     * before the break may free the entry meanwhile. */
+    pthread_mutex_lock(&c->mu);
+    bool more = i < c->pools.n;
+    const struct engine_mem *kept = more ? c->pools.v[i].data : NULL;
+    struct engine_mem copy = kept ? *kept : (struct engine_mem){0};
+    if (kept && kept->fd >= 0) copy.fd = fcntl(kept->fd, F_DUPFD_CLOEXEC, 0);
+    uint32_t vid = more ? c->pools.v[i].vid : 0;
+    char name[64];
+    if (more) copy_string(name, sizeof(name), c->pools.v[i].name);
+    pthread_mutex_unlock(&c->mu);
+    if (!more) return 0;
+    if (!kept) continue;
+    if (kept->fd >= 0 && copy.fd < 0) return -errno;
+    const struct engine_mem *em = &copy;
+    Kvf__ApiMessage *msg;
+    bool answered;
+    Kvf__MemRegisterReq body;
+    char kind[24];
+    int fd;
+    mem_request(em, name, &body, kind, sizeof(kind), &fd);
+    Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
+    req.body_case = KVF__API_REQUEST__BODY_MEM_REGISTER;
+    req.mem_register = &body;
+    int rc = sync_call_answered(c, &req, fd, KVF__API_RESPONSE__BODY_MEM_REGISTER, &msg, NULL, &answered);
+    if (copy.fd >= 0) close(copy.fd);
+    if (rc && !answered) return rc;
+    const Kvf__PoolInfo *info = rc == 0 ? msg->response->mem_register->pool : NULL;
+    pthread_mutex_lock(&c->mu);
+    kvf__idrec *r = kvf__ids_by_vid(&c->pools, vid);
+    if (r) r->did = info ? info->id : KVF__NO_ID;
+    pthread_mutex_unlock(&c->mu);
+    if (rc == 0) kvf__api_message__free_unpacked(msg, NULL);
+  }
+}
+
+/* Daemon pools, found again by name. */
+static int restore_pools(kvf_client *c) {
+  Kvf__PoolsReq body = KVF__POOLS_REQ__INIT;
+  Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
+  req.body_case = KVF__API_REQUEST__BODY_POOLS;
+  req.pools = &body;
+  Kvf__ApiMessage *msg;
+  int rc = sync_call(c, &req, -1, KVF__API_RESPONSE__BODY_POOLS, &msg, NULL);
+  if (rc) return rc;
+  const Kvf__PoolsResp *pools = msg->response->pools;
+  pthread_mutex_lock(&c->mu);
+  for (size_t i = 0; i < c->pools.n; i++) {
+    kvf__idrec *r = &c->pools.v[i];
+    if (r->data) continue; /* engine memory: restore_mems */
+    r->did = KVF__NO_ID;
+    for (size_t k = 0; k < pools->n_pools; k++)
+      if (strcmp(pools->pools[k]->name, r->name) == 0) r->did = pools->pools[k]->id;
+  }
+  pthread_mutex_unlock(&c->mu);
+  kvf__api_message__free_unpacked(msg, NULL);
+  return 0;
+}
+
+static int restore_layouts(kvf_client *c) {
+  for (size_t i = 0;; i++) {
+    pthread_mutex_lock(&c->mu);
+    bool more = i < c->layouts.n;
+    struct layout_copy *lc = NULL;
+    uint32_t vid = 0, pool = 0;
+    if (more) {
+      vid = c->layouts.v[i].vid;
+      lc = layout_copy_new(&((struct layout_copy *)c->layouts.v[i].data)->l);
+      pool = lc ? kvf__ids_out(&c->pools, lc->l.pool) : 0;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (!more) return 0;
+    if (!lc) return -ENOMEM;
+    uint32_t did = KVF__NO_ID;
+    bool answered = false;
+    int rc = layout_request(c, &lc->l, pool, ANY_GEN, &answered, &did);
+    free(lc);
+    if (rc && !answered) return rc;
+    pthread_mutex_lock(&c->mu);
+    kvf__idrec *r = kvf__ids_by_vid(&c->layouts, vid);
+    if (r) r->did = rc == 0 ? did : KVF__NO_ID;
+    pthread_mutex_unlock(&c->mu);
+  }
+}
+
+/* Pools this engine mapped: the new daemon's memory at the same addresses
+ * (host: MAP_FIXED over the old mapping; cuda:N: the new allocation mapped
+ * under the same reserved device addresses), so pointers the engine holds
+ * stay valid. */
+static int restore_maps(kvf_client *c) {
+  for (size_t i = 0;; i++) {
+    pthread_mutex_lock(&c->mu);
+    struct mapping *m = c->maps;
+    for (size_t k = 0; m && k < i; k++) m = m->next;
+    uint32_t pool = m ? kvf__ids_out(&c->pools, m->pool) : 0;
+    void *gpu = m ? m->gpu : NULL;
+    void *addr = m ? m->addr : NULL;
+    uint64_t size = m ? m->size : 0;
+    pthread_mutex_unlock(&c->mu);
+    if (!m) return 0;
+    if (pool == KVF__NO_ID) continue;
+    Kvf__MapReq body = KVF__MAP_REQ__INIT;
+    body.pool = pool;
+    Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
+    req.body_case = KVF__API_REQUEST__BODY_MAP;
+    req.map = &body;
+    Kvf__ApiMessage *msg;
+    int fd = -1;
+    bool answered;
+    int rc = sync_call_answered(c, &req, -1, KVF__API_RESPONSE__BODY_MAP, &msg, &fd, &answered);
+    if (rc && !answered) return rc;
+    if (rc) continue;
+    const Kvf__PoolInfo *info = msg->response->map->pool;
+    struct stat st;
+    /* Only a file that backs the whole old mapping: beyond it the engine
+     * would take SIGBUS. Otherwise the old daemon's memory stays. */
+    if (gpu && info && fd >= 0)
+      kvf__cuda_remap_fd(gpu, fd, size);
+    else if (info && info->size >= size && fd >= 0 && fstat(fd, &st) == 0 && (uint64_t)st.st_size >= size)
+      mmap(addr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+    if (fd >= 0) close(fd);
+    kvf__api_message__free_unpacked(msg, NULL);
+  }
+}
+
+static int restore(kvf_client *c) {
+  int rc = restore_mems(c);
+  if (!rc) rc = restore_pools(c);
+  if (!rc) rc = restore_layouts(c);
+  if (!rc) rc = restore_maps(c);
+  return rc;
+}
+
+/* Makes sock the connection, numbered as the current gen; refused once
+ * kvf_close began (it shuts down whatever sock is then). */
+static int install_socket(kvf_client *c, int sock) {
+  pthread_mutex_lock(&c->write_mu);
+  pthread_mutex_lock(&c->mu);
+  int rc = c->closing ? KVF_EDAEMON : 0;
+  if (rc == 0) {
+    close(c->sock);
+    c->sock = sock;
+    c->sock_gen = c->gen;
+    while (c->in.nfds) close(pop_fd(&c->in));
+    kvf__framebuf_free(&c->in.fb);
+    kvf__framebuf_init(&c->in.fb, KVF__FRAME_MAX_DEFAULT);
+    c->in.received = c->in.consumed = 0;
+  }
+  pthread_mutex_unlock(&c->mu);
+  pthread_mutex_unlock(&c->write_mu);
+  if (rc) close(sock);
+  return rc;
+}
+
+/* A failed attempt: what went out on it is over. */
+static void next_gen(kvf_client *c) {
+  pthread_mutex_lock(&c->mu);
+  c->gen++;
+  pthread_cond_broadcast(&c->responded);
+  pthread_mutex_unlock(&c->mu);
+}
+
+static void mark_up(kvf_client *c) {
+  set_socket_timeouts(c->sock, 0);
+  pthread_mutex_lock(&c->mu);
+  c->conn = CONN_UP;
+  sync_event_fd(c);
+  pthread_cond_broadcast(&c->state_cv);
+  pthread_mutex_unlock(&c->mu);
+}
+
+/* Connects again, for up to reconnect_ms; 0 once calls are taken again. */
+static int reconnect(kvf_client *c) {
+  int64_t end = now_ms() + c->reconnect_ms;
+  int delay = RETRY_FIRST_MS;
+  for (;;) {
+    int sock;
+    int rc = connect_unix(c->socket_path, &sock);
+    if (rc == 0 && (rc = install_socket(c, sock)) == 0) {
+      rc = exchange_hello(c);
+      if (rc == 0) rc = restore(c);
+      if (rc == 0) {
+        mark_up(c);
+        return 0;
+      }
+      next_gen(c);
+      shutdown(c->sock, SHUT_RDWR);
+    }
+    /* Back off only while nobody listens: a daemon that refused the hello
+     * (starting up, or full) is asked again at the longest interval. */
+    int64_t left = end - now_ms();
+    if (left <= 0) return rc;
+    int ms = daemon_not_up(rc) ? delay : RETRY_MAX_MS;
+    if (!backoff_sleep(c, ms < left ? ms : (int)left)) return KVF_EDAEMON;
+    delay = delay * 2 < RETRY_MAX_MS ? delay * 2 : RETRY_MAX_MS;
+  }
+}
+
 /* ------------------------------------------------------------ events API */
 
 KVF_API int kvf_event_fd(kvf_client *c) { return c ? c->event_fd : KVF_EINVAL; }
 
-static struct timespec deadline_after_ms(int ms) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  t.tv_sec += ms / 1000;
-  t.tv_nsec += (long)(ms % 1000) * 1000000L;
-  if (t.tv_nsec >= 1000000000L) {
-    t.tv_sec++;
-    t.tv_nsec -= 1000000000L;
-  }
-  return t;
-}
 
 /* Sleeps once on `evented`; returns ETIMEDOUT when the wait is over. */
 static int wait_for_event(kvf_client *c, int timeout_ms, const struct timespec *deadline) {
@@ -1194,10 +1953,12 @@ KVF_API int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeo
   if (timeout_ms > 0) deadline = deadline_after_ms(timeout_ms);
   pthread_mutex_lock(&c->mu);
   int waited = 0;
-  while (!c->ev_head && !c->dead && waited != ETIMEDOUT)
+  while (!c->ev_head && c->conn == CONN_UP && waited != ETIMEDOUT)
     waited = wait_for_event(c, timeout_ms, &deadline);
   int n = take_events(c, out, cap);
-  if (n == 0 && c->dead) n = KVF_EDAEMON; /* queued events first, then the loss */
+  /* Queued events first, then the loss (while reconnecting too: a call
+   * made while disconnected fails at once). */
+  if (n == 0 && c->conn != CONN_UP) n = KVF_EDAEMON;
   pthread_mutex_unlock(&c->mu);
   return n;
 }

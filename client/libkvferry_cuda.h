@@ -1,5 +1,6 @@
 /* libkvferry_cuda.h - the library's CUDA side (libkvferry_cuda.c): mapping
- * cuda:N pools into the client process. Internal to libkvferry. */
+ * cuda:N pools into the client process, and exporting the engine's own GPU
+ * memory for kvf_mem_register. Internal to libkvferry. */
 #ifndef KVF_LIBKVFERRY_CUDA_H
 #define KVF_LIBKVFERRY_CUDA_H
 
@@ -14,11 +15,20 @@
  * current CUDA context is left as it was. */
 int kvf__cuda_map_fd(int fd, uint64_t size, void **addr, void **state);
 void kvf__cuda_unmap(void *state);
+/* After a daemon restart: the pool's new fd mapped at the same addresses as
+ * state's mapping (the engine's pointers stay valid; the memory is the new
+ * daemon's). 0; KVF_EPROTO when the new pool has another size or GPU (the
+ * old mapping is left as it was); -EIO when the driver refuses (the range
+ * may then be unmapped: the engine must map the pool anew). */
+int kvf__cuda_remap_fd(void *state, int fd, uint64_t size);
 
 /* How a device pointer's allocation can be handed to the daemon
  * (kvf_mem_register). Implemented in libkvferry_cuda.c. */
 typedef struct kvf__cuda_export {
   int dev;                 /* the allocation's device ordinal */
+  int dmabuf_fd;           /* ipc route: a dmabuf of the whole allocation for
+                              the daemon's NICs (a process that imported an
+                              IPC handle cannot make one), or -1 */
   uint64_t alloc_base;     /* the allocation's first byte (cuMemGetAddressRange) */
   uint64_t alloc_size;
   int fd;                  /* VMM allocation exported as a POSIX fd, or -1 */
@@ -26,9 +36,15 @@ typedef struct kvf__cuda_export {
 } kvf__cuda_export;
 /* Fills *ex for the allocation holding [dptr, dptr + size): the VMM fd when
  * the allocation allows it (cuMemRetainAllocationHandle +
- * cuMemExportToShareableHandle), else cuIpcGetMemHandle. Returns 0,
- * -ENODEV (no CUDA driver), KVF_EINVAL (not device memory, or the range
- * leaves its allocation) or -EIO. The caller closes ex->fd when >= 0. */
+ * cuMemExportToShareableHandle), else cuIpcGetMemHandle. ex->dev is in this
+ * process's numbering (the daemon finds the GPU itself). Returns 0, -ENODEV
+ * (no CUDA driver), KVF_EINVAL (not device memory of this process, managed
+ * memory, or the range leaves device memory), -ENOTSUP (it cannot be
+ * shared as one allocation: the range spans several, as a large tensor
+ * does under PyTorch's expandable_segments; a VMM allocation made without
+ * the POSIX fd handle type; a cudaMallocAsync pool's memory; a driver
+ * without these calls) or -EIO. The calling thread's current context is left as it was.
+ * The caller closes ex->fd when >= 0. */
 int kvf__cuda_export_range(const void *dptr, uint64_t size, kvf__cuda_export *ex);
 
 #endif

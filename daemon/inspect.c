@@ -41,9 +41,13 @@ static void pools_json(kvf__sbuf *b) {
     sep = ", ";
     kvf__sb_json_str(b, p->name);
     kvf__sb_printf(b, ", \"kind\": \"%s\", \"size\": %llu, \"backing\": \"%s\", \"locked\": %s, "
-                      "\"registration\": \"%s\", \"cuda_mapped\": %s, \"engine\": %s, \"owner_pid\": %d}",
+                      "\"registration\": \"%s\", \"cuda_mapped\": %s, \"engine\": %s, \"owner_pid\": %d",
                    p->kind, (unsigned long long)p->size, p->backing, p->locked ? "true" : "false", p->nic_reg,
                    kvf__pool_gpu(p) || p->dev_alias ? "true" : "false", p->engine ? "true" : "false", owner_pid(p));
+    kvf__mem_timing t;
+    if (kvf__pool_engine_timing(p, &t)) /* what registering it cost */
+      kvf__sb_printf(b, ", \"import_ms\": %.3f, \"nic_ms\": %.3f", t.import_ns / 1e6, t.nic_ns / 1e6);
+    kvf__sb_printf(b, "}");
   }
   kvf__sb_printf(b, "]");
 }

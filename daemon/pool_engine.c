@@ -35,12 +35,21 @@ typedef struct engine_rec {
   uint8_t *map;           /* host: the daemon's mapping (page aligned) */
   uint64_t map_len;
   kvf__gpu_import im;     /* cuda */
+  int dmabuf_fd;          /* cuda by IPC handle: the engine's dmabuf of the */
+                          /* allocation (for NICs), or -1 */
+  kvf__mem_timing timing; /* what registering it cost (status) */
   uint32_t holds;         /* transfers naming the pool */
   bool orphan;            /* its owner went away or unregistered it: */
                           /* it goes when holds reaches 0 */
 } engine_rec;
 
 static engine_rec *rec_of(const kvf__pool *p) { return p ? p->engine : NULL; }
+
+bool kvf__pool_engine_timing(const kvf__pool *p, kvf__mem_timing *t) {
+  const engine_rec *r = rec_of(p);
+  if (r) *t = r->timing;
+  return r != NULL;
+}
 
 bool kvf__pool_is_engine(uint32_t id) { return rec_of(kvf__pool_get(id)) != NULL; }
 
@@ -153,28 +162,33 @@ static int import_cuda(int fd, const Kvf__MemRegisterReq *q, kvf__pool *p, engin
     snprintf(err, errlen, "kind %s needs CUDA, which is unavailable to kvferryd: %s", q->kind, kvf__gpu_why());
     return -ENODEV;
   }
-  if (p->cuda_dev >= kvf__gpu_count()) {
-    snprintf(err, errlen, "kind %s: kvferryd sees %d GPUs", q->kind, kvf__gpu_count());
-    return KVF_EINVAL;
-  }
+  /* the engine's device number is a first guess (see below) */
+  if (p->cuda_dev >= kvf__gpu_count()) p->cuda_dev = 0;
   if (q->offset > q->alloc_size || q->size > q->alloc_size - q->offset) {
     snprintf(err, errlen, "offset %llu + size %llu passes the end of the allocation (%llu bytes)",
              (unsigned long long)q->offset, (unsigned long long)q->size, (unsigned long long)q->alloc_size);
     return KVF_ERANGE;
   }
   int rc;
-  if (fd >= 0) {
-    rc = kvf__gpu_import_fd(p->cuda_dev, fd, q->alloc_size, &r->im, err, errlen);
-    snprintf(p->backing, sizeof(p->backing), "engine-cumem");
-  } else if (q->cuda_ipc_handle.len == 64) {
+  if (q->cuda_ipc_handle.len == 64) {
     rc = kvf__gpu_import_ipc(p->cuda_dev, q->cuda_ipc_handle.data, q->alloc_size, &r->im, err, errlen);
     snprintf(p->backing, sizeof(p->backing), "engine-cuipc");
+    /* the fd with an IPC handle: the allocation's dmabuf, which only the
+     * engine's process could make (kept for the NICs' registration) */
+    if (rc == 0 && fd >= 0) r->dmabuf_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  } else if (fd >= 0) {
+    rc = kvf__gpu_import_fd(p->cuda_dev, fd, q->alloc_size, &r->im, err, errlen);
+    snprintf(p->backing, sizeof(p->backing), "engine-cumem");
   } else {
     snprintf(err, errlen, "GPU memory comes with a CUDA IPC handle (64 bytes) or a VMM fd");
     return KVF_EINVAL;
   }
   if (rc) return rc;
   r->cuda = true;
+  /* the engine's cuda:N may count GPUs differently (CUDA_VISIBLE_DEVICES):
+   * the import found the allocation's device in our numbering */
+  p->cuda_dev = r->im.dev;
+  snprintf(p->kind, sizeof(p->kind), "cuda:%d", r->im.dev);
   p->base = (uint8_t *)(uintptr_t)(r->im.dptr + q->offset);
   p->locked = true; /* device memory is never paged */
   return 0;
@@ -184,6 +198,7 @@ static int import_cuda(int fd, const Kvf__MemRegisterReq *q, kvf__pool *p, engin
 
 static void release_memory(kvf__pool *p) {
   engine_rec *r = rec_of(p);
+  if (r->dmabuf_fd >= 0) close(r->dmabuf_fd);
   if (r->cuda) {
     kvf__gpu_import_release(&r->im);
   } else if (r->map) {
@@ -251,6 +266,7 @@ static kvf__pool *pool_new(kvf__session *owner, const Kvf__MemRegisterReq *q, ui
   p->cuda_dev = cuda_dev_of(q->kind);
   p->owner = owner;
   p->engine = r;
+  r->dmabuf_fd = -1;
   snprintf(p->name, sizeof(p->name), "%s", q->name);
   snprintf(p->kind, sizeof(p->kind), "%s", q->kind);
   snprintf(p->nic_reg, sizeof(p->nic_reg), "none");
@@ -286,10 +302,12 @@ int kvf__pool_engine_add(kvf__session *owner, const Kvf__MemRegisterReq *q, int 
   }
   t->import_ns = t1 - t0;
   t->nic_ns = kvf__now_ns() - t1;
+  rec_of(p)->timing = *t;
   table_put(p);
-  kvf__info("pool %s: engine memory of client pid %d, %s, %llu bytes, %s; NIC %s (import %.3f ms, NIC %.3f ms)",
-            p->name, (int)kvf__api_session_pid(owner), p->kind, (unsigned long long)p->size, p->backing, p->nic_reg,
-            t->import_ns / 1e6, t->nic_ns / 1e6);
+  kvf__info("pool %s: engine memory of client pid %d, %s, %llu bytes, %s%s; NIC %s (import %.3f ms, NIC %.3f ms)",
+            p->name, (int)kvf__api_session_pid(owner), p->kind, (unsigned long long)p->size, p->backing,
+            rec_of(p)->dmabuf_fd >= 0 ? " with the engine's dmabuf" : "", p->nic_reg, t->import_ns / 1e6,
+            t->nic_ns / 1e6);
   *out = p;
   return 0;
 }
@@ -348,9 +366,15 @@ void kvf__pool_engine_release(uint32_t id) {
 int kvf__pool_engine_dmabuf(const kvf__pool *p, int *fd, uint64_t *offset) {
   engine_rec *r = rec_of(p);
   if (!r || !r->cuda) return -EINVAL;
+  uint64_t in_alloc = (uint64_t)(uintptr_t)p->base - r->im.dptr;
+  if (r->dmabuf_fd >= 0) { /* the engine's, of the whole allocation */
+    *fd = fcntl(r->dmabuf_fd, F_DUPFD_CLOEXEC, 0);
+    *offset = in_alloc;
+    return *fd >= 0 ? 0 : -errno;
+  }
   /* the whole allocation: its ends are page aligned, the region's need not be */
   int rc = kvf__gpu_range_dmabuf(r->im.dptr, r->im.size, fd, offset);
-  if (rc == 0) *offset += (uint64_t)(uintptr_t)p->base - r->im.dptr;
+  if (rc == 0) *offset += in_alloc;
   return rc;
 }
 
@@ -398,19 +422,3 @@ int kvf__pool_copy(void *dst, const void *src, size_t n) {
   return 0;
 }
 
-/* TEMP: the GPU import half lands with daemon/cuda/gpu_import.c; until then
- * GPU engine memory is refused. */
-__attribute__((weak)) int kvf__gpu_import_ipc(int dev, const uint8_t handle[64], uint64_t alloc_size,
-                                              kvf__gpu_import *im, char *err, size_t errlen) {
-  snprintf(err, errlen, "GPU engine memory is not built in");
-  return -ENOTSUP;
-}
-__attribute__((weak)) int kvf__gpu_import_fd(int dev, int fd, uint64_t alloc_size, kvf__gpu_import *im, char *err,
-                                             size_t errlen) {
-  snprintf(err, errlen, "GPU engine memory is not built in");
-  return -ENOTSUP;
-}
-__attribute__((weak)) void kvf__gpu_import_release(kvf__gpu_import *im) {}
-__attribute__((weak)) int kvf__gpu_range_dmabuf(uint64_t dptr, uint64_t len, int *fd, uint64_t *offset) {
-  return -ENOTSUP;
-}

@@ -57,6 +57,9 @@ int kvf__pool_engine_dmabuf(const kvf__pool *p, int *fd, uint64_t *offset);
  * (see pool_engine.c): 0, or -EFAULT (part of the copy may have happened). */
 int kvf__pool_copy(void *dst, const void *src, size_t n);
 
+/* What registering engine pool p cost; false for daemon pools. */
+bool kvf__pool_engine_timing(const kvf__pool *p, kvf__mem_timing *t);
+
 /* Engine pools in the table now (status, metrics, tests). */
 size_t kvf__pool_engine_count(void);
 /* Drops every engine pool at shutdown, held or not (no transfer runs). */

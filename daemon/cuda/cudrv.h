@@ -36,6 +36,22 @@ typedef struct CUevent_st *CUevent;
 #define KVF_CU_ERROR_NOT_READY 600
 #define KVF_CU_ERROR_PEER_ACCESS_ALREADY_ENABLED 704
 #define KVF_CU_ERROR_HOST_MEMORY_ALREADY_REGISTERED 712
+#define KVF_CU_ERROR_NOT_SUPPORTED 801
+
+/* CUipcMemHandle: 64 opaque bytes, passed by value to cuIpcOpenMemHandle. */
+typedef struct kvf_cu_ipc_handle {
+  char reserved[64];
+} kvf_cu_ipc_handle;
+_Static_assert(sizeof(kvf_cu_ipc_handle) == 64, "CU_IPC_HANDLE_SIZE is 64");
+#define KVF_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS 1
+
+/* CUpointer_attribute values we read, and CUmemorytype's device. */
+enum {
+  KVF_CU_POINTER_ATTR_CONTEXT = 1,
+  KVF_CU_POINTER_ATTR_MEMORY_TYPE = 2,
+  KVF_CU_POINTER_ATTR_IS_MANAGED = 8,
+  KVF_CU_POINTER_ATTR_DEVICE_ORDINAL = 9,
+};
 
 typedef struct kvf_cu_mem_location {
   int type;                           /* CU_MEM_LOCATION_TYPE_DEVICE = 1 */
@@ -173,6 +189,15 @@ typedef struct kvf_cu {
   CUresult (*EventQuery)(CUevent);
   CUresult (*EventElapsedTime)(float *, CUevent, CUevent);
   CUresult (*Memcpy2DAsync)(const kvf_cu_memcpy2d *, CUstream);
+  /* Optional (NULL when the driver lacks them): engine memory, exported by
+   * the library and imported by the daemon (kvf_mem_register). */
+  CUresult (*PointerGetAttribute)(void *, int, CUdeviceptr);
+  CUresult (*MemGetAddressRange)(CUdeviceptr *, size_t *, CUdeviceptr);
+  CUresult (*MemRetainAllocationHandle)(CUmemGenericAllocationHandle *, void *);
+  CUresult (*IpcGetMemHandle)(kvf_cu_ipc_handle *, CUdeviceptr);
+  CUresult (*IpcOpenMemHandle)(CUdeviceptr *, kvf_cu_ipc_handle, unsigned);
+  CUresult (*IpcCloseMemHandle)(CUdeviceptr);
+  CUresult (*DevicePrimaryCtxGetState)(CUdevice, unsigned *, int *);
 } kvf_cu;
 
 /* "CUDA_ERROR_X: text" for a CUresult, into buf. */
@@ -292,6 +317,19 @@ static inline int kvf__cu_load(kvf_cu *cu, char *err, size_t errlen) {
   /* Optional: only dmabuf registration needs it (CUDA 11.7+ drivers). */
   cu->MemGetHandleForAddressRange =
       (CUresult(*)(void *, CUdeviceptr, size_t, int, unsigned long long))dlsym(cu->lib, "cuMemGetHandleForAddressRange");
+  /* Optional too: engine memory (the functions that need them say
+   * -ENOTSUP without them). cuIpc* exist on every Linux driver but may
+   * refuse at run time (e.g. under some virtualization). */
+  struct { void **slot; const char *name; } opt[] = {
+      {(void **)&cu->PointerGetAttribute, "cuPointerGetAttribute"},
+      {(void **)&cu->MemGetAddressRange, "cuMemGetAddressRange_v2"},
+      {(void **)&cu->MemRetainAllocationHandle, "cuMemRetainAllocationHandle"},
+      {(void **)&cu->IpcGetMemHandle, "cuIpcGetMemHandle"},
+      {(void **)&cu->IpcOpenMemHandle, "cuIpcOpenMemHandle_v2"},
+      {(void **)&cu->IpcCloseMemHandle, "cuIpcCloseMemHandle"},
+      {(void **)&cu->DevicePrimaryCtxGetState, "cuDevicePrimaryCtxGetState"},
+  };
+  for (size_t i = 0; i < sizeof(opt) / sizeof(opt[0]); i++) *opt[i].slot = dlsym(cu->lib, opt[i].name);
   CUresult r = cu->Init(0);
   if (r != KVF_CU_SUCCESS) {
     char buf[160];

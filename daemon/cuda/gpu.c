@@ -15,6 +15,7 @@
 
 #include "config.h"
 #include "cudrv.h"
+#include "gpu_int.h"
 #include "kernel_image.h"
 #include "layout.h"
 #include "log.h"
@@ -76,6 +77,10 @@ static int use_dev(int dev) {
   CU_TRY("cuCtxSetCurrent", G.cu.CtxSetCurrent(G.dev[dev].ctx));
   return 0;
 }
+
+const kvf_cu *kvf__gpu_driver(void) { return G.ready ? &G.cu : NULL; }
+int kvf__gpu_use(int dev) { return G.ready ? use_dev(dev) : -ENODEV; }
+CUdevice kvf__gpu_cudev(int dev) { return G.dev[dev].d; }
 
 static unsigned env_uint(const char *name, unsigned def, unsigned lo, unsigned hi) {
   const char *s = getenv(name);

@@ -81,18 +81,32 @@ typedef struct kvf__gpu_import {
   int kind;               /* internal: how it was imported (for the release) */
   unsigned long long handle; /* VMM imports: the allocation handle */
 } kvf__gpu_import;
-/* A cudaMalloc allocation by its 64-byte CUipcMemHandle
- * (cuIpcOpenMemHandle, with lazy peer access), on device dev. */
+/* dev is the engine's guess (its own device numbering, which differs from
+ * the daemon's under CUDA_VISIBLE_DEVICES): tried first; im->dev is where
+ * the allocation really is, in the daemon's numbering. alloc_size is the
+ * engine's size of the allocation (cuMemGetAddressRange there); a size the
+ * imported memory does not have is refused (-EINVAL). Errors: -ENODEV (no
+ * CUDA here), -ENOTSUP (the driver cannot), -EINVAL (a bad handle, fd or
+ * size), -EIO; err says which step failed and why.
+ *
+ * A cudaMalloc allocation by its 64-byte CUipcMemHandle
+ * (cuIpcOpenMemHandle, with lazy peer access), opened in its GPU's primary
+ * context. The same handle imported again (two ranges of one allocation)
+ * shares the first open; each import is released on its own. */
 int kvf__gpu_import_ipc(int dev, const uint8_t handle[64], uint64_t alloc_size, kvf__gpu_import *im, char *err,
                         size_t errlen);
 /* A VMM allocation by its POSIX fd (cuMemImportFromShareableHandle, then
- * mapped at a fresh address, read-write for dev and its peers). The caller
- * keeps fd. */
+ * mapped at a fresh address, read-write for its GPU and that GPU's peers).
+ * The caller keeps fd. */
 int kvf__gpu_import_fd(int dev, int fd, uint64_t alloc_size, kvf__gpu_import *im, char *err, size_t errlen);
+/* Unmaps and closes what an import brought in (nothing after a failed
+ * import; idempotent). The engine's memory itself stays the engine's. */
 void kvf__gpu_import_release(kvf__gpu_import *im);
 /* A dmabuf fd for [dptr, dptr + len) of any device memory mapped in this
  * process (cuMemGetHandleForAddressRange; len and dptr page aligned), for
- * ibv_reg_dmabuf_mr: 0, -ENOTSUP, or -EIO. The caller closes *fd. */
+ * ibv_reg_dmabuf_mr: 0 (*offset: 0, the fd starts at dptr), -ENOTSUP (the
+ * driver or GPU has no dmabuf, or refuses it for this memory), -EINVAL (not
+ * aligned, not device memory), -ENODEV or -EIO. The caller closes *fd. */
 int kvf__gpu_range_dmabuf(uint64_t dptr, uint64_t len, int *fd, uint64_t *offset);
 
 /* Page-locks host memory and maps it for every device; *dev_alias is the

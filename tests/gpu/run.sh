@@ -4,7 +4,7 @@
 #   1. the CUDA module alone: every copy route, odd geometries (gpu_copy),
 #      again with peer access disabled (the staged path); block copies
 #      between KV layouts by the block kernel and by its fallback
-#      (gpu_blocks)
+#      (gpu_blocks); engine GPU memory exported and imported (gpu_ipc)
 #   2. two kvferryd on loopback with cuda:N and host pools
 #   3. two engine processes mapping one cuda pool at once (gpu_map_client)
 #   4. local handoffs GPU->GPU (and GPU<->host, same pool), odd geometries,
@@ -79,6 +79,14 @@ for mode in kernel memcpy; do
     bad "gpu_blocks_$mode" "gpu_blocks test ($mode)"; tail -n 20 "$TMP/gpu_blocks_$mode.log"
   fi
 done
+
+# engine GPU memory: exported by a forked engine (IPC handle, VMM fd),
+# imported by the daemon's CUDA module, every byte checked on both sides
+if timeout 300 "$BUILD/tests/gpu/gpu_ipc" test >"$TMP/gpu_ipc.log" 2>&1; then
+  ok "gpu_ipc test: $(grep -c '^ok' "$TMP/gpu_ipc.log") checks"; grep '^ok' "$TMP/gpu_ipc.log" | sed 's/^/    /'
+else
+  bad gpu_ipc "gpu_ipc test"; tail -n 30 "$TMP/gpu_ipc.log"
+fi
 
 # ---------------------------------------------------------------- 2. daemons
 free_ports() {

@@ -827,7 +827,9 @@ static void test_peer_daemon_killed(void **state) {
   H_OK(expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_EPEERLOST, 5000, NULL));
   assert_true(h_now_ms() - t0 < 5000);
   assert_true(decode_not_up(E.pre.c));
-  /* The decode engine learns its daemon is gone (no event for it). */
+  /* The decode engine learns its daemon is gone: its grant in flight ends
+   * with KVF_EDAEMON, then the loss itself. */
+  H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_EDAEMON, 5000, NULL));
   int rc = kvf_wait_events(E.dec.c, &ev, 1, 5000);
   if (rc != KVF_EDAEMON)
     fail_msg("decode client: kvf_wait_events gave %d (%s), expected KVF_EDAEMON", rc,
@@ -876,6 +878,8 @@ static void test_sender_daemon_killed(void **state) {
   start_half(&x, src, dst, id, "sender-killed");
   H_OK(h_daemon_kill9(&E.p.prefill));
   H_OK(expect_status(&E.dec, id, KVF_EV_RECV_DONE, KVF_EPEERLOST, 5000, NULL));
+  /* Its send in flight ends with KVF_EDAEMON, then the loss itself. */
+  H_OK(expect_status(&E.pre, id, KVF_EV_SEND_DONE, KVF_EDAEMON, 5000, NULL));
   int rc = kvf_wait_events(E.pre.c, &ev, 1, 5000);
   if (rc != KVF_EDAEMON)
     fail_msg("prefill client: kvf_wait_events gave %d (%s), expected KVF_EDAEMON", rc,

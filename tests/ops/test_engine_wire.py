@@ -168,6 +168,11 @@ class EngineWire(unittest.TestCase):
         self.assertEqual(a[6], [1], "PoolInfo.engine")
         self.assertEqual(a[5], [b"engine-memfd"])
         self.assertGreaterEqual(a[1][0], 1, "after the config's pool 0")
+        listed = {p["name"]: p for p in self.d.status()["pools"]}
+        self.assertTrue(listed["wire-a"]["engine"])
+        self.assertEqual(listed["wire-a"]["owner_pid"], os.getpid())
+        self.assertGreaterEqual(listed["wire-a"]["import_ms"], 0)
+        self.assertFalse(listed["kv"]["engine"])
         self.assertNotEqual(a[1][0], b[1][0])
         # sealed against shrinking, growing still allowed
         self.assertTrue(fcntl.fcntl(fa, 1034) & 0x2, "F_GET_SEALS has F_SEAL_SHRINK")

@@ -27,11 +27,12 @@ Only the standard library is used; the library is loaded from
 $KVFERRY_LIB or as libkvferry.so.1.
 """
 from ._native import ERRORS, GRANT_LAYER_EVENTS, SEND_MORE, SEND_NOWAIT
-from .client import (LAYER_DONE, RECV_DONE, SEND_DONE, Client, Desc, Event, KvferryError, Pool,
-                     err_name, strerror)
+from .client import (LAYER_DONE, RECV_DONE, SEND_DONE, Client, Desc, EnginePool, Event, HostBuffer,
+                     KvferryError, Pool, err_name, host_buffer, strerror)
 from .layout import Layout
 
-__all__ = ["Client", "Desc", "Event", "KvferryError", "Layout", "Pool", "RECV_DONE", "SEND_DONE",
+__all__ = ["Client", "Desc", "EnginePool", "Event", "HostBuffer", "KvferryError", "Layout", "Pool",
+           "host_buffer", "RECV_DONE", "SEND_DONE",
            "LAYER_DONE", "SEND_MORE", "SEND_NOWAIT", "GRANT_LAYER_EVENTS", "ERRORS", "connect", "err_name",
            "strerror"]
 __version__ = "0.1.0"
@@ -39,7 +40,8 @@ __version__ = "0.1.0"
 globals().update(ERRORS)  # kvferry.KVF_EDEADLINE == -4012, ...
 
 
-def connect(socket_path=None):
-    """kvf_connect: a Client for the daemon at socket_path (None:
-    $KVFERRY_SOCKET, else /run/kvferry/kvferryd.sock)."""
-    return Client(socket_path)
+def connect(socket_path=None, wait_ms=None, reconnect_ms=None):
+    """kvf_connect_ex: a Client for the daemon at socket_path (None:
+    $KVFERRY_SOCKET, else /run/kvferry/kvferryd.sock); wait_ms and
+    reconnect_ms as Client's."""
+    return Client(socket_path, wait_ms, reconnect_ms)

@@ -16,6 +16,7 @@ LAYOUT_NHD, LAYOUT_HND = 0, 1
 
 INSPECT_STATUS, INSPECT_POOLS, INSPECT_PEERS, INSPECT_TRANSFERS, INSPECT_LAYOUTS = range(5)
 EV_RECV_DONE, EV_SEND_DONE, EV_LAYER_DONE = 1, 2, 3
+MEM_HOST, MEM_CUDA = 0, 1
 
 # KVF_ERR_MAP: written by scripts/gen-errors.py from client/kvferry.h
 ERRORS = {
@@ -45,7 +46,23 @@ class PoolInfo(ctypes.Structure):
                 ("name", ctypes.c_char * (KVF_NAME_MAX + 1)),
                 ("kind", ctypes.c_char * 16),
                 ("backing", ctypes.c_char * 32),
-                ("size", ctypes.c_uint64)]
+                ("size", ctypes.c_uint64),
+                ("engine", ctypes.c_int),
+                ("nic_reg", ctypes.c_char * 16)]
+
+
+class ConnectOpts(ctypes.Structure):
+    _fields_ = [("wait_ms", ctypes.c_int),
+                ("reconnect_ms", ctypes.c_int)]
+
+
+class Mem(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int),
+                ("addr", ctypes.c_void_p),
+                ("size", ctypes.c_uint64),
+                ("fd", ctypes.c_int),
+                ("fd_offset", ctypes.c_uint64),
+                ("name", ctypes.c_char_p)]
 
 
 class Desc(ctypes.Structure):
@@ -94,6 +111,9 @@ _S = ctypes.c_char_p
 _I = ctypes.c_int
 _PROTOS = {
     "kvf_connect": (_I, [_S, ctypes.POINTER(_P)]),
+    "kvf_connect_ex": (_I, [_S, ctypes.POINTER(ConnectOpts), ctypes.POINTER(_P)]),
+    "kvf_mem_register": (_I, [_P, ctypes.POINTER(Mem), ctypes.POINTER(ctypes.c_uint32)]),
+    "kvf_mem_unregister": (_I, [_P, ctypes.c_uint32]),
     "kvf_close": (None, [_P]),
     "kvf_node": (_S, [_P]),
     "kvf_pools": (_I, [_P, ctypes.POINTER(PoolInfo), ctypes.c_size_t]),

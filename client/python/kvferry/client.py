@@ -8,6 +8,8 @@ in wait_events() while others post grants and sends.
 import collections
 import ctypes
 import json as _json
+import mmap as _mmap
+import os as _os
 
 from . import _native
 from ._native import Desc as _CDesc
@@ -179,7 +181,8 @@ class _Region:
 class Pool(_Region):
     """A daemon-owned memory pool (kvf_pool_info). Its memory is mapped into
     this process on first use (kvf_pool_map) and stays mapped until the
-    client is closed."""
+    client is closed. .engine: engine memory (an EnginePool when this
+    client registered it); .nic_reg: how NICs reach it."""
 
     def __init__(self, client, info):
         self._client = client
@@ -187,26 +190,124 @@ class Pool(_Region):
         self.name = info.name.decode()
         self.kind = info.kind.decode()
         self.backing = info.backing.decode()
+        self.engine = bool(info.engine)  # engine memory (Client.register)
+        self.nic_reg = info.nic_reg.decode()
         super().__init__(self, 0, info.size)
 
     def _mapped_address(self):
         return self._client._map(self.id)[0]
 
     def __repr__(self):
-        return "Pool(id=%d, name=%r, kind=%r, backing=%r, size=%d)" % (
-            self.id, self.name, self.kind, self.backing, self.size)
+        return "Pool(id=%d, name=%r, kind=%r, backing=%r, size=%d, engine=%r)" % (
+            self.id, self.name, self.kind, self.backing, self.size, self.engine)
+
+
+class EnginePool(Pool):
+    """Memory of this process registered as a pool (Client.register): its
+    address is the engine's own, nothing is mapped. Keeps the registered
+    object alive while registered."""
+
+    def __init__(self, client, info, address, obj):
+        super().__init__(client, info)
+        self._address = address
+        self._obj = obj
+
+    def _mapped_address(self):
+        return self._address
+
+
+class HostBuffer(_mmap.mmap):
+    """Host memory that the daemon can map: an mmap of a memfd (created
+    with MFD_ALLOW_SEALING, so the daemon can seal it against shrinking).
+    A writable buffer (memoryview, numpy.frombuffer); .fd is the memfd.
+    Register it with Client.register; close() unmaps it and closes .fd."""
+
+    def __new__(cls, size, name="kvferry"):
+        flags = _os.MFD_CLOEXEC | getattr(_os, "MFD_ALLOW_SEALING", 2)
+        fd = _os.memfd_create(name, flags)
+        try:
+            _os.ftruncate(fd, size)
+            self = super().__new__(cls, fd, size)
+        except BaseException:
+            _os.close(fd)
+            raise
+        self.fd = fd
+        return self
+
+    @property
+    def address(self):
+        """The address of the first byte."""
+        return _buffer_address(self)
+
+    def close(self):
+        super().close()
+        if self.fd >= 0:
+            _os.close(self.fd)
+            self.fd = -1
+
+
+def host_buffer(size, name="kvferry"):
+    """size bytes of host memory an engine can register (Client.register):
+    a HostBuffer (an mmap of a memfd)."""
+    return HostBuffer(size, name)
+
+
+def _buffer_address(obj):
+    """The address of a writable buffer-protocol object's first byte."""
+    view = memoryview(obj)
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    finally:
+        view.release()
+
+
+def _memory_of(obj):
+    """(kind, address, size, fd, fd_offset) of what Client.register takes."""
+    if isinstance(obj, HostBuffer):
+        return _native.MEM_HOST, obj.address, len(obj), obj.fd, 0
+    if type(obj).__module__.split(".")[0] == "torch":  # without importing torch
+        if not obj.is_cuda:
+            raise ValueError("register: a torch tensor on the CPU has no memfd; allocate the memory with "
+                             "kvferry.host_buffer and wrap it (torch.frombuffer)")
+        if not obj.is_contiguous():
+            raise ValueError("register: the tensor must be contiguous")
+        return _native.MEM_CUDA, obj.data_ptr(), obj.numel() * obj.element_size(), -1, 0
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        n = 1
+        for d in cai["shape"]:
+            n *= d
+        itemsize = int(cai["typestr"][2:])
+        return _native.MEM_CUDA, cai["data"][0], n * itemsize, -1, 0
+    ai = getattr(obj, "__array_interface__", None)
+    if ai is not None:  # numpy: over a memfd mapping, found by the library
+        n = 1
+        for d in ai["shape"]:
+            n *= d
+        return _native.MEM_HOST, ai["data"][0], n * int(ai["typestr"][2:]), -1, 0
+    view = memoryview(obj)
+    size = view.nbytes
+    view.release()
+    return _native.MEM_HOST, _buffer_address(obj), size, -1, 0
 
 
 class Client:
     """A connection to the node's kvferryd (kvf_connect). Use as a context
     manager, or call close()."""
 
-    def __init__(self, socket_path=None):
+    def __init__(self, socket_path=None, wait_ms=None, reconnect_ms=None):
+        """wait_ms: wait up to this long for a daemon that is starting
+        (None: $KVFERRY_CONNECT_WAIT_MS, else 0). reconnect_ms: after the
+        daemon went away, connect again by itself for up to this long
+        (None: $KVFERRY_RECONNECT_MS, else 30000; 0 never): see
+        kvf_connect_opts in kvferry.h."""
         self._lib = _native.lib()
         self._c = ctypes.c_void_p()
         self._maps = {}
-        _check(self._lib.kvf_connect(_bytes(socket_path, "kvf_connect", False),
-                                     ctypes.byref(self._c)), "kvf_connect")
+        opts = _native.ConnectOpts(-1 if wait_ms is None else int(wait_ms),
+                                   -1 if reconnect_ms is None else int(reconnect_ms))
+        _check(self._lib.kvf_connect_ex(_bytes(socket_path, "kvf_connect", False), ctypes.byref(opts),
+                                        ctypes.byref(self._c)), "kvf_connect")
 
     # ---- connection
 
@@ -242,12 +343,15 @@ class Client:
 
     # ---- pools
 
-    def pools(self):
-        """Every pool of the daemon (kvf_pools)."""
+    def _pool_infos(self):
         n = _check(self._lib.kvf_pools(self._handle(), None, 0), "kvf_pools")
         arr = (_native.PoolInfo * max(n, 1))()
         n = _check(self._lib.kvf_pools(self._handle(), arr, len(arr)), "kvf_pools")
-        return [Pool(self, arr[i]) for i in range(min(n, len(arr)))]
+        return [arr[i] for i in range(min(n, len(arr)))]
+
+    def pools(self):
+        """Every pool of the daemon (kvf_pools)."""
+        return [Pool(self, info) for info in self._pool_infos()]
 
     def pool_find(self, name):
         """The pool called name (kvf_pool_find)."""
@@ -269,6 +373,43 @@ class Client:
                                           ctypes.byref(size)), "kvf_pool_map")
             self._maps[pool_id] = (addr.value, size.value)
         return self._maps[pool_id]
+
+    # ---- engine memory
+
+    def register(self, obj, name=None):
+        """kvf_mem_register: memory this process owns becomes a pool, usable
+        in descriptors and layouts (Layout.from_tensors takes it). obj: a
+        torch tensor on a GPU (or another __cuda_array_interface__ object),
+        or host memory backed by a memfd: a HostBuffer (kvferry.host_buffer)
+        or a numpy array / memoryview over one. Memory without a file
+        (bytearray, malloc) is refused with KVF_EINVAL. Returns an
+        EnginePool; obj is kept alive until unregister or close."""
+        kind, addr, size, fd, fd_offset = _memory_of(obj)
+        m = _native.Mem(kind=kind, addr=addr, size=size, fd=fd, fd_offset=fd_offset,
+                        name=_bytes(name, "kvf_mem_register", False))
+        pid = ctypes.c_uint32()
+        rc = self._lib.kvf_mem_register(self._handle(), ctypes.byref(m), ctypes.byref(pid))
+        if rc < 0:
+            detail = ""
+            if rc == _native.ERRORS["KVF_EINVAL"] and kind == _native.MEM_HOST:
+                detail = ("host memory must be a shared mapping of a memfd, tmpfs or hugetlbfs file "
+                          "(kvferry.host_buffer); anonymous memory cannot be shared")
+            raise KvferryError(rc, "kvf_mem_register", detail)
+        info = next((p for p in self._pool_infos() if p.id == pid.value), None)
+        if info is None:
+            info = _native.PoolInfo(id=pid.value, size=size, engine=1)
+            info.name = (name or "").encode()[:63]
+            info.kind = b"host" if kind == _native.MEM_HOST else b"cuda"
+        return EnginePool(self, info, addr, obj)
+
+    def unregister(self, pool):
+        """kvf_mem_unregister: drops engine memory (an EnginePool or its id).
+        KVF_EBUSY while a transfer uses it; this client's layouts on it go
+        with it."""
+        pid = pool.id if isinstance(pool, Pool) else int(pool)
+        _check(self._lib.kvf_mem_unregister(self._handle(), pid), "kvf_mem_unregister")
+        if isinstance(pool, EnginePool):
+            pool._obj = None
 
     # ---- transfers
 
