@@ -14,7 +14,8 @@
 #      link down mid-transfer, the receiving / sending daemon killed
 #      mid-transfer, then two devices per node (striping, one rail down);
 #      tests/rdma/test_bounce: the bounce path (pools the NICs do not reach);
-#      tests/rdma/test_engine_rdma.py: engine memory (registered after
+#      tests/rdma/test_engine (library, kvf_mem_register) and
+#      tests/rdma/test_engine_rdma.py (raw wire): engine memory (registered after
 #      start) at both ends, both directions, direct and bounced;
 #   3. test_blocks and test_e2e again with both sides bouncing.
 # Every transfer verifies every byte. The last line is tests/run.sh's
@@ -83,7 +84,7 @@ export KVF_TEST_LINK=n1 KVF_TEST_LINK2=m1
 export KVF_TEST_RAIL2_DEVICES="$NODE0_DEV,rxe2 $NODE1_DEV,rxe3"
 bins=()
 for src in tests/integration/test_*.c; do bins+=("$BUILD/tests/$(basename "$src" .c)"); done
-bins+=("$BUILD/tests/rdma/test_rdma" "$BUILD/tests/rdma/test_bounce" tests/rdma/test_engine_rdma.py)
+bins+=("$BUILD/tests/rdma/test_rdma" "$BUILD/tests/rdma/test_bounce" "$BUILD/tests/rdma/test_engine" tests/rdma/test_engine_rdma.py)
 if [ -n "${RDMA_TESTS:-}" ]; then
   want=()
   for b in "${bins[@]}"; do
