@@ -239,7 +239,10 @@ static int vmm_map(const kvf_cu *cu, int dev, CUmemGenericAllocationHandle h, co
   if (r != KVF_CU_SUCCESS) {
     snprintf(err, errlen, "%s of %llu bytes on cuda:%d: %s", step, (unsigned long long)alloc_size, dev,
              cu_err(cu, r, buf, sizeof(buf)));
-    return r == 1 /* INVALID_VALUE: larger than the allocation */ ? -EINVAL : -EIO;
+    /* a map the allocation refuses is the engine's size being wrong (larger
+     * than the allocation: INVALID_VALUE, or another code on some drivers,
+     * seen on an H200 with driver 13.0) */
+    return r == 1 || strcmp(step, "cuMemMap") == 0 ? -EINVAL : -EIO;
   }
   *out = va;
   return 0;

@@ -489,7 +489,8 @@ static int daemon_refusals(const msg *m, int fd) {
   big.alloc_size += 2u << 20;
   rc = do_import(&big, fd, m->dev, &im, err, sizeof(err));
   if (rc == 0) kvf__gpu_import_release(&im);
-  CHECK(rc == -EINVAL, "%s: an allocation size 2 MiB too large was not refused (%d)", route_name[m->route], rc);
+  CHECK(rc == -EINVAL, "%s: an allocation size 2 MiB too large was not refused with -EINVAL (%d: %s)",
+        route_name[m->route], rc, err);
   printf("ok   %s: a size the handle does not map is refused: %s\n", route_name[m->route], err);
   if (m->route == ROUTE_VMM) {
     int other = memfd_create("not-cuda", MFD_CLOEXEC);
