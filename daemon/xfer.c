@@ -77,6 +77,10 @@ void kvf__xfer_emit(kvf__session *s, const Kvf__Event *ev) { X.env.emit(s, ev); 
 /* How long a cancelled receiver of a one-sided transport keeps its grant
  * open for the sender's CancelDone (fence_wanted). */
 #define FENCE_MS 2000
+/* How long a write refusal waits for its peer to go away (see
+ * judge_refusal). kill -9 closes the peer's control connection within
+ * milliseconds; the margin is for a loaded machine. */
+#define REFUSAL_GRACE_MS 300
 
 /* ----------------------------------------------------------------- states */
 
@@ -439,12 +443,38 @@ static void send_recv_result(kvf__xfer *x, int status, const char *why) {
 
 /* ---------------------------------------------------------------- failure */
 
-static void finish_failure(kvf__xfer *x) {
+static void emit_failure(kvf__xfer *x) {
   kvf__xfer_set_state(x, KVF__XS_FAILED);
   emit(x, x->status, x->error);
   kvf__metrics_transfer(x, x->status);
   kvfd.stats.transfers_failed++;
   xfer_destroy(x);
+}
+
+static void on_refusal_judged(uv_timer_t *t) {
+  kvf__xfer *x = t->data;
+  if (!X.env.peer_up(x->peer)) {
+    x->status = KVF_EPEERLOST;
+    snprintf(x->error, sizeof(x->error), "lost the peer (its memory went before its connections: writes refused)");
+  }
+  emit_failure(x);
+}
+
+/* A peer that dies (kill -9) tears its memory down before its connections,
+ * so writes in flight come back refused (KVF_EPERM) just before the peer
+ * is seen to go. A refusal waits a moment for that: when the peer went,
+ * the transfer reports its loss, as every other transfer to it does.
+ * True when the verdict is deferred (on_refusal_judged finishes x). */
+static bool judge_refusal(kvf__xfer *x) {
+  if (x->role != KVF__SEND || x->status != KVF_EPERM || !x->peer || X.stopping ||
+      uv_is_active((uv_handle_t *)&x->timer))
+    return false;
+  uv_timer_start(&x->timer, on_refusal_judged, REFUSAL_GRACE_MS, 0);
+  return true;
+}
+
+static void finish_failure(kvf__xfer *x) {
+  if (!judge_refusal(x)) emit_failure(x);
 }
 
 /* A receiver whose client cancelled (or went away) while a one-sided
