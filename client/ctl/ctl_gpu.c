@@ -163,7 +163,7 @@ int ctl_gpu_peermem(char *detail, size_t cap) {
     snprintf(detail, cap, "not loaded; not needed: dmabuf registration is used");
     return CTL_GPU_OK;
   }
-  snprintf(detail, cap, "not loaded and dmabuf unavailable: GPU pools will be bounce-only; modprobe nvidia-peermem");
+  snprintf(detail, cap, "not loaded and dmabuf unavailable: rdma stages GPU pools through pinned host memory (rdma-bounce); modprobe nvidia-peermem");
   return CTL_GPU_WARN;
 }
 
@@ -462,7 +462,10 @@ int ctl_gpu_pools(const char *pools, char *detail, size_t cap) {
     bounce += !d;
     if (o < cap)
       o += (size_t)snprintf(detail + o, cap - o, "%s%s (%s) %s", n > 1 ? ", " : "", name, kind,
-                            d ? reg : strcmp(reg, "none") == 0 ? "unregistered: tcp-bounce" : reg);
+                            d                             ? reg
+                            : strcmp(reg, "none") == 0   ? "unregistered: tcp-bounce"
+                            : strcmp(reg, "bounce") == 0 ? "bounce: rdma-bounce"
+                                                         : reg);
   }
   if (n == 0) {
     snprintf(detail, cap, "no cuda pools");
