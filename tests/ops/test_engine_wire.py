@@ -338,6 +338,39 @@ class EngineWireTcp(kvftest.PairTestCase):
         for d in (self.pre, self.dec):
             kvftest.wait_for(lambda: d.status()["engine_pools"] == 0, 5, "dropped")
 
+    def test_file_that_shrinks_under_a_tcp_send(self):
+        """The sender's writev faults: the batch goes out with zeros in its
+        place (the stream stays in step), both sides fail with EFAULT, the
+        peers stay up and the next transfer is whole."""
+        pre, dec = Client(self.pre.sock, b"prefill"), Client(self.dec.sock, b"decode")
+        fa, fb, fc = memfd("kvftest-shrink", REGION, sealable=False), memfd("kvftest-dst", REGION), \
+            memfd("kvftest-ok", REGION)
+        try:
+            mc = mmap.mmap(fc, REGION)
+            mc[:] = pattern(21, REGION)
+            a = pre.register(b"tcp-shrink", fa, REGION)[1][0]
+            c = pre.register(b"tcp-ok", fc, REGION)[1][0]
+            b = dec.register(b"tcp-dst", fb, REGION)[1][0]
+            downs = self.pre.log_text().count("peer decode down")
+            os.ftruncate(fa, 0)
+            dec.call(grant, b"shrunk", (b, 0, 64 * KiB))
+            pre.call(send, b"shrunk", b"decode", (a, 0, 64 * KiB))
+            for cl in (pre, dec):
+                (_, xid, status, e), = cl.events(1)
+                self.assertEqual((xid, status), (b"shrunk", -14), e.get(8))
+            dec.call(grant, b"after-shrunk", (b, 0, REGION))
+            pre.call(send, b"after-shrunk", b"decode", (c, 0, REGION))
+            for cl in (pre, dec):
+                (_, xid, status, e), = cl.events(1)
+                self.assertEqual((xid, status), (b"after-shrunk", 0), e.get(8))
+            self.assertEqual(bytes(mmap.mmap(fb, REGION)[:]), pattern(21, REGION))
+            self.assertEqual(self.pre.log_text().count("peer decode down"), downs, "the peer stayed up")
+        finally:
+            pre.close()
+            dec.close()
+            for fd in (fa, fb, fc):
+                os.close(fd)
+
 
 if __name__ == "__main__":
     kvftest.main()

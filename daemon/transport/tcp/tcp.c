@@ -57,6 +57,10 @@
 #define STAGE_SLOT (4u << 20)       /* a GPU staging slot; >= SLICE */
 /* A GPU copy failed (internal): fails the transfer, not the stream. */
 #define GPU_COPY_FAILED (-EREMOTEIO)
+/* An item's source memory faulted under writev (engine memory whose file
+ * shrank): the batch went out with zeros in its place, the stream is in
+ * step, the item fails with -EFAULT. */
+#define SOURCE_FAULT (-EFAULT)
 
 /* ------------------------------------------------------------ data frames
  *
@@ -322,9 +326,47 @@ static void grant_key(char *buf, size_t len, uint64_t handle) {
 
 /* --------------------------------------------------------- sender threads */
 
-static int writev_all(int fd, struct iovec *iov, int n) {
+static int write_zeros(int fd, size_t len) {
+  static const uint8_t zeros[64 << 10];
+  while (len > 0) {
+    ssize_t w = write(fd, zeros, len < sizeof(zeros) ? len : sizeof(zeros));
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) return -errno;
+    len -= (size_t)w;
+  }
+  return 0;
+}
+
+/* The elements of iov one write at a time, what faults (EFAULT: nothing
+ * of that write was taken) replaced by zeros. */
+static int write_each(int fd, const struct iovec *iov, int n, bool *faulted) {
+  for (int i = 0; i < n; i++) {
+    const uint8_t *p = iov[i].iov_base;
+    size_t len = iov[i].iov_len;
+    while (len > 0) {
+      ssize_t w = write(fd, p, len);
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0 && errno == EFAULT) {
+        *faulted = true;
+        int rc = write_zeros(fd, len);
+        if (rc) return rc;
+        break;
+      }
+      if (w < 0) return -errno;
+      p += w;
+      len -= (size_t)w;
+    }
+  }
+  return 0;
+}
+
+/* With faulted: payload that faults (pool memory gone: EFAULT, the whole
+ * call refused, whichever element it was) goes out as zeros, and *faulted
+ * says so; the receiver's framing never sees the difference. */
+static int writev_all(int fd, struct iovec *iov, int n, bool *faulted) {
   while (n > 0) {
     ssize_t w = writev(fd, iov, n);
+    if (w < 0 && errno == EFAULT && faulted) return write_each(fd, iov, n, faulted);
     if (w < 0) {
       if (errno == EINTR) continue;
       return -errno;
@@ -357,8 +399,10 @@ static int write_item(stream *s, item *it) {
     bhdr_encode(hdr, k, it->handle);
     iov[0] = (struct iovec){hdr, BHDR_LEN};
     iov[1] = (struct iovec){ents, (size_t)k * ENT_LEN};
-    int rc = writev_all(s->fd, iov, (int)k + 2);
+    bool faulted = false;
+    int rc = writev_all(s->fd, iov, (int)k + 2, &faulted);
     if (rc) return rc;
+    if (faulted) return SOURCE_FAULT; /* at a batch's end: the stream is in step */
   }
   return 0;
 }
@@ -371,7 +415,7 @@ static int write_marker(stream *s, const item *it) {
   put64(buf + 8, it->handle);
   ent_encode(buf + BHDR_LEN, it->first, it->n_layers, 0);
   struct iovec iov = {buf, sizeof(buf)};
-  return writev_all(s->fd, &iov, 1);
+  return writev_all(s->fd, &iov, 1, NULL);
 }
 
 /* ------------------------------------------------------- GPU staging */
@@ -442,7 +486,9 @@ static int stage_send(stream *s, item *it, sslot *sl) {
   bhdr_encode(hdr, (uint32_t)sl->n, it->handle);
   iov[0] = (struct iovec){hdr, BHDR_LEN};
   iov[1] = (struct iovec){ents, sl->n * ENT_LEN};
-  return writev_all(s->fd, iov, (int)sl->n + 2);
+  bool faulted = false;
+  int rc = writev_all(s->fd, iov, (int)sl->n + 2, &faulted);
+  return rc ? rc : faulted ? SOURCE_FAULT : 0;
 }
 
 /* write_item for items with GPU frames: the gather into one slot overlaps
@@ -604,11 +650,12 @@ static void *sender_main(void *arg) {
       continue;
     }
     int rc = broken ? KVF_EPEERLOST : it->gpu ? write_item_staged(s, it) : write_item(s, it);
-    if (rc && rc != KVF_ECANCELED && rc != GPU_COPY_FAILED && !broken) {
+    bool item_only = rc == KVF_ECANCELED || rc == GPU_COPY_FAILED || rc == SOURCE_FAULT; /* the stream is fine */
+    if (rc && !item_only && !broken) {
       broken = rc;
       post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, rc, s->tp);
     }
-    ticket_part_done(it->tk, rc ? (rc == KVF_ECANCELED ? KVF_ECANCELED : rc == GPU_COPY_FAILED ? -EIO : KVF_EPEERLOST) : 0);
+    ticket_part_done(it->tk, rc == 0 ? 0 : rc == GPU_COPY_FAILED ? -EIO : item_only ? rc : KVF_EPEERLOST);
     item_free(it);
   }
   return NULL;
