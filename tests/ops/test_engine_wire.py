@@ -342,9 +342,18 @@ class EngineWireTcp(kvftest.PairTestCase):
         """The sender's writev faults: the batch goes out with zeros in its
         place (the stream stays in step), both sides fail with EFAULT, the
         peers stay up and the next transfer is whole."""
+        self.shrink_at(src_shrinks=True)
+
+    def test_file_that_shrinks_under_a_tcp_receive(self):
+        """The receiver's read faults: that payload is read into a sink (the
+        stream stays in step), both sides fail with EFAULT, the peers stay
+        up and the next transfer is whole."""
+        self.shrink_at(src_shrinks=False)
+
+    def shrink_at(self, src_shrinks):
         pre, dec = Client(self.pre.sock, b"prefill"), Client(self.dec.sock, b"decode")
-        fa, fb, fc = memfd("kvftest-shrink", REGION, sealable=False), memfd("kvftest-dst", REGION), \
-            memfd("kvftest-ok", REGION)
+        fa, fb, fc = memfd("kvftest-shrink", REGION, sealable=not src_shrinks), \
+            memfd("kvftest-dst", REGION, sealable=src_shrinks), memfd("kvftest-ok", REGION)
         try:
             mc = mmap.mmap(fc, REGION)
             mc[:] = pattern(21, REGION)
@@ -352,12 +361,15 @@ class EngineWireTcp(kvftest.PairTestCase):
             c = pre.register(b"tcp-ok", fc, REGION)[1][0]
             b = dec.register(b"tcp-dst", fb, REGION)[1][0]
             downs = self.pre.log_text().count("peer decode down")
-            os.ftruncate(fa, 0)
-            dec.call(grant, b"shrunk", (b, 0, 64 * KiB))
-            pre.call(send, b"shrunk", b"decode", (a, 0, 64 * KiB))
+            os.ftruncate(fa if src_shrinks else fb, 0)
+            dec.call(grant, b"shrunk", (b, 0, 64 * KiB), (b, 128 * KiB, 64 * KiB))
+            pre.call(send, b"shrunk", b"decode", (a, 0, 64 * KiB), (a, 64 * KiB, 64 * KiB))
             for cl in (pre, dec):
                 (_, xid, status, e), = cl.events(1)
                 self.assertEqual((xid, status), (b"shrunk", -14), e.get(8))
+                self.assertIn(b"went away under the", e[8][0])
+            if not src_shrinks:
+                os.ftruncate(fb, REGION)  # the engine makes it whole again
             dec.call(grant, b"after-shrunk", (b, 0, REGION))
             pre.call(send, b"after-shrunk", b"decode", (c, 0, REGION))
             for cl in (pre, dec):

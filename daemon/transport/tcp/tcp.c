@@ -673,10 +673,15 @@ static int recv_some(int fd, struct iovec *iov, int n) {
   }
 }
 
+static int discard(int fd, uint64_t len, uint8_t *ahead, uint32_t *have);
+
 /* Fills iov[0..n) completely, and opportunistically the start of the next
  * batch header into ahead (saving a syscall per batch). ahead NULL: the
- * stream continues with bytes that belong elsewhere, so read nothing more. */
-static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t *have) {
+ * stream continues with bytes that belong elsewhere, so read nothing more.
+ * With faulted: an element whose memory faults (EFAULT: an engine's file
+ * shrank; the kernel leaves the bytes it could not place in the socket) is
+ * read into a sink instead, and *faulted says so: the stream stays in step. */
+static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t *have, bool *faulted) {
   struct iovec local[BATCH_FRAMES + 3];
   memcpy(local, iov, (size_t)n * sizeof(*iov));
   int cnt = n;
@@ -684,7 +689,20 @@ static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t
   struct iovec *v = local;
   int left = n; /* iovecs that must be filled */
   while (left > 0) {
-    int r = recv_some(fd, v, cnt);
+    /* after a fault, one element at a time, so that it is found */
+    int r = recv_some(fd, v, faulted && *faulted ? 1 : cnt);
+    if (r == -EFAULT && faulted && !*faulted) {
+      *faulted = true;
+      continue;
+    }
+    if (r == -EFAULT && faulted) {
+      r = discard(fd, v->iov_len, NULL, NULL);
+      if (r) return r;
+      v++;
+      cnt--;
+      left--;
+      continue;
+    }
     if (r < 0) return r;
     size_t got = (size_t)r;
     while (got > 0 && left > 0) {
@@ -718,7 +736,7 @@ static int discard(int fd, uint64_t len, uint8_t *ahead, uint32_t *have) {
   while (len > 0) {
     uint64_t k = len < sizeof(sink) ? len : sizeof(sink);
     struct iovec iov = {sink, k};
-    int rc = read_exact(fd, &iov, 1, k == len ? ahead : NULL, have);
+    int rc = read_exact(fd, &iov, 1, k == len ? ahead : NULL, have, NULL);
     if (rc) return rc;
     len -= k;
   }
@@ -769,7 +787,7 @@ static int read_entries(stream *s, const batch_hdr *h, batch_ent *e, uint64_t *b
   if (rc) return rc;
   uint8_t raw[BATCH_FRAMES][ENT_LEN];
   struct iovec iov = {raw, (size_t)h->count * ENT_LEN};
-  rc = read_exact(s->fd, &iov, 1, NULL, NULL);
+  rc = read_exact(s->fd, &iov, 1, NULL, NULL, NULL);
   if (rc) return rc;
   return decode_entries(&raw[0][0], h->count, e, bytes);
 }
@@ -880,7 +898,7 @@ static int receive_batch_gpu(stream *s, const batch_hdr *h, const batch_ent *e, 
       }
       i++;
     }
-    if (n) rc = read_exact(s->fd, iov, n, i == h->count ? ahead : NULL, have);
+    if (n) rc = read_exact(s->fd, iov, n, i == h->count ? ahead : NULL, have, NULL);
     if (i < h->count) rstage_flush(s, st); /* the slot is full */
   }
   sbatch_piece_done(s, b, rc ? KVF_EPEERLOST : 0); /* read whole (or not) */
@@ -899,8 +917,10 @@ static int receive_batch(stream *s, const batch_hdr *h, uint8_t *ahead, uint32_t
   struct iovec iov[BATCH_FRAMES];
   for (uint32_t i = 0; i < h->count; i++) /* in range: the rangeset held them */
     iov[i] = (struct iovec){kvfd.pools[e[i].pool]->base + e[i].offset, e[i].len};
-  rc = read_exact(s->fd, iov, (int)h->count, ahead, have);
-  unpin_grant(g, s->tp, h->handle, rc ? 0 : bytes);
+  bool faulted = false;
+  rc = read_exact(s->fd, iov, (int)h->count, ahead, have, &faulted);
+  if (rc == 0 && faulted) post_event(s->tp->tt, EV_DATA_ERROR, NULL, h->handle, -EFAULT, s->tp);
+  unpin_grant(g, s->tp, h->handle, rc || faulted ? 0 : bytes);
   return rc;
 }
 
@@ -941,7 +961,7 @@ static void count_marker(tcp_peer *tp, rgrant *g, uint64_t handle, uint32_t firs
 static int receive_marker(stream *s, const batch_hdr *h, uint8_t *ahead, uint32_t *have) {
   uint8_t raw[ENT_LEN];
   struct iovec iov = {raw, ENT_LEN};
-  int rc = read_exact(s->fd, &iov, 1, ahead, have);
+  int rc = read_exact(s->fd, &iov, 1, ahead, have, NULL);
   if (rc) return rc;
   batch_ent e;
   ent_decode(raw, &e);
@@ -1323,7 +1343,10 @@ static void handle_event(tevent *e) {
     break;
   case EV_DATA_ERROR:
     if ((g = grant_for_event(e->tt, e->handle)) != NULL)
-      kvf__xfer_on_data_error(g->x, e->status, "the peer wrote outside the grant");
+      kvf__xfer_on_data_error(g->x, e->status,
+                              e->status == -EFAULT ? "the memory of a pool went away under the receive (an "
+                                                     "engine's memory file shrank)"
+                                                   : "the peer wrote outside the grant");
     break;
   case EV_COPY_ERROR:
     if ((g = grant_for_event(e->tt, e->handle)) != NULL)
