@@ -210,9 +210,11 @@ int kvf_send(kvf_client *c, const char *xfer_id, const char *dst_node,
  * with KVF_ECANCELED (here) or KVF_EREMOTECANCEL (there). */
 int kvf_cancel(kvf_client *c, const char *xfer_id);
 
-/* Transfer ids. An id names one transfer from its first grant or send call
- * until this client has taken that transfer's KVF_EV_RECV_DONE or
- * KVF_EV_SEND_DONE with kvf_wait_events. Until then a part sent with the
+/* Transfer ids: 1 to KVF_XFER_ID_MAX bytes of well-formed UTF-8 without
+ * control characters (anything else: KVF_EINVAL). An id names one
+ * transfer from its first grant or send call until this client has taken
+ * that transfer's KVF_EV_RECV_DONE or KVF_EV_SEND_DONE with
+ * kvf_wait_events. Until then a part sent with the
  * same id continues that transfer, or, once it ended (done, failed,
  * cancelled), is refused at once with KVF_ENOENT: a late part never starts
  * a new transfer. Once the event is taken the id may name a new transfer. */

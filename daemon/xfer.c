@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "frame.h"
 #include "layouts.h"
 #include "log.h"
 #include "map.h"
@@ -700,12 +701,14 @@ static void pregrant_free(pregrant *g) {
   free(g);
 }
 
+/* 1..KVF_XFER_ID_MAX bytes of UTF-8 without control characters: ids go
+ * into JSON (status, kvferryctl, Python) and logs. */
 static int valid_id(const char *id) {
   size_t n = id ? strlen(id) : 0;
   if (n == 0 || n > KVF_XFER_ID_MAX) return 0;
   for (size_t i = 0; i < n; i++)
     if ((unsigned char)id[i] < 0x20 || id[i] == 0x7f) return 0;
-  return 1;
+  return kvf__utf8_valid(id, n);
 }
 
 static bool is_local(const char *node) { return node && strcmp(node, own_node()) == 0; }

@@ -133,3 +133,29 @@ long kvf__recv_fds(int sock, void *buf, size_t len, int *fds, int *nfds, int nfd
   }
   return n;
 }
+
+/* The length of the sequence that lead byte c begins, and the smallest
+ * code point it may encode (shorter forms are overlong); 0: not a lead. */
+static int utf8_lead(unsigned char c, uint32_t *min, uint32_t *cp) {
+  if (c < 0x80) return *cp = c, *min = 0, 1;
+  if (c >= 0xC2 && c <= 0xDF) return *cp = c & 0x1F, *min = 0x80, 2;
+  if (c >= 0xE0 && c <= 0xEF) return *cp = c & 0x0F, *min = 0x800, 3;
+  if (c >= 0xF0 && c <= 0xF4) return *cp = c & 0x07, *min = 0x10000, 4;
+  return 0;
+}
+
+int kvf__utf8_valid(const char *s, size_t n) {
+  const unsigned char *p = (const unsigned char *)s;
+  for (size_t i = 0; i < n;) {
+    uint32_t min, cp;
+    int len = utf8_lead(p[i], &min, &cp);
+    if (len == 0 || (size_t)len > n - i) return 0;
+    for (int k = 1; k < len; k++) {
+      if ((p[i + k] & 0xC0) != 0x80) return 0;
+      cp = cp << 6 | (p[i + k] & 0x3F);
+    }
+    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
+    i += (size_t)len;
+  }
+  return 1;
+}

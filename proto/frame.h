@@ -63,6 +63,11 @@ static inline void kvf__le64_put(uint8_t *p, uint64_t v) {
 /* sendmsg of the whole buffer with an optional fd (-1 for none), retrying on
  * EINTR and partial writes; blocking socket. */
 int kvf__send_all(int sock, const void *buf, size_t len, int fd);
+
+/* Whether s[0..n) is well-formed UTF-8 (no overlong forms, no surrogates,
+ * nothing past U+10FFFF): what a protobuf string must hold, and what JSON
+ * renderings of ids (status, kvferryctl, Python) can carry. */
+int kvf__utf8_valid(const char *s, size_t n);
 /* recvmsg into buf; received fds are appended to fds (up to *nfds_cap),
  * *nfds counts them. Returns bytes read (0 at EOF) or a negative errno. */
 long kvf__recv_fds(int sock, void *buf, size_t len, int *fds, int *nfds, int nfds_cap);

@@ -520,6 +520,24 @@ static void test_send_errors(void **state) {
  * memcpy(NULL, p, 0), which is undefined behaviour; the UBSan build
  * (make SAN=1) aborts here with "null pointer passed as argument 1". Kept
  * last in the list so that the other tests run before the abort. */
+/* What a transfer id may hold: well-formed UTF-8 only (issue 15, item 6). */
+static void test_utf8(void **state) {
+  static const char *const good[] = {"req-42", "caf\xc3\xa9", "\xe2\x82\xac", "\xf0\x9f\x98\x80", "\xef\xbf\xbf",
+                                     "\xf4\x8f\xbf\xbf", ""};
+  static const char *const bad[] = {
+      "\xff",             /* never a lead byte */
+      "\xc0\x80",         /* overlong NUL */
+      "\xe0\x80\xaf",     /* overlong '/' */
+      "\xed\xa0\x80",     /* a surrogate */
+      "\xf4\x90\x80\x80", /* past U+10FFFF */
+      "\xe2\x82",         /* cut short */
+      "a\x80" "b",        /* a lone continuation */
+      "\xc3\x28",         /* a lead without its continuation */
+  };
+  for (size_t i = 0; i < sizeof(good) / sizeof(*good); i++) assert_true(kvf__utf8_valid(good[i], strlen(good[i])));
+  for (size_t i = 0; i < sizeof(bad) / sizeof(*bad); i++) assert_false(kvf__utf8_valid(bad[i], strlen(bad[i])));
+}
+
 static void test_append_empty(void **state) {
   kvf__framebuf fb;
   kvf__framebuf_init(&fb, 16);
@@ -541,6 +559,7 @@ static void test_append_empty(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_header),
+      cmocka_unit_test(test_utf8),
       cmocka_unit_test(test_init_default),
       cmocka_unit_test(test_whole_frame),
       cmocka_unit_test(test_zero_length),
