@@ -47,6 +47,9 @@ typedef struct send_chain {
 
 struct kvf__session {
   uv_pipe_t pipe;
+  uv_timer_t hello_timer; /* closes a client that does not say Hello */
+  int handles_open;       /* pipe and timer: freed once both closed */
+  bool operator;          /* root or our user: may take an operator slot */
   kvf__framebuf fb;
   uint32_t id;
   pid_t pid;
@@ -237,6 +240,7 @@ static void on_hello(kvf__session *s, uint64_t seq, const Kvf__HelloReq *h) {
   }
   snprintf(s->name, sizeof(s->name), "%s", h->client_name ? h->client_name : "");
   s->hello_done = true;
+  if (!s->sink) uv_timer_stop(&s->hello_timer);
   Kvf__HelloResp hr = KVF__HELLO_RESP__INIT;
   hr.version = KVF__API_VERSION;
   hr.node = kvfd.cfg.node;
@@ -644,6 +648,7 @@ static void on_request(kvf__session *s, const Kvf__ApiRequest *q) {
 
 static void on_session_closed(uv_handle_t *h) {
   kvf__session *s = h->data;
+  if (--s->handles_open > 0) return;
   kvf__framebuf_free(&s->fb);
   free(s);
 }
@@ -660,7 +665,9 @@ static void session_close(kvf__session *s, const char *why) {
   if (s->next) s->next->prev = s->prev;
   A.n--;
   if (s->refused) A.n_refused--;
-  if (!s->sink) uv_close((uv_handle_t *)&s->pipe, on_session_closed);
+  if (s->sink) return;
+  uv_close((uv_handle_t *)&s->pipe, on_session_closed);
+  if (s->handles_open == 2) uv_close((uv_handle_t *)&s->hello_timer, on_session_closed);
 }
 
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
@@ -736,8 +743,10 @@ static void session_admit(kvf__session *s) {
   if (A.head) A.head->prev = s;
   A.head = s;
   A.n++;
+  s->operator = s->uid == 0 || s->uid == geteuid();
+  size_t limit = (size_t)kvfd.cfg.max_clients + (s->operator ? kvfd.cfg.api_operator_slots : 0);
   if (!uid_allowed(s->uid, s->gid)) s->refused = KVF_EPERM;
-  else if (A.n - A.n_refused > kvfd.cfg.max_clients) s->refused = KVF_ELIMIT;
+  else if (A.n - A.n_refused > limit) s->refused = KVF_ELIMIT;
   if (!s->refused) return;
   A.n_refused++;
   s->fb.max = REFUSED_FRAME_MAX < s->fb.max ? REFUSED_FRAME_MAX : s->fb.max;
@@ -762,6 +771,14 @@ static bool too_many_refused(kvf__session *s) {
   return true;
 }
 
+static void on_hello_timeout(uv_timer_t *t) {
+  kvf__session *s = t->data;
+  char why[96];
+  snprintf(why, sizeof(why), "no Hello within api-hello-timeout-ms (%u ms); closed", kvfd.cfg.api_hello_timeout_ms);
+  kvfd.stats.api_errors++;
+  session_close(s, why);
+}
+
 static void on_connection(uv_stream_t *server, int status) {
   if (status < 0) return;
   kvf__session *s = calloc(1, sizeof(*s));
@@ -769,10 +786,16 @@ static void on_connection(uv_stream_t *server, int status) {
   kvf__framebuf_init(&s->fb, kvfd.cfg.max_frame);
   uv_pipe_init(A.loop, &s->pipe, 1); /* ipc: lets uv_write2 pass pool fds */
   s->pipe.data = s;
+  s->handles_open = 1;
   if (uv_accept(server, (uv_stream_t *)&s->pipe) != 0) {
     uv_close((uv_handle_t *)&s->pipe, on_session_closed);
     return;
   }
+  /* Until its Hello, a client holds a slot on trust: not for long. */
+  uv_timer_init(A.loop, &s->hello_timer);
+  s->hello_timer.data = s;
+  s->handles_open = 2;
+  uv_timer_start(&s->hello_timer, on_hello_timeout, kvfd.cfg.api_hello_timeout_ms, 0);
   credentials(s);
   session_admit(s);
   if (too_many_refused(s)) {

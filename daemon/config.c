@@ -156,7 +156,17 @@ static const struct opt opts[] = {
      .help = "Most block descriptors in one send or receive grant."},
     {.name = "max-clients", .reload = true, .type = OPT_U32, .off = F(max_clients),
      .min = 1, .max = 65536, .def = "256",
-     .help = "Most simultaneous local API connections."},
+     .help = "Most simultaneous local API connections (root and kvferryd's own user "
+             "also have api-operator-slots)."},
+    {.name = "api-operator-slots", .reload = true, .type = OPT_U32, .off = F(api_operator_slots),
+     .min = 0, .max = 64, .def = "4",
+     .help = "Local API connections on top of max-clients that only root and "
+             "kvferryd's own user may take, so that an operator can always inspect "
+             "a daemon whose slots are taken."},
+    {.name = "api-hello-timeout-ms", .reload = true, .type = OPT_U32, .off = F(api_hello_timeout_ms),
+     .min = 10, .max = 600000, .def = "5000",
+     .help = "A local API connection that has not completed its Hello within this "
+             "long (nothing sent, or half a frame) is closed, freeing its slot."},
     {.name = "max-transfers-per-client", .reload = true, .type = OPT_U32,
      .off = F(max_transfers_per_client), .min = 1, .max = 1048576, .def = "4096",
      .help = "Most transfers one client may have in flight."},

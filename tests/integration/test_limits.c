@@ -1,7 +1,8 @@
 /* test_limits.c - black-box tests of kvferryd's limits and of who may use
  * it, against real daemons:
  *
- *   local: one daemon ("solo") with max-clients 3, max-transfers-per-client
+ *   local: one daemon ("solo") with max-clients 3 (no operator slots: the
+ *   tests run as root; test_api_slots.py has them), max-transfers-per-client
  *   2, max-frame 64K and max-descs 1000, allowing uid 65533 and gid 4242:
  *   the client beyond max-clients, the transfer beyond the quota, frames
  *   over max-frame, a client that stops reading, clients of other uids
@@ -353,7 +354,7 @@ static int solo_setup(void **state) {
   if (chmod(S.dir, 0755) != 0) return h_fail("chmod %s: %s", S.dir, strerror(errno));
   h_daemon_init(&S.d, S.dir, "solo", port, "16M");
   snprintf(S.d.extra, sizeof S.d.extra,
-           "max-clients 3\nmax-transfers-per-client 2\nmax-frame %u\nmax-descs %u\n"
+           "max-clients 3\napi-operator-slots 0\napi-hello-timeout-ms 60000\nmax-transfers-per-client 2\nmax-frame %u\nmax-descs %u\n"
            "api-allow-users %u\napi-allow-groups %u\n",
            SOLO_FRAME, SOLO_DESCS, ALLOWED_UID, ALLOWED_GID);
   if (h_daemon_spawn(&S.d)) return -1;

@@ -182,23 +182,25 @@ class TestCtl(unittest.TestCase):
         self.assertNotIn(lid, [l["id"] for l in doc["layouts"]])
 
     def test_utf8_ids(self):
-        """A transfer id is bytes to the daemon (control bytes refused):
-        bytes that are not UTF-8 (stray, truncated, a surrogate) still print
-        as valid UTF-8 JSON, each bad sequence as U+FFFD (proto/json.h)."""
-        raw = b"raw-\xff-\xc3(-\xed\xa0\x80-\"\\-\xe2\x82\xac"
-        want = "raw-\ufffd-\ufffd(-\ufffd\ufffd\ufffd-\"\\-\u20ac"
+        """A transfer id is UTF-8 (issue 15): bytes that are not are refused
+        (KVF_EINVAL), and ids with quotes, backslashes and characters
+        beyond ASCII print as themselves in strict JSON."""
         pool = self.client.pool_find("kv")
-        self.client.grant(raw, "prefill", [pool.desc(8192, 8192)])
+        with self.assertRaises(kvferry.KvferryError) as cm:
+            self.client.grant(b"raw-\xff-\xc3(-\xed\xa0\x80", "prefill", [pool.desc(8192, 8192)])
+        self.assertEqual(cm.exception.name, "KVF_EINVAL")
+        xid = "raw-\"\\-\u20ac-\u00e9"
+        self.client.grant(xid, "prefill", [pool.desc(8192, 8192)])
         try:
             out = subprocess.run([CTL, "-s", self.dec.sock, "--json", "transfers"],
                                  capture_output=True, timeout=30)
             self.assertEqual(out.returncode, 0, out.stderr)
             doc = json.loads(out.stdout.decode("utf-8"))  # strict: a bad byte raises
-            self.assertIn(want, [t["id"] for t in doc["transfers"]])
+            self.assertIn(xid, [t["id"] for t in doc["transfers"]])
             doc = self.client.inspect("transfers", json=True)
-            self.assertIn(want, [t["id"] for t in doc["transfers"]])
+            self.assertIn(xid, [t["id"] for t in doc["transfers"]])
         finally:
-            self.client.cancel(raw)
+            self.client.cancel(xid)
 
 
 if __name__ == "__main__":
