@@ -924,7 +924,8 @@ static void usage(FILE *f) {
     "  --grant-any          grant without naming the prefill node\n"
     "  --deadline-ms N      per-transfer deadline (default 30000; 0: the daemon's)\n"
     "  --seed N             data and layout seed (default 1)\n"
-    "  --json               one JSON line on stdout\n"
+    "  --json               one JSON line on stdout; its \"gbps\" is GB/s (10^9 bytes\n"
+    "                       per second; the name stays for scripts), \"gbit_s\" the same in Gbit/s\n"
     "  --quiet              no summary and no warnings; the exit status tells\n"
     "  --help\n"
     "Exit 0 only when every request transferred and verified.\n");

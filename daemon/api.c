@@ -855,6 +855,8 @@ static int clear_stale_socket(const char *path, char *err, size_t errlen) {
   return 0;
 }
 
+int kvf__api_check_socket(char *err, size_t errlen) { return clear_stale_socket(kvfd.cfg.api_socket, err, errlen); }
+
 int kvf__api_start(uv_loop_t *loop, char *err, size_t errlen) {
   A.loop = loop;
   const char *path = kvfd.cfg.api_socket;

@@ -4,6 +4,10 @@
 
 #include "kvferryd.h"
 
+/* Refuses a socket path another kvferryd listens on (and clears a stale
+ * socket left there); what kvf__api_start does first, for a check before
+ * the pools are made. */
+int kvf__api_check_socket(char *err, size_t errlen);
 int kvf__api_start(uv_loop_t *loop, char *err, size_t errlen);
 /* Stops accepting; existing sessions are closed. */
 void kvf__api_stop(void);

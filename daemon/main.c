@@ -186,8 +186,17 @@ static int start(void) {
 /* Everything before the loop runs, with a STATUS= line for each step so
  * that `systemctl status` shows where a slow or failed start stands. */
 static int boot(const char *path) {
+  char err[256];
+  /* A second daemon on a socket in use is refused before it allocates and
+   * locks gigabytes of pools for nothing. */
+  int rc = kvf__api_check_socket(err, sizeof(err));
+  if (rc) {
+    kvf__err("%s", err);
+    kvf__notify_failed(rc, "start failed: %s", err);
+    return rc;
+  }
   kvf__notify_status("allocating %zu pools", kvfd.cfg.n_pools);
-  int rc = kvf__gpu_init(kvfd.cfg.cuda); /* before the pools: cuda:N needs it */
+  rc = kvf__gpu_init(kvfd.cfg.cuda); /* before the pools: cuda:N needs it */
   if (rc == 0) rc = create_pools();
   if (rc == 0) {
     kvf__notify_status("starting transports, the API socket and the peers");

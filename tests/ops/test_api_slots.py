@@ -87,6 +87,18 @@ class ApiSlots(unittest.TestCase):
             for s in socks:
                 s.close()
 
+    def test_second_daemon_on_the_socket_allocates_nothing(self):
+        """Issue 15, item 12: refused before its pools are made (a 4 GiB
+        pool would otherwise be allocated and locked for nothing)."""
+        other = kvftest.Daemon(kvftest.tempdir(), "second", pool="4G")
+        other.sock = self.d.sock
+        other.start(wait=False)
+        self.assertNotEqual(other.proc.wait(30), 0)
+        log = other.log_text()
+        self.assertIn("another kvferryd is listening there", log)
+        self.assertNotIn("pool kv:", log, "no pool was allocated")
+        self.assertEqual(self.d.status()["node"], "solo", "the first one is untouched")
+
 
 if __name__ == "__main__":
     kvftest.main()

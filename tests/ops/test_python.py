@@ -166,6 +166,10 @@ class TestBinding(kvftest.PairTestCase):
         self.assertTrue(sel.select(5), "event fd never became readable")
         [ev] = self.cd.wait_events(timeout_ms=0)
         self.assertEqual((ev.xfer_id, ev.error_name, ev.ok), ("py-late", "KVF_EDEADLINE", False))
+        with self.assertRaises(kvferry.KvferryError) as cm:
+            ev.raise_for_status()
+        # the daemon's detail says what the code's text says: once (issue 15, item 12)
+        self.assertEqual(str(cm.exception).count("deadline expired"), 1, str(cm.exception))
         self.assertEqual(sel.select(0), [])
         sel.close()
 

@@ -46,7 +46,9 @@ class KvferryError(Exception):
         self.call = call
         self.detail = detail
         where = "%s: " % call if call else ""
-        more = " (%s)" % detail if detail else ""
+        # the daemon's detail often says what the code's text says: once is enough
+        said = detail.strip().lower() in self.message.lower() or self.message.lower() in detail.lower()
+        more = " (%s)" % detail if detail and not said else ""
         super().__init__("%s%s: %s%s" % (where, self.name, self.message, more))
 
 
