@@ -5,6 +5,7 @@ __array_interface__, transfers between daemons and within one, events
 and the event fd, errors carrying kvf_err_name's name, threads, and the
 serving-engine example. The GPU side (__cuda_array_interface__ with torch)
 is in tests/gpu; here only its shape is checked."""
+import gc
 import os
 import selectors
 import sys
@@ -83,6 +84,28 @@ class TestBinding(kvftest.PairTestCase):
                 self.pp.view(32 << 20, 1)
         finally:
             other.close()
+
+    def test_memory_outlives_its_client(self):
+        """Issue 15, item 11: a view whose client was collected, or closed,
+        still holds the pool's memory (it used to crash the process); the
+        mapping goes with the last view."""
+        def pool_maps():
+            with open("/proc/self/maps") as f:
+                return sum(1 for line in f if "kvferry-pool-kv" in line)
+        self.pp.memory  # the class's client maps it once, for good
+        base = pool_maps()
+        mem = kvferry.Client(self.pre.sock).pool_find("kv").memory
+        gc.collect()
+        mem[0:4] = b"abcd"
+        c = kvferry.Client(self.pre.sock)
+        view = c.pool_find("kv").memory
+        part = view[4:8]
+        c.close()
+        part[:] = b"efgh"  # after close: the same shared memory, no crash
+        self.assertEqual(bytes(self.pp.memory[0:8]), b"abcdefgh", "the daemon's pool, seen by another client")
+        del mem, view, part
+        gc.collect()
+        self.assertEqual(pool_maps(), base, "unmapped with the last view")
 
     def transfer(self, xid, n, parts=1, send_first=False):
         src = [self.pp.desc(i * 2 * BLK, BLK) for i in range(n)]  # every other block

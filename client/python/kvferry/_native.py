@@ -170,3 +170,9 @@ def lib():
 def free(ptr):
     lib()
     _libc.free(ptr)
+
+
+def libc():
+    """The C library (mremap and munmap for views that outlive a client)."""
+    lib()
+    return _libc

@@ -10,6 +10,7 @@ import ctypes
 import json as _json
 import mmap as _mmap
 import os as _os
+import weakref as _weakref
 
 from . import _native
 from ._native import Desc as _CDesc
@@ -144,6 +145,12 @@ class _Region:
                             "(torch.as_tensor(pool, device='cuda'))" % (self._pool.name,
                                                                         self._pool.kind))
         buf = (ctypes.c_ubyte * self.size).from_address(self.address)
+        # The view (and every slice or array made of it) keeps the pool, so
+        # its client, so the mapping alive; Client.close() refuses while
+        # one is held (the mapping would go under it).
+        buf._pool = self._pool
+        if not self._pool.engine:
+            self._pool._client._track(buf, self._pool.id)
         return memoryview(buf).cast("B")
 
     def _interface(self):
@@ -216,6 +223,46 @@ class EnginePool(Pool):
 
     def _mapped_address(self):
         return self._address
+
+
+class _KeptMap:
+    """Pool memory that .memory views still use when their client closes:
+    a second mapping of the same shared pages (mremap with old size 0),
+    moved back to the original address once kvf_close unmapped it, and
+    unmapped when the last view holding this object is gone."""
+
+    MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
+
+    def __init__(self, addr, size, bufs):
+        libc = _native.libc()
+        self._mremap, self._munmap = libc.mremap, libc.munmap
+        self._mremap.restype = ctypes.c_void_p
+        self._mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
+                                 ctypes.c_void_p]
+        self._munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.addr, self.size, self.live = addr, size, None
+        dup = self._mremap(addr, 0, size, self.MREMAP_MAYMOVE, None)
+        if dup in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), "mremap")
+        self.dup = dup
+        for b in bufs:
+            b._kept = self  # the last view's buffer to go unmaps it
+
+    def restore(self):
+        got = self._mremap(self.dup, self.size, self.size, self.MREMAP_MAYMOVE | self.MREMAP_FIXED,
+                           self.addr)
+        self.live = self.addr if got == self.addr else self.dup
+        self.dup = None
+
+    def drop(self):
+        if self.dup:
+            self._munmap(self.dup, self.size)
+            self.dup = None
+
+    def __del__(self):
+        self.drop()
+        if self.live:
+            self._munmap(self.live, self.size)
 
 
 class HostBuffer(_mmap.mmap):
@@ -306,6 +353,7 @@ class Client:
         self._lib = _native.lib()
         self._c = ctypes.c_void_p()
         self._maps = {}
+        self._views = []  # weakrefs to the buffers of .memory views of mapped pools
         opts = _native.ConnectOpts(-1 if wait_ms is None else int(wait_ms),
                                    -1 if reconnect_ms is None else int(reconnect_ms))
         _check(self._lib.kvf_connect_ex(_bytes(socket_path, "kvf_connect", False), ctypes.byref(opts),
@@ -315,17 +363,52 @@ class Client:
 
     def close(self):
         """kvf_close. The daemon cancels this client's transfers; pool
-        memory from this client is unmapped."""
-        if self._c:
-            self._lib.kvf_close(self._c)
-            self._c = ctypes.c_void_p()
-            self._maps.clear()
+        memory from this client is unmapped, except what .memory views
+        still alive use: that stays mapped (the same shared memory, at the
+        same address) until the last view, or anything made of one, is
+        gone. Raises BufferError (closing nothing) only when it cannot keep
+        such memory (a mapping the kernel cannot duplicate)."""
+        if not self._c:
+            return
+        kept = self._keep_viewed_maps()
+        self._lib.kvf_close(self._c)
+        for k in kept:
+            k.restore()
+        self._c = ctypes.c_void_p()
+        self._maps.clear()
+        self._views.clear()
+
+    def _track(self, buf, pool_id):
+        self._views = [(ref, pid) for ref, pid in self._views if ref() is not None]
+        self._views.append((_weakref.ref(buf), pool_id))
+
+    def _keep_viewed_maps(self):
+        """A duplicate of each host mapping a live view uses, moved back in
+        place once kvf_close has unmapped it (_KeptMap)."""
+        kept = []
+        for pid in sorted({pid for ref, pid in self._views if ref() is not None}):
+            addr, size = self._maps[pid]
+            bufs = [ref() for ref, p in self._views if p == pid and ref() is not None]
+            try:
+                kept.append(_KeptMap(addr, size, bufs))
+            except OSError as e:
+                for k in kept:
+                    k.drop()
+                raise BufferError("%d memory views of pool %d are alive and its mapping cannot be "
+                                  "kept (%s); drop them before close()" % (len(bufs), pid, e)) from None
+        return kept
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        self.close()
+        try:
+            self.close()
+        except BufferError:
+            if exc[0] is None:
+                raise
+            # an exception is on its way out: do not hide it; the views keep
+            # the client, which closes once they are gone
 
     def __del__(self):
         try:
