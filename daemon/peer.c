@@ -411,6 +411,16 @@ static kvf__peer *hello_peer(kvf__pconn *c, const Kvf__Hello *h) {
   kvf__peer *p = kvf__peer_find(h->node);
   if (!p || (c->peer && c->peer != p)) {
     kvf__warn("refused a peer calling itself '%s': not in this daemon's configuration", h->node);
+    /* and say why to the dialer, whose log would show only a closed
+     * connection (best effort: it goes out before the close) */
+    char why[KVF__NAME_MAX * 2 + 64];
+    snprintf(why, sizeof(why), "node '%s' is not in the configuration of node '%s'", h->node, kvfd.cfg.node);
+    Kvf__Goodbye g = KVF__GOODBYE__INIT;
+    g.reason = why;
+    Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+    m.body_case = KVF__PEER_MSG__BODY_GOODBYE;
+    m.goodbye = &g;
+    conn_send(c, &m);
     conn_close(c, NULL);
     return NULL;
   }
@@ -463,8 +473,16 @@ static void on_data_hello(kvf__pconn *c, const Kvf__DataHello *d) {
 
 static void on_goodbye(kvf__pconn *c, const Kvf__Goodbye *g) {
   kvf__peer *p = c->peer;
-  if (p && p->conn == c) peer_down(p, "the peer said goodbye");
-  else conn_close(c, NULL);
+  char why[320];
+  snprintf(why, sizeof(why), "the peer said goodbye%s%s", g->reason && g->reason[0] ? ": " : "",
+           g->reason ? g->reason : "");
+  if (p && p->conn == c) {
+    peer_down(p, why);
+    return;
+  }
+  /* a refusal before the link came up: the reason is all the dialer learns */
+  if (p && g->reason && g->reason[0]) kvf__warn("peer %s: %s", p->cfg.name, why);
+  conn_close(c, why);
 }
 
 /* ---------------------------------------------------------- cluster key
@@ -702,13 +720,13 @@ static bool on_frame(kvf__pconn *c, const uint8_t *buf, uint32_t len) {
   if (pre_auth) auth_frame(c, m);
   else if (first && m->body_case == KVF__PEER_MSG__BODY_HELLO && !c->established) on_hello(c, m->hello);
   else if (first && m->body_case == KVF__PEER_MSG__BODY_DATA_HELLO && !c->outbound) on_data_hello(c, m->data_hello);
+  /* a Goodbye may come instead of the Hello: the peer refused us, saying why */
+  else if (!first && m->body_case == KVF__PEER_MSG__BODY_GOODBYE) on_goodbye(c, m->goodbye);
   else if (first || (!c->established && m->body_case != KVF__PEER_MSG__BODY_HELLO)) {
     kvfd.stats.peer_errors++;
     conn_close(c, "protocol error: no Hello first");
   } else if (m->body_case == KVF__PEER_MSG__BODY_HELLO && c->outbound && !c->established) {
     on_hello(c, m->hello);
-  } else if (m->body_case == KVF__PEER_MSG__BODY_GOODBYE) {
-    on_goodbye(c, m->goodbye);
   } else if (m->body_case != KVF__PEER_MSG__BODY_HEARTBEAT && c->peer->conn) {
     kvf__xfer_on_peer_msg(c->peer, m);
   }

@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
-"""API slots (issue 15, item 5): connections that never complete their
-Hello (nothing sent, or half a frame) must not hold the daemon's client
-slots forever. They are closed after api-hello-timeout-ms; meanwhile root
-and kvferryd's own user still get in (operator slots on top of
-max-clients), and an ordinary user gets in once the squatters are gone."""
+"""What an adversarial tester and a new user broke (issue 15), against real
+daemons:
+
+- API slots (item 5): connections that never complete their Hello (nothing
+  sent, or half a frame) must not hold the client slots forever. They are
+  closed after api-hello-timeout-ms; meanwhile root and kvferryd's own
+  user still get in (operator slots on top of max-clients), and an
+  ordinary user gets in once the squatters are gone.
+- A second daemon on a socket in use allocates nothing (item 12).
+- A peer that does not list us says why it refuses (item 12)."""
 import os
 import socket
 import subprocess
@@ -98,6 +103,27 @@ class ApiSlots(unittest.TestCase):
         self.assertIn("another kvferryd is listening there", log)
         self.assertNotIn("pool kv:", log, "no pool was allocated")
         self.assertEqual(self.d.status()["node"], "solo", "the first one is untouched")
+
+
+class PeerNotConfigured(unittest.TestCase):
+    """Issue 15, item 12: a daemon dialling a peer that does not list it
+    learns why (a Goodbye with the reason), not just a closed connection."""
+
+    def test_the_refusal_says_why(self):
+        d = kvftest.tempdir()
+        a, b = kvftest.Daemon(d, "alpha", pool="4M"), kvftest.Daemon(d, "beta", pool="4M")
+        a.add_peer(b)  # beta does not list alpha
+        b.start()
+        a.start()
+        try:
+            want = "node 'alpha' is not in the configuration of node 'beta'"
+            kvftest.wait_for(lambda: want in a.log_text(), 10, "the reason in alpha's log")
+            with a.client() as c:
+                peer = c.inspect("peers", json=True)["peers"][0]
+            self.assertIn(want, peer["last_error"])
+        finally:
+            self.assertEqual(a.stop(), 0)
+            self.assertEqual(b.stop(), 0)
 
 
 if __name__ == "__main__":
