@@ -298,6 +298,10 @@ typedef struct kvf_event {
   char xfer_id[KVF_XFER_ID_MAX + 1];
   char path[32];                       /* "tcp", "local", "rdma", ... */
   char peer[KVF_NAME_MAX + 1];         /* the node at the other end */
+  /* RECV_DONE: the grant's size (also when it failed: what landed of it
+   * is not known to the receiver; with KVF_GRANT_LAYER_EVENTS the
+   * LAYER_DONE events say which layers did). SEND_DONE: what this side
+   * handed to the transport. */
   uint64_t bytes;
   uint64_t descriptors;                /* blocks: blocks x layers x K/V */
   char error[128];                     /* detail when status != 0 */
