@@ -59,7 +59,8 @@ class ApiSlots(unittest.TestCase):
         # the system's python: the user's own may live where nobody cannot read
         python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
         out = subprocess.run([python, "-c", PROBE, self.d.sock, binding], capture_output=True,
-                             text=True, timeout=30, preexec_fn=as_nobody, cwd="/")
+                             text=True, timeout=30, preexec_fn=as_nobody, cwd="/",
+                             env=kvftest.python_env())  # the ASan runtime in the SAN build
         return out.stdout.strip() or out.stderr.strip()
 
     def squat(self, n):
@@ -77,8 +78,9 @@ class ApiSlots(unittest.TestCase):
         socks = self.squat(MAX_CLIENTS)
         try:
             t0 = time.monotonic()
-            self.assertTrue(self.probe_as_nobody().startswith("refused KVF_ELIMIT"),
-                            "the slots are taken: an ordinary user is refused")
+            got = self.probe_as_nobody()
+            self.assertTrue(got.startswith("refused KVF_ELIMIT"), "the slots are taken: an ordinary "
+                            "user is refused; got: " + got[-500:])
             st = self.d.status()  # root: an operator slot
             self.assertGreaterEqual(st["clients"], MAX_CLIENTS)
             for s in socks:  # the daemon closes each one
@@ -86,7 +88,8 @@ class ApiSlots(unittest.TestCase):
                 self.assertEqual(s.recv(64), b"", "closed by the daemon")
             waited = time.monotonic() - t0
             self.assertLess(waited, HELLO_TIMEOUT_MS / 1000 * 4)
-            self.assertTrue(self.probe_as_nobody().startswith("ok solo"), "a slot is free again")
+            got = self.probe_as_nobody()
+            self.assertTrue(got.startswith("ok solo"), "a slot is free again; got: " + got[-500:])
             self.assertIn("no Hello within api-hello-timeout-ms", self.d.log_text())
         finally:
             for s in socks:
