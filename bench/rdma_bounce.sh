@@ -70,18 +70,7 @@ $7
 EOF
 }
 
-ctl() { "$BUILD/kvferryctl" -s "$TMP/$1.sock" "${@:2}"; }
-
-rdma_ready() {
-  ctl "$1" status --json 2>/dev/null | python3 -c '
-import json, sys
-try:
-    r = json.load(sys.stdin).get("rdma") or {}
-except ValueError:
-    sys.exit(1)
-qps = [q for p in r.get("peers", []) for q in p.get("qps", [])]
-sys.exit(0 if qps and all(q["state"] == "connected" for q in qps) else 1)'
-}
+. bench/lib.sh # bench_ctl, bench_rdma_ready
 
 start_daemons() { # EXTRA
   write_conf prefill "$NODE0_IP" $PORT0 decode "$NODE1_IP" $PORT1 "$1"
@@ -91,7 +80,7 @@ start_daemons() { # EXTRA
   "$BUILD/kvferryd" -c "$TMP/decode.conf" 2>>"$TMP/decode.log" &
   PIDS="$PIDS $!"
   local i=0
-  until rdma_ready prefill && rdma_ready decode; do
+  until bench_rdma_ready prefill && bench_rdma_ready decode; do
     i=$((i + 1))
     [ $i -le 600 ] || { tail -n 20 "$TMP"/*.log >&2; die "daemons not connected over rdma after 60 s"; }
     sleep 0.1
@@ -112,7 +101,7 @@ for mode in direct bounce; do
   say "$mode: kvferry-bench, llama3-8b, 4096 tokens, $REQUESTS requests, descriptors then block ids"
   bench "$TMP/$mode.json" --model llama3-8b --tokens 4096 --requests "$REQUESTS"
   bench "$TMP/${mode}_blocks.json" --model llama3-8b --tokens 4096 --requests "$REQUESTS" --blocks
-  ctl prefill status --json >"$TMP/${mode}_status.json"
+  bench_ctl prefill status --json >"$TMP/${mode}_status.json"
   stop_daemons
 done
 

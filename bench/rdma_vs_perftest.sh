@@ -143,19 +143,7 @@ $EXTRA_CONF
 EOF
 }
 
-ctl() { "$BUILD/kvferryctl" -s "$TMP/$1.sock" "${@:2}"; }
-
-# Peers up and every rdma QP connected, on the daemon named $1.
-rdma_ready() {
-  ctl "$1" status --json 2>/dev/null | python3 -c '
-import json, sys
-try:
-    r = json.load(sys.stdin).get("rdma") or {}
-except ValueError:
-    sys.exit(1)
-qps = [q for p in r.get("peers", []) for q in p.get("qps", [])]
-sys.exit(0 if qps and all(q["state"] == "connected" for q in qps) else 1)'
-}
+. bench/lib.sh # bench_ctl, bench_rdma_ready
 
 start_daemons() {
   write_conf prefill "$NODE0_IP" $PORT0 decode "$NODE1_IP" $PORT1
@@ -165,7 +153,7 @@ start_daemons() {
   "$BUILD/kvferryd" -c "$TMP/decode.conf" 2>"$TMP/decode.log" &
   PIDS="$PIDS $!"
   local i=0
-  until rdma_ready prefill && rdma_ready decode; do
+  until bench_rdma_ready prefill && bench_rdma_ready decode; do
     i=$((i + 1))
     [ $i -le 600 ] || { tail -n 20 "$TMP"/*.log >&2; die "daemons not connected over rdma after 60 s"; }
     sleep 0.1
@@ -197,14 +185,14 @@ bench "$TMP/small_blocks.json" --model llama3-70b-tp8 --tokens 4096 --requests "
 ONE="--layers 1 --mla --kv-heads 8 --head-dim 128 --block-tokens 16 --dtype-bytes 2 --tokens 16"
 say "kvferry-bench, one 32 KiB block, $LAT_REQUESTS requests, from the send"
 bench "$TMP/one.json" $ONE --requests "$LAT_REQUESTS" --time-from-send
-ctl decode status --json >"$TMP/decode_status.json" # the last 1-block grant's windows
+bench_ctl decode status --json >"$TMP/decode_status.json" # the last 1-block grant's windows
 say "kvferry-bench, one 32 KiB block, $LAT_REQUESTS requests, each grant $LEAD_MS ms ahead"
 bench "$TMP/one_lead.json" $ONE --requests "$LAT_REQUESTS" --grant-lead-ms "$LEAD_MS"
 say "kvferry-bench, one 32 KiB block, $LAT_REQUESTS requests, grant and send timed"
 bench "$TMP/one_gs.json" $ONE --requests "$LAT_REQUESTS"
 say "kvferry-bench, one transfer of 100000 x 1 KiB descriptors"
 bench "$TMP/100k.json" --layers 1 --mla --kv-heads 1 --head-dim 512 --block-tokens 1 --tokens 100000 --requests 2
-ctl prefill status --json >"$TMP/status.json"
+bench_ctl prefill status --json >"$TMP/status.json"
 cleanup # the daemons stop (with busy-poll they would spin under what follows)
 PIDS=""
 say "post-bench in the VM (the host ran it before the boot)"

@@ -157,6 +157,20 @@ int kvf__peer_send(kvf__peer *p, const Kvf__PeerMsg *m) {
   return conn_send(p->conn, m);
 }
 
+/* A Goodbye saying why on connection c (send_goodbye: to an up peer). */
+static void conn_goodbye(kvf__pconn *c, const char *why) {
+  Kvf__Goodbye g = KVF__GOODBYE__INIT;
+  g.reason = (char *)why;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_GOODBYE;
+  m.goodbye = &g;
+  conn_send(c, &m);
+}
+
+static void send_goodbye(kvf__peer *p, const char *why) {
+  if (p->state == KVF__PEER_UP && p->conn) conn_goodbye(p->conn, why);
+}
+
 static void send_hello(kvf__pconn *c) {
   Kvf__Hello h = KVF__HELLO__INIT;
   h.version = KVF__PEER_VERSION;
@@ -415,12 +429,7 @@ static kvf__peer *hello_peer(kvf__pconn *c, const Kvf__Hello *h) {
      * connection (best effort: it goes out before the close) */
     char why[KVF__NAME_MAX * 2 + 64];
     snprintf(why, sizeof(why), "node '%s' is not in the configuration of node '%s'", h->node, kvfd.cfg.node);
-    Kvf__Goodbye g = KVF__GOODBYE__INIT;
-    g.reason = why;
-    Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
-    m.body_case = KVF__PEER_MSG__BODY_GOODBYE;
-    m.goodbye = &g;
-    conn_send(c, &m);
+    conn_goodbye(c, why);
     conn_close(c, NULL);
     return NULL;
   }
@@ -947,15 +956,10 @@ int kvf__peers_start(uv_loop_t *loop, kvf__transport **transports, size_t n, kvf
 }
 
 void kvf__peers_stop(void) {
-  Kvf__Goodbye g = KVF__GOODBYE__INIT;
-  g.reason = "shutting down";
-  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
-  m.body_case = KVF__PEER_MSG__BODY_GOODBYE;
-  m.goodbye = &g;
   for (size_t i = 0; i < P.n; i++) {
     kvf__peer *p = &P.peers[i];
     if (p->state == KVF__PEER_UP) {
-      kvf__peer_send(p, &m);
+      send_goodbye(p, "shutting down");
       kvf__pconn *c = p->conn;
       p->conn = NULL;
       p->state = KVF__PEER_DOWN;
@@ -975,14 +979,6 @@ void kvf__peers_stop(void) {
 
 /* ------------------------------------------------------------ reload */
 
-static void send_goodbye(kvf__peer *p, const char *why) {
-  Kvf__Goodbye g = KVF__GOODBYE__INIT;
-  g.reason = (char *)why;
-  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
-  m.body_case = KVF__PEER_MSG__BODY_GOODBYE;
-  m.goodbye = &g;
-  kvf__peer_send(p, &m);
-}
 
 /* Ends every connection of p (its transfers fail) and stops redialing. */
 static void drop_peer(kvf__peer *p, const char *why) {
