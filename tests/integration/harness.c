@@ -543,6 +543,25 @@ int h_rdma_resets(h_client *hc, uint64_t *n) {
   return 0;
 }
 
+int h_rdma_qps(h_client *hc, size_t *all, size_t *connected) {
+  char *json = NULL;
+  *all = *connected = 0;
+  if (h_inspect(hc->c, KVF_INSPECT_STATUS, &json)) return -1;
+  const char *r = hj_get(json, "rdma"), *peers = r ? hj_get(r, "peers") : NULL, *p;
+  if (peers && *peers != '[') peers = NULL;
+  while (peers && (p = hj_next(&peers))) {
+    const char *qps = hj_get(p, "qps"), *q;
+    if (qps && *qps != '[') qps = NULL;
+    while (qps && (q = hj_next(&qps))) {
+      char state[32];
+      (*all)++;
+      if (!hj_str(q, "state", state, sizeof state) && !strcmp(state, "connected")) (*connected)++;
+    }
+  }
+  free(json);
+  return r ? 0 : h_fail("%s: status has no rdma section", hc->node);
+}
+
 int h_status_u64(kvf_client *c, const char *key, uint64_t *out) {
   char *json = NULL;
   if (h_inspect(c, KVF_INSPECT_STATUS, &json)) return -1;

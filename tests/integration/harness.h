@@ -161,6 +161,9 @@ int h_no_events(h_client *hc, int ms);
 int h_inspect(kvf_client *c, int what, char **json);
 /* The rdma QP resets hc's daemon made toward its peers (0 without rdma). */
 int h_rdma_resets(h_client *hc, uint64_t *n);
+/* The rdma QPs of hc's daemon toward its peers: all, and those connected.
+ * Fails (said) when its status has no rdma section. */
+int h_rdma_qps(h_client *hc, size_t *all, size_t *connected);
 /* A top-level number of the STATUS document. */
 int h_status_u64(kvf_client *c, const char *key, uint64_t *out);
 /* Waits until grants_active, sends_active and transfers_active are all 0. */

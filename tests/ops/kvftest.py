@@ -266,10 +266,12 @@ class Daemon:
             return ""
 
 
-def pair(dir, pool="64M", metrics=False, extra=""):
-    """"prefill" and "decode", peered, started, both peers up."""
-    pre = Daemon(dir, "prefill", pool, metrics, extra)
-    dec = Daemon(dir, "decode", pool, metrics, extra)
+def pair(dir, pool="64M", metrics=False, extra="", extra_of=None):
+    """"prefill" and "decode", peered, started, both peers up. extra_of:
+    config lines by daemon name, after extra (e.g. each one's rdma-listen)."""
+    extra_of = extra_of or {}
+    pre = Daemon(dir, "prefill", pool, metrics, extra + extra_of.get("prefill", ""))
+    dec = Daemon(dir, "decode", pool, metrics, extra + extra_of.get("decode", ""))
     pre.add_peer(dec)
     dec.add_peer(pre)
     pre.start()

@@ -16,7 +16,8 @@ import unittest
 
 import kvftest  # first: puts the binding from the source tree on sys.path
 from kvftest import Daemon, wait_event, wait_for
-from test_reconnect import GOAL_MS, Notify, pattern
+import test_reconnect  # noqa: E402
+from test_reconnect import GOAL_MS, pattern
 
 import kvferry
 
@@ -194,20 +195,11 @@ class TestTcp(kvftest.PairTestCase):
             b.close()
 
 
-class TestRestartEngineMemory(unittest.TestCase):
+class TestRestartEngineMemory(test_reconnect.RestartableDaemon):
     """Engine memory survives the daemon: after kill -9 and a restart, the
     library registers the same memory again and the KV cache in it is
     still there; transfers work again without engine code."""
-
-    def setUp(self):
-        self.dir = kvftest.tempdir()
-        self.notify = Notify(self.dir)
-        self.d = Daemon(self.dir, "solo", pool="4M")
-        self.d.start(env=self.notify.env())
-
-    def tearDown(self):
-        self.d.kill()
-        self.notify.close()
+    POOL = "4M"
 
     def test_restart_under_load_keeps_engine_memory(self):
         c = kvferry.Client(self.d.sock, reconnect_ms=30000)

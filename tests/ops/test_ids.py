@@ -10,15 +10,11 @@ import unittest
 
 import kvftest  # puts the binding from the source tree on sys.path
 import kvferry  # noqa: E402
-from kvftest import Raw, field_bytes as ld, field_varint, request, run
+from kvftest import Raw, run
+from test_engine_wire import grant
 
 KVF_EINVAL = -4016
 BAD = [b"\xff\xfe-bad", b"\xc0\x80", b"id-\xed\xa0\x80", b"\xf4\x90\x80\x80", b"cut-\xe2\x82"]
-
-
-def grant(seq, xfer_id):
-    descs = ld(4, b"\0" * 4 + (0).to_bytes(8, "little") + (4096).to_bytes(8, "little"))
-    return request(seq, 13, ld(1, xfer_id) + ld(3, descs) + field_varint(4, 10000))
 
 
 class TransferIds(unittest.TestCase):
@@ -36,7 +32,7 @@ class TransferIds(unittest.TestCase):
             c.write(kvftest.hello_frame(1, "test_ids"))
             self.assertEqual(c.next()[:3], ("response", 1, 0))
             for seq, bad in enumerate(BAD, start=2):
-                c.write(grant(seq, bad))
+                c.write(grant(seq, bad, (0, 0, 4096)))
                 kind, got, status, _ = c.next()
                 self.assertEqual((kind, got, status), ("response", seq, KVF_EINVAL), bad)
             self.assertEqual(self.d.status()["grants_active"], 0)

@@ -125,18 +125,24 @@ class TestConnectWaits(unittest.TestCase):
         self.assertLess(took, 5.0)
 
 
-class TestRestart(unittest.TestCase):
-    """One daemon, restarted under the engine's feet."""
+class RestartableDaemon(unittest.TestCase):
+    """A test case with one daemon "solo" (pool POOL) whose READY=1 comes
+    to self.notify, killed at the end (tests restart it)."""
+    POOL = "32M"
 
     def setUp(self):
         self.dir = kvftest.tempdir()
         self.notify = Notify(self.dir)
-        self.d = Daemon(self.dir, "solo", pool="32M")
+        self.d = Daemon(self.dir, "solo", pool=self.POOL)
         self.d.start(env=self.notify.env())
 
     def tearDown(self):
         self.d.kill()
         self.notify.close()
+
+
+class TestRestart(RestartableDaemon):
+    """One daemon, restarted under the engine's feet."""
 
     def restart(self, extra_pools=""):
         """kill -9, then a new daemon on the same socket (its config with

@@ -167,23 +167,11 @@ static void test_deadline_cancel(void **state) {
   transfers("after");
 }
 
-/* Connected rdma QPs of a daemon (the data path is up, not only control). */
+/* Connected rdma QPs of a daemon (the data path is up, not only control);
+ * 0 while its status has none. */
 static size_t connected_qps(h_client *hc) {
-  char *json = NULL;
-  size_t n = 0;
-  if (h_inspect(hc->c, KVF_INSPECT_STATUS, &json)) return 0;
-  const char *r = hj_get(json, "rdma"), *peers = r ? hj_get(r, "peers") : NULL, *p;
-  if (peers && *peers != '[') peers = NULL;
-  while (peers && (p = hj_next(&peers))) {
-    const char *qps = hj_get(p, "qps"), *q;
-    if (qps && *qps != '[') qps = NULL;
-    while (qps && (q = hj_next(&qps))) {
-      char state[32];
-      if (!hj_str(q, "state", state, sizeof state) && !strcmp(state, "connected")) n++;
-    }
-  }
-  free(json);
-  return n;
+  size_t all, connected;
+  return h_rdma_qps(hc, &all, &connected) ? 0 : connected;
 }
 
 static void respawn(h_daemon *d, h_client *hc) {

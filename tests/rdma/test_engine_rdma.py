@@ -25,15 +25,8 @@ IPS = (os.environ.get("KVF_TEST_RDMA_IPS") or "").split()
 
 
 def rdma_pair(dir, extra):
-    pre = kvftest.Daemon(dir, "prefill", "8M", extra="transports rdma\nrdma-listen %s:0\n%s" % (IPS[0], extra))
-    dec = kvftest.Daemon(dir, "decode", "8M", extra="transports rdma\nrdma-listen %s:0\n%s" % (IPS[1], extra))
-    pre.add_peer(dec)
-    dec.add_peer(pre)
-    pre.start()
-    dec.start()
-    pre.wait_peers_up()
-    dec.wait_peers_up()
-    return pre, dec
+    return kvftest.pair(dir, "8M", extra="transports rdma\n%s\n" % extra,
+                        extra_of={"prefill": "rdma-listen %s:0" % IPS[0], "decode": "rdma-listen %s:0" % IPS[1]})
 
 
 def rdma_qps_connected(d):

@@ -39,33 +39,13 @@ static bool up; /* E is started */
 
 /* ---------------------------------------------------------------- status */
 
-/* Counts the rdma QPs of a daemon's status: all, and those connected. */
-static int count_qps(h_client *hc, size_t *all, size_t *connected) {
-  char *json = NULL;
-  *all = *connected = 0;
-  if (h_inspect(hc->c, KVF_INSPECT_STATUS, &json)) return -1;
-  const char *r = hj_get(json, "rdma"), *peers = r ? hj_get(r, "peers") : NULL, *p;
-  if (peers && *peers != '[') peers = NULL;
-  while (peers && (p = hj_next(&peers))) {
-    const char *qps = hj_get(p, "qps"), *q;
-    if (qps && *qps != '[') qps = NULL;
-    while (qps && (q = hj_next(&qps))) {
-      char state[32];
-      (*all)++;
-      if (!hj_str(q, "state", state, sizeof state) && !strcmp(state, "connected")) (*connected)++;
-    }
-  }
-  free(json);
-  return r ? 0 : h_fail("%s: status has no rdma section", hc->node);
-}
-
 /* Waits until both daemons have want QPs, all connected (control up is not
  * enough: the QPs connect after the Hello). */
 static int wait_qps(size_t want, int ms, bool quiet) {
   uint64_t end = h_now_ms() + (uint64_t)ms;
   size_t a1 = 0, c1 = 0, a2 = 0, c2 = 0;
   while (h_now_ms() < end) {
-    if (count_qps(&E.pre, &a1, &c1) || count_qps(&E.dec, &a2, &c2)) return -1;
+    if (h_rdma_qps(&E.pre, &a1, &c1) || h_rdma_qps(&E.dec, &a2, &c2)) return -1;
     if (c1 >= want && c2 >= want && (quiet || (a1 == want && a2 == want))) return 0;
     h_sleep_ms(50);
   }
@@ -82,7 +62,7 @@ static int wait_no_qps(h_client *hc, size_t *all) {
   size_t connected = 0;
   uint64_t end = h_now_ms() + 5000;
   do {
-    if (count_qps(hc, all, &connected)) return -1;
+    if (h_rdma_qps(hc, all, &connected)) return -1;
     if (*all == 0) return 0;
     h_sleep_ms(50);
   } while (h_now_ms() < end);
