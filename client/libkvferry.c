@@ -200,10 +200,7 @@ static int status_code(int32_t status) { return status > 0 ? KVF_EPROTO : status
 static int check_xfer_id(const char *xfer_id) {
   if (!xfer_id) return KVF_EINVAL;
   size_t n = strnlen(xfer_id, KVF_XFER_ID_MAX + 1);
-  if (n == 0 || n > KVF_XFER_ID_MAX) return KVF_EINVAL;
-  for (size_t i = 0; i < n; i++)
-    if ((unsigned char)xfer_id[i] < 0x20 || xfer_id[i] == 0x7f) return KVF_EINVAL;
-  return kvf__utf8_valid(xfer_id, n) ? 0 : KVF_EINVAL;
+  return n > 0 && n <= KVF_XFER_ID_MAX && kvf__xfer_id_chars_valid(xfer_id, n) ? 0 : KVF_EINVAL;
 }
 
 /* A node name; NULL and "" pass only when the name is optional. */

@@ -97,10 +97,9 @@ static bool is_memfd(int fd) {
 
 /* What the file is, and its mapping granularity: only memory files can be
  * shared safely (a disk file would page to disk under the engine's cache). */
-static int check_file(int fd, const char **backing, uint64_t *align, char *err, size_t errlen) {
-  struct stat st;
+static int check_file(int fd, struct stat *st, const char **backing, uint64_t *align, char *err, size_t errlen) {
   struct statfs sf;
-  if (fstat(fd, &st) != 0 || fstatfs(fd, &sf) != 0 || !S_ISREG(st.st_mode)) {
+  if (fstat(fd, st) != 0 || fstatfs(fd, &sf) != 0 || !S_ISREG(st->st_mode)) {
     snprintf(err, errlen, "the fd that came with the request is not a file");
     return KVF_EINVAL;
   }
@@ -124,9 +123,9 @@ static int map_host(int fd, const Kvf__MemRegisterReq *q, kvf__pool *p, engine_r
   const char *backing;
   uint64_t align;
   struct stat st;
-  int rc = check_file(fd, &backing, &align, err, errlen);
+  int rc = check_file(fd, &st, &backing, &align, err, errlen);
   if (rc) return rc;
-  if (fstat(fd, &st) != 0 || q->offset > (uint64_t)st.st_size || q->size > (uint64_t)st.st_size - q->offset) {
+  if (q->offset > (uint64_t)st.st_size || q->size > (uint64_t)st.st_size - q->offset) {
     snprintf(err, errlen, "offset %llu + size %llu passes the end of the file (%llu bytes)",
              (unsigned long long)q->offset, (unsigned long long)q->size, (unsigned long long)st.st_size);
     return KVF_ERANGE;

@@ -705,10 +705,7 @@ static void pregrant_free(pregrant *g) {
  * into JSON (status, kvferryctl, Python) and logs. */
 static int valid_id(const char *id) {
   size_t n = id ? strlen(id) : 0;
-  if (n == 0 || n > KVF_XFER_ID_MAX) return 0;
-  for (size_t i = 0; i < n; i++)
-    if ((unsigned char)id[i] < 0x20 || id[i] == 0x7f) return 0;
-  return kvf__utf8_valid(id, n);
+  return n > 0 && n <= KVF_XFER_ID_MAX && kvf__xfer_id_chars_valid(id, n);
 }
 
 static bool is_local(const char *node) { return node && strcmp(node, own_node()) == 0; }

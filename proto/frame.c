@@ -159,3 +159,9 @@ int kvf__utf8_valid(const char *s, size_t n) {
   }
   return 1;
 }
+
+int kvf__xfer_id_chars_valid(const char *s, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if ((unsigned char)s[i] < 0x20 || s[i] == 0x7f) return 0;
+  return kvf__utf8_valid(s, n);
+}

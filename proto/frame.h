@@ -68,6 +68,9 @@ int kvf__send_all(int sock, const void *buf, size_t len, int fd);
  * nothing past U+10FFFF): what a protobuf string must hold, and what JSON
  * renderings of ids (status, kvferryctl, Python) can carry. */
 int kvf__utf8_valid(const char *s, size_t n);
+/* A transfer id's n bytes: UTF-8 without control characters (ids go into
+ * JSON and logs); the caller checks the length. Daemon and library alike. */
+int kvf__xfer_id_chars_valid(const char *s, size_t n);
 /* recvmsg into buf; received fds are appended to fds (up to *nfds_cap),
  * *nfds counts them. Returns bytes read (0 at EOF) or a negative errno. */
 long kvf__recv_fds(int sock, void *buf, size_t len, int *fds, int *nfds, int nfds_cap);
