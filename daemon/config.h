@@ -34,6 +34,7 @@ typedef struct kvf__pool_cfg {
 
 enum kvf__tristate { KVF__AUTO = 0, KVF__ON = 1, KVF__OFF = 2 };
 enum kvf__gdr { KVF__GDR_AUTO = 0, KVF__GDR_OFF = 1 }; /* gpu-direct */
+enum kvf__grant_overlap { KVF__GRANT_OVERLAP_REFUSE = 0, KVF__GRANT_OVERLAP_ALLOW = 1 };
 enum kvf__log_level { KVF__LOG_ERR = 0, KVF__LOG_WARN, KVF__LOG_INFO, KVF__LOG_DEBUG };
 
 typedef struct kvf__config {
@@ -64,6 +65,7 @@ typedef struct kvf__config {
   uint32_t max_peers;
   uint32_t max_pending_peers;      /* inbound peer connections before their Hello */
   uint32_t max_peer_waiting;       /* send intents + pushed grants one peer leaves with us */
+  int grant_overlap;               /* enum kvf__grant_overlap (grant_index.h) */
   int hugepages;                   /* enum kvf__tristate */
   bool mlock;
   int cuda;                        /* enum kvf__tristate: GPU support */

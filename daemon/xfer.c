@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "frame.h"
+#include "grant_index.h"
 #include "layouts.h"
 #include "log.h"
 #include "map.h"
@@ -307,6 +308,7 @@ static void free_after_close(uv_handle_t *h) {
 static void xfer_destroy(kvf__xfer *x) {
   char key[KVF__NAME_MAX + 64];
   if (x->tp) x->tp->ops->xfer_done(x->tp, x);
+  kvf__xfer_unclaim(x); /* its memory may take another grant */
   kvf__map_del(x->role == KVF__RECV ? &X.recv_by_id : &X.send_by_id, x->id);
   if (x->handle) {
     handle_key(key, sizeof(key), x, x->handle);
@@ -916,7 +918,7 @@ int kvf__xfer_grant(kvf__session *s, const char *id, const char *src_node,
   if (!x) return -ENOMEM;
   x->dst = *descs;
   memset(descs, 0, sizeof(*descs));
-  if ((rc = hold_descs(x, &x->dst)) != 0) {
+  if ((rc = hold_descs(x, &x->dst)) != 0 || (rc = kvf__xfer_claim(x, err, errlen)) != 0) {
     xfer_destroy(x);
     return rc;
   }
@@ -941,7 +943,7 @@ int kvf__xfer_grant_blocks(kvf__session *s, const char *id, const char *src_node
   kvf__xblocks_take(&x->mine, b, &v);
   x->recv.layer_events = b->layer_events;
   x->recv.landed = landed;
-  if ((rc = hold_pool(x, b->layout->pool)) != 0) {
+  if ((rc = hold_pool(x, b->layout->pool)) != 0 || (rc = kvf__xfer_claim(x, err, errlen)) != 0) {
     xfer_destroy(x);
     return rc;
   }

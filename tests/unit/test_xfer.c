@@ -1578,7 +1578,7 @@ static void test_deadline_local(void **state) {
   kvfd.cfg.default_deadline_ms = 25;
   assert_int_equal(do_grant(SR, "D4", NULL, mkd(1, 0, 0, 64, 64), 0), 0);
   kvfd.cfg.default_deadline_ms = DEFAULT_DEADLINE;
-  assert_int_equal(do_grant(SR, "D5", NULL, mkd(1, 0, 0, 64, 64), 0), 0);
+  assert_int_equal(do_grant(SR, "D5", NULL, mkd(1, 0, 4096, 64, 64), 0), 0);
   run_until_nev(1, 3000);
   expect_event("D4", RECV_DONE, SR, KVF_EDEADLINE);
   assert_int_equal(nevents_for("D5"), 0);
@@ -1631,12 +1631,12 @@ static void test_peer_down(void **state) {
   in_grant(F.pb, "P4", 0x702, &dst);
   in_intent(F.pb, "P5", 0);
   /* C: the same kinds. */
-  assert_int_equal(do_grant(SR, "Q1", "C", mkd(1, 0, 0, 64, 64), 0), 0);
+  assert_int_equal(do_grant(SR, "Q1", "C", mkd(1, 0, 4096, 64, 64), 0), 0);
   assert_int_equal(do_send(SS, "Q2", "C", mkd(1, 0, 0, 64, 64), false, 0), 0);
   in_grant(F.pc, "Q4", 0x703, &dst);
   in_intent(F.pc, "Q5", 0);
   /* Local. */
-  assert_int_equal(do_grant(SO, "L9", NULL, mkd(1, 0, 0, 64, 64), 0), 0);
+  assert_int_equal(do_grant(SO, "L9", NULL, mkd(1, 0, 8192, 64, 64), 0), 0);
   kvf__descs_free(&dst);
   size_t msgs_before = F.nmsg;
 
@@ -1687,7 +1687,7 @@ static void test_peer_down(void **state) {
 static void test_session_gone(void **state) {
   kvf__descs dst = mkd(1, 1, 0, 64, 64);
   assert_int_equal(do_grant(SR, "G1", NULL, mkd(1, 0, 0, 64, 64), 0), 0);   /* waiting */
-  assert_int_equal(do_grant(SR, "G2", "B", mkd(1, 0, 0, 64, 64), 0), 0);    /* pushed */
+  assert_int_equal(do_grant(SR, "G2", "B", mkd(1, 0, 4096, 64, 64), 0), 0);    /* pushed */
   in_grant(F.pb, "G3", 0x801, &dst);
   assert_int_equal(do_send(SR, "G3", "B", mkd(1, 0, 0, 64, 64), false, 0), 0); /* post out */
   assert_int_equal(do_send(SR, "G4", "C", mkd(1, 0, 0, 64, 64), false, 0), 0); /* intent */
@@ -1890,7 +1890,7 @@ static void test_errors(void **state) {
   assert_int_equal(do_send(SS, "Y4", NULL, mkd(1, 0, 0, 64, 64), false, 0), KVF_EINVAL);
   assert_int_equal(kvf__xfer_cancel(SR, ""), KVF_EINVAL);
   longid[KVF_XFER_ID_MAX] = 0; /* exactly the maximum is fine */
-  assert_int_equal(do_grant(SR, longid, NULL, mkd(1, 0, 0, 64, 64), 0), 0);
+  assert_int_equal(do_grant(SR, longid, NULL, mkd(1, 0, 4096, 64, 64), 0), 0);
   assert_int_equal(kvf__xfer_cancel(SR, longid), 0);
   /* Nothing above made an event except that cancel. */
   assert_int_equal(F.nev, 1);
