@@ -162,7 +162,7 @@ int kvf__gi_find(const kvf__gindex *g, const kvf__gi_item *r, size_t n, kvf__gi_
     const kvf__gi_pool *p = pool_get(g, r[i].pool);
     size_t j = 0;
     for (uint32_t pool = r[i].pool; i < n && r[i].pool == pool; i++) {
-      if (!p || p->n == 0) continue;
+      if (!p || p->n == 0 || r[i].start >= r[i].end) continue; /* an empty range holds no byte */
       j = first_end_after(p->v, j, p->n, r[i].start);
       if (j < p->n && p->v[j].start < r[i].end) {
         if (c)
