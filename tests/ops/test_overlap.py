@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""Overlapping destinations (issue 15, item 10), against two real daemons
+over tcp: a grant whose own ranges overlap is refused with KVF_EINVAL and a
+message naming both (raw frames read it), touching and unsorted ranges are
+fine; a grant over bytes that an open grant of the same pool holds is
+refused with KVF_EBUSY naming the other grant, and accepted once that one
+completed, failed at its deadline or was cancelled; grant-overlap allow
+accepts it; blocks: a repeated id, a shared id on shared layers, and two
+layouts over the same bytes. Every transfer checks every byte it moved."""
+import os
+import random
+import unittest
+
+import kvftest  # first: puts the binding from the source tree on sys.path
+from kvftest import Raw, wait_event
+from test_engine_wire import cancel, grant as raw_grant
+
+import kvferry
+
+KVF_EINVAL = -4016
+KVF_EBUSY = -4017
+BLK = 4096
+MB = 1 << 20
+
+
+def pattern(seed, n):
+    return random.Random(seed).randbytes(n)
+
+
+class RawClient:
+    """A raw API client: the daemon's answer with its error text, which
+    libkvferry does not hand back."""
+
+    def __init__(self, sock):
+        self.raw = Raw(sock)
+        self.seq = 1
+        self.raw.write(kvftest.hello_frame(1, "test_overlap"))
+        assert self.raw.next()[:3] == ("response", 1, 0)
+
+    def call(self, make, *args):
+        self.seq += 1
+        self.raw.write(make(self.seq, *args))
+        while True:
+            got = self.raw.next()
+            assert got is not None, "no answer within 5 s"
+            if got[0] == "response":
+                break
+        kind, seq, status, r = got
+        assert seq == self.seq, (seq, self.seq)
+        return status, r.get(3, [b""])[0].decode()
+
+    def close(self):
+        self.raw.close()
+
+
+class Overlap(kvftest.PairTestCase):
+    POOL = "32M"
+
+    def setUp(self):
+        self.cp, self.cd = self.pre.client(), self.dec.client()
+        self.pp, self.pd = self.cp.pool_find("kv"), self.cd.pool_find("kv")
+
+    def tearDown(self):
+        self.cp.close()
+        self.cd.close()
+
+    def assert_code(self, code, fn):
+        with self.assertRaises(kvferry.KvferryError) as cm:
+            fn()
+        self.assertEqual(cm.exception.code, code, str(cm.exception))
+
+    def move(self, xid, dst_offs, seed):
+        """Sends BLK-sized blocks from the prefill pool's start into the
+        decode pool at dst_offs (already granted as xid, in that order)
+        and checks every byte that landed."""
+        n = len(dst_offs)
+        data = pattern(seed, n * BLK)
+        self.pp.memory[0:n * BLK] = data
+        self.cp.send(xid, "decode", [self.pp.desc(i * BLK, BLK) for i in range(n)])
+        self.assertEqual(wait_event(self.cp, xid).status, 0)
+        ev = wait_event(self.cd, xid)
+        self.assertEqual(ev.status, 0, ev.error)
+        self.assertEqual(ev.bytes, n * BLK)
+        mem = self.pd.memory
+        for i, off in enumerate(dst_offs):
+            self.assertEqual(bytes(mem[off:off + BLK]), data[i * BLK:(i + 1) * BLK], "block %d" % i)
+
+    def test_overlap_within_a_grant_is_refused(self):
+        self.assert_code(KVF_EINVAL, lambda: self.cd.grant(
+            "w1", "prefill", [self.pd.desc(0, 2 * BLK), self.pd.desc(BLK, 2 * BLK)]))
+        self.assert_code(KVF_EINVAL, lambda: self.cd.grant(  # the same block twice, not next to each other
+            "w2", "prefill", [self.pd.desc(8 * BLK, BLK), self.pd.desc(0, BLK), self.pd.desc(8 * BLK, BLK)]))
+        c = RawClient(self.dec.sock)
+        try:
+            pool = self.pd.id
+            status, err = c.call(raw_grant, b"w3", (pool, 0, 2 * BLK), (pool, 100 * BLK, BLK),
+                                 (pool, BLK, 2 * BLK))
+            self.assertEqual(status, KVF_EINVAL)
+            self.assertIn("descriptor 0 (pool %d [0, 8192)) and descriptor 2 ([4096, 12288))" % pool, err)
+            self.assertIn("overlap", err)
+        finally:
+            c.close()
+        self.assertEqual(self.dec.status()["grants_active"], 0)
+
+    def test_touching_and_unsorted_ranges_are_fine(self):
+        offs = [5 * BLK, 1 * BLK, 2 * BLK, 9 * BLK, 0, 4 * BLK]  # 0..3 touch; shuffled
+        self.cd.grant("t1", "prefill", [self.pd.desc(o, BLK) for o in offs])
+        self.move("t1", offs, 1)
+
+    def test_second_grant_over_the_same_bytes(self):
+        self.cd.grant("s1", "prefill", [self.pd.desc(i * BLK, BLK) for i in range(4)])  # one run
+        self.assert_code(KVF_EBUSY, lambda: self.cd.grant("s2", "prefill", [self.pd.desc(3 * BLK, 2 * BLK)]))
+        c = RawClient(self.dec.sock)
+        try:
+            status, err = c.call(raw_grant, b"s3", (self.pd.id, 10 * BLK, BLK), (self.pd.id, 2 * BLK, BLK))
+            self.assertEqual(status, KVF_EBUSY)
+            self.assertIn("descriptor 1 (pool %d [8192, 12288)) overlaps [0, 16384) of the open grant 's1'"
+                          % self.pd.id, err)
+        finally:
+            c.close()
+        self.cd.grant("s4", "prefill", [self.pd.desc(4 * BLK, BLK)])  # touching: fine
+        self.move("s1", [0, BLK, 2 * BLK, 3 * BLK], 2)
+        # s1 completed: its bytes are free again
+        self.cd.grant("s2", "prefill", [self.pd.desc(3 * BLK, BLK)])
+        self.move("s2", [3 * BLK], 3)
+        self.cd.cancel("s4")
+        self.assertEqual(wait_event(self.cd, "s4").status, -4013)  # KVF_ECANCELED
+
+    def test_bytes_are_free_after_cancel_and_deadline(self):
+        self.cd.grant("f1", "prefill", [self.pd.desc(20 * BLK, BLK)])
+        self.assert_code(KVF_EBUSY, lambda: self.cd.grant("f2", "prefill", [self.pd.desc(20 * BLK, BLK)]))
+        self.cd.cancel("f1")
+        self.assertNotEqual(wait_event(self.cd, "f1").status, 0)
+        self.cd.grant("f2", "prefill", [self.pd.desc(20 * BLK, BLK)], deadline_ms=50)
+        self.assertEqual(wait_event(self.cd, "f2").status, -4012)  # KVF_EDEADLINE
+        self.cd.grant("f3", "prefill", [self.pd.desc(20 * BLK, BLK)])
+        self.move("f3", [20 * BLK], 4)
+
+    def test_another_client_and_a_raw_cancel(self):
+        """The index is the daemon's, not a client's: another client's open
+        grant counts too, and its bytes are free once it is cancelled."""
+        c = RawClient(self.dec.sock)
+        try:
+            self.assertEqual(c.call(raw_grant, b"o1", (self.pd.id, 30 * BLK, BLK))[0], 0)
+            self.assert_code(KVF_EBUSY, lambda: self.cd.grant("o2", "prefill", [self.pd.desc(30 * BLK, BLK)]))
+            self.assertEqual(c.call(cancel, b"o1")[0], 0)
+        finally:
+            c.close()
+        self.cd.grant("o2", "prefill", [self.pd.desc(30 * BLK, BLK)])
+        self.move("o2", [30 * BLK], 5)
+
+
+class Blocks(kvftest.PairTestCase):
+    POOL = "32M"
+    L, NB = 4, 16
+
+    def setUp(self):
+        self.cp, self.cd = self.pre.client(), self.dec.client()
+        self.pp, self.pd = self.cp.pool_find("kv"), self.cd.pool_find("kv")
+        offs = [r * self.NB * BLK for r in range(2 * self.L)]
+        self.src = self.cp.register_layout(kvferry.Layout(self.pp, offs, self.NB, BLK))
+        self.dst = self.cd.register_layout(kvferry.Layout(self.pd, offs, self.NB, BLK))
+        # a second layout over the same bytes: layer 0's K region is the first's
+        self.alias = self.cd.register_layout(kvferry.Layout(self.pd, offs[:2], self.NB, BLK))
+
+    def tearDown(self):
+        self.cp.close()
+        self.cd.close()
+
+    def assert_code(self, code, fn):
+        with self.assertRaises(kvferry.KvferryError) as cm:
+            fn()
+        self.assertEqual(cm.exception.code, code, str(cm.exception))
+
+    def test_block_overlaps(self):
+        self.assert_code(KVF_EINVAL, lambda: self.cd.grant_blocks("b0", "prefill", self.dst, [3, 5, 3]))
+        self.cd.grant_blocks("b1", "prefill", self.dst, [1, 2, 3], first_layer=0, n_layers=2)
+        self.assert_code(KVF_EBUSY, lambda: self.cd.grant_blocks("b2", "prefill", self.dst, [7, 3],
+                                                                 first_layer=1, n_layers=1))
+        self.assert_code(KVF_EBUSY, lambda: self.cd.grant_blocks("b3", "prefill", self.alias, [2]))
+        # the same blocks on other layers, other blocks on the same layers: fine
+        self.cd.grant_blocks("b4", "prefill", self.dst, [1, 2, 3], first_layer=2, n_layers=2)
+        self.cd.grant_blocks("b5", "prefill", self.alias, [4, 5])
+        # b1 lands, every byte checked; then its blocks are free for the alias
+        used = 2 * self.L * self.NB * BLK
+        data = pattern(7, used)
+        self.pp.memory[0:used] = data
+        self.cp.send_blocks("b1", "decode", self.src, [9, 10, 11], first_layer=0, n_layers=2)
+        self.assertEqual(wait_event(self.cp, "b1").status, 0)
+        self.assertEqual(wait_event(self.cd, "b1").status, 0)
+        mem = self.pd.memory
+        for layer in range(2):
+            for kv in range(2):
+                region = (2 * layer + kv) * self.NB * BLK
+                for s, d in ((9, 1), (10, 2), (11, 3)):
+                    self.assertEqual(bytes(mem[region + d * BLK:region + (d + 1) * BLK]),
+                                     data[region + s * BLK:region + (s + 1) * BLK], (layer, kv, d))
+        self.cd.grant_blocks("b3", "prefill", self.alias, [2])
+        for xid in ("b3", "b4", "b5"):
+            self.cd.cancel(xid)
+            self.assertNotEqual(wait_event(self.cd, xid).status, 0)
+
+
+class Allow(unittest.TestCase):
+    """grant-overlap allow: a second grant over the same bytes is accepted;
+    each transfer lands in turn; overlap within a grant is still refused."""
+
+    def test_allowed(self):
+        pre, dec = kvftest.pair(kvftest.tempdir(), pool="8M", extra="grant-overlap allow")
+        try:
+            with pre.client() as cp, dec.client() as cd:
+                pp, pd = cp.pool_find("kv"), cd.pool_find("kv")
+                with self.assertRaises(kvferry.KvferryError) as cm:
+                    cd.grant("a0", "prefill", [pd.desc(0, 2 * BLK), pd.desc(BLK, BLK)])
+                self.assertEqual(cm.exception.code, KVF_EINVAL)
+                cd.grant("a1", "prefill", [pd.desc(0, 2 * BLK)])
+                cd.grant("a2", "prefill", [pd.desc(BLK, 2 * BLK)])
+                for xid, src_off, seed in (("a1", 0, 11), ("a2", 2 * BLK, 12)):
+                    data = pattern(seed, 2 * BLK)
+                    pp.memory[src_off:src_off + 2 * BLK] = data
+                    cp.send(xid, "decode", [pp.desc(src_off, 2 * BLK)])
+                    self.assertEqual(wait_event(cp, xid).status, 0)
+                    self.assertEqual(wait_event(cd, xid).status, 0)
+                    dst = 0 if xid == "a1" else BLK
+                    self.assertEqual(bytes(pd.memory[dst:dst + 2 * BLK]), data, xid)
+            self.assertIn("grant-overlap allow", open(dec.conf).read())
+        finally:
+            for d in (pre, dec):
+                self.assertEqual(d.stop(), 0)
+
+
+if __name__ == "__main__":
+    kvftest.main()
