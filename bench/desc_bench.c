@@ -5,14 +5,29 @@
  * allocates and frees as the daemon does for each request.
  *
  *   desc-bench [N REPS] [--keep]
+ *   desc-bench --overlap [N REPS [OTHERS OTHER_DESCS]]
  *
  * --keep applies the daemon's heap policy (kvf__keep_freed_memory);
- * without it, glibc's defaults. Prints ns per descriptor for each step. */
+ * without it, glibc's defaults. Prints ns per descriptor for each step.
+ *
+ * --overlap: what a receive grant of N descriptors costs in overlap checks
+ * (daemon/grant_index.c, issue 15 item 10), as kvf__xfer_claim spends it:
+ * its ranges as items, sorted into runs (one pass when in order, a radix
+ * sort when shuffled), checked against the open grants of the pool and
+ * added to them (claim_ns); and taken out again when it ends (release_ns).
+ * Four lines: ascending and shuffled offsets, with no other grant open and
+ * with OTHERS (100) open grants of OTHER_DESCS (1024) descriptors each.
+ * Every descriptor is 4 KiB at its own 8 KiB slot (nothing coalesces);
+ * the slots of all grants are interleaved at random over the pool, the
+ * worst case for the index. before_ns is what a grant's descriptors cost
+ * without the check (kvf__descs_from_wire and the pools' range check). */
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "desc.h"
+#include "grant_index.h"
 #include "kvferry.pb-c.h"
 #include "kvferryd.h"
 
@@ -28,7 +43,113 @@ static uint64_t lcg(uint64_t *s) {
   return *s >> 33;
 }
 
+static void shuffle(uint64_t *v, size_t n, uint64_t *seed) {
+  for (size_t i = n - 1; i > 0; i--) {
+    size_t j = lcg(seed) % (i + 1);
+    uint64_t t = v[i];
+    v[i] = v[j], v[j] = t;
+  }
+}
+
+static int u64_cmp(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* n descriptors of 4 KiB at slots[0..n) (8 KiB apart), in that order. */
+static int descs_at(kvf__descs *d, const uint64_t *slots, size_t n) {
+  uint8_t *packed = malloc(n * KVF__DESC_WIRE_SIZE);
+  if (!packed) return -1;
+  for (size_t i = 0; i < n; i++) {
+    uint32_t pool = 0;
+    uint64_t off = slots[i] * 8192, len = 4096;
+    memcpy(packed + i * KVF__DESC_WIRE_SIZE, &pool, 4);
+    memcpy(packed + i * KVF__DESC_WIRE_SIZE + 4, &off, 8);
+    memcpy(packed + i * KVF__DESC_WIRE_SIZE + 12, &len, 8);
+  }
+  Kvf__DescList dl = KVF__DESC_LIST__INIT;
+  dl.packed.data = packed;
+  dl.packed.len = n * KVF__DESC_WIRE_SIZE;
+  int rc = kvf__descs_from_wire(d, &dl, n);
+  free(packed);
+  return rc;
+}
+
+static int claim(kvf__gindex *g, const kvf__descs *d, const void *owner) {
+  kvf__gi_item *v;
+  if (kvf__gi_items_of_descs(d, &v) != 0) return -1;
+  kvf__gi_clash c;
+  int rc = kvf__gi_claim(g, v, d->n, owner, true, &c);
+  free(v);
+  return rc;
+}
+
+static int overlap_case(size_t n, int reps, size_t others, size_t other_n, bool shuffled) {
+  size_t total = n + others * other_n;
+  uint64_t seed = 42, *slots = malloc(total * sizeof(*slots));
+  if (!slots) return 1;
+  for (size_t i = 0; i < total; i++) slots[i] = i;
+  shuffle(slots, total, &seed); /* every grant's slots interleaved with the others' */
+  kvf__gindex g = {0};
+  static char owners[4097]; /* their addresses name the grants */
+  if (others >= sizeof(owners)) return 2;
+  for (size_t k = 0; k < others; k++) {
+    kvf__descs o;
+    uint64_t *s = slots + n + k * other_n;
+    qsort(s, other_n, sizeof(*s), u64_cmp);
+    if (descs_at(&o, s, other_n) != 0 || claim(&g, &o, &owners[0] + k + 1) != 0) return 1;
+    kvf__descs_free(&o);
+  }
+  if (!shuffled) qsort(slots, n, sizeof(*slots), u64_cmp);
+  kvf__descs d;
+  if (descs_at(&d, slots, n) != 0) return 1;
+  uint8_t *packed = malloc(n * KVF__DESC_WIRE_SIZE);
+  Kvf__DescList dl = KVF__DESC_LIST__INIT;
+  if (!packed || kvf__descs_to_wire(&d, &dl) != 0) return 1;
+  uint64_t t_before = 0, t_claim = 0, t_release = 0;
+  for (int r = 0; r < reps; r++) {
+    uint64_t t0 = kvf__now_ns();
+    kvf__descs w;
+    size_t bad;
+    if (kvf__descs_from_wire(&w, &dl, n) != 0 || kvf__descs_check(&w, in_pool, NULL, &bad) != 0) return 1;
+    uint64_t t1 = kvf__now_ns();
+    if (claim(&g, &w, &owners[0]) != 0) return 1;
+    uint64_t t2 = kvf__now_ns();
+    kvf__gi_remove(&g, &owners[0]);
+    uint64_t t3 = kvf__now_ns();
+    kvf__descs_free(&w);
+    t_before += t1 - t0, t_claim += t2 - t1, t_release += t3 - t2;
+  }
+  double k = (double)reps * (double)n;
+  printf("{\"descriptors\": %zu, \"order\": \"%s\", \"open_grants\": %zu, \"open_descriptors\": %zu, "
+         "\"reps\": %d, \"before_ns\": %.1f, \"claim_ns\": %.1f, \"release_ns\": %.1f, \"check_ns\": %.1f}\n",
+         n, shuffled ? "shuffled" : "sorted", others, others * other_n, reps, t_before / k, t_claim / k,
+         t_release / k, (t_claim + t_release) / k);
+  if (kvf__gi_count(&g) != others * other_n) return 1;
+  kvf__gi_free(&g);
+  kvf__descs_wire_free(&dl);
+  kvf__descs_free(&d);
+  free(packed);
+  free(slots);
+  return 0;
+}
+
+/* desc-bench --overlap [N REPS [OTHERS OTHER_DESCS]] */
+static int overlap_main(int argc, char **argv) {
+  size_t n = argc > 2 ? strtoull(argv[2], NULL, 10) : 16384;
+  int reps = argc > 3 ? atoi(argv[3]) : 50;
+  size_t others = argc > 4 ? strtoull(argv[4], NULL, 10) : 100;
+  size_t other_n = argc > 5 ? strtoull(argv[5], NULL, 10) : 1024;
+  if (n == 0 || reps <= 0 || (others && !other_n)) return 2;
+  kvf__keep_freed_memory(); /* as the daemon runs */
+  for (int o = 0; o < 2; o++)
+    for (int sh = 0; sh < 2; sh++)
+      if (overlap_case(n, reps, o ? others : 0, other_n, sh) != 0) return 1;
+  return 0;
+}
+
 int main(int argc, char **argv) {
+  if (argc > 1 && strcmp(argv[1], "--overlap") == 0) return overlap_main(argc, argv);
   size_t n = argc > 1 && argv[1][0] != '-' ? strtoull(argv[1], NULL, 10) : 4096;
   int reps = argc > 2 && argv[2][0] != '-' ? atoi(argv[2]) : 200;
   if (argc > 1 && strcmp(argv[argc - 1], "--keep") == 0) kvf__keep_freed_memory();

@@ -230,6 +230,14 @@ void kvf__gi_remove(kvf__gindex *g, const void *owner) {
   if (g->n == 0) kvf__gi_free(g);
 }
 
+int kvf__gi_claim(kvf__gindex *g, kvf__gi_item *v, size_t n, const void *owner, bool index, kvf__gi_clash *c) {
+  size_t nruns;
+  int rc = kvf__gi_runs(v, n, &nruns, c);
+  if (rc == 0 && index) rc = kvf__gi_find(g, v, nruns, c);
+  if (rc == 0 && index) rc = kvf__gi_add(g, v, nruns, owner);
+  return rc;
+}
+
 size_t kvf__gi_count(const kvf__gindex *g) {
   size_t n = 0;
   for (size_t i = 0; i < g->n; i++) n += g->p[i].n;
@@ -246,7 +254,7 @@ void kvf__gi_free(kvf__gindex *g) {
 
 static kvf__gindex open_grants;
 
-static int items_of_descs(const kvf__descs *d, kvf__gi_item **out) {
+int kvf__gi_items_of_descs(const kvf__descs *d, kvf__gi_item **out) {
   kvf__gi_item *v = malloc((d->n ? d->n : 1) * sizeof(*v));
   if (!v) return -ENOMEM;
   for (size_t i = 0; i < d->n; i++)
@@ -332,16 +340,13 @@ static void say_clash(const kvf__xfer *x, const kvf__gi_clash *c, int rc, char *
 
 int kvf__xfer_claim(kvf__xfer *x, char *err, size_t errlen) {
   kvf__gi_item *v = NULL;
-  size_t n = x->dst.n, nruns;
+  size_t n = x->dst.n;
   int rc = x->blocks ? ids_unique(&x->mine, err, errlen) : 0;
-  if (rc == 0) rc = x->blocks ? items_of_blocks(&x->mine, &v, &n) : items_of_descs(&x->dst, &v);
+  if (rc == 0) rc = x->blocks ? items_of_blocks(&x->mine, &v, &n) : kvf__gi_items_of_descs(&x->dst, &v);
   if (rc) return rc;
   kvf__gi_clash c;
-  rc = kvf__gi_runs(v, n, &nruns, &c);
-  bool refuse = kvfd.cfg.grant_overlap == KVF__GRANT_OVERLAP_REFUSE;
-  if (rc == 0 && refuse) rc = kvf__gi_find(&open_grants, v, nruns, &c);
+  rc = kvf__gi_claim(&open_grants, v, n, x, kvfd.cfg.grant_overlap == KVF__GRANT_OVERLAP_REFUSE, &c);
   if (rc == KVF_EINVAL || rc == KVF_EBUSY) say_clash(x, &c, rc, err, errlen);
-  if (rc == 0 && refuse) rc = kvf__gi_add(&open_grants, v, nruns, x);
   free(v);
   return rc;
 }

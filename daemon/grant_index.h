@@ -19,6 +19,7 @@
 #ifndef KVF_GRANT_INDEX_H
 #define KVF_GRANT_INDEX_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -72,6 +73,11 @@ int kvf__gi_find(const kvf__gindex *g, const kvf__gi_item *r, size_t n, kvf__gi_
 int kvf__gi_add(kvf__gindex *g, const kvf__gi_item *r, size_t n, const void *owner);
 /* Removes owner's ranges (none: nothing happens). */
 void kvf__gi_remove(kvf__gindex *g, const void *owner);
+/* What a grant does: kvf__gi_runs over v[0..n) (reordered), then, when
+ * index, kvf__gi_find and kvf__gi_add for owner. */
+int kvf__gi_claim(kvf__gindex *g, kvf__gi_item *v, size_t n, const void *owner, bool index, kvf__gi_clash *c);
+/* d's ranges as items (*out malloc'ed; idx: the descriptor's index). */
+int kvf__gi_items_of_descs(const kvf__descs *d, kvf__gi_item **out);
 /* Ranges held in all pools. */
 size_t kvf__gi_count(const kvf__gindex *g);
 void kvf__gi_free(kvf__gindex *g);
