@@ -11,248 +11,220 @@
 
 #include "kvferry.h"
 #include "kvferryd.h"
+#include "pool.h"
 #include "xfer.h"
 
-/* ------------------------------------------------------------ one grant */
+struct kvf__gi_cell {
+  uint64_t start, end;
+  const void *owner;
+  uint32_t idx;
+  uint32_t next;                /* the next cell of its granule's list + 1; 0: none */
+};
 
-static bool item_before(const kvf__gi_item *a, const kvf__gi_item *b) {
-  return a->pool < b->pool || (a->pool == b->pool && a->start < b->start);
-}
+struct kvf__gi_pool {
+  uint32_t pool;
+  uint64_t size;
+  unsigned shift;               /* granule = 1 << shift bytes */
+  uint32_t *head;               /* per granule: its first cell + 1; 0: none */
+  size_t held;                  /* cells in this pool */
+};
 
-static bool in_order(const kvf__gi_item *v, size_t n) {
-  for (size_t i = 1; i < n; i++)
-    if (item_before(&v[i], &v[i - 1])) return false;
-  return true;
-}
+#define GRANULE_MIN_SHIFT 12
+#define MAX_GRANULES (1ull << 20)
 
-static int item_cmp(const void *pa, const void *pb) {
-  const kvf__gi_item *a = pa, *b = pb;
-  return item_before(a, b) ? -1 : item_before(b, a) ? 1 : 0;
-}
+typedef struct owner_rec {
+  kvf__gi_item *v;
+  size_t n;
+  size_t ranges;                /* of v, those not empty */
+} owner_rec;
 
-#define RADIX_BITS 11
-#define RADIX (1u << RADIX_BITS)
+static void owner_key(char *buf, size_t len, const void *owner) { snprintf(buf, len, "%p", owner); }
 
-/* Stable LSD radix sort of v by start (the bits below max_start's top
- * one), then by pool when there are several: a counting pass over pool
- * ids when they are small, else qsort (never seen: pools are few). */
-static int radix_sort(kvf__gi_item *v, size_t n) {
-  uint64_t max_start = 0;
-  uint32_t max_pool = 0, min_pool = UINT32_MAX;
-  for (size_t i = 0; i < n; i++) {
-    if (v[i].start > max_start) max_start = v[i].start;
-    if (v[i].pool > max_pool) max_pool = v[i].pool;
-    if (v[i].pool < min_pool) min_pool = v[i].pool;
+/* The granule map of pool id, made (or remade, for a pool id that now
+ * names another pool) while it holds nothing. */
+static kvf__gi_pool *pool_for(kvf__gindex *g, uint32_t id, int *rc) {
+  kvf__gi_pool *p = NULL;
+  for (size_t i = 0; i < g->n_pools && !p; i++)
+    if (g->p[i].pool == id) p = &g->p[i];
+  uint64_t size = g->size_of ? g->size_of(id) : 0;
+  if (p && (p->size == size || p->held > 0)) return p;
+  if (size == 0) {
+    *rc = KVF_ENOPOOL;
+    return NULL;
   }
-  if (max_pool - min_pool >= RADIX) {
-    qsort(v, n, sizeof(*v), item_cmp);
-    return 0;
+  if (!p) {
+    kvf__gi_pool *np = realloc(g->p, (g->n_pools + 1) * sizeof(*np));
+    if (!np) goto oom;
+    g->p = np;
+    p = &g->p[g->n_pools++];
+    *p = (kvf__gi_pool){.pool = id};
   }
-  kvf__gi_item *tmp = malloc(n * sizeof(*tmp));
-  size_t *count = malloc(RADIX * sizeof(*count));
-  if (!tmp || !count) {
-    free(tmp);
-    free(count);
-    return -ENOMEM;
-  }
-  kvf__gi_item *src = v, *dst = tmp;
-  for (unsigned shift = 0; shift < 64 && (max_start >> shift) != 0; shift += RADIX_BITS) {
-    memset(count, 0, RADIX * sizeof(*count));
-    for (size_t i = 0; i < n; i++) count[(src[i].start >> shift) & (RADIX - 1)]++;
-    size_t sum = 0;
-    for (size_t k = 0; k < RADIX; k++) sum += count[k], count[k] = sum - count[k];
-    for (size_t i = 0; i < n; i++) dst[count[(src[i].start >> shift) & (RADIX - 1)]++] = src[i];
-    kvf__gi_item *t = src;
-    src = dst, dst = t;
-  }
-  if (max_pool != min_pool) {
-    memset(count, 0, RADIX * sizeof(*count));
-    for (size_t i = 0; i < n; i++) count[src[i].pool - min_pool]++;
-    size_t sum = 0;
-    for (size_t k = 0; k < RADIX; k++) sum += count[k], count[k] = sum - count[k];
-    for (size_t i = 0; i < n; i++) dst[count[src[i].pool - min_pool]++] = src[i];
-    src = dst;
-  }
-  if (src != v) memcpy(v, src, n * sizeof(*v));
-  free(tmp);
-  free(count);
-  return 0;
-}
-
-static void clash_set(kvf__gi_clash *c, const kvf__gi_item *a, const kvf__gi_item *b) {
-  if (!c) return;
-  if (a->idx > b->idx) { /* the message names the earlier one first */
-    const kvf__gi_item *t = a;
-    a = b, b = t;
-  }
-  *c = (kvf__gi_clash){.pool = a->pool, .a = a->idx, .b = b->idx, .a_start = a->start, .a_end = a->end,
-                       .b_start = b->start, .b_end = b->end};
-}
-
-int kvf__gi_runs(kvf__gi_item *v, size_t n, size_t *nruns, kvf__gi_clash *c) {
-  *nruns = 0;
-  if (!in_order(v, n)) {
-    int rc = radix_sort(v, n);
-    if (rc) return rc;
-  }
-  size_t w = 0;
-  kvf__gi_item prev = {0}; /* the last non-empty range: in order and disjoint so far, it ends last */
-  bool have = false;
-  for (size_t i = 0; i < n; i++) {
-    kvf__gi_item it = v[i];
-    if (it.start >= it.end) continue; /* empty: holds no byte */
-    if (have && prev.pool == it.pool && it.start < prev.end) {
-      clash_set(c, &prev, &it);
-      return KVF_EINVAL;
-    }
-    if (w > 0 && v[w - 1].pool == it.pool && v[w - 1].end == it.start) v[w - 1].end = it.end;
-    else v[w++] = it;
-    prev = it;
-    have = true;
-  }
-  *nruns = w;
-  return 0;
-}
-
-/* ------------------------------------------------------- the open grants */
-
-static kvf__gi_pool *pool_get(const kvf__gindex *g, uint32_t pool) {
-  for (size_t i = 0; i < g->n; i++)
-    if (g->p[i].pool == pool) return &g->p[i];
+  unsigned shift = GRANULE_MIN_SHIFT;
+  while ((size >> shift) >= MAX_GRANULES) shift++;
+  uint32_t *head = calloc((size_t)((size + (1ull << shift) - 1) >> shift), sizeof(*head));
+  if (!head) goto oom;
+  free(p->head);
+  p->head = head;
+  p->size = size;
+  p->shift = shift;
+  return p;
+oom:
+  *rc = -ENOMEM;
   return NULL;
 }
 
-static kvf__gi_pool *pool_make(kvf__gindex *g, uint32_t pool) {
-  kvf__gi_pool *p = pool_get(g, pool);
-  if (p) return p;
-  if (g->n == g->cap) {
-    size_t cap = g->cap ? 2 * g->cap : 4;
-    kvf__gi_pool *np = realloc(g->p, cap * sizeof(*np));
-    if (!np) return NULL;
-    g->p = np;
-    g->cap = cap;
-  }
-  p = &g->p[g->n++];
-  *p = (kvf__gi_pool){.pool = pool};
-  return p;
+static kvf__gi_pool *pool_find(const kvf__gindex *g, uint32_t id) {
+  for (size_t i = 0; i < g->n_pools; i++)
+    if (g->p[i].pool == id) return &g->p[i];
+  return NULL;
 }
 
-/* The smallest j in [lo, n] whose range ends after s (ends ascend: the
- * ranges are sorted and disjoint); galloping from lo, since the runs
- * asked about come in order. */
-static size_t first_end_after(const kvf__gi_ent *v, size_t lo, size_t n, uint64_t s) {
-  size_t hi = lo, step = 1;
-  while (hi < n && v[hi].end <= s) {
-    lo = hi + 1;
-    hi += step;
-    step *= 2;
+static uint32_t cell_new(kvf__gindex *g) {
+  if (g->free_cell) {
+    uint32_t k = g->free_cell;
+    g->free_cell = g->cells[k - 1].next;
+    return k;
   }
-  if (hi > n) hi = n;
-  while (lo < hi) {
-    size_t mid = lo + (hi - lo) / 2;
-    if (v[mid].end <= s) lo = mid + 1;
-    else hi = mid;
+  if (g->n_cells == g->cap_cells) {
+    if (g->cap_cells >= UINT32_MAX / 2) return 0;
+    uint32_t cap = g->cap_cells ? 2 * g->cap_cells : 1024;
+    kvf__gi_cell *nc = realloc(g->cells, (size_t)cap * sizeof(*nc));
+    if (!nc) return 0;
+    g->cells = nc;
+    g->cap_cells = cap;
   }
-  return lo;
+  return ++g->n_cells;
 }
 
-int kvf__gi_find(const kvf__gindex *g, const kvf__gi_item *r, size_t n, kvf__gi_clash *c) {
-  size_t i = 0;
-  while (i < n) {
-    const kvf__gi_pool *p = pool_get(g, r[i].pool);
-    size_t j = 0;
-    for (uint32_t pool = r[i].pool; i < n && r[i].pool == pool; i++) {
-      if (!p || p->n == 0 || r[i].start >= r[i].end) continue; /* an empty range holds no byte */
-      j = first_end_after(p->v, j, p->n, r[i].start);
-      if (j < p->n && p->v[j].start < r[i].end) {
-        if (c)
-          *c = (kvf__gi_clash){.pool = pool, .a = r[i].idx, .a_start = r[i].start, .a_end = r[i].end,
-                               .b_start = p->v[j].start, .b_end = p->v[j].end, .owner = p->v[j].owner};
-        return KVF_EBUSY;
+/* Whether r overlaps a range of list k (a granule's) that counts: its own
+ * grant's always, another owner's when others; *c says which. */
+static int check_granule(const kvf__gindex *g, uint32_t k, const kvf__gi_item *r, const void *owner, bool others,
+                         kvf__gi_clash *c) {
+  for (; k; k = g->cells[k - 1].next) {
+    const kvf__gi_cell *e = &g->cells[k - 1];
+    if (e->start >= r->end || r->start >= e->end || (e->owner != owner && !others)) continue;
+    bool own = e->owner == owner;
+    /* a: the earlier descriptor of a grant, or the new grant's; b: the other */
+    bool e_first = own && e->idx < r->idx;
+    const kvf__gi_item ei = {.start = e->start, .end = e->end, .idx = e->idx};
+    const kvf__gi_item *a = e_first ? &ei : r, *b = e_first ? r : &ei;
+    *c = (kvf__gi_clash){.pool = r->pool, .a = a->idx, .b = b->idx, .a_start = a->start, .a_end = a->end,
+                         .b_start = b->start, .b_end = b->end, .owner = own ? NULL : e->owner};
+    return own ? KVF_EINVAL : KVF_EBUSY;
+  }
+  return 0;
+}
+
+/* Takes owner's cells out of the granules that r touches. */
+static void drop_range(kvf__gindex *g, const kvf__gi_item *r, const void *owner) {
+  kvf__gi_pool *p = r->start < r->end ? pool_find(g, r->pool) : NULL;
+  if (!p || r->end > p->size) return;
+  for (uint64_t gr = r->start >> p->shift; gr <= (r->end - 1) >> p->shift; gr++) {
+    uint32_t *link = &p->head[gr];
+    while (*link) {
+      uint32_t k = *link;
+      kvf__gi_cell *e = &g->cells[k - 1];
+      if (e->owner != owner) {
+        link = &e->next;
+        continue;
       }
+      *link = e->next;
+      e->next = g->free_cell;
+      g->free_cell = k;
+      p->held--;
     }
+  }
+}
+
+static void drop_all(kvf__gindex *g, const kvf__gi_item *v, size_t n, const void *owner) {
+  for (size_t i = 0; i < n; i++) drop_range(g, &v[i], owner);
+}
+
+/* Checks r against the lists of the granules it touches, adding it to
+ * each as it goes (its own grant's later ranges then see it). */
+static int take_range(kvf__gindex *g, kvf__gi_pool *p, const kvf__gi_item *r, const void *owner, bool others,
+                      kvf__gi_clash *c) {
+  for (uint64_t gr = r->start >> p->shift; gr <= (r->end - 1) >> p->shift; gr++) {
+    int rc = check_granule(g, p->head[gr], r, owner, others, c);
+    if (rc) return rc;
+    uint32_t k = cell_new(g);
+    if (!k) return -ENOMEM;
+    g->cells[k - 1] = (kvf__gi_cell){.start = r->start, .end = r->end, .owner = owner, .idx = r->idx,
+                                     .next = p->head[gr]};
+    p->head[gr] = k;
+    p->held++;
   }
   return 0;
 }
 
-static int reserve(kvf__gi_pool *p, size_t more) {
-  if (p->cap - p->n >= more) return 0;
-  size_t cap = p->cap ? p->cap : 16;
-  while (cap - p->n < more) cap *= 2;
-  kvf__gi_ent *v = realloc(p->v, cap * sizeof(*v));
-  if (!v) return -ENOMEM;
-  p->v = v;
-  p->cap = cap;
-  return 0;
-}
-
-/* Merges r[0..k) (one pool, sorted) into p from the back: the entries
- * before the first new one do not move. */
-static void merge_in(kvf__gi_pool *p, const kvf__gi_item *r, size_t k, const void *owner) {
-  size_t i = p->n, j = k, w = p->n + k;
-  while (j > 0) {
-    if (i > 0 && p->v[i - 1].start > r[j - 1].start) p->v[--w] = p->v[--i];
-    else {
-      --j;
-      p->v[--w] = (kvf__gi_ent){.start = r[j].start, .end = r[j].end, .owner = owner};
+int kvf__gi_claim(kvf__gindex *g, kvf__gi_item *v, size_t n, const void *owner, bool others, kvf__gi_clash *c) {
+  char key[32];
+  owner_key(key, sizeof(key), owner);
+  if (kvf__map_get(&g->owners, key)) return KVF_EEXIST;
+  owner_rec *rec = malloc(sizeof(*rec));
+  int rc = rec ? 0 : -ENOMEM;
+  size_t i = 0, ranges = 0;
+  for (; i < n && rc == 0; i++) {
+    const kvf__gi_item *r = &v[i];
+    if (r->start >= r->end) continue; /* empty: holds no byte */
+    ranges++;
+    kvf__gi_pool *p = pool_for(g, r->pool, &rc);
+    if (p && r->end > p->size) rc = KVF_ERANGE;
+    if (rc == 0) rc = take_range(g, p, r, owner, others, c);
+  }
+  if (rc == 0) {
+    *rec = (owner_rec){.v = v, .n = n, .ranges = ranges};
+    rc = kvf__map_put(&g->owners, key, rec);
+    if (rc == 0) {
+      g->held += ranges;
+      return 0;
     }
   }
-  p->n += k;
-}
-
-int kvf__gi_add(kvf__gindex *g, const kvf__gi_item *r, size_t n, const void *owner) {
-  for (size_t i = 0, k; i < n; i += k) { /* room first: a failure adds nothing */
-    for (k = 1; i + k < n && r[i + k].pool == r[i].pool; k++) {}
-    kvf__gi_pool *p = pool_make(g, r[i].pool);
-    if (!p || reserve(p, k) != 0) return -ENOMEM;
-  }
-  for (size_t i = 0, k; i < n; i += k) {
-    for (k = 1; i + k < n && r[i + k].pool == r[i].pool; k++) {}
-    merge_in(pool_get(g, r[i].pool), r + i, k, owner);
-  }
-  return 0;
-}
-
-void kvf__gi_remove(kvf__gindex *g, const void *owner) {
-  for (size_t i = 0; i < g->n;) {
-    kvf__gi_pool *p = &g->p[i];
-    size_t w = 0;
-    for (size_t k = 0; k < p->n; k++)
-      if (p->v[k].owner != owner) p->v[w++] = p->v[k];
-    p->n = w;
-    if (w > 0) {
-      i++;
-      continue;
-    }
-    free(p->v); /* an idle pool keeps nothing */
-    g->p[i] = g->p[--g->n];
-  }
-  if (g->n == 0) kvf__gi_free(g);
-}
-
-int kvf__gi_claim(kvf__gindex *g, kvf__gi_item *v, size_t n, const void *owner, bool index, kvf__gi_clash *c) {
-  size_t nruns;
-  int rc = kvf__gi_runs(v, n, &nruns, c);
-  if (rc == 0 && index) rc = kvf__gi_find(g, v, nruns, c);
-  if (rc == 0 && index) rc = kvf__gi_add(g, v, nruns, owner);
+  drop_all(g, v, i, owner); /* what went in before the failure */
+  free(rec);
   return rc;
 }
 
-size_t kvf__gi_count(const kvf__gindex *g) {
-  size_t n = 0;
-  for (size_t i = 0; i < g->n; i++) n += g->p[i].n;
-  return n;
+void kvf__gi_release(kvf__gindex *g, const void *owner) {
+  char key[32];
+  owner_key(key, sizeof(key), owner);
+  owner_rec *rec = kvf__map_del(&g->owners, key);
+  if (!rec) return;
+  drop_all(g, rec->v, rec->n, owner);
+  g->held -= rec->ranges;
+  free(rec->v);
+  free(rec);
 }
 
+size_t kvf__gi_count(const kvf__gindex *g) { return g->held; }
+
 void kvf__gi_free(kvf__gindex *g) {
-  for (size_t i = 0; i < g->n; i++) free(g->p[i].v);
+  for (size_t b = 0; b < g->owners.nb; b++)
+    for (kvf__map_ent *e = g->owners.b[b]; e; e = e->next) {
+      owner_rec *rec = e->val;
+      free(rec->v);
+      free(rec);
+    }
+  kvf__map_free(&g->owners);
+  for (size_t i = 0; i < g->n_pools; i++) free(g->p[i].head);
   free(g->p);
+  free(g->cells);
+  uint64_t (*size_of)(uint32_t) = g->size_of;
   memset(g, 0, sizeof(*g));
+  g->size_of = size_of;
 }
 
 /* ------------------------------------------------------------ transfers */
 
-static kvf__gindex open_grants;
+/* Every range reaching here was checked against its pool; a pool this
+ * daemon does not have (the state machine's unit tests use none) counts
+ * as 1 TiB. */
+static uint64_t pool_size(uint32_t id) {
+  const kvf__pool *p = kvf__pool_get(id);
+  return p ? p->size : 1ull << 40;
+}
+
+static kvf__gindex open_grants = {.size_of = pool_size};
 
 int kvf__gi_items_of_descs(const kvf__descs *d, kvf__gi_item **out) {
   kvf__gi_item *v = malloc((d->n ? d->n : 1) * sizeof(*v));
@@ -347,10 +319,10 @@ int kvf__xfer_claim(kvf__xfer *x, char *err, size_t errlen) {
   kvf__gi_clash c;
   rc = kvf__gi_claim(&open_grants, v, n, x, kvfd.cfg.grant_overlap == KVF__GRANT_OVERLAP_REFUSE, &c);
   if (rc == KVF_EINVAL || rc == KVF_EBUSY) say_clash(x, &c, rc, err, errlen);
-  free(v);
+  if (rc) free(v); /* else the index keeps it */
   return rc;
 }
 
 void kvf__xfer_unclaim(kvf__xfer *x) {
-  if (x->role == KVF__RECV && open_grants.n > 0) kvf__gi_remove(&open_grants, x);
+  if (x->role == KVF__RECV && open_grants.owners.n > 0) kvf__gi_release(&open_grants, x);
 }

@@ -6,16 +6,18 @@
  * open in the same pool (KVF_EBUSY). Touching ranges ([a, b) and [b, c))
  * and empty ones never overlap.
  *
- * Cost: a grant's ranges are put in (pool, start) order once: one pass when
- * they already are (engines mostly post ascending offsets), else a radix
- * sort; overlap within the grant is then one pass. The open grants of a
- * pool are one sorted array of disjoint ranges (disjoint because overlap is
- * refused), so their ends are sorted too and a new grant's sorted ranges
- * are checked by one galloping walk: O(n log(m / n)) for n ranges against
- * m open ones. Adding merges in place from the back, removing compacts:
- * O(n + m) moves of 24 bytes, sequential. With grant-overlap allow nothing
- * is indexed. Pure logic but for the kvf__xfer glue at the end; loop
- * thread. */
+ * The index is a granule map per pool: the pool is cut into granules (4
+ * KiB, or larger so that a pool has at most 2^20 of them), and each granule
+ * heads a list of the open ranges that touch it. A range is checked against
+ * the lists of the granules it touches and then added to them; its own
+ * grant's earlier ranges are there too, so one pass finds both kinds of
+ * overlap without sorting anything. The cost per descriptor does not grow
+ * with the number of open grants: a granule's list holds at most
+ * granule / (smallest range) + 2 ranges, since open ranges are disjoint
+ * (with grant-overlap allow, other grants' ranges may pile up in a list).
+ * A range spanning g granules costs g list entries (a 2 MiB block in a
+ * 4 KiB-granule pool: 512), paid per byte, not per descriptor. Releasing
+ * walks the grant's ranges again (kept with it). Loop thread. */
 #ifndef KVF_GRANT_INDEX_H
 #define KVF_GRANT_INDEX_H
 
@@ -24,17 +26,17 @@
 #include <stdint.h>
 
 #include "desc.h"
+#include "map.h"
 
-/* A range of a grant, and which of the grant's descriptors (or pieces) it
- * came from; after kvf__gi_runs, a run of back-to-back ranges. */
+/* A range of a grant and which of its descriptors (or pieces) it is. */
 typedef struct kvf__gi_item {
   uint64_t start, end;          /* [start, end) */
   uint32_t pool;
   uint32_t idx;
 } kvf__gi_item;
 
-/* Where two ranges overlap: a and b of one grant (their descriptor
- * indexes, a < b), or one of a new grant and one of an open grant (owner). */
+/* Where two ranges overlap: a and b of one grant (their indexes, a < b),
+ * or a of the new grant and one of an open grant (owner; b unused). */
 typedef struct kvf__gi_clash {
   uint32_t pool;
   uint32_t a, b;
@@ -42,45 +44,34 @@ typedef struct kvf__gi_clash {
   const void *owner;
 } kvf__gi_clash;
 
-/* Sorts v[0..n) by (pool, start) (nothing to do when it is in order),
- * drops empty ranges and merges back-to-back ones: *nruns runs remain at
- * the front of v. KVF_EINVAL when two ranges overlap (*c says which), or
- * -ENOMEM. */
-int kvf__gi_runs(kvf__gi_item *v, size_t n, size_t *nruns, kvf__gi_clash *c);
+typedef struct kvf__gi_cell kvf__gi_cell;
+typedef struct kvf__gi_pool kvf__gi_pool;
 
-typedef struct kvf__gi_ent {
-  uint64_t start, end;
-  const void *owner;
-} kvf__gi_ent;
-
-typedef struct kvf__gi_pool {
-  uint32_t pool;
-  kvf__gi_ent *v;               /* sorted by start, disjoint */
-  size_t n, cap;
-} kvf__gi_pool;
-
-/* The ranges of the open grants, per pool. Zeroed = empty. */
+/* The open grants' ranges. Zeroed, with size_of set = empty. */
 typedef struct kvf__gindex {
+  uint64_t (*size_of)(uint32_t pool); /* a pool's size; 0: no such pool */
   kvf__gi_pool *p;
-  size_t n, cap;
+  size_t n_pools;
+  kvf__gi_cell *cells;                /* list entries; 0 ends a list */
+  uint32_t n_cells, cap_cells, free_cell;
+  size_t held;                        /* ranges held */
+  kvf__map owners;                    /* owner -> its ranges */
 } kvf__gindex;
 
-/* Whether runs r[0..n) (from kvf__gi_runs) overlap an open grant:
- * KVF_EBUSY with *c (a: the run of r, b: the open range), else 0. */
-int kvf__gi_find(const kvf__gindex *g, const kvf__gi_item *r, size_t n, kvf__gi_clash *c);
-/* Adds runs r[0..n) (checked with kvf__gi_find) for owner: 0 or -ENOMEM
- * (then nothing was added). */
-int kvf__gi_add(kvf__gindex *g, const kvf__gi_item *r, size_t n, const void *owner);
-/* Removes owner's ranges (none: nothing happens). */
-void kvf__gi_remove(kvf__gindex *g, const void *owner);
-/* What a grant does: kvf__gi_runs over v[0..n) (reordered), then, when
- * index, kvf__gi_find and kvf__gi_add for owner. */
-int kvf__gi_claim(kvf__gindex *g, kvf__gi_item *v, size_t n, const void *owner, bool index, kvf__gi_clash *c);
-/* d's ranges as items (*out malloc'ed; idx: the descriptor's index). */
-int kvf__gi_items_of_descs(const kvf__descs *d, kvf__gi_item **out);
-/* Ranges held in all pools. */
+/* Holds ranges v[0..n) (malloc'ed) of one grant for owner, and takes v
+ * (freed by kvf__gi_release). KVF_EINVAL when two of them overlap,
+ * KVF_EBUSY when others and one overlaps a range another owner holds (*c
+ * says which, for either), KVF_ENOPOOL/KVF_ERANGE for a range outside its
+ * pool, -ENOMEM, KVF_EEXIST when owner holds ranges already; on an error
+ * nothing is held and v stays the caller's. */
+int kvf__gi_claim(kvf__gindex *g, kvf__gi_item *v, size_t n, const void *owner, bool others, kvf__gi_clash *c);
+/* Lets go of owner's ranges (none: nothing happens). */
+void kvf__gi_release(kvf__gindex *g, const void *owner);
+/* Ranges held, of all owners. */
 size_t kvf__gi_count(const kvf__gindex *g);
 void kvf__gi_free(kvf__gindex *g);
+/* d's ranges as items (*out malloc'ed; idx: the descriptor's index). */
+int kvf__gi_items_of_descs(const kvf__descs *d, kvf__gi_item **out);
 
 /* ------------------------------------------------------ transfers (xfer.c) */
 

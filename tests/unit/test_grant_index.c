@@ -1,7 +1,8 @@
 /* test_grant_index.c - overlapping destinations (daemon/grant_index.c):
- * runs of one grant (in order, shuffled, touching, empty, several pools,
- * the radix sort against a plain sort), and the open grants' index (find,
- * add, remove, adjacency, per pool), against a brute-force model. */
+ * one grant's ranges (touching, overlapping by a byte, unsorted, empty,
+ * several pools), the open grants (adjacent, released, per pool, allow),
+ * granule edges, failures that leave nothing held, and a brute-force model
+ * of random grants. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -15,111 +16,178 @@
 #include "grant_index.h"
 #include "kvferry.h"
 
+#define POOL_SIZE (1ull << 22) /* 4 MiB: 4 KiB granules */
+
+static uint64_t sizes(uint32_t pool) { return pool < 3 ? POOL_SIZE : pool == 7 ? 1ull << 42 : 0; }
+
 static kvf__gi_item it(uint32_t pool, uint64_t start, uint64_t end, uint32_t idx) {
   return (kvf__gi_item){.start = start, .end = end, .pool = pool, .idx = idx};
 }
 
-static int runs(kvf__gi_item *v, size_t n, size_t *nr, kvf__gi_clash *c) { return kvf__gi_runs(v, n, nr, c); }
+#define OWNER(k) ((const void *)(uintptr_t)(0x1000 + (k)))
 
-/* Ascending, touching ranges merge into one run; a gap keeps two. */
-static void test_sorted_touching(void **state) {
-  kvf__gi_item v[] = {it(0, 0, 100, 0), it(0, 100, 200, 1), it(0, 300, 400, 2), it(0, 400, 401, 3)};
-  size_t nr;
-  assert_int_equal(runs(v, 4, &nr, NULL), 0);
-  assert_int_equal(nr, 2);
-  assert_true(v[0].start == 0 && v[0].end == 200);
-  assert_true(v[1].start == 300 && v[1].end == 401);
+static kvf__gindex G;
+
+static int setup(void **state) {
+  memset(&G, 0, sizeof(G));
+  G.size_of = sizes;
+  return 0;
 }
 
-/* Overlap by one byte, in order: the two descriptors are named. */
-static void test_sorted_overlap(void **state) {
-  kvf__gi_item v[] = {it(0, 0, 100, 0), it(0, 100, 200, 1), it(0, 199, 300, 2)};
-  size_t nr;
+static int teardown(void **state) {
+  kvf__gi_free(&G);
+  return 0;
+}
+
+/* kvf__gi_claim of a copy of v (which it takes on success). */
+static int gclaim(const kvf__gi_item *v, size_t n, int owner, bool others, kvf__gi_clash *c) {
+  kvf__gi_clash scratch;
+  kvf__gi_item *copy = malloc((n ? n : 1) * sizeof(*copy));
+  assert_non_null(copy);
+  memcpy(copy, v, n * sizeof(*v));
+  int rc = kvf__gi_claim(&G, copy, n, OWNER(owner), others, c ? c : &scratch);
+  if (rc) free(copy);
+  return rc;
+}
+
+static int claim(const kvf__gi_item *v, size_t n, int owner, kvf__gi_clash *c) {
+  return gclaim(v, n, owner, true, c);
+}
+
+/* Ascending, touching ranges of one grant are fine; one byte over is not,
+ * and the two descriptors are named, the earlier first. */
+static void test_touching_and_overlap(void **state) {
+  kvf__gi_item v[] = {it(0, 0, 100, 0), it(0, 100, 200, 1), it(0, 300, 400, 2), it(0, 400, 401, 3)};
+  assert_int_equal(claim(v, 4, 1, NULL), 0);
+  assert_int_equal(kvf__gi_count(&G), 4);
+  kvf__gi_item w[] = {it(0, 5000, 5100, 0), it(0, 5100, 5200, 1), it(0, 5199, 5300, 2)};
   kvf__gi_clash c;
-  assert_int_equal(runs(v, 3, &nr, &c), KVF_EINVAL);
+  assert_int_equal(claim(w, 3, 2, &c), KVF_EINVAL);
   assert_int_equal(c.a, 1);
   assert_int_equal(c.b, 2);
-  assert_true(c.a_start == 100 && c.a_end == 200 && c.b_start == 199 && c.b_end == 300);
+  assert_true(c.a_start == 5100 && c.a_end == 5200 && c.b_start == 5199 && c.b_end == 5300);
+  assert_null(c.owner);
+  assert_int_equal(kvf__gi_count(&G), 4); /* the refused grant holds nothing */
+  kvf__gi_item again[] = {it(0, 5000, 5100, 0)};
+  assert_int_equal(claim(again, 1, 3, NULL), 0);
 }
 
-/* Unsorted input: sorted, and the overlap found whatever the order; a
- * range inside another (not only its neighbour) counts. */
+/* Unsorted: found whatever the order; a range inside a larger one, and the
+ * same range twice apart, count. */
 static void test_unsorted(void **state) {
   kvf__gi_item v[] = {it(0, 500, 600, 0), it(0, 0, 100, 1), it(0, 200, 300, 2), it(0, 100, 200, 3)};
-  size_t nr;
-  assert_int_equal(runs(v, 4, &nr, NULL), 0);
-  assert_int_equal(nr, 2); /* [0,300) and [500,600) */
-  assert_true(v[0].start == 0 && v[0].end == 300 && v[1].start == 500);
-  kvf__gi_item w[] = {it(0, 900, 1000, 0), it(0, 0, 1000, 1), it(0, 2000, 2100, 2)};
+  assert_int_equal(claim(v, 4, 1, NULL), 0);
+  kvf__gi_item w[] = {it(0, 9000, 9100, 0), it(0, 8200, 12000, 1), it(0, 20000, 20100, 2)};
   kvf__gi_clash c;
-  assert_int_equal(runs(w, 3, &nr, &c), KVF_EINVAL);
+  assert_int_equal(claim(w, 3, 2, &c), KVF_EINVAL);
   assert_int_equal(c.a, 0);
   assert_int_equal(c.b, 1);
-  kvf__gi_item dup[] = {it(0, 64, 128, 0), it(0, 0, 64, 1), it(0, 64, 128, 2)};
-  assert_int_equal(runs(dup, 3, &nr, &c), KVF_EINVAL);
+  assert_true(c.a_start == 9000 && c.b_start == 8200 && c.b_end == 12000);
+  kvf__gi_item dup[] = {it(0, 64 + 40960, 128 + 40960, 0), it(0, 40960, 40960 + 64, 1),
+                        it(0, 64 + 40960, 128 + 40960, 2)};
+  assert_int_equal(claim(dup, 3, 3, &c), KVF_EINVAL);
   assert_int_equal(c.a, 0);
   assert_int_equal(c.b, 2);
 }
 
-/* Empty ranges hold no byte: never an overlap, never a run. */
+/* Empty ranges hold no byte: never an overlap, never held. */
 static void test_zero_length(void **state) {
   kvf__gi_item v[] = {it(0, 0, 100, 0), it(0, 50, 50, 1), it(0, 100, 100, 2), it(0, 100, 200, 3)};
-  size_t nr;
-  assert_int_equal(runs(v, 4, &nr, NULL), 0);
-  assert_int_equal(nr, 1);
-  assert_true(v[0].start == 0 && v[0].end == 200);
-  kvf__gindex g = {0};
-  assert_int_equal(kvf__gi_add(&g, v, nr, (void *)1), 0);
-  kvf__gi_item e = it(0, 150, 150, 0);
-  assert_int_equal(kvf__gi_find(&g, &e, 1, NULL), 0);
-  kvf__gi_free(&g);
+  assert_int_equal(claim(v, 4, 1, NULL), 0);
+  assert_int_equal(kvf__gi_count(&G), 2);
+  kvf__gi_item e[] = {it(0, 150, 150, 0), it(2, 7, 7, 1)};
+  assert_int_equal(claim(e, 2, 2, NULL), 0);
+  assert_int_equal(kvf__gi_count(&G), 2);
 }
 
-/* The same bytes of two pools are different memory; pools interleaved
- * come out sorted by pool. */
+/* The same bytes of two pools are different memory; a pool that does not
+ * exist, or a range past its end, is refused and leaves nothing held. */
 static void test_pools(void **state) {
-  kvf__gi_item v[] = {it(1, 0, 100, 0), it(0, 0, 100, 1), it(1, 100, 200, 2), it(0, 100, 200, 3)};
-  size_t nr;
-  assert_int_equal(runs(v, 4, &nr, NULL), 0);
-  assert_int_equal(nr, 2);
-  assert_true(v[0].pool == 0 && v[0].end == 200 && v[1].pool == 1 && v[1].end == 200);
-  kvf__gindex g = {0};
-  assert_int_equal(kvf__gi_add(&g, v, 1, (void *)1), 0); /* pool 0 only */
-  kvf__gi_item p1 = it(1, 0, 100, 0), p0 = it(0, 50, 60, 0);
-  assert_int_equal(kvf__gi_find(&g, &p1, 1, NULL), 0);
+  kvf__gi_item v[] = {it(1, 0, 100, 0), it(0, 0, 100, 1)};
+  assert_int_equal(claim(v, 2, 1, NULL), 0);
+  kvf__gi_item p2[] = {it(2, 0, 100, 0)}, p0[] = {it(0, 50, 60, 0)};
+  assert_int_equal(claim(p2, 1, 2, NULL), 0);
   kvf__gi_clash c;
-  assert_int_equal(kvf__gi_find(&g, &p0, 1, &c), KVF_EBUSY);
-  assert_ptr_equal(c.owner, (void *)1);
-  kvf__gi_free(&g);
+  assert_int_equal(claim(p0, 1, 3, &c), KVF_EBUSY);
+  assert_ptr_equal(c.owner, OWNER(1));
+  assert_true(c.a_start == 50 && c.b_start == 0 && c.b_end == 100);
+  kvf__gi_item bad[] = {it(0, 1000, 1100, 0), it(5, 0, 10, 1)};
+  assert_int_equal(claim(bad, 2, 4, NULL), KVF_ENOPOOL);
+  kvf__gi_item past[] = {it(0, 1000, 1100, 0), it(0, POOL_SIZE - 10, POOL_SIZE + 1, 1)};
+  assert_int_equal(claim(past, 2, 4, NULL), KVF_ERANGE);
+  assert_int_equal(kvf__gi_count(&G), 3);
+  kvf__gi_item free_again[] = {it(0, 1000, 1100, 0)};
+  assert_int_equal(claim(free_again, 1, 4, NULL), 0);
+  assert_int_equal(claim(free_again, 1, 4, NULL), KVF_EEXIST); /* one claim per owner */
 }
 
-/* Open grants: touching is free, one byte over is not; a removed grant's
- * bytes are free again; removing an owner that holds nothing changes
- * nothing. */
-static void test_index_adjacent_and_remove(void **state) {
-  kvf__gindex g = {0};
+/* Open grants: touching is free, one byte over is not; released bytes are
+ * free again; releasing an owner that holds nothing changes nothing. */
+static void test_adjacent_and_release(void **state) {
   kvf__gi_item a[] = {it(0, 100, 200, 0), it(0, 400, 500, 1)};
-  assert_int_equal(kvf__gi_add(&g, a, 2, (void *)1), 0);
+  assert_int_equal(claim(a, 2, 1, NULL), 0);
   kvf__gi_item b[] = {it(0, 0, 100, 0), it(0, 200, 400, 1), it(0, 500, 600, 2)};
-  assert_int_equal(kvf__gi_find(&g, b, 3, NULL), 0);
-  assert_int_equal(kvf__gi_add(&g, b, 3, (void *)2), 0);
-  assert_int_equal(kvf__gi_count(&g), 5);
+  assert_int_equal(claim(b, 3, 2, NULL), 0);
+  assert_int_equal(kvf__gi_count(&G), 5);
   kvf__gi_item probe[] = {it(0, 199, 201, 7)};
   kvf__gi_clash c;
-  assert_int_equal(kvf__gi_find(&g, probe, 1, &c), KVF_EBUSY);
+  assert_int_equal(claim(probe, 1, 3, &c), KVF_EBUSY);
   assert_int_equal(c.a, 7);
-  assert_true(c.b_start == 100 && c.b_end == 200);
-  assert_ptr_equal(c.owner, (void *)1);
-  kvf__gi_remove(&g, (void *)3); /* holds nothing */
-  assert_int_equal(kvf__gi_count(&g), 5);
-  kvf__gi_remove(&g, (void *)1);
-  assert_int_equal(kvf__gi_count(&g), 3);
-  assert_int_equal(kvf__gi_find(&g, probe, 1, NULL), KVF_EBUSY); /* [200,400) of owner 2 */
+  assert_true(c.a_start == 199 && c.a_end == 201); /* either neighbour: it overlaps both */
+  assert_true((c.owner == OWNER(1) && c.b_start == 100 && c.b_end == 200) ||
+              (c.owner == OWNER(2) && c.b_start == 200 && c.b_end == 400));
+  kvf__gi_release(&G, OWNER(3)); /* holds nothing */
+  assert_int_equal(kvf__gi_count(&G), 5);
+  kvf__gi_release(&G, OWNER(1));
+  assert_int_equal(kvf__gi_count(&G), 3);
+  assert_int_equal(claim(probe, 1, 3, NULL), KVF_EBUSY); /* [200, 400) of owner 2 */
   kvf__gi_item freed[] = {it(0, 100, 200, 0), it(0, 400, 500, 1)};
-  assert_int_equal(kvf__gi_find(&g, freed, 2, NULL), 0);
-  kvf__gi_remove(&g, (void *)2);
-  assert_int_equal(kvf__gi_count(&g), 0);
-  assert_null(g.p); /* nothing kept once empty */
+  assert_int_equal(claim(freed, 2, 4, NULL), 0);
+  kvf__gi_release(&G, OWNER(2));
+  kvf__gi_release(&G, OWNER(4));
+  assert_int_equal(kvf__gi_count(&G), 0);
+}
+
+/* Ranges over many granules, not aligned, in a pool of 4 KiB granules and
+ * in one of 4 TiB (4 MiB granules): overlap at either end is found, and
+ * the granules in between are released. */
+static void test_granule_edges(void **state) {
+  kvf__gi_item big[] = {it(0, 4095, 3 * 4096 + 1, 0)};
+  assert_int_equal(claim(big, 1, 1, NULL), 0);
+  kvf__gi_item left[] = {it(0, 0, 4096, 0)}, right[] = {it(0, 3 * 4096, 4 * 4096, 0)};
+  kvf__gi_item mid[] = {it(0, 2 * 4096 + 7, 2 * 4096 + 8, 0)};
+  kvf__gi_item l_ok[] = {it(0, 0, 4095, 0)}, r_ok[] = {it(0, 3 * 4096 + 1, 4 * 4096, 0)};
+  assert_int_equal(claim(left, 1, 2, NULL), KVF_EBUSY);
+  assert_int_equal(claim(right, 1, 2, NULL), KVF_EBUSY);
+  assert_int_equal(claim(mid, 1, 2, NULL), KVF_EBUSY);
+  assert_int_equal(claim(l_ok, 1, 2, NULL), 0);
+  assert_int_equal(claim(r_ok, 1, 3, NULL), 0);
+  kvf__gi_release(&G, OWNER(1));
+  assert_int_equal(claim(mid, 1, 4, NULL), 0);
+  uint64_t T = 1ull << 40;
+  kvf__gi_item huge[] = {it(7, T - 5, T + (9ull << 20), 0), it(7, 3 * T, 3 * T + 10, 1)};
+  assert_int_equal(claim(huge, 2, 5, NULL), 0);
+  kvf__gi_item h_in[] = {it(7, T + (5ull << 20), T + (5ull << 20) + 1, 0)};
+  kvf__gi_item h_out[] = {it(7, T + (9ull << 20), T + (10ull << 20), 0)};
+  assert_int_equal(claim(h_in, 1, 6, NULL), KVF_EBUSY);
+  assert_int_equal(claim(h_out, 1, 6, NULL), 0);
+}
+
+/* grant-overlap allow: another owner's ranges do not count, one grant's
+ * own still do; releasing one of two overlapping grants leaves the other's
+ * ranges held. */
+static void test_allow(void **state) {
+  kvf__gi_item a[] = {it(0, 0, 8192, 0)}, b[] = {it(0, 4096, 12288, 0)};
+  kvf__gi_clash c;
+  assert_int_equal(gclaim(a, 1, 1, false, &c), 0);
+  assert_int_equal(gclaim(b, 1, 2, false, &c), 0);
+  kvf__gi_item self[] = {it(0, 0, 10, 0), it(0, 5, 15, 1)};
+  assert_int_equal(gclaim(self, 2, 3, false, &c), KVF_EINVAL);
+  kvf__gi_release(&G, OWNER(1));
+  kvf__gi_item probe[] = {it(0, 8000, 8001, 0)}, gone[] = {it(0, 0, 4096, 0)};
+  assert_int_equal(claim(probe, 1, 4, &c), KVF_EBUSY);
+  assert_ptr_equal(c.owner, OWNER(2));
+  assert_int_equal(claim(gone, 1, 5, NULL), 0);
 }
 
 static uint64_t lcg(uint64_t *s) {
@@ -127,111 +195,68 @@ static uint64_t lcg(uint64_t *s) {
   return *s >> 33;
 }
 
-static int item_cmp(const void *pa, const void *pb) {
-  const kvf__gi_item *a = pa, *b = pb;
-  if (a->pool != b->pool) return a->pool < b->pool ? -1 : 1;
-  return a->start < b->start ? -1 : a->start > b->start;
-}
-
-/* Random grants (several pools, offsets up to 2^40 so the radix sort takes
- * four passes) against a brute-force model: kvf__gi_runs says overlap iff
- * two ranges share a byte; kvf__gi_find iff a range shares a byte with an
- * open grant's; runs cover exactly the bytes of the ranges. */
 static bool share(const kvf__gi_item *x, const kvf__gi_item *y) {
   return x->pool == y->pool && x->start < y->end && y->start < x->end && x->start < x->end && y->start < y->end;
 }
 
+/* Random grants over three pools (dense, so that many overlap; some
+ * ranges span granules) against a brute-force model: a claim fails with
+ * KVF_EINVAL iff two of its ranges share a byte (and the two named do),
+ * with KVF_EBUSY iff one shares a byte with a held range of another owner
+ * (the one named does); grants end at random. */
 static void test_random_model(void **state) {
   uint64_t seed = 7;
-  enum { N = 40, GRANTS = 400 };
-  kvf__gi_item held[GRANTS][N];
+  enum { N = 24, GRANTS = 600 };
+  static kvf__gi_item held[GRANTS][N];
   size_t nheld[GRANTS] = {0};
-  kvf__gindex g = {0};
   for (int t = 0; t < GRANTS; t++) {
     size_t n = 1 + lcg(&seed) % N;
-    kvf__gi_item v[N], orig[N];
-    uint64_t scale = t % 2 ? 1ull << 28 : 1; /* wide offsets, or dense and likely to overlap */
+    kvf__gi_item v[N];
     for (size_t i = 0; i < n; i++) {
-      uint64_t s = (lcg(&seed) % 4000) * scale, len = lcg(&seed) % 64 * (scale > 1 ? 4096 : 1);
-      v[i] = orig[i] = it((uint32_t)(lcg(&seed) % 3), s, s + len, (uint32_t)i);
+      uint64_t s = lcg(&seed) % (POOL_SIZE - 20000), len = lcg(&seed) % 3 ? lcg(&seed) % 300 : lcg(&seed) % 20000;
+      v[i] = it((uint32_t)(lcg(&seed) % 3), s, s + len, (uint32_t)i);
     }
-    bool self = false;
+    bool self = false, other = false;
     for (size_t i = 0; i < n; i++)
-      for (size_t j = i + 1; j < n; j++) self |= share(&orig[i], &orig[j]);
-    size_t nr;
-    kvf__gi_clash c;
-    int rc = kvf__gi_runs(v, n, &nr, &c);
-    assert_int_equal(rc, self ? KVF_EINVAL : 0);
-    if (self) {
-      assert_true(c.a < c.b && share(&orig[c.a], &orig[c.b]));
-      continue;
-    }
-    /* runs: sorted, disjoint, not touching, covering the same bytes */
-    uint64_t bytes = 0, rbytes = 0;
-    for (size_t i = 0; i < n; i++) bytes += orig[i].end - orig[i].start;
-    for (size_t i = 0; i < nr; i++) {
-      rbytes += v[i].end - v[i].start;
-      if (i) assert_true(v[i - 1].pool < v[i].pool || v[i - 1].end < v[i].start);
-    }
-    assert_int_equal(bytes, rbytes);
-    bool other = false;
+      for (size_t j = i + 1; j < n; j++) self |= share(&v[i], &v[j]);
     for (int o = 0; o < t; o++)
       for (size_t i = 0; i < nheld[o]; i++)
-        for (size_t j = 0; j < n; j++) other |= share(&held[o][i], &orig[j]);
-    rc = kvf__gi_find(&g, v, nr, &c);
-    assert_int_equal(rc, other ? KVF_EBUSY : 0);
-    if (!other) {
-      assert_int_equal(kvf__gi_add(&g, v, nr, &held[t]), 0);
-      memcpy(held[t], v, nr * sizeof(*v));
-      nheld[t] = nr;
+        for (size_t j = 0; j < n; j++) other |= share(&held[o][i], &v[j]);
+    kvf__gi_clash c;
+    int rc = claim(v, n, t, &c);
+    if (!self && !other) {
+      assert_int_equal(rc, 0);
+      memcpy(held[t], v, n * sizeof(*v));
+      nheld[t] = n;
+    } else if (rc == KVF_EINVAL) {
+      assert_true(self && c.a < c.b && share(&v[c.a], &v[c.b]));
+    } else {
+      assert_int_equal(rc, KVF_EBUSY);
+      assert_true(other);
+      int o = (int)((uintptr_t)c.owner - 0x1000);
+      assert_true(o >= 0 && o < t && nheld[o] > 0);
+      kvf__gi_item theirs = it(c.pool, c.b_start, c.b_end, 0);
+      assert_true(share(&v[c.a], &theirs));
     }
     if (lcg(&seed) % 3 == 0) { /* a grant ends */
       int o = (int)(lcg(&seed) % (t + 1));
-      kvf__gi_remove(&g, &held[o]);
+      kvf__gi_release(&G, OWNER(o));
       nheld[o] = 0;
     }
   }
   size_t total = 0;
-  for (int t = 0; t < GRANTS; t++) total += nheld[t];
-  assert_int_equal(kvf__gi_count(&g), total);
-  kvf__gi_free(&g);
-}
-
-/* The radix sort agrees with qsort on large shuffled inputs. */
-static void test_radix_matches_qsort(void **state) {
-  enum { N = 100000 };
-  kvf__gi_item *v = malloc(N * sizeof(*v)), *w = malloc(N * sizeof(*w));
-  assert_non_null(v);
-  assert_non_null(w);
-  uint64_t seed = 3;
-  for (size_t i = 0; i < N; i++) { /* distinct blocks of 4 KiB, shuffled, two pools */
-    v[i] = it((uint32_t)(i % 2), (uint64_t)(i / 2) * 8192, (uint64_t)(i / 2) * 8192 + 4096, (uint32_t)i);
-  }
-  for (size_t i = N - 1; i > 0; i--) {
-    size_t j = lcg(&seed) % (i + 1);
-    kvf__gi_item t = v[i];
-    v[i] = v[j], v[j] = t;
-  }
-  memcpy(w, v, N * sizeof(*v));
-  qsort(w, N, sizeof(*w), item_cmp);
-  size_t nr;
-  assert_int_equal(kvf__gi_runs(v, N, &nr, NULL), 0);
-  assert_int_equal(nr, N); /* gaps between blocks: nothing merges */
-  for (size_t i = 0; i < N; i++) assert_true(v[i].pool == w[i].pool && v[i].start == w[i].start);
-  free(v);
-  free(w);
+  for (int t = 0; t < GRANTS; t++)
+    for (size_t i = 0; i < nheld[t]; i++) total += held[t][i].start < held[t][i].end;
+  assert_int_equal(kvf__gi_count(&G), total);
+  for (int t = 0; t < GRANTS; t++) kvf__gi_release(&G, OWNER(t));
+  assert_int_equal(kvf__gi_count(&G), 0);
 }
 
 int main(void) {
+#define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
   const struct CMUnitTest tests[] = {
-      cmocka_unit_test(test_sorted_touching),
-      cmocka_unit_test(test_sorted_overlap),
-      cmocka_unit_test(test_unsorted),
-      cmocka_unit_test(test_zero_length),
-      cmocka_unit_test(test_pools),
-      cmocka_unit_test(test_index_adjacent_and_remove),
-      cmocka_unit_test(test_random_model),
-      cmocka_unit_test(test_radix_matches_qsort),
+      T(test_touching_and_overlap), T(test_unsorted), T(test_zero_length), T(test_pools),
+      T(test_adjacent_and_release), T(test_granule_edges), T(test_allow), T(test_random_model),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
