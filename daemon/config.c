@@ -187,13 +187,13 @@ static const struct opt opts[] = {
              "for their other half (each waits at most its deadline). Past it, a new "
              "one is refused to the peer with KVF_ELIMIT: its send or grant fails, "
              "nothing else does."},
-    {.name = "grant-overlap", .type = OPT_ENUM, .off = F(grant_overlap), .words = overlap_words,
-     .def = "refuse",
+    {.name = "grant-overlap", .reload = true, .type = OPT_ENUM, .off = F(grant_overlap),
+     .words = overlap_words, .def = "refuse",
      .help = "A receive grant whose ranges overlap those of a grant still open in the same "
              "pool: refuse = refused with KVF_EBUSY (the message names both ranges and the "
              "other grant), allow = accepted (whichever write lands last wins; for engines "
              "that reuse memory on purpose). Ranges that overlap within one grant are always "
-             "refused (KVF_EINVAL). A change needs a restart."},
+             "refused (KVF_EINVAL). A change applies to grants posted after it."},
     {.name = "hugepages", .type = OPT_ENUM, .off = F(hugepages),
      .words = tristate_words, .def = "auto",
      .help = "Huge pages for host pools: auto = if available, on = required, "

@@ -305,8 +305,9 @@ static void say_clash(const kvf__xfer *x, const kvf__gi_clash *c, int rc, char *
     return;
   }
   const kvf__xfer *other = c->owner;
-  snprintf(err, errlen, "%s (pool %" PRIu32 " [%" PRIu64 ", %" PRIu64 ")) overlaps [%" PRIu64 ", %" PRIu64
-           ") of the open grant '%.40s' (grant-overlap refuse)", a, c->pool, c->a_start, c->a_end, c->b_start,
+  piece_name(other, c->b, b, sizeof(b));
+  snprintf(err, errlen, "%s (pool %" PRIu32 " [%" PRIu64 ", %" PRIu64 ")) overlaps %s ([%" PRIu64 ", %" PRIu64
+           ")) of the open grant '%.40s' (grant-overlap refuse)", a, c->pool, c->a_start, c->a_end, b, c->b_start,
            c->b_end, other->id);
 }
 

@@ -9,6 +9,7 @@ accepts it; blocks: a repeated id, a shared id on shared layers, and two
 layouts over the same bytes. Every transfer checks every byte it moved."""
 import os
 import random
+import signal
 import unittest
 
 import kvftest  # first: puts the binding from the source tree on sys.path
@@ -108,14 +109,14 @@ class Overlap(kvftest.PairTestCase):
         self.move("t1", offs, 1)
 
     def test_second_grant_over_the_same_bytes(self):
-        self.cd.grant("s1", "prefill", [self.pd.desc(i * BLK, BLK) for i in range(4)])  # one run
+        self.cd.grant("s1", "prefill", [self.pd.desc(i * BLK, BLK) for i in range(4)])
         self.assert_code(KVF_EBUSY, lambda: self.cd.grant("s2", "prefill", [self.pd.desc(3 * BLK, 2 * BLK)]))
         c = RawClient(self.dec.sock)
         try:
             status, err = c.call(raw_grant, b"s3", (self.pd.id, 10 * BLK, BLK), (self.pd.id, 2 * BLK, BLK))
             self.assertEqual(status, KVF_EBUSY)
-            self.assertIn("descriptor 1 (pool %d [8192, 12288)) overlaps [0, 16384) of the open grant 's1'"
-                          % self.pd.id, err)
+            self.assertIn("descriptor 1 (pool %d [8192, 12288)) overlaps descriptor 2 ([8192, 12288)) of the "
+                          "open grant 's1'" % self.pd.id, err)
         finally:
             c.close()
         self.cd.grant("s4", "prefill", [self.pd.desc(4 * BLK, BLK)])  # touching: fine
@@ -203,9 +204,11 @@ class Blocks(kvftest.PairTestCase):
 
 class Allow(unittest.TestCase):
     """grant-overlap allow: a second grant over the same bytes is accepted;
-    each transfer lands in turn; overlap within a grant is still refused."""
+    each transfer lands in turn; overlap within a grant is still refused.
+    SIGHUP back to refuse: a grant over the bytes of one still open (from
+    before) is refused."""
 
-    def test_allowed(self):
+    def test_allowed_then_refused_after_reload(self):
         pre, dec = kvftest.pair(kvftest.tempdir(), pool="8M", extra="grant-overlap allow")
         try:
             with pre.client() as cp, dec.client() as cd:
@@ -215,6 +218,7 @@ class Allow(unittest.TestCase):
                 self.assertEqual(cm.exception.code, KVF_EINVAL)
                 cd.grant("a1", "prefill", [pd.desc(0, 2 * BLK)])
                 cd.grant("a2", "prefill", [pd.desc(BLK, 2 * BLK)])
+                cd.grant("a3", "prefill", [pd.desc(BLK, BLK)])
                 for xid, src_off, seed in (("a1", 0, 11), ("a2", 2 * BLK, 12)):
                     data = pattern(seed, 2 * BLK)
                     pp.memory[src_off:src_off + 2 * BLK] = data
@@ -223,7 +227,20 @@ class Allow(unittest.TestCase):
                     self.assertEqual(wait_event(cd, xid).status, 0)
                     dst = 0 if xid == "a1" else BLK
                     self.assertEqual(bytes(pd.memory[dst:dst + 2 * BLK]), data, xid)
-            self.assertIn("grant-overlap allow", open(dec.conf).read())
+                # a3 (over [BLK, 2 BLK)) is still open: refuse applies to what comes next
+                n = dec.log_text().count("reload done")
+                dec.extra = "grant-overlap refuse"
+                dec.write_conf()
+                dec.signal(signal.SIGHUP)
+                kvftest.wait_for(lambda: dec.log_text().count("reload done") > n, 5, "the reload")
+                self.assertIn("reload: grant-overlap: allow -> refuse", dec.log_text())
+                with self.assertRaises(kvferry.KvferryError) as cm:
+                    cd.grant("a4", "prefill", [pd.desc(0, 2 * BLK)])
+                self.assertEqual(cm.exception.code, KVF_EBUSY)
+                cd.grant("a4", "prefill", [pd.desc(2 * BLK, BLK)])
+                for xid in ("a3", "a4"):
+                    cd.cancel(xid)
+                    self.assertEqual(wait_event(cd, xid).status, -4013)  # KVF_ECANCELED
         finally:
             for d in (pre, dec):
                 self.assertEqual(d.stop(), 0)
