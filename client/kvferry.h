@@ -187,7 +187,16 @@ typedef struct kvf_desc {
 /* Decode side: blocks of transfer xfer_id go to descs. src_node NULL or ""
  * accepts the send from any node; naming it lets the daemon push the grant
  * ahead to that node (no round trip when the send comes). deadline_ms 0 uses
- * the daemon's default. Completion: one KVF_EV_RECV_DONE. */
+ * the daemon's default. Completion: one KVF_EV_RECV_DONE.
+ * Destinations must not overlap: two descs sharing a byte are KVF_EINVAL
+ * (touching ones are fine), and descs sharing a byte with a grant still
+ * open in the same pool (any client's) are KVF_EBUSY, unless the daemon
+ * runs with grant-overlap allow; a grant's bytes are free again once its
+ * KVF_EV_RECV_DONE is out. The daemon's answer names the two ranges (the
+ * library returns only the code; the daemon logs it at debug level). The same holds for
+ * kvf_grant_blocks: an id twice in one grant is KVF_EINVAL, and blocks
+ * whose bytes an open grant holds (the same layout on shared layers, or
+ * another layout over the same memory) KVF_EBUSY. */
 int kvf_grant(kvf_client *c, const char *xfer_id, const char *src_node,
               const kvf_desc *descs, size_t n, uint32_t deadline_ms);
 

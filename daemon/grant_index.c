@@ -11,6 +11,7 @@
 
 #include "kvferry.h"
 #include "kvferryd.h"
+#include "log.h"
 #include "pool.h"
 #include "xfer.h"
 
@@ -319,7 +320,10 @@ int kvf__xfer_claim(kvf__xfer *x, char *err, size_t errlen) {
   if (rc) return rc;
   kvf__gi_clash c;
   rc = kvf__gi_claim(&open_grants, v, n, x, kvfd.cfg.grant_overlap == KVF__GRANT_OVERLAP_REFUSE, &c);
-  if (rc == KVF_EINVAL || rc == KVF_EBUSY) say_clash(x, &c, rc, err, errlen);
+  if (rc == KVF_EINVAL || rc == KVF_EBUSY) {
+    say_clash(x, &c, rc, err, errlen);
+    kvf__debug("grant '%s' refused: %s", x->id, err);
+  }
   if (rc) free(v); /* else the index keeps it */
   return rc;
 }
