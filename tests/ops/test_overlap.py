@@ -6,7 +6,8 @@ fine; a grant over bytes that an open grant of the same pool holds is
 refused with KVF_EBUSY naming the other grant, and accepted once that one
 completed, failed at its deadline or was cancelled; grant-overlap allow
 accepts it; blocks: a repeated id, a shared id on shared layers, and two
-layouts over the same bytes. Every transfer checks every byte it moved."""
+layouts over the same bytes. Every transfer checks every byte it moved.
+Also item 12: what RECV_DONE's bytes say after a failure."""
 import os
 import random
 import signal
@@ -200,6 +201,43 @@ class Blocks(kvftest.PairTestCase):
         for xid in ("b3", "b4", "b5"):
             self.cd.cancel(xid)
             self.assertNotEqual(wait_event(self.cd, xid).status, 0)
+
+
+    def test_failed_recv_done_bytes(self):
+        """Issue 15, item 12: a receive that fails after some layers landed
+        reports the grant's whole size in RECV_DONE's bytes (as kvferry.h
+        says: the receiver does not know what landed), and its LAYER_DONE
+        events say which layers did; those hold the sender's bytes, the
+        others are untouched."""
+        ids = [4, 6, 8]
+        used = 2 * self.L * self.NB * BLK
+        data = pattern(21, used)
+        self.pp.memory[0:used] = data
+        self.pd.memory[0:used] = bytes(used)
+        self.cd.grant_blocks("ev1", "prefill", self.dst, ids, layer_events=True)
+        self.cp.send_blocks("ev1", "decode", self.src, ids, first_layer=0, n_layers=2, more=True)
+        for layer in range(2):
+            ev = wait_event(self.cd, "ev1", type=kvferry.LAYER_DONE)
+            self.assertEqual((ev.layer, ev.bytes), (layer, len(ids) * 2 * BLK))
+        self.cp.cancel("ev1")
+        self.assertEqual(wait_event(self.cp, "ev1").status, -4013)  # KVF_ECANCELED
+        ev = wait_event(self.cd, "ev1")
+        self.assertEqual((ev.type, ev.status), (kvferry.RECV_DONE, -4006))  # KVF_EREMOTECANCEL
+        self.assertEqual(ev.bytes, self.L * 2 * len(ids) * BLK, "the grant's size, not what landed")
+        self.assertEqual(ev.descriptors, self.L * 2 * len(ids))
+        mem = self.pd.memory
+        for layer in range(self.L):
+            for kv in range(2):
+                region = (2 * layer + kv) * self.NB * BLK
+                for b in ids:
+                    got = bytes(mem[region + b * BLK:region + (b + 1) * BLK])
+                    want = data[region + b * BLK:region + (b + 1) * BLK] if layer < 2 else bytes(BLK)
+                    self.assertEqual(got, want, (layer, kv, b))
+        self.cd.grant_blocks("ev2", "prefill", self.dst, ids)  # the bytes are free again
+        self.cp.send_blocks("ev2", "decode", self.src, ids)
+        self.assertEqual(wait_event(self.cp, "ev2").status, 0)
+        ev = wait_event(self.cd, "ev2")
+        self.assertEqual((ev.status, ev.bytes), (0, self.L * 2 * len(ids) * BLK))
 
 
 class Allow(unittest.TestCase):
