@@ -31,6 +31,7 @@ struct kvf__gi_pool {
 };
 
 #define GRANULE_MIN_SHIFT 12
+#define GRANULE_MAX_SHIFT 16
 #define MAX_GRANULES (1ull << 20)
 
 typedef struct owner_rec {
@@ -41,14 +42,26 @@ typedef struct owner_rec {
 
 static void owner_key(char *buf, size_t len, const void *owner) { snprintf(buf, len, "%p", owner); }
 
+/* The granule for a pool of size bytes whose grants' smallest range is
+ * min_len: about that range (one list entry per range, a short list per
+ * granule), within [4 KiB, 64 KiB], and no more than 2^20 granules. */
+static unsigned granule_shift(uint64_t size, uint64_t min_len) {
+  unsigned shift = GRANULE_MIN_SHIFT;
+  while (shift < GRANULE_MAX_SHIFT && (2ull << shift) <= min_len) shift++;
+  while ((size >> shift) >= MAX_GRANULES) shift++;
+  return shift;
+}
+
 /* The granule map of pool id, made (or remade, for a pool id that now
- * names another pool) while it holds nothing. */
-static kvf__gi_pool *pool_for(kvf__gindex *g, uint32_t id, int *rc) {
+ * names another pool, or ranges of another size by 4x or more) while it
+ * holds nothing. */
+static kvf__gi_pool *pool_for(kvf__gindex *g, uint32_t id, uint64_t min_len, int *rc) {
   kvf__gi_pool *p = NULL;
   for (size_t i = 0; i < g->n_pools && !p; i++)
     if (g->p[i].pool == id) p = &g->p[i];
   uint64_t size = g->size_of ? g->size_of(id) : 0;
-  if (p && (p->size == size || p->held > 0)) return p;
+  unsigned shift = granule_shift(size, min_len);
+  if (p && (p->held > 0 || (p->size == size && shift < p->shift + 2 && shift + 2 > p->shift))) return p;
   if (size == 0) {
     *rc = KVF_ENOPOOL;
     return NULL;
@@ -60,8 +73,6 @@ static kvf__gi_pool *pool_for(kvf__gindex *g, uint32_t id, int *rc) {
     p = &g->p[g->n_pools++];
     *p = (kvf__gi_pool){.pool = id};
   }
-  unsigned shift = GRANULE_MIN_SHIFT;
-  while ((size >> shift) >= MAX_GRANULES) shift++;
   uint32_t *head = calloc((size_t)((size + (1ull << shift) - 1) >> shift), sizeof(*head));
   if (!head) goto oom;
   free(p->head);
@@ -165,11 +176,15 @@ int kvf__gi_claim(kvf__gindex *g, kvf__gi_item *v, size_t n, const void *owner, 
   owner_rec *rec = malloc(sizeof(*rec));
   int rc = rec ? 0 : -ENOMEM;
   size_t i = 0, ranges = 0;
+  uint64_t min_len = UINT64_MAX;
+  kvf__gi_pool *p = NULL;
+  for (size_t k = 0; k < n; k++)
+    if (v[k].end > v[k].start && v[k].end - v[k].start < min_len) min_len = v[k].end - v[k].start;
   for (; i < n && rc == 0; i++) {
     const kvf__gi_item *r = &v[i];
     if (r->start >= r->end) continue; /* empty: holds no byte */
     ranges++;
-    kvf__gi_pool *p = pool_for(g, r->pool, &rc);
+    if (!p || p->pool != r->pool) p = pool_for(g, r->pool, min_len, &rc); /* pools are few: mostly one */
     if (p && r->end > p->size) rc = KVF_ERANGE;
     if (rc == 0) rc = take_range(g, p, r, owner, others, c);
   }
