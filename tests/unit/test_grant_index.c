@@ -173,6 +173,30 @@ static void test_granule_edges(void **state) {
   assert_int_equal(claim(h_out, 1, 6, NULL), 0);
 }
 
+/* The map's granule follows the first grant's smallest range, and is
+ * remade for another size once the pool holds nothing: both ways the
+ * answers stay exact. */
+static void test_granule_remade(void **state) {
+  kvf__gi_item big[] = {it(1, 0, 65536, 0), it(1, 131072, 196608, 1)}; /* 64 KiB granules */
+  assert_int_equal(claim(big, 2, 1, NULL), 0);
+  kvf__gi_item tiny[] = {it(1, 65536, 65600, 0), it(1, 65600, 65700, 1), it(1, 131000, 131073, 2)};
+  kvf__gi_clash c;
+  assert_int_equal(claim(tiny, 3, 2, &c), KVF_EBUSY); /* the last one: a byte of big[1] */
+  assert_int_equal(c.a, 2);
+  tiny[2].end = 131072;
+  assert_int_equal(claim(tiny, 3, 2, NULL), 0);
+  kvf__gi_release(&G, OWNER(1));
+  kvf__gi_release(&G, OWNER(2));
+  assert_int_equal(kvf__gi_count(&G), 0);
+  kvf__gi_item small[] = {it(1, 100, 164, 0), it(1, 70000, 70064, 1)}; /* remade: 4 KiB granules */
+  assert_int_equal(claim(small, 2, 3, NULL), 0);
+  kvf__gi_item across[] = {it(1, 0, 200000, 0)};
+  assert_int_equal(claim(across, 1, 4, &c), KVF_EBUSY);
+  kvf__gi_item between[] = {it(1, 164, 70000, 0), it(1, 70064, 300000, 1)};
+  assert_int_equal(claim(between, 2, 4, NULL), 0);
+  assert_int_equal(kvf__gi_count(&G), 4);
+}
+
 /* grant-overlap allow: another owner's ranges do not count, one grant's
  * own still do; releasing one of two overlapping grants leaves the other's
  * ranges held. */
@@ -256,7 +280,7 @@ int main(void) {
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
   const struct CMUnitTest tests[] = {
       T(test_touching_and_overlap), T(test_unsorted), T(test_zero_length), T(test_pools),
-      T(test_adjacent_and_release), T(test_granule_edges), T(test_allow), T(test_random_model),
+      T(test_adjacent_and_release), T(test_granule_edges), T(test_granule_remade), T(test_allow), T(test_random_model),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
