@@ -10,11 +10,13 @@
 #include <cmocka.h>
 
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "grant_index.h"
 #include "kvferry.h"
+#include "xfer.h"
 
 #define POOL_SIZE (1ull << 22) /* 4 MiB: 4 KiB granules */
 
@@ -276,11 +278,63 @@ static void test_random_model(void **state) {
   assert_int_equal(kvf__gi_count(&G), 0);
 }
 
+/* The daemon's glue (kvf__xfer_claim): what a refused grant of blocks
+ * says, and that an unclaimed grant's blocks are free again. */
+static kvf__xfer *blocks_grant(const char *id, const uint64_t *offsets, const uint32_t *ids, size_t n,
+                               uint32_t first, uint32_t n_layers) {
+  kvf__xfer *x = calloc(1, sizeof(*x));
+  assert_non_null(x);
+  snprintf(x->id, sizeof(x->id), "%s", id);
+  x->role = KVF__RECV;
+  x->blocks = true;
+  x->mine.view = (kvf__lview){.pool = 0, .n_kv = 2, .n_blocks = 16, .first_layer = first, .n_layers = n_layers,
+                              .block_bytes = 4096, .block_stride = 4096, .offsets = offsets + 2 * first};
+  x->mine.ids = malloc(n * sizeof(*ids));
+  assert_non_null(x->mine.ids);
+  memcpy(x->mine.ids, ids, n * sizeof(*ids));
+  x->mine.n = n;
+  return x;
+}
+
+static void drop_grant(kvf__xfer *x) {
+  kvf__xfer_unclaim(x);
+  free(x->mine.ids);
+  free(x);
+}
+
+static void test_xfer_blocks_messages(void **state) {
+  uint64_t offsets[8]; /* 4 layers x K/V regions of 16 blocks */
+  for (int r = 0; r < 8; r++) offsets[r] = (uint64_t)r * 16 * 4096;
+  char err[256];
+  uint32_t dup[] = {3, 5, 3};
+  kvf__xfer *d = blocks_grant("dup", offsets, dup, 3, 0, 4);
+  assert_int_equal(kvf__xfer_claim(d, err, sizeof(err)), KVF_EINVAL);
+  assert_string_equal(err, "block id 3 appears twice in the grant (blocks 0 and 2): its bytes would be written twice");
+  drop_grant(d);
+  uint32_t a_ids[] = {1, 2, 3}, b_ids[] = {7, 3};
+  kvf__xfer *a = blocks_grant("a", offsets, a_ids, 3, 0, 2);
+  assert_int_equal(kvf__xfer_claim(a, err, sizeof(err)), 0);
+  kvf__xfer *b = blocks_grant("b", offsets, b_ids, 2, 1, 1);
+  assert_int_equal(kvf__xfer_claim(b, err, sizeof(err)), KVF_EBUSY);
+  assert_non_null(strstr(err, "block id 3 of layer 1 (pool 0 ["));
+  assert_non_null(strstr(err, "overlaps block id 3 of layer 1 ("));
+  assert_non_null(strstr(err, "of the open grant 'a' (grant-overlap refuse)"));
+  drop_grant(b);
+  kvf__xfer *c = blocks_grant("c", offsets, b_ids, 2, 2, 2); /* the same ids, other layers */
+  assert_int_equal(kvf__xfer_claim(c, err, sizeof(err)), 0);
+  drop_grant(a);
+  kvf__xfer *b2 = blocks_grant("b2", offsets, b_ids, 2, 1, 1); /* a is gone */
+  assert_int_equal(kvf__xfer_claim(b2, err, sizeof(err)), 0);
+  drop_grant(b2);
+  drop_grant(c);
+}
+
 int main(void) {
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
   const struct CMUnitTest tests[] = {
       T(test_touching_and_overlap), T(test_unsorted), T(test_zero_length), T(test_pools),
       T(test_adjacent_and_release), T(test_granule_edges), T(test_granule_remade), T(test_allow), T(test_random_model),
+      cmocka_unit_test(test_xfer_blocks_messages),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
