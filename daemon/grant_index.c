@@ -26,8 +26,10 @@ struct kvf__gi_pool {
   uint32_t pool;
   uint64_t size;
   unsigned shift;               /* granule = 1 << shift bytes */
-  uint32_t *head;               /* per granule: its first cell + 1; 0: none */
+  uint32_t *head;               /* per granule: its first cell + 1; 0: none. A list
+                                   runs from the highest start down */
   size_t held;                  /* cells in this pool */
+  bool mixed;                   /* some of its ranges overlap (grant-overlap allow) */
 };
 
 #define GRANULE_MIN_SHIFT 12
@@ -108,43 +110,78 @@ static uint32_t cell_new(kvf__gindex *g) {
   return ++g->n_cells;
 }
 
-/* Whether r overlaps a range of list k (a granule's) that counts: its own
- * grant's always, another owner's when others; *c says which. */
-static int check_granule(const kvf__gindex *g, uint32_t k, const kvf__gi_item *r, const void *owner, bool others,
-                         kvf__gi_clash *c) {
-  for (; k; k = g->cells[k - 1].next) {
+/* Whether e overlapping r counts: its own grant's always, another owner's
+ * when others; *c says which. */
+static int clash(const kvf__gi_cell *e, const kvf__gi_item *r, const void *owner, kvf__gi_clash *c) {
+  bool own = e->owner == owner;
+  /* a: the earlier descriptor of a grant, or the new grant's; b: the other */
+  bool e_first = own && e->idx < r->idx;
+  const kvf__gi_item ei = {.start = e->start, .end = e->end, .idx = e->idx};
+  const kvf__gi_item *a = e_first ? &ei : r, *b = e_first ? r : &ei;
+  *c = (kvf__gi_clash){.pool = r->pool, .a = a->idx, .b = b->idx, .a_start = a->start, .a_end = a->end,
+                       .b_start = b->start, .b_end = b->end, .owner = own ? NULL : e->owner};
+  return own ? KVF_EINVAL : KVF_EBUSY;
+}
+
+/* Checks r against granule gr's list and links a cell for it where its
+ * start belongs. The cells that start after r come first; of the others
+ * only the first can reach into r while the pool's ranges are disjoint
+ * (each ends before the one above it starts), so ranges that come in
+ * ascending order cost a step or two. A pool where grant-overlap allow let
+ * ranges overlap (mixed) walks whole lists until it is empty again. */
+static int take_granule(kvf__gindex *g, kvf__gi_pool *p, uint64_t gr, const kvf__gi_item *r, const void *owner,
+                        bool others, kvf__gi_clash *c) {
+  uint32_t prev = 0, k = p->head[gr];
+  if (k == 0) goto link; /* the common case: nothing else in this granule */
+  for (; k && g->cells[k - 1].start > r->start; prev = k, k = g->cells[k - 1].next) {
     const kvf__gi_cell *e = &g->cells[k - 1];
-    if (e->start >= r->end || r->start >= e->end || (e->owner != owner && !others)) continue;
-    bool own = e->owner == owner;
-    /* a: the earlier descriptor of a grant, or the new grant's; b: the other */
-    bool e_first = own && e->idx < r->idx;
-    const kvf__gi_item ei = {.start = e->start, .end = e->end, .idx = e->idx};
-    const kvf__gi_item *a = e_first ? &ei : r, *b = e_first ? r : &ei;
-    *c = (kvf__gi_clash){.pool = r->pool, .a = a->idx, .b = b->idx, .a_start = a->start, .a_end = a->end,
-                         .b_start = b->start, .b_end = b->end, .owner = own ? NULL : e->owner};
-    return own ? KVF_EINVAL : KVF_EBUSY;
+    if (e->start >= r->end) continue;
+    if (e->owner == owner || others) return clash(e, r, owner, c);
+    p->mixed = true;
   }
+  for (uint32_t j = k; j; j = g->cells[j - 1].next) {
+    const kvf__gi_cell *e = &g->cells[j - 1];
+    if (e->end > r->start) {
+      if (e->owner == owner || others) return clash(e, r, owner, c);
+      p->mixed = true;
+    }
+    if (!p->mixed) break;
+  }
+link:;
+  uint32_t nc = cell_new(g);
+  if (!nc) return -ENOMEM;
+  g->cells[nc - 1] = (kvf__gi_cell){.start = r->start, .end = r->end, .owner = owner, .idx = r->idx, .next = k};
+  if (prev) g->cells[prev - 1].next = nc;
+  else p->head[gr] = nc;
+  p->held++;
   return 0;
 }
 
-/* Takes owner's cells out of the granules that r touches. */
+/* Takes owner's cell for r out of each granule that r touches (where it
+ * went in: a failed claim may have stopped half way). */
 static void drop_range(kvf__gindex *g, const kvf__gi_item *r, const void *owner) {
   kvf__gi_pool *p = r->start < r->end ? pool_find(g, r->pool) : NULL;
   if (!p || r->end > p->size) return;
   for (uint64_t gr = r->start >> p->shift; gr <= (r->end - 1) >> p->shift; gr++) {
-    uint32_t *link = &p->head[gr];
-    while (*link) {
-      uint32_t k = *link;
+    uint32_t prev = 0, k = p->head[gr];
+    if (k && g->cells[k - 1].owner == owner && g->cells[k - 1].start == r->start) { /* mostly on top */
       kvf__gi_cell *e = &g->cells[k - 1];
-      if (e->owner != owner) {
-        link = &e->next;
-        continue;
-      }
-      *link = e->next;
+      p->head[gr] = e->next;
       e->next = g->free_cell;
       g->free_cell = k;
-      p->held--;
+      if (--p->held == 0) p->mixed = false;
+      continue;
     }
+    while (k && g->cells[k - 1].start > r->start) prev = k, k = g->cells[k - 1].next;
+    while (k && g->cells[k - 1].start == r->start && g->cells[k - 1].owner != owner)
+      prev = k, k = g->cells[k - 1].next;
+    if (!k || g->cells[k - 1].start != r->start) continue;
+    kvf__gi_cell *e = &g->cells[k - 1];
+    if (prev) g->cells[prev - 1].next = e->next;
+    else p->head[gr] = e->next;
+    e->next = g->free_cell;
+    g->free_cell = k;
+    if (--p->held == 0) p->mixed = false;
   }
 }
 
@@ -157,16 +194,33 @@ static void drop_all(kvf__gindex *g, const kvf__gi_item *v, size_t n, const void
 static int take_range(kvf__gindex *g, kvf__gi_pool *p, const kvf__gi_item *r, const void *owner, bool others,
                       kvf__gi_clash *c) {
   for (uint64_t gr = r->start >> p->shift; gr <= (r->end - 1) >> p->shift; gr++) {
-    int rc = check_granule(g, p->head[gr], r, owner, others, c);
+    int rc = take_granule(g, p, gr, r, owner, others, c);
     if (rc) return rc;
-    uint32_t k = cell_new(g);
-    if (!k) return -ENOMEM;
-    g->cells[k - 1] = (kvf__gi_cell){.start = r->start, .end = r->end, .owner = owner, .idx = r->idx,
-                                     .next = p->head[gr]};
-    p->head[gr] = k;
-    p->held++;
   }
   return 0;
+}
+
+static bool item_before(const kvf__gi_item *a, const kvf__gi_item *b) {
+  return a->pool < b->pool || (a->pool == b->pool && a->start < b->start);
+}
+
+static int item_cmp(const void *pa, const void *pb) {
+  const kvf__gi_item *a = pa, *b = pb;
+  return item_before(a, b) ? -1 : item_before(b, a) ? 1 : 0;
+}
+
+/* Ranges much smaller than a granule share lists: those of a grant go in
+ * ascending order, so that each is linked at its list's top (in any other
+ * order a list of k would cost k steps a range). */
+#define DENSE_LEN 512
+
+static void order_dense(kvf__gi_item *v, size_t n, uint64_t min_len) {
+  if (min_len >= DENSE_LEN) return;
+  for (size_t i = 1; i < n; i++)
+    if (item_before(&v[i], &v[i - 1])) {
+      qsort(v, n, sizeof(*v), item_cmp);
+      return;
+    }
 }
 
 int kvf__gi_claim(kvf__gindex *g, kvf__gi_item *v, size_t n, const void *owner, bool others, kvf__gi_clash *c) {
@@ -180,6 +234,7 @@ int kvf__gi_claim(kvf__gindex *g, kvf__gi_item *v, size_t n, const void *owner, 
   kvf__gi_pool *p = NULL;
   for (size_t k = 0; k < n; k++)
     if (v[k].end > v[k].start && v[k].end - v[k].start < min_len) min_len = v[k].end - v[k].start;
+  order_dense(v, n, min_len);
   for (; i < n && rc == 0; i++) {
     const kvf__gi_item *r = &v[i];
     if (r->start >= r->end) continue; /* empty: holds no byte */

@@ -278,6 +278,78 @@ static void test_random_model(void **state) {
   assert_int_equal(kvf__gi_count(&G), 0);
 }
 
+/* The same with grant-overlap switching at random between refuse and
+ * allow (SIGHUP), so that lists hold ranges that overlap (a mixed pool):
+ * every answer stays exact, and once every grant has ended the pool is
+ * empty. */
+static void test_random_mixed(void **state) {
+  uint64_t seed = 11;
+  enum { N = 16, GRANTS = 500 };
+  static kvf__gi_item held[GRANTS][N];
+  size_t nheld[GRANTS] = {0};
+  for (int t = 0; t < GRANTS; t++) {
+    size_t n = 1 + lcg(&seed) % N;
+    bool others = lcg(&seed) % 2;
+    kvf__gi_item v[N];
+    for (size_t i = 0; i < n; i++) {
+      uint64_t s = lcg(&seed) % 200000, len = 1 + lcg(&seed) % 9000;
+      v[i] = it(0, s, s + len, (uint32_t)i);
+    }
+    bool self = false, other = false;
+    for (size_t i = 0; i < n; i++)
+      for (size_t j = i + 1; j < n; j++) self |= share(&v[i], &v[j]);
+    for (int o = 0; o < t; o++)
+      for (size_t i = 0; i < nheld[o]; i++)
+        for (size_t j = 0; j < n; j++) other |= share(&held[o][i], &v[j]);
+    kvf__gi_clash c;
+    int rc = gclaim(v, n, t, others, &c);
+    if (!self && !(others && other)) {
+      assert_int_equal(rc, 0);
+      memcpy(held[t], v, n * sizeof(*v));
+      nheld[t] = n;
+    } else if (rc == KVF_EINVAL) {
+      assert_true(self && share(&v[c.a], &v[c.b]));
+    } else {
+      assert_int_equal(rc, KVF_EBUSY);
+      assert_true(others && other);
+      kvf__gi_item theirs = it(c.pool, c.b_start, c.b_end, 0);
+      assert_true(share(&v[c.a], &theirs));
+    }
+    if (lcg(&seed) % 3 == 0) {
+      int o = (int)(lcg(&seed) % (t + 1));
+      kvf__gi_release(&G, OWNER(o));
+      nheld[o] = 0;
+    }
+  }
+  for (int t = 0; t < GRANTS; t++) kvf__gi_release(&G, OWNER(t));
+  assert_int_equal(kvf__gi_count(&G), 0);
+  kvf__gi_item whole[] = {it(0, 0, POOL_SIZE, 0)}; /* nothing left behind */
+  assert_int_equal(claim(whole, 1, GRANTS, NULL), 0);
+}
+
+/* Many tiny ranges of one grant in one granule, shuffled (they are put in
+ * order first): all taken, and one more byte inside is found. */
+static void test_dense_grant(void **state) {
+  enum { N = 20000 };
+  kvf__gi_item *v = malloc(N * sizeof(*v));
+  assert_non_null(v);
+  for (size_t i = 0; i < N; i++) v[i] = it(1, 3 * i, 3 * i + 2, (uint32_t)i); /* 2 bytes, 1-byte gaps */
+  uint64_t seed = 5;
+  for (size_t i = N - 1; i > 0; i--) {
+    size_t j = lcg(&seed) % (i + 1);
+    kvf__gi_item t = v[i];
+    v[i] = v[j], v[j] = t;
+  }
+  assert_int_equal(claim(v, N, 1, NULL), 0);
+  assert_int_equal(kvf__gi_count(&G), N);
+  kvf__gi_item gap[] = {it(1, 3 * 777 + 2, 3 * 777 + 3, 0)}, in[] = {it(1, 3 * 778 + 1, 3 * 778 + 2, 0)};
+  assert_int_equal(claim(gap, 1, 2, NULL), 0);
+  kvf__gi_clash c;
+  assert_int_equal(claim(in, 1, 3, &c), KVF_EBUSY);
+  assert_true(c.b_start == 3 * 778 && c.b_end == 3 * 778 + 2);
+  free(v);
+}
+
 /* The daemon's glue (kvf__xfer_claim): what a refused grant of blocks
  * says, and that an unclaimed grant's blocks are free again. */
 static kvf__xfer *blocks_grant(const char *id, const uint64_t *offsets, const uint32_t *ids, size_t n,
@@ -334,7 +406,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       T(test_touching_and_overlap), T(test_unsorted), T(test_zero_length), T(test_pools),
       T(test_adjacent_and_release), T(test_granule_edges), T(test_granule_remade), T(test_allow), T(test_random_model),
-      cmocka_unit_test(test_xfer_blocks_messages),
+      T(test_random_mixed), T(test_dense_grant), cmocka_unit_test(test_xfer_blocks_messages),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
