@@ -10,16 +10,19 @@
  * (about the size of the smallest range of the grant that made the map,
  * within [4 KiB, 64 KiB], and larger when the pool would have more than
  * 2^20 of them; remade for another size when the pool holds nothing), and
- * each granule heads a list of the open ranges that touch it. A range is
- * checked against the lists of the granules it touches and then added to
- * them; its own grant's earlier ranges are there too, so one pass finds
- * both kinds of overlap without sorting anything. The cost per descriptor
- * does not grow with the number of open grants: a granule's list holds at
- * most granule / (smallest range) + 2 ranges, since open ranges are
- * disjoint (with grant-overlap allow, other grants' ranges may pile up in
- * a list). A range spanning g granules costs g list entries (a 2 MiB block
- * in 64 KiB granules: 32), paid per byte, not per descriptor. Releasing
- * walks the grant's ranges again (kept with it). Loop thread. */
+ * each granule heads a list of the open ranges that touch it, highest
+ * start first. A range is checked against the lists of the granules it
+ * touches and linked into them; its own grant's earlier ranges are there
+ * too, so one pass finds both kinds of overlap. The ranges held are
+ * disjoint, so a check stops at the first range that starts below its
+ * own: ranges in ascending order cost a step or two each, and a grant of
+ * ranges much smaller than a granule is put in order first. The cost per
+ * descriptor does not grow with the number of open grants. Where
+ * grant-overlap allow let ranges overlap, the pool's lists are walked
+ * whole until it is empty again. A range spanning g granules costs g list
+ * entries (a 2 MiB block in 64 KiB granules: 32), paid per byte, not per
+ * descriptor. Releasing takes the grant's ranges (kept with it) out again.
+ * Loop thread. */
 #ifndef KVF_GRANT_INDEX_H
 #define KVF_GRANT_INDEX_H
 
