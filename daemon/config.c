@@ -134,7 +134,7 @@ static const struct opt opts[] = {
      .min = 10, .max = 60000, .def = "200",
      .help = "Interval of heartbeats to each connected peer."},
     {.name = "peer-timeout-ms", .reload = true, .type = OPT_U32, .off = F(peer_timeout_ms),
-     .min = 50, .max = 600000, .def = "800",
+     .min = 50, .max = 600000, .def = "700",
      .help = "A peer silent this long is dead (its transfers with data under way "
              "fail; sends not started wait for it within their deadlines); must exceed "
              "2 x heartbeat-ms. The default notices a dead peer within 1 s."},
