@@ -870,20 +870,23 @@ static void on_accept(uv_stream_t *server, int status) {
   uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
 }
 
-/* A peer that is not up while sends wait for it: a dial that has not
- * established within half a peer-timeout (its SYN or Hello lost: TCP would
- * retry only after a second or more) is given up and made again, and a
- * redial due later than reconnect-min-ms comes sooner: the link is back
- * within about one peer-timeout of the network healing, whatever backoff
- * the outage grew. */
-static void probe_for_waiting(kvf__peer *p, uint64_t now) {
-  if (!p->queued || p->removed || p->state == KVF__PEER_UP || kvfd.stopping) return;
+/* A peer that is not up. A dial that has not established within
+ * peer-timeout-ms (its SYN or Hello lost to a lossy network: TCP would
+ * retry only after a second or more, the handshake timer after 5 s) is
+ * given up and made again; within half that while sends wait for the peer
+ * (xfer_wait.c), whose redial also comes at reconnect-min-ms whatever
+ * backoff the outage grew: the link is back within about one peer-timeout
+ * of the network healing. */
+static void probe(kvf__peer *p, uint64_t now) {
+  if (p->removed || p->state == KVF__PEER_UP || kvfd.stopping) return;
+  uint32_t patience = p->queued ? kvfd.cfg.peer_timeout_ms / 2 : kvfd.cfg.peer_timeout_ms;
   if (p->dialing) {
-    if ((now - p->dial_ns) / 1000000ull > kvfd.cfg.peer_timeout_ms / 2)
-      conn_close(p->dialing, "no answer to our dial in time; dialing again (sends wait for the peer)");
+    if ((now - p->dial_ns) / 1000000ull > patience)
+      conn_close(p->dialing, "no answer to our dial in time; dialing again");
     return;
   }
-  if (uv_is_active((uv_handle_t *)&p->reconnect) && uv_timer_get_due_in(&p->reconnect) > kvfd.cfg.reconnect_min_ms)
+  if (p->queued && uv_is_active((uv_handle_t *)&p->reconnect) &&
+      uv_timer_get_due_in(&p->reconnect) > kvfd.cfg.reconnect_min_ms)
     uv_timer_start(&p->reconnect, on_reconnect, kvfd.cfg.reconnect_min_ms, 0);
 }
 
@@ -896,7 +899,7 @@ static void on_heartbeat(uv_timer_t *t) {
   m.heartbeat = &hb;
   for (size_t i = 0; i < P.n; i++) {
     kvf__peer *p = &P.peers[i];
-    probe_for_waiting(p, now);
+    probe(p, now);
     if (p->state != KVF__PEER_UP) continue;
     uint64_t silent_ms = (now - p->last_rx_ns) / 1000000ull;
     if (silent_ms > kvfd.cfg.peer_timeout_ms) {
