@@ -37,6 +37,8 @@ bool kvf__xwait_hold(kvf__xfer *x);
  * it), or 0 when it was not waiting. */
 int kvf__xwait_deadline(const kvf__xfer *x, char *why, size_t len);
 void kvf__xwait_on_reply(kvf__peer *p, const Kvf__OutcomeReply *r);
+/* Asks x's peer (up, the same incarnation) what became of x. */
+void kvf__xwait_ask(kvf__xfer *x);
 
 /* xfer_outcome.c: the receiver's memory of how its remote grants ended. */
 int kvf__xoutcome_init(uv_loop_t *loop);

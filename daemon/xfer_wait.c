@@ -16,7 +16,9 @@
  * deadline) it fails with KVF_EUNKNOWN, never a plain loss.
  *
  * A send interrupted while its data moved fails as before (KVF_EPEERLOST):
- * its receiver fails its grant too.
+ * its receiver fails its grant too. With one-sided writes (rdma) a send
+ * whose every part was posted (FLUSH) waits like one in RESULT: its
+ * receiver may have finished on the last write alone.
  *
  * x->peer->queued counts the sends waiting here, for max-peer-waiting and
  * for peer.c, which probes faster while any wait. */
@@ -62,6 +64,16 @@ bool kvf__xwait_hold(kvf__xfer *x) {
   case KVF__SEND_RESULT:
     set_wait(x, XW_OUTCOME);
     return true;
+  case KVF__SEND_CONFIRMED:
+    return true; /* the receiver said every byte landed: done once our posts are back */
+  case KVF__SEND_FLUSH:
+    /* Every part is posted. With one-sided writes (rdma) the receiver may
+     * finish on the last write alone (WRITE_WITH_IMM) before our completion
+     * is back: the outcome is the receiver's to tell. A two-sided receiver
+     * waits for our SendDone, not sent yet: it cannot have finished. */
+    if (!x->tp || !x->tp->ops->one_sided) return false;
+    set_wait(x, XW_OUTCOME);
+    return true;
   default:
     return false; /* data under way: it fails, and so does the receiver */
   }
@@ -86,7 +98,7 @@ int kvf__xwait_deadline(const kvf__xfer *x, char *why, size_t len) {
   }
 }
 
-static void ask(kvf__xfer *x) {
+void kvf__xwait_ask(kvf__xfer *x) {
   Kvf__OutcomeQuery q = KVF__OUTCOME_QUERY__INIT;
   q.handle = x->handle;
   q.xfer_id = x->id;
@@ -108,7 +120,8 @@ static void resume(kvf__xfer *x, kvf__peer *p) {
     return;
   }
   if (p->remote_session == x->peer_session) {
-    ask(x);
+    /* still FLUSH: its last writes are out; their return asks (send_done) */
+    if (x->send.state == KVF__SEND_RESULT) kvf__xwait_ask(x);
     return;
   }
   snprintf(why, sizeof(why), "outcome unknown: peer %s restarted before its result reached this daemon (the "

@@ -1804,6 +1804,42 @@ static void test_outcome_sender(void **state) {
   assert_clean();
 }
 
+/* One-sided writes (rdma): the receiver may finish on the last write alone.
+ * A send whose every part was posted when the link dropped asks once its
+ * posts are back and the link returns; one the receiver already confirmed
+ * succeeds whatever its late completions say. */
+static void test_outcome_one_sided(void **state) {
+  F.one_sided = true;
+  F.pb->remote_session = 91;
+  kvf__descs dst = mkd(1, 1, 0, 64, 64);
+  in_grant(F.pb, "U1", 0xa01, &dst);
+  in_grant(F.pb, "U2", 0xa02, &dst);
+  in_grant(F.pb, "U3", 0xa03, &dst);
+  kvf__descs_free(&dst);
+  assert_int_equal(do_send(SS, "U1", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
+  assert_int_equal(do_send(SS, "U2", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
+  assert_int_equal(do_send(SS, "U3", "B", mkd(1, 0, 0, 64, 64), true, 0), 0); /* more parts come */
+  in_recv_result(F.pb, 0xa02, 0); /* U2: CONFIRMED */
+  size_t before = F.nmsg;
+  F.pb->state = KVF__PEER_DOWN;
+  kvf__xfer_on_peer_down(F.pb);
+  complete_post(0, KVF_ECANCELED); /* the link's writes come back flushed */
+  complete_post(1, KVF_ECANCELED);
+  complete_post(2, KVF_ECANCELED);
+  expect_event("U2", SEND_DONE, SS, 0);           /* the receiver had confirmed it */
+  expect_event("U3", SEND_DONE, SS, KVF_EPEERLOST); /* mid-data: a loss */
+  assert_int_equal(nevents_for("U1"), 0);         /* waits for the receiver's word */
+  assert_int_equal(F.nmsg, before);
+  F.pb->state = KVF__PEER_UP;
+  kvf__xfer_on_peer_up(F.pb);
+  Kvf__OutcomeQuery *q = last_msg(F.pb, KVF__PEER_MSG__BODY_OUTCOME_QUERY)->outcome_query;
+  assert_int_equal(q->handle, 0xa01);
+  in_outcome_reply(F.pb, 0xa01, KVF__OUTCOME_REPLY__OUTCOME__OUTCOME_KNOWN, 0);
+  expect_event("U1", SEND_DONE, SS, 0);
+  assert_int_equal(F.pb->queued, 0);
+  assert_clean();
+}
+
 /* The receiver remembers how its grants ended, for their sender. */
 static void test_outcome_receiver(void **state) {
   F.pb->remote_session = 81;
@@ -2305,6 +2341,7 @@ int main(void) {
       T(test_peer_down),
       T(test_outcome_sender),
       T(test_outcome_receiver),
+      T(test_outcome_one_sided),
       T(test_session_gone),
       T(test_session_gone_local_pair),
       T(test_session_gone_local_pair_send_first),
