@@ -1048,12 +1048,6 @@ static void send_done(kvf__xfer *x) {
   m.body_case = KVF__PEER_MSG__BODY_SEND_DONE;
   m.send_done = &d;
   kvf__xfer_set_state(x, KVF__SEND_RESULT);
-  /* The link dropped while our last writes were out (one-sided): the
-   * receiver may have finished, ask it (now, or once it is back). */
-  if (x->send.wait_peer) {
-    if (X.env.peer_up(x->peer)) kvf__xwait_ask(x);
-    return;
-  }
   if (kvf__xfer_peer_send(x->peer, &m) != 0 && !kvf__xwait_hold(x))
     kvf__xfer_fail(x, KVF_EPEERLOST, "lost the peer", false, 0);
 }
@@ -1072,9 +1066,6 @@ void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
     if (twin_recv && twin_recv->recv.state == KVF__RECV_DRAIN) finish_failure(twin_recv);
     return;
   }
-  /* A one-sided send whose link dropped with its last writes out: they
-   * may have landed whatever this says; the receiver's word decides. */
-  if (status && s->wait_peer && s->state == KVF__SEND_FLUSH) status = 0;
   /* The receiver confirmed every byte: a late error (the link dropped) is
    * only the transport letting go of our source. */
   if (status && s->state == KVF__SEND_CONFIRMED) status = 0;

@@ -16,9 +16,12 @@
  * deadline) it fails with KVF_EUNKNOWN, never a plain loss.
  *
  * A send interrupted while its data moved fails as before (KVF_EPEERLOST):
- * its receiver fails its grant too. With one-sided writes (rdma) a send
- * whose every part was posted (FLUSH) waits like one in RESULT: its
- * receiver may have finished on the last write alone.
+ * its receiver fails its grant too; so does a send whose posts are still
+ * out (FLUSH), even with one-sided writes (rdma), where the receiver may
+ * finish on the last write alone: the transport cannot tell us yet whether
+ * that last write landed (a known gap, rare: the link must drop between
+ * the last write's arrival and its completion here). A send the receiver
+ * already confirmed (CONFIRMED) succeeds once its posts are back.
  *
  * x->peer->queued counts the sends waiting here, for max-peer-waiting and
  * for peer.c, which probes faster while any wait. */
@@ -66,14 +69,6 @@ bool kvf__xwait_hold(kvf__xfer *x) {
     return true;
   case KVF__SEND_CONFIRMED:
     return true; /* the receiver said every byte landed: done once our posts are back */
-  case KVF__SEND_FLUSH:
-    /* Every part is posted. With one-sided writes (rdma) the receiver may
-     * finish on the last write alone (WRITE_WITH_IMM) before our completion
-     * is back: the outcome is the receiver's to tell. A two-sided receiver
-     * waits for our SendDone, not sent yet: it cannot have finished. */
-    if (!x->tp || !x->tp->ops->one_sided) return false;
-    set_wait(x, XW_OUTCOME);
-    return true;
   default:
     return false; /* data under way: it fails, and so does the receiver */
   }

@@ -1804,10 +1804,10 @@ static void test_outcome_sender(void **state) {
   assert_clean();
 }
 
-/* One-sided writes (rdma): the receiver may finish on the last write alone.
- * A send whose every part was posted when the link dropped asks once its
- * posts are back and the link returns; one the receiver already confirmed
- * succeeds whatever its late completions say. */
+/* One-sided writes (rdma): a send the receiver already confirmed succeeds
+ * whatever its late completions say when the link drops; one whose posts
+ * are out, or one in the middle of its parts, fails with the loss; one
+ * that had said SendDone asks after the reconnect. */
 static void test_outcome_one_sided(void **state) {
   F.one_sided = true;
   F.pb->remote_session = 91;
@@ -1815,19 +1815,23 @@ static void test_outcome_one_sided(void **state) {
   in_grant(F.pb, "U1", 0xa01, &dst);
   in_grant(F.pb, "U2", 0xa02, &dst);
   in_grant(F.pb, "U3", 0xa03, &dst);
+  in_grant(F.pb, "U4", 0xa04, &dst);
   kvf__descs_free(&dst);
   assert_int_equal(do_send(SS, "U1", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
+  complete_post(0, 0); /* U1: SendDone said (RESULT) */
   assert_int_equal(do_send(SS, "U2", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
   assert_int_equal(do_send(SS, "U3", "B", mkd(1, 0, 0, 64, 64), true, 0), 0); /* more parts come */
+  assert_int_equal(do_send(SS, "U4", "B", mkd(1, 0, 0, 64, 64), false, 0), 0); /* FLUSH */
   in_recv_result(F.pb, 0xa02, 0); /* U2: CONFIRMED */
   size_t before = F.nmsg;
   F.pb->state = KVF__PEER_DOWN;
   kvf__xfer_on_peer_down(F.pb);
-  complete_post(0, KVF_ECANCELED); /* the link's writes come back flushed */
-  complete_post(1, KVF_ECANCELED);
+  complete_post(1, KVF_ECANCELED); /* the link's writes come back flushed */
   complete_post(2, KVF_ECANCELED);
-  expect_event("U2", SEND_DONE, SS, 0);           /* the receiver had confirmed it */
+  complete_post(3, KVF_ECANCELED);
+  expect_event("U2", SEND_DONE, SS, 0);             /* the receiver had confirmed it */
   expect_event("U3", SEND_DONE, SS, KVF_EPEERLOST); /* mid-data: a loss */
+  expect_event("U4", SEND_DONE, SS, KVF_EPEERLOST); /* posts out: a loss too */
   assert_int_equal(nevents_for("U1"), 0);         /* waits for the receiver's word */
   assert_int_equal(F.nmsg, before);
   F.pb->state = KVF__PEER_UP;
