@@ -54,7 +54,8 @@ extern "C" {
   XX(EEXIST, -4014, "a transfer with this id is already active here")                \
   XX(ENOENT, -4015, "no active transfer with this id")                               \
   XX(EINVAL, -4016, "invalid argument")                                              \
-  XX(EBUSY, -4017, "the memory is in use by a transfer")
+  XX(EBUSY, -4017, "the memory is in use by a transfer")                             \
+  XX(EUNKNOWN, -4018, "outcome unknown: the peer went away before its result came")
 
 enum kvf_errc {
 #define KVF_ERR_XX(name, code, message) KVF_##name = (code),
@@ -211,7 +212,20 @@ int kvf_grant(kvf_client *c, const char *xfer_id, const char *src_node,
 
 /* Prefill side: send descs to dst_node (which may be this node). Parts after
  * the first continue the pairing where the previous part stopped.
- * Completion: one KVF_EV_SEND_DONE after the last part. */
+ * Completion: one KVF_EV_SEND_DONE after the last part.
+ *
+ * A peer daemon that is not connected (down, or reconnecting) does not
+ * refuse the send: it waits, within its deadline, and starts once the link
+ * is up again. It fails with KVF_EDEADLINE when the deadline comes first,
+ * and with KVF_EPEERLOST at once when the peer is removed from the daemon's
+ * configuration. At most max-peer-waiting sends wait for one peer; past
+ * that a new one is refused with KVF_ELIMIT. A send interrupted while its
+ * data moves fails with KVF_EPEERLOST (its receiver fails too). A send
+ * whose every byte was handed over when the link dropped waits for the
+ * receiver's word instead: when the same peer (not restarted) is back
+ * within the deadline, KVF_EV_SEND_DONE reports what the receiver got;
+ * KVF_EUNKNOWN when it cannot know (the peer restarted, was removed, or
+ * stayed away past the deadline): the data may or may not have landed. */
 int kvf_send(kvf_client *c, const char *xfer_id, const char *dst_node,
              const kvf_desc *descs, size_t n, unsigned flags, uint32_t deadline_ms);
 

@@ -132,12 +132,13 @@ static const struct opt opts[] = {
      .min = 1, .max = 86400000, .def = "30000",
      .help = "Deadline of a transfer whose client gave none."},
     {.name = "heartbeat-ms", .reload = true, .type = OPT_U32, .off = F(heartbeat_ms),
-     .min = 10, .max = 60000, .def = "500",
+     .min = 10, .max = 60000, .def = "200",
      .help = "Interval of heartbeats to each connected peer."},
     {.name = "peer-timeout-ms", .reload = true, .type = OPT_U32, .off = F(peer_timeout_ms),
-     .min = 50, .max = 600000, .def = "3000",
-     .help = "A peer silent this long is dead (its transfers fail); must exceed "
-             "2 x heartbeat-ms."},
+     .min = 50, .max = 600000, .def = "700",
+     .help = "A peer silent this long is dead (its transfers with data under way "
+             "fail; sends not started wait for it within their deadlines); must exceed "
+             "2 x heartbeat-ms. The default notices a dead peer within 1 s."},
     {.name = "reconnect-min-ms", .reload = true, .type = OPT_U32, .off = F(reconnect_min_ms),
      .min = 1, .max = 60000, .def = "100",
      .help = "First delay before reconnecting to a lost peer (then doubled)."},
@@ -186,7 +187,9 @@ static const struct opt opts[] = {
      .help = "Most send intents and pushed grants that one peer may leave here waiting "
              "for their other half (each waits at most its deadline). Past it, a new "
              "one is refused to the peer with KVF_ELIMIT: its send or grant fails, "
-             "nothing else does."},
+             "nothing else does. Also the most of our sends that wait for one peer "
+             "that is down or reconnecting; past it a new send to it is refused "
+             "(KVF_ELIMIT)."},
     {.name = "grant-overlap", .reload = true, .type = OPT_ENUM, .off = F(grant_overlap),
      .words = overlap_words, .def = "refuse",
      .help = "A receive grant whose ranges overlap those of a grant still open in the same "

@@ -15,7 +15,13 @@
  *   bad-window-index     rdma, memory windows: the sending daemon reads every
  *                        entry of a Grant's window_of as the next window (as
  *                        a faulty receiver would send it); it must find the
- *                        right windows by search and deliver every byte */
+ *                        right windows by search and deliver every byte
+ *   result-lost          a receiving daemon that completed a remote grant
+ *                        does not send its RecvResult and drops its control
+ *                        link to the sender instead (both redial): the
+ *                        sender must learn the outcome after reconnecting
+ *   result-withheld      the same without the drop: the RecvResult is never
+ *                        sent (a test then kills or cuts the receiver) */
 #ifndef KVF_FAILPOINT_H
 #define KVF_FAILPOINT_H
 
@@ -23,7 +29,14 @@
 
 #include "desc.h"
 
-enum { KVF__FP_WRITE_OUTSIDE = 1, KVF__FP_LATE_WRITE = 2, KVF__FP_WRONG_QP = 3, KVF__FP_BAD_WINDOW_INDEX = 4 };
+enum {
+  KVF__FP_WRITE_OUTSIDE = 1,
+  KVF__FP_LATE_WRITE = 2,
+  KVF__FP_WRONG_QP = 3,
+  KVF__FP_BAD_WINDOW_INDEX = 4,
+  KVF__FP_RESULT_LOST = 5,
+  KVF__FP_RESULT_WITHHELD = 6,
+};
 
 bool kvf__failpoint(int which);
 /* write-outside-grant: moves the run of runs that ends highest to start at

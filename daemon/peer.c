@@ -262,6 +262,9 @@ static void schedule_reconnect(kvf__peer *p) {
   if (kvfd.stopping || p->removed) return;
   uint32_t ms = p->backoff_ms ? p->backoff_ms : kvfd.cfg.reconnect_min_ms;
   p->backoff_ms = ms * 2 > kvfd.cfg.reconnect_max_ms ? kvfd.cfg.reconnect_max_ms : ms * 2;
+  /* Sends wait for this peer (xfer_wait.c): probe at the shortest delay,
+   * so that they go on soon after the network heals. */
+  if (p->queued) ms = kvfd.cfg.reconnect_min_ms;
   uv_timer_start(&p->reconnect, on_reconnect, ms, 0);
 }
 
@@ -363,6 +366,7 @@ static void peer_up(kvf__peer *p, kvf__pconn *c) {
     return;
   }
   adopt_parked(p);
+  kvf__xfer_on_peer_up(p); /* the sends that waited for it go on */
 }
 
 /* Both sides dialed: keep the connection dialed by the smaller node name.
@@ -824,6 +828,7 @@ static void dial(kvf__peer *p) {
   }
   c->peer = p;
   p->dialing = c;
+  p->dial_ns = kvf__now_ns();
   p->state = KVF__PEER_CONNECTING;
   c->creq.data = c;
   int rc = uv_tcp_connect(&c->creq, &c->tcp, (struct sockaddr *)&p->addr, on_connected);
@@ -865,6 +870,26 @@ static void on_accept(uv_stream_t *server, int status) {
   uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
 }
 
+/* A peer that is not up. A dial that has not established within
+ * peer-timeout-ms (its SYN or Hello lost to a lossy network: TCP would
+ * retry only after a second or more, the handshake timer after 5 s) is
+ * given up and made again; within half that while sends wait for the peer
+ * (xfer_wait.c), whose redial also comes at reconnect-min-ms whatever
+ * backoff the outage grew: the link is back within about one peer-timeout
+ * of the network healing. */
+static void probe(kvf__peer *p, uint64_t now) {
+  if (p->removed || p->state == KVF__PEER_UP || kvfd.stopping) return;
+  uint32_t patience = p->queued ? kvfd.cfg.peer_timeout_ms / 2 : kvfd.cfg.peer_timeout_ms;
+  if (p->dialing) {
+    if ((now - p->dial_ns) / 1000000ull > patience)
+      conn_close(p->dialing, "no answer to our dial in time; dialing again");
+    return;
+  }
+  if (p->queued && uv_is_active((uv_handle_t *)&p->reconnect) &&
+      uv_timer_get_due_in(&p->reconnect) > kvfd.cfg.reconnect_min_ms)
+    uv_timer_start(&p->reconnect, on_reconnect, kvfd.cfg.reconnect_min_ms, 0);
+}
+
 static void on_heartbeat(uv_timer_t *t) {
   uint64_t now = kvf__now_ns();
   Kvf__Heartbeat hb = KVF__HEARTBEAT__INIT;
@@ -874,6 +899,7 @@ static void on_heartbeat(uv_timer_t *t) {
   m.heartbeat = &hb;
   for (size_t i = 0; i < P.n; i++) {
     kvf__peer *p = &P.peers[i];
+    probe(p, now);
     if (p->state != KVF__PEER_UP) continue;
     uint64_t silent_ms = (now - p->last_rx_ns) / 1000000ull;
     if (silent_ms > kvfd.cfg.peer_timeout_ms) {
@@ -1058,6 +1084,7 @@ void kvf__peers_reload(void) {
     if (p->removed || in_config(p->cfg.name)) continue;
     drop_peer(p, "removed from the configuration");
     p->removed = true;
+    kvf__xfer_on_peer_removed(p); /* what waited for it fails now */
     kvf__info("reload: peer %s removed", p->cfg.name);
   }
   for (size_t i = 0; i < kvfd.cfg.n_peers; i++) reload_one(&kvfd.cfg.peers[i]);

@@ -35,6 +35,8 @@ struct kvf__peer {
   char last_error[128];
   bool removed;                   /* dropped from the config by a reload; slot kept */
   uint32_t waiting;               /* its send intents and pushed grants held here (xfer.c) */
+  uint32_t queued;                /* our sends waiting for it to be up (xfer_wait.c) */
+  uint64_t dial_ns;               /* when our current dial began */
 };
 
 /* transports: candidates in preference order; tcp is the one that data

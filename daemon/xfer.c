@@ -208,7 +208,10 @@ static uint64_t deadline_ns(uint32_t ms) {
 
 static void on_deadline(uv_timer_t *t) {
   kvf__xfer *x = t->data;
-  kvf__xfer_fail(x, KVF_EDEADLINE, "the transfer's deadline expired", true, KVF_EDEADLINE);
+  char why[192];
+  int status = kvf__xwait_deadline(x, why, sizeof(why)); /* it waited for its peer */
+  if (status) kvf__xfer_fail(x, status, why, true, KVF_EDEADLINE);
+  else kvf__xfer_fail(x, KVF_EDEADLINE, "the transfer's deadline expired", true, KVF_EDEADLINE);
 }
 
 static kvf__xfer *xfer_new(kvf__session *s, const char *id, int role, uint32_t deadline_ms) {
@@ -307,6 +310,7 @@ static void free_after_close(uv_handle_t *h) {
 
 static void xfer_destroy(kvf__xfer *x) {
   char key[KVF__NAME_MAX + 64];
+  kvf__xwait_clear(x);
   if (x->tp) x->tp->ops->xfer_done(x->tp, x);
   kvf__xfer_unclaim(x); /* its memory may take another grant */
   kvf__map_del(x->role == KVF__RECV ? &X.recv_by_id : &X.send_by_id, x->id);
@@ -359,6 +363,7 @@ static void trace_send(const kvf__xfer *x) {
 
 static void succeed(kvf__xfer *x) {
   if (x->role == KVF__RECV) kvf__xrecv_flush_layers(x); /* every layer is in */
+  kvf__xoutcome_record(x, 0, NULL);
   kvf__xfer_set_state(x, KVF__XS_DONE);
   trace_send(x);
   emit(x, 0, NULL);
@@ -446,7 +451,10 @@ static void send_recv_result(kvf__xfer *x, int status, const char *why) {
 
 /* ---------------------------------------------------------------- failure */
 
+void kvf__xfer_succeed(kvf__xfer *x) { succeed(x); }
+
 static void emit_failure(kvf__xfer *x) {
+  kvf__xoutcome_record(x, x->status, x->error);
   kvf__xfer_set_state(x, KVF__XS_FAILED);
   emit(x, x->status, x->error);
   kvf__metrics_transfer(x, x->status);
@@ -615,6 +623,7 @@ static int bind_remote_send(kvf__xfer *x, uint64_t handle, kvf__descs *dst, kvf_
   x->send.grant = *gb;
   memset(gb, 0, sizeof(*gb));
   x->send.layer_events = layer_events;
+  x->peer_session = x->peer->remote_session; /* the receiver's incarnation (xfer_wait.c) */
   handle_key(key, sizeof(key), x, handle);
   if (kvf__map_put(&X.by_handle, key, x) != 0) return KVF_EEXIST;
   x->tp = X.env.peer_transport(x->peer);
@@ -638,6 +647,8 @@ static int bind_remote_recv(kvf__xfer *x, kvf__peer *p) {
   kvf__xfer_set_state(x, KVF__RECV_OPEN);
   return send_grant(x);
 }
+
+int kvf__xrecv_bind_remote(kvf__xfer *x, kvf__peer *p) { return bind_remote_recv(x, p); }
 
 static int copy_bytes(uint8_t **out, size_t *len, const ProtobufCBinaryData *w) {
   *out = NULL;
@@ -712,8 +723,13 @@ static int valid_id(const char *id) {
 
 static bool is_local(const char *node) { return node && strcmp(node, own_node()) == 0; }
 
-/* Rendezvous for a new send: a local grant, a pre-grant, or ask the peer. */
+/* Rendezvous for a new send: a local grant, a pre-grant, or ask the peer
+ * (once it is up: until then the send waits for it, xfer_wait.c). */
 static void rendezvous_send(kvf__xfer *x) {
+  if (x->peer && !X.env.peer_up(x->peer)) {
+    kvf__xwait_park(x);
+    return;
+  }
   if (!x->peer) {
     kvf__xfer *r = kvf__map_get(&X.recv_by_id, x->id);
     if (r && r->recv.state == KVF__RECV_WAIT && !r->peer && !r->twin &&
@@ -737,6 +753,8 @@ static void rendezvous_send(kvf__xfer *x) {
   }
   send_intent(x);
 }
+
+void kvf__xsend_rendezvous(kvf__xfer *x) { rendezvous_send(x); }
 
 static int check_existing_send(kvf__xfer *x, kvf__session *s, const char *dst_node) {
   if (x->owner != s) return KVF_EEXIST;
@@ -788,10 +806,9 @@ static kvf__xfer *send_under_way(kvf__session *s, const char *id, const char *ds
 /* A new send: *x, to p (NULL: this node), or an error. */
 static int send_new(kvf__session *s, const char *id, const char *dst_node, kvf__peer *p, uint32_t deadline_ms,
                     kvf__xfer **x, char *err, size_t errlen) {
-  if (p && !X.env.peer_up(p)) {
-    snprintf(err, errlen, "peer '%s' is not connected", dst_node);
-    return KVF_EPEERLOST;
-  }
+  /* A peer that is down or reconnecting: the send waits for it, within
+   * its deadline and max-peer-waiting (rendezvous_send). */
+  if (p && !X.env.peer_up(p) && !kvf__xwait_may_queue(p, dst_node, err, errlen)) return KVF_ELIMIT;
   *x = xfer_new(s, id, KVF__SEND, deadline_ms);
   if (!*x) return -ENOMEM;
   (*x)->peer = p;
@@ -1033,7 +1050,8 @@ static void send_done(kvf__xfer *x) {
   m.body_case = KVF__PEER_MSG__BODY_SEND_DONE;
   m.send_done = &d;
   kvf__xfer_set_state(x, KVF__SEND_RESULT);
-  if (kvf__xfer_peer_send(x->peer, &m) != 0) kvf__xfer_fail(x, KVF_EPEERLOST, "lost the peer", false, 0);
+  if (kvf__xfer_peer_send(x->peer, &m) != 0 && !kvf__xwait_hold(x))
+    kvf__xfer_fail(x, KVF_EPEERLOST, "lost the peer", false, 0);
 }
 
 void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
@@ -1050,6 +1068,9 @@ void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
     if (twin_recv && twin_recv->recv.state == KVF__RECV_DRAIN) finish_failure(twin_recv);
     return;
   }
+  /* The receiver confirmed every byte: a late error (the link dropped) is
+   * only the transport letting go of our source. */
+  if (status && s->state == KVF__SEND_CONFIRMED) status = 0;
   if (status) {
     kvf__xfer_fail(x, status, post_failure(status), true, status);
     return;
@@ -1065,6 +1086,12 @@ void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
 /* Every byte is placed and the sender said so: the grant closes. */
 static void complete_recv(kvf__xfer *x) {
   x->tp->ops->grant_close(x->tp, x);
+#ifdef KVF_FAILPOINTS
+  if (kvf__xoutcome_failpoint(x)) {
+    succeed(x);
+    return;
+  }
+#endif
   send_recv_result(x, 0, NULL);
   succeed(x);
 }
@@ -1118,6 +1145,8 @@ static kvf__xfer *by_handle(kvf__peer *p, int role, uint64_t handle) {
   kvf__xfer *x = kvf__map_get(&X.by_handle, key);
   return x && x->peer == p ? x : NULL;
 }
+
+kvf__xfer *kvf__xfer_by_handle(kvf__peer *p, int role, uint64_t handle) { return by_handle(p, role, handle); }
 
 static void on_intent(kvf__peer *p, const Kvf__SendIntent *si) {
   if (!valid_id(si->xfer_id)) return;
@@ -1257,8 +1286,12 @@ static void on_grant(kvf__peer *p, const Kvf__Grant *g) {
 
 static void on_send_done(kvf__peer *p, const Kvf__SendDone *d) {
   kvf__xfer *x = by_handle(p, KVF__RECV, d->handle);
-  if (!x || !kvf__xfer_live(x)) return;
-  if (d->bytes != kvf__xfer_bytes(x)) {
+  if (x) kvf__xrecv_sender_done(x, d->bytes);
+}
+
+void kvf__xrecv_sender_done(kvf__xfer *x, uint64_t bytes) {
+  if (!kvf__xfer_live(x)) return;
+  if (bytes != kvf__xfer_bytes(x)) {
     kvf__xfer_fail(x, KVF_ESIZE, "the sender sent a different number of bytes", true, KVF_ESIZE);
     return;
   }
@@ -1340,6 +1373,8 @@ void kvf__xfer_on_peer_msg(kvf__peer *p, const Kvf__PeerMsg *m) {
   case KVF__PEER_MSG__BODY_CANCEL: on_cancel(p, m->cancel); break;
   case KVF__PEER_MSG__BODY_CANCEL_DONE: on_cancel_done(p, m->cancel_done); break;
   case KVF__PEER_MSG__BODY_LAYERS_DONE: on_layers_done(p, m->layers_done); break;
+  case KVF__PEER_MSG__BODY_OUTCOME_QUERY: kvf__xoutcome_on_query(p, m->outcome_query); break;
+  case KVF__PEER_MSG__BODY_OUTCOME_REPLY: kvf__xwait_on_reply(p, m->outcome_reply); break;
   default: break;
   }
 }
@@ -1368,7 +1403,8 @@ static void sweep_tables(kvf__peer *p, bool expired_only) {
   }
 }
 
-static bool of_peer(kvf__xfer *x, void *p) { return x->peer == p; }
+/* Of peer p, and not kept waiting for it (xfer_wait.c). */
+static bool of_peer_not_held(kvf__xfer *x, void *p) { return x->peer == p && !kvf__xwait_hold(x); }
 
 /* Ends the fences that match: the peer is gone (its connections with it)
  * or the daemon stops. */
@@ -1381,8 +1417,11 @@ static void end_fences(kvf__peer *p) {
 
 void kvf__xfer_on_peer_down(kvf__peer *p) {
   sweep_tables(p, false);
-  fail_each(of_peer, p, KVF_EPEERLOST, "lost the peer daemon", false, 0);
+  fail_each(of_peer_not_held, p, KVF_EPEERLOST, "lost the peer daemon", false, 0);
   end_fences(p);
+  if (p->queued)
+    kvf__info("peer %s down: %u sends wait for it to come back (within their deadlines)", X.env.peer_name(p),
+              p->queued);
 }
 
 static void on_sweep(uv_timer_t *t) { sweep_tables(NULL, true); }
@@ -1396,6 +1435,8 @@ int kvf__xfer_init(uv_loop_t *loop, const kvf__xfer_env *env) {
   /* Handles start at a random point so that a restarted daemon's handles do
    * not collide with the ones its peers remember. */
   X.next_handle = (kvfd.session << 20) | 1;
+  int rc = kvf__xoutcome_init(loop);
+  if (rc) return rc;
   uv_timer_init(loop, &X.sweep);
   uv_timer_start(&X.sweep, on_sweep, 1000, 1000);
   uv_unref((uv_handle_t *)&X.sweep);
@@ -1411,6 +1452,7 @@ void kvf__xfer_shutdown(void) {
   for (kvf__xfer *x = X.head; x; x = x->next) x->owner = NULL;
   fail_each(any_xfer, NULL, KVF_ECANCELED, "the daemon is stopping", true, KVF_EREMOTECANCEL);
   sweep_tables(NULL, false);
+  kvf__xoutcome_shutdown();
   if (X.sweep_on) uv_close((uv_handle_t *)&X.sweep, NULL);
   X.sweep_on = false;
 }

@@ -215,6 +215,7 @@ typedef struct kvf__xsend {
   bool layer_events;          /* the grant wants them: */
   kvf__lrange *unannounced;   /* posted parts the receiver has not heard of */
   size_t n_unannounced;
+  uint8_t wait_peer;          /* XW_* (xfer_int.h): waits for its peer's link */
 } kvf__xsend;
 
 struct kvf__xfer {
@@ -229,6 +230,8 @@ struct kvf__xfer {
   kvf__xfer *twin;            /* local transfers: the other half */
   kvf__transport *tp;
   uint64_t handle;            /* the grant's handle, once known */
+  uint64_t peer_session;      /* a sender: the receiver's incarnation it said
+                                 SendDone to (asked again after a reconnect) */
   kvf__descs dst;             /* the grant's descriptors */
   int status;                 /* the failure to report once drained */
   char error[128];
@@ -305,7 +308,15 @@ void kvf__xfer_session_gone(kvf__session *s);
 
 /* Peer messages and events. */
 void kvf__xfer_on_peer_msg(kvf__peer *p, const Kvf__PeerMsg *m);
+/* The link to p dropped: transfers with data under way fail; sends that
+ * had not met their grant, or had sent every byte and wait for the
+ * receiver's result, wait for p to come back (xfer_wait.c). */
 void kvf__xfer_on_peer_down(kvf__peer *p);
+/* p is up (again): waiting sends go on, grants naming p are pushed. */
+void kvf__xfer_on_peer_up(kvf__peer *p);
+/* p left the configuration (after kvf__xfer_on_peer_down): what waits for
+ * it fails now. */
+void kvf__xfer_on_peer_removed(kvf__peer *p);
 
 /* Transport callbacks (loop thread). */
 void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last);

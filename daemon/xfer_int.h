@@ -1,5 +1,6 @@
-/* xfer_int.h - what xfer.c and xfer_blocks.c share: the state machine's
- * core operations and the blocks' half of it. Private to the two files. */
+/* xfer_int.h - what xfer.c, xfer_blocks.c, xfer_wait.c and xfer_outcome.c
+ * share: the state machine's core operations, the blocks' half of it, and
+ * the sends that wait for their peer. Private to those files. */
 #ifndef KVF_XFER_INT_H
 #define KVF_XFER_INT_H
 
@@ -11,6 +12,44 @@ void kvf__xfer_set_state(kvf__xfer *x, int to);
 bool kvf__xfer_live(const kvf__xfer *x);
 int kvf__xfer_peer_send(kvf__peer *p, Kvf__PeerMsg *m);
 void kvf__xfer_emit(kvf__session *s, const Kvf__Event *ev);
+void kvf__xfer_succeed(kvf__xfer *x);
+kvf__xfer *kvf__xfer_by_handle(kvf__peer *p, int role, uint64_t handle);
+/* A new send (or one that waited for its peer) meets its grant: a local
+ * grant, a pushed one, or it tells the peer (SendIntent). */
+void kvf__xsend_rendezvous(kvf__xfer *x);
+/* Binds a waiting grant to the remote sender p and sends (or opens) it. */
+int kvf__xrecv_bind_remote(kvf__xfer *x, kvf__peer *p);
+/* The sender said every byte is handed over (SendDone, or an OutcomeQuery
+ * that repeats it). */
+void kvf__xrecv_sender_done(kvf__xfer *x, uint64_t bytes);
+
+/* xfer_wait.c: sends that wait for their peer (x->send.wait_peer). */
+enum { XW_NONE = 0, XW_LINK, XW_OUTCOME, XW_ASKED };
+/* Whether one more send may wait for p (max-peer-waiting); err says why not. */
+bool kvf__xwait_may_queue(kvf__peer *p, const char *node, char *err, size_t errlen);
+/* A new send to a peer that is not up: it waits for it. */
+void kvf__xwait_park(kvf__xfer *x);
+/* x is going away: it no longer counts as waiting. */
+void kvf__xwait_clear(kvf__xfer *x);
+/* x's peer went down: true when x waits for it instead of failing. */
+bool kvf__xwait_hold(kvf__xfer *x);
+/* x's deadline came while it waited: the status to fail with (why says
+ * it), or 0 when it was not waiting. */
+int kvf__xwait_deadline(const kvf__xfer *x, char *why, size_t len);
+void kvf__xwait_on_reply(kvf__peer *p, const Kvf__OutcomeReply *r);
+/* Asks x's peer (up, the same incarnation) what became of x. */
+void kvf__xwait_ask(kvf__xfer *x);
+
+/* xfer_outcome.c: the receiver's memory of how its remote grants ended. */
+int kvf__xoutcome_init(uv_loop_t *loop);
+void kvf__xoutcome_shutdown(void);
+void kvf__xoutcome_record(const kvf__xfer *x, int status, const char *why);
+void kvf__xoutcome_on_query(kvf__peer *p, const Kvf__OutcomeQuery *q);
+#ifdef KVF_FAILPOINTS
+/* result-lost, result-withheld (failpoint.h): true when x's RecvResult is
+ * not to be sent. */
+bool kvf__xoutcome_failpoint(kvf__xfer *x);
+#endif
 
 /* xfer_blocks.c: both sides. */
 void kvf__xblocks_free(kvf__xblocks *b);

@@ -96,8 +96,8 @@ static void test_defaults(void **state) {
   assert_int_equal(c->n_peers, 0);
   assert_int_equal(c->n_pools, 0);
   assert_int_equal(c->default_deadline_ms, 30000);
-  assert_int_equal(c->heartbeat_ms, 500);
-  assert_int_equal(c->peer_timeout_ms, 3000);
+  assert_int_equal(c->heartbeat_ms, 200);
+  assert_int_equal(c->peer_timeout_ms, 700);
   assert_int_equal(c->reconnect_min_ms, 100);
   assert_int_equal(c->reconnect_max_ms, 5000);
   assert_int_equal(c->tcp_streams, 4);

@@ -1645,40 +1645,246 @@ static void test_peer_down(void **state) {
   kvf__xfer_on_peer_down(F.pb);
   expect_event("P1", RECV_DONE, SR, KVF_EPEERLOST);
   assert_int_equal(nclosed_of(p1), 1); /* the grant is revoked */
-  expect_event("P2", SEND_DONE, SS, KVF_EPEERLOST);
+  assert_int_equal(nevents_for("P2"), 0); /* no grant yet: it waits for B */
   assert_int_equal(nevents_for("P3"), 0); /* its post is still out */
   assert_int_equal(naborted_of(F.post[0].x), 1);
-  assert_int_equal(F.nev, 2);
+  assert_int_equal(F.nev, 1);
   assert_int_equal(F.nmsg, msgs_before); /* nobody to tell */
+  assert_int_equal(F.pb->queued, 1);
   kvf__xfer_counts c;
   kvf__xfer_counts_get(&c);
   assert_int_equal(c.pregrants, 1); /* C's */
   assert_int_equal(c.intents, 1);   /* C's */
   assert_int_equal(c.grants, 2);    /* Q1, L9 */
-  assert_int_equal(c.sends, 2);     /* Q2, P3 draining */
+  assert_int_equal(c.sends, 3);     /* Q2, P2 waiting, P3 draining */
   complete_post(0, KVF_ECANCELED);
   expect_event("P3", SEND_DONE, SS, KVF_EPEERLOST);
-  assert_int_equal(F.nev, 3);
+  assert_int_equal(F.nev, 2);
   assert_int_equal(nevents_for("Q1") + nevents_for("Q2") + nevents_for("L9"), 0);
 
-  /* While B is down: sends to it are refused at once; a grant naming it
-   * waits (it is not pushed). */
-  assert_int_equal(do_send(SS, "P6", "B", mkd(1, 0, 0, 64, 64), false, 0), KVF_EPEERLOST);
-  assert_true(strstr(errbuf, "B") != NULL);
+  /* While B is down: a new send waits for it too (no refusal, nothing
+   * sent); a grant naming it waits (it is not pushed). */
+  assert_int_equal(do_send(SS, "P6", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
+  assert_int_equal(F.pb->queued, 2);
   assert_int_equal(do_grant(SR, "P7", "B", mkd(1, 0, 0, 64, 64), 0), 0);
   assert_int_equal(F.nmsg, msgs_before);
+
+  /* B is back: the two sends say their intents again, the grant is pushed. */
+  F.pb->state = KVF__PEER_UP;
+  kvf__xfer_on_peer_up(F.pb);
+  assert_int_equal(F.pb->queued, 0);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_SEND_INTENT), 3); /* P2 before, P2 and P6 now */
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_GRANT), 2);       /* P1 before, P7 now */
+  assert_int_equal(kvf__xfer_cancel(SS, "P2"), 0);
+  assert_int_equal(kvf__xfer_cancel(SS, "P6"), 0);
   assert_int_equal(kvf__xfer_cancel(SR, "P7"), 0);
+  expect_event("P2", SEND_DONE, SS, KVF_ECANCELED);
+  expect_event("P6", SEND_DONE, SS, KVF_ECANCELED);
   expect_event("P7", RECV_DONE, SR, KVF_ECANCELED);
 
-  /* Then C goes: its two fail, the local one stays. */
+  /* Then C goes: its grant fails, its send waits; the local one stays.
+   * C is removed from the configuration: the send fails at once. */
   F.pc->state = KVF__PEER_DOWN;
   kvf__xfer_on_peer_down(F.pc);
   expect_event("Q1", RECV_DONE, SR, KVF_EPEERLOST);
+  assert_int_equal(nevents_for("Q2"), 0);
+  F.pc->removed = true;
+  kvf__xfer_on_peer_removed(F.pc);
+  F.pc->removed = false;
   expect_event("Q2", SEND_DONE, SS, KVF_EPEERLOST);
+  assert_true(strstr(event_for("Q2", SEND_DONE)->error, "removed") != NULL);
+  assert_int_equal(F.pc->queued, 0);
+  F.pc->state = KVF__PEER_UP;
   assert_int_equal(nevents_for("L9"), 0);
   assert_int_equal(kvf__xfer_cancel(SO, "L9"), 0);
   expect_event("L9", RECV_DONE, SO, KVF_ECANCELED);
-  assert_int_equal(F.nev, 7);
+  assert_int_equal(F.nev, 8);
+  assert_clean();
+}
+
+/* Outcomes across a dropped link (issue 15, item 7). */
+static void in_outcome_query(kvf__peer *p, uint64_t handle, uint64_t bytes) {
+  Kvf__OutcomeQuery q = KVF__OUTCOME_QUERY__INIT;
+  q.handle = handle;
+  q.xfer_id = "";
+  q.bytes = bytes;
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_OUTCOME_QUERY;
+  m.outcome_query = &q;
+  kvf__xfer_on_peer_msg(p, &m);
+}
+
+static void in_outcome_reply(kvf__peer *p, uint64_t handle, Kvf__OutcomeReply__Outcome what, int status) {
+  Kvf__OutcomeReply r = KVF__OUTCOME_REPLY__INIT;
+  r.handle = handle;
+  r.outcome = what;
+  r.status = status;
+  r.error = status ? "the receiver failed it" : "";
+  Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+  m.body_case = KVF__PEER_MSG__BODY_OUTCOME_REPLY;
+  m.outcome_reply = &r;
+  kvf__xfer_on_peer_msg(p, &m);
+}
+
+/* A send of id to B with every byte posted and SendDone said: it waits for
+ * B's RecvResult (RESULT). */
+static kvf__xfer *send_to_result(const char *id, uint64_t handle, uint32_t deadline_ms) {
+  kvf__descs dst = mkd(1, 1, 0, 64, 64);
+  in_grant(F.pb, id, handle, &dst);
+  kvf__descs_free(&dst);
+  assert_int_equal(do_send(SS, id, "B", mkd(1, 0, 0, 64, 64), false, deadline_ms), 0);
+  kvf__xfer *x = F.post[F.npost - 1].x;
+  complete_post(F.npost - 1, 0);
+  assert_int_equal(x->send.state, KVF__SEND_RESULT);
+  return x;
+}
+
+static void link_drops_and_returns(uint64_t session) {
+  F.pb->state = KVF__PEER_DOWN;
+  kvf__xfer_on_peer_down(F.pb);
+  F.pb->remote_session = session;
+  F.pb->state = KVF__PEER_UP;
+  kvf__xfer_on_peer_up(F.pb);
+}
+
+static void test_outcome_sender(void **state) {
+  F.pb->remote_session = 71;
+  /* The same incarnation is back: the send asks, and reports the answer. */
+  send_to_result("O1", 0x901, 0);
+  send_to_result("O2", 0x902, 0);
+  send_to_result("O3", 0x903, 0);
+  send_to_result("O4", 0x904, 0);
+  F.pb->state = KVF__PEER_DOWN;
+  kvf__xfer_on_peer_down(F.pb);
+  assert_int_equal(F.nev, 0);
+  assert_int_equal(F.pb->queued, 4);
+  F.pb->state = KVF__PEER_UP;
+  kvf__xfer_on_peer_up(F.pb);
+  assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_OUTCOME_QUERY), 4);
+  Kvf__OutcomeQuery *q = last_msg(F.pb, KVF__PEER_MSG__BODY_OUTCOME_QUERY)->outcome_query;
+  assert_int_equal(q->handle, 0x901);
+  assert_int_equal(q->bytes, 64);
+  in_outcome_reply(F.pb, 0x901, KVF__OUTCOME_REPLY__OUTCOME__OUTCOME_KNOWN, 0);
+  expect_event("O1", SEND_DONE, SS, 0);
+  in_outcome_reply(F.pb, 0x902, KVF__OUTCOME_REPLY__OUTCOME__OUTCOME_KNOWN, KVF_EPEERLOST);
+  expect_event("O2", SEND_DONE, SS, KVF_EPEERLOST);
+  in_outcome_reply(F.pb, 0x903, KVF__OUTCOME_REPLY__OUTCOME__OUTCOME_UNKNOWN, 0);
+  expect_event("O3", SEND_DONE, SS, KVF_EUNKNOWN);
+  in_outcome_reply(F.pb, 0x904, KVF__OUTCOME_REPLY__OUTCOME__OUTCOME_PENDING, 0);
+  assert_int_equal(nevents_for("O4"), 0);
+  in_recv_result(F.pb, 0x904, 0); /* the RecvResult that follows */
+  expect_event("O4", SEND_DONE, SS, 0);
+  assert_int_equal(F.pb->queued, 0);
+
+  /* B restarted (a new session): its memory is gone, the outcome unknown. */
+  send_to_result("O5", 0x905, 0);
+  link_drops_and_returns(72);
+  expect_event("O5", SEND_DONE, SS, KVF_EUNKNOWN);
+  assert_true(strstr(event_for("O5", SEND_DONE)->error, "restarted") != NULL);
+
+  /* B stays away past the deadline: unknown too, not a plain loss. */
+  send_to_result("O6", 0x906, 150);
+  F.pb->state = KVF__PEER_DOWN;
+  kvf__xfer_on_peer_down(F.pb);
+  run_for(200);
+  expect_event("O6", SEND_DONE, SS, KVF_EUNKNOWN);
+  F.pb->state = KVF__PEER_UP;
+
+  /* Data under way when the link drops: a loss, as before. */
+  kvf__descs dst = mkd(1, 1, 0, 64, 64);
+  in_grant(F.pb, "O7", 0x907, &dst);
+  kvf__descs_free(&dst);
+  assert_int_equal(do_send(SS, "O7", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
+  F.pb->state = KVF__PEER_DOWN;
+  kvf__xfer_on_peer_down(F.pb);
+  F.pb->state = KVF__PEER_UP;
+  complete_post(F.npost - 1, KVF_ECANCELED);
+  expect_event("O7", SEND_DONE, SS, KVF_EPEERLOST);
+  assert_int_equal(F.pb->queued, 0);
+  assert_clean();
+}
+
+/* One-sided writes (rdma): a send the receiver already confirmed succeeds
+ * whatever its late completions say when the link drops; one whose posts
+ * are out, or one in the middle of its parts, fails with the loss; one
+ * that had said SendDone asks after the reconnect. */
+static void test_outcome_one_sided(void **state) {
+  F.one_sided = true;
+  F.pb->remote_session = 91;
+  kvf__descs dst = mkd(1, 1, 0, 64, 64);
+  in_grant(F.pb, "U1", 0xa01, &dst);
+  in_grant(F.pb, "U2", 0xa02, &dst);
+  in_grant(F.pb, "U3", 0xa03, &dst);
+  in_grant(F.pb, "U4", 0xa04, &dst);
+  kvf__descs_free(&dst);
+  assert_int_equal(do_send(SS, "U1", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
+  complete_post(0, 0); /* U1: SendDone said (RESULT) */
+  assert_int_equal(do_send(SS, "U2", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
+  assert_int_equal(do_send(SS, "U3", "B", mkd(1, 0, 0, 64, 64), true, 0), 0); /* more parts come */
+  assert_int_equal(do_send(SS, "U4", "B", mkd(1, 0, 0, 64, 64), false, 0), 0); /* FLUSH */
+  in_recv_result(F.pb, 0xa02, 0); /* U2: CONFIRMED */
+  size_t before = F.nmsg;
+  F.pb->state = KVF__PEER_DOWN;
+  kvf__xfer_on_peer_down(F.pb);
+  complete_post(1, KVF_ECANCELED); /* the link's writes come back flushed */
+  complete_post(2, KVF_ECANCELED);
+  complete_post(3, KVF_ECANCELED);
+  expect_event("U2", SEND_DONE, SS, 0);             /* the receiver had confirmed it */
+  expect_event("U3", SEND_DONE, SS, KVF_EPEERLOST); /* mid-data: a loss */
+  expect_event("U4", SEND_DONE, SS, KVF_EPEERLOST); /* posts out: a loss too */
+  assert_int_equal(nevents_for("U1"), 0);         /* waits for the receiver's word */
+  assert_int_equal(F.nmsg, before);
+  F.pb->state = KVF__PEER_UP;
+  kvf__xfer_on_peer_up(F.pb);
+  Kvf__OutcomeQuery *q = last_msg(F.pb, KVF__PEER_MSG__BODY_OUTCOME_QUERY)->outcome_query;
+  assert_int_equal(q->handle, 0xa01);
+  in_outcome_reply(F.pb, 0xa01, KVF__OUTCOME_REPLY__OUTCOME__OUTCOME_KNOWN, 0);
+  expect_event("U1", SEND_DONE, SS, 0);
+  assert_int_equal(F.pb->queued, 0);
+  assert_clean();
+}
+
+/* The receiver remembers how its grants ended, for their sender. */
+static void test_outcome_receiver(void **state) {
+  F.pb->remote_session = 81;
+  assert_int_equal(do_grant(SR, "Q1", "B", mkd(1, 0, 0, 64, 64), 0), 0);
+  kvf__xfer *x = F.opened[F.nopened - 1];
+  uint64_t h1 = x->handle;
+  in_send_done(F.pb, h1, 64, 1);
+  kvf__xfer_on_landed(x);
+  expect_event("Q1", RECV_DONE, SR, 0);
+  assert_int_equal(do_grant(SR, "Q2", "B", mkd(1, 0, 0, 64, 64), 0), 0);
+  uint64_t h2 = F.opened[F.nopened - 1]->handle;
+  assert_int_equal(kvf__xfer_cancel(SR, "Q2"), 0);
+  expect_event("Q2", RECV_DONE, SR, KVF_ECANCELED);
+  /* A grant still open takes the query as its SendDone. */
+  assert_int_equal(do_grant(SR, "Q3", "B", mkd(1, 0, 0, 64, 64), 0), 0);
+  kvf__xfer *x3 = F.opened[F.nopened - 1];
+  kvf__xfer_on_landed(x3);
+  size_t before = F.nmsg;
+
+  in_outcome_query(F.pb, h1, 64);
+  in_outcome_query(F.pb, h2, 64);
+  in_outcome_query(F.pb, 0x12345, 64);
+  in_outcome_query(F.pb, x3->handle, 64);
+  expect_event("Q3", RECV_DONE, SR, 0);
+  assert_int_equal(F.nmsg, before + 5); /* four replies and Q3's RecvResult */
+  Kvf__OutcomeReply *r[4];
+  size_t k = 0;
+  for (size_t i = before; i < F.nmsg; i++)
+    if (F.msg[i].m->body_case == KVF__PEER_MSG__BODY_OUTCOME_REPLY) r[k++] = F.msg[i].m->outcome_reply;
+  assert_int_equal(k, 4);
+  assert_int_equal(r[0]->outcome, KVF__OUTCOME_REPLY__OUTCOME__OUTCOME_KNOWN);
+  assert_int_equal(r[0]->status, 0);
+  assert_int_equal(r[1]->outcome, KVF__OUTCOME_REPLY__OUTCOME__OUTCOME_KNOWN);
+  assert_int_equal(r[1]->status, KVF_EREMOTECANCEL); /* its client cancelled: the other side's cancel there */
+  assert_int_equal(r[2]->outcome, KVF__OUTCOME_REPLY__OUTCOME__OUTCOME_UNKNOWN);
+  assert_int_equal(r[3]->outcome, KVF__OUTCOME_REPLY__OUTCOME__OUTCOME_PENDING);
+  /* Asked by another incarnation of B: it knows nothing of it. */
+  F.pb->remote_session = 82;
+  in_outcome_query(F.pb, h1, 64);
+  assert_int_equal(last_msg(F.pb, KVF__PEER_MSG__BODY_OUTCOME_REPLY)->outcome_reply->outcome,
+                   KVF__OUTCOME_REPLY__OUTCOME__OUTCOME_UNKNOWN);
   assert_clean();
 }
 
@@ -2137,6 +2343,9 @@ int main(void) {
       T(test_deadline_local),
       T(test_sweep_expires_tables),
       T(test_peer_down),
+      T(test_outcome_sender),
+      T(test_outcome_receiver),
+      T(test_outcome_one_sided),
       T(test_session_gone),
       T(test_session_gone_local_pair),
       T(test_session_gone_local_pair_send_first),

@@ -37,6 +37,7 @@ ERRORS = {
     "KVF_ENOENT": -4015,
     "KVF_EINVAL": -4016,
     "KVF_EBUSY": -4017,
+    "KVF_EUNKNOWN": -4018,
 }
 # end of KVF_ERR_MAP
 
