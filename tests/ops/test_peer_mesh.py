@@ -76,8 +76,8 @@ def form_mesh(n, dir=None, extra=EXTRA, watch_s=WATCH_S, timeout=60):
 
 
 class TestMeshFormation(unittest.TestCase):
-    N = int(os.environ.get("KVF_MESH_N", "10"))
-    ROUNDS = int(os.environ.get("KVF_MESH_ROUNDS", "3"))
+    N = int(os.environ.get("KVF_MESH_N", "16"))
+    ROUNDS = int(os.environ.get("KVF_MESH_ROUNDS", "4"))
 
     def test_simultaneous_dials_keep_one_link_without_a_drop(self):
         for r in range(self.ROUNDS):
