@@ -100,6 +100,7 @@ struct kvf__pconn {
   uv_timer_t hs_timer;
   uv_connect_t creq;
   struct kvf__pconn *next_parked;
+  struct kvf__pconn *next_retiring; /* P.retiring */
   uint8_t auth;                        /* enum auth_state */
   uint8_t nonce[KVF__AUTH_NONCE];      /* ours, for this connection */
   uint8_t peer_nonce[KVF__AUTH_NONCE];
@@ -118,6 +119,7 @@ static struct {
   size_t n;
   uv_timer_t hb;
   kvf__pconn *parked;
+  kvf__pconn *retiring;   /* retired connections draining (retire) */
   size_t n_pending;       /* inbound connections not yet established (limits) */
   kvf__pconn *pend_head, *pend_tail; /* those connections, oldest first */
   kvf__ratelimit pending_rl;
@@ -271,6 +273,14 @@ static void unpark(kvf__pconn *c) {
     }
 }
 
+static void unretire(kvf__pconn *c) {
+  for (kvf__pconn **pp = &P.retiring; *pp; pp = &(*pp)->next_retiring)
+    if (*pp == c) {
+      *pp = c->next_retiring;
+      return;
+    }
+}
+
 /* The connection no longer counts against max-pending-peers. */
 static void unpend(kvf__pconn *c) {
   if (!c->pending) return;
@@ -289,6 +299,7 @@ static void conn_close(kvf__pconn *c, const char *why) {
   c->closing = true;
   unpend(c);
   if (c->parked) unpark(c);
+  if (c->retiring) unretire(c);
   kvf__peer *p = c->peer;
   bool was_dialing = p && p->dialing == c;
   if (was_dialing) p->dialing = NULL;
@@ -445,6 +456,8 @@ static void on_handshake_timeout(uv_timer_t *t);
 static void retire(kvf__pconn *c) {
   if (c->closing || c->retiring) return;
   c->retiring = true;
+  c->next_retiring = P.retiring;
+  P.retiring = c;
   conn_goodbye(c, SUPERSEDED);
   c->shut.data = c;
   if (c->closing || uv_shutdown(&c->shut, (uv_stream_t *)&c->tcp, on_retire_flushed) != 0) {
@@ -1222,6 +1235,8 @@ void kvf__peers_stop(void) {
     uv_close((uv_handle_t *)&p->reconnect, NULL);
   }
   while (P.parked) conn_close(P.parked, NULL);
+  while (P.retiring) conn_close(P.retiring, NULL);
+  while (P.pend_head) conn_close(P.pend_head, NULL); /* not worth waiting for */
   uv_timer_stop(&P.hb);
   uv_close((uv_handle_t *)&P.hb, NULL);
   if (P.listening) uv_close((uv_handle_t *)&P.listener, NULL);
