@@ -990,6 +990,18 @@ static kvf__pconn *conn_new(bool outbound) {
   return c;
 }
 
+/* A dial to a port on this host where nothing listens yet can connect to
+ * itself (TCP simultaneous open, when the kernel picks that very port as
+ * the source): as good as refused, not a stranger's Hello to refuse. */
+static bool self_connected(kvf__pconn *c) {
+  struct sockaddr_storage a, b;
+  int na = sizeof(a), nb = sizeof(b);
+  if (uv_tcp_getsockname(&c->tcp, (struct sockaddr *)&a, &na) != 0 ||
+      uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&b, &nb) != 0)
+    return false;
+  return na == nb && memcmp(&a, &b, (size_t)na) == 0;
+}
+
 static void on_connected(uv_connect_t *req, int status) {
   kvf__pconn *c = req->data;
   if (c->closing) return;
@@ -997,6 +1009,11 @@ static void on_connected(uv_connect_t *req, int status) {
     kvf__peer *p = c->peer;
     snprintf(p->last_error, sizeof(p->last_error), "connect: %s", uv_strerror(status));
     kvf__debug("peer %s: connect failed: %s", p->cfg.name, uv_strerror(status));
+    conn_close(c, NULL);
+    return;
+  }
+  if (self_connected(c)) { /* the peer's port is in our ephemeral range and free */
+    snprintf(c->peer->last_error, sizeof(c->peer->last_error), "connect: nothing listens there");
     conn_close(c, NULL);
     return;
   }

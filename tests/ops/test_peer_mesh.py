@@ -22,6 +22,8 @@ WATCH_S = 1.5  # the links must stay up this long after the mesh is whole
 
 
 def peers_of(d):
+    if d.proc.poll() is not None:
+        raise AssertionError("%s exited with %s:\n%s" % (d.name, d.proc.returncode, d.log_text()[-3000:]))
     with d.client() as c:
         return c.inspect("peers", json=True)["peers"]
 
