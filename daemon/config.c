@@ -187,7 +187,8 @@ static const struct opt opts[] = {
      .help = "Most of those pending connections from one source address; a newer one "
              "from that address closes the oldest (logged at most once a second), so "
              "one host cannot fill max-pending-peers and a peer's fresh dial always "
-             "gets in. Keep it above 1 + the peers' tcp-streams."},
+             "gets in. An address of configured peers has room for 1 + tcp-streams "
+             "more per peer there (each one's control connection and data streams)."},
     {.name = "peer-handshake-timeout-ms", .reload = true, .type = OPT_U32,
      .off = F(peer_handshake_timeout_ms), .min = 50, .max = 600000, .def = "2000",
      .help = "A peer connection (ours or theirs) that has not completed its Hello, "

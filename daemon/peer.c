@@ -47,6 +47,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,6 +61,9 @@
 /* The reason in the Goodbye on a connection that lost the tie-break of a
  * simultaneous dial (see the header comment). */
 #define SUPERSEDED "superseded by the other connection of a simultaneous dial"
+#ifndef IP_BIND_ADDRESS_NO_PORT
+#define IP_BIND_ADDRESS_NO_PORT 24 /* Linux 4.2 */
+#endif
 #define READ_CHUNK (256u << 10)
 #define MAX_WRITE_QUEUE (256u << 20)
 /* Before its Hello a connection is nobody's: it may send frames of at most
@@ -91,6 +95,7 @@ struct kvf__pconn {
   bool connected;         /* outbound: connected, our (first) Hello sent */
   bool retiring;          /* lost a tie-break: draining until the peer closes */
   bool configured;        /* inbound from the address of a configured peer */
+  uint16_t peers_here;    /* how many configured peers have that address */
   bool src_known;
   uint8_t src[16];        /* inbound: the source IP (IPv4 mapped into IPv6) */
   uint64_t born_ns;
@@ -1025,6 +1030,26 @@ static void on_connected(uv_connect_t *req, int status) {
   else conn_close(c, "no random bytes for a nonce");
 }
 
+/* Our dials leave from our peer-listen address when that is one IP, so that
+ * the peer's peer-address-check sees the address it has for us (several
+ * daemons on one host, each on its own IP, would otherwise all dial from
+ * the one the route picks). The port is still picked at connect time, per
+ * destination (IP_BIND_ADDRESS_NO_PORT): a bind to port 0 would hold one
+ * for good, and could take a port a daemon of this host is about to listen
+ * on. */
+static int dial_from_listen_ip(kvf__pconn *c, const kvf__peer *p) {
+  int family = P.dial_from.ss_family, one = 1;
+  if (!P.bind_dials || family != p->addr.ss_family) return 0;
+  int fd = socket(family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return -errno;
+  (void)setsockopt(fd, IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof(one));
+  socklen_t len = family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
+  int rc = bind(fd, (struct sockaddr *)&P.dial_from, len) == 0 ? 0 : -errno;
+  if (rc == 0) rc = uv_tcp_open(&c->tcp, fd);
+  if (rc) close(fd);
+  return rc;
+}
+
 static void dial(kvf__peer *p) {
   if (p->state == KVF__PEER_UP || p->dialing || kvfd.stopping || p->removed) return;
   kvf__pconn *c = conn_new(true);
@@ -1036,13 +1061,8 @@ static void dial(kvf__peer *p) {
   p->dialing = c;
   p->state = KVF__PEER_CONNECTING;
   c->creq.data = c;
-  /* From our peer-listen address, when that is one IP, so that the peer's
-   * peer-address-check sees the address it has for us (several daemons on
-   * one host, each on its own IP, would otherwise all dial from one). */
-  if (P.bind_dials && P.dial_from.ss_family == p->addr.ss_family) {
-    int brc = uv_tcp_bind(&c->tcp, (struct sockaddr *)&P.dial_from, 0);
-    if (brc) kvf__debug("peer %s: cannot dial from the peer-listen address: %s", p->cfg.name, uv_strerror(brc));
-  }
+  int brc = dial_from_listen_ip(c, p);
+  if (brc) kvf__debug("peer %s: cannot dial from the peer-listen address: %s", p->cfg.name, uv_strerror(brc));
   int rc = uv_tcp_connect(&c->creq, &c->tcp, (struct sockaddr *)&p->addr, on_connected);
   if (rc) conn_close(c, uv_strerror(rc));
 }
@@ -1091,7 +1111,10 @@ static bool admit_pending(kvf__pconn *c) {
     if (same_src(o, c) && same++ == 0) oldest_same = o;
     if (!o->configured && !oldest_stranger) oldest_stranger = o;
   }
-  if (c->src_known && same >= kvfd.cfg.max_pending_per_address) {
+  /* each configured peer at that address may have its control connection
+   * and its data streams (as many as ours, tcp-streams) pending at once */
+  uint64_t bound = kvfd.cfg.max_pending_per_address + (uint64_t)c->peers_here * (1 + kvfd.cfg.tcp_streams);
+  if (c->src_known && same >= bound) {
     if (oldest_stranger == oldest_same) oldest_stranger = NULL;
     evict(oldest_same, "max-pending-per-address");
     if (!oldest_stranger) /* the next one from another address */
@@ -1119,8 +1142,9 @@ static void note_source(kvf__pconn *c) {
   struct sockaddr_storage ss;
   int n = sizeof(ss);
   c->src_known = uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &n) == 0 && ip_key(&ss, c->src);
-  for (size_t i = 0; c->src_known && i < P.n && !c->configured; i++)
-    c->configured = !P.peers[i].removed && peer_has_ip(&P.peers[i], c->src);
+  for (size_t i = 0; c->src_known && i < P.n; i++)
+    c->peers_here += !P.peers[i].removed && peer_has_ip(&P.peers[i], c->src);
+  c->configured = c->peers_here > 0;
 }
 
 static void on_accept(uv_stream_t *server, int status) {

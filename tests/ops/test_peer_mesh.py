@@ -9,6 +9,8 @@ before it read the winner's Hello, and took the peer down.
 
 form_mesh() is also what bench/peer_mesh.py runs, many rounds, 16 daemons."""
 import os
+import random
+import socket
 import time
 import unittest
 
@@ -28,6 +30,27 @@ def peers_of(d):
         return c.inspect("peers", json=True)["peers"]
 
 
+def quiet_ports(n):
+    """n free ports below the ephemeral range: with many daemons dialing
+    each other at once, a port picked from that range (free_ports) may be
+    taken as the source port of some dial before its daemon listens."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = []
+    for port in range(max(1024, low - 12000) + random.randrange(8000), low):
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+            ports.append(port)
+        except OSError:
+            pass
+        finally:
+            s.close()
+        if len(ports) == n:
+            return ports
+    return kvftest.free_ports(n)
+
+
 def form_mesh(n, dir=None, extra=EXTRA, watch_s=WATCH_S, timeout=60):
     """Starts n daemons at once, waits for the whole mesh, watches it for
     watch_s; stops them. Returns (seconds to form, drops, details): drops
@@ -35,6 +58,8 @@ def form_mesh(n, dir=None, extra=EXTRA, watch_s=WATCH_S, timeout=60):
     "down:" or refusal line of the logs (none is expected)."""
     dir = dir or kvftest.tempdir()
     ds = [Daemon(dir, "m%02d" % i, pool=None, extra=extra) for i in range(n)]
+    for d, port in zip(ds, quiet_ports(n)):
+        d.port = port
     for a in ds:
         for b in ds:
             if a is not b:
