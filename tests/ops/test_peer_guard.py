@@ -202,6 +202,46 @@ class TestForgedHello(unittest.TestCase):
             self.assertEqual(d.stop(), 0)
 
 
+class AtAddress(Daemon):
+    """A Daemon whose peer-listen is on ip (its peers' lines give theirs)."""
+
+    def __init__(self, dir, name, ip, **kw):
+        super().__init__(dir, name, **kw)
+        self.ip = ip
+        self.at = []  # (name, ip, port); self.peers stays empty
+
+    def add_peer(self, other, port=None):
+        self.at.append((other.name, other.ip, port or other.port))
+
+    def config_text(self):
+        text = super().config_text().replace("peer-listen 127.0.0.1:", "peer-listen %s:" % self.ip)
+        return text + "".join("peer %s %s:%d\n" % p for p in self.at)
+
+
+class TestTwoAddressesOneHost(unittest.TestCase):
+    def test_each_dials_from_its_own_address(self):
+        """Two daemons on one host, each on its own IP (as in the rdma VM):
+        each dials from its peer-listen address, so peer-address-check
+        holds both ways (a dial from the route's choice, 127.0.0.1, would
+        be refused by the daemon that has 127.0.0.2 for its peer)."""
+        d = kvftest.tempdir()
+        pre = AtAddress(d, "prefill", "127.0.0.1", pool="4M")
+        dec = AtAddress(d, "decode", "127.0.0.2", pool="4M")
+        pre.add_peer(dec)
+        dec.add_peer(pre)
+        self.addCleanup(lambda: [x.kill() for x in (pre, dec)])
+        pre.start()
+        dec.start()
+        pre.wait_peers_up()
+        dec.wait_peers_up()
+        with Mover(pre, dec) as mover:
+            pass
+        self.assertEqual(mover.failures, [])
+        for x in (pre, dec):
+            self.assertNotIn("refused", x.log_text())
+            self.assertEqual(x.stop(), 0)
+
+
 # ---------------------------------------------------------------- item 4
 
 class Flood:
