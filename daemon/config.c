@@ -180,8 +180,28 @@ static const struct opt opts[] = {
      .min = 1, .max = 65536, .def = "1024",
      .help = "Most inbound peer connections (control or tcp data stream) that have "
              "not yet identified themselves; more are closed at once and logged (at "
-             "most once a second). Each waits at most 5 s for its Hello. Keep it "
-             "above max-peers x (1 + the peers' tcp-streams)."},
+             "most once a second), unless they come from a configured peer's address: "
+             "then the oldest pending connection from another address makes room. Each "
+             "waits at most peer-handshake-timeout-ms for its Hello. Keep it above "
+             "max-peers x (1 + the peers' tcp-streams)."},
+    {.name = "max-pending-per-address", .reload = true, .type = OPT_U32,
+     .off = F(max_pending_per_address), .min = 1, .max = 65536, .def = "128",
+     .help = "Most of those pending connections from one source address; a newer one "
+             "from that address closes the oldest (logged at most once a second), so "
+             "one host cannot fill max-pending-peers and a peer's fresh dial always "
+             "gets in. An address of configured peers has room for 1 + tcp-streams "
+             "more per peer there (each one's control connection and data streams)."},
+    {.name = "peer-handshake-timeout-ms", .reload = true, .type = OPT_U32,
+     .off = F(peer_handshake_timeout_ms), .min = 50, .max = 600000, .def = "2000",
+     .help = "A peer connection (ours or theirs) that has not completed its Hello, "
+             "and its cluster-key proofs, within this long is closed."},
+    {.name = "peer-address-check", .reload = true, .type = OPT_BOOL,
+     .off = F(peer_address_check), .def = "yes",
+     .help = "yes: a peer's Hello counts only from the address configured for it (the "
+             "source IP of its connection must be the peer line's resolved address; "
+             "this daemon dials from its peer-listen address when that is one IP). "
+             "Refusals are logged with the address. no: any address may claim any "
+             "configured name (multi-homed peers dialing from another address)."},
     {.name = "max-peer-waiting", .reload = true, .type = OPT_U32, .off = F(max_peer_waiting),
      .min = 1, .max = 16777216, .def = "65536",
      .help = "Most send intents and pushed grants that one peer may leave here waiting "

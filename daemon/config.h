@@ -64,6 +64,9 @@ typedef struct kvf__config {
   uint32_t max_transfers_per_client;
   uint32_t max_peers;
   uint32_t max_pending_peers;      /* inbound peer connections before their Hello */
+  uint32_t max_pending_per_address; /* of those, from one source address */
+  uint32_t peer_handshake_timeout_ms; /* a peer connection's Hello (and proofs) within this */
+  bool peer_address_check;         /* a Hello must come from the claimed peer's address */
   uint32_t max_peer_waiting;       /* send intents + pushed grants one peer leaves with us */
   int grant_overlap;               /* enum kvf__grant_overlap (grant_index.h) */
   int hugepages;                   /* enum kvf__tristate */

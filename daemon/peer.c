@@ -2,11 +2,38 @@
  *
  * Every daemon dials every peer in its config and accepts their dials. A
  * connection is established once both Hellos are exchanged; when both sides
- * dialed, the connection dialed by the node with the smaller name wins and
- * the other is closed, so both agree without a round trip. Heartbeats flow
- * every heartbeat-ms; a peer silent for peer-timeout-ms, a broken
- * connection or a Goodbye takes it down: its transfers fail at once with
- * KVF_EPEERLOST and we redial with exponential backoff.
+ * dialed, the connection dialed by the node with the smaller name wins, so
+ * both agree without a round trip. The loser is retired, not dropped: a
+ * Goodbye "superseded" goes out on it, our side shuts for writing and we
+ * read on until the peer closes (its frames still count), so nothing sent
+ * on it is lost. The larger node switches to the winner when it reads the
+ * smaller one's Hello on it, in the loop turn that answers it, so only the
+ * smaller node can find its route retired before it has read the winner's
+ * Hello; it then takes its own dial (which the peer already reads) as the
+ * route at once instead of taking the peer down (hand_over); that dial
+ * must still complete within peer-handshake-timeout-ms. Forming a mesh
+ * thus never drops a link (tests/ops/test_peer_mesh.py).
+ *
+ * A live link (heard from within two heartbeats) is never replaced by a
+ * newcomer claiming the same node, except by the other half of a
+ * simultaneous dial: a Hello with another session, a second connection in
+ * the same direction, or one opened long after the link came up is refused
+ * with a Goodbye saying why, and logged (rate-limited, with its address).
+ * A peer that really restarted closed its old connection (or it falls
+ * silent), so its redial wins a moment later. With peer-address-check (the
+ * default) an inbound Hello counts only from the address configured for
+ * the node it names, and our dials leave from our peer-listen address when
+ * that is one IP (several daemons on one host, each on its own IP).
+ *
+ * Heartbeats flow every heartbeat-ms; a peer silent for peer-timeout-ms, a
+ * broken connection or a Goodbye takes it down: its transfers fail at once
+ * with KVF_EPEERLOST and we redial with exponential backoff.
+ *
+ * Inbound connections that have not said Hello are bounded: in all
+ * (max-pending-peers), per source address (max-pending-per-address) and in
+ * time (peer-handshake-timeout-ms). Configured peers' addresses are served
+ * first: a full table makes room for them by closing a stranger's oldest
+ * (admit_pending).
  *
  * A connection that opens with DataHello is a tcp data stream: it leaves
  * the loop and goes to a receiver thread of the tcp transport.
@@ -20,6 +47,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,7 +58,12 @@
 #include "transport/tcp/tcp.h"
 #include "xfer.h"
 
-#define HANDSHAKE_MS 5000
+/* The reason in the Goodbye on a connection that lost the tie-break of a
+ * simultaneous dial (see the header comment). */
+#define SUPERSEDED "superseded by the other connection of a simultaneous dial"
+#ifndef IP_BIND_ADDRESS_NO_PORT
+#define IP_BIND_ADDRESS_NO_PORT 24 /* Linux 4.2 */
+#endif
 #define READ_CHUNK (256u << 10)
 #define MAX_WRITE_QUEUE (256u << 20)
 /* Before its Hello a connection is nobody's: it may send frames of at most
@@ -59,10 +92,20 @@ struct kvf__pconn {
   bool closing;
   bool parked;            /* a data stream waiting for its peer to be up */
   bool pending;           /* inbound, not yet established: counts in P.n_pending */
+  bool connected;         /* outbound: connected, our (first) Hello sent */
+  bool retiring;          /* lost a tie-break: draining until the peer closes */
+  bool configured;        /* inbound from the address of a configured peer */
+  uint16_t peers_here;    /* how many configured peers have that address */
+  bool src_known;
+  uint8_t src[16];        /* inbound: the source IP (IPv4 mapped into IPv6) */
+  uint64_t born_ns;
+  uint64_t session;       /* the peer's incarnation, once established */
+  struct kvf__pconn *pend_prev, *pend_next; /* P.pend_head list, oldest first */
   uint32_t stream;
   uv_timer_t hs_timer;
   uv_connect_t creq;
   struct kvf__pconn *next_parked;
+  struct kvf__pconn *next_retiring; /* P.retiring */
   uint8_t auth;                        /* enum auth_state */
   uint8_t nonce[KVF__AUTH_NONCE];      /* ours, for this connection */
   uint8_t peer_nonce[KVF__AUTH_NONCE];
@@ -81,8 +124,14 @@ static struct {
   size_t n;
   uv_timer_t hb;
   kvf__pconn *parked;
+  kvf__pconn *retiring;   /* retired connections draining (retire) */
   size_t n_pending;       /* inbound connections not yet established (limits) */
+  kvf__pconn *pend_head, *pend_tail; /* those connections, oldest first */
   kvf__ratelimit pending_rl;
+  kvf__ratelimit evict_rl;
+  kvf__ratelimit claim_rl; /* refused Hellos: wrong address, live link */
+  struct sockaddr_storage dial_from; /* peer-listen's IP when it is one */
+  bool bind_dials;
 } P;
 
 static void conn_close(kvf__pconn *c, const char *why);
@@ -90,6 +139,8 @@ static void peer_down(kvf__peer *p, const char *why);
 static void dial(kvf__peer *p);
 static void schedule_reconnect(kvf__peer *p);
 static void auth_abandoned(kvf__pconn *c, const char *why);
+static void conn_addr(kvf__pconn *c, char *buf, size_t len);
+static const char *printable(const char *s, char *buf, size_t cap);
 
 const char *kvf__peer_state_name(int state) {
   switch (state) {
@@ -227,11 +278,24 @@ static void unpark(kvf__pconn *c) {
     }
 }
 
+static void unretire(kvf__pconn *c) {
+  for (kvf__pconn **pp = &P.retiring; *pp; pp = &(*pp)->next_retiring)
+    if (*pp == c) {
+      *pp = c->next_retiring;
+      return;
+    }
+}
+
 /* The connection no longer counts against max-pending-peers. */
 static void unpend(kvf__pconn *c) {
   if (!c->pending) return;
   c->pending = false;
   P.n_pending--;
+  if (c->pend_prev) c->pend_prev->pend_next = c->pend_next;
+  else P.pend_head = c->pend_next;
+  if (c->pend_next) c->pend_next->pend_prev = c->pend_prev;
+  else P.pend_tail = c->pend_prev;
+  c->pend_prev = c->pend_next = NULL;
 }
 
 static void conn_close(kvf__pconn *c, const char *why) {
@@ -240,6 +304,7 @@ static void conn_close(kvf__pconn *c, const char *why) {
   c->closing = true;
   unpend(c);
   if (c->parked) unpark(c);
+  if (c->retiring) unretire(c);
   kvf__peer *p = c->peer;
   bool was_dialing = p && p->dialing == c;
   if (was_dialing) p->dialing = NULL;
@@ -389,14 +454,83 @@ static Kvf__Hello *hello_copy(const Kvf__Hello *h) {
   return copy;
 }
 
+static void on_retire_flushed(uv_shutdown_t *req, int status) { (void)req, (void)status; }
+
+static void on_handshake_timeout(uv_timer_t *t);
+
+/* A connection that lost the tie-break: a Goodbye "superseded", then our
+ * side shut for writing; we read on until the peer closes its side, so
+ * nothing it sent on it before it learned is lost (its frames still reach
+ * the transfers), for at most a handshake timeout. */
+static void retire(kvf__pconn *c) {
+  if (c->closing || c->retiring) return;
+  c->retiring = true;
+  c->next_retiring = P.retiring;
+  P.retiring = c;
+  conn_goodbye(c, SUPERSEDED);
+  c->shut.data = c;
+  if (c->closing || uv_shutdown(&c->shut, (uv_stream_t *)&c->tcp, on_retire_flushed) != 0) {
+    conn_close(c, NULL);
+    return;
+  }
+  uv_timer_start(&c->hs_timer, on_handshake_timeout, kvfd.cfg.peer_handshake_timeout_ms, 0);
+}
+
+/* Heard from within two heartbeats (ours or the peer's, the longer): the
+ * link is alive, whatever a newcomer claims. */
+static bool link_alive(const kvf__peer *p) {
+  uint64_t hb = kvfd.cfg.heartbeat_ms;
+  if (p->hello && p->hello->heartbeat_ms > hb) hb = p->hello->heartbeat_ms;
+  return kvf__now_ns() - p->last_rx_ns < 2 * hb * 1000000ull;
+}
+
+/* Why newcomer c (Hello h) may not take over p's live link; NULL when it
+ * may (or there is none). It may when the old link went quiet (a peer that
+ * restarted: its old connection closed or fell silent), and when c is the
+ * other half of a simultaneous dial (same incarnation, other direction,
+ * opened within a handshake timeout of the link coming up; wins_over then
+ * decides which of the two stays). Anything else is refused, so one forged
+ * Hello cannot reset a link that answers its heartbeats. */
+static const char *newcomer_refused(const kvf__pconn *c, const Kvf__Hello *h) {
+  const kvf__peer *p = c->peer;
+  if (!p->conn || p->conn == c || !link_alive(p)) return NULL;
+  if (p->remote_session != h->session)
+    return "a live link with another incarnation of that node answers its heartbeats";
+  if (c->outbound == p->conn->outbound ||
+      c->born_ns > p->up_since_ns + (uint64_t)kvfd.cfg.peer_handshake_timeout_ms * 1000000ull)
+    return "a live link with that node answers its heartbeats";
+  return NULL;
+}
+
+/* Logs (at most once a second), says why to the other end, closes. */
+static void refuse_claim(kvf__pconn *c, const char *node, const char *why) {
+  char addr[80], name[72], text[256];
+  uint64_t dropped;
+  kvfd.stats.peer_errors++;
+  if (kvf__log_ratelimit(&P.claim_rl, &dropped)) {
+    conn_addr(c, addr, sizeof(addr));
+    kvf__warn("refused a Hello from %s claiming to be peer %s: %s (%llu more such refusals "
+              "since the last such line)", addr, printable(node, name, sizeof(name)), why,
+              (unsigned long long)dropped);
+  }
+  snprintf(text, sizeof(text), "refused by node '%s': %s", kvfd.cfg.node, why);
+  conn_goodbye(c, text);
+  conn_close(c, NULL);
+}
+
 static void establish(kvf__pconn *c, const Kvf__Hello *h) {
   kvf__peer *p = c->peer;
   uint64_t session = h->session;
   c->established = true;
+  c->session = session;
   c->fb.max = kvfd.cfg.max_frame;
   unpend(c);
   uv_timer_stop(&c->hs_timer);
   if (p->dialing == c) p->dialing = NULL;
+  if (p->conn == c) { /* handed over to before its Hello (on_goodbye) */
+    if (p->remote_session != session) peer_down(p, "the peer restarted");
+    return;
+  }
   if (p->conn && p->remote_session != session) peer_down(p, "the peer restarted");
   p->remote_session = session;
   if (!p->conn) {
@@ -411,13 +545,55 @@ static void establish(kvf__pconn *c, const Kvf__Hello *h) {
   if (wins_over(c, p->conn)) {
     kvf__pconn *old = p->conn;
     p->conn = c; /* transfers keep flowing: only the route changes */
-    conn_close(old, NULL);
+    retire(old);
   } else {
-    conn_close(c, NULL);
+    retire(c);
   }
 }
 
+/* The peer retired p's connection c, which won on its side: our own dial
+ * (the smaller name's) won there, and its Hello to us may still be on the
+ * way. That dial becomes the route at once (the peer reads our frames on
+ * it after our Hello), instead of taking the peer down; it must still
+ * complete within the handshake timeout. False when there is no such dial. */
+static bool hand_over(kvf__peer *p, kvf__pconn *c) {
+  kvf__pconn *next = p->dialing;
+  if (strcmp(kvfd.cfg.node, p->cfg.name) >= 0 || !next || next->closing || !next->connected ||
+      (next->auth != AUTH_OFF && next->auth != AUTH_FULL))
+    return false;
+  p->dialing = NULL;
+  p->conn = next;
+  kvf__debug("peer %s: our dial takes over from the connection it superseded", p->cfg.name);
+  retire(c);
+  return true;
+}
+
 /* ---------------------------------------------------------- messages */
+
+/* The IP of a socket address as 16 bytes, IPv4 mapped into IPv6, so that
+ * an IPv4 peer seen through a dual-stack listener compares equal. */
+static bool ip_key(const struct sockaddr_storage *ss, uint8_t out[16]) {
+  if (ss->ss_family == AF_INET) {
+    memset(out, 0, 10);
+    out[10] = out[11] = 0xff;
+    memcpy(out + 12, &((const struct sockaddr_in *)ss)->sin_addr, 4);
+    return true;
+  }
+  if (ss->ss_family != AF_INET6) return false;
+  memcpy(out, &((const struct sockaddr_in6 *)ss)->sin6_addr, 16);
+  return true;
+}
+
+static bool peer_has_ip(const kvf__peer *p, const uint8_t ip[16]) {
+  uint8_t k[16];
+  return ip_key(&p->addr, k) && memcmp(k, ip, 16) == 0;
+}
+
+/* peer-address-check: an inbound Hello naming p must come from p's
+ * configured (resolved) address. */
+static bool from_peer_address(const kvf__pconn *c, const kvf__peer *p) {
+  return !kvfd.cfg.peer_address_check || (c->src_known && peer_has_ip(p, c->src));
+}
 
 /* The configured peer a Hello comes from; NULL when refused (closed). */
 static kvf__peer *hello_peer(kvf__pconn *c, const Kvf__Hello *h) {
@@ -437,6 +613,11 @@ static kvf__peer *hello_peer(kvf__pconn *c, const Kvf__Hello *h) {
     conn_close(c, NULL);
     return NULL;
   }
+  if (!c->outbound && !c->peer && !from_peer_address(c, p)) {
+    refuse_claim(c, h->node, "the connection does not come from the address configured for that "
+                             "peer (peer-address-check)");
+    return NULL;
+  }
   return p;
 }
 
@@ -448,6 +629,11 @@ static void on_hello(kvf__pconn *c, const Kvf__Hello *h) {
   c->peer = p;
   if (h->nonce.len) { /* the peer has a cluster key, we have none */
     auth_keyless_refuses(c, h);
+    return;
+  }
+  const char *why = newcomer_refused(c, h);
+  if (why) {
+    refuse_claim(c, h->node, why);
     return;
   }
   if (!c->outbound) send_hello(c);
@@ -489,10 +675,12 @@ static void on_goodbye(kvf__pconn *c, const Kvf__Goodbye *g) {
   char why[320];
   snprintf(why, sizeof(why), "the peer said goodbye%s%s", g->reason && g->reason[0] ? ": " : "",
            g->reason ? g->reason : "");
+  bool superseded = g->reason && strcmp(g->reason, SUPERSEDED) == 0;
   if (p && p->conn == c) {
-    peer_down(p, why);
+    if (!superseded || !hand_over(p, c)) peer_down(p, why);
     return;
   }
+  if (superseded) return; /* the peer retires it: we read on until it closes */
   /* a refusal before the link came up: the reason is all the dialer learns */
   if (p && g->reason && g->reason[0]) kvf__warn("peer %s: %s", p->cfg.name, why);
   conn_close(c, why);
@@ -670,6 +858,11 @@ static void auth_acceptor_check(kvf__pconn *c, const Kvf__Auth *a) {
 /* Both proofs are checked: the full Hello establishes as without a key. */
 static void auth_full_hello(kvf__pconn *c, const Kvf__Hello *h) {
   if (!hello_peer(c, h)) return;
+  const char *why = newcomer_refused(c, h);
+  if (why) {
+    refuse_claim(c, h->node, why);
+    return;
+  }
   c->auth = AUTH_DONE;
   if (!c->outbound) send_hello(c);
   establish(c, h);
@@ -728,7 +921,9 @@ static bool on_frame(kvf__pconn *c, const uint8_t *buf, uint32_t len) {
     return false;
   }
   bool first = !c->peer, pre_auth = c->auth != AUTH_OFF && c->auth != AUTH_DONE;
-  if (c->peer && !pre_auth) c->peer->last_rx_ns = kvf__now_ns();
+  /* only the route counts: a retired or a refused connection does not
+   * keep a link alive */
+  if (c->peer && !pre_auth && c->peer->conn == c) c->peer->last_rx_ns = kvf__now_ns();
   /* With a key, nothing counts before the peer proved it. */
   if (pre_auth) auth_frame(c, m);
   else if (first && m->body_case == KVF__PEER_MSG__BODY_HELLO && !c->established) on_hello(c, m->hello);
@@ -740,8 +935,9 @@ static bool on_frame(kvf__pconn *c, const uint8_t *buf, uint32_t len) {
     conn_close(c, "protocol error: no Hello first");
   } else if (m->body_case == KVF__PEER_MSG__BODY_HELLO && c->outbound && !c->established) {
     on_hello(c, m->hello);
-  } else if (m->body_case != KVF__PEER_MSG__BODY_HEARTBEAT && c->peer->conn) {
-    kvf__xfer_on_peer_msg(c->peer, m);
+  } else if (m->body_case != KVF__PEER_MSG__BODY_HEARTBEAT && c->peer->conn &&
+             (c == c->peer->conn || c->session == c->peer->remote_session)) {
+    kvf__xfer_on_peer_msg(c->peer, m); /* from the route, or a retiring one of the same incarnation */
   }
   kvf__peer_msg__free_unpacked(m, NULL);
   return !c->closing && !c->parked;
@@ -798,8 +994,21 @@ static kvf__pconn *conn_new(bool outbound) {
   c->tcp.data = c;
   uv_timer_init(P.loop, &c->hs_timer);
   c->hs_timer.data = c;
-  uv_timer_start(&c->hs_timer, on_handshake_timeout, HANDSHAKE_MS, 0);
+  c->born_ns = kvf__now_ns();
+  uv_timer_start(&c->hs_timer, on_handshake_timeout, kvfd.cfg.peer_handshake_timeout_ms, 0);
   return c;
+}
+
+/* A dial to a port on this host where nothing listens yet can connect to
+ * itself (TCP simultaneous open, when the kernel picks that very port as
+ * the source): as good as refused, not a stranger's Hello to refuse. */
+static bool self_connected(kvf__pconn *c) {
+  struct sockaddr_storage a, b;
+  int na = sizeof(a), nb = sizeof(b);
+  if (uv_tcp_getsockname(&c->tcp, (struct sockaddr *)&a, &na) != 0 ||
+      uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&b, &nb) != 0)
+    return false;
+  return na == nb && memcmp(&a, &b, (size_t)na) == 0;
 }
 
 static void on_connected(uv_connect_t *req, int status) {
@@ -812,11 +1021,37 @@ static void on_connected(uv_connect_t *req, int status) {
     conn_close(c, NULL);
     return;
   }
+  if (self_connected(c)) { /* the peer's port is in our ephemeral range and free */
+    snprintf(c->peer->last_error, sizeof(c->peer->last_error), "connect: nothing listens there");
+    conn_close(c, NULL);
+    return;
+  }
   uv_tcp_nodelay(&c->tcp, 1);
   uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+  c->connected = true;
   if (c->auth == AUTH_OFF) send_hello(c);
   else if (kvf__auth_nonce(c->nonce) == 0) auth_send_hello(c, c->nonce, NULL);
   else conn_close(c, "no random bytes for a nonce");
+}
+
+/* Our dials leave from our peer-listen address when that is one IP, so that
+ * the peer's peer-address-check sees the address it has for us (several
+ * daemons on one host, each on its own IP, would otherwise all dial from
+ * the one the route picks). The port is still picked at connect time, per
+ * destination (IP_BIND_ADDRESS_NO_PORT): a bind to port 0 would hold one
+ * for good, and could take a port a daemon of this host is about to listen
+ * on. */
+static int dial_from_listen_ip(kvf__pconn *c, const kvf__peer *p) {
+  int family = P.dial_from.ss_family, one = 1;
+  if (!P.bind_dials || family != p->addr.ss_family) return 0;
+  int fd = socket(family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return -errno;
+  (void)setsockopt(fd, IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof(one));
+  socklen_t len = family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in);
+  int rc = bind(fd, (struct sockaddr *)&P.dial_from, len) == 0 ? 0 : -errno;
+  if (rc == 0) rc = uv_tcp_open(&c->tcp, fd);
+  if (rc) close(fd);
+  return rc;
 }
 
 static void dial(kvf__peer *p) {
@@ -831,21 +1066,39 @@ static void dial(kvf__peer *p) {
   p->dial_ns = kvf__now_ns();
   p->state = KVF__PEER_CONNECTING;
   c->creq.data = c;
+  int brc = dial_from_listen_ip(c, p);
+  if (brc) kvf__debug("peer %s: cannot dial from the peer-listen address: %s", p->cfg.name, uv_strerror(brc));
   int rc = uv_tcp_connect(&c->creq, &c->tcp, (struct sockaddr *)&p->addr, on_connected);
   if (rc) conn_close(c, uv_strerror(rc));
 }
 
 /* Connections that have not said who they are yet are bounded by
- * max-pending-peers (each also by the handshake timeout): past it a new one
- * is closed at once, so strangers cannot exhaust descriptors or memory. */
-static bool admit_pending(kvf__pconn *c) {
+ * max-pending-peers, and by max-pending-per-address from one source (each
+ * also by peer-handshake-timeout-ms), so strangers cannot exhaust
+ * descriptors or memory. Configured peers are served first: a connection
+ * from a peer's address that finds the table full closes the oldest one
+ * from an address no peer has, and a newer connection from an address at
+ * its bound closes the oldest one from there (a real peer completes its
+ * handshake in a round trip; a flood must outrun that to keep it out). */
+static void evict(kvf__pconn *old, const char *limit) {
   uint64_t dropped;
   char addr[80];
-  if (P.n_pending < kvfd.cfg.max_pending_peers) {
-    c->pending = true;
-    P.n_pending++;
-    return true;
+  kvfd.stats.peer_errors++;
+  if (kvf__log_ratelimit(&P.evict_rl, &dropped)) {
+    conn_addr(old, addr, sizeof(addr));
+    kvf__warn("closed a peer connection from %s that had not said Hello yet, to make room (%s; "
+              "%llu more since the last such line)", addr, limit, (unsigned long long)dropped);
   }
+  conn_close(old, NULL);
+}
+
+static bool same_src(const kvf__pconn *a, const kvf__pconn *b) {
+  return a->src_known && b->src_known && memcmp(a->src, b->src, 16) == 0;
+}
+
+static void refuse_pending(kvf__pconn *c) {
+  uint64_t dropped;
+  char addr[80];
   kvfd.stats.peer_errors++;
   if (kvf__log_ratelimit(&P.pending_rl, &dropped)) {
     conn_addr(c, addr, sizeof(addr));
@@ -854,7 +1107,49 @@ static bool admit_pending(kvf__pconn *c) {
               addr, kvfd.cfg.max_pending_peers, (unsigned long long)dropped);
   }
   conn_close(c, NULL);
-  return false;
+}
+
+static bool admit_pending(kvf__pconn *c) {
+  kvf__pconn *oldest_same = NULL, *oldest_stranger = NULL;
+  uint32_t same = 0;
+  for (kvf__pconn *o = P.pend_head; o; o = o->pend_next) {
+    if (same_src(o, c) && same++ == 0) oldest_same = o;
+    if (!o->configured && !oldest_stranger) oldest_stranger = o;
+  }
+  /* each configured peer at that address may have its control connection
+   * and its data streams (as many as ours, tcp-streams) pending at once */
+  uint64_t bound = kvfd.cfg.max_pending_per_address + (uint64_t)c->peers_here * (1 + kvfd.cfg.tcp_streams);
+  if (c->src_known && same >= bound) {
+    if (oldest_stranger == oldest_same) oldest_stranger = NULL;
+    evict(oldest_same, "max-pending-per-address");
+    if (!oldest_stranger) /* the next one from another address */
+      for (kvf__pconn *o = P.pend_head; o && !oldest_stranger; o = o->pend_next)
+        if (!o->configured) oldest_stranger = o;
+  }
+  if (P.n_pending >= kvfd.cfg.max_pending_peers) {
+    if (!c->configured || !oldest_stranger) {
+      refuse_pending(c);
+      return false;
+    }
+    evict(oldest_stranger, "max-pending-peers, for a configured peer's address");
+  }
+  c->pending = true;
+  P.n_pending++;
+  c->pend_prev = P.pend_tail;
+  if (P.pend_tail) P.pend_tail->pend_next = c;
+  else P.pend_head = c;
+  P.pend_tail = c;
+  return true;
+}
+
+/* Where an accepted connection comes from, and whether a peer is there. */
+static void note_source(kvf__pconn *c) {
+  struct sockaddr_storage ss;
+  int n = sizeof(ss);
+  c->src_known = uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &n) == 0 && ip_key(&ss, c->src);
+  for (size_t i = 0; c->src_known && i < P.n; i++)
+    c->peers_here += !P.peers[i].removed && peer_has_ip(&P.peers[i], c->src);
+  c->configured = c->peers_here > 0;
 }
 
 static void on_accept(uv_stream_t *server, int status) {
@@ -865,6 +1160,7 @@ static void on_accept(uv_stream_t *server, int status) {
     conn_close(c, NULL);
     return;
   }
+  note_source(c);
   if (!admit_pending(c)) return;
   uv_tcp_nodelay(&c->tcp, 1);
   uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
@@ -945,6 +1241,14 @@ static int start_listener(char *err, size_t errlen) {
   struct sockaddr_storage bound;
   int blen = sizeof(bound);
   uv_tcp_getsockname(&P.listener, (struct sockaddr *)&bound, &blen);
+  uint8_t ip[16];
+  static const uint8_t any4[16] = {[10] = 0xff, [11] = 0xff}, any6[16] = {0};
+  P.bind_dials = ip_key(&bound, ip) && memcmp(ip, any4, 16) != 0 && memcmp(ip, any6, 16) != 0;
+  if (P.bind_dials) {
+    P.dial_from = bound;
+    if (bound.ss_family == AF_INET6) ((struct sockaddr_in6 *)&P.dial_from)->sin6_port = 0;
+    else ((struct sockaddr_in *)&P.dial_from)->sin_port = 0;
+  }
   P.listen_port = ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
                                                     : ((struct sockaddr_in *)&bound)->sin_port);
   return 0;
@@ -998,6 +1302,8 @@ void kvf__peers_stop(void) {
     uv_close((uv_handle_t *)&p->reconnect, NULL);
   }
   while (P.parked) conn_close(P.parked, NULL);
+  while (P.retiring) conn_close(P.retiring, NULL);
+  while (P.pend_head) conn_close(P.pend_head, NULL); /* not worth waiting for */
   uv_timer_stop(&P.hb);
   uv_close((uv_handle_t *)&P.hb, NULL);
   if (P.listening) uv_close((uv_handle_t *)&P.listener, NULL);

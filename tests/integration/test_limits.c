@@ -722,7 +722,10 @@ static int peers_setup(void **state) {
   h_daemon_init(&P.oth, P.dir, "other", ports[2], "16M");
   snprintf(P.pre.extra, sizeof P.pre.extra, "max-frame %u\nmax-descs %u\n", SOLO_FRAME,
            SOLO_DESCS);
-  snprintf(P.dec.extra, sizeof P.dec.extra, "max-pending-peers %u\n", PENDING_MAX);
+  /* a handshake timeout well past the waits of test_pending_peers, so that
+   * a connection closed there was closed by the limit */
+  snprintf(P.dec.extra, sizeof P.dec.extra, "max-pending-peers %u\npeer-handshake-timeout-ms 5000\n",
+           PENDING_MAX);
   h_daemon_add_peer(&P.pre, &P.dec);
   h_daemon_add_peer(&P.pre, &P.oth);
   h_daemon_add_peer(&P.dec, &P.pre);
@@ -861,9 +864,9 @@ static void test_peer_frame_over_max_frame(void **state) {
 }
 
 /* Connections to decode's peer port that never say Hello: max-pending-peers
- * of them are held (each until the 5 s handshake timeout), the next is
- * closed at once with a line; established peers are not affected, and a
- * slot is free again once one goes. */
+ * of them are held (each until the 5 s handshake timeout set above), the
+ * next is closed at once with a line; established peers are not affected,
+ * and a slot is free again once one goes. */
 static void test_pending_peers(void **state) {
   int idle[PENDING_MAX];
   uint64_t ups0, ups1;

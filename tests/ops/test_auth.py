@@ -23,9 +23,11 @@ from kvftest import Daemon, field_bytes, field_varint, pb_decode as decode, run,
 import kvferry
 
 PEER_VERSION = 1
-# A refusal closes at once; well within this, and well before the daemon's
-# 5 s handshake timer would close an accepted but idle connection anyway.
+# A refusal closes at once; well within this, and well before the daemons'
+# handshake timer (HANDSHAKE, set by daemons() below) would close an
+# accepted but idle connection anyway.
 REFUSED_S = 2.5
+HANDSHAKE = "peer-handshake-timeout-ms 5000"
 
 
 # PeerMsg bodies (proto/kvferry.proto)
@@ -176,8 +178,8 @@ class TestClusterKey(unittest.TestCase):
 
     def daemons(self, key_pre, key_dec, metrics=False):
         d = kvftest.tempdir()
-        pre = Daemon(d, "prefill", "16M", metrics, keyed(key_pre) if key_pre else "")
-        dec = Daemon(d, "decode", "16M", metrics, keyed(key_dec) if key_dec else "")
+        pre = Daemon(d, "prefill", "16M", metrics, HANDSHAKE + "\n" + (keyed(key_pre) if key_pre else ""))
+        dec = Daemon(d, "decode", "16M", metrics, HANDSHAKE + "\n" + (keyed(key_dec) if key_dec else ""))
         pre.add_peer(dec)
         dec.add_peer(pre)
         self.addCleanup(lambda: [x.kill() for x in (pre, dec)])
@@ -372,7 +374,7 @@ class TestClusterKey(unittest.TestCase):
             self.assertTrue(r.closed_within(REFUSED_S))
             r.close()
 
-        # A nonce, then silence: the handshake timer (5 s) ends it.
+        # A nonce, then silence: the handshake timer (HANDSHAKE, 5 s) ends it.
         r = Raw(dec.port)
         r.send(MSG_HELLO, hello("prefill", nonce=os.urandom(32)))
         self.assertIsNotNone(r.recv())
