@@ -114,6 +114,8 @@ static void render_status(kvf__sbuf *b, int json) {
                    kvf__metrics_url()[0] ? kvf__metrics_url() : "off", run_state(), kvf__gpu_why());
     kvf__sb_printf(b, "auth            %s (%llu refused)\n", auth_mode(),
                    (unsigned long long)st->auth_failures);
+    kvf__sb_printf(b, "unread output   %zu bytes (%llu clients dropped for api-output-budget)\n",
+                   kvf__api_output_bytes(), (unsigned long long)st->api_output_drops);
     rdma_status(b, json);
     return;
   }
@@ -154,6 +156,8 @@ static void render_status(kvf__sbuf *b, int json) {
                  (unsigned long long)gs.block_bytes);
   rdma_status(b, json);
   kvf__sb_printf(b, ", \"granted_bytes\": %llu", granted_bytes());
+  kvf__sb_printf(b, ", \"api_output_bytes\": %zu, \"api_output_drops\": %llu", kvf__api_output_bytes(),
+                 (unsigned long long)st->api_output_drops);
   tcp_status(b);
   kvf__sb_printf(b, "}\n");
 }
