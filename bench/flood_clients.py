@@ -23,7 +23,9 @@ compare). Prints one line per part; --json prints JSON lines."""
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 
@@ -114,7 +116,8 @@ def run_unread(pre, dec):
 
 
 def main():
-    d = kvftest.tempdir()
+    # its own dir (not kvftest.tempdir's prefix, which other runs may sweep)
+    d = tempfile.mkdtemp(prefix="kvf-flood.", dir="/tmp")
     try:
         pre, dec = kvftest.pair(d, pool="64M", extra=EXTRA)
         try:
@@ -126,7 +129,7 @@ def main():
             pre.stop()
             dec.stop()
     finally:
-        kvftest._cleanup()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 main()

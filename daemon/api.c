@@ -85,6 +85,13 @@ struct kvf__session {
   kvf__session *prev, *next;
 };
 
+/* An inspect view as last rendered. */
+typedef struct render {
+  uint64_t gen;           /* A.gen when rendered */
+  uint64_t at, cost;      /* when it was rendered, and what that took (ns) */
+  char *text;
+} render;
+
 static struct {
   uv_loop_t *loop;
   uv_pipe_t server;
@@ -94,17 +101,13 @@ static struct {
   size_t n_refused;       /* of n: refused, waiting for their hello */
   uint32_t next_id;
   kvf__ratelimit refused_rl;
-  bool handles;           /* turns and tick are initialised */
+  bool handles;           /* turns is initialised */
   uv_idle_t turns;        /* active while sessions wait for a turn */
-  uv_check_t tick;        /* each pass of the loop: cached inspects go stale */
   kvf__session *ready_head, *ready_tail;
   size_t out_bytes;       /* over the open sessions: unread replies and events */
   size_t out_freed;       /* output buffers freed since the last malloc_trim */
-  uint64_t gen;           /* changes whenever a cached inspect may be stale */
-  struct {
-    uint64_t gen;
-    char *text;
-  } cache[5][2];          /* inspect renders by what and json */
+  uint64_t gen;           /* changes with each request and event: cached inspects go stale */
+  render cache[5][2];     /* inspect renders by what and json */
 } A;
 
 size_t kvf__api_sessions(void) { return A.n; }
@@ -681,19 +684,27 @@ static void on_mem_unregister(kvf__session *s, uint64_t seq, const Kvf__MemUnreg
   reply_status(s, seq, rc, err);
 }
 
-/* Renders are O(transfers): requests served in one turn of the loop, with
- * nothing changed in between through the API, share one render (clients
- * polling the same view at once cost one render, not one each). A request
- * or event of any client makes the next inspect render afresh, so a
- * client always sees what it did and what it was told. */
+/* Renders are O(transfers), and clients may poll them back to back (six
+ * pipelining a thousand each took the loop for seconds). A render that took
+ * T is reused for the next 10 T (so rendering takes at most a tenth of the
+ * loop; a render of a few entries is fresh for microseconds), and never
+ * after a request or event of any client: a client always sees what it did
+ * and what it was told. What changes by itself (ages, a transfer's
+ * progress, a peer's state) shows at most 10 T late. */
+#define RENDER_REUSE 10u
+
 static const char *inspect_text(int what, int json) {
   if (what < 0 || what >= 5) what = KVF__INSPECT_WHAT__INSPECT_STATUS;
   json = json != 0;
-  if (A.cache[what][json].text && A.cache[what][json].gen == A.gen) return A.cache[what][json].text;
-  free(A.cache[what][json].text);
-  A.cache[what][json].text = kvf__inspect_render(what, json);
-  A.cache[what][json].gen = A.gen;
-  return A.cache[what][json].text;
+  render *c = &A.cache[what][json];
+  uint64_t now = kvf__now_ns();
+  if (c->text && c->gen == A.gen && now - c->at < RENDER_REUSE * c->cost) return c->text;
+  free(c->text);
+  c->text = kvf__inspect_render(what, json);
+  c->gen = A.gen;
+  c->at = kvf__now_ns();
+  c->cost = c->at - now;
+  return c->text;
 }
 
 static void inspect_cache_free(void) {
@@ -1043,18 +1054,12 @@ static int clear_stale_socket(const char *path, char *err, size_t errlen) {
 
 int kvf__api_check_socket(char *err, size_t errlen) { return clear_stale_socket(kvfd.cfg.api_socket, err, errlen); }
 
-/* Views change with time (ages, uptime, peers): a render serves one pass. */
-static void on_tick(uv_check_t *h) { A.gen++; }
-
 int kvf__api_start(uv_loop_t *loop, char *err, size_t errlen) {
   A.loop = loop;
   const char *path = kvfd.cfg.api_socket;
   int rc = clear_stale_socket(path, err, errlen);
   if (rc) return rc;
   uv_idle_init(loop, &A.turns);
-  uv_check_init(loop, &A.tick);
-  uv_check_start(&A.tick, on_tick);
-  uv_unref((uv_handle_t *)&A.tick); /* keeps no loop alive */
   A.handles = true;
   uv_pipe_init(loop, &A.server, 0);
   A.listening = true;
@@ -1082,7 +1087,6 @@ void kvf__api_stop(void) {
   while (A.head) session_close(A.head, NULL);
   if (A.handles) {
     uv_close((uv_handle_t *)&A.turns, NULL);
-    uv_close((uv_handle_t *)&A.tick, NULL);
     A.handles = false;
   }
   inspect_cache_free();
