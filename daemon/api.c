@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <malloc.h>
 #include <pwd.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,6 +36,19 @@
 #define REFUSED_READ 4096u
 #define MAX_REFUSED 64u
 
+/* Fair turns (DESIGN.md, "Control plane"): one client is served at most
+ * TURN_REQUESTS requests or TURN_NS of work at a time; then the loop goes
+ * round (peers' heartbeats, timers, the other clients) before its next
+ * turn. A client whose unread replies pass OUT_MARK is served nothing more
+ * until it has read them: its requests wait in its socket, not as replies
+ * in our memory. */
+#define TURN_REQUESTS 64u
+#define TURN_NS 1000000ull
+#define OUT_MARK (256u << 10)
+/* Freed output past this since the last trim goes back to the system when
+ * a client goes (kvf__keep_freed_memory keeps freed memory otherwise). */
+#define TRIM_AFTER (8u << 20)
+
 /* A client call that arrives as several SendReq frames (SendReq.chained). */
 typedef struct send_chain {
   bool active;            /* frames of a call are coming; the last answers */
@@ -58,6 +72,11 @@ struct kvf__session {
   int refused;            /* status every request gets, then we close */
   bool hello_done;
   bool closing;
+  bool reading;           /* uv_read_start is on */
+  bool ready;             /* on A.ready: frames wait for its next turn */
+  bool out_wait;          /* unread output above OUT_MARK: served once it is read */
+  size_t out_bytes;       /* replies and events written, not yet taken by the socket */
+  kvf__session *ready_next;
   uint32_t n_xfers;
   send_chain chain;
   char name[64];
@@ -65,6 +84,13 @@ struct kvf__session {
   void *sink_arg;
   kvf__session *prev, *next;
 };
+
+/* An inspect view as last rendered. */
+typedef struct render {
+  uint64_t gen;           /* A.gen when rendered */
+  uint64_t at, cost;      /* when it was rendered, and what that took (ns) */
+  char *text;
+} render;
 
 static struct {
   uv_loop_t *loop;
@@ -75,9 +101,17 @@ static struct {
   size_t n_refused;       /* of n: refused, waiting for their hello */
   uint32_t next_id;
   kvf__ratelimit refused_rl;
+  bool handles;           /* turns is initialised */
+  uv_idle_t turns;        /* active while sessions wait for a turn */
+  kvf__session *ready_head, *ready_tail;
+  size_t out_bytes;       /* over the open sessions: unread replies and events */
+  size_t out_freed;       /* output buffers freed since the last malloc_trim */
+  uint64_t gen;           /* changes with each request and event: cached inspects go stale */
+  render cache[5][2];     /* inspect renders by what and json */
 } A;
 
 size_t kvf__api_sessions(void) { return A.n; }
+size_t kvf__api_output_bytes(void) { return A.out_bytes; }
 uint32_t kvf__api_session_id(const kvf__session *s) { return s->id; }
 pid_t kvf__api_session_pid(const kvf__session *s) { return s->pid; }
 
@@ -87,18 +121,33 @@ void kvf__api_session_xfers(kvf__session *s, int delta) { s->n_xfers += (uint32_
 
 typedef struct wreq {
   uv_write_t req;
+  kvf__session *s;
+  size_t len;
   uv_pipe_t *fdpipe;   /* carries a pool fd; closed once written */
   uint8_t data[];
 } wreq;
 
 static void session_close(kvf__session *s, const char *why);
+static void ready_push(kvf__session *s);
 
 static void on_fdpipe_closed(uv_handle_t *h) { free(h); }
 
+static size_t unwritten(kvf__session *s) { return uv_stream_get_write_queue_size((uv_stream_t *)&s->pipe); }
+
+/* Also for the writes a close cancels (libuv calls them back before the
+ * pipe's close callback, so s is still there). */
 static void on_written(uv_write_t *req, int status) {
   wreq *w = req->data;
+  kvf__session *s = w->s;
+  s->out_bytes -= w->len;
+  if (!s->closing) A.out_bytes -= w->len; /* a closed session's bytes left the total at its close */
+  A.out_freed += w->len;
   if (w->fdpipe) uv_close((uv_handle_t *)w->fdpipe, on_fdpipe_closed);
   free(w);
+  if (s->out_wait && !s->closing && unwritten(s) <= OUT_MARK) {
+    s->out_wait = false;
+    ready_push(s);
+  }
 }
 
 /* Wraps a dup of fd in a pipe handle, which is what uv_write2 can pass. */
@@ -143,14 +192,50 @@ static bool backlog_full(kvf__session *s) {
   return true;
 }
 
+/* api-output-budget: what all clients leave unread, together. At least
+ * two max-frame replies always fit, so one large reply is never refused. */
+static size_t output_budget(void) {
+  uint64_t b = kvfd.cfg.api_output_budget, two = 2ull * kvfd.cfg.max_frame;
+  return (size_t)(b > two ? b : two);
+}
+
+/* The open session that holds the most unread output (NULL: none holds any). */
+static kvf__session *biggest_holder(void) {
+  kvf__session *big = NULL;
+  for (kvf__session *t = A.head; t; t = t->next)
+    if (!t->closing && t->out_bytes && (!big || t->out_bytes > big->out_bytes)) big = t;
+  return big;
+}
+
+/* Makes room for n more bytes within api-output-budget by dropping the
+ * clients that hold the most; true when that was s itself. */
+static bool over_budget(kvf__session *s, size_t n) {
+  size_t budget = output_budget();
+  while (A.out_bytes + n > budget) {
+    kvf__session *big = biggest_holder();
+    if (!big) return false; /* nobody holds anything: one reply always goes */
+    kvfd.stats.api_output_drops++;
+    kvf__warn("client %u (%s, pid %d, uid %u): dropped, it holds the most unread replies and events "
+              "(%zu bytes) and all clients' unread output (%zu bytes, %zu more to write) is past "
+              "api-output-budget (%zu)", big->id, big->name, (int)big->pid, (unsigned)big->uid,
+              big->out_bytes, A.out_bytes, n, budget);
+    session_close(big, NULL);
+    if (big == s) return true;
+  }
+  return false;
+}
+
 static int session_write(kvf__session *s, const Kvf__ApiMessage *m, int fd) {
   if (s->closing) return KVF_EDAEMON;
   if (s->sink) return sink_write(s, m, fd);
   if (backlog_full(s)) return KVF_ELIMIT;
   size_t n = kvf__api_message__get_packed_size(m);
+  if (over_budget(s, KVF__FRAME_HDR + n)) return KVF_ELIMIT;
   wreq *w = malloc(sizeof(*w) + KVF__FRAME_HDR + n);
   if (!w) return -ENOMEM;
   w->fdpipe = NULL;
+  w->s = s;
+  w->len = KVF__FRAME_HDR + n;
   kvf__frame_put_header(w->data, (uint32_t)n);
   kvf__api_message__pack(m, w->data + KVF__FRAME_HDR);
   w->req.data = w;
@@ -169,6 +254,8 @@ static int session_write(kvf__session *s, const Kvf__ApiMessage *m, int fd) {
     session_close(s, uv_strerror(rc));
     return KVF_EDAEMON;
   }
+  s->out_bytes += w->len; /* until on_written, also when libuv wrote it at once */
+  A.out_bytes += w->len;
   return 0;
 }
 
@@ -192,6 +279,7 @@ static void reply_status(kvf__session *s, uint64_t seq, int status, const char *
 }
 
 void kvf__api_emit(kvf__session *s, const Kvf__Event *ev) {
+  A.gen++; /* something changed: an inspect after this event must show it */
   Kvf__ApiMessage m = KVF__API_MESSAGE__INIT;
   m.body_case = KVF__API_MESSAGE__BODY_EVENT;
   m.event = (Kvf__Event *)ev;
@@ -596,20 +684,50 @@ static void on_mem_unregister(kvf__session *s, uint64_t seq, const Kvf__MemUnreg
   reply_status(s, seq, rc, err);
 }
 
+/* Renders are O(transfers), and clients may poll them back to back (six
+ * pipelining a thousand each took the loop for seconds). A render that took
+ * T is reused for the next 10 T (so rendering takes at most a tenth of the
+ * loop; a render of a few entries is fresh for microseconds), and never
+ * after a request or event of any client: a client always sees what it did
+ * and what it was told. What changes by itself (ages, a transfer's
+ * progress, a peer's state) shows at most 10 T late. */
+#define RENDER_REUSE 10u
+
+static const char *inspect_text(int what, int json) {
+  if (what < 0 || what >= 5) what = KVF__INSPECT_WHAT__INSPECT_STATUS;
+  json = json != 0;
+  render *c = &A.cache[what][json];
+  uint64_t now = kvf__now_ns();
+  if (c->text && c->gen == A.gen && now - c->at < RENDER_REUSE * c->cost) return c->text;
+  free(c->text);
+  c->text = kvf__inspect_render(what, json);
+  c->gen = A.gen;
+  c->at = kvf__now_ns();
+  c->cost = c->at - now;
+  return c->text;
+}
+
+static void inspect_cache_free(void) {
+  for (int w = 0; w < 5; w++)
+    for (int j = 0; j < 2; j++) {
+      free(A.cache[w][j].text);
+      A.cache[w][j].text = NULL;
+    }
+}
+
 static void on_inspect(kvf__session *s, uint64_t seq, const Kvf__InspectReq *q) {
-  char *text = kvf__inspect_render(q->what, q->json);
+  const char *text = inspect_text(q->what, q->json);
   if (!text) {
     reply_status(s, seq, -ENOMEM, "out of memory");
     return;
   }
   Kvf__InspectResp ir = KVF__INSPECT_RESP__INIT;
-  ir.text = text;
+  ir.text = (char *)text;
   Kvf__ApiResponse r = KVF__API_RESPONSE__INIT;
   r.seq = seq;
   r.body_case = KVF__API_RESPONSE__BODY_INSPECT;
   r.inspect = &ir;
   reply_fd(s, &r, -1);
-  free(text);
 }
 
 static void on_request(kvf__session *s, const Kvf__ApiRequest *q) {
@@ -627,6 +745,7 @@ static void on_request(kvf__session *s, const Kvf__ApiRequest *q) {
     session_close(s, "no hello");
     return;
   }
+  if (q->body_case != KVF__API_REQUEST__BODY_INSPECT) A.gen++;
   switch (q->body_case) {
   case KVF__API_REQUEST__BODY_POOLS: on_pools(s, q->seq); break;
   case KVF__API_REQUEST__BODY_MAP: on_map(s, q->seq, q->map); break;
@@ -646,16 +765,38 @@ static void on_request(kvf__session *s, const Kvf__ApiRequest *q) {
 
 /* ------------------------------------------------------------- sessions */
 
+/* Its cancelled writes were freed before this (libuv calls them back
+ * first): a client that left much unread gives that memory back here. */
 static void on_session_closed(uv_handle_t *h) {
   kvf__session *s = h->data;
   if (--s->handles_open > 0) return;
   kvf__framebuf_free(&s->fb);
   free(s);
+  if (A.out_freed >= TRIM_AFTER) {
+    A.out_freed = 0;
+    malloc_trim(0);
+  }
+}
+
+static void ready_remove(kvf__session *s) {
+  kvf__session **pp = &A.ready_head, *prev = NULL;
+  while (*pp && *pp != s) {
+    prev = *pp;
+    pp = &(*pp)->ready_next;
+  }
+  if (!*pp) return;
+  *pp = s->ready_next;
+  if (A.ready_tail == s) A.ready_tail = prev;
+  s->ready = false;
+  s->ready_next = NULL;
 }
 
 static void session_close(kvf__session *s, const char *why) {
   if (s->closing) return;
   s->closing = true;
+  A.gen++;
+  A.out_bytes -= s->out_bytes;
+  if (s->ready) ready_remove(s);
   if (why) kvf__info("client %u (%s, pid %d): %s", s->id, s->name, (int)s->pid, why);
   kvf__xfer_session_gone(s);
   kvf__layouts_session_gone(s);
@@ -670,6 +811,9 @@ static void session_close(kvf__session *s, const char *why) {
   if (s->handles_open == 2) uv_close((uv_handle_t *)&s->hello_timer, on_session_closed);
 }
 
+static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf);
+static void on_turns(uv_idle_t *h);
+
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
   kvf__session *s = h->data;
   uint8_t *p;
@@ -681,14 +825,52 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
   *buf = uv_buf_init((char *)p, (unsigned)avail);
 }
 
-/* Decodes and answers every whole frame held in s->fb: the one path from
- * a client's bytes to on_request (the socket's reads and kvf__api_feed). */
-static void drain_frames(kvf__session *s) {
-  while (!s->closing) {
+static void reading(kvf__session *s, bool on) {
+  if (s->sink || s->closing || s->reading == on) return;
+  s->reading = on;
+  if (on) uv_read_start((uv_stream_t *)&s->pipe, on_alloc, on_read);
+  else uv_read_stop((uv_stream_t *)&s->pipe);
+}
+
+/* Queues s for a turn on a later pass of the loop. */
+static void ready_push(kvf__session *s) {
+  if (s->ready || s->closing) return;
+  s->ready = true;
+  s->ready_next = NULL;
+  if (A.ready_tail) A.ready_tail->ready_next = s;
+  else A.ready_head = s;
+  A.ready_tail = s;
+  if (!uv_is_active((uv_handle_t *)&A.turns)) uv_idle_start(&A.turns, on_turns);
+}
+
+/* Whether s may be served another request now; if not, it reads nothing
+ * until it gets a turn (its frames wait in s->fb and in its socket). */
+static bool may_serve(kvf__session *s, unsigned done, uint64_t t0) {
+  if (s->sink) return true; /* detached sessions are fed by hand, whole */
+  if (unwritten(s) > OUT_MARK) {
+    s->out_wait = true;     /* on_written queues it once it has read */
+    reading(s, false);
+    return false;
+  }
+  if (done < TURN_REQUESTS && (done == 0 || kvf__now_ns() - t0 < TURN_NS)) return true;
+  reading(s, false);
+  ready_push(s);
+  return false;
+}
+
+/* Decodes and answers the whole frames held in s->fb, for one turn: the
+ * one path from a client's bytes to on_request (the socket's reads, the
+ * turns, and kvf__api_feed). Reading resumes once s->fb is drained. */
+static void serve(kvf__session *s) {
+  uint64_t t0 = s->sink ? 0 : kvf__now_ns();
+  for (unsigned done = 0; !s->closing && may_serve(s, done, t0); done++) {
     const uint8_t *payload;
     uint32_t len;
     int rc = kvf__framebuf_next(&s->fb, &payload, &len);
-    if (rc == 0) return;
+    if (rc == 0) {
+      reading(s, true);
+      return;
+    }
     if (rc < 0) {
       char why[128];
       snprintf(why, sizeof(why), "sent a frame of %u bytes, more than %s (%u); dropped",
@@ -710,6 +892,21 @@ static void drain_frames(kvf__session *s) {
   }
 }
 
+/* One turn for each session that was waiting when this pass began; the
+ * loop then polls (peers, timers, the other clients) before the next. */
+static void on_turns(uv_idle_t *h) {
+  kvf__session *s = A.ready_head;
+  A.ready_head = A.ready_tail = NULL;
+  while (s) {
+    kvf__session *next = s->ready_next;
+    s->ready = false;
+    s->ready_next = NULL;
+    if (!s->closing) serve(s); /* closed ones are freed only after this pass */
+    s = next;
+  }
+  if (!A.ready_head) uv_idle_stop(h);
+}
+
 static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
   kvf__session *s = st->data;
   if (nread < 0) {
@@ -717,7 +914,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
     return;
   }
   kvf__framebuf_commit(&s->fb, (size_t)nread);
-  drain_frames(s);
+  serve(s);
 }
 
 static void credentials(kvf__session *s) {
@@ -802,7 +999,7 @@ static void on_connection(uv_stream_t *server, int status) {
     session_close(s, NULL);
     return;
   }
-  uv_read_start((uv_stream_t *)&s->pipe, on_alloc, on_read);
+  reading(s, true);
 }
 
 kvf__session *kvf__api_session_detached(pid_t pid, uid_t uid, gid_t gid, kvf__api_sink *sink,
@@ -822,7 +1019,7 @@ kvf__session *kvf__api_session_detached(pid_t pid, uid_t uid, gid_t gid, kvf__ap
 int kvf__api_feed(kvf__session *s, const void *data, size_t n) {
   if (s->closing) return KVF_EDAEMON;
   if (kvf__framebuf_append(&s->fb, data, n) != 0) return -ENOMEM;
-  drain_frames(s);
+  serve(s);
   return s->closing ? KVF_EDAEMON : 0;
 }
 
@@ -862,6 +1059,8 @@ int kvf__api_start(uv_loop_t *loop, char *err, size_t errlen) {
   const char *path = kvfd.cfg.api_socket;
   int rc = clear_stale_socket(path, err, errlen);
   if (rc) return rc;
+  uv_idle_init(loop, &A.turns);
+  A.handles = true;
   uv_pipe_init(loop, &A.server, 0);
   A.listening = true;
   rc = uv_pipe_bind(&A.server, path);
@@ -886,4 +1085,9 @@ void kvf__api_stop_accepting(void) {
 void kvf__api_stop(void) {
   kvf__api_stop_accepting();
   while (A.head) session_close(A.head, NULL);
+  if (A.handles) {
+    uv_close((uv_handle_t *)&A.turns, NULL);
+    A.handles = false;
+  }
+  inspect_cache_free();
 }

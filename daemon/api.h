@@ -16,6 +16,9 @@ void kvf__api_stop_accepting(void);
 void kvf__api_emit(kvf__session *s, const Kvf__Event *ev);
 void kvf__api_session_xfers(kvf__session *s, int delta);
 size_t kvf__api_sessions(void);
+/* Bytes of replies and events written to clients and not yet taken by
+ * their sockets, all clients together (api-output-budget bounds it). */
+size_t kvf__api_output_bytes(void);
 /* Who a session is, for listings: its client id and process. */
 uint32_t kvf__api_session_id(const kvf__session *s);
 pid_t kvf__api_session_pid(const kvf__session *s);

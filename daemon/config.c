@@ -169,6 +169,15 @@ static const struct opt opts[] = {
      .min = 10, .max = 600000, .def = "5000",
      .help = "A local API connection that has not completed its Hello within this "
              "long (nothing sent, or half a frame) is closed, freeing its slot."},
+    {.name = "api-output-budget", .reload = true, .type = OPT_SIZE32, .off = F(api_output_budget),
+     .min = 1u << 20, .max = 3u << 30, .def = "256M",
+     .help = "Replies and events that local clients have not read yet, all clients together "
+             "(each client also has its 4 x max-frame). Past it, the client that holds the "
+             "most is disconnected (logged, counted as api_output_drops in status) and its "
+             "memory given back. A client's requests are served only while it reads its "
+             "replies, so this catches clients that stopped reading; the default is what one "
+             "client alone could hold before (4 x the default max-frame). At least 2 x "
+             "max-frame is allowed, whatever the setting."},
     {.name = "max-transfers-per-client", .reload = true, .type = OPT_U32,
      .off = F(max_transfers_per_client), .min = 1, .max = 1048576, .def = "4096",
      .help = "Most transfers one client may have in flight."},

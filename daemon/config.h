@@ -61,6 +61,7 @@ typedef struct kvf__config {
   uint32_t max_clients;
   uint32_t api_hello_timeout_ms;   /* a client that has not said Hello by then is closed */
   uint32_t api_operator_slots;     /* on top of max_clients, for root and our user */
+  uint32_t api_output_budget;      /* unread replies and events, all clients together */
   uint32_t max_transfers_per_client;
   uint32_t max_peers;
   uint32_t max_pending_peers;      /* inbound peer connections before their Hello */

@@ -114,6 +114,8 @@ static void render_status(kvf__sbuf *b, int json) {
                    kvf__metrics_url()[0] ? kvf__metrics_url() : "off", run_state(), kvf__gpu_why());
     kvf__sb_printf(b, "auth            %s (%llu refused)\n", auth_mode(),
                    (unsigned long long)st->auth_failures);
+    kvf__sb_printf(b, "unread output   %zu bytes (%llu clients dropped for api-output-budget)\n",
+                   kvf__api_output_bytes(), (unsigned long long)st->api_output_drops);
     rdma_status(b, json);
     return;
   }
@@ -154,6 +156,8 @@ static void render_status(kvf__sbuf *b, int json) {
                  (unsigned long long)gs.block_bytes);
   rdma_status(b, json);
   kvf__sb_printf(b, ", \"granted_bytes\": %llu", granted_bytes());
+  kvf__sb_printf(b, ", \"api_output_bytes\": %zu, \"api_output_drops\": %llu", kvf__api_output_bytes(),
+                 (unsigned long long)st->api_output_drops);
   tcp_status(b);
   kvf__sb_printf(b, "}\n");
 }
@@ -206,6 +210,36 @@ static void render_peers(kvf__sbuf *b, int json) {
   if (json) kvf__sb_printf(b, "]}\n");
 }
 
+#define PUT(b, lit) kvf__sb_put(b, lit, sizeof(lit) - 1)
+
+static void put_str(kvf__sbuf *b, const char *s) { kvf__sb_put(b, s, strlen(s)); }
+
+/* One row of the JSON list, without printf: a daemon with tens of
+ * thousands of transfers renders them all per request. */
+static void transfer_json(kvf__sbuf *b, const kvf__xfer *x, int first, const char *role, uint64_t descs,
+                          unsigned long long age) {
+  if (!first) PUT(b, ", ");
+  PUT(b, "{\"id\": ");
+  kvf__sb_json_str(b, x->id);
+  PUT(b, ", \"role\": \"");
+  put_str(b, role);
+  PUT(b, "\", \"peer\": ");
+  kvf__sb_json_str(b, x->peer_name);
+  PUT(b, ", \"state\": \"");
+  put_str(b, kvf__xstate_name(x->state));
+  PUT(b, "\", \"path\": \"");
+  put_str(b, kvf__xfer_path(x));
+  PUT(b, "\", \"bytes\": ");
+  kvf__sb_u64(b, kvf__xfer_bytes(x));
+  PUT(b, ", \"descriptors\": ");
+  kvf__sb_u64(b, descs);
+  PUT(b, ", \"age_ms\": ");
+  kvf__sb_u64(b, age);
+  PUT(b, ", \"deadline_ms\": ");
+  kvf__sb_u64(b, x->deadline_ms);
+  PUT(b, "}");
+}
+
 static void render_transfers(kvf__sbuf *b, int json) {
   uint64_t now = kvf__now_ns();
   if (json) kvf__sb_printf(b, "{\"transfers\": [");
@@ -222,15 +256,8 @@ static void render_transfers(kvf__sbuf *b, int json) {
                      (unsigned long long)kvf__xfer_bytes(x), (unsigned long long)descs, age);
       continue;
     }
-    kvf__sb_printf(b, "%s{\"id\": ", first ? "" : ", ");
+    transfer_json(b, x, first, role, descs, age);
     first = 0;
-    kvf__sb_json_str(b, x->id);
-    kvf__sb_printf(b, ", \"role\": \"%s\", \"peer\": ", role);
-    kvf__sb_json_str(b, x->peer_name);
-    kvf__sb_printf(b, ", \"state\": \"%s\", \"path\": \"%s\", \"bytes\": %llu, \"descriptors\": %llu, "
-                      "\"age_ms\": %llu, \"deadline_ms\": %u}",
-                   kvf__xstate_name(x->state), kvf__xfer_path(x), (unsigned long long)kvf__xfer_bytes(x),
-                   (unsigned long long)descs, age, x->deadline_ms);
   }
   if (json) kvf__sb_printf(b, "]}\n");
 }

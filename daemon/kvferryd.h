@@ -33,6 +33,7 @@ typedef struct kvf__stats {
   uint64_t api_errors;
   uint64_t peer_errors;
   uint64_t auth_failures;   /* peers refused by the cluster key check (auth.h) */
+  uint64_t api_output_drops; /* clients dropped for api-output-budget (api.c) */
 } kvf__stats;
 
 typedef struct kvf__daemon {

@@ -3,6 +3,7 @@
 #define KVF_SBUF_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 typedef struct kvf__sbuf {
   char *s;
@@ -14,6 +15,9 @@ void kvf__sb_printf(kvf__sbuf *b, const char *fmt, ...) __attribute__((format(pr
 /* Appends s as a JSON string literal, quotes included (proto/json.h's
  * one escaping rule). */
 void kvf__sb_json_str(kvf__sbuf *b, const char *s);
+/* Appends n bytes of s; a number in decimal (the hot paths of long renders). */
+void kvf__sb_put(kvf__sbuf *b, const char *s, size_t n);
+void kvf__sb_u64(kvf__sbuf *b, uint64_t v);
 void kvf__sb_free(kvf__sbuf *b);
 
 #endif

@@ -25,7 +25,7 @@ static const char *const all_keys[] = {
     "node", "api-socket", "api-allow-users", "api-allow-groups", "peer-listen", "peer",
     "cluster-key-file", "pool", "default-deadline-ms", "heartbeat-ms", "peer-timeout-ms",
     "reconnect-min-ms", "reconnect-max-ms", "tcp-streams", "max-frame", "max-descs",
-    "max-clients", "api-hello-timeout-ms", "api-operator-slots", "max-transfers-per-client", "max-peers", "max-pending-peers", "max-pending-per-address",
+    "max-clients", "api-hello-timeout-ms", "api-operator-slots", "api-output-budget", "max-transfers-per-client", "max-peers", "max-pending-peers", "max-pending-per-address",
     "peer-handshake-timeout-ms", "peer-address-check", "max-peer-waiting", "grant-overlap", "hugepages",
     "mlock", "cuda", "log-level", "transports", "metrics-listen", "stop-timeout-ms",
     "rdma-devices", "rdma-gid-index", "rdma-listen", "rdma-qps-per-peer", "rdma-queue-depth",
