@@ -48,6 +48,7 @@
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -135,6 +136,7 @@ static struct {
 } P;
 
 static void conn_close(kvf__pconn *c, const char *why);
+static void control_socket_tune(kvf__pconn *c);
 static void peer_down(kvf__peer *p, const char *why);
 static void dial(kvf__peer *p);
 static void schedule_reconnect(kvf__peer *p);
@@ -1026,7 +1028,7 @@ static void on_connected(uv_connect_t *req, int status) {
     conn_close(c, NULL);
     return;
   }
-  uv_tcp_nodelay(&c->tcp, 1);
+  control_socket_tune(c);
   uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
   c->connected = true;
   if (c->auth == AUTH_OFF) send_hello(c);
@@ -1152,6 +1154,19 @@ static void note_source(kvf__pconn *c) {
   c->configured = c->peers_here > 0;
 }
 
+/* A control connection carries heartbeats: a thin stream. After a loss
+ * burst TCP's exponential retransmission backoff can hold its next segment
+ * back for seconds once the network is fine again, longer than
+ * peer-timeout-ms, and the peer would be declared dead after the fault.
+ * Linear timeouts for thin streams keep retries at the plain RTO. */
+static void control_socket_tune(kvf__pconn *c) {
+  uv_os_fd_t fd;
+  int one = 1;
+  uv_tcp_nodelay(&c->tcp, 1);
+  if (uv_fileno((uv_handle_t *)&c->tcp, &fd) == 0)
+    (void)setsockopt(fd, IPPROTO_TCP, TCP_THIN_LINEAR_TIMEOUTS, &one, sizeof(one));
+}
+
 static void on_accept(uv_stream_t *server, int status) {
   if (status < 0) return;
   kvf__pconn *c = conn_new(false);
@@ -1162,7 +1177,7 @@ static void on_accept(uv_stream_t *server, int status) {
   }
   note_source(c);
   if (!admit_pending(c)) return;
-  uv_tcp_nodelay(&c->tcp, 1);
+  control_socket_tune(c);
   uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
 }
 

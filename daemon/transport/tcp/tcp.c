@@ -585,15 +585,22 @@ static int answer_challenge(int fd, kvf__peer *p, uint32_t index) {
   return send_msg(fd, &out);
 }
 
+/* Longest a data stream may make no progress before it counts as broken. */
+#define STREAM_STALL_MS 10000u
+
 static int connect_stream(stream *s) {
   kvf__peer *p = s->tp->p;
   int fd = socket(p->addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return -errno;
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  /* A peer that stops reading must not hold a sender thread forever. */
-  struct timeval tv = {.tv_sec = kvfd.cfg.peer_timeout_ms / 1000,
-                       .tv_usec = (kvfd.cfg.peer_timeout_ms % 1000) * 1000};
+  /* A peer that stops reading must not hold a sender thread forever. The
+   * bound is not peer-timeout-ms: the control connection says whether the
+   * peer lives (and its loss shuts these streams down), while a lossy
+   * network stalls a bulk stream's connect and writes for seconds of TCP
+   * backoff after it heals, and that must not take a live peer down. */
+  uint32_t stall_ms = kvfd.cfg.peer_timeout_ms > STREAM_STALL_MS ? kvfd.cfg.peer_timeout_ms : STREAM_STALL_MS;
+  struct timeval tv = {.tv_sec = stall_ms / 1000, .tv_usec = (stall_ms % 1000) * 1000};
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   if (connect(fd, (struct sockaddr *)&p->addr, p->addrlen) != 0) {
