@@ -21,6 +21,7 @@ import struct
 import time
 
 import kvftest
+from kvftest import read_varint
 from kvftest import field_bytes, field_varint, request
 
 INSPECT_TRANSFERS = 3
@@ -36,17 +37,6 @@ def grant_frame(seq, xfer_id, src_node, pool, offset, length, deadline_ms):
 
 def inspect_frame(seq, what, as_json=True):
     return request(seq, 16, field_varint(1, what) + field_varint(2, 1 if as_json else 0))
-
-
-def _varint(buf, i):
-    v = shift = 0
-    while True:
-        b = buf[i]
-        i += 1
-        v |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return v, i
 
 
 class Wire:
@@ -75,16 +65,16 @@ class Wire:
         while True:
             n = struct.unpack("<I", self._exact(4))[0]
             msg = self._exact(n)
-            key, i = _varint(msg, 0)
+            key, i = read_varint(msg, 0)
             if key >> 3 != 1:
                 continue  # an event
-            _, i = _varint(msg, i)  # the response's length
+            _, i = read_varint(msg, i)  # the response's length
             fields = {}
             while i < len(msg) and len(fields) < 2:
-                key, i = _varint(msg, i)
+                key, i = read_varint(msg, i)
                 if key & 7 != 0:
                     break
-                fields[key >> 3], i = _varint(msg, i)
+                fields[key >> 3], i = read_varint(msg, i)
             return fields.get(1, 0), kvftest.zigzag(fields.get(2, 0)), msg
 
     def close(self):

@@ -328,7 +328,7 @@ def field_bytes(num, b):
     return varint(num << 3 | 2) + varint(len(b)) + b
 
 
-def _read_varint(buf, i):
+def read_varint(buf, i):
     v = shift = 0
     while True:
         b = buf[i]
@@ -343,12 +343,12 @@ def pb_decode(buf):
     """{field number: [values]}: ints for varints, bytes for the rest."""
     out, i = {}, 0
     while i < len(buf):
-        key, i = _read_varint(buf, i)
+        key, i = read_varint(buf, i)
         num, wt = key >> 3, key & 7
         if wt == 0:
-            v, i = _read_varint(buf, i)
+            v, i = read_varint(buf, i)
         elif wt == 2:
-            n, i = _read_varint(buf, i)
+            n, i = read_varint(buf, i)
             v, i = buf[i:i + n], i + n
         elif wt == 1:
             v, i = buf[i:i + 8], i + 8
