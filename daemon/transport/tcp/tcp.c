@@ -61,6 +61,13 @@
  * shrank): the batch went out with zeros in its place, the stream is in
  * step, the item fails with -EFAULT. */
 #define SOURCE_FAULT (-EFAULT)
+/* read_exact: the grant being read into closed; the rest of the payload
+ * (*rest bytes) is still to be read, into a sink. */
+#define PAYLOAD_SUNK 1
+/* How long a receiver's recv waits before it looks whether the grant it
+ * reads into closed (a stalled or lossy stream must not pin a closed
+ * grant's memory: tcp_grant_close would have to cut every stream). */
+#define RECV_CHECK_MS 50
 
 /* ------------------------------------------------------------ data frames
  *
@@ -215,6 +222,7 @@ typedef struct rgrant {
   uint64_t landed;
   int writers;
   bool closed;
+  atomic_bool closing;   /* closed, for a receiver reading into it without g_lock */
   lmark *marks;          /* layer markers not yet seen on every stream */
   size_t n_marks;
 } rgrant;
@@ -676,6 +684,7 @@ static int recv_some(int fd, struct iovec *iov, int n) {
     ssize_t r = recvmsg(fd, &msg, 0);
     if (r > 0) return (int)r;
     if (r == 0) return -ECONNRESET;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return -EAGAIN; /* RECV_CHECK_MS passed */
     if (errno != EINTR) return -errno;
   }
 }
@@ -688,7 +697,17 @@ static int discard(int fd, uint64_t len, uint8_t *ahead, uint32_t *have);
  * With faulted: an element whose memory faults (EFAULT: an engine's file
  * shrank; the kernel leaves the bytes it could not place in the socket) is
  * read into a sink instead, and *faulted says so: the stream stays in step. */
-static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t *have, bool *faulted) {
+static uint64_t iov_bytes(const struct iovec *v, int n) {
+  uint64_t sum = 0;
+  for (int i = 0; i < n; i++) sum += v[i].iov_len;
+  return sum;
+}
+
+/* With gone: once it is set (the grant closed), PAYLOAD_SUNK with *rest
+ * the bytes not read yet: the caller lets go of the grant first, since
+ * reading the rest can take as long as the stream stalls. */
+static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t *have, bool *faulted,
+                      const atomic_bool *gone, uint64_t *rest) {
   struct iovec local[BATCH_FRAMES + 3];
   memcpy(local, iov, (size_t)n * sizeof(*iov));
   int cnt = n;
@@ -696,8 +715,13 @@ static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t
   struct iovec *v = local;
   int left = n; /* iovecs that must be filled */
   while (left > 0) {
+    if (gone && atomic_load_explicit(gone, memory_order_acquire)) {
+      *rest = iov_bytes(v, left);
+      return PAYLOAD_SUNK;
+    }
     /* after a fault, one element at a time, so that it is found */
     int r = recv_some(fd, v, faulted && *faulted ? 1 : cnt);
+    if (r == -EAGAIN) continue;
     if (r == -EFAULT && faulted && !*faulted) {
       *faulted = true;
       continue;
@@ -732,6 +756,7 @@ static int read_header(int fd, uint8_t *hdr, uint32_t *have) {
   while (*have < BHDR_LEN) {
     struct iovec iov = {hdr + *have, BHDR_LEN - *have};
     int r = recv_some(fd, &iov, 1);
+    if (r == -EAGAIN) continue;
     if (r < 0) return r;
     *have += (uint32_t)r;
   }
@@ -743,7 +768,7 @@ static int discard(int fd, uint64_t len, uint8_t *ahead, uint32_t *have) {
   while (len > 0) {
     uint64_t k = len < sizeof(sink) ? len : sizeof(sink);
     struct iovec iov = {sink, k};
-    int rc = read_exact(fd, &iov, 1, k == len ? ahead : NULL, have, NULL);
+    int rc = read_exact(fd, &iov, 1, k == len ? ahead : NULL, have, NULL, NULL, NULL);
     if (rc) return rc;
     len -= k;
   }
@@ -794,7 +819,7 @@ static int read_entries(stream *s, const batch_hdr *h, batch_ent *e, uint64_t *b
   if (rc) return rc;
   uint8_t raw[BATCH_FRAMES][ENT_LEN];
   struct iovec iov = {raw, (size_t)h->count * ENT_LEN};
-  rc = read_exact(s->fd, &iov, 1, NULL, NULL, NULL);
+  rc = read_exact(s->fd, &iov, 1, NULL, NULL, NULL, NULL, NULL);
   if (rc) return rc;
   return decode_entries(&raw[0][0], h->count, e, bytes);
 }
@@ -905,7 +930,7 @@ static int receive_batch_gpu(stream *s, const batch_hdr *h, const batch_ent *e, 
       }
       i++;
     }
-    if (n) rc = read_exact(s->fd, iov, n, i == h->count ? ahead : NULL, have, NULL);
+    if (n) rc = read_exact(s->fd, iov, n, i == h->count ? ahead : NULL, have, NULL, NULL, NULL);
     if (i < h->count) rstage_flush(s, st); /* the slot is full */
   }
   sbatch_piece_done(s, b, rc ? KVF_EPEERLOST : 0); /* read whole (or not) */
@@ -925,10 +950,12 @@ static int receive_batch(stream *s, const batch_hdr *h, uint8_t *ahead, uint32_t
   for (uint32_t i = 0; i < h->count; i++) /* in range: the rangeset held them */
     iov[i] = (struct iovec){kvfd.pools[e[i].pool]->base + e[i].offset, e[i].len};
   bool faulted = false;
-  rc = read_exact(s->fd, iov, (int)h->count, ahead, have, &faulted);
+  uint64_t rest = 0;
+  rc = read_exact(s->fd, iov, (int)h->count, ahead, have, &faulted, &g->closing, &rest);
+  bool sunk = rc == PAYLOAD_SUNK;
   if (rc == 0 && faulted) post_event(s->tp->tt, EV_DATA_ERROR, NULL, h->handle, -EFAULT, s->tp);
   unpin_grant(g, s->tp, h->handle, rc || faulted ? 0 : bytes);
-  return rc;
+  return sunk ? discard(s->fd, rest, ahead, have) : rc;
 }
 
 /* The thread of inbound stream s is ending: the loop joins it and frees
@@ -968,7 +995,7 @@ static void count_marker(tcp_peer *tp, rgrant *g, uint64_t handle, uint32_t firs
 static int receive_marker(stream *s, const batch_hdr *h, uint8_t *ahead, uint32_t *have) {
   uint8_t raw[ENT_LEN];
   struct iovec iov = {raw, ENT_LEN};
-  int rc = read_exact(s->fd, &iov, 1, ahead, have, NULL);
+  int rc = read_exact(s->fd, &iov, 1, ahead, have, NULL, NULL, NULL);
   if (rc) return rc;
   batch_ent e;
   ent_decode(raw, &e);
@@ -1011,7 +1038,7 @@ static void *receiver_main(void *arg) {
    * protocol takes the peer down. Failing it on every close made two
    * daemons that reconnect at once flap. */
   if (!atomic_load(&s->tp->stop) && rc != -ECONNRESET)
-    post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, KVF_EPEERLOST, s->tp);
+    post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, rc, s->tp);
   stream_gone(s);
   return NULL;
 }
@@ -1173,8 +1200,12 @@ static void shutdown_inbound(tcp_peer *tp) {
   pthread_mutex_unlock(&tp->lock);
 }
 
-/* Waits until no receiver thread writes into the grant; a stream stuck in
- * the middle of a payload (a stalled peer) is cut after a bound. */
+/* Waits until no receiver thread writes into the grant. A receiver reading
+ * a payload into it sees `closing` within RECV_CHECK_MS and reads the rest
+ * into a sink, so a stalled or lossy stream stays up; one that cannot (a
+ * staged GPU copy) has its peer's inbound streams cut after a bound, which
+ * takes the peer down: before, every stalled payload did, and a transfer's
+ * deadline passing just after a loss burst failed the transfers beside it. */
 static void tcp_grant_close(kvf__transport *t, kvf__xfer *x) {
   tcp_transport *tt = to_tcp(t);
   char key[32];
@@ -1186,6 +1217,7 @@ static void tcp_grant_close(kvf__transport *t, kvf__xfer *x) {
     return;
   }
   g->closed = true;
+  atomic_store_explicit(&g->closing, true, memory_order_release);
   bool cut = false;
   while (g->writers > 0) {
     struct timespec ts;
@@ -1247,6 +1279,8 @@ int kvf__tcp_adopt_stream(kvf__transport *t, kvf__peer *p, int fd, uint32_t inde
   s->tp = tp;
   s->fd = fd;
   s->index = index;
+  struct timeval tv = {.tv_sec = 0, .tv_usec = RECV_CHECK_MS * 1000};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   pthread_mutex_lock(&tp->lock);
   s->next_in = tp->in;
   tp->in = s;
@@ -1335,6 +1369,13 @@ static void reap_stream(const tevent *e) {
   free(s);
 }
 
+/* Which stream broke and how, for the log line of the peer's fall. */
+static void stream_broke(const tevent *e) {
+  char why[128];
+  snprintf(why, sizeof(why), "a data stream broke (%s)", kvf_strerror(e->status));
+  kvf__peer_fail(e->peer, why);
+}
+
 static void handle_event(tevent *e) {
   rgrant *g;
   switch (e->kind) {
@@ -1361,7 +1402,7 @@ static void handle_event(tevent *e) {
     break;
   case EV_STREAM_ERROR:
     if (tcp_peer_of(e->tt, e->peer) && tcp_peer_of(e->tt, e->peer)->gen == e->gen)
-      kvf__peer_fail(e->peer, "a data stream broke");
+      stream_broke(e);
     break;
   case EV_STREAM_GONE: reap_stream(e); break;
   case EV_LAYERS:
