@@ -11,7 +11,9 @@ of the payload. The daemon used to cut every inbound stream of that peer
 transfers beside it, as chaos seed 771112's trial 53 showed after 30% loss);
 now the receiver reads the rest into a sink. Checked: the link never went
 down on either side, and once the limit is lifted a transfer lands byte for
-byte.
+byte. And a peer lost while a layer-wise send still has parts and layer
+markers queued behind a crawling payload: the sender's daemon used to die
+(a marker has no ticket to fail).
 """
 import os
 import sys
@@ -98,6 +100,29 @@ class Stall(unittest.TestCase):
         for c, other in ((cp, "decode"), (cd, "prefill")):
             p = peer(c, other)
             self.assertEqual((p["state"], p["downs"]), ("up", 0), p)
+
+    def test_peer_lost_with_layer_markers_queued(self):
+        cp, cd = self.pre.client(), self.dec.client()
+        self.addCleanup(cp.close)
+        pp, pd = cp.pool_find("kv"), cd.pool_find("kv")
+        layers, bb = 8, 1 << 20
+        src = cp.register_layout(kvferry.Layout(pp.id, [r * bb for r in range(2 * layers)], 1, bb))
+        dst = cd.register_layout(kvferry.Layout(pd.id, [r * bb for r in range(2 * layers)], 1, bb))
+        cd.grant_blocks("layers", "prefill", dst, [0], layer_events=True, deadline_ms=30000)
+        self.net.nft_rule(RATE)
+        try:
+            for layer in range(layers):  # 2 MiB a layer at 3 MB/s: the later ones and their markers queue
+                cp.send_blocks("layers", "decode", src, [0], first_layer=layer, n_layers=1,
+                               more=layer < layers - 1, deadline_ms=30000)
+            time.sleep(0.3)
+            self.dec.kill()
+            ev = event(cp, "layers", 30)
+        finally:
+            self.net.nft_rule(None)
+        self.assertFalse(ev.ok, ev)
+        self.assertIn(ev.error_name, ("KVF_EPEERLOST", "KVF_EUNKNOWN"), ev)
+        self.assertTrue(self.pre.alive(), "the sending daemon died with the peer")
+        self.assertEqual(cp.inspect("status", json=True)["node"], "prefill")
 
 
 if __name__ == "__main__":

@@ -1297,7 +1297,7 @@ static void drain_queues(tcp_peer *tp) {
     tp->out[i].head = tp->out[i].tail = NULL;
     while (it) {
       item *next = it->next;
-      ticket_part_done(it->tk, KVF_EPEERLOST);
+      if (it->tk) ticket_part_done(it->tk, KVF_EPEERLOST); /* a layer marker has none */
       item_free(it);
       it = next;
     }
