@@ -1050,6 +1050,13 @@ static void send_done(kvf__xfer *x) {
   m.body_case = KVF__PEER_MSG__BODY_SEND_DONE;
   m.send_done = &d;
   kvf__xfer_set_state(x, KVF__SEND_RESULT);
+  /* The link dropped while our last writes were out (one-sided): the
+   * receiver may have finished on them, so it is asked (now, or when the
+   * same incarnation of it is back); our SendDone died with the link. */
+  if (x->send.wait_peer) {
+    if (X.env.peer_up(x->peer) && x->peer->remote_session == x->peer_session) kvf__xwait_ask(x);
+    return;
+  }
   if (kvf__xfer_peer_send(x->peer, &m) != 0 && !kvf__xwait_hold(x))
     kvf__xfer_fail(x, KVF_EPEERLOST, "lost the peer", false, 0);
 }
@@ -1071,6 +1078,13 @@ void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
   /* The receiver confirmed every byte: a late error (the link dropped) is
    * only the transport letting go of our source. */
   if (status && s->state == KVF__SEND_CONFIRMED) status = 0;
+  /* One-sided (rdma): the write that completes the receiver was out when
+   * its queue pair failed (the transport says KVF_EUNKNOWN). It may have
+   * landed: the receiver's word decides, asked once the link is back. Any
+   * other failure means that write never went: the receiver cannot have
+   * finished, and the send fails now even if it was waiting. */
+  if (status == KVF_EUNKNOWN && s->state == KVF__SEND_FLUSH && (s->wait_peer || kvf__xwait_hold(x))) status = 0;
+  else if (status == KVF_EUNKNOWN) status = KVF_EPEERLOST;
   if (status) {
     kvf__xfer_fail(x, status, post_failure(status), true, status);
     return;

@@ -15,12 +15,15 @@
  * cannot know (the peer restarted, was removed, or stayed away past the
  * deadline) it fails with KVF_EUNKNOWN, never a plain loss.
  *
- * A send interrupted while its data moved fails as before (KVF_EPEERLOST):
- * its receiver fails its grant too; so does a send whose posts are still
- * out (FLUSH), even with one-sided writes (rdma), where the receiver may
- * finish on the last write alone: the transport cannot tell us yet whether
- * that last write landed (a known gap, rare: the link must drop between
- * the last write's arrival and its completion here). A send the receiver
+ * A send interrupted while its parts were still coming fails as before
+ * (KVF_EPEERLOST): its receiver fails its grant too. With one-sided writes
+ * (rdma) a send whose every part was posted (FLUSH) waits until its posts
+ * are back: the receiver finishes on the transfer's last write alone, so if
+ * that write was out when its queue pair failed (the transport says
+ * KVF_EUNKNOWN) only the receiver can say, and the send waits like one in
+ * RESULT; if it never went (KVF_EPEERLOST), the send fails. Over tcp a
+ * receiver waits for our SendDone, which goes after our posts came back: a
+ * send in FLUSH cannot have finished there and fails. A send the receiver
  * already confirmed (CONFIRMED) succeeds once its posts are back.
  *
  * x->peer->queued counts the sends waiting here, for max-peer-waiting and
@@ -69,6 +72,10 @@ bool kvf__xwait_hold(kvf__xfer *x) {
     return true;
   case KVF__SEND_CONFIRMED:
     return true; /* the receiver said every byte landed: done once our posts are back */
+  case KVF__SEND_FLUSH:
+    if (!x->tp || !x->tp->ops->one_sided) return false;
+    set_wait(x, XW_OUTCOME); /* asked once its posts are back and so is the link (send_done) */
+    return true;
   default:
     return false; /* data under way: it fails, and so does the receiver */
   }

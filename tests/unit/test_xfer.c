@@ -1804,10 +1804,23 @@ static void test_outcome_sender(void **state) {
   assert_clean();
 }
 
-/* One-sided writes (rdma): a send the receiver already confirmed succeeds
- * whatever its late completions say when the link drops; one whose posts
- * are out, or one in the middle of its parts, fails with the loss; one
- * that had said SendDone asks after the reconnect. */
+/* Whether an OutcomeQuery for handle went to p. */
+static bool asked(kvf__peer *p, uint64_t handle) {
+  for (size_t i = 0; i < F.nmsg; i++)
+    if (F.msg[i].p == p && F.msg[i].m->body_case == KVF__PEER_MSG__BODY_OUTCOME_QUERY &&
+        F.msg[i].m->outcome_query->handle == handle)
+      return true;
+  return false;
+}
+
+/* One-sided writes (rdma): the receiver finishes on the last write alone.
+ * When the link drops, a send the receiver already confirmed succeeds
+ * whatever its late completions say; one in the middle of its parts fails
+ * with the loss; one whose every part was posted fails with the loss if
+ * its last write never went (the transport says KVF_EPEERLOST), and asks
+ * the receiver once the same incarnation of it is back if that write was
+ * out (KVF_EUNKNOWN: it may have landed), as does one that had said
+ * SendDone; the receiver's word is what it reports. */
 static void test_outcome_one_sided(void **state) {
   F.one_sided = true;
   F.pb->remote_session = 91;
@@ -1816,30 +1829,92 @@ static void test_outcome_one_sided(void **state) {
   in_grant(F.pb, "U2", 0xa02, &dst);
   in_grant(F.pb, "U3", 0xa03, &dst);
   in_grant(F.pb, "U4", 0xa04, &dst);
+  in_grant(F.pb, "U5", 0xa05, &dst);
+  in_grant(F.pb, "U6", 0xa06, &dst);
   kvf__descs_free(&dst);
   assert_int_equal(do_send(SS, "U1", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
   complete_post(0, 0); /* U1: SendDone said (RESULT) */
   assert_int_equal(do_send(SS, "U2", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
   assert_int_equal(do_send(SS, "U3", "B", mkd(1, 0, 0, 64, 64), true, 0), 0); /* more parts come */
   assert_int_equal(do_send(SS, "U4", "B", mkd(1, 0, 0, 64, 64), false, 0), 0); /* FLUSH */
+  assert_int_equal(do_send(SS, "U5", "B", mkd(1, 0, 0, 64, 64), false, 0), 0); /* FLUSH */
+  assert_int_equal(do_send(SS, "U6", "B", mkd(1, 0, 0, 64, 64), false, 0), 0); /* FLUSH */
   in_recv_result(F.pb, 0xa02, 0); /* U2: CONFIRMED */
   size_t before = F.nmsg;
   F.pb->state = KVF__PEER_DOWN;
   kvf__xfer_on_peer_down(F.pb);
   complete_post(1, KVF_ECANCELED); /* the link's writes come back flushed */
   complete_post(2, KVF_ECANCELED);
-  complete_post(3, KVF_ECANCELED);
+  complete_post(3, KVF_EUNKNOWN);   /* U4, U5: the last write was out */
+  complete_post(4, KVF_EUNKNOWN);
+  complete_post(5, KVF_EPEERLOST);  /* U6: it never went */
   expect_event("U2", SEND_DONE, SS, 0);             /* the receiver had confirmed it */
-  expect_event("U3", SEND_DONE, SS, KVF_EPEERLOST); /* mid-data: a loss */
-  expect_event("U4", SEND_DONE, SS, KVF_EPEERLOST); /* posts out: a loss too */
-  assert_int_equal(nevents_for("U1"), 0);         /* waits for the receiver's word */
-  assert_int_equal(F.nmsg, before);
+  expect_event("U3", SEND_DONE, SS, KVF_EPEERLOST); /* mid-parts: a loss */
+  expect_event("U6", SEND_DONE, SS, KVF_EPEERLOST); /* the receiver cannot have finished */
+  assert_int_equal(nevents_for("U1"), 0);           /* these wait for the receiver's word */
+  assert_int_equal(nevents_for("U4"), 0);
+  assert_int_equal(nevents_for("U5"), 0);
+  assert_int_equal(F.nmsg, before);                 /* no SendDone into a dead link */
   F.pb->state = KVF__PEER_UP;
   kvf__xfer_on_peer_up(F.pb);
-  Kvf__OutcomeQuery *q = last_msg(F.pb, KVF__PEER_MSG__BODY_OUTCOME_QUERY)->outcome_query;
-  assert_int_equal(q->handle, 0xa01);
+  assert_true(asked(F.pb, 0xa01));
+  assert_true(asked(F.pb, 0xa04));
+  assert_true(asked(F.pb, 0xa05));
   in_outcome_reply(F.pb, 0xa01, KVF__OUTCOME_REPLY__OUTCOME__OUTCOME_KNOWN, 0);
+  in_outcome_reply(F.pb, 0xa04, KVF__OUTCOME_REPLY__OUTCOME__OUTCOME_KNOWN, 0); /* its last write landed */
+  in_outcome_reply(F.pb, 0xa05, KVF__OUTCOME_REPLY__OUTCOME__OUTCOME_KNOWN, KVF_EPEERLOST);
   expect_event("U1", SEND_DONE, SS, 0);
+  expect_event("U4", SEND_DONE, SS, 0);
+  expect_event("U5", SEND_DONE, SS, KVF_EPEERLOST);
+  assert_int_equal(F.pb->queued, 0);
+  assert_clean();
+}
+
+/* One-sided, all parts posted when the link drops, and the receiver comes
+ * back as a new incarnation: nobody can say, so KVF_EUNKNOWN. */
+static void test_outcome_one_sided_restart(void **state) {
+  F.one_sided = true;
+  F.pb->remote_session = 92;
+  kvf__descs dst = mkd(1, 1, 0, 64, 64);
+  in_grant(F.pb, "V1", 0xb01, &dst);
+  kvf__descs_free(&dst);
+  assert_int_equal(do_send(SS, "V1", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
+  F.pb->state = KVF__PEER_DOWN;
+  kvf__xfer_on_peer_down(F.pb);
+  complete_post(0, KVF_EUNKNOWN);
+  assert_int_equal(nevents_for("V1"), 0);
+  F.pb->remote_session = 93;
+  F.pb->state = KVF__PEER_UP;
+  kvf__xfer_on_peer_up(F.pb);
+  expect_event("V1", SEND_DONE, SS, KVF_EUNKNOWN);
+  assert_false(asked(F.pb, 0xb01));
+  assert_int_equal(F.pb->queued, 0);
+  assert_clean();
+}
+
+/* One-sided: the queue pair fails with the last write out before the
+ * control link says anything: the send asks at once, and asks again after
+ * the link's drop and return if the answer was lost with it. */
+static void test_outcome_one_sided_qp_first(void **state) {
+  F.one_sided = true;
+  F.pb->remote_session = 94;
+  kvf__descs dst = mkd(1, 1, 0, 64, 64);
+  in_grant(F.pb, "W1", 0xc01, &dst);
+  kvf__descs_free(&dst);
+  assert_int_equal(do_send(SS, "W1", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
+  complete_post(0, KVF_EUNKNOWN);
+  assert_int_equal(nevents_for("W1"), 0);
+  assert_true(asked(F.pb, 0xc01));
+  size_t before = F.nmsg;
+  F.pb->state = KVF__PEER_DOWN;
+  kvf__xfer_on_peer_down(F.pb);
+  assert_int_equal(nevents_for("W1"), 0);
+  F.pb->state = KVF__PEER_UP;
+  kvf__xfer_on_peer_up(F.pb);
+  assert_true(F.nmsg > before); /* asked again */
+  assert_int_equal(last_msg(F.pb, KVF__PEER_MSG__BODY_OUTCOME_QUERY)->outcome_query->handle, 0xc01);
+  in_outcome_reply(F.pb, 0xc01, KVF__OUTCOME_REPLY__OUTCOME__OUTCOME_KNOWN, 0);
+  expect_event("W1", SEND_DONE, SS, 0);
   assert_int_equal(F.pb->queued, 0);
   assert_clean();
 }
@@ -2346,6 +2421,8 @@ int main(void) {
       T(test_outcome_sender),
       T(test_outcome_receiver),
       T(test_outcome_one_sided),
+      T(test_outcome_one_sided_restart),
+      T(test_outcome_one_sided_qp_first),
       T(test_session_gone),
       T(test_session_gone_local_pair),
       T(test_session_gone_local_pair_send_first),

@@ -193,12 +193,15 @@ static void retire(rlink *lk, rqp *q, uint64_t seq) {
   }
 }
 
-/* Everything in flight on q is lost. */
+/* Everything in flight on q is lost. A transfer's tail among it (the write
+ * that completes the receiver) may have landed before the QP failed: its
+ * ticket ends with KVF_EUNKNOWN, so that the sender asks the receiver
+ * instead of reporting a loss the receiver may not have seen. */
 static void flush_ring(rqp *q, int status) {
   while (q->ring_n) {
     inflight f = ring_pop(q);
     kvf__rdma_bounce_chunk_free(q->lk->dev, f.chunk);
-    if (f.tk) kvf__rdma_credit(f.tk, f.runs + f.tail, status);
+    if (f.tk) kvf__rdma_credit(f.tk, f.runs + f.tail, f.tail ? KVF_EUNKNOWN : status);
   }
 }
 
