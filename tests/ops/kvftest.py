@@ -37,6 +37,12 @@ def _needs_asan(path):
         return False
 
 
+def daemon_sanitized():
+    """Whether kvferryd is an ASan build (its allocator keeps freed memory
+    in a quarantine: RSS does not come back as with glibc's malloc)."""
+    return _needs_asan(KVFERRYD)
+
+
 def _asan_loaded():
     with open("/proc/self/maps") as f:
         return "libasan" in f.read()

@@ -95,6 +95,9 @@ class UnreadReplies(unittest.TestCase):
         for s in socks:
             s.close()
         kvftest.wait_for(lambda: self.d.status()["clients"] <= 2, 30, "the non-readers gone")
+        if kvftest.daemon_sanitized():
+            print("# ASan build: its allocator quarantines freed memory; RSS coming back not checked", flush=True)
+            return
         after = kvftest.wait_for(lambda: (lambda r: r if r - before < 16 * 1024 else None)(flood.rss_kb(
             self.d.proc.pid)), 10, "RSS back within 16 MB of %d kB" % before)
         print("# rss after %d kB" % after, flush=True)

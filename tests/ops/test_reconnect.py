@@ -175,13 +175,14 @@ class TestRestart(RestartableDaemon):
         addr = pool.address
         n = 2 * MIB
         stop = threading.Event()
-        log = {"ok": [], "edaemon_events": 0, "refused": [], "errors": []}
+        log = {"ok": [], "edaemon_events": 0, "refused": [], "errors": [], "written_before_restart": 0}
 
         def load():
             i = 0
             while not stop.is_set():
                 i += 1
                 xid = "load-%d" % i
+                t_write = time.monotonic()
                 try:
                     self_transfer(c, xid, pool.id, mem, (i % 4) * n, 8 * n + (i % 4) * n, n, i)
                     log["ok"].append(time.monotonic())
@@ -196,6 +197,13 @@ class TestRestart(RestartableDaemon):
                         # A refused call took nothing: poll again (not a sync).
                         time.sleep(0.001)
                 except AssertionError as e:
+                    # The daemon restarted between our writing the source and
+                    # the grant: the send moved the new daemon's (empty) pool,
+                    # as kvferry.h says daemon pools start empty. Not an error
+                    # of the transfer; anything else is.
+                    if any(t > t_write for t in self.notify.ready_at):
+                        log["written_before_restart"] += 1
+                        continue
                     log["errors"].append(str(e))
                     return
         # One grant always in flight when the daemon dies (nobody sends to it).
