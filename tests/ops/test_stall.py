@@ -16,7 +16,10 @@ markers queued behind a crawling payload: the sender's daemon used to die
 (a marker has no ticket to fail).
 """
 import os
+import socket
+import struct
 import sys
+import threading
 import time
 import unittest
 
@@ -123,6 +126,67 @@ class Stall(unittest.TestCase):
         self.assertIn(ev.error_name, ("KVF_EPEERLOST", "KVF_EUNKNOWN"), ev)
         self.assertTrue(self.pre.alive(), "the sending daemon died with the peer")
         self.assertEqual(cp.inspect("status", json=True)["node"], "prefill")
+
+
+class MutePeer:
+    """A fake peer daemon on loopback: it answers the control Hello (keyless,
+    tcp, one data stream) and accepts data streams but never acknowledges
+    them, so the daemon's sender thread sits in its stream handshake."""
+
+    def __init__(self, name):
+        self.name = name
+        self.lsock = socket.socket()
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(16)
+        self.port = self.lsock.getsockname()[1]
+        self.control, self.streams = None, []
+        self.streamed = threading.Event()
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while True:
+            try:
+                c, _ = self.lsock.accept()
+            except OSError:
+                return
+            if self.control is None:
+                self.control = c
+                hello = (kvftest.field_varint(1, 1) + kvftest.field_bytes(2, self.name) +
+                         kvftest.field_bytes(4, "tcp") + kvftest.field_varint(5, 1) +
+                         kvftest.field_varint(6, 0x5eed) + kvftest.field_varint(7, 100))
+                msg = kvftest.field_bytes(1, hello)
+                c.sendall(struct.pack("<I", len(msg)) + msg)
+            else:
+                self.streams.append(c)  # read nothing, acknowledge nothing
+                self.streamed.set()
+
+    def close(self):
+        for c in [self.control, self.lsock] + self.streams:
+            if c is not None:
+                c.close()
+
+
+class StreamHandshake(unittest.TestCase):
+    def test_peer_lost_during_a_stream_handshake_does_not_block_the_loop(self):
+        # Its data stream's handshake blocks (up to 10 s, the stream stall
+        # bound) and the loop joins that thread when the peer goes: the
+        # shutdown of the stream's socket must end the handshake at once.
+        mute = MutePeer("mute")
+        self.addCleanup(mute.close)
+        d = kvftest.Daemon(kvftest.tempdir(), "solo", pool="16M")
+        d.peers.append(("mute", mute.port))
+        d.start()
+        self.addCleanup(d.kill)
+        with d.client() as c:
+            kvftest.wait_for(lambda: peer(c, "mute")["state"] == "up", 10, "the mute peer up")
+            self.assertTrue(mute.streamed.wait(10), "no data stream came")
+            time.sleep(0.2)  # the sender is in its handshake: the case under test
+            t0 = time.monotonic()
+            mute.control.close()
+            kvftest.wait_for(lambda: peer(c, "mute")["state"] != "up", 10, "the mute peer down")
+            took = time.monotonic() - t0
+        self.assertLess(took, 2.0, "the daemon took %.1f s to drop a peer with a stream in its handshake" % took)
+        self.assertEqual(d.stop(), 0)
 
 
 if __name__ == "__main__":

@@ -258,7 +258,8 @@ typedef struct gstage {
 typedef struct stream {
   struct tcp_peer *tp;
   uint32_t index;
-  int fd;
+  int fd;                /* outbound: from socket() on, so peer_down can shut it */
+  bool connected;        /* outbound: its handshake done (tp->lock) */
   pthread_t thr;
   bool started;
   item *head, *tail;     /* sender queue */
@@ -596,10 +597,31 @@ static int answer_challenge(int fd, kvf__peer *p, uint32_t index) {
 /* Longest a data stream may make no progress before it counts as broken. */
 #define STREAM_STALL_MS 10000u
 
+/* s->fd is fd (or -1), under the peer's lock: a peer_down meanwhile shuts
+ * it down, which ends a connect or handshake blocked on it at once (the
+ * loop joins this thread). false: the peer is already stopping. */
+static bool stream_fd_publish(stream *s, int fd) {
+  pthread_mutex_lock(&s->tp->lock);
+  bool go = fd < 0 || !atomic_load(&s->tp->stop);
+  s->fd = go ? fd : -1;
+  pthread_mutex_unlock(&s->tp->lock);
+  return go;
+}
+
+static int connect_fail(stream *s, int fd, int rc) {
+  stream_fd_publish(s, -1);
+  close(fd);
+  return rc;
+}
+
 static int connect_stream(stream *s) {
   kvf__peer *p = s->tp->p;
   int fd = socket(p->addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return -errno;
+  if (!stream_fd_publish(s, fd)) {
+    close(fd);
+    return KVF_EPEERLOST;
+  }
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   /* A peer that stops reading must not hold a sender thread forever. The
@@ -611,11 +633,7 @@ static int connect_stream(stream *s) {
   struct timeval tv = {.tv_sec = stall_ms / 1000, .tv_usec = (stall_ms % 1000) * 1000};
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  if (connect(fd, (struct sockaddr *)&p->addr, p->addrlen) != 0) {
-    int e = -errno;
-    close(fd);
-    return e;
-  }
+  if (connect(fd, (struct sockaddr *)&p->addr, p->addrlen) != 0) return connect_fail(s, fd, -errno);
   Kvf__DataHello dh = KVF__DATA_HELLO__INIT;
   dh.version = KVF__PEER_VERSION;
   dh.node = kvfd.cfg.node;
@@ -627,12 +645,9 @@ static int connect_stream(stream *s) {
   int rc = send_msg(fd, &m);
   if (rc == 0 && kvf__auth_enabled()) rc = answer_challenge(fd, p, s->index);
   if (rc == 0) rc = await_ack(fd);
-  if (rc) {
-    close(fd);
-    return rc;
-  }
+  if (rc) return connect_fail(s, fd, rc);
   pthread_mutex_lock(&s->tp->lock);
-  s->fd = fd;
+  s->connected = true;
   pthread_mutex_unlock(&s->tp->lock);
   return 0;
 }
@@ -1314,7 +1329,7 @@ static void tcp_peer_down(kvf__transport *t, kvf__peer *p) {
   for (stream *s = tp->in; s; s = s->next_in) shutdown(s->fd, SHUT_RDWR);
   pthread_cond_broadcast(&tp->cond);
   pthread_mutex_unlock(&tp->lock);
-  /* A sender may sit in connect(); joining waits for its timeout at worst. */
+  /* A sender in connect() or its handshake was woken by the shutdown. */
   for (uint32_t i = 0; i < tp->n_out; i++)
     if (tp->out[i].started) pthread_join(tp->out[i].thr, NULL);
   for (stream *s = tp->in; s; s = s->next_in)
@@ -1425,7 +1440,7 @@ static void count_streams(tcp_transport *tt, size_t *out, size_t *in) {
     tcp_peer *tp = tcp_peer_of(tt, kvf__peer_at(i));
     if (!tp) continue;
     pthread_mutex_lock(&tp->lock);
-    for (uint32_t k = 0; k < tp->n_out; k++) *out += tp->out[k].fd >= 0;
+    for (uint32_t k = 0; k < tp->n_out; k++) *out += tp->out[k].connected;
     for (stream *s = tp->in; s; s = s->next_in) (*in)++;
     pthread_mutex_unlock(&tp->lock);
   }
