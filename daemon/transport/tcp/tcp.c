@@ -221,8 +221,7 @@ typedef struct rgrant {
   uint64_t total;
   uint64_t landed;
   int writers;
-  bool closed;
-  atomic_bool closing;   /* closed, for a receiver reading into it without g_lock */
+  atomic_bool closed;    /* set under g_lock; a receiver mid-payload reads it without */
   lmark *marks;          /* layer markers not yet seen on every stream */
   size_t n_marks;
 } rgrant;
@@ -706,19 +705,19 @@ static int recv_some(int fd, struct iovec *iov, int n) {
 
 static int discard(int fd, uint64_t len, uint8_t *ahead, uint32_t *have);
 
-/* Fills iov[0..n) completely, and opportunistically the start of the next
- * batch header into ahead (saving a syscall per batch). ahead NULL: the
- * stream continues with bytes that belong elsewhere, so read nothing more.
- * With faulted: an element whose memory faults (EFAULT: an engine's file
- * shrank; the kernel leaves the bytes it could not place in the socket) is
- * read into a sink instead, and *faulted says so: the stream stays in step. */
 static uint64_t iov_bytes(const struct iovec *v, int n) {
   uint64_t sum = 0;
   for (int i = 0; i < n; i++) sum += v[i].iov_len;
   return sum;
 }
 
-/* With gone: once it is set (the grant closed), PAYLOAD_SUNK with *rest
+/* Fills iov[0..n) completely, and opportunistically the start of the next
+ * batch header into ahead (saving a syscall per batch). ahead NULL: the
+ * stream continues with bytes that belong elsewhere, so read nothing more.
+ * With faulted: an element whose memory faults (EFAULT: an engine's file
+ * shrank; the kernel leaves the bytes it could not place in the socket) is
+ * read into a sink instead, and *faulted says so: the stream stays in step.
+ * With gone: once it is set (the grant closed), PAYLOAD_SUNK with *rest
  * the bytes not read yet: the caller lets go of the grant first, since
  * reading the rest can take as long as the stream stalls. */
 static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t *have, bool *faulted,
@@ -730,7 +729,7 @@ static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t
   struct iovec *v = local;
   int left = n; /* iovecs that must be filled */
   while (left > 0) {
-    if (gone && atomic_load_explicit(gone, memory_order_acquire)) {
+    if (gone && atomic_load(gone)) {
       *rest = iov_bytes(v, left);
       return PAYLOAD_SUNK;
     }
@@ -966,7 +965,7 @@ static int receive_batch(stream *s, const batch_hdr *h, uint8_t *ahead, uint32_t
     iov[i] = (struct iovec){kvfd.pools[e[i].pool]->base + e[i].offset, e[i].len};
   bool faulted = false;
   uint64_t rest = 0;
-  rc = read_exact(s->fd, iov, (int)h->count, ahead, have, &faulted, &g->closing, &rest);
+  rc = read_exact(s->fd, iov, (int)h->count, ahead, have, &faulted, &g->closed, &rest);
   bool sunk = rc == PAYLOAD_SUNK;
   if (rc == 0 && faulted) post_event(s->tp->tt, EV_DATA_ERROR, NULL, h->handle, -EFAULT, s->tp);
   unpin_grant(g, s->tp, h->handle, rc || faulted ? 0 : bytes);
@@ -1216,7 +1215,7 @@ static void shutdown_inbound(tcp_peer *tp) {
 }
 
 /* Waits until no receiver thread writes into the grant. A receiver reading
- * a payload into it sees `closing` within RECV_CHECK_MS and reads the rest
+ * a payload into it sees `closed` within RECV_CHECK_MS and reads the rest
  * into a sink, so a stalled or lossy stream stays up; one that cannot (a
  * staged GPU copy) has its peer's inbound streams cut after a bound, which
  * takes the peer down: before, every stalled payload did, and a transfer's
@@ -1231,8 +1230,7 @@ static void tcp_grant_close(kvf__transport *t, kvf__xfer *x) {
     pthread_mutex_unlock(&tt->g_lock);
     return;
   }
-  g->closed = true;
-  atomic_store_explicit(&g->closing, true, memory_order_release);
+  atomic_store(&g->closed, true);
   bool cut = false;
   while (g->writers > 0) {
     struct timespec ts;
