@@ -85,6 +85,9 @@ struct kvf__session {
   kvf__session *prev, *next;
 };
 
+/* The views InspectReq.what names (InspectWhat, LAYOUTS last). */
+#define INSPECT_VIEWS ((size_t)KVF__INSPECT_WHAT__INSPECT_LAYOUTS + 1)
+
 /* An inspect view as last rendered. */
 typedef struct render {
   uint64_t gen;           /* A.gen when rendered */
@@ -107,7 +110,7 @@ static struct {
   size_t out_bytes;       /* over the open sessions: unread replies and events */
   size_t out_freed;       /* output buffers freed since the last malloc_trim */
   uint64_t gen;           /* changes with each request and event: cached inspects go stale */
-  render cache[5][2];     /* inspect renders by what and json */
+  render cache[INSPECT_VIEWS][2]; /* inspect renders by what and json */
 } A;
 
 size_t kvf__api_sessions(void) { return A.n; }
@@ -694,7 +697,7 @@ static void on_mem_unregister(kvf__session *s, uint64_t seq, const Kvf__MemUnreg
 #define RENDER_REUSE 10u
 
 static const char *inspect_text(int what, int json) {
-  if (what < 0 || what >= 5) what = KVF__INSPECT_WHAT__INSPECT_STATUS;
+  if (what < 0 || (size_t)what >= INSPECT_VIEWS) what = KVF__INSPECT_WHAT__INSPECT_STATUS;
   json = json != 0;
   render *c = &A.cache[what][json];
   uint64_t now = kvf__now_ns();
@@ -708,7 +711,7 @@ static const char *inspect_text(int what, int json) {
 }
 
 static void inspect_cache_free(void) {
-  for (int w = 0; w < 5; w++)
+  for (size_t w = 0; w < INSPECT_VIEWS; w++)
     for (int j = 0; j < 2; j++) {
       free(A.cache[w][j].text);
       A.cache[w][j].text = NULL;

@@ -95,8 +95,7 @@ struct kvf__pconn {
   bool pending;           /* inbound, not yet established: counts in P.n_pending */
   bool connected;         /* outbound: connected, our (first) Hello sent */
   bool retiring;          /* lost a tie-break: draining until the peer closes */
-  bool configured;        /* inbound from the address of a configured peer */
-  uint16_t peers_here;    /* how many configured peers have that address */
+  uint16_t peers_here;    /* inbound: how many configured peers have its source address */
   bool src_known;
   uint8_t src[16];        /* inbound: the source IP (IPv4 mapped into IPv6) */
   uint64_t born_ns;
@@ -1116,7 +1115,7 @@ static bool admit_pending(kvf__pconn *c) {
   uint32_t same = 0;
   for (kvf__pconn *o = P.pend_head; o; o = o->pend_next) {
     if (same_src(o, c) && same++ == 0) oldest_same = o;
-    if (!o->configured && !oldest_stranger) oldest_stranger = o;
+    if (!o->peers_here && !oldest_stranger) oldest_stranger = o;
   }
   /* each configured peer at that address may have its control connection
    * and its data streams (as many as ours, tcp-streams) pending at once */
@@ -1126,10 +1125,10 @@ static bool admit_pending(kvf__pconn *c) {
     evict(oldest_same, "max-pending-per-address");
     if (!oldest_stranger) /* the next one from another address */
       for (kvf__pconn *o = P.pend_head; o && !oldest_stranger; o = o->pend_next)
-        if (!o->configured) oldest_stranger = o;
+        if (!o->peers_here) oldest_stranger = o;
   }
   if (P.n_pending >= kvfd.cfg.max_pending_peers) {
-    if (!c->configured || !oldest_stranger) {
+    if (!c->peers_here || !oldest_stranger) {
       refuse_pending(c);
       return false;
     }
@@ -1151,7 +1150,6 @@ static void note_source(kvf__pconn *c) {
   c->src_known = uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &n) == 0 && ip_key(&ss, c->src);
   for (size_t i = 0; c->src_known && i < P.n; i++)
     c->peers_here += !P.peers[i].removed && peer_has_ip(&P.peers[i], c->src);
-  c->configured = c->peers_here > 0;
 }
 
 /* A control connection carries heartbeats: a thin stream. After a loss
