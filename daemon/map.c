@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -82,4 +83,8 @@ void kvf__map_free(kvf__map *m) {
   }
   free(m->b);
   memset(m, 0, sizeof(*m));
+}
+
+void kvf__map_key_u64(char key[KVF__MAP_KEY_U64], uint64_t v) {
+  snprintf(key, KVF__MAP_KEY_U64, "%016llx", (unsigned long long)v);
 }

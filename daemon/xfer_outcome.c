@@ -41,9 +41,6 @@ static struct {
   kvf__map by_handle;
 } O;
 
-static void key_of(char *buf, size_t len, uint64_t handle) {
-  snprintf(buf, len, "%016llx", (unsigned long long)handle);
-}
 
 int kvf__xoutcome_init(uv_loop_t *loop) {
   memset(&O, 0, sizeof(O));
@@ -61,15 +58,15 @@ void kvf__xoutcome_shutdown(void) {
 /* A remote grant ended with status (0: done): remember it for its sender. */
 void kvf__xoutcome_record(const kvf__xfer *x, int status, const char *why) {
   if (!O.ring || x->role != KVF__RECV || !x->peer || !x->handle) return;
-  char key[24];
+  char key[KVF__MAP_KEY_U64];
   outcome *o = &O.ring[O.next];
   O.next = (O.next + 1) % OUTCOME_MAX;
   if (o->handle) { /* the oldest makes room */
-    key_of(key, sizeof(key), o->handle);
+    kvf__map_key_u64(key, o->handle);
     if (kvf__map_get(&O.by_handle, key) == o) kvf__map_del(&O.by_handle, key);
   }
   memset(o, 0, sizeof(*o));
-  key_of(key, sizeof(key), x->handle);
+  kvf__map_key_u64(key, x->handle);
   if (kvf__map_put(&O.by_handle, key, o) != 0) return; /* out of memory: unknown when asked */
   o->handle = x->handle;
   o->peer_session = x->peer->remote_session;
@@ -81,8 +78,8 @@ void kvf__xoutcome_record(const kvf__xfer *x, int status, const char *why) {
 }
 
 static const outcome *lookup(kvf__peer *p, uint64_t handle) {
-  char key[24];
-  key_of(key, sizeof(key), handle);
+  char key[KVF__MAP_KEY_U64];
+  kvf__map_key_u64(key, handle);
   const outcome *o = kvf__map_get(&O.by_handle, key);
   if (!o || o->handle != handle || strcmp(o->peer, p->cfg.name) != 0 || o->peer_session != p->remote_session ||
       o->expires_ns <= kvf__now_ns())

@@ -328,9 +328,6 @@ static void item_free(item *it) {
   free(it);
 }
 
-static void grant_key(char *buf, size_t len, uint64_t handle) {
-  snprintf(buf, len, "%016llx", (unsigned long long)handle);
-}
 
 /* --------------------------------------------------------- sender threads */
 
@@ -792,8 +789,8 @@ static int discard(int fd, uint64_t len, uint8_t *ahead, uint32_t *have) {
 /* The open grant of handle that tp's peer may write into, or NULL; the
  * caller holds g_lock. */
 static rgrant *open_grant_of(tcp_peer *tp, uint64_t handle) {
-  char key[32];
-  grant_key(key, sizeof(key), handle);
+  char key[KVF__MAP_KEY_U64];
+  kvf__map_key_u64(key, handle);
   rgrant *g = kvf__map_get(&tp->tt->grants, key);
   return g && !g->closed && g->peer == tp->p ? g : NULL;
 }
@@ -1196,8 +1193,8 @@ static int tcp_grant_open(kvf__transport *t, kvf__xfer *x) {
       break;
     }
   tcp_transport *tt = to_tcp(t);
-  char key[32];
-  grant_key(key, sizeof(key), x->handle);
+  char key[KVF__MAP_KEY_U64];
+  kvf__map_key_u64(key, x->handle);
   pthread_mutex_lock(&tt->g_lock);
   rc = kvf__map_put(&tt->grants, key, g);
   pthread_mutex_unlock(&tt->g_lock);
@@ -1222,8 +1219,8 @@ static void shutdown_inbound(tcp_peer *tp) {
  * deadline passing just after a loss burst failed the transfers beside it. */
 static void tcp_grant_close(kvf__transport *t, kvf__xfer *x) {
   tcp_transport *tt = to_tcp(t);
-  char key[32];
-  grant_key(key, sizeof(key), x->handle);
+  char key[KVF__MAP_KEY_U64];
+  kvf__map_key_u64(key, x->handle);
   pthread_mutex_lock(&tt->g_lock);
   rgrant *g = kvf__map_get(&tt->grants, key);
   if (!g) {
@@ -1352,8 +1349,8 @@ static void tcp_peer_down(kvf__transport *t, kvf__peer *p) {
 }
 
 static rgrant *grant_for_event(tcp_transport *tt, uint64_t handle) {
-  char key[32];
-  grant_key(key, sizeof(key), handle);
+  char key[KVF__MAP_KEY_U64];
+  kvf__map_key_u64(key, handle);
   pthread_mutex_lock(&tt->g_lock);
   rgrant *g = kvf__map_get(&tt->grants, key);
   if (g && g->closed) g = NULL;
