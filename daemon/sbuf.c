@@ -9,8 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static void json_str_slow(kvf__sbuf *b, const char *s);
-
 static int reserve(kvf__sbuf *b, size_t more) {
   if (b->oom) return -1;
   if (b->len + more + 1 <= b->cap) return 0;
@@ -61,28 +59,25 @@ void kvf__sb_u64(kvf__sbuf *b, uint64_t v) {
   kvf__sb_put(b, d + sizeof(d) - n, n);
 }
 
-/* Plain printable ASCII (ids mostly are) needs no escaping. */
-void kvf__sb_json_str(kvf__sbuf *b, const char *s) {
-  size_t i = 0;
-  if (!s) s = "";
-  while (s[i] >= 0x20 && s[i] < 0x7f && s[i] != '"' && s[i] != '\\') i++;
-  if (!s[i]) {
-    if (reserve(b, i + 2)) return;
-    b->s[b->len] = '"';
-    memcpy(b->s + b->len + 1, s, i);
-    b->s[b->len + 1 + i] = '"';
-    b->len += i + 2;
-    b->s[b->len] = '\0';
-    return;
-  }
-  json_str_slow(b, s);
-}
-
 static void json_str_slow(kvf__sbuf *b, const char *s) {
   size_t n = kvf__json_quote(NULL, 0, s);
   if (reserve(b, n)) return;
   kvf__json_quote(b->s + b->len, n + 1, s);
   b->len += n;
+}
+
+/* Plain printable ASCII (ids mostly are) needs no escaping. */
+void kvf__sb_json_str(kvf__sbuf *b, const char *s) {
+  size_t i = 0;
+  if (!s) s = "";
+  while (s[i] >= 0x20 && s[i] < 0x7f && s[i] != '"' && s[i] != '\\') i++;
+  if (s[i]) {
+    json_str_slow(b, s);
+    return;
+  }
+  kvf__sb_put(b, "\"", 1);
+  kvf__sb_put(b, s, i);
+  kvf__sb_put(b, "\"", 1);
 }
 
 void kvf__sb_free(kvf__sbuf *b) {
