@@ -54,13 +54,17 @@ static unsigned granule_shift(uint64_t size, uint64_t min_len) {
   return shift;
 }
 
+static kvf__gi_pool *pool_find(const kvf__gindex *g, uint32_t id) {
+  for (size_t i = 0; i < g->n_pools; i++)
+    if (g->p[i].pool == id) return &g->p[i];
+  return NULL;
+}
+
 /* The granule map of pool id, made (or remade, for a pool id that now
  * names another pool, or ranges of another size by 4x or more) while it
  * holds nothing. */
 static kvf__gi_pool *pool_for(kvf__gindex *g, uint32_t id, uint64_t min_len, int *rc) {
-  kvf__gi_pool *p = NULL;
-  for (size_t i = 0; i < g->n_pools && !p; i++)
-    if (g->p[i].pool == id) p = &g->p[i];
+  kvf__gi_pool *p = pool_find(g, id);
   uint64_t size = g->size_of ? g->size_of(id) : 0;
   unsigned shift = granule_shift(size, min_len);
   if (p && (p->held > 0 || (p->size == size && shift < p->shift + 2 && shift + 2 > p->shift))) return p;
@@ -84,12 +88,6 @@ static kvf__gi_pool *pool_for(kvf__gindex *g, uint32_t id, uint64_t min_len, int
   return p;
 oom:
   *rc = -ENOMEM;
-  return NULL;
-}
-
-static kvf__gi_pool *pool_find(const kvf__gindex *g, uint32_t id) {
-  for (size_t i = 0; i < g->n_pools; i++)
-    if (g->p[i].pool == id) return &g->p[i];
   return NULL;
 }
 
@@ -163,15 +161,7 @@ static void drop_range(kvf__gindex *g, const kvf__gi_item *r, const void *owner)
   kvf__gi_pool *p = r->start < r->end ? pool_find(g, r->pool) : NULL;
   if (!p || r->end > p->size) return;
   for (uint64_t gr = r->start >> p->shift; gr <= (r->end - 1) >> p->shift; gr++) {
-    uint32_t prev = 0, k = p->head[gr];
-    if (k && g->cells[k - 1].owner == owner && g->cells[k - 1].start == r->start) { /* mostly on top */
-      kvf__gi_cell *e = &g->cells[k - 1];
-      p->head[gr] = e->next;
-      e->next = g->free_cell;
-      g->free_cell = k;
-      if (--p->held == 0) p->mixed = false;
-      continue;
-    }
+    uint32_t prev = 0, k = p->head[gr]; /* mostly the top cell: the loops stop at once */
     while (k && g->cells[k - 1].start > r->start) prev = k, k = g->cells[k - 1].next;
     while (k && g->cells[k - 1].start == r->start && g->cells[k - 1].owner != owner)
       prev = k, k = g->cells[k - 1].next;
