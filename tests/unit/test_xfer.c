@@ -1726,25 +1726,40 @@ static void in_outcome_reply(kvf__peer *p, uint64_t handle, Kvf__OutcomeReply__O
   kvf__xfer_on_peer_msg(p, &m);
 }
 
-/* A send of id to B with every byte posted and SendDone said: it waits for
- * B's RecvResult (RESULT). */
-static kvf__xfer *send_to_result(const char *id, uint64_t handle, uint32_t deadline_ms) {
+/* A send of id to B that met B's grant handle and posted its one part
+ * (its posts are out: FLUSH, or still coming with more). */
+static void send_granted(const char *id, uint64_t handle, bool more, uint32_t deadline_ms) {
   kvf__descs dst = mkd(1, 1, 0, 64, 64);
   in_grant(F.pb, id, handle, &dst);
   kvf__descs_free(&dst);
-  assert_int_equal(do_send(SS, id, "B", mkd(1, 0, 0, 64, 64), false, deadline_ms), 0);
+  assert_int_equal(do_send(SS, id, "B", mkd(1, 0, 0, 64, 64), more, deadline_ms), 0);
+}
+
+/* A send of id to B with every byte posted and SendDone said: it waits for
+ * B's RecvResult (RESULT). */
+static kvf__xfer *send_to_result(const char *id, uint64_t handle, uint32_t deadline_ms) {
+  send_granted(id, handle, false, deadline_ms);
   kvf__xfer *x = F.post[F.npost - 1].x;
   complete_post(F.npost - 1, 0);
   assert_int_equal(x->send.state, KVF__SEND_RESULT);
   return x;
 }
 
-static void link_drops_and_returns(uint64_t session) {
+static void link_drops(void) {
   F.pb->state = KVF__PEER_DOWN;
   kvf__xfer_on_peer_down(F.pb);
+}
+
+/* The link is back, to the incarnation session of B. */
+static void link_returns(uint64_t session) {
   F.pb->remote_session = session;
   F.pb->state = KVF__PEER_UP;
   kvf__xfer_on_peer_up(F.pb);
+}
+
+static void link_drops_and_returns(uint64_t session) {
+  link_drops();
+  link_returns(session);
 }
 
 static void test_outcome_sender(void **state) {
@@ -1754,12 +1769,10 @@ static void test_outcome_sender(void **state) {
   send_to_result("O2", 0x902, 0);
   send_to_result("O3", 0x903, 0);
   send_to_result("O4", 0x904, 0);
-  F.pb->state = KVF__PEER_DOWN;
-  kvf__xfer_on_peer_down(F.pb);
+  link_drops();
   assert_int_equal(F.nev, 0);
   assert_int_equal(F.pb->queued, 4);
-  F.pb->state = KVF__PEER_UP;
-  kvf__xfer_on_peer_up(F.pb);
+  link_returns(71);
   assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_OUTCOME_QUERY), 4);
   Kvf__OutcomeQuery *q = last_msg(F.pb, KVF__PEER_MSG__BODY_OUTCOME_QUERY)->outcome_query;
   assert_int_equal(q->handle, 0x901);
@@ -1784,19 +1797,14 @@ static void test_outcome_sender(void **state) {
 
   /* B stays away past the deadline: unknown too, not a plain loss. */
   send_to_result("O6", 0x906, 150);
-  F.pb->state = KVF__PEER_DOWN;
-  kvf__xfer_on_peer_down(F.pb);
+  link_drops();
   run_for(200);
   expect_event("O6", SEND_DONE, SS, KVF_EUNKNOWN);
   F.pb->state = KVF__PEER_UP;
 
   /* Data under way when the link drops: a loss, as before. */
-  kvf__descs dst = mkd(1, 1, 0, 64, 64);
-  in_grant(F.pb, "O7", 0x907, &dst);
-  kvf__descs_free(&dst);
-  assert_int_equal(do_send(SS, "O7", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
-  F.pb->state = KVF__PEER_DOWN;
-  kvf__xfer_on_peer_down(F.pb);
+  send_granted("O7", 0x907, false, 0);
+  link_drops();
   F.pb->state = KVF__PEER_UP;
   complete_post(F.npost - 1, KVF_ECANCELED);
   expect_event("O7", SEND_DONE, SS, KVF_EPEERLOST);
@@ -1824,25 +1832,15 @@ static bool asked(kvf__peer *p, uint64_t handle) {
 static void test_outcome_one_sided(void **state) {
   F.one_sided = true;
   F.pb->remote_session = 91;
-  kvf__descs dst = mkd(1, 1, 0, 64, 64);
-  in_grant(F.pb, "U1", 0xa01, &dst);
-  in_grant(F.pb, "U2", 0xa02, &dst);
-  in_grant(F.pb, "U3", 0xa03, &dst);
-  in_grant(F.pb, "U4", 0xa04, &dst);
-  in_grant(F.pb, "U5", 0xa05, &dst);
-  in_grant(F.pb, "U6", 0xa06, &dst);
-  kvf__descs_free(&dst);
-  assert_int_equal(do_send(SS, "U1", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
-  complete_post(0, 0); /* U1: SendDone said (RESULT) */
-  assert_int_equal(do_send(SS, "U2", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
-  assert_int_equal(do_send(SS, "U3", "B", mkd(1, 0, 0, 64, 64), true, 0), 0); /* more parts come */
-  assert_int_equal(do_send(SS, "U4", "B", mkd(1, 0, 0, 64, 64), false, 0), 0); /* FLUSH */
-  assert_int_equal(do_send(SS, "U5", "B", mkd(1, 0, 0, 64, 64), false, 0), 0); /* FLUSH */
-  assert_int_equal(do_send(SS, "U6", "B", mkd(1, 0, 0, 64, 64), false, 0), 0); /* FLUSH */
+  send_to_result("U1", 0xa01, 0); /* SendDone said (RESULT) */
+  send_granted("U2", 0xa02, false, 0);
+  send_granted("U3", 0xa03, true, 0); /* more parts come */
+  send_granted("U4", 0xa04, false, 0); /* FLUSH */
+  send_granted("U5", 0xa05, false, 0); /* FLUSH */
+  send_granted("U6", 0xa06, false, 0); /* FLUSH */
   in_recv_result(F.pb, 0xa02, 0); /* U2: CONFIRMED */
   size_t before = F.nmsg;
-  F.pb->state = KVF__PEER_DOWN;
-  kvf__xfer_on_peer_down(F.pb);
+  link_drops();
   complete_post(1, KVF_ECANCELED); /* the link's writes come back flushed */
   complete_post(2, KVF_ECANCELED);
   complete_post(3, KVF_EUNKNOWN);   /* U4, U5: the last write was out */
@@ -1855,8 +1853,7 @@ static void test_outcome_one_sided(void **state) {
   assert_int_equal(nevents_for("U4"), 0);
   assert_int_equal(nevents_for("U5"), 0);
   assert_int_equal(F.nmsg, before);                 /* no SendDone into a dead link */
-  F.pb->state = KVF__PEER_UP;
-  kvf__xfer_on_peer_up(F.pb);
+  link_returns(91);
   assert_true(asked(F.pb, 0xa01));
   assert_true(asked(F.pb, 0xa04));
   assert_true(asked(F.pb, 0xa05));
@@ -1875,17 +1872,11 @@ static void test_outcome_one_sided(void **state) {
 static void test_outcome_one_sided_restart(void **state) {
   F.one_sided = true;
   F.pb->remote_session = 92;
-  kvf__descs dst = mkd(1, 1, 0, 64, 64);
-  in_grant(F.pb, "V1", 0xb01, &dst);
-  kvf__descs_free(&dst);
-  assert_int_equal(do_send(SS, "V1", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
-  F.pb->state = KVF__PEER_DOWN;
-  kvf__xfer_on_peer_down(F.pb);
+  send_granted("V1", 0xb01, false, 0);
+  link_drops();
   complete_post(0, KVF_EUNKNOWN);
   assert_int_equal(nevents_for("V1"), 0);
-  F.pb->remote_session = 93;
-  F.pb->state = KVF__PEER_UP;
-  kvf__xfer_on_peer_up(F.pb);
+  link_returns(93);
   expect_event("V1", SEND_DONE, SS, KVF_EUNKNOWN);
   assert_false(asked(F.pb, 0xb01));
   assert_int_equal(F.pb->queued, 0);
@@ -1898,19 +1889,14 @@ static void test_outcome_one_sided_restart(void **state) {
 static void test_outcome_one_sided_qp_first(void **state) {
   F.one_sided = true;
   F.pb->remote_session = 94;
-  kvf__descs dst = mkd(1, 1, 0, 64, 64);
-  in_grant(F.pb, "W1", 0xc01, &dst);
-  kvf__descs_free(&dst);
-  assert_int_equal(do_send(SS, "W1", "B", mkd(1, 0, 0, 64, 64), false, 0), 0);
+  send_granted("W1", 0xc01, false, 0);
   complete_post(0, KVF_EUNKNOWN);
   assert_int_equal(nevents_for("W1"), 0);
   assert_true(asked(F.pb, 0xc01));
   size_t before = F.nmsg;
-  F.pb->state = KVF__PEER_DOWN;
-  kvf__xfer_on_peer_down(F.pb);
+  link_drops();
   assert_int_equal(nevents_for("W1"), 0);
-  F.pb->state = KVF__PEER_UP;
-  kvf__xfer_on_peer_up(F.pb);
+  link_returns(94);
   assert_true(F.nmsg > before); /* asked again */
   assert_int_equal(last_msg(F.pb, KVF__PEER_MSG__BODY_OUTCOME_QUERY)->outcome_query->handle, 0xc01);
   in_outcome_reply(F.pb, 0xc01, KVF__OUTCOME_REPLY__OUTCOME__OUTCOME_KNOWN, 0);
