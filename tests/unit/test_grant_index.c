@@ -225,6 +225,27 @@ static bool share(const kvf__gi_item *x, const kvf__gi_item *y) {
   return x->pool == y->pool && x->start < y->end && y->start < x->end && x->start < x->end && y->start < y->end;
 }
 
+/* The brute-force model of a claim of v[0..n) by grant t: *self when two
+ * of its ranges share a byte, *other when one shares a byte with a range
+ * an earlier grant holds (held: rows of stride items, nheld of each). */
+static void model(const kvf__gi_item *v, size_t n, const kvf__gi_item *held, size_t stride, const size_t *nheld,
+                  int t, bool *self, bool *other) {
+  *self = *other = false;
+  for (size_t i = 0; i < n; i++)
+    for (size_t j = i + 1; j < n; j++) *self |= share(&v[i], &v[j]);
+  for (int o = 0; o < t; o++)
+    for (size_t i = 0; i < nheld[o]; i++)
+      for (size_t j = 0; j < n; j++) *other |= share(&held[(size_t)o * stride + i], &v[j]);
+}
+
+/* One time in three, a grant of the first t + 1 ends. */
+static void maybe_end_one(uint64_t *seed, int t, size_t *nheld) {
+  if (lcg(seed) % 3) return;
+  int o = (int)(lcg(seed) % (t + 1));
+  kvf__gi_release(&G, OWNER(o));
+  nheld[o] = 0;
+}
+
 /* Random grants over three pools (dense, so that many overlap; some
  * ranges span granules) against a brute-force model: a claim fails with
  * KVF_EINVAL iff two of its ranges share a byte (and the two named do),
@@ -242,12 +263,8 @@ static void test_random_model(void **state) {
       uint64_t s = lcg(&seed) % (POOL_SIZE - 20000), len = lcg(&seed) % 3 ? lcg(&seed) % 300 : lcg(&seed) % 20000;
       v[i] = it((uint32_t)(lcg(&seed) % 3), s, s + len, (uint32_t)i);
     }
-    bool self = false, other = false;
-    for (size_t i = 0; i < n; i++)
-      for (size_t j = i + 1; j < n; j++) self |= share(&v[i], &v[j]);
-    for (int o = 0; o < t; o++)
-      for (size_t i = 0; i < nheld[o]; i++)
-        for (size_t j = 0; j < n; j++) other |= share(&held[o][i], &v[j]);
+    bool self, other;
+    model(v, n, &held[0][0], N, nheld, t, &self, &other);
     kvf__gi_clash c;
     int rc = claim(v, n, t, &c);
     if (!self && !other) {
@@ -264,11 +281,7 @@ static void test_random_model(void **state) {
       kvf__gi_item theirs = it(c.pool, c.b_start, c.b_end, 0);
       assert_true(share(&v[c.a], &theirs));
     }
-    if (lcg(&seed) % 3 == 0) { /* a grant ends */
-      int o = (int)(lcg(&seed) % (t + 1));
-      kvf__gi_release(&G, OWNER(o));
-      nheld[o] = 0;
-    }
+    maybe_end_one(&seed, t, nheld);
   }
   size_t total = 0;
   for (int t = 0; t < GRANTS; t++)
@@ -295,12 +308,8 @@ static void test_random_mixed(void **state) {
       uint64_t s = lcg(&seed) % 200000, len = 1 + lcg(&seed) % 9000;
       v[i] = it(0, s, s + len, (uint32_t)i);
     }
-    bool self = false, other = false;
-    for (size_t i = 0; i < n; i++)
-      for (size_t j = i + 1; j < n; j++) self |= share(&v[i], &v[j]);
-    for (int o = 0; o < t; o++)
-      for (size_t i = 0; i < nheld[o]; i++)
-        for (size_t j = 0; j < n; j++) other |= share(&held[o][i], &v[j]);
+    bool self, other;
+    model(v, n, &held[0][0], N, nheld, t, &self, &other);
     kvf__gi_clash c;
     int rc = gclaim(v, n, t, others, &c);
     if (!self && !(others && other)) {
@@ -315,11 +324,7 @@ static void test_random_mixed(void **state) {
       kvf__gi_item theirs = it(c.pool, c.b_start, c.b_end, 0);
       assert_true(share(&v[c.a], &theirs));
     }
-    if (lcg(&seed) % 3 == 0) {
-      int o = (int)(lcg(&seed) % (t + 1));
-      kvf__gi_release(&G, OWNER(o));
-      nheld[o] = 0;
-    }
+    maybe_end_one(&seed, t, nheld);
   }
   for (int t = 0; t < GRANTS; t++) kvf__gi_release(&G, OWNER(t));
   assert_int_equal(kvf__gi_count(&G), 0);
