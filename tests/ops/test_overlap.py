@@ -55,7 +55,8 @@ class RawClient:
         self.raw.close()
 
 
-class Overlap(kvftest.PairTestCase):
+class Clients(kvftest.PairTestCase):
+    """A client of each daemon and its pool "kv"."""
     POOL = "32M"
 
     def setUp(self):
@@ -70,6 +71,9 @@ class Overlap(kvftest.PairTestCase):
         with self.assertRaises(kvferry.KvferryError) as cm:
             fn()
         self.assertEqual(cm.exception.code, code, str(cm.exception))
+
+
+class Overlap(Clients):
 
     def move(self, xid, dst_offs, seed):
         """Sends BLK-sized blocks from the prefill pool's start into the
@@ -152,27 +156,16 @@ class Overlap(kvftest.PairTestCase):
         self.move("o2", [30 * BLK], 5)
 
 
-class Blocks(kvftest.PairTestCase):
-    POOL = "32M"
+class Blocks(Clients):
     L, NB = 4, 16
 
     def setUp(self):
-        self.cp, self.cd = self.pre.client(), self.dec.client()
-        self.pp, self.pd = self.cp.pool_find("kv"), self.cd.pool_find("kv")
+        super().setUp()
         offs = [r * self.NB * BLK for r in range(2 * self.L)]
         self.src = self.cp.register_layout(kvferry.Layout(self.pp, offs, self.NB, BLK))
         self.dst = self.cd.register_layout(kvferry.Layout(self.pd, offs, self.NB, BLK))
         # a second layout over the same bytes: layer 0's K region is the first's
         self.alias = self.cd.register_layout(kvferry.Layout(self.pd, offs[:2], self.NB, BLK))
-
-    def tearDown(self):
-        self.cp.close()
-        self.cd.close()
-
-    def assert_code(self, code, fn):
-        with self.assertRaises(kvferry.KvferryError) as cm:
-            fn()
-        self.assertEqual(cm.exception.code, code, str(cm.exception))
 
     def test_block_overlaps(self):
         self.assert_code(KVF_EINVAL, lambda: self.cd.grant_blocks("b0", "prefill", self.dst, [3, 5, 3]))
