@@ -496,6 +496,20 @@ def main():
     sys.exit(0 if result.wasSuccessful() else 1)
 
 
+class SoloTestCase(unittest.TestCase):
+    """Tests against one daemon "solo" (pool POOL) for the whole class; it
+    must exit 0 at the end."""
+    POOL = "8M"
+
+    @classmethod
+    def setUpClass(cls):
+        cls.d = Daemon(tempdir(), "solo", pool=cls.POOL).start()
+
+    @classmethod
+    def tearDownClass(cls):
+        assert cls.d.stop() == 0
+
+
 class PairTestCase(unittest.TestCase):
     """Tests against one "prefill"/"decode" pair for the whole class (pool
     POOL each); both daemons must exit 0 at the end."""

@@ -10,7 +10,6 @@ import fcntl
 import mmap
 import os
 import struct
-import unittest
 
 import kvftest
 from kvftest import Raw, field_bytes as ld, field_varint, pb_decode as fields, request
@@ -130,15 +129,11 @@ def maps_with(pid, needle):
         return [line for line in f if needle in line]
 
 
-class EngineWire(unittest.TestCase):
+class EngineWire(kvftest.SoloTestCase):
     @classmethod
     def setUpClass(cls):
-        cls.d = kvftest.Daemon(kvftest.tempdir(), "solo", pool="8M").start()
+        super().setUpClass()
         cls.pid = cls.d.proc.pid
-
-    @classmethod
-    def tearDownClass(cls):
-        assert cls.d.stop() == 0
 
     def setUp(self):
         self.c = Client(self.d.sock)

@@ -6,7 +6,6 @@ rendering of an id (kvferryctl transfers --json, the binding's inspect)
 stays valid JSON; UTF-8 ids beyond ASCII are accepted and shown as they
 are."""
 import json
-import unittest
 
 import kvftest  # puts the binding from the source tree on sys.path
 import kvferry  # noqa: E402
@@ -17,15 +16,7 @@ KVF_EINVAL = -4016
 BAD = [b"\xff\xfe-bad", b"\xc0\x80", b"id-\xed\xa0\x80", b"\xf4\x90\x80\x80", b"cut-\xe2\x82"]
 
 
-class TransferIds(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.d = kvftest.Daemon(kvftest.tempdir(), "solo", pool="8M").start()
-
-    @classmethod
-    def tearDownClass(cls):
-        assert cls.d.stop() == 0
-
+class TransferIds(kvftest.SoloTestCase):
     def test_daemon_refuses_what_is_not_utf8(self):
         c = Raw(self.d.sock)
         try:

@@ -6,7 +6,6 @@ KVF_EPROTO and withdraws, without an event, the send the call began. The
 library's side (splitting, refusals in later frames) is tested through
 libkvferry in tests/integration/test_errors.c."""
 import struct
-import unittest
 
 import kvftest
 
@@ -38,15 +37,7 @@ def cancel(seq, xfer_id):
     return request(seq, 15, ld(1, xfer_id))
 
 
-class SendChains(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.d = kvftest.Daemon(kvftest.tempdir(), "solo", pool="8M").start()
-
-    @classmethod
-    def tearDownClass(cls):
-        assert cls.d.stop() == 0
-
+class SendChains(kvftest.SoloTestCase):
     def setUp(self):
         self.c = Raw(self.d.sock)
         self.c.write(hello(1))
