@@ -104,8 +104,8 @@ struct kvf__pconn {
   uint32_t stream;
   uv_timer_t hs_timer;
   uv_connect_t creq;
-  struct kvf__pconn *next_parked;
-  struct kvf__pconn *next_retiring; /* P.retiring */
+  struct kvf__pconn *next_listed; /* in P.parked (a data stream) or P.retiring (a control
+                                     connection): never both */
   uint8_t auth;                        /* enum auth_state */
   uint8_t nonce[KVF__AUTH_NONCE];      /* ours, for this connection */
   uint8_t peer_nonce[KVF__AUTH_NONCE];
@@ -271,18 +271,10 @@ static void on_hs_timer_closed(uv_handle_t *h) {
   uv_close((uv_handle_t *)&c->tcp, on_conn_closed);
 }
 
-static void unpark(kvf__pconn *c) {
-  for (kvf__pconn **pp = &P.parked; *pp; pp = &(*pp)->next_parked)
+static void unlist(kvf__pconn **head, kvf__pconn *c) {
+  for (kvf__pconn **pp = head; *pp; pp = &(*pp)->next_listed)
     if (*pp == c) {
-      *pp = c->next_parked;
-      return;
-    }
-}
-
-static void unretire(kvf__pconn *c) {
-  for (kvf__pconn **pp = &P.retiring; *pp; pp = &(*pp)->next_retiring)
-    if (*pp == c) {
-      *pp = c->next_retiring;
+      *pp = c->next_listed;
       return;
     }
 }
@@ -304,8 +296,8 @@ static void conn_close(kvf__pconn *c, const char *why) {
   if (c->auth == AUTH_PROOF || c->auth == AUTH_DATA) auth_abandoned(c, why);
   c->closing = true;
   unpend(c);
-  if (c->parked) unpark(c);
-  if (c->retiring) unretire(c);
+  if (c->parked) unlist(&P.parked, c);
+  if (c->retiring) unlist(&P.retiring, c);
   kvf__peer *p = c->peer;
   bool was_dialing = p && p->dialing == c;
   if (was_dialing) p->dialing = NULL;
@@ -383,11 +375,11 @@ static void adopt_parked(kvf__peer *p) {
   while (*pp) {
     kvf__pconn *c = *pp;
     if (c->peer == p) {
-      *pp = c->next_parked;
+      *pp = c->next_listed;
       c->parked = false;
       adopt_stream(c);
     } else {
-      pp = &c->next_parked;
+      pp = &c->next_listed;
     }
   }
 }
@@ -466,7 +458,7 @@ static void on_handshake_timeout(uv_timer_t *t);
 static void retire(kvf__pconn *c) {
   if (c->closing || c->retiring) return;
   c->retiring = true;
-  c->next_retiring = P.retiring;
+  c->next_listed = P.retiring;
   P.retiring = c;
   conn_goodbye(c, SUPERSEDED);
   c->shut.data = c;
@@ -653,7 +645,7 @@ static void data_stream_ready(kvf__pconn *c) {
     return;
   }
   c->parked = true;
-  c->next_parked = P.parked;
+  c->next_listed = P.parked;
   P.parked = c;
 }
 
@@ -1335,7 +1327,7 @@ static void drop_peer(kvf__peer *p, const char *why) {
   }
   if (p->dialing) conn_close(p->dialing, NULL);
   for (kvf__pconn *c = P.parked, *next; c; c = next) {
-    next = c->next_parked;
+    next = c->next_listed;
     if (c->peer == p) conn_close(c, NULL);
   }
   uv_timer_stop(&p->reconnect);
