@@ -146,8 +146,8 @@ class _Region:
                                                                         self._pool.kind))
         buf = (ctypes.c_ubyte * self.size).from_address(self.address)
         # The view (and every slice or array made of it) keeps the pool, so
-        # its client, so the mapping alive; Client.close() refuses while
-        # one is held (the mapping would go under it).
+        # its client, so the mapping alive; Client.close() keeps a mapping
+        # that such a view still uses (_KeptMap) until the view is gone.
         buf._pool = self._pool
         if not self._pool.engine:
             self._pool._client._track(buf, self._pool.id)
