@@ -90,11 +90,13 @@ typedef struct kvf__wire_req {
   uint32_t first_layer, n_layers;
   uint32_t deadline_ms;
   bool more, continues, layer_events, no_reply;
+  size_t id_len, node_len, body_len; /* kvf__wire_size's, for kvf__wire_pack */
 } kvf__wire_req;
 
-/* The packed size of r's ApiRequest. */
-size_t kvf__wire_size(const kvf__wire_req *r);
-/* Writes r's ApiRequest, kvf__wire_size(r) bytes, to out. */
+/* The packed size of r's ApiRequest; notes in r what packing needs. */
+size_t kvf__wire_size(kvf__wire_req *r);
+/* Writes r's ApiRequest, kvf__wire_size(r) bytes, to out (after
+ * kvf__wire_size, r unchanged since). */
 void kvf__wire_pack(const kvf__wire_req *r, uint8_t *out);
 
 #endif

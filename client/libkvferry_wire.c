@@ -53,7 +53,6 @@ static uint8_t *put_head(uint8_t *p, uint8_t tag, size_t len) {
   return put_varint(p, len);
 }
 
-static size_t slen(const char *s) { return s ? strlen(s) : 0; }
 
 /* DescList (packed = 4) or BlockList (layout 1, ids 2, first_layer 3,
  * n_layers 4). */
@@ -85,15 +84,15 @@ static size_t lists_size(const kvf__wire_req *r) {
  * more 4, deadline_ms 5, chained 6 (never), blocks 7, continues 8,
  * no_reply 9. CancelReq: xfer_id 1, no_reply 2. */
 static size_t body_size(const kvf__wire_req *r) {
-  size_t n = bytes_size(slen(r->xfer_id), false);
+  size_t n = bytes_size(r->id_len, false);
   if (r->kind == KVF__WIRE_CANCEL) return n + uint_size(r->no_reply);
-  n += bytes_size(slen(r->node), false) + lists_size(r) + uint_size(r->deadline_ms) + uint_size(r->no_reply);
+  n += bytes_size(r->node_len, false) + lists_size(r) + uint_size(r->deadline_ms) + uint_size(r->no_reply);
   if (r->kind == KVF__WIRE_GRANT) return n + uint_size(r->layer_events);
   return n + uint_size(r->more) + uint_size(r->continues);
 }
 
 static uint8_t *put_grant(uint8_t *p, const kvf__wire_req *r) {
-  p = put_bytes(p, TAG(2, 2), r->node, slen(r->node), false);
+  p = put_bytes(p, TAG(2, 2), r->node, r->node_len, false);
   if (r->has_descs) p = put_descs(p, TAG(3, 2), r);
   p = put_uint(p, TAG(4, 0), r->deadline_ms);
   if (r->has_blocks) p = put_blocks(p, TAG(5, 2), r);
@@ -102,7 +101,7 @@ static uint8_t *put_grant(uint8_t *p, const kvf__wire_req *r) {
 }
 
 static uint8_t *put_send(uint8_t *p, const kvf__wire_req *r) {
-  p = put_bytes(p, TAG(2, 2), r->node, slen(r->node), false);
+  p = put_bytes(p, TAG(2, 2), r->node, r->node_len, false);
   if (r->has_descs) p = put_descs(p, TAG(3, 2), r);
   p = put_uint(p, TAG(4, 0), r->more);
   p = put_uint(p, TAG(5, 0), r->deadline_ms);
@@ -116,12 +115,17 @@ static uint8_t body_tag(const kvf__wire_req *r) {
   return r->kind == KVF__WIRE_GRANT ? TAG(13, 2) : r->kind == KVF__WIRE_SEND ? TAG(14, 2) : TAG(15, 2);
 }
 
-size_t kvf__wire_size(const kvf__wire_req *r) { return uint_size(r->seq) + bytes_size(body_size(r), true); }
+size_t kvf__wire_size(kvf__wire_req *r) {
+  r->id_len = r->xfer_id ? strlen(r->xfer_id) : 0;
+  r->node_len = r->node ? strlen(r->node) : 0;
+  r->body_len = body_size(r);
+  return uint_size(r->seq) + bytes_size(r->body_len, true);
+}
 
 void kvf__wire_pack(const kvf__wire_req *r, uint8_t *out) {
   uint8_t *p = put_uint(out, TAG(1, 0), r->seq);
-  p = put_head(p, body_tag(r), body_size(r));
-  p = put_bytes(p, TAG(1, 2), r->xfer_id, slen(r->xfer_id), false);
+  p = put_head(p, body_tag(r), r->body_len);
+  p = put_bytes(p, TAG(1, 2), r->xfer_id, r->id_len, false);
   if (r->kind == KVF__WIRE_GRANT) put_grant(p, r);
   else if (r->kind == KVF__WIRE_SEND) put_send(p, r);
   else put_uint(p, TAG(2, 0), r->no_reply);
