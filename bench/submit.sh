@@ -12,7 +12,9 @@
 # Usage: bench/submit.sh [BUILD_DIR]        (default $BUILD or build)
 # Environment: REPS (requests per api, part; default 64), BATCHES (per api;
 # default 16), BLOCK_BYTES (default 4096), RUNS (default 3: the whole
-# bench again, each run printed; the machine is noisy).
+# bench again, each run printed; the machine is noisy), HANDOFFS (default
+# 200) and SPINS (default "0 20 50"): the one-layer handoff, send call to
+# RECV_DONE taken, with the decode client's KVFERRY_SPIN_US at each value.
 # Prints each run's JSON lines and a Markdown table of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +23,8 @@ REPS=${REPS:-64}
 BATCHES=${BATCHES:-16}
 BLOCK_BYTES=${BLOCK_BYTES:-4096}
 RUNS=${RUNS:-3}
+HANDOFFS=${HANDOFFS:-200}
+SPINS=${SPINS:-0 20 50}
 . bench/lib.sh
 
 say() { echo "submit: $*" >&2; }
@@ -79,6 +83,10 @@ for run in $(seq 1 "$RUNS"); do
     if [ $path = tcp ]; then where=(--from "$TMP/a.sock" --to "$TMP/b.sock")
     else where=(--from "$TMP/l.sock" --to "$TMP/l.sock" --pool kv --pool-to kv2); fi
     "$BUILD/submit-bench" "${where[@]}" "${ARGS[@]}" >"$TMP/run.json" || die "submit-bench ($path) failed"
+    for spin in $SPINS; do
+      KVFERRY_SPIN_US=$spin "$BUILD/submit-bench" "${where[@]}" --block-bytes "$BLOCK_BYTES" --handoffs "$HANDOFFS" \
+        >>"$TMP/run.json" || die "submit-bench --handoffs ($path, spin $spin) failed"
+    done
     sed "s/^{/{\"run\": $run, \"path\": \"$path\", /" "$TMP/run.json" | tee -a "$TMP/all.json"
   done
 done

@@ -9,12 +9,17 @@
  *   batch  the parts of 16 requests x 32 layers (512 parts) in one
  *          kvf_submit, against the same 512 parts as 512 waiting calls.
  *
+ *   handoff  (--handoffs N, instead of the two above) one layer of 8 blocks
+ *          granted, then sent in one part with KVF_NOWAIT: from the send
+ *          call to RECV_DONE taken by kvf_wait_events on the decode client,
+ *          whose $KVFERRY_SPIN_US (read at connect) is its spinning.
+ *
  * Every request's grant (kvf_grant_blocks) is posted before its parts; its
  * source blocks hold fresh random bytes and its destination blocks poison;
  * after both DONE events every byte of every block is compared.
  *
  *   submit-bench --from SOCK --to SOCK [--reps N] [--batches N]
- *                [--block-bytes B] [--pool NAME] [--pool-to NAME]
+ *                [--block-bytes B] [--pool NAME] [--pool-to NAME] [--handoffs N]
  *
  * Defaults: 64 requests per mode (part), 16 batches per mode, 4 KiB blocks
  * (the call's cost does not depend on them; 32 KiB is llama3-8b's K or V
@@ -268,9 +273,50 @@ static void bench_batches(bench *b, uint32_t reps) {
   free(tw);
 }
 
+/* Handoff: one layer of 8 blocks granted, then sent in one part (with
+ * KVF_NOWAIT); from the send call to RECV_DONE taken by kvf_wait_events on
+ * the decode client ($KVFERRY_SPIN_US of that client: its spinning). */
+static double one_handoff(bench *b) {
+  char ids[1][32];
+  uint32_t src[PER_REQ], dst[PER_REQ];
+  req_ids(0, src, dst);
+  prepare(b, 1);
+  snprintf(ids[0], 32, "sh-%u", ++b->seq);
+  kvf_blocks g = {.layout = b->dst.layout, .ids = dst, .n = PER_REQ, .first_layer = 0, .n_layers = 1};
+  int rc = kvf_grant_blocks(b->dst.c, ids[0], b->src.node, &g, 0, 0);
+  if (rc) die("kvf_grant_blocks", rc);
+  kvf_pool_info pi;
+  if ((rc = kvf_pools(b->dst.c, &pi, 1)) < 0) die("kvf_pools", rc);
+  kvf_blocks s = {.layout = b->src.layout, .ids = src, .n = PER_REQ, .first_layer = 0, .n_layers = 1};
+  double t0 = now_us();
+  if ((rc = kvf_send_blocks(b->src.c, ids[0], b->dst.node, &s, KVF_NOWAIT, 0)) != 0) die("kvf_send_blocks", rc);
+  wait_done(b->dst.c, KVF_EV_RECV_DONE, 1);
+  double t = now_us() - t0;
+  wait_done(b->src.c, KVF_EV_SEND_DONE, 1);
+  for (uint32_t kv = 0; kv < 2; kv++)
+    for (uint32_t i = 0; i < PER_REQ; i++)
+      if (memcmp(b->src.base + region_off(b, kv) + src[i] * b->bb, b->dst.base + region_off(b, kv) + dst[i] * b->bb,
+                 b->bb) != 0) {
+        fprintf(stderr, "submit-bench: handoff region %u block %u -> %u: bytes differ\n", kv, src[i], dst[i]);
+        exit(1);
+      }
+  return t;
+}
+
+static void bench_handoffs(bench *b, uint32_t reps) {
+  double *t = malloc(reps * sizeof(double));
+  if (!t) exit(1);
+  for (uint32_t r = 0; r < reps; r++) t[r] = one_handoff(b);
+  const char *spin = getenv("KVFERRY_SPIN_US");
+  char api[48];
+  snprintf(api, sizeof(api), "nowait, spin %s us", spin && *spin ? spin : "0");
+  report("handoff", api, t, reps, 1);
+  free(t);
+}
+
 int main(int argc, char **argv) {
   const char *from = NULL, *to = NULL, *pool = "kv", *pool_to = NULL;
-  uint32_t reps = 64, batches = 16;
+  uint32_t reps = 64, batches = 16, handoffs = 0;
   bench b = {.bb = 4096, .seed = 0x9E3779B97F4A7C15ull};
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -281,6 +327,7 @@ int main(int argc, char **argv) {
     else if (strcmp(a, "--pool-to") == 0) pool_to = v;
     else if (strcmp(a, "--reps") == 0) reps = (uint32_t)strtoul(v, NULL, 10);
     else if (strcmp(a, "--batches") == 0) batches = (uint32_t)strtoul(v, NULL, 10);
+    else if (strcmp(a, "--handoffs") == 0) handoffs = (uint32_t)strtoul(v, NULL, 10);
     else if (strcmp(a, "--block-bytes") == 0) b.bb = strtoull(v, NULL, 10);
     else goto usage;
     i++;
@@ -293,13 +340,17 @@ int main(int argc, char **argv) {
   }
   setup_side(&b, &b.src, from, pool);
   setup_side(&b, &b.dst, to, pool_to);
-  bench_parts(&b, reps);
-  bench_batches(&b, batches);
+  if (handoffs) {
+    bench_handoffs(&b, handoffs);
+  } else {
+    bench_parts(&b, reps);
+    bench_batches(&b, batches);
+  }
   kvf_close(b.src.c);
   kvf_close(b.dst.c);
   return 0;
 usage:
   fprintf(stderr, "usage: submit-bench --from SOCK --to SOCK [--reps N] [--batches N] [--block-bytes B] "
-                  "[--pool NAME] [--pool-to NAME]\n");
+                  "[--pool NAME] [--pool-to NAME] [--handoffs N]\n");
   return 2;
 }

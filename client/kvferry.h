@@ -406,7 +406,14 @@ typedef struct kvf_event {
  * engine's own event loop. Do not read or close it. */
 int kvf_event_fd(kvf_client *c);
 /* Takes up to cap waiting events. timeout_ms: 0 returns at once, -1 waits
- * without bound. Returns the number taken (0 on timeout) or an error. */
+ * without bound. Returns the number taken (0 on timeout) or an error.
+ * With none waiting, the call first spins for $KVFERRY_SPIN_US
+ * microseconds (read at connect; default KVF_SPIN_US_DEFAULT, at most
+ * 10,000, never past timeout_ms) and only then sleeps: an event that comes
+ * within them is taken without a sleep and a wake-up, at the price of one
+ * busy CPU while it spins (worth it where cores are spare; never on a
+ * machine with fewer cores than busy threads). */
+#define KVF_SPIN_US_DEFAULT 0
 int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeout_ms);
 
 /* Introspection, rendered by the daemon: a human table or a JSON document.

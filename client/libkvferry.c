@@ -24,6 +24,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -43,6 +44,8 @@
 #define KVF_API __attribute__((visibility("default")))
 
 #define DEFAULT_SOCKET "/run/kvferry/kvferryd.sock"
+/* $KVFERRY_SPIN_US above this is taken as this (10 ms). */
+#define KVF__SPIN_US_MAX 10000
 /* A daemon that accepts but never answers must not hang kvf_connect. */
 #define HELLO_TIMEOUT_S 10
 #define READ_CHUNK (64u * 1024)
@@ -183,6 +186,11 @@ struct kvf_client {
   kvf__ids pools;            /* data: struct engine_mem for engine memory */
   kvf__ids layouts;          /* data: struct layout_copy */
   uint32_t mem_seq;          /* default names of engine memory */
+  /* kvf_wait_events spins this long for an event before it sleeps
+   * ($KVFERRY_SPIN_US, read at connect); ev_count counts events queued,
+   * so that a spinning waiter sees one come without taking mu. */
+  unsigned spin_us;
+  atomic_uint_fast64_t ev_count;
 };
 
 /* ------------------------------------------------------------ small helpers */
@@ -384,6 +392,7 @@ static void enqueue_locked(kvf_client *c, struct queued_event *q) {
   *c->ev_tail = q;
   c->ev_tail = &q->next;
   if (q->ev.type == KVF_EV_RECV_DONE || q->ev.type == KVF_EV_SEND_DONE) inflight_done(c, q->ev.type, q->ev.xfer_id);
+  atomic_fetch_add_explicit(&c->ev_count, 1, memory_order_release);
   sync_event_fd(c);
   pthread_cond_broadcast(&c->evented);
 }
@@ -981,6 +990,8 @@ KVF_API int kvf_connect_ex(const char *socket_path, const kvf_connect_opts *o, k
   kvf_client *c = client_new();
   if (!c) return -ENOMEM;
   c->reconnect_ms = reconnect_ms;
+  c->spin_us = (unsigned)env_ms("KVFERRY_SPIN_US", KVF_SPIN_US_DEFAULT);
+  if (c->spin_us > KVF__SPIN_US_MAX) c->spin_us = KVF__SPIN_US_MAX;
   c->socket_path = strdup(resolve_socket_path(socket_path));
   int rc = c->socket_path ? connect_waiting(c, wait_ms, &c->sock) : -ENOMEM;
   if (!rc) rc = exchange_hello(c);
@@ -2258,11 +2269,45 @@ static int wait_for_event(kvf_client *c, int timeout_ms, const struct timespec *
   return pthread_cond_timedwait(&c->evented, &c->mu, deadline);
 }
 
+/* A pause for a spinning loop: lets a sibling hyperthread run. */
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+static uint64_t mono_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+/* Spins up to us microseconds for an event after `seen` (mu not held):
+ * an event that comes within them is taken without this thread going to
+ * sleep and being woken (a futex round, 5-50 us on a busy machine). */
+static void spin_for_event(kvf_client *c, uint64_t seen, uint64_t us) {
+  uint64_t end = mono_ns() + us * 1000;
+  for (unsigned i = 1;; i++) {
+    if (atomic_load_explicit(&c->ev_count, memory_order_acquire) != seen) return;
+    if (i % 64 == 0 && mono_ns() >= end) return;
+    cpu_relax();
+  }
+}
+
 KVF_API int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeout_ms) {
   if (!c || !out || cap == 0 || timeout_ms < -1) return KVF_EINVAL;
   struct timespec deadline = {0};
   if (timeout_ms > 0) deadline = deadline_after_ms(timeout_ms);
   pthread_mutex_lock(&c->mu);
+  if (!c->ev_head && c->conn == CONN_UP && timeout_ms != 0 && c->spin_us) {
+    uint64_t seen = atomic_load_explicit(&c->ev_count, memory_order_relaxed);
+    uint64_t us = timeout_ms > 0 && (uint64_t)timeout_ms * 1000 < c->spin_us ? (uint64_t)timeout_ms * 1000 : c->spin_us;
+    pthread_mutex_unlock(&c->mu);
+    spin_for_event(c, seen, us);
+    pthread_mutex_lock(&c->mu);
+  }
   int waited = 0;
   while (!c->ev_head && c->conn == CONN_UP && waited != ETIMEDOUT)
     waited = wait_for_event(c, timeout_ms, &deadline);
