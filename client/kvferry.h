@@ -240,11 +240,12 @@ int kvf_grant(kvf_client *c, const char *xfer_id, const char *src_node,
  *
  * Backpressure: requests are written whole to the daemon's socket; a client
  * that submits faster than the daemon takes them waits in that write (the
- * daemon reads a client's requests in turns and keeps at most one frame
- * of them in its memory). With KVF_NOBLOCK the call instead returns -EAGAIN,
- * having queued nothing, when the socket's send buffer cannot take the
- * whole request now (it may still wait briefly when the kernel's estimate
- * of the room was short). */
+ * daemon reads a client's requests only in its turns, one read of at most
+ * 256 KiB or one max-frame frame at a time: the rest wait in the socket).
+ * With KVF_NOBLOCK the call instead returns -EAGAIN, having queued
+ * nothing, when the socket's send buffer cannot take the whole request
+ * now (it may still wait briefly when the kernel's estimate of the room
+ * was short). Events wait in the library until taken, whoever is slow. */
 #define KVF_NOWAIT 0x2u
 #define KVF_SEND_NOWAIT KVF_NOWAIT
 #define KVF_NOBLOCK 0x4u
