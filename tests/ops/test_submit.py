@@ -8,7 +8,8 @@ as the transfer's one DONE event (and the call succeeded). Parts submitted
 back to back keep their order; a batch of 512 layer parts lands; a client
 that submits and exits leaves nothing behind; a client that floods is
 slowed (KVF_NOBLOCK says -EAGAIN while its daemon does not read), loses
-nothing, and the daemon's memory stays bounded."""
+nothing, and the daemon's memory stays bounded. A receiver that spins in
+kvf_wait_events (KVFERRY_SPIN_US) gets its events and still times out."""
 import os
 import signal
 import subprocess
@@ -158,6 +159,39 @@ class TestNowait(Base):
         self.done(self.cp, "nw-blk", kvferry.SEND_DONE)
         for off, data in want.items():
             self.assert_bytes(self.pd, off, data)
+
+    def test_blocks_local_with_spinning(self):
+        """Blocks within one daemon (the local path), nowait, the receiver
+        spinning in kvf_wait_events (KVFERRY_SPIN_US, read at connect): the
+        blocks land, and a wait with nothing to come still times out."""
+        L, nb, base = 4, 8, 16 * MB
+        os.environ["KVFERRY_SPIN_US"] = "300"
+        try:
+            rc = self.pre.client()
+        finally:
+            del os.environ["KVFERRY_SPIN_US"]
+        try:
+            pool = rc.pool_find("kv")
+            src = self.cp.register_layout(kvferry.Layout(self.pp, [r * nb * BLK for r in range(2 * L)], nb, BLK))
+            dst = rc.register_layout(kvferry.Layout(pool, [base + r * nb * BLK for r in range(2 * L)], nb, BLK))
+            self.poison(pool, base, 2 * L * nb * BLK)
+            self.fill(self.pp, 0, 2 * L * nb * BLK)
+            sids, dids = [0, 5, 7], [6, 1, 2]
+            self.assertEqual(rc.wait_events(4, 1), [])
+            rc.grant_blocks("sp-loc", "prefill", dst, dids, nowait=True)
+            for layer in range(L):
+                self.cp.send_blocks("sp-loc", "prefill", src, sids if layer == 0 else None, first_layer=layer,
+                                    n_layers=1, more=layer < L - 1, nowait=True)
+            ev = self.done(rc, "sp-loc", kvferry.RECV_DONE)
+            self.assertEqual((ev.path, ev.bytes), ("local", 3 * L * 2 * BLK))
+            self.done(self.cp, "sp-loc", kvferry.SEND_DONE)
+            for r in range(2 * L):
+                for sb, db in zip(sids, dids):
+                    self.assert_bytes(pool, base + r * nb * BLK + db * BLK,
+                                      bytes(self.pp.memory[r * nb * BLK + sb * BLK:r * nb * BLK + (sb + 1) * BLK]))
+            self.assertEqual(rc.wait_events(4, 1), [])
+        finally:
+            rc.close()
 
     def test_batch_of_512_parts(self):
         """16 requests x 32 layers: the grants in one kvf_submit, the 512
