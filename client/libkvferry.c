@@ -1249,27 +1249,18 @@ static void trim_dbuf(kvf_client *c) {
 }
 
 /* One request whose list is packed into dbuf under write_mu (so the
- * buffer serves every call) by pack(c, arg); answered: one response
- * awaited, else (KVF_SEND_NOWAIT) written and not awaited. The ids are
- * translated after the request is numbered for a connection, so that a
- * list translated for one daemon never reaches the next. */
-static int call_packed(kvf_client *c, Kvf__ApiRequest *req, int (*pack)(kvf_client *, void *), void *arg,
-                       bool answered) {
+ * buffer serves every call) by pack(c, arg), and its response awaited
+ * (unanswered requests go by kvf_submit). The ids are translated after
+ * the request is numbered for a connection, so that a list translated for
+ * one daemon never reaches the next. */
+static int call_packed(kvf_client *c, Kvf__ApiRequest *req, int (*pack)(kvf_client *, void *), void *arg) {
   struct pending p;
-  uint64_t gen = 0;
   pthread_mutex_lock(&c->write_mu);
-  int rc;
-  bool registered = false;
-  if (answered) {
-    rc = register_pending(c, &p);
-    registered = rc == 0;
-    req->seq = p.seq;
-    gen = p.gen;
-  } else {
-    rc = unanswered_seq(c, req, &gen); /* nothing answers it */
-  }
+  int rc = register_pending(c, &p);
+  bool registered = rc == 0;
+  req->seq = p.seq;
   if (rc == 0) rc = pack(c, arg);
-  if (rc == 0) rc = send_request_locked(c, req, gen, -1);
+  if (rc == 0) rc = send_request_locked(c, req, p.gen, -1);
   trim_dbuf(c);
   pthread_mutex_unlock(&c->write_mu);
   return registered ? finish_call(c, &p, rc, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL) : rc;
@@ -1295,9 +1286,9 @@ static int pack_desc_list(kvf_client *c, void *arg) {
 }
 
 static int call_with_descs(kvf_client *c, Kvf__ApiRequest *req, Kvf__DescList *list, const kvf_desc *descs,
-                           size_t n, bool answered) {
+                           size_t n) {
   desc_list d = {list, descs, n};
-  return call_packed(c, req, pack_desc_list, &d, answered);
+  return call_packed(c, req, pack_desc_list, &d);
 }
 
 static int check_transfer(const kvf_client *c, const char *xfer_id, const kvf_desc *descs,
@@ -1322,7 +1313,7 @@ KVF_API int kvf_grant(kvf_client *c, const char *xfer_id, const char *src_node,
   req.body_case = KVF__API_REQUEST__BODY_GRANT;
   req.grant = &body;
   if ((rc = inflight_add(c, 'g', xfer_id)) != 0) return rc;
-  return inflight_end(c, 'g', xfer_id, call_with_descs(c, &req, &list, descs, n, true));
+  return inflight_end(c, 'g', xfer_id, call_with_descs(c, &req, &list, descs, n));
 }
 
 /* A send of more than chain_first descriptors goes out as chained frames
@@ -1428,7 +1419,7 @@ KVF_API int kvf_send(kvf_client *c, const char *xfer_id, const char *dst_node,
   if (c->send_chains && n > c->chain_first) return end_send(c, fresh, send_chained(c, &req, descs, n));
   Kvf__DescList list = KVF__DESC_LIST__INIT;
   body.descs = &list;
-  return end_send(c, fresh, call_with_descs(c, &req, &list, descs, n, true));
+  return end_send(c, fresh, call_with_descs(c, &req, &list, descs, n));
 }
 
 KVF_API int kvf_cancel(kvf_client *c, const char *xfer_id) {
@@ -1563,10 +1554,9 @@ static int pack_block_list(kvf_client *c, void *arg) {
   return 0;
 }
 
-static int call_with_blocks(kvf_client *c, Kvf__ApiRequest *req, Kvf__BlockList *list, const kvf_blocks *b,
-                            bool answered) {
+static int call_with_blocks(kvf_client *c, Kvf__ApiRequest *req, Kvf__BlockList *list, const kvf_blocks *b) {
   block_list bl = {list, b};
-  return call_packed(c, req, pack_block_list, &bl, answered);
+  return call_packed(c, req, pack_block_list, &bl);
 }
 
 /* ids may be absent only where allowed (a later part of a send). */
@@ -1607,7 +1597,7 @@ KVF_API int kvf_grant_blocks(kvf_client *c, const char *xfer_id, const char *src
   req.body_case = KVF__API_REQUEST__BODY_GRANT;
   req.grant = &body;
   if ((rc = inflight_add(c, 'g', xfer_id)) != 0) return rc;
-  return inflight_end(c, 'g', xfer_id, call_with_blocks(c, &req, &list, blocks, true));
+  return inflight_end(c, 'g', xfer_id, call_with_blocks(c, &req, &list, blocks));
 }
 
 KVF_API int kvf_send_blocks(kvf_client *c, const char *xfer_id, const char *dst_node, const kvf_blocks *blocks,
@@ -1636,7 +1626,7 @@ KVF_API int kvf_send_blocks(kvf_client *c, const char *xfer_id, const char *dst_
   Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
   req.body_case = KVF__API_REQUEST__BODY_SEND;
   req.send = &body;
-  return end_send(c, fresh, rc ? rc : call_with_blocks(c, &req, &list, blocks, true));
+  return end_send(c, fresh, rc ? rc : call_with_blocks(c, &req, &list, blocks));
 }
 
 /* ------------------------------------------------------------ submission without waiting
