@@ -7,7 +7,8 @@
  *          back, KVF_NOWAIT against waiting for the daemon's answer, the
  *          requests alternating between the two (same run, same daemons);
  *   batch  the parts of 16 requests x 32 layers (512 parts) in one
- *          kvf_submit, against the same 512 parts as 512 waiting calls.
+ *          kvf_submit, against the same 512 parts as 512 waiting calls;
+ *          batch-done: from that call to the last RECV_DONE taken.
  *
  *   handoff  (--handoffs N, instead of the two above) one layer of 8 blocks
  *          granted, then sent in one part with KVF_NOWAIT: from the send
@@ -226,8 +227,9 @@ static void bench_parts(bench *b, uint32_t reps) {
   free(tn);
 }
 
-/* 16 requests' 512 layer parts: one kvf_submit, or 512 waiting calls. */
-static double one_batch(bench *b, bool batched) {
+/* 16 requests' 512 layer parts: one kvf_submit, or 512 waiting calls;
+ * *done: from the call to the last RECV_DONE taken. */
+static double one_batch(bench *b, bool batched, double *done) {
   char ids[REQS][32];
   prepare(b, REQS);
   grant_all(b, REQS, ids);
@@ -255,6 +257,7 @@ static double one_batch(bench *b, bool batched) {
   }
   double t = now_us() - t0;
   wait_done(b->dst.c, KVF_EV_RECV_DONE, REQS);
+  *done = now_us() - t0;
   wait_done(b->src.c, KVF_EV_SEND_DONE, REQS);
   verify(b, REQS);
   return t;
@@ -262,15 +265,21 @@ static double one_batch(bench *b, bool batched) {
 
 static void bench_batches(bench *b, uint32_t reps) {
   double *tb = malloc(reps * sizeof(double)), *tw = malloc(reps * sizeof(double));
-  if (!tb || !tw) exit(1);
+  double *db = malloc(reps * sizeof(double)), *dw = malloc(reps * sizeof(double));
+  if (!tb || !tw || !db || !dw) exit(1);
   for (uint32_t r = 0; r < 2 * reps; r++) {
-    double t = one_batch(b, r % 2 == 0);
+    double done, t = one_batch(b, r % 2 == 0, &done);
     (r % 2 == 0 ? tb : tw)[r / 2] = t;
+    (r % 2 == 0 ? db : dw)[r / 2] = done;
   }
   report("batch", "submit", tb, reps, REQS * LAYERS);
   report("batch", "wait", tw, reps, REQS * LAYERS);
+  report("batch-done", "submit", db, reps, REQS * LAYERS);
+  report("batch-done", "wait", dw, reps, REQS * LAYERS);
   free(tb);
   free(tw);
+  free(db);
+  free(dw);
 }
 
 /* Handoff: one layer of 8 blocks granted, then sent in one part (with
