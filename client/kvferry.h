@@ -245,7 +245,9 @@ int kvf_grant(kvf_client *c, const char *xfer_id, const char *src_node,
  * With KVF_NOBLOCK the call instead returns -EAGAIN, having queued
  * nothing, when the socket's send buffer cannot take the whole request
  * now (it may still wait briefly when the kernel's estimate of the room
- * was short). Events wait in the library until taken, whoever is slow. */
+ * was short, and a request larger than the whole buffer goes once the
+ * buffer is empty, waiting while the daemon reads it). Events wait in the
+ * library until taken, whoever is slow. */
 #define KVF_NOWAIT 0x2u
 #define KVF_SEND_NOWAIT KVF_NOWAIT
 #define KVF_NOBLOCK 0x4u

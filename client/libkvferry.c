@@ -1807,13 +1807,15 @@ static int sub_encode(kvf_client *c, const kvf_sub *s, const kvf__idsnap *ids, c
 #define SOCK_SLACK 4096u
 
 /* Whether the socket's send buffer takes len more bytes without waiting
- * (KVF_NOBLOCK). When the kernel cannot say, the write goes ahead. */
+ * (KVF_NOBLOCK). When the kernel cannot say, the write goes ahead; so does
+ * a request larger than the whole buffer once the buffer is empty (it
+ * could never go otherwise: it waits while the daemon reads it). */
 static bool socket_room(int sock, size_t len) {
   int queued = 0, sndbuf = 0;
   socklen_t l = sizeof(sndbuf);
   if (ioctl(sock, SIOCOUTQ, &queued) != 0 || getsockopt(sock, SOL_SOCKET, SO_SNDBUF, &sndbuf, &l) != 0)
     return true;
-  return (size_t)queued + len + SOCK_SLACK * (1 + len / 16384) <= (size_t)sndbuf;
+  return queued == 0 || (size_t)queued + len + SOCK_SLACK * (1 + len / 16384) <= (size_t)sndbuf;
 }
 
 /* Writes bbuf's len bytes on connection gen (write_mu held). */
