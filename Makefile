@@ -9,7 +9,7 @@
 #   make test-build   every test program: tests/unit, tests/integration,
 #                     tests/kvferryd-rogue (failpoints), tests/rdma (and
 #                     mw_probe), tests/gpu, tests/chaos/chaos_client
-#   make bench-tools  desc-bench, post-bench, wake-bench, tests/gpu/gpu_copy
+#   make bench-tools  desc-bench, post-bench, wake-bench, submit-bench, tests/gpu/gpu_copy
 #                     (what bench/*.sh run besides the product)
 #   make fuzz-build   the libFuzzer targets and gen_corpus (clang; "fuzz" below)
 # Running: each target first builds what it runs.
@@ -80,7 +80,7 @@ LIB_SONAME := libkvferry.so.1
 LIB_REAL := libkvferry.so.1.0.0
 LIB_SO := $(BUILD)/$(LIB_REAL) $(BUILD)/$(LIB_SONAME) $(BUILD)/libkvferry.so
 BINS := $(BUILD)/kvferryd $(BUILD)/kvferryctl $(BUILD)/kvferry-bench $(LIB_SO) $(BUILD)/libkvferry.a
-BENCH_TOOLS := $(BUILD)/desc-bench $(BUILD)/post-bench $(BUILD)/wake-bench
+BENCH_TOOLS := $(BUILD)/desc-bench $(BUILD)/post-bench $(BUILD)/wake-bench $(BUILD)/submit-bench
 
 # Operations tests (tests/ops): Python, stdlib only, TAP on stdout.
 OPS_TESTS := $(wildcard tests/ops/test_*.py)
@@ -172,6 +172,11 @@ $(BUILD)/desc-bench: bench/desc_bench.c $(DAEMON_OBJ) $(PROTO_H) | deps
 # rdma_mw.c through rdma_int.h, linked with the daemon's objects.
 $(BUILD)/post-bench: bench/post_bench.c $(DAEMON_OBJ) $(PROTO_H) | deps
 	$(CC) $(CFLAGS_BASE) $(INC) $(DEPFLAGS) -o $@ $< $(DAEMON_OBJ) $(LDLIBS_D)
+
+# How long the send calls take to return, waiting or not (bench/submit_bench.c).
+$(BUILD)/submit-bench: bench/submit_bench.c $(BUILD)/libkvferry.a | deps
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) -Iclient -o $@ $< $(BUILD)/libkvferry.a $(LDLIBS_C)
 
 # What one thread or process wake-up costs here (bench/wake_bench.c).
 $(BUILD)/wake-bench: bench/wake_bench.c | deps

@@ -68,4 +68,35 @@ int kvf__ids_snap(const kvf__ids *t, kvf__idsnap *s);
 uint32_t kvf__idsnap_out(const kvf__idsnap *s, uint32_t vid);
 void kvf__idsnap_free(kvf__idsnap *s);
 
+/* ------------------------------------------------------------ wire
+ *
+ * The requests kvf_submit writes (an ApiRequest of a GrantReq, SendReq or
+ * CancelReq, proto/kvferry.proto), encoded by hand: protobuf-c's generic
+ * packing walks field descriptors and took most of a batch's time. The
+ * bytes are protobuf-c's for the same message, fields in number order,
+ * proto3 zero values left out (tests/unit/test_wire.c compares them). */
+enum { KVF__WIRE_GRANT = 1, KVF__WIRE_SEND, KVF__WIRE_CANCEL };
+
+typedef struct kvf__wire_req {
+  int kind;                    /* KVF__WIRE_* */
+  uint64_t seq;
+  const char *xfer_id, *node;  /* node: GrantReq.src_node / SendReq.dst_node */
+  const uint8_t *descs;        /* DescList.packed, when has_descs */
+  size_t descs_len;
+  bool has_descs, has_blocks;
+  uint32_t layout;             /* BlockList, when has_blocks */
+  const uint8_t *ids;
+  size_t ids_len;
+  uint32_t first_layer, n_layers;
+  uint32_t deadline_ms;
+  bool more, continues, layer_events, no_reply;
+  size_t id_len, node_len, body_len; /* kvf__wire_size's, for kvf__wire_pack */
+} kvf__wire_req;
+
+/* The packed size of r's ApiRequest; notes in r what packing needs. */
+size_t kvf__wire_size(kvf__wire_req *r);
+/* Writes r's ApiRequest, kvf__wire_size(r) bytes, to out (after
+ * kvf__wire_size, r unchanged since). */
+void kvf__wire_pack(const kvf__wire_req *r, uint8_t *out);
+
 #endif

@@ -202,13 +202,55 @@ int kvf_grant(kvf_client *c, const char *xfer_id, const char *src_node,
               const kvf_desc *descs, size_t n, uint32_t deadline_ms);
 
 #define KVF_SEND_MORE 0x1u   /* more parts of this transfer follow */
-/* A part that continues a send under way returns as soon as it is written
- * to the daemon, without waiting for its answer (a layer-by-layer prefill
- * then does not wait a round trip per layer). A refusal of such a part
- * fails the send: its KVF_EV_SEND_DONE carries the error. The first part
- * of a send (and a descriptor part large enough to go in chained frames)
- * is answered as always. */
-#define KVF_SEND_NOWAIT 0x2u
+
+/* ------------------------------------------------------ calls that do not wait
+ *
+ * KVF_NOWAIT (kvf_send, kvf_send_blocks, kvf_grant_blocks; kvf_grant and
+ * kvf_cancel through kvf_submit, whose entries all go this way): the call
+ * checks what the library can check itself, writes the request to the
+ * daemon and returns without waiting for its answer (a few microseconds
+ * instead of a round trip). Every error is reported exactly once:
+ *
+ * At once, by the return value, queuing nothing (as for every call that
+ * fails): KVF_EINVAL (client, id syntax, node name syntax, flags, no
+ * descriptors or blocks, a first send_blocks part without ids), KVF_ELIMIT
+ * (more descriptors or block ids than the daemon's max-descs, a frame over
+ * its max-frame), KVF_EEXIST (a grant whose id names a grant of this client
+ * whose KVF_EV_RECV_DONE has not come yet), KVF_ENOENT (a layout this client
+ * did not register; a cancel of an id with no grant or send of this client
+ * whose DONE event is still to come), KVF_EDAEMON (the connection is down),
+ * -ENOMEM, and -EAGAIN under KVF_NOBLOCK.
+ *
+ * As the transfer's one DONE event, whatever the daemon refuses: grants as
+ * KVF_EV_RECV_DONE, send parts as KVF_EV_SEND_DONE, with the status a
+ * waiting call would have returned (KVF_ENOPEER, KVF_EEXIST, KVF_ESIZE,
+ * KVF_ENOPOOL, KVF_ERANGE, KVF_EBUSY, KVF_ELIMIT, ...) and the daemon's
+ * detail in ev.error; its path is "none" when the request began nothing. A
+ * refused first part ends the send: its later parts, queued or not, are
+ * then refused by the daemon silently (the one SEND_DONE already said
+ * why), exactly as a refused later part fails the send. A nowait cancel
+ * that finds its transfer already ended does nothing (that transfer's own
+ * event says how it ended).
+ *
+ * A nowait send part opens its id at once (kvferry.h, "Transfer ids"):
+ * later parts continue it, in the order they are submitted, whatever the
+ * daemon makes of the first. Descriptor sends go in one frame however long
+ * (never chained). KVF_SEND_NOWAIT is the former name, same value; before
+ * it made only parts after the first unanswered.
+ *
+ * Backpressure: requests are written whole to the daemon's socket; a client
+ * that submits faster than the daemon takes them waits in that write (the
+ * daemon reads a client's requests only in its turns, one read of at most
+ * 256 KiB or one max-frame frame at a time: the rest wait in the socket).
+ * With KVF_NOBLOCK the call instead returns -EAGAIN, having queued
+ * nothing, when the socket's send buffer cannot take the whole request
+ * now (it may still wait briefly when the kernel's estimate of the room
+ * was short, and a request larger than the whole buffer goes once the
+ * buffer is empty, waiting while the daemon reads it). Events wait in the
+ * library until taken, whoever is slow. */
+#define KVF_NOWAIT 0x2u
+#define KVF_SEND_NOWAIT KVF_NOWAIT
+#define KVF_NOBLOCK 0x4u
 
 /* Prefill side: send descs to dst_node (which may be this node). Parts after
  * the first continue the pairing where the previous part stopped.
@@ -313,6 +355,38 @@ int kvf_grant_blocks(kvf_client *c, const char *xfer_id, const char *src_node, c
 int kvf_send_blocks(kvf_client *c, const char *xfer_id, const char *dst_node, const kvf_blocks *blocks,
                     unsigned flags, uint32_t deadline_ms);
 
+/* ------------------------------------------------------------ batches
+ *
+ * Many requests' grants, send parts and cancels in one call: the library
+ * checks and encodes them in order and writes them with one write. Every
+ * entry goes as with KVF_NOWAIT (above: what fails at once, what comes as
+ * an event). Returns the number of entries queued, from the first; a
+ * return k < n means entry k was refused at once, *error (when not NULL)
+ * says why, and no entry after it was looked at (so parts of one transfer
+ * keep their order). A negative return queued nothing: KVF_EINVAL (c,
+ * subs), KVF_EDAEMON, -ENOMEM, or -EAGAIN with KVF_NOBLOCK in flags (the
+ * whole batch did not fit the socket's send buffer now). */
+enum kvf_sub_op {
+  KVF_SUB_GRANT = 1,       /* kvf_grant: node = src_node, descs, n */
+  KVF_SUB_SEND = 2,        /* kvf_send: node = dst_node, descs, n, flags KVF_SEND_MORE */
+  KVF_SUB_GRANT_BLOCKS = 3,/* kvf_grant_blocks: node = src_node, blocks, flags KVF_GRANT_LAYER_EVENTS */
+  KVF_SUB_SEND_BLOCKS = 4, /* kvf_send_blocks: node = dst_node, blocks, flags KVF_SEND_MORE */
+  KVF_SUB_CANCEL = 5,      /* kvf_cancel */
+};
+
+typedef struct kvf_sub {
+  int op;                  /* enum kvf_sub_op */
+  const char *xfer_id;
+  const char *node;
+  const kvf_desc *descs;
+  size_t n;
+  const kvf_blocks *blocks;
+  unsigned flags;          /* KVF_NOWAIT may be set too; it is implied */
+  uint32_t deadline_ms;
+} kvf_sub;
+
+int kvf_submit(kvf_client *c, const kvf_sub *subs, size_t n, unsigned flags, int *error);
+
 enum kvf_event_type { KVF_EV_RECV_DONE = 1, KVF_EV_SEND_DONE = 2, KVF_EV_LAYER_DONE = 3 };
 
 typedef struct kvf_event {
@@ -335,7 +409,14 @@ typedef struct kvf_event {
  * engine's own event loop. Do not read or close it. */
 int kvf_event_fd(kvf_client *c);
 /* Takes up to cap waiting events. timeout_ms: 0 returns at once, -1 waits
- * without bound. Returns the number taken (0 on timeout) or an error. */
+ * without bound. Returns the number taken (0 on timeout) or an error.
+ * With none waiting, the call first spins for $KVFERRY_SPIN_US
+ * microseconds (read at connect; default KVF_SPIN_US_DEFAULT, at most
+ * 10,000, never past timeout_ms) and only then sleeps: an event that comes
+ * within them is taken without a sleep and a wake-up, at the price of one
+ * busy CPU while it spins (worth it where cores are spare; never on a
+ * machine with fewer cores than busy threads). */
+#define KVF_SPIN_US_DEFAULT 0
 int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeout_ms);
 
 /* Introspection, rendered by the daemon: a human table or a JSON document.

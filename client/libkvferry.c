@@ -24,6 +24,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -31,16 +32,20 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <time.h>
+#include <linux/sockios.h>
 #include <unistd.h>
 
 #define KVF_API __attribute__((visibility("default")))
 
 #define DEFAULT_SOCKET "/run/kvferry/kvferryd.sock"
+/* $KVFERRY_SPIN_US above this is taken as this (10 ms). */
+#define KVF__SPIN_US_MAX 10000
 /* A daemon that accepts but never answers must not hang kvf_connect. */
 #define HELLO_TIMEOUT_S 10
 #define READ_CHUNK (64u * 1024)
@@ -159,6 +164,8 @@ struct kvf_client {
   size_t wcap;
   uint8_t *dbuf;            /* under write_mu: packed descriptors, kept likewise */
   size_t dcap;
+  uint8_t *bbuf;            /* under write_mu: the frames of one kvf_submit, kept likewise */
+  size_t bcap;
 
   pthread_mutex_t mu;        /* guards every field below */
   pthread_cond_t responded;  /* a response arrived, or the connection died */
@@ -179,6 +186,11 @@ struct kvf_client {
   kvf__ids pools;            /* data: struct engine_mem for engine memory */
   kvf__ids layouts;          /* data: struct layout_copy */
   uint32_t mem_seq;          /* default names of engine memory */
+  /* kvf_wait_events spins this long for an event before it sleeps
+   * ($KVFERRY_SPIN_US, read at connect); ev_count counts events queued,
+   * so that a spinning waiter sees one come without taking mu. */
+  unsigned spin_us;
+  atomic_uint_fast64_t ev_count;
 };
 
 /* ------------------------------------------------------------ small helpers */
@@ -286,16 +298,41 @@ static void inflight_key(char *key, char type, const char *xfer_id) {
   copy_string(key + 1, KVF_XFER_ID_MAX + 1, xfer_id);
 }
 
+/* inflight_add with mu held. */
+static int inflight_add_locked(kvf_client *c, char type, const char *xfer_id) {
+  char key[KVF_XFER_ID_MAX + 2];
+  inflight_key(key, type, xfer_id);
+  struct open_send **pp = table_slot(c->inflight, key);
+  if (*pp) {
+    (*pp)->count++;
+    return 0;
+  }
+  return (*pp = open_send_new(key)) != NULL ? 0 : -ENOMEM;
+}
+
+/* Takes back one count of inflight_add (mu held). */
+static void inflight_undo_locked(kvf_client *c, char type, const char *xfer_id) {
+  char key[KVF_XFER_ID_MAX + 2];
+  inflight_key(key, type, xfer_id);
+  struct open_send **pp = table_slot(c->inflight, key), *o = *pp;
+  if (o && --o->count <= 0) {
+    *pp = o->next;
+    free(o);
+  }
+}
+
+/* Whether a grant or send of xfer_id waits for its DONE event (mu held). */
+static bool inflight_has(kvf_client *c, char type, const char *xfer_id) {
+  char key[KVF_XFER_ID_MAX + 2];
+  inflight_key(key, type, xfer_id);
+  return *table_slot(c->inflight, key) != NULL;
+}
+
 /* Counts a call that may start transfer xfer_id, before its request goes
  * out (its DONE event may come before the call returns). */
 static int inflight_add(kvf_client *c, char type, const char *xfer_id) {
-  char key[KVF_XFER_ID_MAX + 2];
-  inflight_key(key, type, xfer_id);
   pthread_mutex_lock(&c->mu);
-  struct open_send **pp = table_slot(c->inflight, key);
-  int rc = 0;
-  if (*pp) (*pp)->count++;
-  else if ((*pp = open_send_new(key)) == NULL) rc = -ENOMEM;
+  int rc = inflight_add_locked(c, type, xfer_id);
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -303,14 +340,8 @@ static int inflight_add(kvf_client *c, char type, const char *xfer_id) {
 /* The call of inflight_add ended: a refused one takes its count back. */
 static int inflight_end(kvf_client *c, char type, const char *xfer_id, int rc) {
   if (rc == 0) return 0;
-  char key[KVF_XFER_ID_MAX + 2];
-  inflight_key(key, type, xfer_id);
   pthread_mutex_lock(&c->mu);
-  struct open_send **pp = table_slot(c->inflight, key), *o = *pp;
-  if (o && --o->count <= 0) {
-    *pp = o->next;
-    free(o);
-  }
+  inflight_undo_locked(c, type, xfer_id);
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -361,6 +392,7 @@ static void enqueue_locked(kvf_client *c, struct queued_event *q) {
   *c->ev_tail = q;
   c->ev_tail = &q->next;
   if (q->ev.type == KVF_EV_RECV_DONE || q->ev.type == KVF_EV_SEND_DONE) inflight_done(c, q->ev.type, q->ev.xfer_id);
+  atomic_fetch_add_explicit(&c->ev_count, 1, memory_order_release);
   sync_event_fd(c);
   pthread_cond_broadcast(&c->evented);
 }
@@ -893,6 +925,7 @@ static void client_free(kvf_client *c) {
   pthread_mutex_destroy(&c->write_mu);
   free(c->wbuf);
   free(c->dbuf);
+  free(c->bbuf);
   free(c);
 }
 
@@ -957,6 +990,8 @@ KVF_API int kvf_connect_ex(const char *socket_path, const kvf_connect_opts *o, k
   kvf_client *c = client_new();
   if (!c) return -ENOMEM;
   c->reconnect_ms = reconnect_ms;
+  c->spin_us = (unsigned)env_ms("KVFERRY_SPIN_US", KVF_SPIN_US_DEFAULT);
+  if (c->spin_us > KVF__SPIN_US_MAX) c->spin_us = KVF__SPIN_US_MAX;
   c->socket_path = strdup(resolve_socket_path(socket_path));
   int rc = c->socket_path ? connect_waiting(c, wait_ms, &c->sock) : -ENOMEM;
   if (!rc) rc = exchange_hello(c);
@@ -1208,32 +1243,24 @@ static int reserve_dbuf(kvf_client *c, size_t n) {
 static void trim_dbuf(kvf_client *c) {
   if (c->dcap <= WBUF_KEEP) return;
   free(c->dbuf);
+  free(c->bbuf);
   c->dbuf = NULL;
   c->dcap = 0;
 }
 
 /* One request whose list is packed into dbuf under write_mu (so the
- * buffer serves every call) by pack(c, arg); answered: one response
- * awaited, else (KVF_SEND_NOWAIT) written and not awaited. The ids are
- * translated after the request is numbered for a connection, so that a
- * list translated for one daemon never reaches the next. */
-static int call_packed(kvf_client *c, Kvf__ApiRequest *req, int (*pack)(kvf_client *, void *), void *arg,
-                       bool answered) {
+ * buffer serves every call) by pack(c, arg), and its response awaited
+ * (unanswered requests go by kvf_submit). The ids are translated after
+ * the request is numbered for a connection, so that a list translated for
+ * one daemon never reaches the next. */
+static int call_packed(kvf_client *c, Kvf__ApiRequest *req, int (*pack)(kvf_client *, void *), void *arg) {
   struct pending p;
-  uint64_t gen = 0;
   pthread_mutex_lock(&c->write_mu);
-  int rc;
-  bool registered = false;
-  if (answered) {
-    rc = register_pending(c, &p);
-    registered = rc == 0;
-    req->seq = p.seq;
-    gen = p.gen;
-  } else {
-    rc = unanswered_seq(c, req, &gen); /* nothing answers it */
-  }
+  int rc = register_pending(c, &p);
+  bool registered = rc == 0;
+  req->seq = p.seq;
   if (rc == 0) rc = pack(c, arg);
-  if (rc == 0) rc = send_request_locked(c, req, gen, -1);
+  if (rc == 0) rc = send_request_locked(c, req, p.gen, -1);
   trim_dbuf(c);
   pthread_mutex_unlock(&c->write_mu);
   return registered ? finish_call(c, &p, rc, KVF__API_RESPONSE__BODY__NOT_SET, NULL, NULL) : rc;
@@ -1259,9 +1286,9 @@ static int pack_desc_list(kvf_client *c, void *arg) {
 }
 
 static int call_with_descs(kvf_client *c, Kvf__ApiRequest *req, Kvf__DescList *list, const kvf_desc *descs,
-                           size_t n, bool answered) {
+                           size_t n) {
   desc_list d = {list, descs, n};
-  return call_packed(c, req, pack_desc_list, &d, answered);
+  return call_packed(c, req, pack_desc_list, &d);
 }
 
 static int check_transfer(const kvf_client *c, const char *xfer_id, const kvf_desc *descs,
@@ -1286,7 +1313,7 @@ KVF_API int kvf_grant(kvf_client *c, const char *xfer_id, const char *src_node,
   req.body_case = KVF__API_REQUEST__BODY_GRANT;
   req.grant = &body;
   if ((rc = inflight_add(c, 'g', xfer_id)) != 0) return rc;
-  return inflight_end(c, 'g', xfer_id, call_with_descs(c, &req, &list, descs, n, true));
+  return inflight_end(c, 'g', xfer_id, call_with_descs(c, &req, &list, descs, n));
 }
 
 /* A send of more than chain_first descriptors goes out as chained frames
@@ -1367,11 +1394,17 @@ static int end_send(kvf_client *c, struct open_send *fresh, int rc) {
   return 0;
 }
 
+static int submit_one(kvf_client *c, const kvf_sub *sub, unsigned flags);
+
 KVF_API int kvf_send(kvf_client *c, const char *xfer_id, const char *dst_node,
                      const kvf_desc *descs, size_t n, unsigned flags, uint32_t deadline_ms) {
+  if (flags & KVF_NOWAIT) {
+    kvf_sub sub = {KVF_SUB_SEND, xfer_id, dst_node, descs, n, NULL, flags & KVF_SEND_MORE, deadline_ms};
+    return (flags & ~(KVF_SEND_MORE | KVF_NOWAIT | KVF_NOBLOCK)) ? KVF_EINVAL : submit_one(c, &sub, flags);
+  }
   int rc = check_transfer(c, xfer_id, descs, n);
   if (!rc) rc = check_node_name(dst_node, true);
-  if (!rc && (flags & ~(KVF_SEND_MORE | KVF_SEND_NOWAIT))) rc = KVF_EINVAL;
+  if (!rc && (flags & ~KVF_SEND_MORE)) rc = KVF_EINVAL;
   if (rc) return rc;
   Kvf__SendReq body = KVF__SEND_REQ__INIT;
   body.xfer_id = (char *)xfer_id;
@@ -1386,8 +1419,7 @@ KVF_API int kvf_send(kvf_client *c, const char *xfer_id, const char *dst_node,
   if (c->send_chains && n > c->chain_first) return end_send(c, fresh, send_chained(c, &req, descs, n));
   Kvf__DescList list = KVF__DESC_LIST__INIT;
   body.descs = &list;
-  body.no_reply = body.continues && (flags & KVF_SEND_NOWAIT);
-  return end_send(c, fresh, call_with_descs(c, &req, &list, descs, n, !body.no_reply));
+  return end_send(c, fresh, call_with_descs(c, &req, &list, descs, n));
 }
 
 KVF_API int kvf_cancel(kvf_client *c, const char *xfer_id) {
@@ -1522,10 +1554,9 @@ static int pack_block_list(kvf_client *c, void *arg) {
   return 0;
 }
 
-static int call_with_blocks(kvf_client *c, Kvf__ApiRequest *req, Kvf__BlockList *list, const kvf_blocks *b,
-                            bool answered) {
+static int call_with_blocks(kvf_client *c, Kvf__ApiRequest *req, Kvf__BlockList *list, const kvf_blocks *b) {
   block_list bl = {list, b};
-  return call_packed(c, req, pack_block_list, &bl, answered);
+  return call_packed(c, req, pack_block_list, &bl);
 }
 
 /* ids may be absent only where allowed (a later part of a send). */
@@ -1543,6 +1574,11 @@ static void blocks_to_wire(const kvf_blocks *b, Kvf__BlockList *w) {
 
 KVF_API int kvf_grant_blocks(kvf_client *c, const char *xfer_id, const char *src_node, const kvf_blocks *blocks,
                              unsigned flags, uint32_t deadline_ms) {
+  if (flags & KVF_NOWAIT) {
+    kvf_sub sub = {KVF_SUB_GRANT_BLOCKS, xfer_id, src_node, NULL, 0, blocks, flags & KVF_GRANT_LAYER_EVENTS,
+                   deadline_ms};
+    return (flags & ~(KVF_GRANT_LAYER_EVENTS | KVF_NOWAIT | KVF_NOBLOCK)) ? KVF_EINVAL : submit_one(c, &sub, flags);
+  }
   if (!c) return KVF_EINVAL;
   int rc = check_xfer_id(xfer_id);
   if (!rc) rc = check_node_name(src_node, false);
@@ -1561,16 +1597,20 @@ KVF_API int kvf_grant_blocks(kvf_client *c, const char *xfer_id, const char *src
   req.body_case = KVF__API_REQUEST__BODY_GRANT;
   req.grant = &body;
   if ((rc = inflight_add(c, 'g', xfer_id)) != 0) return rc;
-  return inflight_end(c, 'g', xfer_id, call_with_blocks(c, &req, &list, blocks, true));
+  return inflight_end(c, 'g', xfer_id, call_with_blocks(c, &req, &list, blocks));
 }
 
 KVF_API int kvf_send_blocks(kvf_client *c, const char *xfer_id, const char *dst_node, const kvf_blocks *blocks,
                             unsigned flags, uint32_t deadline_ms) {
+  if (flags & KVF_NOWAIT) {
+    kvf_sub sub = {KVF_SUB_SEND_BLOCKS, xfer_id, dst_node, NULL, 0, blocks, flags & KVF_SEND_MORE, deadline_ms};
+    return (flags & ~(KVF_SEND_MORE | KVF_NOWAIT | KVF_NOBLOCK)) ? KVF_EINVAL : submit_one(c, &sub, flags);
+  }
   if (!c) return KVF_EINVAL;
   int rc = check_xfer_id(xfer_id);
   if (!rc) rc = check_node_name(dst_node, true);
   if (!rc) rc = check_blocks(c, blocks, true);
-  if (!rc && (flags & ~(KVF_SEND_MORE | KVF_SEND_NOWAIT))) rc = KVF_EINVAL;
+  if (!rc && (flags & ~KVF_SEND_MORE)) rc = KVF_EINVAL;
   if (rc) return rc;
   Kvf__BlockList list = KVF__BLOCK_LIST__INIT;
   blocks_to_wire(blocks, &list);
@@ -1586,8 +1626,282 @@ KVF_API int kvf_send_blocks(kvf_client *c, const char *xfer_id, const char *dst_
   Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
   req.body_case = KVF__API_REQUEST__BODY_SEND;
   req.send = &body;
-  body.no_reply = body.continues && (flags & KVF_SEND_NOWAIT);
-  return end_send(c, fresh, rc ? rc : call_with_blocks(c, &req, &list, blocks, !body.no_reply));
+  return end_send(c, fresh, rc ? rc : call_with_blocks(c, &req, &list, blocks));
+}
+
+/* ------------------------------------------------------------ submission without waiting
+ *
+ * kvf_submit and the KVF_NOWAIT calls (kvferry.h): each entry is checked
+ * here, marked in the tables (its id open, its transfer in flight) as if
+ * the daemon had taken it, and encoded with no_reply; the frames leave in
+ * one write. Whatever the daemon refuses then comes as the entry's DONE
+ * event (daemon/api.c, refusal_event), so an error is reported once. */
+
+/* What a queued entry changed in the tables, undone when its frame never
+ * leaves. */
+typedef struct sub_mark {
+  const char *id;
+  char inflight;        /* 'g' or 's': a count it added; 0: none */
+  bool opened;          /* it opened its send */
+} sub_mark;
+
+/* What a transfer's request names, checked without the daemon. */
+static int sub_check_args(const kvf_client *c, const kvf_sub *s) {
+  int rc = check_xfer_id(s->xfer_id);
+  unsigned f = s->flags & ~KVF_NOWAIT, allowed = 0;
+  switch (s->op) {
+  case KVF_SUB_GRANT:
+    if (!rc) rc = check_descs(c, s->descs, s->n);
+    if (!rc) rc = check_node_name(s->node, false);
+    break;
+  case KVF_SUB_SEND:
+    if (!rc) rc = check_descs(c, s->descs, s->n);
+    if (!rc) rc = check_node_name(s->node, true);
+    allowed = KVF_SEND_MORE;
+    break;
+  case KVF_SUB_GRANT_BLOCKS:
+    if (!rc) rc = check_blocks(c, s->blocks, false);
+    if (!rc) rc = check_node_name(s->node, false);
+    allowed = KVF_GRANT_LAYER_EVENTS;
+    break;
+  case KVF_SUB_SEND_BLOCKS:
+    if (!rc) rc = check_blocks(c, s->blocks, true);
+    if (!rc) rc = check_node_name(s->node, true);
+    allowed = KVF_SEND_MORE;
+    break;
+  case KVF_SUB_CANCEL:
+    break;
+  default:
+    return KVF_EINVAL;
+  }
+  return rc ? rc : (f & ~allowed) ? KVF_EINVAL : 0;
+}
+
+static bool sub_blocks(const kvf_sub *s) { return s->op == KVF_SUB_GRANT_BLOCKS || s->op == KVF_SUB_SEND_BLOCKS; }
+
+/* What the tables say of entry s (mu held): refusals the library makes
+ * itself; *continues: a send part continues a send open here. */
+static int sub_check_state(kvf_client *c, const kvf_sub *s, bool *continues) {
+  *continues = false;
+  if (sub_blocks(s) && !kvf__ids_by_vid(&c->layouts, s->blocks->layout)) return KVF_ENOENT;
+  switch (s->op) {
+  case KVF_SUB_GRANT:
+  case KVF_SUB_GRANT_BLOCKS:
+    return inflight_has(c, 'g', s->xfer_id) ? KVF_EEXIST : 0;
+  case KVF_SUB_SEND:
+  case KVF_SUB_SEND_BLOCKS:
+    *continues = send_is_open(c, s->xfer_id);
+    return s->op == KVF_SUB_SEND_BLOCKS && !*continues && s->blocks->n == 0 ? KVF_EINVAL : 0;
+  default: /* cancel */
+    return inflight_has(c, 'g', s->xfer_id) || inflight_has(c, 's', s->xfer_id) ? 0 : KVF_ENOENT;
+  }
+}
+
+/* Marks entry s taken (mu held): a grant or a first send part in flight,
+ * a first part's id open for the parts after it. */
+static int sub_mark_locked(kvf_client *c, const kvf_sub *s, bool continues, sub_mark *m) {
+  *m = (sub_mark){.id = s->xfer_id};
+  if (s->op == KVF_SUB_CANCEL || continues) return 0;
+  char type = s->op == KVF_SUB_GRANT || s->op == KVF_SUB_GRANT_BLOCKS ? 'g' : 's';
+  if (type == 's') {
+    struct open_send *o = open_send_new(s->xfer_id);
+    if (!o) return -ENOMEM;
+    open_send(c, o);
+    m->opened = true;
+  }
+  int rc = inflight_add_locked(c, type, s->xfer_id);
+  if (rc == 0) m->inflight = type;
+  else if (m->opened) close_send(c, s->xfer_id);
+  return rc;
+}
+
+static void sub_undo_locked(kvf_client *c, const sub_mark *m) {
+  if (m->inflight) inflight_undo_locked(c, m->inflight, m->id);
+  if (m->opened) close_send(c, m->id);
+}
+
+/* The part of entry s the daemon needs from the tables, taken under mu
+ * with its mark: its seq on connection gen and its layout's daemon id. */
+typedef struct sub_take {
+  bool continues;
+  uint32_t layout;
+  uint64_t seq;
+} sub_take;
+
+static int sub_take_locked(kvf_client *c, const kvf_sub *s, uint64_t gen, sub_mark *m, sub_take *t) {
+  if (c->conn != CONN_UP || c->gen != gen) return KVF_EDAEMON;
+  int rc = sub_check_state(c, s, &t->continues);
+  if (rc == 0) rc = sub_mark_locked(c, s, t->continues, m);
+  if (rc) return rc;
+  t->layout = sub_blocks(s) ? kvf__ids_out(&c->layouts, s->blocks->layout) : 0;
+  t->seq = ++c->last_seq;
+  return 0;
+}
+
+/* Room for need bytes in *buf, keeping its first keep bytes. */
+static int reserve_keep(uint8_t **buf, size_t *cap, size_t keep, size_t need) {
+  if (need <= *cap) return 0;
+  size_t ncap = *cap ? *cap : 4096;
+  while (ncap < need) ncap *= 2;
+  uint8_t *b = malloc(ncap);
+  if (!b) return -ENOMEM;
+  if (keep) memcpy(b, *buf, keep);
+  free(*buf);
+  *buf = b;
+  *cap = ncap;
+  return 0;
+}
+
+/* The list of entry s packed into dbuf (write_mu held), named in w. */
+static int sub_pack_list(kvf_client *c, const kvf_sub *s, const kvf__idsnap *ids, const sub_take *t,
+                         kvf__wire_req *w) {
+  if (s->op == KVF_SUB_GRANT || s->op == KVF_SUB_SEND) {
+    int rc = reserve_dbuf(c, s->n);
+    if (rc) return rc;
+    pack_descs(s->descs, s->n, c->dbuf, ids);
+    w->has_descs = true;
+    w->descs = c->dbuf;
+    w->descs_len = s->n * DESC_WIRE_SIZE;
+  } else if (sub_blocks(s)) {
+    int rc = reserve(&c->dbuf, &c->dcap, s->blocks->n * 4);
+    if (rc) return rc;
+    for (size_t i = 0; i < s->blocks->n; i++) kvf__le32_put(c->dbuf + 4 * i, s->blocks->ids[i]);
+    w->has_blocks = true;
+    w->layout = t->layout;
+    w->ids = c->dbuf;
+    w->ids_len = s->blocks->n * 4;
+    w->first_layer = s->blocks->first_layer;
+    w->n_layers = s->blocks->n_layers;
+  }
+  return 0;
+}
+
+/* Appends entry s's frame to bbuf at *at (write_mu held). */
+static int sub_encode(kvf_client *c, const kvf_sub *s, const kvf__idsnap *ids, const sub_take *t, size_t *at) {
+  kvf__wire_req w = {.seq = t->seq, .xfer_id = s->xfer_id, .node = s->node, .deadline_ms = s->deadline_ms,
+                     .no_reply = true};
+  int rc = sub_pack_list(c, s, ids, t, &w);
+  if (rc) return rc;
+  if (s->op == KVF_SUB_GRANT || s->op == KVF_SUB_GRANT_BLOCKS) {
+    w.kind = KVF__WIRE_GRANT;
+    w.layer_events = (s->flags & KVF_GRANT_LAYER_EVENTS) != 0;
+  } else if (s->op == KVF_SUB_CANCEL) {
+    w.kind = KVF__WIRE_CANCEL;
+  } else {
+    w.kind = KVF__WIRE_SEND;
+    w.more = (s->flags & KVF_SEND_MORE) != 0;
+    w.continues = t->continues;
+  }
+  size_t len = kvf__wire_size(&w);
+  if (len > c->max_frame) return KVF_ELIMIT;
+  rc = reserve_keep(&c->bbuf, &c->bcap, *at, *at + KVF__FRAME_HDR + len);
+  if (rc) return rc;
+  kvf__frame_put_header(c->bbuf + *at, (uint32_t)len);
+  kvf__wire_pack(&w, c->bbuf + *at + KVF__FRAME_HDR);
+  *at += KVF__FRAME_HDR + len;
+  return 0;
+}
+
+/* The kernel charges each buffer it queues on a Unix socket with its
+ * overhead; this much per 16 KiB of data covers it. */
+#define SOCK_SLACK 4096u
+
+/* Whether the socket's send buffer takes len more bytes without waiting
+ * (KVF_NOBLOCK). When the kernel cannot say, the write goes ahead; so does
+ * a request larger than the whole buffer once the buffer is empty (it
+ * could never go otherwise: it waits while the daemon reads it). */
+static bool socket_room(int sock, size_t len) {
+  int queued = 0, sndbuf = 0;
+  socklen_t l = sizeof(sndbuf);
+  if (ioctl(sock, SIOCOUTQ, &queued) != 0 || getsockopt(sock, SOL_SOCKET, SO_SNDBUF, &sndbuf, &l) != 0)
+    return true;
+  return queued == 0 || (size_t)queued + len + SOCK_SLACK * (1 + len / 16384) <= (size_t)sndbuf;
+}
+
+/* Writes bbuf's len bytes on connection gen (write_mu held). */
+static int write_batch(kvf_client *c, size_t len, uint64_t gen, bool noblock) {
+  if (gen != c->sock_gen) return KVF_EDAEMON;
+  if (noblock && !socket_room(c->sock, len)) return -EAGAIN;
+  if (kvf__send_all(c->sock, c->bbuf, len, -1) == 0) return 0;
+  shutdown(c->sock, SHUT_RDWR); /* a partly written frame ends the stream (send_request_locked) */
+  return KVF_EDAEMON;
+}
+
+/* The batch's frames did not leave: the marks go, unless the connection
+ * broke meanwhile and its end already reported every transfer in flight
+ * (then the entries count as queued: their events say KVF_EDAEMON). */
+static int sub_unwind(kvf_client *c, const sub_mark *marks, size_t k, uint64_t gen, int rc) {
+  pthread_mutex_lock(&c->mu);
+  bool reported = rc == KVF_EDAEMON && c->gen != gen;
+  if (!reported)
+    for (size_t i = k; i-- > 0;) sub_undo_locked(c, &marks[i]);
+  pthread_mutex_unlock(&c->mu);
+  return reported ? 0 : rc;
+}
+
+static void trim_bbuf(kvf_client *c) {
+  if (c->bcap <= WBUF_KEEP) return;
+  free(c->bbuf);
+  c->bbuf = NULL;
+  c->bcap = 0;
+}
+
+/* Takes entries from the first until one is refused; *at: their frames'
+ * bytes in bbuf. Returns how many, *refused the refusal (write_mu held).
+ * One hold of mu for the batch: encoding an entry takes a fraction of a
+ * microsecond, less than taking the lock twice for it. */
+static size_t sub_take_all(kvf_client *c, const kvf_sub *subs, size_t n, uint64_t gen, const kvf__idsnap *ids,
+                           sub_mark *marks, size_t *at, int *refused) {
+  size_t k = 0;
+  pthread_mutex_lock(&c->mu);
+  for (; k < n; k++) {
+    sub_take t;
+    int rc = sub_check_args(c, &subs[k]);
+    if (rc == 0) rc = sub_take_locked(c, &subs[k], gen, &marks[k], &t);
+    if (rc == 0 && (rc = sub_encode(c, &subs[k], ids, &t, at)) != 0) sub_undo_locked(c, &marks[k]);
+    if (rc) {
+      *refused = rc;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&c->mu);
+  return k;
+}
+
+#define SUB_MARKS_INLINE 16
+
+KVF_API int kvf_submit(kvf_client *c, const kvf_sub *subs, size_t n, unsigned flags, int *error) {
+  if (error) *error = 0;
+  if (!c || (!subs && n) || n > INT_MAX || (flags & ~(KVF_NOWAIT | KVF_NOBLOCK))) return KVF_EINVAL;
+  if (n == 0) return 0;
+  sub_mark inl[SUB_MARKS_INLINE], *marks = n <= SUB_MARKS_INLINE ? inl : malloc(n * sizeof(*marks));
+  if (!marks) return -ENOMEM;
+  pthread_mutex_lock(&c->write_mu);
+  pthread_mutex_lock(&c->mu);
+  uint64_t gen = c->gen;
+  int rc = c->conn == CONN_UP ? 0 : KVF_EDAEMON;
+  pthread_mutex_unlock(&c->mu);
+  kvf__idsnap ids = {.identity = true};
+  if (rc == 0) rc = snap_pools(c, &ids);
+  size_t at = 0, k = 0;
+  int refused = 0;
+  if (rc == 0) k = sub_take_all(c, subs, n, gen, &ids, marks, &at, &refused);
+  if (rc == 0 && k > 0 && (rc = write_batch(c, at, gen, flags & KVF_NOBLOCK)) != 0) rc = sub_unwind(c, marks, k, gen, rc);
+  kvf__idsnap_free(&ids);
+  trim_bbuf(c);
+  trim_dbuf(c);
+  pthread_mutex_unlock(&c->write_mu);
+  if (marks != inl) free(marks);
+  if (rc) return rc;
+  if (k < n && error) *error = refused;
+  return (int)k;
+}
+
+/* One call with KVF_NOWAIT: 0 or its refusal. */
+static int submit_one(kvf_client *c, const kvf_sub *sub, unsigned flags) {
+  int err = 0;
+  int rc = kvf_submit(c, sub, 1, flags & KVF_NOBLOCK, &err);
+  return rc < 0 ? rc : rc == 1 ? 0 : err;
 }
 
 /* ------------------------------------------------------------ engine memory */
@@ -1947,11 +2261,45 @@ static int wait_for_event(kvf_client *c, int timeout_ms, const struct timespec *
   return pthread_cond_timedwait(&c->evented, &c->mu, deadline);
 }
 
+/* A pause for a spinning loop: lets a sibling hyperthread run. */
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+static uint64_t mono_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+/* Spins up to us microseconds for an event after `seen` (mu not held):
+ * an event that comes within them is taken without this thread going to
+ * sleep and being woken (a futex round, 5-50 us on a busy machine). */
+static void spin_for_event(kvf_client *c, uint64_t seen, uint64_t us) {
+  uint64_t end = mono_ns() + us * 1000;
+  for (unsigned i = 1;; i++) {
+    if (atomic_load_explicit(&c->ev_count, memory_order_acquire) != seen) return;
+    if (i % 64 == 0 && mono_ns() >= end) return;
+    cpu_relax();
+  }
+}
+
 KVF_API int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeout_ms) {
   if (!c || !out || cap == 0 || timeout_ms < -1) return KVF_EINVAL;
   struct timespec deadline = {0};
   if (timeout_ms > 0) deadline = deadline_after_ms(timeout_ms);
   pthread_mutex_lock(&c->mu);
+  if (!c->ev_head && c->conn == CONN_UP && timeout_ms != 0 && c->spin_us) {
+    uint64_t seen = atomic_load_explicit(&c->ev_count, memory_order_relaxed);
+    uint64_t us = timeout_ms > 0 && (uint64_t)timeout_ms * 1000 < c->spin_us ? (uint64_t)timeout_ms * 1000 : c->spin_us;
+    pthread_mutex_unlock(&c->mu);
+    spin_for_event(c, seen, us);
+    pthread_mutex_lock(&c->mu);
+  }
   int waited = 0;
   while (!c->ev_head && c->conn == CONN_UP && waited != ETIMEDOUT)
     waited = wait_for_event(c, timeout_ms, &deadline);

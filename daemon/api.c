@@ -493,6 +493,24 @@ static int grant_descs(kvf__session *s, const Kvf__GrantReq *g, char *err, size_
   return rc;
 }
 
+/* A request sent without waiting for its answer (KVF_NOWAIT) that the
+ * daemon refused began no transfer: its refusal becomes that transfer's one
+ * DONE event, with what the response would have said. */
+static void refusal_event(kvf__session *s, Kvf__EventType type, const char *id, const char *peer, int rc,
+                          const char *err) {
+  if (rc == 0) return;
+  kvfd.stats.api_errors++;
+  kvf__metrics_api_error(rc);
+  Kvf__Event ev = KVF__EVENT__INIT;
+  ev.type = type;
+  ev.xfer_id = (char *)(id ? id : "");
+  ev.status = rc;
+  ev.path = (char *)"none";
+  ev.peer = (char *)(peer ? peer : "");
+  ev.error = (char *)(err && err[0] ? err : kvf_strerror(rc));
+  kvf__api_emit(s, &ev);
+}
+
 static void on_grant(kvf__session *s, uint64_t seq, const Kvf__GrantReq *g) {
   char err[256] = "";
   int rc = check_draining(err, sizeof(err));
@@ -502,7 +520,8 @@ static void on_grant(kvf__session *s, uint64_t seq, const Kvf__GrantReq *g) {
     rc = KVF_EINVAL;
   }
   if (rc == 0) rc = g->blocks ? grant_blocks(s, g, err, sizeof(err)) : grant_descs(s, g, err, sizeof(err));
-  reply_status(s, seq, rc, err);
+  if (g->no_reply) refusal_event(s, KVF__EVENT_TYPE__EVENT_RECV_DONE, g->xfer_id, g->src_node, rc, err);
+  else reply_status(s, seq, rc, err);
 }
 
 /* A part that continues a send that has ended is refused, never the start
@@ -558,10 +577,12 @@ static void chain_fail(kvf__session *s, int rc, const char *err) {
  * continues, whose event says why (none left: its event already went). */
 static void send_no_reply(kvf__session *s, const Kvf__SendReq *q) {
   char err[256] = "";
-  int rc = q->continues && !q->chained ? send_part(s, q, err, sizeof(err)) : KVF_EPROTO;
+  int rc = !q->chained ? send_part(s, q, err, sizeof(err)) : KVF_EPROTO;
   if (rc == 0) return;
-  if (rc == KVF_EPROTO && !err[0]) snprintf(err, sizeof(err), "a part without an answer must continue a send");
-  kvf__xfer_withdraw_send(s, q->xfer_id, rc, err, false);
+  if (rc == KVF_EPROTO && !err[0]) snprintf(err, sizeof(err), "a part without an answer cannot be chained");
+  /* A refused first part began nothing: its refusal is its SEND_DONE. */
+  if (!q->continues) refusal_event(s, KVF__EVENT_TYPE__EVENT_SEND_DONE, q->xfer_id, q->dst_node, rc, err);
+  else kvf__xfer_withdraw_send(s, q->xfer_id, rc, err, false);
 }
 
 static void on_send(kvf__session *s, uint64_t seq, const Kvf__SendReq *q) {
@@ -754,9 +775,11 @@ static void on_request(kvf__session *s, const Kvf__ApiRequest *q) {
   case KVF__API_REQUEST__BODY_MAP: on_map(s, q->seq, q->map); break;
   case KVF__API_REQUEST__BODY_GRANT: on_grant(s, q->seq, q->grant); break;
   case KVF__API_REQUEST__BODY_SEND: on_send(s, q->seq, q->send); break;
-  case KVF__API_REQUEST__BODY_CANCEL:
-    reply_status(s, q->seq, kvf__xfer_cancel(s, q->cancel->xfer_id), "");
+  case KVF__API_REQUEST__BODY_CANCEL: {
+    int rc = kvf__xfer_cancel(s, q->cancel->xfer_id);
+    if (!q->cancel->no_reply) reply_status(s, q->seq, rc, ""); /* else: ended already, its event says how */
     break;
+  }
   case KVF__API_REQUEST__BODY_INSPECT: on_inspect(s, q->seq, q->inspect); break;
   case KVF__API_REQUEST__BODY_LAYOUT: on_layout(s, q->seq, q->layout); break;
   case KVF__API_REQUEST__BODY_LAYOUT_FREE: on_layout_free(s, q->seq, q->layout_free); break;

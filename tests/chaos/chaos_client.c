@@ -11,6 +11,10 @@
  *          prefill.
  *   local  both ends on its own daemon (the local transport), one process.
  *
+ * A third of the transfers (both sides) go without waiting for the daemon
+ * (KVF_NOWAIT; descriptor grants through kvf_submit): what the daemon
+ * refuses then comes as the transfer's DONE event, not from the call.
+ *
  * A third of the transfers go by KV layout and block ids instead
  * (kvf_grant_blocks / kvf_send_blocks): each side registers a layout of its
  * slot for the transfer and frees it after its outcome; parts are groups of
@@ -84,6 +88,7 @@ typedef struct geom {
   bool blocks;      /* by layout and block ids: */
   bool layer_events;
   uint64_t layers, kv, nblocks;
+  bool nowait;      /* KVF_NOWAIT: grant and parts unanswered, refusals as events */
 } geom;
 
 typedef struct xfer {
@@ -223,6 +228,7 @@ static geom geom_of(uint64_t seed, uint64_t max_bytes) {
   g.blocks = rbelow(&r, 3) == 0;
   g.layer_events = g.blocks && rbelow(&r, 2);
   if (g.blocks && (uint64_t)g.parts > layers) g.parts = (int)layers;
+  g.nowait = rbelow(&r, 3) == 0; /* last: the draws above stay as they were */
   return g;
 }
 
@@ -390,6 +396,18 @@ static void finish_if_done(xfer *x) {
   n_active--;
 }
 
+static unsigned nowait_of(const xfer *x) { return x->g.nowait ? KVF_NOWAIT : 0; }
+
+/* A descriptor grant: kvf_grant has no flags; unanswered it goes as a
+ * batch of one. */
+static int grant_descs(const xfer *x, const char *from) {
+  if (!x->g.nowait) return kvf_grant(C, x->pe->id, from, x->dst, x->g.ndesc, x->pe->deadline_ms);
+  kvf_sub sub = {.op = KVF_SUB_GRANT, .xfer_id = x->pe->id, .node = from, .descs = x->dst, .n = x->g.ndesc,
+                 .deadline_ms = x->pe->deadline_ms};
+  int err = 0, rc = kvf_submit(C, &sub, 1, 0, &err);
+  return rc < 0 ? rc : rc == 1 ? 0 : err;
+}
+
 /* The part k of parts: descriptors [k*n/parts, (k+1)*n/parts). The first
  * one accepted makes the transfer "posted". */
 /* Blocks: part k is layers [k*L/parts, (k+1)*L/parts); the first names
@@ -399,7 +417,8 @@ static int post_block_part(xfer *x, int k, const char *to) {
   uint64_t b = (uint64_t)(k + 1) * x->g.layers / (uint64_t)x->g.parts;
   kvf_blocks bl = {.layout = x->lay_src, .ids = k ? NULL : x->sids, .n = k ? 0 : x->g.nblocks,
                    .first_layer = (uint32_t)a, .n_layers = (uint32_t)(b - a)};
-  return kvf_send_blocks(C, x->pe->id, to, &bl, k + 1 < x->g.parts ? KVF_SEND_MORE : 0, x->pe->deadline_ms);
+  return kvf_send_blocks(C, x->pe->id, to, &bl, (k + 1 < x->g.parts ? KVF_SEND_MORE : 0) | nowait_of(x),
+                         x->pe->deadline_ms);
 }
 
 static int post_part(xfer *x) {
@@ -407,8 +426,8 @@ static int post_part(xfer *x) {
   uint64_t a = (uint64_t)k * x->g.ndesc / (uint64_t)parts, b = (uint64_t)(k + 1) * x->g.ndesc / (uint64_t)parts;
   const char *to = O.role == ROLE_LOCAL ? own_node : O.peer;
   int rc = x->g.blocks ? post_block_part(x, k, to)
-                       : kvf_send(C, x->pe->id, to, x->src + a, b - a, k + 1 < parts ? KVF_SEND_MORE : 0,
-                                  x->pe->deadline_ms);
+                       : kvf_send(C, x->pe->id, to, x->src + a, b - a,
+                                  (k + 1 < parts ? KVF_SEND_MORE : 0) | nowait_of(x), x->pe->deadline_ms);
   if (rc == 0) {
     x->parts_posted++;
     x->next_part_ms = now_ms() + (uint64_t)x->g.part_gap_ms;
@@ -490,9 +509,10 @@ static void start(const plan_ent *pe, int slot) {
     const char *from = O.role == ROLE_LOCAL ? own_node : x->g.named ? O.peer : NULL;
     kvf_blocks bl = {.layout = x->lay_dst, .ids = x->dids, .n = x->g.nblocks};
     int rc = lrc ? lrc
-             : x->g.blocks ? kvf_grant_blocks(C, pe->id, from, &bl, x->g.layer_events ? KVF_GRANT_LAYER_EVENTS : 0,
+             : x->g.blocks ? kvf_grant_blocks(C, pe->id, from, &bl,
+                                              (x->g.layer_events ? KVF_GRANT_LAYER_EVENTS : 0) | nowait_of(x),
                                               pe->deadline_ms)
-                           : kvf_grant(C, pe->id, from, x->dst, x->g.ndesc, pe->deadline_ms);
+                           : grant_descs(x, from);
     if (rc) {
       refused(x, "recv", rc, "grant");
       if (!x->active || O.role != ROLE_LOCAL) return;

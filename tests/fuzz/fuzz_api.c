@@ -64,7 +64,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 /* The requests the daemon should answer, by seq: the same framing, up to
  * the first frame it must refuse; after hello, a chained SendReq (a frame
  * of a call that more frames continue) is answered by the call's last, and
- * one with no_reply (KVF_SEND_NOWAIT) not at all. */
+ * a SendReq, GrantReq or CancelReq with no_reply (KVF_NOWAIT) not at all. */
 static size_t expected_seqs(const uint8_t *data, size_t size, uint64_t *seqs) {
   kvf__framebuf fb;
   kvf__framebuf_init(&fb, FZ_MAX_FRAME);
@@ -76,7 +76,9 @@ static size_t expected_seqs(const uint8_t *data, size_t size, uint64_t *seqs) {
   while (kvf__framebuf_next(&fb, &p, &len) == 1) {
     Kvf__ApiRequest *q = kvf__api_request__unpack(NULL, len, p);
     if (!q) break;
-    bool silent = hello_done && q->body_case == KVF__API_REQUEST__BODY_SEND && (q->send->chained || q->send->no_reply);
+    bool silent = hello_done && ((q->body_case == KVF__API_REQUEST__BODY_SEND && (q->send->chained || q->send->no_reply)) ||
+                                 (q->body_case == KVF__API_REQUEST__BODY_GRANT && q->grant->no_reply) ||
+                                 (q->body_case == KVF__API_REQUEST__BODY_CANCEL && q->cancel->no_reply));
     if (q->body_case == KVF__API_REQUEST__BODY_HELLO && q->hello->version == KVF__API_VERSION) hello_done = true;
     if (!silent && n < MAX_SEQS) seqs[n] = q->seq;
     if (!silent) n++;

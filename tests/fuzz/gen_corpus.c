@@ -309,6 +309,64 @@ static void api_block_seeds(const char *T) {
   out(T, "blocks-errors", &b);
 }
 
+/* Unanswered requests (KVF_NOWAIT, kvf_submit): a grant, a send's first
+ * and later parts and a cancel with no_reply, back to back as one
+ * kvf_submit writes them; refusals become events. */
+static void a_nowait_grant(buf *b, const char *id, const char *src, const desc *d, size_t n) {
+  uint8_t space[16 * KVF__DESC_WIRE_SIZE];
+  Kvf__DescList w;
+  Kvf__GrantReq g = KVF__GRANT_REQ__INIT;
+  g.xfer_id = (char *)id;
+  g.src_node = (char *)src;
+  g.descs = dl(&w, space, d, n);
+  g.no_reply = true;
+  API_REQ(b, GRANT, grant, &g);
+}
+
+static void a_nowait_send(buf *b, const char *id, const char *dst, bool more, bool continues, const desc *d,
+                          size_t n) {
+  uint8_t space[16 * KVF__DESC_WIRE_SIZE];
+  Kvf__DescList w;
+  Kvf__SendReq s = KVF__SEND_REQ__INIT;
+  s.xfer_id = (char *)id;
+  s.dst_node = (char *)dst;
+  s.descs = dl(&w, space, d, n);
+  s.more = more;
+  s.continues = continues;
+  s.no_reply = true;
+  API_REQ(b, SEND, send, &s);
+}
+
+static void a_nowait_cancel(buf *b, const char *id) {
+  Kvf__CancelReq c = KVF__CANCEL_REQ__INIT;
+  c.xfer_id = (char *)id;
+  c.no_reply = true;
+  API_REQ(b, CANCEL, cancel, &c);
+}
+
+static void api_nowait_seeds(const char *T) {
+  buf b = {0};
+  /* a local handoff in two parts, all unanswered */
+  a_hello(&b, KVF__API_VERSION);
+  a_nowait_grant(&b, "n1", "A", D({{1, 0, 4096}}, {{1, 8192, 4096}}));
+  a_nowait_send(&b, "n1", "A", true, false, D({{1, 65536, 4096}}));
+  a_nowait_send(&b, "n1", "A", false, true, D({{1, 69632, 4096}}));
+  a_nowait_cancel(&b, "n1");
+  out(T, "nowait-local", &b);
+
+  /* refusals as events: an unknown peer, an id granted twice, no such
+   * pool, parts after a refused first part, a cancel of nothing */
+  a_hello(&b, KVF__API_VERSION);
+  a_nowait_send(&b, "n2", "C", true, false, D({{1, 0, 4096}}));
+  a_nowait_send(&b, "n2", "C", false, true, D({{1, 4096, 4096}}));
+  a_nowait_grant(&b, "n3", "B", D({{1, 0, 4096}}));
+  a_nowait_grant(&b, "n3", "B", D({{1, 4096, 4096}}));
+  a_nowait_grant(&b, "n4", "", D({{77, 0, 4096}}));
+  a_nowait_cancel(&b, "n5");
+  a_nowait_send(&b, "n6", "B", false, false, D({{1, 0, 4096}}));
+  out(T, "nowait-refusals", &b);
+}
+
 static void api_seeds(void) {
   buf b = {0};
   const char *T = "fuzz_api";
@@ -456,6 +514,7 @@ static void api_seeds(void) {
 
   api_block_seeds(T);
   api_mem_seeds(T);
+  api_nowait_seeds(T);
 }
 
 /* ------------------------------------------------------------------ peer */

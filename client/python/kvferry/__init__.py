@@ -26,14 +26,14 @@ send_blocks name block ids and layers (see kvferry.layout).
 Only the standard library is used; the library is loaded from
 $KVFERRY_LIB or as libkvferry.so.1.
 """
-from ._native import ERRORS, GRANT_LAYER_EVENTS, SEND_MORE, SEND_NOWAIT
+from ._native import ERRORS, GRANT_LAYER_EVENTS, NOBLOCK, NOWAIT, SEND_MORE, SEND_NOWAIT
 from .client import (LAYER_DONE, RECV_DONE, SEND_DONE, Client, Desc, EnginePool, Event, HostBuffer,
                      KvferryError, Pool, err_name, host_buffer, strerror)
 from .layout import Layout
 
 __all__ = ["Client", "Desc", "EnginePool", "Event", "HostBuffer", "KvferryError", "Layout", "Pool",
            "host_buffer", "RECV_DONE", "SEND_DONE",
-           "LAYER_DONE", "SEND_MORE", "SEND_NOWAIT", "GRANT_LAYER_EVENTS", "ERRORS", "connect", "err_name",
+           "LAYER_DONE", "SEND_MORE", "SEND_NOWAIT", "NOWAIT", "NOBLOCK", "GRANT_LAYER_EVENTS", "ERRORS", "connect", "err_name",
            "strerror"]
 __version__ = "0.1.0"
 

@@ -10,7 +10,10 @@ import os
 KVF_XFER_ID_MAX = 127
 KVF_NAME_MAX = 63
 SEND_MORE = 0x1
-SEND_NOWAIT = 0x2
+NOWAIT = 0x2
+SEND_NOWAIT = NOWAIT
+NOBLOCK = 0x4
+SUB_GRANT, SUB_SEND, SUB_GRANT_BLOCKS, SUB_SEND_BLOCKS, SUB_CANCEL = 1, 2, 3, 4, 5
 GRANT_LAYER_EVENTS = 0x1
 LAYOUT_NHD, LAYOUT_HND = 0, 1
 
@@ -95,6 +98,17 @@ class Blocks(ctypes.Structure):
                 ("n_layers", ctypes.c_uint32)]
 
 
+class Sub(ctypes.Structure):
+    _fields_ = [("op", ctypes.c_int),
+                ("xfer_id", ctypes.c_char_p),
+                ("node", ctypes.c_char_p),
+                ("descs", ctypes.POINTER(Desc)),
+                ("n", ctypes.c_size_t),
+                ("blocks", ctypes.POINTER(Blocks)),
+                ("flags", ctypes.c_uint),
+                ("deadline_ms", ctypes.c_uint32)]
+
+
 class Event(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int),
                 ("status", ctypes.c_int),
@@ -128,6 +142,7 @@ _PROTOS = {
     "kvf_layout_free": (_I, [_P, ctypes.c_uint32]),
     "kvf_grant_blocks": (_I, [_P, _S, _S, ctypes.POINTER(Blocks), ctypes.c_uint, ctypes.c_uint32]),
     "kvf_send_blocks": (_I, [_P, _S, _S, ctypes.POINTER(Blocks), ctypes.c_uint, ctypes.c_uint32]),
+    "kvf_submit": (_I, [_P, ctypes.POINTER(Sub), ctypes.c_size_t, ctypes.c_uint, ctypes.POINTER(_I)]),
     "kvf_event_fd": (_I, [_P]),
     "kvf_wait_events": (_I, [_P, ctypes.POINTER(Event), ctypes.c_size_t, _I]),
     "kvf_inspect": (_I, [_P, _I, _I, ctypes.POINTER(_P)]),

@@ -498,10 +498,14 @@ class Client:
 
     # ---- transfers
 
-    def grant(self, xfer_id, src_node, descs, deadline_ms=0):
+    def grant(self, xfer_id, src_node, descs, deadline_ms=0, nowait=False):
         """Receiving side (kvf_grant): blocks of xfer_id go to descs.
         src_node None accepts any sender; naming it pushes the grant ahead.
-        Completion: one RECV_DONE event."""
+        Completion: one RECV_DONE event. nowait=True: returns once written
+        (kvf_submit); what the daemon refuses comes as that RECV_DONE."""
+        if nowait:
+            self.submit([dict(op="grant", xfer_id=xfer_id, node=src_node, descs=descs, deadline_ms=deadline_ms)])
+            return
         arr, n = _desc_array(descs)
         _check(self._lib.kvf_grant(self._handle(), _bytes(xfer_id, "kvf_grant"),
                                    _bytes(src_node, "kvf_grant", False), arr, n, deadline_ms),
@@ -510,8 +514,8 @@ class Client:
     def send(self, xfer_id, dst_node, descs, more=False, deadline_ms=0, flags=0, nowait=False):
         """Sending side (kvf_send): descs go to dst_node. more=True (or
         flags=SEND_MORE) on every part but the last. nowait=True (or
-        flags=SEND_NOWAIT): a part that continues a send returns once
-        written, unanswered; its refusal fails the send (in SEND_DONE).
+        flags=NOWAIT): the part (the first too) returns once written,
+        unanswered; what the daemon refuses fails the send (in SEND_DONE).
         Completion: one SEND_DONE event."""
         arr, n = _desc_array(descs)
         flags |= _native.SEND_MORE if more else 0
@@ -558,15 +562,17 @@ class Client:
         return b, keep
 
     def grant_blocks(self, xfer_id, src_node, layout, block_ids, first_layer=0, n_layers=0,
-                     layer_events=False, deadline_ms=0):
+                     layer_events=False, deadline_ms=0, nowait=False):
         """Receiving side by block id (kvf_grant_blocks): layers
         [first_layer, first_layer + n_layers) (n_layers 0: all from
         first_layer) of the transfer land in block_ids of layout (an id
         from register_layout). block_ids: a list, array.array("I") or a
         numpy array (uint32 ones without a copy). layer_events=True adds a
-        LAYER_DONE event per layer as it lands, before RECV_DONE."""
+        LAYER_DONE event per layer as it lands, before RECV_DONE.
+        nowait=True: returns once written; a refusal comes as RECV_DONE."""
         b, keep = self._blocks(layout, block_ids, first_layer, n_layers)
         flags = _native.GRANT_LAYER_EVENTS if layer_events else 0
+        flags |= _native.NOWAIT if nowait else 0
         _check(self._lib.kvf_grant_blocks(self._handle(), _bytes(xfer_id, "kvf_grant_blocks"),
                                           _bytes(src_node, "kvf_grant_blocks", False), ctypes.byref(b),
                                           flags, deadline_ms), "kvf_grant_blocks")
@@ -578,9 +584,10 @@ class Client:
         first_layer + n_layers) of block_ids of layout; block i lands in
         the grant's block i for every layer and K/V. In parts, layer by
         layer or by groups, more=True on all but the last; a later part may
-        pass block_ids None (the first part's ids). nowait=True: a later
-        part returns once written, without the daemon's answer (no round
-        trip per layer); its refusal fails the send, in SEND_DONE."""
+        pass block_ids None (the first part's ids). nowait=True: the
+        part (the first too) returns once written, without the daemon's
+        answer (no round trip per layer); its refusal fails the send, in
+        SEND_DONE."""
         b, keep = self._blocks(layout, block_ids, first_layer, n_layers)
         flags = _native.SEND_MORE if more else 0
         flags |= _native.SEND_NOWAIT if nowait else 0
@@ -589,9 +596,62 @@ class Client:
                                          deadline_ms), "kvf_send_blocks")
         del keep
 
-    def cancel(self, xfer_id):
-        """kvf_cancel: both sides get their event."""
+    def cancel(self, xfer_id, nowait=False):
+        """kvf_cancel: both sides get their event. nowait=True: returns
+        once written (a transfer that ended meanwhile is left as it is)."""
+        if nowait:
+            self.submit([dict(op="cancel", xfer_id=xfer_id)])
+            return
         _check(self._lib.kvf_cancel(self._handle(), _bytes(xfer_id, "kvf_cancel")), "kvf_cancel")
+
+    def submit(self, entries, noblock=False):
+        """kvf_submit: many grants, send parts and cancels in one write,
+        none waiting for the daemon. entries: dicts with op ("grant",
+        "send", "grant_blocks", "send_blocks", "cancel"), xfer_id, node
+        (src_node of grants, dst_node of sends), and as the single calls
+        take them descs, or layout, block_ids, first_layer, n_layers;
+        more, layer_events, deadline_ms. Returns len(entries). An entry the
+        library refuses at once raises KvferryError with .queued: the
+        number of entries before it, which were queued (none after it
+        was). noblock=True: -EAGAIN (nothing queued) when the socket
+        cannot take the whole batch now."""
+        items = list(entries)
+        subs = (_native.Sub * max(1, len(items)))()
+        keep = []
+        for i, e in enumerate(items):
+            self._sub_entry(subs[i], e, keep)
+        err = ctypes.c_int(0)
+        flags = _native.NOBLOCK if noblock else 0
+        rc = _check(self._lib.kvf_submit(self._handle(), subs, len(items), flags, ctypes.byref(err)), "kvf_submit")
+        del keep
+        if rc < len(items):
+            e = KvferryError(err.value, "kvf_submit", "entry %d (%s)" % (rc, items[rc].get("op")))
+            e.queued = rc
+            raise e
+        return rc
+
+    _SUB_OPS = {"grant": _native.SUB_GRANT, "send": _native.SUB_SEND, "grant_blocks": _native.SUB_GRANT_BLOCKS,
+                "send_blocks": _native.SUB_SEND_BLOCKS, "cancel": _native.SUB_CANCEL}
+
+    def _sub_entry(self, sub, e, keep):
+        op = self._SUB_OPS.get(e.get("op"))
+        if op is None:
+            raise ValueError("submit: unknown op %r" % (e.get("op"),))
+        sub.op = op
+        sub.xfer_id = _bytes(e.get("xfer_id"), "kvf_submit")
+        sub.node = _bytes(e.get("node"), "kvf_submit", False)
+        sub.deadline_ms = e.get("deadline_ms", 0)
+        sub.flags = (_native.SEND_MORE if e.get("more") else 0) | \
+            (_native.GRANT_LAYER_EVENTS if e.get("layer_events") else 0)
+        if op in (_native.SUB_GRANT, _native.SUB_SEND):
+            arr, n = _desc_array(e.get("descs", ()))
+            sub.descs = ctypes.cast(arr, ctypes.POINTER(_native.Desc))
+            sub.n = n
+            keep.append(arr)
+        elif op != _native.SUB_CANCEL:
+            b, k = self._blocks(e["layout"], e.get("block_ids"), e.get("first_layer", 0), e.get("n_layers", 0))
+            sub.blocks = ctypes.pointer(b)
+            keep.extend((b, k))
 
     # ---- events
 
