@@ -281,6 +281,16 @@ typedef struct kvf_layout {
   uint32_t head_dim;
   uint32_t dtype_bytes;
   uint32_t order;              /* KVF_LAYOUT_NHD (default) or KVF_LAYOUT_HND */
+  /* Added after the fields above (zero-initialise the struct: 0 keeps the
+   * old meaning). Which of the model's KV heads the blocks hold, for
+   * tensor parallelism: heads [first_head, first_head + kv_heads) of
+   * model_kv_heads (prefill rank r of TP 8 over 8 heads: first_head r,
+   * kv_heads 1; decode rank r of TP 4: first_head 2r, kv_heads 2).
+   * model_kv_heads 0: not stated, the layout holds every head (first_head
+   * must then be 0). A layout with n_kv 1 (MLA's latent) is replicated on
+   * every rank: any one source covers it (first_head 0). */
+  uint32_t first_head;
+  uint32_t model_kv_heads;
 } kvf_layout;
 
 /* Registers a layout; *id names it in kvf_grant_blocks / kvf_send_blocks. */

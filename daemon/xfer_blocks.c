@@ -104,11 +104,14 @@ static const char *blocks_mismatch(const kvf__xfer *x, int *rc, char *why, size_
   *rc = KVF_EINVAL;
   if (x->blocks != kvf__xsend_grant_is_blocks(x)) return "one side of the transfer names blocks and the other descriptors";
   *rc = KVF_ESIZE;
-  if (x->mine.n != g->n) {
-    snprintf(why, len, "the send names %zu blocks and the grant %zu", x->mine.n, g->n);
+  kvf__xplan p;
+  if (kvf__xplan_make(&x->mine.view, x->mine.n, &g->view, g->n, &p, why, len) != 0) return why;
+  if (!kvf__xplan_covers(&p, why, len)) return why;
+  if (g->view.first_layer + g->view.n_layers > x->mine.view.n_layers) {
+    snprintf(why, len, "layer counts: the grant's layers %u-%u are not in the send's layout (%u layers)",
+             g->view.first_layer, g->view.first_layer + g->view.n_layers - 1, x->mine.view.n_layers);
     return why;
   }
-  if (kvf__lview_compatible(&x->mine.view, &g->view, why, len) != 0) return why;
   return NULL;
 }
 
@@ -133,6 +136,8 @@ static int post_block_part(kvf__xfer *x, uint32_t first, uint32_t n, bool last) 
   }
   kvf__bpart bp = {.src = &x->mine.view, .dst = &g->view, .src_layout = x->mine.layout, .dst_layout = g->layout,
                    .sids = x->mine.ids, .dids = g->ids, .n = x->mine.n, .first = first, .n_layers = n};
+  /* checked when the grant came (kvf__xsend_blocks_start) */
+  if (kvf__xplan_make(bp.src, x->mine.n, bp.dst, g->n, &bp.xf, why, sizeof(why)) != 0) rc = KVF_ESIZE;
   s->last_post_ns = kvf__now_ns();
   if (!s->first_post_ns) s->first_post_ns = s->last_post_ns;
   if (rc == 0) rc = x->tp->ops->post_blocks(x->tp, x, &bp, last);
@@ -145,7 +150,7 @@ static int post_block_part(kvf__xfer *x, uint32_t first, uint32_t n, bool last) 
     return rc;
   }
   s->parts_out++;
-  s->bytes_posted += kvf__blocks_bytes(&x->mine.view, x->mine.n, n);
+  s->bytes_posted += kvf__blocks_bytes(&g->view, g->n, n); /* the grant's: a transform moves other blocks */
   if (last) kvf__xfer_set_state(x, KVF__SEND_FLUSH);
   else if (s->state == KVF__SEND_WAIT) kvf__xfer_set_state(x, KVF__SEND_ACTIVE); /* QUEUED stays until its last */
   return 0;

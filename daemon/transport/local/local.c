@@ -231,7 +231,7 @@ static void block_side(const kvf__lview *v, const kvf__layout *l, const uint32_t
  * runs). Completes as local_post's launches do. */
 static int start_blocks(local_transport *lt, kvf__xfer *x, const kvf__bpart *b, bool last) {
   const kvf__lview *s = b->src, *d = b->dst;
-  if (lt->closing || !b->src_layout || !b->dst_layout || !b->src_layout->gpu || !b->dst_layout->gpu ||
+  if (lt->closing || b->xf.transform || !b->src_layout || !b->dst_layout || !b->src_layout->gpu || !b->dst_layout->gpu ||
       !kvf__pool_gpu(kvfd.pools[s->pool]) || !kvf__pool_gpu(kvfd.pools[d->pool]))
     return -EAGAIN;
   if (b->n_layers == 0 || b->first < s->first_layer || b->first < d->first_layer ||
