@@ -2,6 +2,8 @@
  * its walk into runs (see kv_xform.h). */
 #include "kv_xform.h"
 
+#include "cuda/copy_args.h"
+
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -275,4 +277,15 @@ int kvf__xform_runs(const kvf__xplan *p, const kvf__lview *s, const uint32_t *si
   run_sink k = {out, s->pool, d->pool, 0};
   int rc = kvf__xform_walk(p, s, sids, d, dids, first, n_layers, to_run, &k);
   return rc ? rc : k.rc;
+}
+
+void kvf__xform_kargs(const kvf__xplan *x, kvf_xblocks_args *a) {
+  a->unit = (unsigned)x->unit;
+  a->s_tpb = x->s.tpb, a->s_heads = x->s.heads, a->s_order = x->s.order, a->s_h = x->h0 - x->s.h0;
+  a->d_tpb = x->d.tpb, a->d_heads = x->d.heads, a->d_order = x->d.order, a->d_h = x->h0 - x->d.h0;
+  a->nh = x->nh;
+  a->g = x->s.tpb < x->d.tpb ? x->s.tpb : x->d.tpb;
+  a->chunks = (unsigned)(x->tokens / a->g);
+  a->ns = (unsigned)x->ns;
+  a->nd = (unsigned)x->nd;
 }

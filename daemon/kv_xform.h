@@ -90,6 +90,11 @@ int kvf__xform_walk(const kvf__xplan *p, const kvf__lview *s, const uint32_t *si
 int kvf__xform_runs(const kvf__xplan *p, const kvf__lview *s, const uint32_t *sids, const kvf__lview *d,
                     const uint32_t *dids, uint32_t first, uint32_t n_layers, kvf__runs *out);
 
+/* The transform kernel's geometry for p (cuda/copy_args.h: unit, sides,
+ * heads, chunks, ids per side); the caller sets addresses, ids and pieces. */
+struct kvf_xblocks_args;
+void kvf__xform_kargs(const kvf__xplan *p, struct kvf_xblocks_args *a);
+
 /* The bytes the plan moves over n_layers layers of n_kv regions. */
 uint64_t kvf__xplan_bytes(const kvf__xplan *p, uint32_t n_layers, uint32_t n_kv);
 

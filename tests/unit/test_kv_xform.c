@@ -6,7 +6,10 @@
  * index math (written here from the definitions, not from the plan), and
  * nothing else in the pool changes; runs name the grant's piece they start
  * in and coalesce what is contiguous; layouts that cannot be reconciled
- * are refused with KVF_ESIZE and a reason naming the mismatch. */
+ * are refused with KVF_ESIZE and a reason naming the mismatch. The GPU
+ * transform kernel's address math (cuda/copy_args.h: kvf_xblocks_locate,
+ * _piece, _word) is run here on the CPU over the same cases, its pieces
+ * split in two launches as two GPUs would, against the same reference. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -17,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cuda/copy_args.h"
 #include "kv_xform.h"
 
 #define L 3          /* layers */
@@ -115,6 +119,51 @@ static void apply(void *arg, uint64_t so, uint64_t dof, uint64_t len, uint32_t p
   if (dof < start || dof >= start + c->d->v.block_bytes) c->bad_piece = true;
 }
 
+/* The transform kernel's loops, on the CPU: pieces [p0, p1) as a launch
+ * covers them, each word copied at the address kvf_xblocks_word gives. */
+static void kernel_range(const kvf_xblocks_args *a, const side *s, const side *d, uint8_t *out, unsigned p0,
+                         unsigned p1) {
+  for (unsigned p = p0; p < p1; p++) {
+    kvf_xloc l = kvf_xblocks_locate(a, p);
+    unsigned sid = a->inline_ids[l.si], did = a->inline_ids[a->ns + l.di];
+    unsigned long long sb = a->src_base + s->off[l.r] + sid * a->src_stride;
+    unsigned long long db = a->dst_base + d->off[l.r] + did * a->dst_stride;
+    kvf_xpiece x = kvf_xblocks_piece(a, &l, sb, db);
+    assert_int_equal(x.width * x.upw, a->unit);
+    assert_int_equal(sb % x.width, 0);
+    for (unsigned w = 0; w < x.words; w++) {
+      unsigned long long so, dof;
+      kvf_xblocks_word(a, &x, w, &so, &dof);
+      assert_true(so % x.width == 0 && dof % x.width == 0);
+      assert_true(so >= a->src_base && so + x.width <= a->src_base + s->size);
+      assert_true(dof >= a->dst_base && dof + x.width <= a->dst_base + d->size);
+      memcpy((void *)(uintptr_t)dof, (const void *)(uintptr_t)so, x.width);
+    }
+  }
+}
+
+static kvf_xblocks_args kargs; /* 3.5 KiB */
+
+static void kernel_on_cpu(const kvf__xplan *plan, const side *s, const side *d, const uint8_t *want) {
+  uint8_t *out = malloc(d->size);
+  assert_non_null(out);
+  memcpy(out, d->mem, d->size);
+  memset(&kargs, 0, sizeof(kargs));
+  kvf__xform_kargs(plan, &kargs);
+  kargs.src_base = (uintptr_t)s->mem;
+  kargs.dst_base = (uintptr_t)out;
+  kargs.src_stride = s->v.block_stride;
+  kargs.dst_stride = d->v.block_stride;
+  assert_true(s->n + d->n <= KVF__BLOCKS_INLINE_IDS);
+  memcpy(kargs.inline_ids, s->ids, s->n * sizeof(uint32_t));
+  memcpy(kargs.inline_ids + s->n, d->ids, d->n * sizeof(uint32_t));
+  unsigned pieces = L * s->n_kv * kargs.chunks, half = pieces / 2;
+  kernel_range(&kargs, s, d, out, half, pieces); /* two launches, as two GPUs share one */
+  kernel_range(&kargs, s, d, out, 0, half);
+  assert_memory_equal(out, want, d->size);
+  free(out);
+}
+
 typedef struct combo {
   uint32_t n_kv, model;
   uint32_t s_tpb, s_heads, s_h0, s_order;
@@ -142,6 +191,7 @@ static size_t check_combo(const combo *c, kvf__xplan *plan) {
   assert_int_equal(kvf__xform_walk(plan, &s.v, s.ids, &d.v, d.ids, 0, L, apply, &a), 0);
   assert_memory_equal(a.out, want, d.size);
   assert_false(a.bad_piece);
+  if (plan->transform) kernel_on_cpu(plan, &s, &d, want);
   /* a run list says the same as the walk */
   kvf__runs runs = {0};
   assert_int_equal(kvf__xform_runs(plan, &s.v, s.ids, &d.v, d.ids, 0, L, &runs), 0);

@@ -231,14 +231,16 @@ static void block_side(const kvf__lview *v, const kvf__layout *l, const uint32_t
  * runs). Completes as local_post's launches do. */
 static int start_blocks(local_transport *lt, kvf__xfer *x, const kvf__bpart *b, bool last) {
   const kvf__lview *s = b->src, *d = b->dst;
-  if (lt->closing || b->xf.transform || !b->src_layout || !b->dst_layout || !b->src_layout->gpu || !b->dst_layout->gpu ||
+  if (lt->closing || !b->src_layout || !b->dst_layout || !b->src_layout->gpu || !b->dst_layout->gpu ||
       !kvf__pool_gpu(kvfd.pools[s->pool]) || !kvf__pool_gpu(kvfd.pools[d->pool]))
     return -EAGAIN;
   if (b->n_layers == 0 || b->first < s->first_layer || b->first < d->first_layer ||
       b->first + b->n_layers > s->first_layer + s->n_layers || b->first + b->n_layers > d->first_layer + d->n_layers)
     return KVF_ERANGE;
-  if (s->block_bytes != d->block_bytes || s->n_kv != d->n_kv) return KVF_ESIZE;
-  kvf__gpu_blocks g = {.block_bytes = s->block_bytes, .n_layers = b->n_layers, .n_kv = s->n_kv, .n = b->n};
+  if ((!b->xf.transform && s->block_bytes != d->block_bytes) || s->n_kv != d->n_kv) return KVF_ESIZE;
+  /* a transform: one launch of the transform kernel, addresses on the GPU */
+  kvf__gpu_blocks g = {.block_bytes = s->block_bytes, .n_layers = b->n_layers, .n_kv = s->n_kv, .n = b->n,
+                       .xf = b->xf.transform ? &b->xf : NULL};
   block_side(s, b->src_layout, b->sids, b->first, &g.src);
   block_side(d, b->dst_layout, b->dids, b->first, &g.dst);
   copy_job *j = calloc(1, sizeof(*j));
@@ -248,7 +250,7 @@ static int start_blocks(local_transport *lt, kvf__xfer *x, const kvf__bpart *b, 
   j->last = last;
   j->gpu = j->blocks = true;
   j->pieces = (uint64_t)b->n * b->n_layers * s->n_kv;
-  j->bytes = j->pieces * s->block_bytes;
+  j->bytes = g.xf ? kvf__xplan_bytes(g.xf, b->n_layers, s->n_kv) : j->pieces * s->block_bytes;
   j->t_post = j->t_start = j->t_built = kvf__now_ns();
   int rc = kvf__gpu_blocks_start(&g, on_gpu_done, j);
   if (rc) {
