@@ -143,6 +143,17 @@ bool kvf__xplan_covers(const kvf__xplan *p, char *why, size_t whylen) {
   return false;
 }
 
+int kvf__xplan_only(kvf__xplan *p, uint32_t h, char *why, size_t whylen) {
+  if (!p->unit || h < p->h0 || h >= p->h0 + p->nh) {
+    snprintf(why, whylen, "head %u is not held by both layouts (or their geometry is not stated)", h);
+    return KVF_ESIZE;
+  }
+  p->h0 = h;
+  p->nh = 1;
+  p->transform = true;
+  return 0;
+}
+
 void kvf__xplan_describe(const kvf__xplan *p, char *buf, size_t len) {
   if (!p->transform) {
     snprintf(buf, len, "whole blocks");

@@ -72,6 +72,10 @@ int kvf__xplan_make(const kvf__lview *s, size_t ns, const kvf__lview *d, size_t 
  * lacks. */
 bool kvf__xplan_covers(const kvf__xplan *p, char *why, size_t whylen);
 
+/* Restricts p to model head h (a fan's sub-transfer, xfer_fan.h):
+ * KVF_ESIZE when not both sides hold it. */
+int kvf__xplan_only(kvf__xplan *p, uint32_t h, char *why, size_t whylen);
+
 /* A short name of what the plan does ("whole blocks", "heads 2-3 of NHD
  * 16 -> HND 64"), for events and kvferryctl. */
 void kvf__xplan_describe(const kvf__xplan *p, char *buf, size_t len);

@@ -98,6 +98,13 @@ int kvf__xblocks_from_grant(const Kvf__Grant *g, kvf__xblocks *gb) {
   return rc;
 }
 
+/* The plan of x's blocks into grant g's: a fan's sub-send moves its head. */
+static int send_plan(const kvf__xfer *x, const kvf__xblocks *g, kvf__xplan *p, char *why, size_t len) {
+  int rc = kvf__xplan_make(&x->mine.view, x->mine.n, &g->view, g->n, p, why, len);
+  if (rc == 0 && x->mine.head1) rc = kvf__xplan_only(p, x->mine.head1 - 1, why, len);
+  return rc;
+}
+
 /* Why the send's blocks cannot go into the grant's, or NULL. */
 static const char *blocks_mismatch(const kvf__xfer *x, int *rc, char *why, size_t len) {
   const kvf__xblocks *g = grant_blocks(x);
@@ -105,8 +112,8 @@ static const char *blocks_mismatch(const kvf__xfer *x, int *rc, char *why, size_
   if (x->blocks != kvf__xsend_grant_is_blocks(x)) return "one side of the transfer names blocks and the other descriptors";
   *rc = KVF_ESIZE;
   kvf__xplan p;
-  if (kvf__xplan_make(&x->mine.view, x->mine.n, &g->view, g->n, &p, why, len) != 0) return why;
-  if (!kvf__xplan_covers(&p, why, len)) return why;
+  if (send_plan(x, g, &p, why, len) != 0) return why;
+  if (!x->mine.head1 && !kvf__xplan_covers(&p, why, len)) return why; /* a fan's head: its grant's too */
   if (g->view.first_layer + g->view.n_layers > x->mine.view.n_layers) {
     snprintf(why, len, "layer counts: the grant's layers %u-%u are not in the send's layout (%u layers)",
              g->view.first_layer, g->view.first_layer + g->view.n_layers - 1, x->mine.view.n_layers);
@@ -137,7 +144,7 @@ static int post_block_part(kvf__xfer *x, uint32_t first, uint32_t n, bool last) 
   kvf__bpart bp = {.src = &x->mine.view, .dst = &g->view, .src_layout = x->mine.layout, .dst_layout = g->layout,
                    .sids = x->mine.ids, .dids = g->ids, .n = x->mine.n, .first = first, .n_layers = n};
   /* checked when the grant came (kvf__xsend_blocks_start) */
-  if (kvf__xplan_make(bp.src, x->mine.n, bp.dst, g->n, &bp.xf, why, sizeof(why)) != 0) rc = KVF_ESIZE;
+  if (send_plan(x, g, &bp.xf, why, sizeof(why)) != 0) rc = KVF_ESIZE;
   s->last_post_ns = kvf__now_ns();
   if (!s->first_post_ns) s->first_post_ns = s->last_post_ns;
   if (rc == 0) rc = x->tp->ops->post_blocks(x->tp, x, &bp, last);
@@ -150,7 +157,8 @@ static int post_block_part(kvf__xfer *x, uint32_t first, uint32_t n, bool last) 
     return rc;
   }
   s->parts_out++;
-  s->bytes_posted += kvf__blocks_bytes(&g->view, g->n, n); /* the grant's: a transform moves other blocks */
+  /* what lands in the grant: a transform moves other blocks, a fan's sub-send one head */
+  s->bytes_posted += bp.xf.transform ? kvf__xplan_bytes(&bp.xf, n, g->view.n_kv) : kvf__blocks_bytes(&g->view, g->n, n);
   if (last) kvf__xfer_set_state(x, KVF__SEND_FLUSH);
   else if (s->state == KVF__SEND_WAIT) kvf__xfer_set_state(x, KVF__SEND_ACTIVE); /* QUEUED stays until its last */
   return 0;
@@ -278,6 +286,7 @@ void kvf__xblocks_take(kvf__xblocks *mine, const kvf__blockreq *b, const kvf__lv
   mine->view = *v;
   mine->ids = *b->ids;
   mine->n = b->n;
+  mine->head1 = b->head1;
   *b->ids = NULL;
 }
 

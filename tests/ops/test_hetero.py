@@ -35,10 +35,12 @@ class Rank:
     """One engine rank's layout: per layer [n_kv][NB] blocks of tpb tokens
     of its heads, in order, from pool offset base."""
 
-    def __init__(self, client, pool, base, tp, r, order, tpb, mla=False, n_layers=L, head_dim=D, dtype=ES):
+    def __init__(self, client, pool, base, tp, r, order, tpb, mla=False, n_layers=L, head_dim=D, dtype=ES,
+                 model=H):
         self.r, self.order, self.tpb, self.base = r, order, tpb, base
         self.n_kv = 1 if mla else 2
-        self.heads, self.h0, model = (1, 0, 1) if mla else (H // tp, r * (H // tp), H)
+        self.heads, self.h0 = (1, 0) if mla else (H // tp, r * (H // tp))
+        model = 1 if mla else model  # 0: heads not stated
         self.unit = head_dim * dtype
         self.bb = tpb * self.heads * self.unit
         self.offsets = [base + reg * NB * self.bb for reg in range(n_layers * self.n_kv)]
@@ -63,27 +65,34 @@ class Hetero(kvftest.PairTestCase):
 
     def setUp(self):
         self.rng = random.Random(17)
-        self.cp = kvferry.Client(self.pre.sock)
+        self.clients = []
+        self.cp = self.client(self.pre)
 
     def tearDown(self):
-        self.cp.close()
-        if getattr(self, "cd", None):
-            self.cd.close()
+        for c in self.clients:
+            c.close()
 
-    def decode_client(self, path):
-        self.cd = kvferry.Client((self.dec if path == "tcp" else self.pre).sock)
-        return self.cd
+    def client(self, daemon):
+        c = kvferry.Client(daemon.sock)
+        self.clients.append(c)
+        return c
 
     def handoff(self, path, ptp, dtp, porder, dorder, pts, dts, mla=False):
-        """Every decode rank of TP dtp receives its heads from the prefill
-        rank of TP ptp that holds them (MLA: any one), by one send each;
-        then every byte of every decode rank is checked."""
+        """Every rank of prefill TP ptp and decode TP dtp is a client with
+        its own layout. KV heads: one transfer id for the request, each
+        decode rank grants it, each prefill rank sends it (fan-in and
+        fan-out: the daemons move each head from the rank that holds it).
+        MLA: decode rank r takes the latent from prefill rank r % ptp (any
+        one source), one id each. Then every byte of every decode rank is
+        checked."""
         tag = "%s-%d-%d-%s-%s-%d-%d-%s" % (path, ptp, dtp, porder, dorder, pts, dts, mla)
-        cd = self.decode_client(path)
-        pp, pd = self.cp.pool_find("kv"), cd.pool_find("kv")
-        pre = [Rank(self.cp, pp, i * RANK_SLICE, ptp, i, porder, pts, mla) for i in range(ptp)]
+        ddaemon = self.dec if path == "tcp" else self.pre
+        cps = [self.client(self.pre) for _ in range(ptp)]
+        cds = [self.client(ddaemon) for _ in range(dtp)]
+        pp, pd = cps[0].pool_find("kv"), cds[0].pool_find("kv")
+        pre = [Rank(cps[i], pp, i * RANK_SLICE, ptp, i, porder, pts, mla) for i in range(ptp)]
         dbase = 8 * RANK_SLICE  # local: one pool for both sides
-        dec = [Rank(cd, pd, dbase + i * RANK_SLICE, dtp, i, dorder, dts, mla) for i in range(dtp)]
+        dec = [Rank(cds[i], pd, dbase + i * RANK_SLICE, dtp, i, dorder, dts, mla) for i in range(dtp)]
         nd, ns = TOKENS // dts, -(-TOKENS // pts)
         sids = [self.rng.sample(range(NB), ns) for _ in pre]
         dids = [self.rng.sample(range(NB), nd) for _ in dec]
@@ -94,45 +103,44 @@ class Hetero(kvftest.PairTestCase):
         span = dtp * RANK_SLICE
         dmem[dbase:dbase + span] = bytes([POISON]) * span
         want = bytearray([POISON]) * span
-        owner = {}
         for d in dec:
-            p = pre[d.r % ptp] if mla else next(p for p in pre if p.holds(d.h0))
-            owner[d.r] = p
             for layer in range(L):
                 for kv in range(d.n_kv):
-                    for t in range(TOKENS):
-                        for h in range(d.h0, d.h0 + d.heads):
+                    for h in range(d.h0, d.h0 + d.heads):
+                        p = pre[d.r % ptp] if mla else next(p for p in pre if p.holds(h))
+                        for t in range(TOKENS):
                             s, o = p.addr(layer, kv, sids[p.r], t, h), d.addr(layer, kv, dids[d.r], t, h) - dbase
                             want[o:o + UNIT] = src[s:s + UNIT]
         src_node = "prefill" if path == "tcp" else None
         dst_node = "decode" if path == "tcp" else "prefill"
+        xid = lambda d: "%s-%d" % (tag, d.r) if mla else tag  # noqa: E731
         for d in dec:
-            cd.grant_blocks("%s-%d" % (tag, d.r), src_node, d.id, dids[d.r])
+            cds[d.r].grant_blocks(xid(d), src_node, d.id, dids[d.r])
+        sends = [(pre[d.r % ptp], xid(d)) for d in dec] if mla else [(p, tag) for p in pre]
+        for p, x in sends:
+            cps[p.r].send_blocks(x, dst_node, p.id, sids[p.r])
         for d in dec:
-            p = owner[d.r]
-            self.cp.send_blocks("%s-%d" % (tag, d.r), dst_node, p.id, sids[p.r])
-        for d in dec:
-            xid = "%s-%d" % (tag, d.r)
-            ev = wait_event(cd, xid, type=kvferry.RECV_DONE)
-            self.assertEqual((ev.status, ev.error, ev.path), (0, "", path), xid)
-            self.assertEqual(ev.bytes, nd * L * d.n_kv * d.bb, xid)
-            sev = wait_event(self.cp, xid, type=kvferry.SEND_DONE)
-            self.assertEqual((sev.status, sev.bytes), (0, ev.bytes), xid)
+            ev = wait_event(cds[d.r], xid(d), type=kvferry.RECV_DONE)
+            self.assertEqual((ev.status, ev.error, ev.path), (0, "", path), xid(d))
+            self.assertEqual(ev.bytes, nd * L * d.n_kv * d.bb, xid(d))
+        for p, x in sends:
+            sev = wait_event(cps[p.r], x, type=kvferry.SEND_DONE)
+            self.assertEqual((sev.status, sev.error), (0, ""), x)
+            self.assertEqual(sev.bytes, TOKENS * p.heads * UNIT * L * p.n_kv, x)
         got = bytes(dmem[dbase:dbase + span])
         if got != want:
             i = next(i for i in range(span) if got[i] != want[i])
             self.fail("%s: decode rank %d byte %d is 0x%02x, expected 0x%02x" % (
                 tag, i // RANK_SLICE, i % RANK_SLICE, got[i], want[i]))
-        cd.close()
-        self.cd = None
-        for p in pre:
-            self.cp.free_layout(p.id)
+        for c in cps + cds:
+            c.close()
+            self.clients.remove(c)
 
     def every_combination(self, path):
         for porder in ("NHD", "HND"):
             for dorder in ("NHD", "HND"):
                 for pts, dts in ((16, 16), (16, 64), (64, 16)):
-                    for ptp, dtp in ((1, 1), (4, 8), (2, 8), (1, 4)):
+                    for ptp, dtp in ((1, 1), (8, 4), (4, 8), (2, 8), (8, 1), (1, 4)):
                         with self.subTest(ptp=ptp, dtp=dtp, porder=porder, dorder=dorder, pts=pts, dts=dts):
                             self.handoff(path, ptp, dtp, porder, dorder, pts, dts)
                     with self.subTest(mla=True, porder=porder, dorder=dorder, pts=pts, dts=dts):
@@ -144,44 +152,73 @@ class Hetero(kvftest.PairTestCase):
     def test_tcp(self):
         self.every_combination("tcp")
 
-    def refused(self, path, tag, grant_rank, send_rank, what):
+    def pair_clients(self, path):
+        return self.client(self.pre), self.client(self.dec if path == "tcp" else self.pre)
+
+    def refused(self, path, tag, grant_rank, send_rank, what, model=H):
         """The grant of grant_rank and the send of send_rank cannot pair:
-        KVF_ESIZE with what in the message, from the call or the events."""
-        cd = self.decode_client(path)
-        xid = "%s-%s" % (path, tag)
-        cd.grant_blocks(xid, "prefill" if path == "tcp" else None, grant_rank(cd).id, list(range(TOKENS // 16)))
+        KVF_ESIZE with what in the message, from the call or the events
+        (a fan over KV heads: every head's)."""
+        cp, cd = self.pair_clients(path)
+        xid = "%s-%s-%d" % (path, tag, model)
+        base = 8 * RANK_SLICE
+        g = grant_rank(cd, cd.pool_find("kv"), base, model)
+        cd.grant_blocks(xid, "prefill" if path == "tcp" else None, g.id, list(range(TOKENS // 16)))
+        p = send_rank(cp, cp.pool_find("kv"), 0, model)
         try:
-            self.cp.send_blocks(xid, "decode" if path == "tcp" else "prefill", send_rank(self.cp).id,
-                                list(range(TOKENS // 16)))
+            cp.send_blocks(xid, "decode" if path == "tcp" else "prefill", p.id, list(range(TOKENS // 16)))
         except kvferry.KvferryError as e:
             self.assertEqual(e.name, "KVF_ESIZE")
             self.assertIn(what, str(e))
             cd.cancel(xid)
             return
-        sev = wait_event(self.cp, xid, type=kvferry.SEND_DONE)
+        sev = wait_event(cp, xid, type=kvferry.SEND_DONE)
         self.assertEqual(sev.error_name, "KVF_ESIZE", sev.error)
         self.assertIn(what, sev.error)
         rev = wait_event(cd, xid, type=kvferry.RECV_DONE)
         self.assertIn(rev.error_name, ("KVF_ESIZE", "KVF_EREMOTECANCEL"))
         self.assertIn(what, rev.error)
-        cd.close()
-        self.cd = None
+        if model:  # a fan: the event names the heads
+            self.assertTrue(sev.error.startswith("heads 0-7 not sent: "), sev.error)
+            self.assertTrue(rev.error.startswith("heads 0-7 missing: "), rev.error)
 
     def test_refusals(self):
+        one = lambda **kw: (lambda c, pool, base, model: Rank(c, pool, base, 1, 0, "NHD", 16, model=model,  # noqa
+                                                              **kw))
         for path in ("local", "tcp"):
-            pp = self.cp.pool_find("kv")
-            base = 8 * RANK_SLICE
-            rank = lambda c, **kw: Rank(c, c.pool_find("kv"), base, 1, 0, "NHD", 16, **kw)  # noqa: E731
-            pre = lambda **kw: (lambda c: Rank(c, pp, 0, 1, 0, "NHD", 16, **kw))  # noqa: E731
-            self.refused(path, "layers", rank, pre(n_layers=1), "layer counts")
-            self.refused(path, "head-dim", rank, pre(head_dim=16, dtype=1), "head dims differ (16 and 8)")
-            self.refused(path, "dtype2", rank, lambda c: Rank(c, pp, 0, 1, 0, "NHD", 16, head_dim=D, dtype=4),
-                         "dtypes differ (4 and 2 bytes)")
-            self.refused(path, "no-common-head", lambda c: Rank(c, c.pool_find("kv"), base, 4, 1, "HND", 16),
-                         lambda c: Rank(c, pp, 0, 4, 2, "NHD", 16), "no KV head in common")
-            # TP 8 -> TP 4 with one source: the grant's head 1 would be missing
-            self.refused(path, "missing-heads", lambda c: Rank(c, c.pool_find("kv"), base, 4, 0, "NHD", 16),
-                         lambda c: Rank(c, pp, 0, 8, 0, "NHD", 16), "heads 1-1 would be missing")
+            for model in (0, H):  # heads not stated (one to one), stated (a fan of 8 heads)
+                self.refused(path, "layers", one(), one(n_layers=1), "layer counts", model)
+                self.refused(path, "head-dim", one(), one(head_dim=16, dtype=1), "head dims differ (16 and 8)", model)
+                self.refused(path, "dtype", one(), one(dtype=4), "dtypes differ (4 and 2 bytes)", model)
+
+    def test_missing_heads_at_deadline(self):
+        """TP 8 -> TP 4 where prefill rank 1 never sends: decode rank 0's
+        grant fails at its deadline naming head 1; rank 0's head lands and
+        its send succeeds. A send whose heads no grant takes fails at its
+        deadline naming them."""
+        for path in ("local", "tcp"):
+            cp, cd = self.pair_clients(path)
+            d = Rank(cd, cd.pool_find("kv"), 8 * RANK_SLICE, 4, 0, "HND", 16)
+            p = Rank(cp, cp.pool_find("kv"), 0, 8, 0, "NHD", 16)
+            xid = "%s-missing" % path
+            cd.grant_blocks(xid, "prefill" if path == "tcp" else None, d.id, list(range(8)), deadline_ms=1500)
+            cp.send_blocks(xid, "decode" if path == "tcp" else "prefill", p.id, list(range(8)), deadline_ms=1500)
+            self.assertEqual(wait_event(cp, xid, type=kvferry.SEND_DONE).status, 0)
+            rev = wait_event(cd, xid, type=kvferry.RECV_DONE)
+            self.assertEqual(rev.error_name, "KVF_EDEADLINE", rev.error)
+            self.assertTrue(rev.error.startswith("heads 1 missing: "), rev.error)
+            self.assertEqual(rev.bytes, TOKENS * UNIT * L * 2)  # head 0 landed
+            # a send of heads 4-5 into a grant of heads 2-3: nothing in common
+            cp, cd = self.pair_clients(path)
+            d = Rank(cd, cd.pool_find("kv"), 8 * RANK_SLICE, 4, 1, "HND", 16)
+            p = Rank(cp, cp.pool_find("kv"), 0, 4, 2, "NHD", 16)
+            xid = "%s-disjoint" % path
+            cd.grant_blocks(xid, "prefill" if path == "tcp" else None, d.id, list(range(8)), deadline_ms=1000)
+            cp.send_blocks(xid, "decode" if path == "tcp" else "prefill", p.id, list(range(8)), deadline_ms=1000)
+            sev = wait_event(cp, xid, type=kvferry.SEND_DONE)
+            self.assertTrue(sev.error.startswith("heads 4-5 not sent: "), sev.error)
+            rev = wait_event(cd, xid, type=kvferry.RECV_DONE)
+            self.assertTrue(rev.error.startswith("heads 2-3 missing: "), rev.error)
 
 
 if __name__ == "__main__":
