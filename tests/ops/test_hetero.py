@@ -60,8 +60,8 @@ class Rank:
         return self.h0 <= h < self.h0 + self.heads
 
 
-class Hetero(kvftest.PairTestCase):
-    POOL = "32M"
+class Base:
+    """The cases; the classes below pick the daemons and paths."""
 
     def setUp(self):
         self.rng = random.Random(17)
@@ -86,7 +86,7 @@ class Hetero(kvftest.PairTestCase):
         one source), one id each. Then every byte of every decode rank is
         checked."""
         tag = "%s-%d-%d-%s-%s-%d-%d-%s" % (path, ptp, dtp, porder, dorder, pts, dts, mla)
-        ddaemon = self.dec if path == "tcp" else self.pre
+        ddaemon = self.dec if path != "local" else self.pre
         cps = [self.client(self.pre) for _ in range(ptp)]
         cds = [self.client(ddaemon) for _ in range(dtp)]
         pp, pd = cps[0].pool_find("kv"), cds[0].pool_find("kv")
@@ -111,8 +111,8 @@ class Hetero(kvftest.PairTestCase):
                         for t in range(TOKENS):
                             s, o = p.addr(layer, kv, sids[p.r], t, h), d.addr(layer, kv, dids[d.r], t, h) - dbase
                             want[o:o + UNIT] = src[s:s + UNIT]
-        src_node = "prefill" if path == "tcp" else None
-        dst_node = "decode" if path == "tcp" else "prefill"
+        src_node = "prefill" if path != "local" else None
+        dst_node = "decode" if path != "local" else "prefill"
         xid = lambda d: "%s-%d" % (tag, d.r) if mla else tag  # noqa: E731
         for d in dec:
             cds[d.r].grant_blocks(xid(d), src_node, d.id, dids[d.r])
@@ -136,24 +136,19 @@ class Hetero(kvftest.PairTestCase):
             c.close()
             self.clients.remove(c)
 
-    def every_combination(self, path):
+    def every_combination(self, path, tps=((1, 1), (8, 4), (4, 8), (2, 8), (8, 1), (1, 4)),
+                          tokens=((16, 16), (16, 64), (64, 16))):
         for porder in ("NHD", "HND"):
             for dorder in ("NHD", "HND"):
-                for pts, dts in ((16, 16), (16, 64), (64, 16)):
-                    for ptp, dtp in ((1, 1), (8, 4), (4, 8), (2, 8), (8, 1), (1, 4)):
+                for pts, dts in tokens:
+                    for ptp, dtp in tps:
                         with self.subTest(ptp=ptp, dtp=dtp, porder=porder, dorder=dorder, pts=pts, dts=dts):
                             self.handoff(path, ptp, dtp, porder, dorder, pts, dts)
                     with self.subTest(mla=True, porder=porder, dorder=dorder, pts=pts, dts=dts):
                         self.handoff(path, 2, 4, porder, dorder, pts, dts, mla=True)
 
-    def test_local(self):
-        self.every_combination("local")
-
-    def test_tcp(self):
-        self.every_combination("tcp")
-
     def pair_clients(self, path):
-        return self.client(self.pre), self.client(self.dec if path == "tcp" else self.pre)
+        return self.client(self.pre), self.client(self.dec if path != "local" else self.pre)
 
     def refused(self, path, tag, grant_rank, send_rank, what, model=H):
         """The grant of grant_rank and the send of send_rank cannot pair:
@@ -163,10 +158,10 @@ class Hetero(kvftest.PairTestCase):
         xid = "%s-%s-%d" % (path, tag, model)
         base = 8 * RANK_SLICE
         g = grant_rank(cd, cd.pool_find("kv"), base, model)
-        cd.grant_blocks(xid, "prefill" if path == "tcp" else None, g.id, list(range(TOKENS // 16)))
+        cd.grant_blocks(xid, "prefill" if path != "local" else None, g.id, list(range(TOKENS // 16)))
         p = send_rank(cp, cp.pool_find("kv"), 0, model)
         try:
-            cp.send_blocks(xid, "decode" if path == "tcp" else "prefill", p.id, list(range(TOKENS // 16)))
+            cp.send_blocks(xid, "decode" if path != "local" else "prefill", p.id, list(range(TOKENS // 16)))
         except kvferry.KvferryError as e:
             self.assertEqual(e.name, "KVF_ESIZE")
             self.assertIn(what, str(e))
@@ -185,7 +180,7 @@ class Hetero(kvftest.PairTestCase):
     def test_refusals(self):
         one = lambda **kw: (lambda c, pool, base, model: Rank(c, pool, base, 1, 0, "NHD", 16, model=model,  # noqa
                                                               **kw))
-        for path in ("local", "tcp"):
+        for path in self.PATHS:
             for model in (0, H):  # heads not stated (one to one), stated (a fan of 8 heads)
                 self.refused(path, "layers", one(), one(n_layers=1), "layer counts", model)
                 self.refused(path, "head-dim", one(), one(head_dim=16, dtype=1), "head dims differ (16 and 8)", model)
@@ -196,13 +191,13 @@ class Hetero(kvftest.PairTestCase):
         grant fails at its deadline naming head 1; rank 0's head lands and
         its send succeeds. A send whose heads no grant takes fails at its
         deadline naming them."""
-        for path in ("local", "tcp"):
+        for path in self.PATHS:
             cp, cd = self.pair_clients(path)
             d = Rank(cd, cd.pool_find("kv"), 8 * RANK_SLICE, 4, 0, "HND", 16)
             p = Rank(cp, cp.pool_find("kv"), 0, 8, 0, "NHD", 16)
             xid = "%s-missing" % path
-            cd.grant_blocks(xid, "prefill" if path == "tcp" else None, d.id, list(range(8)), deadline_ms=1500)
-            cp.send_blocks(xid, "decode" if path == "tcp" else "prefill", p.id, list(range(8)), deadline_ms=1500)
+            cd.grant_blocks(xid, "prefill" if path != "local" else None, d.id, list(range(8)), deadline_ms=1500)
+            cp.send_blocks(xid, "decode" if path != "local" else "prefill", p.id, list(range(8)), deadline_ms=1500)
             self.assertEqual(wait_event(cp, xid, type=kvferry.SEND_DONE).status, 0)
             rev = wait_event(cd, xid, type=kvferry.RECV_DONE)
             self.assertEqual(rev.error_name, "KVF_EDEADLINE", rev.error)
@@ -213,12 +208,48 @@ class Hetero(kvftest.PairTestCase):
             d = Rank(cd, cd.pool_find("kv"), 8 * RANK_SLICE, 4, 1, "HND", 16)
             p = Rank(cp, cp.pool_find("kv"), 0, 4, 2, "NHD", 16)
             xid = "%s-disjoint" % path
-            cd.grant_blocks(xid, "prefill" if path == "tcp" else None, d.id, list(range(8)), deadline_ms=1000)
-            cp.send_blocks(xid, "decode" if path == "tcp" else "prefill", p.id, list(range(8)), deadline_ms=1000)
+            cd.grant_blocks(xid, "prefill" if path != "local" else None, d.id, list(range(8)), deadline_ms=1000)
+            cp.send_blocks(xid, "decode" if path != "local" else "prefill", p.id, list(range(8)), deadline_ms=1000)
             sev = wait_event(cp, xid, type=kvferry.SEND_DONE)
             self.assertTrue(sev.error.startswith("heads 4-5 not sent: "), sev.error)
             rev = wait_event(cd, xid, type=kvferry.RECV_DONE)
             self.assertTrue(rev.error.startswith("heads 2-3 missing: "), rev.error)
+
+
+class Hetero(Base, kvftest.PairTestCase):
+    """local (two clients of one daemon) and tcp."""
+    POOL = "32M"
+    PATHS = ("local", "tcp")
+
+    def test_local(self):
+        self.every_combination("local")
+
+    def test_tcp(self):
+        self.every_combination("tcp")
+
+
+IPS = os.environ.get("KVF_TEST_RDMA_IPS", "").split()
+
+
+@unittest.skipUnless(len(IPS) == 2, "KVF_TEST_RDMA_IPS not set (run in the VM: tests/rdma/run.sh)")
+class HeteroRdma(Base, unittest.TestCase):
+    """rdma in the soft-RoCE VM: each piece written where it goes (one
+    write per coalesced run), fewer combinations (the VM is slow)."""
+    PATHS = ("rdma",)
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = kvftest.tempdir()
+        cls.pre, cls.dec = kvftest.pair(cls.dir, "32M", extra="transports rdma\n", extra_of={
+            "prefill": "rdma-listen %s:0" % IPS[0], "decode": "rdma-listen %s:0" % IPS[1]})
+
+    @classmethod
+    def tearDownClass(cls):
+        for d in (cls.pre, cls.dec):
+            assert d.stop() == 0
+
+    def test_rdma(self):
+        self.every_combination("rdma", tps=((8, 4), (2, 8)), tokens=((16, 64), (64, 16)))
 
 
 if __name__ == "__main__":
