@@ -283,9 +283,27 @@ static void to_run(void *ctx, uint64_t so, uint64_t dof, uint64_t len, uint32_t 
   o->bytes += len;
 }
 
+/* At most this many runs (before coalescing) over n_layers layers: the
+ * walk's pieces, so that the list is allocated once. */
+static size_t runs_bound(const kvf__xplan *p, uint32_t n_layers, uint32_t n_kv) {
+  size_t regions = (size_t)n_layers * n_kv;
+  if (!p->transform) return regions * p->nd;
+  uint32_t g = p->s.tpb < p->d.tpb ? p->s.tpb : p->d.tpb;
+  if (p->s.order == KVF_LAYOUT_NHD && p->d.order == KVF_LAYOUT_NHD) return regions * p->tokens;
+  if (p->s.order == KVF_LAYOUT_HND && p->d.order == KVF_LAYOUT_HND) return regions * (p->tokens / g) * p->nh;
+  return regions * p->tokens * p->nh;
+}
+
 int kvf__xform_runs(const kvf__xplan *p, const kvf__lview *s, const uint32_t *sids, const kvf__lview *d,
                     const uint32_t *dids, uint32_t first, uint32_t n_layers, kvf__runs *out) {
   run_sink k = {out, s->pool, d->pool, 0};
+  size_t want = out->n + runs_bound(p, n_layers, s->n_kv);
+  if (want > out->cap) {
+    kvf__run *nv = realloc(out->v, want * sizeof(*nv));
+    if (!nv) return -ENOMEM;
+    out->v = nv;
+    out->cap = want;
+  }
   int rc = kvf__xform_walk(p, s, sids, d, dids, first, n_layers, to_run, &k);
   return rc ? rc : k.rc;
 }
