@@ -274,4 +274,4 @@ class HeteroRdma(Base, unittest.TestCase):
 
 
 if __name__ == "__main__":
-    unittest.main()
+    kvftest.main()
