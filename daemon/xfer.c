@@ -75,10 +75,7 @@ static struct {
   bool stopping;          /* kvf__xfer_shutdown: no more fences */
 } X;
 
-/* A fan's sub-transfer reports to its fan (xfer_fan.c), which reports the whole. */
-void kvf__xfer_emit(kvf__session *s, const Kvf__Event *ev) {
-  if (!kvf__xfan_event(s, ev)) X.env.emit(s, ev);
-}
+void kvf__xfer_emit(kvf__session *s, const Kvf__Event *ev) { if (!kvf__xfan_event(s, ev)) X.env.emit(s, ev); }
 
 /* How long a cancelled receiver of a one-sided transport keeps its grant
  * open for the sender's CancelDone (fence_wanted). */
@@ -1500,9 +1497,7 @@ const char *kvf__xstate_name(int state) {
 
 uint64_t kvf__xfer_bytes(const kvf__xfer *x) {
   if (x->role == KVF__SEND) return x->send.bytes_posted;
-  if (!x->blocks) return x->dst.total;
-  uint64_t b = kvf__blocks_bytes(&x->mine.view, x->mine.n, x->mine.view.n_layers);
-  return x->mine.head1 ? b / x->mine.view.geom.kv_heads : b; /* a fan's sub-grant: its head */
+  return x->blocks ? kvf__xrecv_blocks_bytes(x) : x->dst.total;
 }
 
 uint64_t kvf__xfer_descriptors(const kvf__xfer *x) {

@@ -56,6 +56,11 @@ void kvf__xfer_on_layers_landed(kvf__xfer *x, uint32_t first, uint32_t n) {
   report_layers(x);
 }
 
+uint64_t kvf__xrecv_blocks_bytes(const kvf__xfer *x) {
+  uint64_t b = kvf__blocks_bytes(&x->mine.view, x->mine.n, x->mine.view.n_layers);
+  return x->mine.head1 ? b / x->mine.view.geom.kv_heads : b; /* a fan's head of every block */
+}
+
 /* The receive is complete: the layers not reported yet all landed. */
 void kvf__xrecv_flush_layers(kvf__xfer *x) {
   if (!x->blocks || !x->recv.layer_events) return;
