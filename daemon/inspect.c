@@ -18,6 +18,7 @@
 #include "sbuf.h"
 #include "transport/transport.h"
 #include "xfer.h"
+#include "xfer_int.h"
 
 static void peer_addr(const kvf__peer *p, char *buf, size_t len) {
   const char *h = p->cfg.host;
@@ -237,6 +238,11 @@ static void transfer_json(kvf__sbuf *b, const kvf__xfer *x, int first, const cha
   kvf__sb_u64(b, age);
   PUT(b, ", \"deadline_ms\": ");
   kvf__sb_u64(b, x->deadline_ms);
+  char xf[96];
+  if (kvf__xfer_transform(x, xf, sizeof(xf))) { /* blocks: whole, or heads/order/tokens transformed */
+    PUT(b, ", \"transform\": ");
+    kvf__sb_json_str(b, xf);
+  }
   PUT(b, "}");
 }
 

@@ -110,6 +110,17 @@ static int send_plan(const kvf__xfer *x, const kvf__xblocks *g, kvf__xplan *p, c
   return rc;
 }
 
+bool kvf__xfer_transform(const kvf__xfer *x, char *buf, size_t len) {
+  const kvf__xfer *s = x->role == KVF__SEND ? x : x->twin; /* a receiver knows its sender's layout when local */
+  kvf__xplan p;
+  char why[160];
+  if (!s || !s->blocks || s->role != KVF__SEND || !kvf__xsend_grant_is_blocks(s) ||
+      send_plan(s, grant_blocks(s), &p, why, sizeof(why)) != 0)
+    return false;
+  kvf__xplan_describe(&p, buf, len);
+  return true;
+}
+
 /* Why the send's blocks cannot go into the grant's, or NULL. */
 static const char *blocks_mismatch(const kvf__xfer *x, int *rc, char *why, size_t len) {
   const kvf__xblocks *g = grant_blocks(x);

@@ -227,6 +227,21 @@ class Hetero(Base, kvftest.PairTestCase):
     def test_tcp(self):
         self.every_combination("tcp")
 
+    def test_transform_listed(self):
+        """kvferryctl transfers (the inspect API) says what a send of blocks
+        does once it knows its grant: the heads, orders and block sizes."""
+        cp, cd = self.pair_clients("tcp")
+        d = Rank(cd, cd.pool_find("kv"), 8 * RANK_SLICE, 1, 0, "HND", 64, model=0)
+        p = Rank(cp, cp.pool_find("kv"), 0, 1, 0, "NHD", 16, model=0)
+        cd.grant_blocks("listed", "prefill", d.id, [0, 1])
+        cp.send_blocks("listed", "decode", p.id, list(range(8)), first_layer=0, n_layers=1, more=True)
+        rows = [t for t in cp.inspect("transfers", json=True)["transfers"] if t["id"] == "listed"]
+        self.assertEqual(len(rows), 1, rows)
+        self.assertEqual(rows[0].get("transform"), "heads 0-7, NHD 16/8h -> HND 64/8h")
+        cp.send_blocks("listed", "decode", p.id, None, first_layer=1, n_layers=1)
+        self.assertEqual(wait_event(cd, "listed", type=kvferry.RECV_DONE).status, 0)
+        self.assertEqual(wait_event(cp, "listed", type=kvferry.SEND_DONE).status, 0)
+
     def test_bench(self):
         """kvferry-bench --blocks with heterogeneous layouts: every rank a
         client, every byte of every decode rank verified, the JSON line."""
