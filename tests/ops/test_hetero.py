@@ -147,6 +147,45 @@ class Base:
                     with self.subTest(mla=True, porder=porder, dorder=dorder, pts=pts, dts=dts):
                         self.handoff(path, 2, 4, porder, dorder, pts, dts, mla=True)
 
+    def test_fan_in_layer_by_layer(self):
+        """TP 8 -> TP 4 sent layer by layer with layer events: one
+        LAYER_DONE per layer, in order, once both heads have it, then
+        RECV_DONE; every byte of the granted blocks checked."""
+        for path in self.PATHS:
+            cd = self.client(self.dec if path != "local" else self.pre)
+            cps = [self.client(self.pre) for _ in range(2)]
+            d = Rank(cd, cd.pool_find("kv"), 8 * RANK_SLICE, 4, 0, "HND", 64)
+            ps = [Rank(cps[i], cps[i].pool_find("kv"), i * RANK_SLICE, 8, i, "NHD", 16) for i in range(2)]
+            src = cps[0].pool_find("kv").memory
+            for p in ps:
+                src[p.base:p.base + p.size] = os.urandom(p.size)
+            dids, sids = [5, 2], [list(range(8)), list(range(11, 3, -1))]
+            xid = "%s-layers" % path
+            cd.grant_blocks(xid, "prefill" if path != "local" else None, d.id, dids, layer_events=True)
+            for layer in range(L):
+                for i, p in enumerate(ps):
+                    cps[i].send_blocks(xid, "decode" if path != "local" else "prefill", p.id,
+                                       sids[i] if layer == 0 else None, first_layer=layer, n_layers=1,
+                                       more=layer < L - 1)
+            layers = []
+            while True:
+                ev = wait_event(cd, xid)
+                if ev.type != kvferry.LAYER_DONE:
+                    break
+                layers.append(ev.layer)
+            self.assertEqual((ev.type, ev.status, ev.error), (kvferry.RECV_DONE, 0, ""))
+            self.assertEqual(layers, list(range(L)))
+            got = cd.pool_find("kv").memory
+            for layer in range(L):
+                for kv in range(2):
+                    for t in range(TOKENS):
+                        for h in range(2):
+                            p = ps[h]
+                            s, o = p.addr(layer, kv, sids[h], t, h), d.addr(layer, kv, dids, t, h)
+                            self.assertEqual(bytes(got[o:o + UNIT]), bytes(src[s:s + UNIT]), (layer, kv, t, h))
+            for i in range(2):
+                self.assertEqual(wait_event(cps[i], xid, type=kvferry.SEND_DONE).status, 0)
+
     def pair_clients(self, path):
         return self.client(self.pre), self.client(self.dec if path != "local" else self.pre)
 
@@ -241,45 +280,6 @@ class Hetero(Base, kvftest.PairTestCase):
         cp.send_blocks("listed", "decode", p.id, None, first_layer=1, n_layers=1)
         self.assertEqual(wait_event(cd, "listed", type=kvferry.RECV_DONE).status, 0)
         self.assertEqual(wait_event(cp, "listed", type=kvferry.SEND_DONE).status, 0)
-
-    def test_fan_in_layer_by_layer(self):
-        """TP 8 -> TP 4 sent layer by layer with layer events: one
-        LAYER_DONE per layer, in order, once both heads have it, then
-        RECV_DONE; every byte of the granted blocks checked."""
-        for path in self.PATHS:
-            cd = self.client(self.dec if path != "local" else self.pre)
-            cps = [self.client(self.pre) for _ in range(2)]
-            d = Rank(cd, cd.pool_find("kv"), 8 * RANK_SLICE, 4, 0, "HND", 64)
-            ps = [Rank(cps[i], cps[i].pool_find("kv"), i * RANK_SLICE, 8, i, "NHD", 16) for i in range(2)]
-            src = cps[0].pool_find("kv").memory
-            for p in ps:
-                src[p.base:p.base + p.size] = os.urandom(p.size)
-            dids, sids = [5, 2], [list(range(8)), list(range(11, 3, -1))]
-            xid = "%s-layers" % path
-            cd.grant_blocks(xid, "prefill" if path != "local" else None, d.id, dids, layer_events=True)
-            for layer in range(L):
-                for i, p in enumerate(ps):
-                    cps[i].send_blocks(xid, "decode" if path != "local" else "prefill", p.id,
-                                       sids[i] if layer == 0 else None, first_layer=layer, n_layers=1,
-                                       more=layer < L - 1)
-            layers = []
-            while True:
-                ev = wait_event(cd, xid)
-                if ev.type != kvferry.LAYER_DONE:
-                    break
-                layers.append(ev.layer)
-            self.assertEqual((ev.type, ev.status, ev.error), (kvferry.RECV_DONE, 0, ""))
-            self.assertEqual(layers, list(range(L)))
-            got = cd.pool_find("kv").memory
-            for layer in range(L):
-                for kv in range(2):
-                    for t in range(TOKENS):
-                        for h in range(2):
-                            p = ps[h]
-                            s, o = p.addr(layer, kv, sids[h], t, h), d.addr(layer, kv, dids, t, h)
-                            self.assertEqual(bytes(got[o:o + UNIT]), bytes(src[s:s + UNIT]), (layer, kv, t, h))
-            for i in range(2):
-                self.assertEqual(wait_event(cps[i], xid, type=kvferry.SEND_DONE).status, 0)
 
     def test_bench(self):
         """kvferry-bench --blocks with heterogeneous layouts: every rank a
