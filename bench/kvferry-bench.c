@@ -51,6 +51,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_hetero.h"
 #include "cuda/cudrv.h"
 #include "json.h"
 #include "kvferry.h"
@@ -95,6 +96,7 @@ typedef struct opts {
   bool whole;             /* with compute: one send after the last layer */
   bool compute;           /* --compute-us-per-layer given: emulate prefill */
   bool nowait;            /* parts after the first with KVF_SEND_NOWAIT */
+  kvfb_het het;           /* --prefill-tp and the rest: heterogeneous layouts (bench_hetero.c) */
   uint64_t compute_us;    /* per layer */
 } opts;
 
@@ -902,6 +904,12 @@ static void usage(FILE *f) {
     "  --layerwise          send each request in parts, one per layer\n"
     "  --blocks             hand off by layout and block ids (kvf_grant_blocks,\n"
     "                       kvf_send_blocks) instead of descriptors\n"
+    "  --prefill-tp N --decode-tp M   with --blocks: every rank of both TPs, each\n"
+    "                       a client with its own layout (its KV heads)\n"
+    "  --prefill-order nhd|hnd --decode-order nhd|hnd\n"
+    "  --prefill-block-tokens N --decode-block-tokens M\n"
+    "                       with --blocks: heterogeneous layouts, one request at\n"
+    "                       a time, every byte of every decode rank checked\n"
     "  --layer-events       with --blocks: grants ask for one LAYER_DONE per\n"
     "                       layer; the bench checks each comes once, before RECV_DONE\n"
     "  --compute-us-per-layer N\n"
@@ -947,7 +955,7 @@ static int parse_u64(const char *name, const char *s, uint64_t min, uint64_t max
 enum { O_FROM = 256, O_TO, O_MODEL, O_LAYERS, O_KVH, O_HDIM, O_BTOK, O_DTYPE, O_MLA, O_TOKENS,
        O_REQS, O_CONC, O_PFROM, O_PTO, O_LAYERWISE, O_SENDFIRST, O_GRANTANY, O_DEADLINE, O_SEED,
        O_JSON, O_QUIET, O_HELP, O_TFS, O_LEAD, O_BUSY, O_BLOCKS, O_LAYEREV, O_COMPUTE, O_WHOLE,
-       O_NOWAIT };
+       O_NOWAIT, O_HET_PTP, O_HET_DTP, O_HET_PORD, O_HET_DORD, O_HET_PBT, O_HET_DBT };
 
 static const struct option long_opts[] = {
   {"from", required_argument, 0, O_FROM}, {"to", required_argument, 0, O_TO},
@@ -965,6 +973,10 @@ static const struct option long_opts[] = {
   {"busy-poll", no_argument, 0, O_BUSY}, {"blocks", no_argument, 0, O_BLOCKS},
   {"layer-events", no_argument, 0, O_LAYEREV}, {"compute-us-per-layer", required_argument, 0, O_COMPUTE},
   {"whole", no_argument, 0, O_WHOLE}, {"nowait", no_argument, 0, O_NOWAIT},
+  /* heterogeneous layouts (bench_hetero.c) */
+  {"prefill-tp", required_argument, 0, O_HET_PTP}, {"decode-tp", required_argument, 0, O_HET_DTP},
+  {"prefill-order", required_argument, 0, O_HET_PORD}, {"decode-order", required_argument, 0, O_HET_DORD},
+  {"prefill-block-tokens", required_argument, 0, O_HET_PBT}, {"decode-block-tokens", required_argument, 0, O_HET_DBT},
   {0, 0, 0, 0},
 };
 
@@ -1064,6 +1076,30 @@ static int check_opts(const opts *o) {
   return 0;
 }
 
+/* ------------------------------------------------------------ heterogeneous layouts */
+
+static int het_opt(int c, const char *arg, opts *o) {
+  static const char *names[] = {"prefill-tp", "decode-tp", "prefill-order", "decode-order",
+                                "prefill-block-tokens", "decode-block-tokens"};
+  return kvfb_het_opt(names[c - O_HET_PTP], arg, &o->het);
+}
+
+/* --blocks with heterogeneous layouts: its own run (bench_hetero.c). */
+static int het_run(const opts *o) {
+  if (!o->blocks || o->layerwise || o->compute || o->send_first || o->concurrency > 1 || o->layer_events) {
+    fprintf(stderr, "kvferry-bench: --prefill-tp and the other layout options need --blocks, and take none of "
+                    "--layerwise, --compute-us-per-layer, --send-first, --concurrency, --layer-events\n");
+    return 2;
+  }
+  const geom *g = &o->g;
+  kvfb_het_run r = {.from = o->from, .to = o->to, .pool_from = o->pool_from, .pool_to = o->pool_to,
+                    .model = g->model, .layers = g->layers, .kv_heads = g->kv_heads, .head_dim = g->head_dim,
+                    .dtype_bytes = g->dtype_bytes, .block_tokens = g->block_tokens, .kv_count = g->kv_count,
+                    .tokens = o->tokens, .requests = o->requests, .seed = o->seed, .deadline_ms = o->deadline_ms,
+                    .json = o->json, .quiet = o->quiet};
+  return kvfb_het_main(&r, &o->het);
+}
+
 /* Returns 0 to run, 1 after --help, -1 on a usage error. */
 static int parse_args(int argc, char **argv, opts *o) {
   geom_over ov = {0};
@@ -1091,6 +1127,7 @@ static int parse_args(int argc, char **argv, opts *o) {
     else if (c == O_LAYEREV) o->layer_events = true;
     else if (c == O_WHOLE) o->whole = true;
     else if (c == O_NOWAIT) o->nowait = true;
+    else if (c >= O_HET_PTP && c <= O_HET_DBT) rc = het_opt(c, optarg, o);
     else if (c == O_HELP) { usage(stdout); return 1; }
     else { usage(stderr); return -1; }
     if (rc < 0) return -1;
@@ -1109,6 +1146,7 @@ int main(int argc, char **argv) {
   bench b = {0};
   int rc = parse_args(argc, argv, &b.o);
   if (rc) return rc > 0 ? 0 : 2;
+  if (b.o.het.on) return het_run(&b.o);
   bool ready = setup(&b) == 0;
   if (ready) run(&b);
   summary s = summarize(&b);

@@ -323,7 +323,37 @@ typedef struct kvf_layout {
   uint32_t head_dim;
   uint32_t dtype_bytes;
   uint32_t order;              /* KVF_LAYOUT_NHD (default) or KVF_LAYOUT_HND */
+  /* Added after the fields above (zero-initialise the struct: 0 keeps the
+   * old meaning). Which of the model's KV heads the blocks hold, for
+   * tensor parallelism: heads [first_head, first_head + kv_heads) of
+   * model_kv_heads (prefill rank r of TP 8 over 8 heads: first_head r,
+   * kv_heads 1; decode rank r of TP 4: first_head 2r, kv_heads 2).
+   * model_kv_heads 0: not stated, the layout holds every head (first_head
+   * must then be 0). A layout with n_kv 1 (MLA's latent) is replicated on
+   * every rank: any one source covers it (first_head 0). */
+  uint32_t first_head;
+  uint32_t model_kv_heads;
 } kvf_layout;
+
+/* Heterogeneous layouts (daemon/kv_xform.h, daemon/xfer_fan.h). When both
+ * sides state their whole geometry, a send and a grant may differ in
+ * order (NHD / HND), tokens per block (by a whole factor either way) and
+ * KV heads; the daemon moves what they share, transformed (on the GPU in
+ * the copy kernel for local cuda pools). Tokens: the transfer's token t is
+ * slot t % T of block t / T on each side; it moves every slot of the
+ * grant's n blocks (n x Td tokens), and the send names ceil(n x Td / Ts)
+ * blocks (with Ts < Td, whole send blocks: any ids past the request).
+ * Heads: layouts that state model_kv_heads move one transfer per KV head
+ * ("<id>#h<head>", reported as one): every decode rank grants the
+ * request's id with its layout, every prefill rank sends it with its own,
+ * wherever they run (fan-in: TP 8 -> 4; fan-out: TP 2 -> 8, dst_node
+ * "a,b,c,d" names several nodes that take the send's heads in order, in
+ * equal shares); RECV_DONE comes once every head landed, and a failure
+ * names the heads missing (e.g. "heads 1 missing: ..." at the deadline).
+ * Both sides state model_kv_heads, or neither. Layouts that cannot be
+ * reconciled (regions per layer, layer counts, head dims, dtypes, tokens
+ * per block that are not a multiple, block counts that do not map) fail
+ * the pairing with KVF_ESIZE and a message that names the mismatch. */
 
 /* Registers a layout; *id names it in kvf_grant_blocks / kvf_send_blocks. */
 int kvf_layout_register(kvf_client *c, const kvf_layout *layout, uint32_t *id);

@@ -1456,6 +1456,8 @@ static int layout_to_wire(const kvf_layout *l, uint32_t pool, Kvf__Layout *w, ui
   w->head_dim = l->head_dim;
   w->dtype_bytes = l->dtype_bytes;
   w->order = l->order;
+  w->first_head = l->first_head;
+  w->model_kv_heads = l->model_kv_heads;
   return 0;
 }
 

@@ -27,6 +27,7 @@
 #include "pool.h"
 #include "pool_engine.h"
 #include "xfer.h"
+#include "xfer_fan.h"
 
 #define READ_CHUNK (256u << 10)
 /* A refused client is answered once (its hello) and closed; until then it
@@ -475,7 +476,7 @@ static int grant_blocks(kvf__session *s, const Kvf__GrantReq *g, char *err, size
     snprintf(err, errlen, "a grant of blocks names at least one block");
     rc = KVF_EINVAL;
   }
-  if (rc == 0) rc = kvf__xfer_grant_blocks(s, g->xfer_id, g->src_node, &b, g->deadline_ms, err, errlen);
+  if (rc == 0) rc = kvf__xfan_grant_blocks(s, g->xfer_id, g->src_node, &b, g->deadline_ms, err, errlen);
   free(ids);
   return rc;
 }
@@ -527,7 +528,7 @@ static void on_grant(kvf__session *s, uint64_t seq, const Kvf__GrantReq *g) {
 /* A part that continues a send that has ended is refused, never the start
  * of a new transfer under the same id (kvferry.h, "Transfer ids"). */
 static int check_continues(kvf__session *s, const Kvf__SendReq *q, char *err, size_t errlen) {
-  if (!q->continues || kvf__xfer_sending(s, q->xfer_id)) return 0;
+  if (!q->continues || kvf__xfan_sending(s, q->xfer_id)) return 0;
   snprintf(err, errlen, "the send this part continues has ended (its SEND_DONE says how); "
                         "the id names a new transfer once that event is taken");
   return KVF_ENOENT;
@@ -538,7 +539,7 @@ static int send_part(kvf__session *s, const Kvf__SendReq *q, char *err, size_t e
   kvf__descs d;
   int rc = check_continues(s, q, err, errlen);
   if (rc) return rc;
-  if (!kvf__xfer_sending(s, q->xfer_id)) {
+  if (!kvf__xfan_sending(s, q->xfer_id)) {
     rc = check_draining(err, errlen);
     if (rc == 0) rc = check_quota(s, err, errlen);
   }
@@ -550,7 +551,7 @@ static int send_part(kvf__session *s, const Kvf__SendReq *q, char *err, size_t e
     kvf__blockreq b;
     uint32_t *ids;
     rc = take_blocks(s, q->blocks, &b, &ids, err, errlen);
-    if (rc == 0) rc = kvf__xfer_send_blocks(s, q->xfer_id, q->dst_node, &b, q->more, q->deadline_ms, err, errlen);
+    if (rc == 0) rc = kvf__xfan_send_blocks(s, q->xfer_id, q->dst_node, &b, q->more, q->deadline_ms, err, errlen);
     free(ids);
     return rc;
   }
@@ -582,7 +583,7 @@ static void send_no_reply(kvf__session *s, const Kvf__SendReq *q) {
   if (rc == KVF_EPROTO && !err[0]) snprintf(err, sizeof(err), "a part without an answer cannot be chained");
   /* A refused first part began nothing: its refusal is its SEND_DONE. */
   if (!q->continues) refusal_event(s, KVF__EVENT_TYPE__EVENT_SEND_DONE, q->xfer_id, q->dst_node, rc, err);
-  else kvf__xfer_withdraw_send(s, q->xfer_id, rc, err, false);
+  else kvf__xfan_withdraw_send(s, q->xfer_id, rc, err);
 }
 
 static void on_send(kvf__session *s, uint64_t seq, const Kvf__SendReq *q) {
@@ -593,7 +594,7 @@ static void on_send(kvf__session *s, uint64_t seq, const Kvf__SendReq *q) {
   }
   send_chain *ch = &s->chain;
   if (!ch->active && q->chained) {
-    *ch = (send_chain){.active = true, .created = !kvf__xfer_sending(s, q->xfer_id)};
+    *ch = (send_chain){.active = true, .created = !kvf__xfan_sending(s, q->xfer_id)};
     snprintf(ch->id, sizeof(ch->id), "%s", q->xfer_id ? q->xfer_id : "");
   } else if (ch->active && strcmp(q->xfer_id ? q->xfer_id : "", ch->id) != 0) {
     chain_fail(s, KVF_EPROTO, "a chained send changed its transfer id");
@@ -776,7 +777,7 @@ static void on_request(kvf__session *s, const Kvf__ApiRequest *q) {
   case KVF__API_REQUEST__BODY_GRANT: on_grant(s, q->seq, q->grant); break;
   case KVF__API_REQUEST__BODY_SEND: on_send(s, q->seq, q->send); break;
   case KVF__API_REQUEST__BODY_CANCEL: {
-    int rc = kvf__xfer_cancel(s, q->cancel->xfer_id);
+    int rc = kvf__xfan_cancel(s, q->cancel->xfer_id);
     if (!q->cancel->no_reply) reply_status(s, q->seq, rc, ""); /* else: ended already, its event says how */
     break;
   }
@@ -825,6 +826,7 @@ static void session_close(kvf__session *s, const char *why) {
   if (s->ready) ready_remove(s);
   if (why) kvf__info("client %u (%s, pid %d): %s", s->id, s->name, (int)s->pid, why);
   kvf__xfer_session_gone(s);
+  kvf__xfan_session_gone(s);
   kvf__layouts_session_gone(s);
   kvf__pool_engine_session_gone(s);
   if (s->prev) s->prev->next = s->next;

@@ -18,6 +18,7 @@
 #include "sbuf.h"
 #include "transport/transport.h"
 #include "xfer.h"
+#include "xfer_int.h"
 
 static void peer_addr(const kvf__peer *p, char *buf, size_t len) {
   const char *h = p->cfg.host;
@@ -237,6 +238,11 @@ static void transfer_json(kvf__sbuf *b, const kvf__xfer *x, int first, const cha
   kvf__sb_u64(b, age);
   PUT(b, ", \"deadline_ms\": ");
   kvf__sb_u64(b, x->deadline_ms);
+  char xf[96];
+  if (kvf__xfer_transform(x, xf, sizeof(xf))) { /* blocks: whole, or heads/order/tokens transformed */
+    PUT(b, ", \"transform\": ");
+    kvf__sb_json_str(b, xf);
+  }
   PUT(b, "}");
 }
 
@@ -279,6 +285,9 @@ static void render_layouts(kvf__sbuf *b, int json) {
                      l->n_kv, l->n_blocks, (unsigned long long)l->block_bytes,
                      (unsigned long long)l->block_stride, g->tokens_per_block, g->kv_heads, g->head_dim,
                      g->dtype_bytes, order_name(g->order));
+      if (g->model_heads) /* tensor parallelism: which heads */
+        kvf__sb_printf(b, "%*sheads %u-%u of %u\n", 71, "", g->first_head, g->first_head + g->kv_heads - 1,
+                       g->model_heads);
       continue;
     }
     kvf__sb_printf(b, "%s{\"id\": %u, \"client\": %u, \"pid\": %d, \"pool\": ", first ? "" : ", ", l->id,
@@ -287,10 +296,11 @@ static void render_layouts(kvf__sbuf *b, int json) {
     kvf__sb_json_str(b, pool);
     kvf__sb_printf(b, ", \"pool_id\": %u, \"layers\": %u, \"n_kv\": %u, \"blocks\": %u, \"block_bytes\": %llu, "
                       "\"block_stride\": %llu, \"tokens_per_block\": %u, \"kv_heads\": %u, \"head_dim\": %u, "
-                      "\"dtype_bytes\": %u, \"order\": \"%s\", \"transfers\": %u}",
+                      "\"dtype_bytes\": %u, \"order\": \"%s\", \"first_head\": %u, \"model_kv_heads\": %u, "
+                      "\"transfers\": %u}",
                    l->pool, l->n_layers, l->n_kv, l->n_blocks, (unsigned long long)l->block_bytes,
                    (unsigned long long)l->block_stride, g->tokens_per_block, g->kv_heads, g->head_dim,
-                   g->dtype_bytes, order_name(g->order), l->refs - 1);
+                   g->dtype_bytes, order_name(g->order), g->first_head, g->model_heads, l->refs - 1);
   }
   if (json) kvf__sb_printf(b, "]}\n");
 }

@@ -16,6 +16,25 @@ static int shape_error(char *err, size_t errlen, const char *what) {
   return KVF_EINVAL;
 }
 
+/* The head range: inside the model's heads; a latent (n_kv 1) is
+ * replicated, so it is every head there is. */
+static int check_heads(const kvf__layout *l, char *err, size_t errlen) {
+  const kvf__lgeom *g = &l->geom;
+  if (g->model_heads == 0)
+    return g->first_head ? shape_error(err, errlen, "first_head needs model_kv_heads (0: the layout holds every head)")
+                         : 0;
+  if (g->kv_heads == 0) return shape_error(err, errlen, "model_kv_heads needs kv_heads (the heads this layout holds)");
+  if (g->first_head >= g->model_heads || g->kv_heads > g->model_heads - g->first_head) {
+    snprintf(err, errlen, "layout: heads %u-%u (first_head %u, kv_heads %u) are not among the model's %u KV heads",
+             g->first_head, g->first_head + g->kv_heads - 1, g->first_head, g->kv_heads, g->model_heads);
+    return KVF_EINVAL;
+  }
+  if (l->n_kv == 1 && (g->first_head != 0 || g->kv_heads != g->model_heads))
+    return shape_error(err, errlen, "a latent layout (n_kv 1, MLA) is replicated on every rank: it holds every "
+                                    "head (first_head 0, kv_heads = model_kv_heads)");
+  return 0;
+}
+
 static int check_shape(const kvf__layout *l, char *err, size_t errlen) {
   if (l->n_layers == 0 || l->n_layers > KVF__LAYOUT_MAX_LAYERS)
     return shape_error(err, errlen, "n_layers must be 1 to 1024");
@@ -31,7 +50,7 @@ static int check_shape(const kvf__layout *l, char *err, size_t errlen) {
   if (g->tokens_per_block && g->kv_heads && g->head_dim && g->dtype_bytes &&
       (uint64_t)g->tokens_per_block * g->kv_heads * g->head_dim * g->dtype_bytes != l->block_bytes)
     return shape_error(err, errlen, "tokens_per_block x kv_heads x head_dim x dtype_bytes is not block_bytes");
-  return 0;
+  return check_heads(l, err, errlen);
 }
 
 /* The end of region r's last block, or 0 when it overflows. */
@@ -289,7 +308,8 @@ int kvf__layout_from_wire(const Kvf__Layout *w, kvf__layout *l, char *err, size_
   }
   *l = (kvf__layout){.pool = w->pool, .n_layers = w->n_layers, .n_kv = w->n_kv, .n_blocks = w->n_blocks,
                      .block_bytes = w->block_bytes, .block_stride = w->block_stride,
-                     .geom = {w->tokens_per_block, w->kv_heads, w->head_dim, w->dtype_bytes, w->order}};
+                     .geom = {w->tokens_per_block, w->kv_heads, w->head_dim, w->dtype_bytes, w->order,
+                              w->first_head, w->model_kv_heads}};
   int rc = offsets_from_wire(w->offsets, (size_t)w->n_layers * w->n_kv, &l->offsets);
   if (rc == KVF_EPROTO)
     snprintf(err, errlen, "layout: %zu bytes of offsets for %u layers x %u regions (8 bytes each)",
@@ -316,6 +336,8 @@ void kvf__lview_to_wire(const kvf__lview *v, Kvf__Layout *w, uint8_t *buf) {
   w->head_dim = v->geom.head_dim;
   w->dtype_bytes = v->geom.dtype_bytes;
   w->order = v->geom.order;
+  w->first_head = v->geom.first_head;
+  w->model_kv_heads = v->geom.model_heads;
   size_t n = (size_t)v->n_layers * v->n_kv;
   for (size_t i = 0; i < n; i++) kvf__le64_put(buf + 8 * i, v->offsets[i]);
   w->offsets = (ProtobufCBinaryData){n * 8, buf};
@@ -332,7 +354,8 @@ int kvf__lview_from_wire(const Kvf__Layout *w, kvf__lview *v, uint64_t **offsets
   *v = (kvf__lview){.pool = w->pool, .n_kv = w->n_kv, .n_blocks = w->n_blocks, .first_layer = w->first_layer,
                     .n_layers = w->n_layers, .block_bytes = w->block_bytes, .block_stride = w->block_stride,
                     .offsets = *offsets,
-                    .geom = {w->tokens_per_block, w->kv_heads, w->head_dim, w->dtype_bytes, w->order}};
+                    .geom = {w->tokens_per_block, w->kv_heads, w->head_dim, w->dtype_bytes, w->order,
+                             w->first_head, w->model_kv_heads}};
   return 0;
 }
 

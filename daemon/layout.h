@@ -34,14 +34,17 @@
 #define KVF__LAYOUT_MAX_LAYERS 1024u
 #define KVF__LAYOUT_MAX_KV 2u
 
-/* What a layout says of the tensors in its blocks. Both sides of a
- * transfer must agree on what both of them state (0: not stated). */
+/* What a layout says of the tensors in its blocks (0: not stated). Two
+ * sides that state all of it may differ in heads, order and tokens per
+ * block: kv_xform.h reconciles them. */
 typedef struct kvf__lgeom {
   uint32_t tokens_per_block;
   uint32_t kv_heads;
   uint32_t head_dim;
   uint32_t dtype_bytes;
   uint32_t order;               /* KVF_LAYOUT_NHD or KVF_LAYOUT_HND */
+  uint32_t first_head;          /* heads [first_head, first_head + kv_heads) */
+  uint32_t model_heads;         /* of the model's; 0: every head (first_head 0) */
 } kvf__lgeom;
 
 /* Layers [first_layer, first_layer + n_layers) of a layout. */

@@ -36,6 +36,7 @@
 #include "metrics.h"
 #include "peer.h"
 #include "pool_engine.h"
+#include "xfer_fan.h"
 #ifdef KVF_FAILPOINTS
 #include "failpoint.h"
 #endif
@@ -74,7 +75,7 @@ static struct {
   bool stopping;          /* kvf__xfer_shutdown: no more fences */
 } X;
 
-void kvf__xfer_emit(kvf__session *s, const Kvf__Event *ev) { X.env.emit(s, ev); }
+void kvf__xfer_emit(kvf__session *s, const Kvf__Event *ev) { if (!kvf__xfan_event(s, ev)) X.env.emit(s, ev); }
 
 /* How long a cancelled receiver of a one-sided transport keeps its grant
  * open for the sender's CancelDone (fence_wanted). */
@@ -344,7 +345,7 @@ static void emit(kvf__xfer *x, int status, const char *error) {
   ev.bytes = kvf__xfer_bytes(x);
   ev.descriptors = kvf__xfer_descriptors(x);
   ev.error = (char *)(error ? error : "");
-  X.env.emit(x->owner, &ev);
+  kvf__xfer_emit(x->owner, &ev);
 }
 
 /* Where a finished send's time went, at debug level: from its first part
@@ -638,6 +639,7 @@ static int bind_remote_recv(kvf__xfer *x, kvf__peer *p) {
   x->tp = X.env.peer_transport(p);
   /* A remote transport checks writes (and binds windows) over ranges. */
   int rc = x->blocks && !x->dst.n ? kvf__blocks_descs(&x->mine.view, x->mine.ids, x->mine.n, &x->dst) : 0;
+  if (rc == 0 && x->blocks && x->mine.head1) x->dst.total = kvf__xfer_bytes(x); /* a fan's head lands alone */
   if (rc == 0) rc = x->tp->ops->grant_open(x->tp, x);
   if (rc < 0) return rc;
   if (rc > 0) { /* kvf__xfer_on_grant_ready sends it */
@@ -960,7 +962,7 @@ int kvf__xfer_grant_blocks(kvf__session *s, const char *id, const char *src_node
   kvf__xblocks_take(&x->mine, b, &v);
   x->recv.layer_events = b->layer_events;
   x->recv.landed = landed;
-  if ((rc = hold_pool(x, b->layout->pool)) != 0 || (rc = kvf__xfer_claim(x, err, errlen)) != 0) {
+  if ((rc = hold_pool(x, b->layout->pool)) != 0 || (!b->no_claim && (rc = kvf__xfer_claim(x, err, errlen)) != 0)) {
     xfer_destroy(x);
     return rc;
   }
@@ -1495,7 +1497,7 @@ const char *kvf__xstate_name(int state) {
 
 uint64_t kvf__xfer_bytes(const kvf__xfer *x) {
   if (x->role == KVF__SEND) return x->send.bytes_posted;
-  return x->blocks ? kvf__blocks_bytes(&x->mine.view, x->mine.n, x->mine.view.n_layers) : x->dst.total;
+  return x->blocks ? kvf__xrecv_blocks_bytes(x) : x->dst.total;
 }
 
 uint64_t kvf__xfer_descriptors(const kvf__xfer *x) {

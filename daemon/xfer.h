@@ -173,6 +173,7 @@ typedef struct kvf__xblocks {
   uint64_t *offsets;          /* a peer's view: its offsets, owned */
   uint32_t *ids;              /* owned */
   size_t n;
+  uint32_t head1;             /* a fan's sub-transfer (xfer_fan.h): only model head head1 - 1; 0: all */
 } kvf__xblocks;
 
 /* A range of layers. */
@@ -289,6 +290,8 @@ typedef struct kvf__blockreq {
   uint32_t **ids;
   size_t n;
   bool layer_events;          /* a grant: one event per landed layer */
+  uint32_t head1;             /* a fan's sub-transfer (xfer_fan.h): only model head head1 - 1; 0: all */
+  bool no_claim;              /* a fan's later sub-grant: the first one holds the blocks (grant_index) */
 } kvf__blockreq;
 int kvf__xfer_grant_blocks(kvf__session *s, const char *id, const char *src_node, const kvf__blockreq *b,
                            uint32_t deadline_ms, char *err, size_t errlen);

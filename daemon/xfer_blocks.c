@@ -56,6 +56,11 @@ void kvf__xfer_on_layers_landed(kvf__xfer *x, uint32_t first, uint32_t n) {
   report_layers(x);
 }
 
+uint64_t kvf__xrecv_blocks_bytes(const kvf__xfer *x) {
+  uint64_t b = kvf__blocks_bytes(&x->mine.view, x->mine.n, x->mine.view.n_layers);
+  return x->mine.head1 ? b / x->mine.view.geom.kv_heads : b; /* a fan's head of every block */
+}
+
 /* The receive is complete: the layers not reported yet all landed. */
 void kvf__xrecv_flush_layers(kvf__xfer *x) {
   if (!x->blocks || !x->recv.layer_events) return;
@@ -98,17 +103,38 @@ int kvf__xblocks_from_grant(const Kvf__Grant *g, kvf__xblocks *gb) {
   return rc;
 }
 
+/* The plan of x's blocks into grant g's: a fan's sub-send moves its head. */
+static int send_plan(const kvf__xfer *x, const kvf__xblocks *g, kvf__xplan *p, char *why, size_t len) {
+  int rc = kvf__xplan_make(&x->mine.view, x->mine.n, &g->view, g->n, p, why, len);
+  if (rc == 0 && x->mine.head1) rc = kvf__xplan_only(p, x->mine.head1 - 1, why, len);
+  return rc;
+}
+
+bool kvf__xfer_transform(const kvf__xfer *x, char *buf, size_t len) {
+  const kvf__xfer *s = x->role == KVF__SEND ? x : x->twin; /* a receiver knows its sender's layout when local */
+  kvf__xplan p;
+  char why[160];
+  if (!s || !s->blocks || s->role != KVF__SEND || !kvf__xsend_grant_is_blocks(s) ||
+      send_plan(s, grant_blocks(s), &p, why, sizeof(why)) != 0)
+    return false;
+  kvf__xplan_describe(&p, buf, len);
+  return true;
+}
+
 /* Why the send's blocks cannot go into the grant's, or NULL. */
 static const char *blocks_mismatch(const kvf__xfer *x, int *rc, char *why, size_t len) {
   const kvf__xblocks *g = grant_blocks(x);
   *rc = KVF_EINVAL;
   if (x->blocks != kvf__xsend_grant_is_blocks(x)) return "one side of the transfer names blocks and the other descriptors";
   *rc = KVF_ESIZE;
-  if (x->mine.n != g->n) {
-    snprintf(why, len, "the send names %zu blocks and the grant %zu", x->mine.n, g->n);
+  kvf__xplan p;
+  if (send_plan(x, g, &p, why, len) != 0) return why;
+  if (!x->mine.head1 && !kvf__xplan_covers(&p, why, len)) return why; /* a fan's head: its grant's too */
+  if (g->view.first_layer + g->view.n_layers > x->mine.view.n_layers) {
+    snprintf(why, len, "layer counts: the grant's layers %u-%u are not in the send's layout (%u layers)",
+             g->view.first_layer, g->view.first_layer + g->view.n_layers - 1, x->mine.view.n_layers);
     return why;
   }
-  if (kvf__lview_compatible(&x->mine.view, &g->view, why, len) != 0) return why;
   return NULL;
 }
 
@@ -133,6 +159,8 @@ static int post_block_part(kvf__xfer *x, uint32_t first, uint32_t n, bool last) 
   }
   kvf__bpart bp = {.src = &x->mine.view, .dst = &g->view, .src_layout = x->mine.layout, .dst_layout = g->layout,
                    .sids = x->mine.ids, .dids = g->ids, .n = x->mine.n, .first = first, .n_layers = n};
+  /* checked when the grant came (kvf__xsend_blocks_start) */
+  if (send_plan(x, g, &bp.xf, why, sizeof(why)) != 0) rc = KVF_ESIZE;
   s->last_post_ns = kvf__now_ns();
   if (!s->first_post_ns) s->first_post_ns = s->last_post_ns;
   if (rc == 0) rc = x->tp->ops->post_blocks(x->tp, x, &bp, last);
@@ -145,7 +173,8 @@ static int post_block_part(kvf__xfer *x, uint32_t first, uint32_t n, bool last) 
     return rc;
   }
   s->parts_out++;
-  s->bytes_posted += kvf__blocks_bytes(&x->mine.view, x->mine.n, n);
+  /* what lands in the grant: a transform moves other blocks, a fan's sub-send one head */
+  s->bytes_posted += bp.xf.transform ? kvf__xplan_bytes(&bp.xf, n, g->view.n_kv) : kvf__blocks_bytes(&g->view, g->n, n);
   if (last) kvf__xfer_set_state(x, KVF__SEND_FLUSH);
   else if (s->state == KVF__SEND_WAIT) kvf__xfer_set_state(x, KVF__SEND_ACTIVE); /* QUEUED stays until its last */
   return 0;
@@ -273,6 +302,7 @@ void kvf__xblocks_take(kvf__xblocks *mine, const kvf__blockreq *b, const kvf__lv
   mine->view = *v;
   mine->ids = *b->ids;
   mine->n = b->n;
+  mine->head1 = b->head1;
   *b->ids = NULL;
 }
 

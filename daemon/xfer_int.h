@@ -65,6 +65,12 @@ int kvf__xblocks_to_grant(kvf__xfer *x, Kvf__Grant *g, Kvf__Layout *lw, uint8_t 
  * KVF_ELIMIT past our max-descs. */
 int kvf__xblocks_from_grant(const Kvf__Grant *g, kvf__xblocks *gb);
 
+/* What a transfer of blocks does to them (kv_xform.h: "whole blocks", or
+ * heads, orders and tokens per block), once its sender knows the grant;
+ * false when not known here (descriptors, no grant yet, a remote sender). */
+bool kvf__xfer_transform(const kvf__xfer *x, char *buf, size_t len);
+/* Receiver: the size of a grant of blocks (a fan's sub-grant: its head's). */
+uint64_t kvf__xrecv_blocks_bytes(const kvf__xfer *x);
 /* Receiver: the receive is complete; the layers not reported yet landed. */
 void kvf__xrecv_flush_layers(kvf__xfer *x);
 

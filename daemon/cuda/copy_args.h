@@ -89,4 +89,97 @@ KVF_HD unsigned int kvf_blocks_group(unsigned long long units, unsigned int thre
   return g;
 }
 
+/* ---------------------------------------------------------------- transforms
+ *
+ * The transform kernel (kvf_xblocks): KV blocks between two layouts of
+ * other heads, order (NHD / HND) or tokens per block (daemon/kv_xform.h),
+ * every address computed on the GPU from the two geometries and the block
+ * ids. The transfer's token t is source block t / s_tpb slot t % s_tpb and
+ * destination block t / d_tpb slot t % d_tpb; a chunk of g = min(s_tpb,
+ * d_tpb) tokens lies in one block on each side. Piece p (region r = p /
+ * chunks, chunk c = p % chunks) copies the g tokens of chunk c of the nh
+ * moved heads of region r, as words of `width` bytes in the destination's
+ * order, so that a group's stores are contiguous. Tables, strides and ids
+ * as kvf_blocks' (sids[ns] then dids[nd], inline when they fit). The word
+ * math is here, shared with the CPU tests. */
+typedef struct kvf_xblocks_args {
+  unsigned long long src_base, dst_base;
+  unsigned long long src_table, dst_table;
+  unsigned long long src_stride, dst_stride;
+  unsigned long long ids;                   /* device: sids[ns], dids[nd]; 0: inline_ids */
+  unsigned int unit;                        /* one token of one head: head_dim x dtype bytes */
+  unsigned int s_tpb, s_heads, s_order, s_h; /* s_h: the first moved head, from the side's first */
+  unsigned int d_tpb, d_heads, d_order, d_h;
+  unsigned int nh;                          /* heads moved */
+  unsigned int g;                           /* tokens per chunk */
+  unsigned int chunks;                      /* per region */
+  unsigned int ns, nd;
+  unsigned int n_regions;
+  unsigned int piece0, piece1;
+  unsigned int group;
+  unsigned int inline_ids[KVF__BLOCKS_INLINE_IDS];
+} kvf_xblocks_args;
+
+/* Where piece p's chunk is: its region, the index of its block on each
+ * side (into sids and dids) and the slots its first token takes. */
+typedef struct kvf_xloc {
+  unsigned int r, si, di, st, dt;
+} kvf_xloc;
+
+KVF_HD kvf_xloc kvf_xblocks_locate(const kvf_xblocks_args *a, unsigned int p) {
+  kvf_xloc l;
+  l.r = p / a->chunks;
+  unsigned long long t = (unsigned long long)(p - l.r * a->chunks) * a->g;
+  l.si = (unsigned int)(t / a->s_tpb);
+  l.st = (unsigned int)(t - (unsigned long long)l.si * a->s_tpb);
+  l.di = (unsigned int)(t / a->d_tpb);
+  l.dt = (unsigned int)(t - (unsigned long long)l.di * a->d_tpb);
+  return l;
+}
+
+/* One piece once its two blocks' addresses are known: the widest word (16
+ * bytes down to 1) that the unit and both blocks' alignment allow, and the
+ * word count. */
+typedef struct kvf_xpiece {
+  unsigned long long src, dst;              /* the two blocks' first bytes */
+  unsigned int st, dt;
+  unsigned int width, upw, words;
+} kvf_xpiece;
+
+KVF_HD kvf_xpiece kvf_xblocks_piece(const kvf_xblocks_args *a, const kvf_xloc *l, unsigned long long src,
+                                    unsigned long long dst) {
+  kvf_xpiece x;
+  unsigned int w = 16;
+  while (w > 1 && ((src | dst | a->unit) & (w - 1))) w >>= 1;
+  x.src = src;
+  x.dst = dst;
+  x.st = l->st;
+  x.dt = l->dt;
+  x.width = w;
+  x.upw = a->unit / w;
+  x.words = a->g * a->nh * x.upw;
+  return x;
+}
+
+/* Token t, head h (from the side's first) from its block's start, in units. */
+KVF_HD unsigned long long kvf_xelem(unsigned int order, unsigned int tpb, unsigned int heads, unsigned int t,
+                                    unsigned int h) {
+  return order == 1 /* KVF_LAYOUT_HND */ ? (unsigned long long)h * tpb + t : (unsigned long long)t * heads + h;
+}
+
+/* Word w of piece x: its source and destination addresses. */
+KVF_HD void kvf_xblocks_word(const kvf_xblocks_args *a, const kvf_xpiece *x, unsigned int w,
+                             unsigned long long *src, unsigned long long *dst) {
+  unsigned int j = w % x->upw, q = w / x->upw, k, h;
+  if (a->d_order == 1) {
+    k = q % a->g;
+    h = q / a->g;
+  } else {
+    h = q % a->nh;
+    k = q / a->nh;
+  }
+  *src = x->src + kvf_xelem(a->s_order, a->s_tpb, a->s_heads, x->st + k, a->s_h + h) * a->unit + j * x->width;
+  *dst = x->dst + kvf_xelem(a->d_order, a->d_tpb, a->d_heads, x->dt + k, a->d_h + h) * a->unit + j * x->width;
+}
+
 #endif

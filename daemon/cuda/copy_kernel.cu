@@ -215,3 +215,40 @@ extern "C" __global__ void __launch_bounds__(1024) kvf_blocks(const __grid_const
     copy_one<8, 0>(ch, kvf_chunk_split(ch.src, ch.dst, ch.len), t, gs);
   }
 }
+
+// ---------------------------------------------------------------- transforms
+// KV blocks between layouts of other heads, order or tokens per block
+// (copy_args.h, kvf_xblocks_args): each group of a.group threads takes a
+// piece (the g tokens of one chunk of one region), finds its two blocks
+// from the tables and the ids, and copies its words in the destination's
+// order (kvf_xblocks_word), so consecutive threads store consecutive
+// words. The word width is uniform within a piece: no divergence.
+template <typename T>
+__device__ __forceinline__ void xwords(const kvf_xblocks_args &a, const kvf_xpiece &x, unsigned t, unsigned gs) {
+  for (unsigned w = t; w < x.words; w += gs) {
+    unsigned long long s, d;
+    kvf_xblocks_word(&a, &x, w, &s, &d);
+    store<T, 0>((T *)d, load<T, 0>((const T *)s));
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) kvf_xblocks(const __grid_constant__ kvf_xblocks_args a) {
+  const unsigned gs = a.group, gpc = blockDim.x / gs, t = threadIdx.x & (gs - 1);
+  const unsigned *gids = (const unsigned *)a.ids;
+  const unsigned long long *st = (const unsigned long long *)a.src_table;
+  const unsigned long long *dt = (const unsigned long long *)a.dst_table;
+  for (unsigned p = a.piece0 + blockIdx.x * gpc + threadIdx.x / gs; p < a.piece1; p += gridDim.x * gpc) {
+    const kvf_xloc l = kvf_xblocks_locate(&a, p);
+    const unsigned sid = gids ? gids[l.si] : a.inline_ids[l.si];
+    const unsigned did = gids ? gids[a.ns + l.di] : a.inline_ids[a.ns + l.di];
+    const kvf_xpiece x = kvf_xblocks_piece(&a, &l, a.src_base + st[l.r] + sid * a.src_stride,
+                                           a.dst_base + dt[l.r] + did * a.dst_stride);
+    switch (x.width) {
+    case 16: xwords<uint4>(a, x, t, gs); break;
+    case 8: xwords<unsigned long long>(a, x, t, gs); break;
+    case 4: xwords<unsigned>(a, x, t, gs); break;
+    case 2: xwords<unsigned short>(a, x, t, gs); break;
+    default: xwords<unsigned char>(a, x, t, gs); break;
+    }
+  }
+}

@@ -17,6 +17,7 @@
 #include "cudrv.h"
 #include "gpu_int.h"
 #include "kernel_image.h"
+#include "kv_xform.h"
 #include "layout.h"
 #include "log.h"
 
@@ -33,6 +34,7 @@ typedef struct gdev {
   CUmodule mod;
   CUfunction fn;
   CUfunction bfn;            /* kvf_blocks */
+  CUfunction xfn;            /* kvf_xblocks */
 } gdev;
 
 static struct {
@@ -47,6 +49,7 @@ static struct {
   bool atomics[KVF__GPU_MAX_DEV][KVF__GPU_MAX_DEV];
   bool kernel;               /* the copy kernel is loaded on every device */
   bool blocks;               /* ... and the block kernel */
+  bool xblocks;              /* ... and the transform kernel */
   char kernel_name[32];
   unsigned threads, ctas_per_sm;
   bool pull;
@@ -179,6 +182,11 @@ static int load_kernels(char *err, size_t errlen) {
   for (int i = 0; i < G.n && G.blocks; i++)
     G.blocks = G.cu.CtxSetCurrent(G.dev[i].ctx) == KVF_CU_SUCCESS &&
                G.cu.ModuleGetFunction(&G.dev[i].bfn, G.dev[i].mod, "kvf_blocks") == KVF_CU_SUCCESS;
+  /* Without the transform kernel, transforms go as runs (the batched kernel). */
+  G.xblocks = G.blocks;
+  for (int i = 0; i < G.n && G.xblocks; i++)
+    G.xblocks = G.cu.CtxSetCurrent(G.dev[i].ctx) == KVF_CU_SUCCESS &&
+                G.cu.ModuleGetFunction(&G.dev[i].xfn, G.dev[i].mod, "kvf_xblocks") == KVF_CU_SUCCESS;
   return 0;
 }
 
@@ -1103,31 +1111,60 @@ bool kvf__gpu_blocks_kernel(void) { return G.ready && G.blocks; }
 /* Puts j's ids where a launch on p's device reads them: in the launch's
  * parameters when they fit, else through p's pinned list into its device
  * list, one copy on p's stream ahead of the kernel. */
-static int blocks_ids(per_dev *p, const kvf__gpu_blocks *j, kvf_blocks_args *a) {
-  size_t n = j->n, bytes = n * sizeof(uint32_t);
-  if (2 * n <= KVF__BLOCKS_INLINE_IDS) {
-    memcpy(a->inline_ids, j->src.ids, bytes);
-    memcpy(a->inline_ids + n, j->dst.ids, bytes);
-    a->ids = 0;
+static int blocks_ids(per_dev *p, const kvf__gpu_blocks *j, unsigned *inline_ids, unsigned long long *ids) {
+  size_t ns = j->xf ? j->xf->ns : j->n, nd = j->xf ? j->xf->nd : j->n;
+  size_t sb = ns * sizeof(uint32_t), db = nd * sizeof(uint32_t);
+  if (ns + nd <= KVF__BLOCKS_INLINE_IDS) {
+    memcpy(inline_ids, j->src.ids, sb);
+    memcpy(inline_ids + ns, j->dst.ids, db);
+    *ids = 0;
     return 0;
   }
-  size_t need = (2 * bytes + sizeof(kvf_chunk) - 1) / sizeof(kvf_chunk);
+  size_t need = (sb + db + sizeof(kvf_chunk) - 1) / sizeof(kvf_chunk);
   p->n = 0;
   int rc = grow_host(p, need);
   if (rc == 0) rc = dev_list_cap(p, need);
   if (rc) return rc;
-  memcpy(p->h, j->src.ids, bytes);
-  memcpy((uint8_t *)p->h + bytes, j->dst.ids, bytes);
-  CU_TRY("cuMemcpyHtoDAsync (block ids)", G.cu.MemcpyHtoDAsync(p->d, p->h, 2 * bytes, p->st));
-  a->ids = p->d;
+  memcpy(p->h, j->src.ids, sb);
+  memcpy((uint8_t *)p->h + sb, j->dst.ids, db);
+  CU_TRY("cuMemcpyHtoDAsync (block ids)", G.cu.MemcpyHtoDAsync(p->d, p->h, sb + db, p->st));
+  *ids = p->d;
+  return 0;
+}
+
+/* Pieces (region x chunk) [p0, p1) of transform j by the transform kernel. */
+static int xblocks_kernel(per_dev *p, int dev, const kvf__gpu_blocks *j, uint64_t p0, uint64_t p1) {
+  static _Thread_local kvf_xblocks_args a; /* 3.5 KiB: off the stack */
+  const kvf__xplan *x = j->xf;
+  memset(&a, 0, offsetof(kvf_xblocks_args, inline_ids));
+  int rc = blocks_ids(p, j, a.inline_ids, &a.ids);
+  if (rc || p1 == p0) return rc;
+  a.src_base = j->src.base;
+  a.dst_base = j->dst.base;
+  a.src_table = j->src.table;
+  a.dst_table = j->dst.table;
+  a.src_stride = j->src.stride;
+  a.dst_stride = j->dst.stride;
+  kvf__xform_kargs(x, &a);
+  a.n_regions = j->n_layers * j->n_kv;
+  a.piece0 = (unsigned)p0;
+  a.piece1 = (unsigned)p1;
+  a.group = kvf_blocks_group(((uint64_t)a.g * a.nh * a.unit + 15) / 16, G.threads);
+  unsigned per_cta = G.threads / a.group;
+  unsigned grid = kvf__gpu_plan_grid((size_t)((p1 - p0 + per_cta - 1) / per_cta), G.dev[dev].info.sms, G.ctas_per_sm);
+  void *args[] = {&a};
+  CU_TRY("cuLaunchKernel (xblocks)", G.cu.LaunchKernel(G.dev[dev].xfn, grid, 1, 1, G.threads, 1, 1, 0, p->st, args, NULL));
+  atomic_fetch_add(&G.launches, 1);
+  atomic_fetch_add(&G.bytes_kernel, (p1 - p0) * (uint64_t)a.g * a.nh * a.unit);
   return 0;
 }
 
 /* Pieces [p0, p1) of j by the block kernel on dev. */
 static int blocks_kernel(per_dev *p, int dev, const kvf__gpu_blocks *j, uint64_t p0, uint64_t p1) {
+  if (j->xf) return xblocks_kernel(p, dev, j, p0, p1);
   static _Thread_local kvf_blocks_args a; /* 3.5 KiB: off the stack */
   memset(&a, 0, offsetof(kvf_blocks_args, inline_ids));
-  int rc = blocks_ids(p, j, &a);
+  int rc = blocks_ids(p, j, a.inline_ids, &a.ids);
   if (rc || p1 == p0) return rc;
   a.src_base = j->src.base;
   a.dst_base = j->dst.base;
@@ -1159,7 +1196,8 @@ static int blocks_memcpy(per_dev *p, const kvf__gpu_blocks *j) {
   d.block_stride = j->dst.stride;
   d.offsets = j->dst.offsets;
   kvf__runs runs = {0};
-  int rc = kvf__blocks_pair(&s, j->src.ids, &d, j->dst.ids, j->n, 0, j->n_layers, &runs);
+  int rc = j->xf ? kvf__xform_runs(j->xf, &s, j->src.ids, &d, j->dst.ids, 0, j->n_layers, &runs)
+                 : kvf__blocks_pair(&s, j->src.ids, &d, j->dst.ids, j->n, 0, j->n_layers, &runs);
   for (size_t i = 0; i < runs.n && rc == 0; i++) {
     const kvf__run *r = &runs.v[i];
     CUresult cr = G.cu.MemcpyAsync(j->dst.base + r->dst_off, j->src.base + r->src_off, r->len, p->st);
@@ -1170,11 +1208,19 @@ static int blocks_memcpy(per_dev *p, const kvf__gpu_blocks *j) {
   return rc;
 }
 
+/* Whole blocks: blocks x regions; transforms: chunks x regions. */
+static uint64_t blocks_pieces(const kvf__gpu_blocks *j) {
+  uint64_t regions = (uint64_t)j->n_layers * j->n_kv;
+  if (!j->xf) return regions * j->n;
+  uint32_t g = j->xf->s.tpb < j->xf->d.tpb ? j->xf->s.tpb : j->xf->d.tpb;
+  return regions * (j->xf->tokens / g);
+}
+
 /* Launches j on devs[0..nd) (pieces split evenly), timed by the first
  * one's events over all of them, as kvf__gpu_batch_launch does. */
 static int blocks_launch(copier *c, const kvf__gpu_blocks *j, const int *devs, int nd) {
   kvf__gpu_batch *b = c->main;
-  const uint64_t pieces = (uint64_t)j->n * j->n_layers * j->n_kv;
+  const uint64_t pieces = blocks_pieces(j);
   for (int k = 0; k < nd; k++) {
     int rc = per_dev_setup(&b->per[devs[k]], devs[k]);
     if (rc) return rc;
@@ -1200,7 +1246,7 @@ static int blocks_launch(copier *c, const kvf__gpu_blocks *j, const int *devs, i
   CU_TRY("cuEventRecord", G.cu.EventRecord(lead->ev1, lead->st));
   atomic_fetch_add(&G.block_launches, 1);
   atomic_fetch_add(&G.block_pieces, pieces);
-  atomic_fetch_add(&G.block_bytes, pieces * j->block_bytes);
+  atomic_fetch_add(&G.block_bytes, j->xf ? kvf__xplan_bytes(j->xf, j->n_layers, j->n_kv) : pieces * j->block_bytes);
   return 0;
 }
 
@@ -1222,8 +1268,12 @@ static int blocks_devs(const kvf__gpu_blocks *j, int *devs) {
 int kvf__gpu_blocks_start(const kvf__gpu_blocks *j, kvf__gpu_done_fn done, void *arg) {
   if (!G.ready) return -ENODEV;
   uint64_t regions = (uint64_t)j->n_layers * j->n_kv;
-  if (j->block_bytes == 0 || j->block_bytes > UINT32_MAX || regions == 0 || j->n > UINT32_MAX ||
-      regions * j->n > UINT32_MAX)
+  if (j->xf && (G.blocks && !G.xblocks)) return -EAGAIN; /* an image without the transform kernel: runs */
+  if (j->xf && (j->xf->unit > UINT32_MAX || j->xf->ns + j->xf->nd > UINT32_MAX || regions == 0 ||
+                blocks_pieces(j) > UINT32_MAX || (uint64_t)j->xf->s.tpb * j->xf->nh * j->xf->unit > UINT32_MAX))
+    return -EINVAL;
+  if (!j->xf && (j->block_bytes == 0 || j->block_bytes > UINT32_MAX || regions == 0 || j->n > UINT32_MAX ||
+                 regions * j->n > UINT32_MAX))
     return -EINVAL;
   int devs[2];
   int nd = blocks_devs(j, devs);

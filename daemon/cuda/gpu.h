@@ -190,12 +190,17 @@ typedef struct kvf__gpu_bside {
 } kvf__gpu_bside;
 
 /* Source block src.ids[i] of every region lands in destination block
- * dst.ids[i] of the same region, i < n. */
+ * dst.ids[i] of the same region, i < n. With xf (kv_xform.h: the two
+ * layouts differ in heads, order or tokens per block), the plan's tokens
+ * and heads instead, src.ids[0..xf->ns) into dst.ids[0..xf->nd), by the
+ * transform kernel (kvf_xblocks); n and block_bytes are then not used. */
+struct kvf__xplan;
 typedef struct kvf__gpu_blocks {
   kvf__gpu_bside src, dst;
   uint64_t block_bytes;
   uint32_t n_layers, n_kv;
   size_t n;
+  const struct kvf__xplan *xf; /* NULL: whole blocks */
 } kvf__gpu_blocks;
 
 /* Starts a block copy asynchronously from the calling thread: one launch of

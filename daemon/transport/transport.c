@@ -21,7 +21,8 @@ static bool def_mark_layers(kvf__transport *t, kvf__xfer *x, uint32_t first, uin
  * are walked straight into coalesced runs, no descriptor lists. */
 int kvf__transport_post_block_runs(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
   kvf__runs runs = {0};
-  int rc = kvf__blocks_pair(b->src, b->sids, b->dst, b->dids, b->n, b->first, b->n_layers, &runs);
+  int rc = b->xf.transform ? kvf__xform_runs(&b->xf, b->src, b->sids, b->dst, b->dids, b->first, b->n_layers, &runs)
+                           : kvf__blocks_pair(b->src, b->sids, b->dst, b->dids, b->n, b->first, b->n_layers, &runs);
   if (rc == 0) rc = t->ops->post(t, x, &runs, last);
   kvf__runs_free(&runs);
   return rc;

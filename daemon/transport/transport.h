@@ -18,6 +18,7 @@
 #include <stdbool.h>
 
 #include "desc.h"
+#include "kv_xform.h"
 #include "kvferryd.h"
 #include "layout.h"
 #include "mailbox.h"
@@ -27,13 +28,16 @@
  * dst block dids[i], for every region of layers [first, first + n_layers).
  * The layouts (NULL for a peer's) let a transport reach what it registered
  * for them (the GPU copies of their offsets). Owned by the transfer, alive
- * until the post is called back. */
+ * until the post is called back. With xf.transform the two layouts differ
+ * in heads, order or tokens per block: xf maps them (kv_xform.h), the send
+ * has xf.ns blocks and the grant xf.nd, and n is not used. */
 typedef struct kvf__bpart {
   const kvf__lview *src, *dst;
   const kvf__layout *src_layout, *dst_layout;
   const uint32_t *sids, *dids;
   size_t n;
   uint32_t first, n_layers;
+  kvf__xplan xf;               /* zero: whole blocks, as without it */
 } kvf__bpart;
 
 typedef struct kvf__transport_ops {

@@ -4,7 +4,10 @@
 #   1. the CUDA module alone: every copy route, odd geometries (gpu_copy),
 #      again with peer access disabled (the staged path); block copies
 #      between KV layouts by the block kernel and by its fallback
-#      (gpu_blocks); engine GPU memory exported and imported (gpu_ipc)
+#      (gpu_blocks); transforms between layouts of other heads, order and
+#      tokens per block (gpu_xform; XFORM_BENCH=REPS times them against
+#      same-layout block copies); engine GPU memory exported and imported
+#      (gpu_ipc)
 #   2. two kvferryd on loopback with cuda:N and host pools
 #   3. two engine processes mapping one cuda pool at once (gpu_map_client)
 #   4. local handoffs GPU->GPU (and GPU<->host, same pool), odd geometries,
@@ -77,6 +80,18 @@ for mode in kernel memcpy; do
     ok "gpu_blocks test ($mode): $(grep -c '^ok' "$TMP/gpu_blocks_$mode.log") cases"
   else
     bad "gpu_blocks_$mode" "gpu_blocks test ($mode)"; tail -n 20 "$TMP/gpu_blocks_$mode.log"
+  fi
+done
+
+# the transform kernel (heterogeneous layouts: other heads, order, tokens
+# per block), every byte against a host reference; and its fallback
+for mode in kernel memcpy; do
+  env=""
+  [ $mode = memcpy ] && env="KVF_CUDA_BLOCKS=memcpy"
+  if env $env timeout 300 "$BUILD/tests/gpu/gpu_xform" ${XFORM_BENCH:+bench "$XFORM_BENCH"} >"$TMP/gpu_xform_$mode.log" 2>&1; then
+    ok "gpu_xform ($mode): $(grep -c '^ok' "$TMP/gpu_xform_$mode.log") cases"; grep '^{' "$TMP/gpu_xform_$mode.log" | sed 's/^/    /'
+  else
+    bad "gpu_xform_$mode" "gpu_xform ($mode)"; tail -n 20 "$TMP/gpu_xform_$mode.log"
   fi
 done
 

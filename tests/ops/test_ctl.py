@@ -27,7 +27,8 @@ class Layout(ctypes.Structure):
                 ("offsets", ctypes.POINTER(ctypes.c_uint64)),
                 ("tokens_per_block", ctypes.c_uint32), ("kv_heads", ctypes.c_uint32),
                 ("head_dim", ctypes.c_uint32), ("dtype_bytes", ctypes.c_uint32),
-                ("order", ctypes.c_uint32)]
+                ("order", ctypes.c_uint32), ("first_head", ctypes.c_uint32),
+                ("model_kv_heads", ctypes.c_uint32)]
 
 
 def layout_register(client, pool, offsets, **kw):

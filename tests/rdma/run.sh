@@ -86,6 +86,7 @@ bins=()
 for src in tests/integration/test_*.c; do bins+=("$BUILD/tests/$(basename "$src" .c)"); done
 bins+=("$BUILD/tests/rdma/test_rdma" "$BUILD/tests/rdma/test_bounce" "$BUILD/tests/rdma/test_engine" tests/rdma/test_engine_rdma.py)
 bins+=(tests/ops/test_peer_wait.py) # split outcomes over rdma (issue 15, item 7)
+bins+=(tests/ops/test_hetero.py) # heterogeneous layouts over rdma (issue 17): HeteroRdma
 if [ -n "${RDMA_TESTS:-}" ]; then
   want=()
   for b in "${bins[@]}"; do

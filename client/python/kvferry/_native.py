@@ -87,7 +87,9 @@ class Layout(ctypes.Structure):
                 ("kv_heads", ctypes.c_uint32),
                 ("head_dim", ctypes.c_uint32),
                 ("dtype_bytes", ctypes.c_uint32),
-                ("order", ctypes.c_uint32)]
+                ("order", ctypes.c_uint32),
+                ("first_head", ctypes.c_uint32),
+                ("model_kv_heads", ctypes.c_uint32)]
 
 
 class Blocks(ctypes.Structure):

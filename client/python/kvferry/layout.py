@@ -97,11 +97,16 @@ class Layout:
     block 0, region r = layer * n_kv + kv (K then V). n_kv 2 (K and V) or 1
     (MLA's latent). block_stride defaults to block_bytes. The geometry
     (tokens_per_block, kv_heads, head_dim, dtype_bytes, order "NHD" or
-    "HND") is what both sides of a transfer must agree on; 0 leaves it
-    unstated."""
+    "HND") says what a block holds; 0 leaves it unstated. first_head and
+    model_kv_heads say which of the model's KV heads it holds (tensor
+    parallelism): [first_head, first_head + kv_heads) of model_kv_heads;
+    model_kv_heads 0: every head. Two sides whose geometry is fully stated
+    may differ in heads, order and tokens per block (by a whole factor):
+    the daemon moves the heads they share, transformed."""
 
     def __init__(self, pool, offsets, n_blocks, block_bytes, block_stride=None, n_kv=2,
-                 tokens_per_block=0, kv_heads=0, head_dim=0, dtype_bytes=0, order="NHD"):
+                 tokens_per_block=0, kv_heads=0, head_dim=0, dtype_bytes=0, order="NHD",
+                 first_head=0, model_kv_heads=0):
         self.pool = pool.id if hasattr(pool, "id") else int(pool)
         self.offsets = [int(o) for o in offsets]
         self.n_kv = int(n_kv)
@@ -119,11 +124,13 @@ class Layout:
         if order not in _ORDERS:
             raise ValueError("order: 'NHD' or 'HND', not %r" % (order,))
         self.order = order
+        self.first_head = int(first_head)
+        self.model_kv_heads = int(model_kv_heads)
 
     @classmethod
     def from_tensors(cls, pool, k_tensors, v_tensors=None, block_dim=0, n_blocks=None,
                      block_bytes=None, block_stride=None, order="NHD", tokens_per_block=None,
-                     kv_heads=None, head_dim=None, dtype_bytes=None):
+                     kv_heads=None, head_dim=None, dtype_bytes=None, first_head=0, model_kv_heads=0):
         """A layout from an engine's per-layer K and V tensors (v_tensors
         None: one latent per layer, MLA), all inside pool (a Pool: its
         mapped address is the base the offsets are taken from).
@@ -191,7 +198,7 @@ class Layout:
             if given is not None:
                 geo[key] = given
         return cls(pool, offsets, found[0], found[1], found[2], n_kv=1 if vs is None else 2,
-                   order=order, **geo)
+                   order=order, first_head=first_head, model_kv_heads=model_kv_heads, **geo)
 
     def _to_c(self):
         """The kvf_layout, and the offsets array it points to (keep both)."""
@@ -202,15 +209,17 @@ class Layout:
                            offsets=ctypes.cast(offs, ctypes.POINTER(ctypes.c_uint64)),
                            tokens_per_block=self.tokens_per_block, kv_heads=self.kv_heads,
                            head_dim=self.head_dim, dtype_bytes=self.dtype_bytes,
-                           order=_ORDERS[self.order])
+                           order=_ORDERS[self.order], first_head=self.first_head,
+                           model_kv_heads=self.model_kv_heads)
         return c, offs
 
     def __repr__(self):
         return ("Layout(pool=%d, n_layers=%d, n_kv=%d, n_blocks=%d, block_bytes=%d, block_stride=%d, "
-                "geometry=%d/%d/%d/%d %s)" % (
+                "geometry=%d/%d/%d/%d %s, heads %d+%d of %d)" % (
                     self.pool, self.n_layers, self.n_kv, self.n_blocks, self.block_bytes,
                     self.block_stride, self.tokens_per_block, self.kv_heads, self.head_dim,
-                    self.dtype_bytes, self.order))
+                    self.dtype_bytes, self.order, self.first_head, self.kv_heads,
+                    self.model_kv_heads))
 
 
 _U32 = ("I", "=I", "<I", "@I")

@@ -41,6 +41,8 @@ typedef struct copy_job {
   bool blocks;            /* a block copy (no runs): pieces and bytes below */
   uint64_t pieces, bytes;
   kvf__gpu_copy *v;       /* gpu: the runs as copies, built once on the loop */
+  bool xform;             /* host pools, a transform: walked on the thread pool, no run list */
+  kvf__bpart part;        /* ... its part (views and ids: the transfer's, alive until the callback) */
   int rc;
   uint64_t t_post, t_start, t_built, t_copied; /* for the debug trace */
   float kernel_ms;
@@ -79,8 +81,22 @@ static kvf__gpu_copy *gpu_copies(const kvf__runs *runs) {
   return v;
 }
 
+/* One run of a host transform's walk. */
+static void xform_copy(void *arg, uint64_t so, uint64_t dof, uint64_t len, uint32_t piece) {
+  copy_job *j = arg;
+  if (j->rc == 0)
+    j->rc = kvf__pool_copy(kvfd.pools[j->part.dst->pool]->base + dof, kvfd.pools[j->part.src->pool]->base + so, len);
+}
+
 static void do_copy(uv_work_t *req) {
   copy_job *j = req->data;
+  if (j->xform) { /* the plan's runs straight into memcpy, off the loop */
+    j->t_start = kvf__now_ns();
+    int rc = kvf__xform_walk(&j->part.xf, j->part.src, j->part.sids, j->part.dst, j->part.dids, j->part.first,
+                             j->part.n_layers, xform_copy, j);
+    if (rc) j->rc = rc;
+    return;
+  }
   if (!j->gpu) {
     j->t_start = kvf__now_ns();
     /* guarded: engine memory may be a file its engine shrinks (pool_engine.c) */
@@ -237,8 +253,10 @@ static int start_blocks(local_transport *lt, kvf__xfer *x, const kvf__bpart *b, 
   if (b->n_layers == 0 || b->first < s->first_layer || b->first < d->first_layer ||
       b->first + b->n_layers > s->first_layer + s->n_layers || b->first + b->n_layers > d->first_layer + d->n_layers)
     return KVF_ERANGE;
-  if (s->block_bytes != d->block_bytes || s->n_kv != d->n_kv) return KVF_ESIZE;
-  kvf__gpu_blocks g = {.block_bytes = s->block_bytes, .n_layers = b->n_layers, .n_kv = s->n_kv, .n = b->n};
+  if ((!b->xf.transform && s->block_bytes != d->block_bytes) || s->n_kv != d->n_kv) return KVF_ESIZE;
+  /* a transform: one launch of the transform kernel, addresses on the GPU */
+  kvf__gpu_blocks g = {.block_bytes = s->block_bytes, .n_layers = b->n_layers, .n_kv = s->n_kv, .n = b->n,
+                       .xf = b->xf.transform ? &b->xf : NULL};
   block_side(s, b->src_layout, b->sids, b->first, &g.src);
   block_side(d, b->dst_layout, b->dids, b->first, &g.dst);
   copy_job *j = calloc(1, sizeof(*j));
@@ -248,7 +266,7 @@ static int start_blocks(local_transport *lt, kvf__xfer *x, const kvf__bpart *b, 
   j->last = last;
   j->gpu = j->blocks = true;
   j->pieces = (uint64_t)b->n * b->n_layers * s->n_kv;
-  j->bytes = j->pieces * s->block_bytes;
+  j->bytes = g.xf ? kvf__xplan_bytes(g.xf, b->n_layers, s->n_kv) : j->pieces * s->block_bytes;
   j->t_post = j->t_start = j->t_built = kvf__now_ns();
   int rc = kvf__gpu_blocks_start(&g, on_gpu_done, j);
   if (rc) {
@@ -262,8 +280,29 @@ static int start_blocks(local_transport *lt, kvf__xfer *x, const kvf__bpart *b, 
   return 0;
 }
 
+/* A transform between host pools: walked on the thread pool, each run a
+ * memcpy, so the loop neither walks nor holds a run per piece (NHD <-> HND
+ * is one run per token and head). -EAGAIN: not that case. */
+static int start_host_xform(local_transport *lt, kvf__xfer *x, const kvf__bpart *b, bool last) {
+  if (!b->xf.transform || kvf__pool_gpu(kvfd.pools[b->src->pool]) || kvf__pool_gpu(kvfd.pools[b->dst->pool]))
+    return -EAGAIN;
+  copy_job *j = calloc(1, sizeof(*j));
+  if (!j) return -ENOMEM;
+  j->lt = lt;
+  j->x = x;
+  j->last = last;
+  j->xform = true;
+  j->part = *b;
+  j->req.data = j;
+  j->t_post = kvf__now_ns();
+  int rc = uv_queue_work(lt->base.loop, &j->req, do_copy, after_copy);
+  if (rc) free(j);
+  return rc;
+}
+
 static int local_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
   int rc = start_blocks(to_local(t), x, b, last);
+  if (rc == -EAGAIN) rc = start_host_xform(to_local(t), x, b, last);
   return rc == -EAGAIN ? kvf__transport_post_block_runs(t, x, b, last) : rc;
 }
 

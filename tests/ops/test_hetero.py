@@ -1,0 +1,331 @@
+#!/usr/bin/env python3
+"""Heterogeneous KV layouts (issue 17), black box, over local (two clients
+of one daemon) and tcp (two daemons): prefill and decode ranks with other
+tensor parallelism (each rank's layout holds its range of the model's KV
+heads), other order (NHD, HND) and other tokens per block (16 <-> 64), and
+MLA. Every byte of every decode rank's pool slice is checked against a
+reference transform computed here with plain index math from the
+definitions (NHD: [block, token, head, dim], HND: [block, head, token,
+dim]; the transfer's token t is block t // T slot t % T on each side), and
+every byte around the granted blocks must still be the poison. Errors:
+layouts that cannot be reconciled (layer counts, head dims, dtypes, no
+head in common, a send that lacks some of its grant's heads) are refused
+with KVF_ESIZE and a message naming the mismatch."""
+import os
+import random
+import unittest
+
+import kvftest  # first: puts the binding from the source tree on sys.path
+from kvftest import wait_event
+
+import kvferry
+
+H = 8            # the model's KV heads (llama3-8b)
+D = 8            # head dim
+ES = 2           # dtype bytes
+UNIT = D * ES    # one token of one head
+L = 2            # layers
+NB = 12          # blocks in each rank's layout
+TOKENS = 128     # tokens a transfer moves
+POISON = 0xA5
+RANK_SLICE = 1 << 20
+
+
+class Rank:
+    """One engine rank's layout: per layer [n_kv][NB] blocks of tpb tokens
+    of its heads, in order, from pool offset base."""
+
+    def __init__(self, client, pool, base, tp, r, order, tpb, mla=False, n_layers=L, head_dim=D, dtype=ES,
+                 model=H):
+        self.r, self.order, self.tpb, self.base = r, order, tpb, base
+        self.n_kv = 1 if mla else 2
+        self.heads, self.h0 = (1, 0) if mla else (H // tp, r * (H // tp))
+        model = 1 if mla else model  # 0: heads not stated
+        self.unit = head_dim * dtype
+        self.bb = tpb * self.heads * self.unit
+        self.offsets = [base + reg * NB * self.bb for reg in range(n_layers * self.n_kv)]
+        self.size = n_layers * self.n_kv * NB * self.bb
+        assert self.size <= RANK_SLICE
+        self.id = client.register_layout(kvferry.Layout(
+            pool, self.offsets, NB, self.bb, n_kv=self.n_kv, tokens_per_block=tpb, kv_heads=self.heads,
+            head_dim=head_dim, dtype_bytes=dtype, order=order, first_head=self.h0, model_kv_heads=model))
+
+    def addr(self, layer, kv, ids, t, h):
+        """Pool offset of token t (of the transfer) of model head h."""
+        block, slot, hh = ids[t // self.tpb], t % self.tpb, h - self.h0
+        inner = slot * self.heads + hh if self.order == "NHD" else hh * self.tpb + slot
+        return self.offsets[layer * self.n_kv + kv] + block * self.bb + inner * UNIT
+
+    def holds(self, h):
+        return self.h0 <= h < self.h0 + self.heads
+
+
+class Base:
+    """The cases; the classes below pick the daemons and paths."""
+
+    def setUp(self):
+        self.rng = random.Random(17)
+        self.clients = []
+        self.cp = self.client(self.pre)
+
+    def tearDown(self):
+        for c in self.clients:
+            c.close()
+
+    def client(self, daemon):
+        c = kvferry.Client(daemon.sock)
+        self.clients.append(c)
+        return c
+
+    def handoff(self, path, ptp, dtp, porder, dorder, pts, dts, mla=False):
+        """Every rank of prefill TP ptp and decode TP dtp is a client with
+        its own layout. KV heads: one transfer id for the request, each
+        decode rank grants it, each prefill rank sends it (fan-in and
+        fan-out: the daemons move each head from the rank that holds it).
+        MLA: decode rank r takes the latent from prefill rank r % ptp (any
+        one source), one id each. Then every byte of every decode rank is
+        checked."""
+        tag = "%s-%d-%d-%s-%s-%d-%d-%s" % (path, ptp, dtp, porder, dorder, pts, dts, mla)
+        ddaemon = self.dec if path != "local" else self.pre
+        cps = [self.client(self.pre) for _ in range(ptp)]
+        cds = [self.client(ddaemon) for _ in range(dtp)]
+        pp, pd = cps[0].pool_find("kv"), cds[0].pool_find("kv")
+        pre = [Rank(cps[i], pp, i * RANK_SLICE, ptp, i, porder, pts, mla) for i in range(ptp)]
+        dbase = 8 * RANK_SLICE  # local: one pool for both sides
+        dec = [Rank(cds[i], pd, dbase + i * RANK_SLICE, dtp, i, dorder, dts, mla) for i in range(dtp)]
+        nd, ns = TOKENS // dts, -(-TOKENS // pts)
+        sids = [self.rng.sample(range(NB), ns) for _ in pre]
+        dids = [self.rng.sample(range(NB), nd) for _ in dec]
+        src = pp.memory
+        for p in pre:
+            src[p.base:p.base + p.size] = os.urandom(p.size)
+        dmem = pd.memory
+        span = dtp * RANK_SLICE
+        dmem[dbase:dbase + span] = bytes([POISON]) * span
+        want = bytearray([POISON]) * span
+        for d in dec:
+            for layer in range(L):
+                for kv in range(d.n_kv):
+                    for h in range(d.h0, d.h0 + d.heads):
+                        p = pre[d.r % ptp] if mla else next(p for p in pre if p.holds(h))
+                        for t in range(TOKENS):
+                            s, o = p.addr(layer, kv, sids[p.r], t, h), d.addr(layer, kv, dids[d.r], t, h) - dbase
+                            want[o:o + UNIT] = src[s:s + UNIT]
+        src_node = "prefill" if path != "local" else None
+        dst_node = "decode" if path != "local" else "prefill"
+        xid = lambda d: "%s-%d" % (tag, d.r) if mla else tag  # noqa: E731
+        for d in dec:
+            cds[d.r].grant_blocks(xid(d), src_node, d.id, dids[d.r])
+        sends = [(pre[d.r % ptp], xid(d)) for d in dec] if mla else [(p, tag) for p in pre]
+        for p, x in sends:
+            cps[p.r].send_blocks(x, dst_node, p.id, sids[p.r])
+        for d in dec:
+            ev = wait_event(cds[d.r], xid(d), type=kvferry.RECV_DONE)
+            self.assertEqual((ev.status, ev.error, ev.path), (0, "", path), xid(d))
+            self.assertEqual(ev.bytes, nd * L * d.n_kv * d.bb, xid(d))
+        for p, x in sends:
+            sev = wait_event(cps[p.r], x, type=kvferry.SEND_DONE)
+            self.assertEqual((sev.status, sev.error), (0, ""), x)
+            self.assertEqual(sev.bytes, TOKENS * p.heads * UNIT * L * p.n_kv, x)
+        got = bytes(dmem[dbase:dbase + span])
+        if got != want:
+            i = next(i for i in range(span) if got[i] != want[i])
+            self.fail("%s: decode rank %d byte %d is 0x%02x, expected 0x%02x" % (
+                tag, i // RANK_SLICE, i % RANK_SLICE, got[i], want[i]))
+        for c in cps + cds:
+            c.close()
+            self.clients.remove(c)
+
+    def every_combination(self, path, tps=((1, 1), (8, 4), (4, 8), (2, 8), (8, 1), (1, 4)),
+                          tokens=((16, 16), (16, 64), (64, 16))):
+        for porder in ("NHD", "HND"):
+            for dorder in ("NHD", "HND"):
+                for pts, dts in tokens:
+                    for ptp, dtp in tps:
+                        with self.subTest(ptp=ptp, dtp=dtp, porder=porder, dorder=dorder, pts=pts, dts=dts):
+                            self.handoff(path, ptp, dtp, porder, dorder, pts, dts)
+                    with self.subTest(mla=True, porder=porder, dorder=dorder, pts=pts, dts=dts):
+                        self.handoff(path, 2, 4, porder, dorder, pts, dts, mla=True)
+
+    def test_fan_in_layer_by_layer(self):
+        """TP 8 -> TP 4 sent layer by layer with layer events: one
+        LAYER_DONE per layer, in order, once both heads have it, then
+        RECV_DONE; every byte of the granted blocks checked."""
+        for path in self.PATHS:
+            cd = self.client(self.dec if path != "local" else self.pre)
+            cps = [self.client(self.pre) for _ in range(2)]
+            d = Rank(cd, cd.pool_find("kv"), 8 * RANK_SLICE, 4, 0, "HND", 64)
+            ps = [Rank(cps[i], cps[i].pool_find("kv"), i * RANK_SLICE, 8, i, "NHD", 16) for i in range(2)]
+            src = cps[0].pool_find("kv").memory
+            for p in ps:
+                src[p.base:p.base + p.size] = os.urandom(p.size)
+            dids, sids = [5, 2], [list(range(8)), list(range(11, 3, -1))]
+            xid = "%s-layers" % path
+            cd.grant_blocks(xid, "prefill" if path != "local" else None, d.id, dids, layer_events=True)
+            for layer in range(L):
+                for i, p in enumerate(ps):
+                    cps[i].send_blocks(xid, "decode" if path != "local" else "prefill", p.id,
+                                       sids[i] if layer == 0 else None, first_layer=layer, n_layers=1,
+                                       more=layer < L - 1)
+            layers = []
+            while True:
+                ev = wait_event(cd, xid)
+                if ev.type != kvferry.LAYER_DONE:
+                    break
+                layers.append(ev.layer)
+            self.assertEqual((ev.type, ev.status, ev.error), (kvferry.RECV_DONE, 0, ""))
+            self.assertEqual(layers, list(range(L)))
+            got = cd.pool_find("kv").memory
+            for layer in range(L):
+                for kv in range(2):
+                    for t in range(TOKENS):
+                        for h in range(2):
+                            p = ps[h]
+                            s, o = p.addr(layer, kv, sids[h], t, h), d.addr(layer, kv, dids, t, h)
+                            self.assertEqual(bytes(got[o:o + UNIT]), bytes(src[s:s + UNIT]), (layer, kv, t, h))
+            for i in range(2):
+                self.assertEqual(wait_event(cps[i], xid, type=kvferry.SEND_DONE).status, 0)
+
+    def pair_clients(self, path):
+        return self.client(self.pre), self.client(self.dec if path != "local" else self.pre)
+
+    def refused(self, path, tag, grant_rank, send_rank, what, model=H):
+        """The grant of grant_rank and the send of send_rank cannot pair:
+        KVF_ESIZE with what in the message, from the call or the events
+        (a fan over KV heads: every head's)."""
+        cp, cd = self.pair_clients(path)
+        xid = "%s-%s-%d" % (path, tag, model)
+        base = 8 * RANK_SLICE
+        g = grant_rank(cd, cd.pool_find("kv"), base, model)
+        cd.grant_blocks(xid, "prefill" if path != "local" else None, g.id, list(range(TOKENS // 16)))
+        p = send_rank(cp, cp.pool_find("kv"), 0, model)
+        try:
+            cp.send_blocks(xid, "decode" if path != "local" else "prefill", p.id, list(range(TOKENS // 16)))
+        except kvferry.KvferryError as e:
+            self.assertEqual(e.name, "KVF_ESIZE")
+            self.assertIn(what, str(e))
+            cd.cancel(xid)
+            return
+        sev = wait_event(cp, xid, type=kvferry.SEND_DONE)
+        self.assertEqual(sev.error_name, "KVF_ESIZE", sev.error)
+        self.assertIn(what, sev.error)
+        rev = wait_event(cd, xid, type=kvferry.RECV_DONE)
+        self.assertIn(rev.error_name, ("KVF_ESIZE", "KVF_EREMOTECANCEL"))
+        self.assertIn(what, rev.error)
+        if model:  # a fan: the event names the heads
+            self.assertTrue(sev.error.startswith("heads 0-7 not sent: "), sev.error)
+            self.assertTrue(rev.error.startswith("heads 0-7 missing: "), rev.error)
+
+    def test_refusals(self):
+        one = lambda **kw: (lambda c, pool, base, model: Rank(c, pool, base, 1, 0, "NHD", 16, model=model,  # noqa
+                                                              **kw))
+        for path in self.PATHS:
+            for model in (0, H):  # heads not stated (one to one), stated (a fan of 8 heads)
+                self.refused(path, "layers", one(), one(n_layers=1), "layer counts", model)
+                self.refused(path, "head-dim", one(), one(head_dim=16, dtype=1), "head dims differ (16 and 8)", model)
+                self.refused(path, "dtype", one(), one(dtype=4), "dtypes differ (4 and 2 bytes)", model)
+
+    def test_missing_heads_at_deadline(self):
+        """TP 8 -> TP 4 where prefill rank 1 never sends: decode rank 0's
+        grant fails at its deadline naming head 1; rank 0's head lands and
+        its send succeeds. A send whose heads no grant takes fails at its
+        deadline naming them."""
+        for path in self.PATHS:
+            cp, cd = self.pair_clients(path)
+            d = Rank(cd, cd.pool_find("kv"), 8 * RANK_SLICE, 4, 0, "HND", 16)
+            p = Rank(cp, cp.pool_find("kv"), 0, 8, 0, "NHD", 16)
+            xid = "%s-missing" % path
+            cd.grant_blocks(xid, "prefill" if path != "local" else None, d.id, list(range(8)), deadline_ms=1500)
+            cp.send_blocks(xid, "decode" if path != "local" else "prefill", p.id, list(range(8)), deadline_ms=1500)
+            self.assertEqual(wait_event(cp, xid, type=kvferry.SEND_DONE).status, 0)
+            rev = wait_event(cd, xid, type=kvferry.RECV_DONE)
+            self.assertEqual(rev.error_name, "KVF_EDEADLINE", rev.error)
+            self.assertTrue(rev.error.startswith("heads 1 missing: "), rev.error)
+            self.assertEqual(rev.bytes, TOKENS * UNIT * L * 2)  # head 0 landed
+            # a send of heads 4-5 into a grant of heads 2-3: nothing in common
+            cp, cd = self.pair_clients(path)
+            d = Rank(cd, cd.pool_find("kv"), 8 * RANK_SLICE, 4, 1, "HND", 16)
+            p = Rank(cp, cp.pool_find("kv"), 0, 4, 2, "NHD", 16)
+            xid = "%s-disjoint" % path
+            cd.grant_blocks(xid, "prefill" if path != "local" else None, d.id, list(range(8)), deadline_ms=1000)
+            cp.send_blocks(xid, "decode" if path != "local" else "prefill", p.id, list(range(8)), deadline_ms=1000)
+            sev = wait_event(cp, xid, type=kvferry.SEND_DONE)
+            self.assertTrue(sev.error.startswith("heads 4-5 not sent: "), sev.error)
+            rev = wait_event(cd, xid, type=kvferry.RECV_DONE)
+            self.assertTrue(rev.error.startswith("heads 2-3 missing: "), rev.error)
+
+
+class Hetero(Base, kvftest.PairTestCase):
+    """local (two clients of one daemon) and tcp."""
+    POOL = "32M"
+    PATHS = ("local", "tcp")
+
+    def test_local(self):
+        self.every_combination("local")
+
+    def test_tcp(self):
+        self.every_combination("tcp")
+
+    def test_transform_listed(self):
+        """kvferryctl transfers (the inspect API) says what a send of blocks
+        does once it knows its grant: the heads, orders and block sizes."""
+        cp, cd = self.pair_clients("tcp")
+        d = Rank(cd, cd.pool_find("kv"), 8 * RANK_SLICE, 1, 0, "HND", 64, model=0)
+        p = Rank(cp, cp.pool_find("kv"), 0, 1, 0, "NHD", 16, model=0)
+        cd.grant_blocks("listed", "prefill", d.id, [0, 1])
+        cp.send_blocks("listed", "decode", p.id, list(range(8)), first_layer=0, n_layers=1, more=True)
+        rows = [t for t in cp.inspect("transfers", json=True)["transfers"] if t["id"] == "listed"]
+        self.assertEqual(len(rows), 1, rows)
+        self.assertEqual(rows[0].get("transform"), "heads 0-7, NHD 16/8h -> HND 64/8h")
+        cp.send_blocks("listed", "decode", p.id, None, first_layer=1, n_layers=1)
+        self.assertEqual(wait_event(cd, "listed", type=kvferry.RECV_DONE).status, 0)
+        self.assertEqual(wait_event(cp, "listed", type=kvferry.SEND_DONE).status, 0)
+
+    def test_bench(self):
+        """kvferry-bench --blocks with heterogeneous layouts: every rank a
+        client, every byte of every decode rank verified, the JSON line."""
+        import json
+        import subprocess
+        bench = os.path.join(kvftest.BUILD, "kvferry-bench")
+        cases = [(self.dec, "tcp", "--tokens 256 --prefill-tp 8 --decode-tp 4 --prefill-order hnd "
+                                   "--decode-block-tokens 64"),
+                 (self.pre, "local", "--tokens 32 --prefill-tp 2 --decode-tp 8 --decode-order hnd"),
+                 (self.dec, "tcp", "--tokens 256 --prefill-tp 2 --decode-tp 2 --prefill-block-tokens 64")]
+        for to, path, args in cases:
+            out = subprocess.run([bench, "--from", self.pre.sock, "--to", to.sock, "--blocks", "--json",
+                                  "--requests", "2"] + args.split(), capture_output=True, text=True, timeout=300)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            d = json.loads(out.stdout)
+            self.assertEqual((d["path"], d["verified"], d["requests"], d["api"]), (path, True, 2, "blocks"), d)
+            tp = dict(zip(args.split()[::2], args.split()[1::2]))
+            self.assertEqual((d["prefill_tp"], d["decode_tp"]), (int(tp["--prefill-tp"]), int(tp["--decode-tp"])))
+            self.assertEqual(d["fan"], tp["--prefill-tp"] != tp["--decode-tp"])
+            self.assertEqual(d["bytes"], 2 * int(tp["--tokens"]) * 8 * 256 * 32 * 2)
+
+
+IPS = os.environ.get("KVF_TEST_RDMA_IPS", "").split()
+
+
+@unittest.skipUnless(len(IPS) == 2, "KVF_TEST_RDMA_IPS not set (run in the VM: tests/rdma/run.sh)")
+class HeteroRdma(Base, unittest.TestCase):
+    """rdma in the soft-RoCE VM: each piece written where it goes (one
+    write per coalesced run), fewer combinations (the VM is slow)."""
+    PATHS = ("rdma",)
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = kvftest.tempdir()
+        cls.pre, cls.dec = kvftest.pair(cls.dir, "32M", extra="transports rdma\n", extra_of={
+            "prefill": "rdma-listen %s:0" % IPS[0], "decode": "rdma-listen %s:0" % IPS[1]})
+
+    @classmethod
+    def tearDownClass(cls):
+        for d in (cls.pre, cls.dec):
+            assert d.stop() == 0
+
+    def test_rdma(self):
+        self.every_combination("rdma", tps=((8, 4), (2, 8)), tokens=((16, 64), (64, 16)))
+
+
+if __name__ == "__main__":
+    kvftest.main()
