@@ -44,7 +44,7 @@ CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Wshadow -Wno-unused
 	-fvisibility=hidden -pthread $(OPT) $(SANFLAGS)
 INC := -I$(BUILD)/proto -Iproto -Iclient -Idaemon
 DEPFLAGS = -MMD -MP
-LDLIBS_D := -luv -lprotobuf-c -lpthread -ldl -lsystemd -lgcrypt -libverbs -lrdmacm
+LDLIBS_D := -luv -lprotobuf-c -lpthread -ldl -lsystemd -lgcrypt -libverbs -lrdmacm -lcurl
 LDLIBS_C := -lprotobuf-c -lpthread -ldl
 
 PROTO_C := $(BUILD)/proto/kvferry.pb-c.c

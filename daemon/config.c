@@ -47,6 +47,7 @@ enum opt_type {
   OPT_DEVICES,    /* auto or a comma list of NAME[:PORT] (RDMA devices) */
   OPT_AUTO_U32,   /* auto or decimal .min...max, stored as int32_t (-1 = auto) */
   OPT_FILE,       /* an absolute path of at most .max bytes, or off (stored as "") */
+  OPT_REGISTRY,   /* etcd://HOST:PORT[,HOST:PORT...]/PREFIX or off (stored as "") */
   OPT_NTYPES
 };
 
@@ -114,6 +115,23 @@ static const struct opt opts[] = {
              "off = accept no peers."},
     {.name = "peer", .reload = true, .type = OPT_PEER, .json = "peers", .def = "",
      .help = "A static peer daemon; repeat the line for each peer."},
+    {.name = "registry", .type = OPT_REGISTRY, .off = F(registry), .max = CAP(registry) - 1,
+     .def = "off",
+     .help = "Membership through etcd (its v3 JSON gateway): this daemon publishes its record "
+             "(node, peer address, transports, incarnation, start time) under PREFIX/nodes/NODE "
+             "with a lease it keeps alive, and watches PREFIX/nodes/ for the others, which "
+             "become peers without a reload (peer lines still work beside it). A node name held "
+             "by a live daemon of another incarnation stops kvferryd at start. While etcd is "
+             "unreachable the last known membership stays and transfers go on; kvferryd "
+             "retries with backoff (status, doctor and metrics say so) and registers again "
+             "when etcd answers. The published address is peer-listen's, or, when that is a "
+             "wildcard, the local address of the connection to etcd. off = static peers only."},
+    {.name = "registry-ttl-ms", .type = OPT_U32, .off = F(registry_ttl_ms),
+     .min = 2000, .max = 600000, .def = "5000",
+     .help = "TTL of this daemon's etcd lease (whole seconds, rounded up): a daemon that died "
+             "leaves the membership this long after its last keepalive (sent every third of "
+             "it). The same value on every node: a restarted daemon waits up to this long for "
+             "its previous incarnation's record to expire."},
     {.name = "cluster-key-file", .type = OPT_FILE, .off = F(cluster_key_file),
      .max = CAP(cluster_key_file) - 1, .def = "off",
      .help = "File holding the cluster key, the same bytes on every node (16..4096 bytes, "
@@ -782,6 +800,43 @@ static int parse_file(const struct opt *o, kvf__config *cfg, char **argv, int ar
   return 0;
 }
 
+/* etcd://HOST:PORT[,HOST:PORT...]/PREFIX or off; the registry thread
+ * (registry.c) splits it again, this only refuses what cannot work. */
+static int parse_registry(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                          struct pctx *pc) {
+  const char *s = argv[0];
+  if (strcmp(s, "off") == 0) {
+    set_str(field(cfg, o->off), (size_t)o->max + 1, "");
+    return 0;
+  }
+  if (strlen(s) > o->max)
+    return fail(pc, -ERANGE, "%s: %zu bytes, at most %" PRIu64, o->name, strlen(s), o->max);
+  if (strncmp(s, "etcd://", 7) != 0)
+    return fail(pc, -EINVAL, "%s: '%s' is not etcd://HOST:PORT[,HOST:PORT...]/PREFIX or off",
+                o->name, show(pc, s));
+  const char *ep = s + 7, *slash = strchr(ep, '/');
+  if (!slash || !slash[1])
+    return fail(pc, -EINVAL, "%s: '%s' has no /PREFIX after its endpoints", o->name, show(pc, s));
+  for (const char *p = slash + 1; *p; p++)
+    if ((unsigned char)*p <= 0x20 || *p == 0x7f)
+      return fail(pc, -EINVAL, "%s: control character or space in the prefix", o->name);
+  while (ep < slash) {
+    const char *end = memchr(ep, ',', (size_t)(slash - ep));
+    if (!end) end = slash;
+    char one[300], host[256];
+    uint16_t port;
+    if ((size_t)(end - ep) >= sizeof one)
+      return fail(pc, -EINVAL, "%s: an endpoint is too long", o->name);
+    memcpy(one, ep, (size_t)(end - ep));
+    one[end - ep] = '\0';
+    int rc = parse_hostport(o->name, one, host, sizeof host, &port, false, pc);
+    if (rc) return rc;
+    ep = end + 1;
+  }
+  set_str(field(cfg, o->off), (size_t)o->max + 1, s);
+  return 0;
+}
+
 static int parse_auto_u32(const struct opt *o, kvf__config *cfg, char **argv, int argc,
                           struct pctx *pc) {
   uint64_t v;
@@ -1055,6 +1110,8 @@ static const struct opt_kind kinds[OPT_NTYPES] = {
                      json_devices},
     [OPT_AUTO_U32] = {"auto|N", 1, 1, false, parse_auto_u32, dump_auto_u32, json_auto_u32},
     [OPT_FILE] = {"PATH|off", 1, 1, false, parse_file, dump_file, json_file},
+    [OPT_REGISTRY] = {"etcd://HOST:PORT[,HOST:PORT...]/PREFIX|off", 1, 1, false, parse_registry,
+                      dump_file, json_file},
 };
 
 /* The argument as --help and arity errors show it. */

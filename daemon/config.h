@@ -48,6 +48,8 @@ typedef struct kvf__config {
   uint16_t listen_port;
   kvf__peer_cfg peers[KVF__MAX_PEERS_CFG];
   size_t n_peers;
+  char registry[512];              /* "etcd://HOST:PORT[,...]/PREFIX"; "" = off */
+  uint32_t registry_ttl_ms;        /* our record's etcd lease */
   kvf__pool_cfg pools[KVF__MAX_POOLS_CFG];
   size_t n_pools;
   uint32_t default_deadline_ms;

@@ -34,6 +34,8 @@ struct kvf__peer {
   uint64_t ups, downs;
   char last_error[128];
   bool removed;                   /* dropped from the config by a reload; slot kept */
+  bool registered;                /* a registry member (registry.c), not a peer line */
+  uint64_t reg_incarnation;       /* the incarnation its registry record names */
   uint32_t waiting;               /* its send intents and pushed grants held here (xfer.c) */
   uint32_t queued;                /* our sends waiting for it to be up (xfer_wait.c) */
   uint64_t dial_ns;               /* when our current dial began */
@@ -56,6 +58,13 @@ const char *kvf__peer_state_name(int state);
  * with KVF_EPEERLOST), redials a peer whose address changed, and applies
  * heartbeat-ms. Problems are logged; the peer concerned stays as it was. */
 void kvf__peers_reload(void);
+/* Registry (registry.c): a member appeared, moved or restarted (its
+ * record names a new incarnation: what is bound to the old one fails at
+ * once). A name that a peer line configures keeps its line. */
+void kvf__peers_member_put(const kvf__peer_cfg *pc, uint64_t incarnation);
+/* A member's record went (its lease expired, or it left): like a peer line
+ * removed by a reload. */
+void kvf__peers_member_gone(const char *name, const char *why);
 /* The address the peer listener bound (port resolved when 0 was asked). */
 int kvf__peers_listen_port(void);
 

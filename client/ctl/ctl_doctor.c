@@ -253,6 +253,28 @@ static enum result check_cluster_key(const struct doctor *d, char *detail, size_
   return R_OK;
 }
 
+/* Membership through etcd (registry): registered, or why not. */
+static enum result check_registry(const struct doctor *d, char *detail, size_t cap) {
+  if (!d->status) return R_SKIP;
+  const char *r = kvf__json_get(d->status, "registry");
+  char state[32] = "", ep[300] = "", err[200] = "";
+  uint64_t members = 0;
+  if (!r || *r == 'n') {
+    snprintf(detail, cap, "registry is off: static peers only");
+    return R_SKIP;
+  }
+  kvf__json_get_str(r, "state", state, sizeof state);
+  kvf__json_get_str(r, "endpoint", ep, sizeof ep);
+  kvf__json_get_str(r, "last_error", err, sizeof err);
+  kvf__json_get_u64(r, "members", &members);
+  if (strcmp(state, "registered") == 0) {
+    snprintf(detail, cap, "registered at %s, %" PRIu64 " members", ep, members);
+    return R_OK;
+  }
+  snprintf(detail, cap, "%s (%s; %" PRIu64 " members kept): %s", state, ep, members, err);
+  return R_FAIL;
+}
+
 /* GPU checks: ctl_gpu.c (results in this file's order). */
 static enum result check_cuda(const struct doctor *d, char *detail, size_t cap) {
   return (enum result)ctl_gpu_driver(detail, cap);
@@ -310,6 +332,7 @@ static const struct check {
     {"peers-up", "every configured peer daemon is connected", check_peers},
     {"metrics", "the metrics endpoint answers", check_metrics},
     {"cluster-key", "peers authenticate with a cluster key", check_cluster_key},
+    {"registry", "this node is registered in etcd (registry)", check_registry},
     {"cuda", "the NVIDIA driver loads and sees the GPUs", check_cuda},
     {"gpu-dmabuf", "GPUs, driver and kernel export GPU memory as dmabuf", check_gpu_dmabuf},
     {"nvidia-peermem", "nvidia_peermem is loaded where dmabuf is not available", check_gpu_peermem},
