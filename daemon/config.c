@@ -92,6 +92,7 @@ static const char *const tristate_words[] = {"auto", "on", "off", NULL};
 static const char *const gdr_words[] = {"auto", "off", NULL}; /* enum kvf__gdr */
 static const char *const level_words[] = {"err", "warn", "info", "debug", NULL};
 static const char *const transport_words[] = {"tcp", "rdma", NULL};
+static const char *const connect_words[] = {"eager", "on-demand", NULL}; /* enum kvf__peer_connect */
 static const char *const overlap_words[] = {"refuse", "allow", NULL}; /* enum kvf__grant_overlap */
 
 /* The table. Order is the order of --help, the dump and kvferryd.conf. */
@@ -126,6 +127,18 @@ static const struct opt opts[] = {
              "retries with backoff (status, doctor and metrics say so) and registers again "
              "when etcd answers. The published address is peer-listen's, or, when that is a "
              "wildcard, the local address of the connection to etcd. off = static peers only."},
+    {.name = "peer-connect", .reload = true, .type = OPT_ENUM, .off = F(peer_connect),
+     .words = connect_words, .def = "eager",
+     .help = "When static peers are dialed: eager = at start, and redialed whenever the link "
+             "drops (a full mesh); on-demand = on first need (a send to the peer, a grant "
+             "pushed to it), closed after peer-idle-close-ms without transfers. Registry "
+             "members are always on demand. Sends to a peer not yet connected wait for it "
+             "within their deadlines. Use one value on every node."},
+    {.name = "peer-idle-close-ms", .reload = true, .type = OPT_U32, .off = F(peer_idle_close_ms),
+     .min = 0, .max = 86400000, .def = "30000",
+     .help = "An on-demand link (registry members; static peers with peer-connect on-demand) "
+             "that carried no transfer for this long is closed, both sides idle, until the "
+             "next need; 0 = never."},
     {.name = "registry-ttl-ms", .type = OPT_U32, .off = F(registry_ttl_ms),
      .min = 2000, .max = 600000, .def = "5000",
      .help = "TTL of this daemon's etcd lease (whole seconds, rounded up): a daemon that died "
@@ -201,8 +214,10 @@ static const struct opt opts[] = {
      .help = "Most transfers one client may have in flight."},
     {.name = "max-peers", .reload = true, .type = OPT_U32, .off = F(max_peers),
      .min = 1, .max = KVF__MAX_PEERS_CFG, .def = "64",
-     .help = "Most peer lines in the configuration; a file (or a reload) with more "
-             "is refused."},
+     .help = "Most live peer links. With peer-connect eager, also the most peer lines (a "
+             "file, or a reload, with more is refused); on demand (registry members, "
+             "peer-connect on-demand) a new link past it first closes the least recently used "
+             "one that carries no transfer, and waits while none can close."},
     {.name = "max-pending-peers", .reload = true, .type = OPT_U32, .off = F(max_pending_peers),
      .min = 1, .max = 65536, .def = "1024",
      .help = "Most inbound peer connections (control or tcp data stream) that have "
@@ -1283,7 +1298,7 @@ static int validate_bounds(const kvf__config *cfg, char *err, size_t errlen) {
 
 static int validate_names(const kvf__config *cfg, char *err, size_t errlen) {
   if (!cfg->node[0]) return vfail(err, errlen, "node is not set (add a line 'node NAME')");
-  if (cfg->n_peers > cfg->max_peers)
+  if (cfg->n_peers > cfg->max_peers && cfg->peer_connect == KVF__CONNECT_EAGER)
     return vfail(err, errlen, "%zu static peers but max-peers is %" PRIu32, cfg->n_peers,
                  cfg->max_peers);
   if (cfg->n_pools > KVF__MAX_POOLS_CFG)

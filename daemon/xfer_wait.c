@@ -51,6 +51,7 @@ bool kvf__xwait_may_queue(kvf__peer *p, const char *node, char *err, size_t errl
 
 void kvf__xwait_park(kvf__xfer *x) {
   set_wait(x, XW_LINK);
+  kvf__peer_need(x->peer); /* an idle on-demand peer is dialed now */
   kvf__debug("transfer '%s': peer %s is not connected; the send waits for it (deadline %u ms)", x->id,
              x->peer_name, x->deadline_ms);
 }

@@ -201,7 +201,7 @@ static enum result check_peers(const struct doctor *d, char *detail, size_t cap)
     n++;
     kvf__json_get_str(e, "name", name, sizeof name);
     kvf__json_get_str(e, "state", state, sizeof state);
-    if (strcmp(state, "up") == 0) continue;
+    if (strcmp(state, "up") == 0 || strcmp(state, "idle") == 0) continue; /* idle: on demand */
     kvf__json_get_str(e, "last_error", err, sizeof err);
     if (used < cap)
       used += (size_t)snprintf(detail + used, cap - used, "%s%s %s%s%s%s", down++ ? "; " : "",

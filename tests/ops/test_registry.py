@@ -87,10 +87,11 @@ class Base(unittest.TestCase):
         return d.start() if start else d
 
     def mesh(self, daemons):
+        """Every daemon lists the others (members are connected on demand)."""
         names = sorted(d.name for d in daemons)
         for d in daemons:
             others = [n for n in names if n != d.name]
-            wait_for(lambda: peer_names(d, "up") == others, 10, "%s to have %s up" % (d.name, others))
+            wait_for(lambda: peer_names(d) == others, 10, "%s to list %s" % (d.name, others))
 
     def transfer(self, src, dst, xid, seed):
         cs, cd = src.client(), dst.client()
@@ -128,7 +129,8 @@ class TestJoinLeave(Base):
         a.start()
         s.start()
         b = self.daemon("b")
-        wait_for(lambda: peer_names(a, "up") == ["b", "static"], 10, "a to have b and static up")
+        wait_for(lambda: peer_names(a) == ["b", "static"], 10, "a to list b and static")
+        wait_for(lambda: peer_names(a, "up") == ["static"], 10, "a to have static (eager) up")
         self.transfer(s, a, "s-1", 3)
         self.transfer(b, a, "s-2", 4)
         self.assertEqual(a.status()["registry"]["members"], 1)
@@ -165,6 +167,58 @@ class TestJoinLeave(Base):
         self.transfer(a, b, "r-1", 6)
 
 
+class TestOnDemand(Base):
+    """Members are dialed on first need and closed when idle; max-peers
+    bounds live links, not members; peer-connect on-demand does the same
+    for static peers."""
+    IDLE = "peer-idle-close-ms 600\n"
+
+    def test_connect_on_send_and_close_when_idle(self):
+        a, b = self.daemon("a", extra=self.IDLE), self.daemon("b", extra=self.IDLE)
+        self.mesh([a, b])
+        self.assertEqual((peer_names(a, "idle"), peer_names(b, "idle")), (["b"], ["a"]))
+        self.transfer(a, b, "d-1", 40)  # the send dials
+        wait_for(lambda: peer_names(a, "idle") == ["b"] and peer_names(b, "idle") == ["a"], 10,
+                 "both links idle again")
+        self.assertEqual(metric(a, 'kvferry_peers{state="idle"}'), 1)
+        self.assertEqual(doctor_row(a, "peers-up")["result"], "ok")  # idle is not down
+        self.transfer(b, a, "d-2", 41)  # and the next need dials again
+        self.assertNotIn("peer b down", a.log_text())  # idle closes are not losses
+
+    def test_pushed_grant_dials(self):
+        a, b = self.daemon("a"), self.daemon("b")
+        self.mesh([a, b])
+        cb = b.client()
+        self.clients.append(cb)
+        pb = cb.pool_find("kv")
+        cb.grant("g-1", "a", [(pb.id, 0, 4096)], deadline_ms=10000)  # no send yet
+        wait_for(lambda: peer_names(b, "up") == ["a"], 10, "b to dial a for its grant")
+        cb.cancel("g-1")
+
+    def test_max_peers_bounds_links_not_members(self):
+        a = self.daemon("a", extra="max-peers 1\n")
+        b, c = self.daemon("b"), self.daemon("c")
+        self.mesh([a, b, c])
+        self.transfer(a, b, "m-1", 42)
+        self.assertEqual(peer_names(a, "up"), ["b"])
+        self.transfer(a, c, "m-2", 43)  # b's idle link makes room
+        self.assertEqual(peer_names(a, "up"), ["c"])
+        self.assertEqual(peer_names(a), ["b", "c"])
+        self.transfer(b, a, "m-3", 44)
+
+    def test_static_peers_on_demand(self):
+        s1 = Daemon(self.dir, "s1", pool="8M", extra="peer-connect on-demand\n" + self.IDLE)
+        s2 = Daemon(self.dir, "s2", pool="8M", extra="peer-connect on-demand\n" + self.IDLE)
+        self.daemons += [s1, s2]
+        s1.add_peer(s2)
+        s2.add_peer(s1)
+        s1.start()
+        s2.start()
+        self.assertEqual(peer_names(s1, "idle"), ["s2"])
+        self.transfer(s1, s2, "t-1", 45)
+        wait_for(lambda: peer_names(s1, "idle") == ["s2"], 10, "s1's link to s2 idle again")
+
+
 class TestDuplicate(Base):
     def test_live_name_is_refused_at_start(self):
         a = self.daemon("a")
@@ -193,7 +247,7 @@ class TestEtcdOutage(Base):
         st = a.status()["registry"]
         self.assertEqual((st["reachable"], st["members"]), (False, 1), st)
         self.assertTrue(st["last_error"], st)
-        self.assertEqual(peer_names(a, "up"), ["b"])
+        self.assertEqual(peer_names(a), ["b"])
         row = doctor_row(a, "registry")
         self.assertEqual(row["result"], "fail", row)
         self.assertIn("unreachable", row["detail"])
