@@ -66,6 +66,8 @@ void kvf__peers_member_put(const kvf__peer_cfg *pc, uint64_t incarnation) {
    * not when its connection times out. */
   if (restarted && p->state == KVF__PEER_UP && p->remote_session != incarnation)
     kvf__peer_take_down(p, "the peer restarted (a new incarnation in the registry)");
+  else if (restarted && p->state != KVF__PEER_UP)
+    kvf__xfer_on_peer_restarted(p, incarnation);
 }
 
 void kvf__peers_member_gone(const char *name, const char *why) {
