@@ -349,6 +349,21 @@ static const struct check {
 
 /* ------------------------------------------------------------ running */
 
+static bool selected[N_CHECKS];
+static bool any_selected;
+
+bool ctl_doctor_select(const char *list) {
+  for (const char *p = list; *p;) {
+    size_t n = strcspn(p, ",");
+    size_t i = 0;
+    while (i < N_CHECKS && (strlen(checks[i].name) != n || strncmp(checks[i].name, p, n) != 0)) i++;
+    if (i == N_CHECKS) return false;
+    selected[i] = any_selected = true;
+    p += n + (p[n] == ',');
+  }
+  return any_selected;
+}
+
 static void fetch(struct doctor *d) {
   kvf_client *c;
   d->connect_rc = kvf_connect(d->socket, &c);
@@ -385,13 +400,16 @@ int ctl_doctor(const char *socket, bool json) {
   fetch(&d);
   if (json) printf("{\"checks\":[");
   else printf("%-14s %-5s %s\n", "CHECK", "RESULT", "DETAIL");
+  bool first = true;
   for (size_t i = 0; i < N_CHECKS; i++) {
     char detail[1024] = "";
+    if (any_selected && !selected[i]) continue;
     enum result r = checks[i].fn(&d, detail, sizeof detail);
     if (r == R_SKIP && !detail[0]) snprintf(detail, sizeof detail, "daemon not reachable");
     failed += r == R_FAIL;
     warned += r == R_WARN;
-    print_row(json, i == 0, &checks[i], r, detail);
+    print_row(json, first, &checks[i], r, detail);
+    first = false;
   }
   if (json) printf("],\"failed\":%zu,\"warnings\":%zu}\n", failed, warned);
   else printf("\n%zu failed, %zu warnings\n", failed, warned);
