@@ -835,17 +835,19 @@ static int parse_registry(const struct opt *o, kvf__config *cfg, char **argv, in
   for (const char *p = slash + 1; *p; p++)
     if ((unsigned char)*p <= 0x20 || *p == 0x7f)
       return fail(pc, -EINVAL, "%s: control character or space in the prefix", o->name);
-  while (ep < slash) {
+  for (;;) {
     const char *end = memchr(ep, ',', (size_t)(slash - ep));
     if (!end) end = slash;
     char one[300], host[256];
     uint16_t port;
+    if (end == ep) return fail(pc, -EINVAL, "%s: an empty endpoint in '%s'", o->name, show(pc, s));
     if ((size_t)(end - ep) >= sizeof one)
       return fail(pc, -EINVAL, "%s: an endpoint is too long", o->name);
     memcpy(one, ep, (size_t)(end - ep));
     one[end - ep] = '\0';
     int rc = parse_hostport(o->name, one, host, sizeof host, &port, false, pc);
     if (rc) return rc;
+    if (end == slash) break;
     ep = end + 1;
   }
   set_str(field(cfg, o->off), (size_t)o->max + 1, s);
