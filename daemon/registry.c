@@ -630,6 +630,7 @@ static void pause_ms(uint32_t ms) {
 }
 
 static void failed(int rc, const char *err) {
+  if (atomic_load(&R.stop)) return; /* the request was cut short by our stop, not by etcd */
   pthread_mutex_lock(&R.lock);
   R.info.failures++;
   bool was_reachable = R.info.reachable;
