@@ -80,7 +80,9 @@ class TestManifest(unittest.TestCase):
 class TestStartsADaemon(unittest.TestCase):
     def setUp(self):
         self.dir = kvftest.tempdir()
-        self.etcd = kvfetcd.Etcd(self.dir).start()
+        self.etcd = kvfetcd.Etcd(self.dir)
+        self.addCleanup(self.etcd.kill)  # also when start() fails
+        self.etcd.start()
         self.proc = None
 
     def tearDown(self):

@@ -42,10 +42,14 @@ class Base(unittest.TestCase):
         self.clients, self.etcd = [], None
         extra = ""
         if self.REGISTRY:
-            self.etcd = kvfetcd.Etcd(self.dir).start()
+            self.etcd = kvfetcd.Etcd(self.dir)
+            self.addCleanup(self.etcd.kill)  # also when setUp fails later
+            self.etcd.start()
             extra = "registry %s\nregistry-ttl-ms 2000\n" % self.etcd.url("inc")
         self.pre = Daemon(self.dir, "prefill", pool="64M", extra=extra)
         self.dec = Daemon(self.dir, "decode", pool="64M", extra=extra)
+        self.addCleanup(self.pre.kill)
+        self.addCleanup(self.dec.kill)
         if not self.REGISTRY:
             self.pre.add_peer(self.dec)
             self.dec.add_peer(self.pre)

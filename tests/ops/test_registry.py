@@ -71,7 +71,9 @@ def metric(d, name):
 class Base(unittest.TestCase):
     def setUp(self):
         self.dir = kvftest.tempdir()
-        self.etcd = kvfetcd.Etcd(self.dir).start()
+        self.etcd = kvfetcd.Etcd(self.dir)
+        self.addCleanup(self.etcd.kill)  # also when start() fails
+        self.etcd.start()
         self.daemons, self.clients = [], []
 
     def tearDown(self):

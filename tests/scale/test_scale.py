@@ -291,17 +291,17 @@ class Load:
 @unittest.skipIf(why_not(), why_not())
 class TestScale(unittest.TestCase):
     def setUp(self):
+        # Cleanups, not tearDown: they run when setUp itself fails half way.
         self.dir = kvftest.tempdir()
         self.net = Net(N)
+        self.addCleanup(self.net.destroy)
         self.net.create()
-        self.etcd = kvfetcd.Etcd(self.dir, host=NET + ".1").start()
+        self.etcd = kvfetcd.Etcd(self.dir, host=NET + ".1")
+        self.addCleanup(self.etcd.kill)
+        self.etcd.start()
         self.nodes = [Node(self.dir, i, self.net, self.etcd) for i in range(N)]
-
-    def tearDown(self):
         for n in self.nodes:
-            n.kill()
-        self.etcd.kill()
-        self.net.destroy()
+            self.addCleanup(n.kill)
 
     def converge(self, live, timeout, what):
         names = sorted(self.nodes[i].name for i in live)
