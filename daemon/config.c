@@ -118,33 +118,23 @@ static const struct opt opts[] = {
      .help = "A static peer daemon; repeat the line for each peer."},
     {.name = "registry", .type = OPT_REGISTRY, .off = F(registry), .max = CAP(registry) - 1,
      .def = "off",
-     .help = "Membership through etcd (its v3 JSON gateway): this daemon publishes its record "
-             "(node, peer address, transports, incarnation, start time) under PREFIX/nodes/NODE "
-             "with a lease it keeps alive, and watches PREFIX/nodes/ for the others, which "
-             "become peers without a reload (peer lines still work beside it). A node name held "
-             "by a live daemon of another incarnation stops kvferryd at start. While etcd is "
-             "unreachable the last known membership stays and transfers go on; kvferryd "
-             "retries with backoff (status, doctor and metrics say so) and registers again "
-             "when etcd answers. The published address is peer-listen's, or, when that is a "
-             "wildcard, the local address of the connection to etcd. off = static peers only."},
+     .help = "Membership through etcd (v3 JSON gateway): our record (node, address, transports, "
+             "incarnation, start) under PREFIX/nodes/NODE with a lease kept alive; the others, "
+             "watched, become peers without a reload (peer lines still work). A name held by a "
+             "live daemon stops the start; while etcd is away the members stay (status, doctor, "
+             "metrics say so). Address: peer-listen's, or the local address towards etcd."},
     {.name = "peer-connect", .reload = true, .type = OPT_ENUM, .off = F(peer_connect),
      .words = connect_words, .def = "eager",
-     .help = "When static peers are dialed: eager = at start, and redialed whenever the link "
-             "drops (a full mesh); on-demand = on first need (a send to the peer, a grant "
-             "pushed to it), closed after peer-idle-close-ms without transfers. Registry "
-             "members are always on demand. Sends to a peer not yet connected wait for it "
-             "within their deadlines. Use one value on every node."},
+     .help = "Static peers: eager = dialed at start and whenever the link drops; on-demand = "
+             "on first need (a send, a pushed grant), closed when idle. Registry members are "
+             "always on demand; sends wait for the link within their deadlines."},
     {.name = "peer-idle-close-ms", .reload = true, .type = OPT_U32, .off = F(peer_idle_close_ms),
      .min = 0, .max = 86400000, .def = "30000",
-     .help = "An on-demand link (registry members; static peers with peer-connect on-demand) "
-             "that carried no transfer for this long is closed, both sides idle, until the "
-             "next need; 0 = never."},
+     .help = "An on-demand link that carried no transfer this long closes; 0 = never."},
     {.name = "registry-ttl-ms", .type = OPT_U32, .off = F(registry_ttl_ms),
      .min = 2000, .max = 600000, .def = "5000",
-     .help = "TTL of this daemon's etcd lease (whole seconds, rounded up): a daemon that died "
-             "leaves the membership this long after its last keepalive (sent every third of "
-             "it). The same value on every node: a restarted daemon waits up to this long for "
-             "its previous incarnation's record to expire."},
+     .help = "TTL of our etcd lease (whole seconds): a dead daemon leaves the membership this "
+             "long after its last keepalive. One value on every node."},
     {.name = "cluster-key-file", .type = OPT_FILE, .off = F(cluster_key_file),
      .max = CAP(cluster_key_file) - 1, .def = "off",
      .help = "File holding the cluster key, the same bytes on every node (16..4096 bytes, "
@@ -214,10 +204,8 @@ static const struct opt opts[] = {
      .help = "Most transfers one client may have in flight."},
     {.name = "max-peers", .reload = true, .type = OPT_U32, .off = F(max_peers),
      .min = 1, .max = KVF__MAX_PEERS_CFG, .def = "64",
-     .help = "Most live peer links. With peer-connect eager, also the most peer lines (a "
-             "file, or a reload, with more is refused); on demand (registry members, "
-             "peer-connect on-demand) a new link past it first closes the least recently used "
-             "one that carries no transfer, and waits while none can close."},
+     .help = "Most live peer links (on demand, the least recently used idle one makes room); "
+             "with peer-connect eager also the most peer lines."},
     {.name = "max-pending-peers", .reload = true, .type = OPT_U32, .off = F(max_pending_peers),
      .min = 1, .max = 65536, .def = "1024",
      .help = "Most inbound peer connections (control or tcp data stream) that have "
