@@ -16,6 +16,9 @@
 #   make check        test-build and bench-tools, then every test that runs
 #                     here: unit, integration (real daemons), ops (tests/ops)
 #   make unit / integration / check-ops    one part of `make check`
+#   make check-scale  32 daemons in network namespaces joining through a real
+#                     etcd, kill -9 of a quarter and of etcd under load
+#                     (tests/scale/test_scale.py; root; KVF_SCALE_N=N)
 #   make demo         two daemons on loopback, one verified KV-cache handoff
 #   make demo-up / demo-down   the same daemons, left running (build/demo/env)
 #   make bench-tcp    kvferry vs iperf3 on loopback (bench/tcp_vs_iperf.sh)
@@ -44,7 +47,7 @@ CFLAGS_BASE := -std=c11 -D_GNU_SOURCE -Wall -Wextra -Werror -Wshadow -Wno-unused
 	-fvisibility=hidden -pthread $(OPT) $(SANFLAGS)
 INC := -I$(BUILD)/proto -Iproto -Iclient -Idaemon
 DEPFLAGS = -MMD -MP
-LDLIBS_D := -luv -lprotobuf-c -lpthread -ldl -lsystemd -lgcrypt -libverbs -lrdmacm
+LDLIBS_D := -luv -lprotobuf-c -lpthread -ldl -lsystemd -lgcrypt -libverbs -lrdmacm -lcurl
 LDLIBS_C := -lprotobuf-c -lpthread -ldl
 
 PROTO_C := $(BUILD)/proto/kvferry.pb-c.c
@@ -86,7 +89,7 @@ BENCH_TOOLS := $(BUILD)/desc-bench $(BUILD)/post-bench $(BUILD)/wake-bench $(BUI
 OPS_TESTS := $(wildcard tests/ops/test_*.py)
 MAN_PAGES := $(addprefix $(BUILD)/man/,kvferryd.8 kvferryd.conf.5 kvferryctl.1 libkvferry.3)
 
-.PHONY: all deps test-build bench-tools check unit integration demo demo-up demo-down bench-tcp clean
+.PHONY: all deps test-build bench-tools check check-scale unit integration demo demo-up demo-down bench-tcp clean
 .DEFAULT_GOAL := all
 
 all: $(BINS) $(MAN_PAGES)
@@ -104,7 +107,7 @@ bench-tools: $(BENCH_TOOLS)
 # `make check`, work on a fresh Debian 12, as root); all, install and
 # anything else only check the build packages (--check: a production host
 # gets nothing from apt-get). SKIP_DEPS=1 skips it.
-DEPS_TEST_GOALS := test-build check unit integration check-ops check-gpu check-rdma chaos chaos-vm \
+DEPS_TEST_GOALS := test-build check unit integration check-ops check-scale check-gpu check-rdma chaos chaos-vm \
 	fuzz fuzz-build bench-tcp
 DEPS_BUILD_GOALS := demo demo-up demo-rdma bench-rdma bench-rdma-bounce bench-tools fuzz-corpus
 DEPS_ARGS := --check build
@@ -207,6 +210,10 @@ check: all test-build bench-tools
 # Operations only: systemd, signals, metrics, kvferryctl, install, Python.
 check-ops: all
 	@BUILD=$(BUILD) tests/run.sh $(OPS_TESTS)
+
+# Root (network namespaces) and etcd (etcd-server); skips loudly without.
+check-scale: all
+	@BUILD=$(BUILD) tests/run.sh tests/scale/test_scale.py
 
 unit: all $(UNIT_BIN)
 	@BUILD=$(BUILD) tests/run.sh $(UNIT_BIN)

@@ -47,6 +47,7 @@ enum opt_type {
   OPT_DEVICES,    /* auto or a comma list of NAME[:PORT] (RDMA devices) */
   OPT_AUTO_U32,   /* auto or decimal .min...max, stored as int32_t (-1 = auto) */
   OPT_FILE,       /* an absolute path of at most .max bytes, or off (stored as "") */
+  OPT_REGISTRY,   /* etcd://HOST:PORT[,HOST:PORT...]/PREFIX or off (stored as "") */
   OPT_NTYPES
 };
 
@@ -91,6 +92,7 @@ static const char *const tristate_words[] = {"auto", "on", "off", NULL};
 static const char *const gdr_words[] = {"auto", "off", NULL}; /* enum kvf__gdr */
 static const char *const level_words[] = {"err", "warn", "info", "debug", NULL};
 static const char *const transport_words[] = {"tcp", "rdma", NULL};
+static const char *const connect_words[] = {"eager", "on-demand", NULL}; /* enum kvf__peer_connect */
 static const char *const overlap_words[] = {"refuse", "allow", NULL}; /* enum kvf__grant_overlap */
 
 /* The table. Order is the order of --help, the dump and kvferryd.conf. */
@@ -114,6 +116,25 @@ static const struct opt opts[] = {
              "off = accept no peers."},
     {.name = "peer", .reload = true, .type = OPT_PEER, .json = "peers", .def = "",
      .help = "A static peer daemon; repeat the line for each peer."},
+    {.name = "registry", .type = OPT_REGISTRY, .off = F(registry), .max = CAP(registry) - 1,
+     .def = "off",
+     .help = "Membership through etcd (v3 JSON gateway): our record (node, address, transports, "
+             "incarnation, start) under PREFIX/nodes/NODE with a lease kept alive; the others, "
+             "watched, become peers without a reload (peer lines still work). A name held by a "
+             "live daemon stops the start; while etcd is away the members stay (status, doctor, "
+             "metrics say so). Address: peer-listen's, or the local address towards etcd."},
+    {.name = "peer-connect", .reload = true, .type = OPT_ENUM, .off = F(peer_connect),
+     .words = connect_words, .def = "eager",
+     .help = "Static peers: eager = dialed at start and whenever the link drops; on-demand = "
+             "on first need (a send, a pushed grant), closed when idle. Registry members are "
+             "always on demand; sends wait for the link within their deadlines."},
+    {.name = "peer-idle-close-ms", .reload = true, .type = OPT_U32, .off = F(peer_idle_close_ms),
+     .min = 0, .max = 86400000, .def = "30000",
+     .help = "An on-demand link that carried no transfer this long closes; 0 = never."},
+    {.name = "registry-ttl-ms", .type = OPT_U32, .off = F(registry_ttl_ms),
+     .min = 2000, .max = 600000, .def = "5000",
+     .help = "TTL of our etcd lease (whole seconds): a dead daemon leaves the membership this "
+             "long after its last keepalive. One value on every node."},
     {.name = "cluster-key-file", .type = OPT_FILE, .off = F(cluster_key_file),
      .max = CAP(cluster_key_file) - 1, .def = "off",
      .help = "File holding the cluster key, the same bytes on every node (16..4096 bytes, "
@@ -183,8 +204,8 @@ static const struct opt opts[] = {
      .help = "Most transfers one client may have in flight."},
     {.name = "max-peers", .reload = true, .type = OPT_U32, .off = F(max_peers),
      .min = 1, .max = KVF__MAX_PEERS_CFG, .def = "64",
-     .help = "Most peer lines in the configuration; a file (or a reload) with more "
-             "is refused."},
+     .help = "Most live peer links (on demand, the least recently used idle one makes room); "
+             "with peer-connect eager also the most peer lines."},
     {.name = "max-pending-peers", .reload = true, .type = OPT_U32, .off = F(max_pending_peers),
      .min = 1, .max = 65536, .def = "1024",
      .help = "Most inbound peer connections (control or tcp data stream) that have "
@@ -782,6 +803,45 @@ static int parse_file(const struct opt *o, kvf__config *cfg, char **argv, int ar
   return 0;
 }
 
+/* etcd://HOST:PORT[,HOST:PORT...]/PREFIX or off; the registry thread
+ * (registry.c) splits it again, this only refuses what cannot work. */
+static int parse_registry(const struct opt *o, kvf__config *cfg, char **argv, int argc,
+                          struct pctx *pc) {
+  const char *s = argv[0];
+  if (strcmp(s, "off") == 0) {
+    set_str(field(cfg, o->off), (size_t)o->max + 1, "");
+    return 0;
+  }
+  if (strlen(s) > o->max)
+    return fail(pc, -ERANGE, "%s: %zu bytes, at most %" PRIu64, o->name, strlen(s), o->max);
+  if (strncmp(s, "etcd://", 7) != 0)
+    return fail(pc, -EINVAL, "%s: '%s' is not etcd://HOST:PORT[,HOST:PORT...]/PREFIX or off",
+                o->name, show(pc, s));
+  const char *ep = s + 7, *slash = strchr(ep, '/');
+  if (!slash || !slash[1])
+    return fail(pc, -EINVAL, "%s: '%s' has no /PREFIX after its endpoints", o->name, show(pc, s));
+  for (const char *p = slash + 1; *p; p++)
+    if ((unsigned char)*p <= 0x20 || *p == 0x7f)
+      return fail(pc, -EINVAL, "%s: control character or space in the prefix", o->name);
+  for (;;) {
+    const char *end = memchr(ep, ',', (size_t)(slash - ep));
+    if (!end) end = slash;
+    char one[300], host[256];
+    uint16_t port;
+    if (end == ep) return fail(pc, -EINVAL, "%s: an empty endpoint in '%s'", o->name, show(pc, s));
+    if ((size_t)(end - ep) >= sizeof one)
+      return fail(pc, -EINVAL, "%s: an endpoint is too long", o->name);
+    memcpy(one, ep, (size_t)(end - ep));
+    one[end - ep] = '\0';
+    int rc = parse_hostport(o->name, one, host, sizeof host, &port, false, pc);
+    if (rc) return rc;
+    if (end == slash) break;
+    ep = end + 1;
+  }
+  set_str(field(cfg, o->off), (size_t)o->max + 1, s);
+  return 0;
+}
+
 static int parse_auto_u32(const struct opt *o, kvf__config *cfg, char **argv, int argc,
                           struct pctx *pc) {
   uint64_t v;
@@ -1055,6 +1115,8 @@ static const struct opt_kind kinds[OPT_NTYPES] = {
                      json_devices},
     [OPT_AUTO_U32] = {"auto|N", 1, 1, false, parse_auto_u32, dump_auto_u32, json_auto_u32},
     [OPT_FILE] = {"PATH|off", 1, 1, false, parse_file, dump_file, json_file},
+    [OPT_REGISTRY] = {"etcd://HOST:PORT[,HOST:PORT...]/PREFIX|off", 1, 1, false, parse_registry,
+                      dump_file, json_file},
 };
 
 /* The argument as --help and arity errors show it. */
@@ -1226,7 +1288,7 @@ static int validate_bounds(const kvf__config *cfg, char *err, size_t errlen) {
 
 static int validate_names(const kvf__config *cfg, char *err, size_t errlen) {
   if (!cfg->node[0]) return vfail(err, errlen, "node is not set (add a line 'node NAME')");
-  if (cfg->n_peers > cfg->max_peers)
+  if (cfg->n_peers > cfg->max_peers && cfg->peer_connect == KVF__CONNECT_EAGER)
     return vfail(err, errlen, "%zu static peers but max-peers is %" PRIu32, cfg->n_peers,
                  cfg->max_peers);
   if (cfg->n_pools > KVF__MAX_POOLS_CFG)

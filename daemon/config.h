@@ -35,6 +35,7 @@ typedef struct kvf__pool_cfg {
 enum kvf__tristate { KVF__AUTO = 0, KVF__ON = 1, KVF__OFF = 2 };
 enum kvf__gdr { KVF__GDR_AUTO = 0, KVF__GDR_OFF = 1 }; /* gpu-direct */
 enum kvf__grant_overlap { KVF__GRANT_OVERLAP_REFUSE = 0, KVF__GRANT_OVERLAP_ALLOW = 1 };
+enum kvf__peer_connect { KVF__CONNECT_EAGER = 0, KVF__CONNECT_ON_DEMAND = 1 }; /* peer-connect */
 enum kvf__log_level { KVF__LOG_ERR = 0, KVF__LOG_WARN, KVF__LOG_INFO, KVF__LOG_DEBUG };
 
 typedef struct kvf__config {
@@ -48,6 +49,10 @@ typedef struct kvf__config {
   uint16_t listen_port;
   kvf__peer_cfg peers[KVF__MAX_PEERS_CFG];
   size_t n_peers;
+  char registry[512];              /* "etcd://HOST:PORT[,...]/PREFIX"; "" = off */
+  uint32_t registry_ttl_ms;        /* our record's etcd lease */
+  int peer_connect;                /* enum kvf__peer_connect: static peers (members: on demand) */
+  uint32_t peer_idle_close_ms;     /* on-demand links with no transfer this long close; 0 = never */
   kvf__pool_cfg pools[KVF__MAX_POOLS_CFG];
   size_t n_pools;
   uint32_t default_deadline_ms;

@@ -15,6 +15,7 @@
 #include "metrics.h"
 #include "peer.h"
 #include "pool.h"
+#include "registry.h"
 #include "sbuf.h"
 #include "transport/transport.h"
 #include "xfer.h"
@@ -117,6 +118,7 @@ static void render_status(kvf__sbuf *b, int json) {
                    (unsigned long long)st->auth_failures);
     kvf__sb_printf(b, "unread output   %zu bytes (%llu clients dropped for api-output-budget)\n",
                    kvf__api_output_bytes(), (unsigned long long)st->api_output_drops);
+    kvf__registry_render(b, false);
     rdma_status(b, json);
     return;
   }
@@ -160,6 +162,7 @@ static void render_status(kvf__sbuf *b, int json) {
   kvf__sb_printf(b, ", \"api_output_bytes\": %zu, \"api_output_drops\": %llu", kvf__api_output_bytes(),
                  (unsigned long long)st->api_output_drops);
   tcp_status(b);
+  kvf__registry_render(b, true);
   kvf__sb_printf(b, "}\n");
 }
 

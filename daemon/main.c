@@ -22,6 +22,7 @@
 #include "peer.h"
 #include "pool.h"
 #include "pool_engine.h"
+#include "registry.h"
 #include "transport/transport.h"
 #include "xfer.h"
 
@@ -137,6 +138,7 @@ static void stop(void) {
   kvfd.stopping = true;
   kvf__info("stopping");
   kvf__api_stop();
+  kvf__registry_stop(); /* peers see us leave now */
   kvf__peers_stop();
   kvf__xfer_shutdown();
   kvf__metrics_http_stop();
@@ -176,6 +178,7 @@ static int start(void) {
   size_t n_data_tps = kvf__transports_for_peers(data_tps, KVF__TRANSPORTS_MAX);
   if ((rc = kvf__api_start(kvfd.loop, err, sizeof(err))) != 0 ||
       (rc = kvf__peers_start(kvfd.loop, data_tps, n_data_tps, kvf__transport_find("tcp"), err, sizeof(err))) != 0 ||
+      (rc = kvf__registry_start(kvfd.loop, err, sizeof(err))) != 0 ||
       (rc = kvf__metrics_http_start(kvfd.loop, err, sizeof(err))) != 0) {
     kvf__err("%s", err);
     return rc;

@@ -301,13 +301,13 @@ static void render_errors(kvf__sbuf *b) {
 }
 
 static void render_peers(kvf__sbuf *b) {
-  size_t by_state[3] = {0};
+  size_t by_state[4] = {0};
   for (size_t i = 0; i < kvf__peer_count(); i++) {
     int s = kvf__peer_at(i)->state;
-    if (s >= 0 && s < 3) by_state[s]++;
+    if (s >= 0 && s < 4) by_state[s]++;
   }
   kvf__metrics_family(b, "kvferry_peers", "gauge", "Configured peer daemons by connection state.");
-  for (int s = KVF__PEER_DOWN; s <= KVF__PEER_UP; s++)
+  for (int s = KVF__PEER_DOWN; s <= KVF__PEER_IDLE; s++)
     kvf__sb_printf(b, "kvferry_peers{state=\"%s\"} %zu\n", kvf__peer_state_name(s), by_state[s]);
   kvf__metrics_family(b, "kvferry_peer_up", "gauge", "1 when the peer daemon is connected.");
   for (size_t i = 0; i < kvf__peer_count(); i++) {

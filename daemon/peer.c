@@ -55,6 +55,7 @@
 #include <unistd.h>
 
 #include "auth.h"
+#include "peer_int.h"
 #include "frame.h"
 #include "transport/tcp/tcp.h"
 #include "xfer.h"
@@ -62,6 +63,9 @@
 /* The reason in the Goodbye on a connection that lost the tie-break of a
  * simultaneous dial (see the header comment). */
 #define SUPERSEDED "superseded by the other connection of a simultaneous dial"
+/* The Goodbye on an on-demand link that carried no transfer for
+ * peer-idle-close-ms: the other side goes idle too, instead of redialing. */
+#define IDLE_CLOSE "idle (peer-idle-close-ms)"
 #ifndef IP_BIND_ADDRESS_NO_PORT
 #define IP_BIND_ADDRESS_NO_PORT 24 /* Linux 4.2 */
 #endif
@@ -140,6 +144,7 @@ static void peer_down(kvf__peer *p, const char *why);
 static void dial(kvf__peer *p);
 static void schedule_reconnect(kvf__peer *p);
 static void auth_abandoned(kvf__pconn *c, const char *why);
+static bool make_room(const kvf__peer *skip, size_t limit);
 static void conn_addr(kvf__pconn *c, char *buf, size_t len);
 static const char *printable(const char *s, char *buf, size_t cap);
 
@@ -147,6 +152,7 @@ const char *kvf__peer_state_name(int state) {
   switch (state) {
   case KVF__PEER_UP: return "up";
   case KVF__PEER_CONNECTING: return "connecting";
+  case KVF__PEER_IDLE: return "idle";
   default: return "down";
   }
 }
@@ -316,8 +322,18 @@ static void conn_close(kvf__pconn *c, const char *why) {
 
 static void on_reconnect(uv_timer_t *t) { dial(t->data); }
 
+/* Registry members, and static peers with peer-connect on-demand, are
+ * dialed on first need (kvf__peer_need) and closed when idle. */
+static bool on_demand(const kvf__peer *p) {
+  return p->registered || kvfd.cfg.peer_connect == KVF__CONNECT_ON_DEMAND;
+}
+
 static void schedule_reconnect(kvf__peer *p) {
   if (kvfd.stopping || p->removed) return;
+  if (on_demand(p) && !p->queued) { /* nothing waits for it: the next need dials */
+    p->state = KVF__PEER_IDLE;
+    return;
+  }
   uint32_t ms = p->backoff_ms ? p->backoff_ms : kvfd.cfg.reconnect_min_ms;
   p->backoff_ms = ms * 2 > kvfd.cfg.reconnect_max_ms ? kvfd.cfg.reconnect_max_ms : ms * 2;
   /* Sends wait for this peer (xfer_wait.c): probe at the shortest delay,
@@ -401,6 +417,7 @@ static kvf__transport *choose_transport(kvf__peer *p) {
 }
 
 static void peer_up(kvf__peer *p, kvf__pconn *c) {
+  p->last_used_ns = kvf__now_ns();
   p->conn = c;
   p->state = KVF__PEER_UP;
   p->ups++;
@@ -424,7 +441,60 @@ static void peer_up(kvf__peer *p, kvf__pconn *c) {
     return;
   }
   adopt_parked(p);
+  /* A link the peer opened counts under max-peers too (it is never refused:
+   * the peer needs it). */
+  if (on_demand(p)) make_room(p, (size_t)kvfd.cfg.max_peers + 1);
   kvf__xfer_on_peer_up(p); /* the sends that waited for it go on */
+}
+
+/* An on-demand link that carries nothing closes quietly: both sides go
+ * idle (tell: the peer hears why), the next need redials. */
+static void go_idle(kvf__peer *p, bool tell) {
+  kvf__pconn *c = p->conn;
+  if (tell) send_goodbye(p, IDLE_CLOSE);
+  p->conn = NULL;
+  p->state = KVF__PEER_IDLE;
+  transports_down(p);
+  kvf__xfer_on_peer_down(p); /* nothing is bound to it; the waiting stay waiting */
+  if (c) conn_close(c, NULL);
+  uv_timer_stop(&p->reconnect);
+  kvf__debug("peer %s: idle link closed", p->cfg.name);
+}
+
+/* Marks the peers that transfers are bound to as used now. */
+static void mark_used(uint64_t now) {
+  for (const kvf__xfer *x = kvf__xfer_first(); x; x = x->next)
+    if (x->peer) x->peer->last_used_ns = now;
+}
+
+static bool idle_link(const kvf__peer *p, uint64_t now) {
+  return p->state == KVF__PEER_UP && on_demand(p) && !p->queued && !p->waiting && p->last_used_ns < now;
+}
+
+/* max-peers bounds live links: below limit (max-peers, or one more when
+ * the link of skip, just up, counts) nothing happens; else the least
+ * recently used idle one but skip makes room. False when none can. */
+static bool make_room(const kvf__peer *skip, size_t limit) {
+  size_t live = 0;
+  uint64_t now = kvf__now_ns();
+  kvf__peer *lru = NULL;
+  mark_used(now);
+  for (size_t i = 0; i < P.n; i++) {
+    kvf__peer *p = &P.peers[i];
+    live += p->state == KVF__PEER_UP || p->state == KVF__PEER_CONNECTING;
+    if (p != skip && idle_link(p, now) && (!lru || p->last_used_ns < lru->last_used_ns)) lru = p;
+  }
+  if (live < limit) return true;
+  if (lru) go_idle(lru, true);
+  return lru != NULL;
+}
+
+void kvf__peer_need(kvf__peer *p) {
+  p->last_used_ns = kvf__now_ns();
+  if (p->state != KVF__PEER_IDLE || p->removed || kvfd.stopping || !make_room(p, kvfd.cfg.max_peers))
+    return;
+  p->backoff_ms = 0;
+  dial(p); /* a refused or failed dial retries while sends wait (schedule_reconnect) */
 }
 
 /* Both sides dialed: keep the connection dialed by the smaller node name.
@@ -669,6 +739,10 @@ static void on_goodbye(kvf__pconn *c, const Kvf__Goodbye *g) {
   snprintf(why, sizeof(why), "the peer said goodbye%s%s", g->reason && g->reason[0] ? ": " : "",
            g->reason ? g->reason : "");
   bool superseded = g->reason && strcmp(g->reason, SUPERSEDED) == 0;
+  if (p && p->conn == c && g->reason && !strcmp(g->reason, IDLE_CLOSE) && on_demand(p)) {
+    go_idle(p, false);
+    return;
+  }
   if (p && p->conn == c) {
     if (!superseded || !hand_over(p, c)) peer_down(p, why);
     return;
@@ -1180,6 +1254,10 @@ static void on_accept(uv_stream_t *server, int status) {
  * of the network healing. */
 static void probe(kvf__peer *p, uint64_t now) {
   if (p->removed || p->state == KVF__PEER_UP || kvfd.stopping) return;
+  if (p->state == KVF__PEER_IDLE) { /* waits for room under max-peers */
+    if (p->queued) kvf__peer_need(p);
+    return;
+  }
   uint32_t patience = p->queued ? kvfd.cfg.peer_timeout_ms / 2 : kvfd.cfg.peer_timeout_ms;
   if (p->dialing) {
     if ((now - p->dial_ns) / 1000000ull > patience)
@@ -1198,10 +1276,16 @@ static void on_heartbeat(uv_timer_t *t) {
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_HEARTBEAT;
   m.heartbeat = &hb;
+  uint64_t idle_ns = (uint64_t)kvfd.cfg.peer_idle_close_ms * 1000000ull;
+  mark_used(now);
   for (size_t i = 0; i < P.n; i++) {
     kvf__peer *p = &P.peers[i];
     probe(p, now);
     if (p->state != KVF__PEER_UP) continue;
+    if (idle_ns && idle_link(p, now) && now - p->last_used_ns > idle_ns) {
+      go_idle(p, true);
+      continue;
+    }
     uint64_t silent_ms = (now - p->last_rx_ns) / 1000000ull;
     if (silent_ms > kvfd.cfg.peer_timeout_ms) {
       char why[96];
@@ -1286,7 +1370,7 @@ int kvf__peers_start(uv_loop_t *loop, kvf__transport **transports, size_t n, kvf
   uv_update_time(loop);
   uv_timer_init(loop, &P.hb);
   uv_timer_start(&P.hb, on_heartbeat, kvfd.cfg.heartbeat_ms, kvfd.cfg.heartbeat_ms);
-  for (size_t i = 0; i < P.n; i++) dial(&P.peers[i]);
+  for (size_t i = 0; i < P.n; i++) kvf__peer_start_link(&P.peers[i]);
   return 0;
 }
 
@@ -1351,53 +1435,24 @@ static kvf__peer *slot_for(const char *name) {
   return p;
 }
 
-static bool in_config(const char *name) {
-  for (size_t i = 0; i < kvfd.cfg.n_peers; i++)
-    if (strcmp(kvfd.cfg.peers[i].name, name) == 0) return true;
-  return false;
+/* ---- for peer_members.c (peer_int.h) ---- */
+
+kvf__peer *kvf__peer_slot_for(const char *name) { return slot_for(name); }
+void kvf__peer_drop(kvf__peer *p, const char *why) { drop_peer(p, why); }
+void kvf__peer_take_down(kvf__peer *p, const char *why) { peer_down(p, why); }
+bool kvf__peer_on_demand(const kvf__peer *p) { return on_demand(p); }
+size_t kvf__peer_slots(void) { return P.n; }
+kvf__peer *kvf__peer_slot(size_t i) { return &P.peers[i]; }
+int kvf__peer_resolve(const char *host, uint16_t port, struct sockaddr_storage *ss, socklen_t *len) {
+  return resolve(host, port, ss, len);
 }
 
-/* Brings one configured peer in line: new, revived or readdressed. */
-static void reload_one(const kvf__peer_cfg *pc) {
-  kvf__peer *p = slot_for(pc->name);
-  if (!p) {
-    kvf__err("reload: no room for peer %s (%d peers over this daemon's life); restart kvferryd",
-             pc->name, KVF__MAX_PEERS_CFG);
-    return;
-  }
-  bool same_addr = !strcmp(p->cfg.host, pc->host) && p->cfg.port == pc->port;
-  if (!p->removed && !strcmp(p->cfg.name, pc->name) && same_addr) return; /* unchanged */
-  struct sockaddr_storage addr;
-  socklen_t len;
-  if (resolve(pc->host, pc->port, &addr, &len) != 0) {
-    kvf__err("reload: peer %s: cannot resolve %s; left as it was", pc->name, pc->host);
-    return;
-  }
-  bool added = p->removed;
-  if (!added) drop_peer(p, "its address changed in the configuration");
-  if (strcmp(p->cfg.name, pc->name) != 0) { /* a recycled slot starts afresh */
-    p->ups = p->downs = 0;
-    p->last_error[0] = '\0';
-  }
-  p->cfg = *pc;
-  p->addr = addr;
-  p->addrlen = len;
-  p->backoff_ms = 0;
-  p->removed = false;
-  kvf__info("reload: peer %s %s (%s:%u)", pc->name, added ? "added" : "readdressed", pc->host,
-            pc->port);
-  dial(p);
+/* Dials p, or leaves it idle until a need when it is on demand. */
+void kvf__peer_start_link(kvf__peer *p) {
+  if (on_demand(p)) p->state = KVF__PEER_IDLE;
+  else dial(p);
 }
 
-void kvf__peers_reload(void) {
-  for (size_t i = 0; i < P.n; i++) {
-    kvf__peer *p = &P.peers[i];
-    if (p->removed || in_config(p->cfg.name)) continue;
-    drop_peer(p, "removed from the configuration");
-    p->removed = true;
-    kvf__xfer_on_peer_removed(p); /* what waited for it fails now */
-    kvf__info("reload: peer %s removed", p->cfg.name);
-  }
-  for (size_t i = 0; i < kvfd.cfg.n_peers; i++) reload_one(&kvfd.cfg.peers[i]);
+void kvf__peers_heartbeat_restart(void) {
   uv_timer_start(&P.hb, on_heartbeat, kvfd.cfg.heartbeat_ms, kvfd.cfg.heartbeat_ms);
 }

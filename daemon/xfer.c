@@ -890,7 +890,7 @@ static void rendezvous_grant(kvf__xfer *x, kvf__peer *src) {
   if (src && X.env.peer_up(src)) {
     int rc = bind_remote_recv(x, src);
     if (rc) kvf__xfer_fail(x, rc, "the transport could not open the grant", false, 0);
-  }
+  } else if (src) kvf__peer_need(src); /* pushed once it is up (kvf__xfer_on_peer_up) */
 }
 
 /* What every grant checks first: its id, the source it names (*src), and

@@ -320,6 +320,10 @@ void kvf__xfer_on_peer_up(kvf__peer *p);
 /* p left the configuration (after kvf__xfer_on_peer_down): what waits for
  * it fails now. */
 void kvf__xfer_on_peer_removed(kvf__peer *p);
+/* p restarted while not connected (the registry names a new incarnation):
+ * sends that wait for the old incarnation's result fail now (KVF_EUNKNOWN)
+ * instead of when the new one connects. */
+void kvf__xfer_on_peer_restarted(kvf__peer *p, uint64_t incarnation);
 
 /* Transport callbacks (loop thread). */
 void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last);

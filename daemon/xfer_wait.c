@@ -51,6 +51,7 @@ bool kvf__xwait_may_queue(kvf__peer *p, const char *node, char *err, size_t errl
 
 void kvf__xwait_park(kvf__xfer *x) {
   set_wait(x, XW_LINK);
+  kvf__peer_need(x->peer); /* an idle on-demand peer is dialed now */
   kvf__debug("transfer '%s': peer %s is not connected; the send waits for it (deadline %u ms)", x->id,
              x->peer_name, x->deadline_ms);
 }
@@ -151,6 +152,19 @@ void kvf__xfer_on_peer_up(kvf__peer *p) {
     }
   }
   if (resumed) kvf__info("peer %s up: %zu sends that waited for it go on", p->cfg.name, resumed);
+}
+
+void kvf__xfer_on_peer_restarted(kvf__peer *p, uint64_t incarnation) {
+  char why[192];
+  for (kvf__xfer *x = kvf__xfer_first(), *next; x; x = next) {
+    next = x->next;
+    if (x->role != KVF__SEND || x->peer != p || !kvf__xfer_live(x) || x->peer_session == incarnation ||
+        (x->send.wait_peer != XW_OUTCOME && x->send.wait_peer != XW_ASKED))
+      continue;
+    snprintf(why, sizeof(why), "outcome unknown: peer %s restarted before its result reached this daemon (the "
+             "data may or may not have landed)", p->cfg.name);
+    kvf__xfer_fail(x, KVF_EUNKNOWN, why, false, 0);
+  }
 }
 
 void kvf__xfer_on_peer_removed(kvf__peer *p) {

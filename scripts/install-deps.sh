@@ -18,11 +18,14 @@ set -e
 # scrape metrics and build a client from kvferry.pc. clang and
 # libclang-rt-dev (libFuzzer and the sanitizer runtimes of the default
 # clang): `make fuzz`. nftables and iproute2: `make chaos`'s network
-# faults. iperf3: `make bench-tcp`.
+# faults. iperf3: `make bench-tcp`. libcurl4-openssl-dev: the registry
+# (etcd's JSON gateway, daemon/registry.c); etcd-server: the registry tests
+# and `make check-scale` start a real etcd; yamllint checks
+# deploy/kubernetes/.
 BUILD_PKGS="build-essential libuv1-dev libprotobuf-c-dev protobuf-c-compiler
-libibverbs-dev librdmacm-dev libsystemd-dev libgcrypt20-dev python3"
+libibverbs-dev librdmacm-dev libsystemd-dev libgcrypt20-dev libcurl4-openssl-dev python3"
 TEST_PKGS="pkg-config libcmocka-dev iperf3 iproute2 systemd groff-base curl
-clang libclang-rt-dev nftables"
+clang libclang-rt-dev nftables etcd-server yamllint"
 BENCH_PKGS="gnuplot-nox"
 
 check=0 pkgs="" sets=""

@@ -37,5 +37,8 @@ int ctl_metrics_json(const char *text, FILE *out);
 
 int ctl_metrics(const char *socket, bool json);
 int ctl_doctor(const char *socket, bool json);
+/* --checks NAME[,NAME...]: doctor runs only those; false when one is not a
+ * check's name. */
+bool ctl_doctor_select(const char *list);
 
 #endif

@@ -201,7 +201,7 @@ static enum result check_peers(const struct doctor *d, char *detail, size_t cap)
     n++;
     kvf__json_get_str(e, "name", name, sizeof name);
     kvf__json_get_str(e, "state", state, sizeof state);
-    if (strcmp(state, "up") == 0) continue;
+    if (strcmp(state, "up") == 0 || strcmp(state, "idle") == 0) continue; /* idle: on demand */
     kvf__json_get_str(e, "last_error", err, sizeof err);
     if (used < cap)
       used += (size_t)snprintf(detail + used, cap - used, "%s%s %s%s%s%s", down++ ? "; " : "",
@@ -251,6 +251,28 @@ static enum result check_cluster_key(const struct doctor *d, char *detail, size_
   }
   snprintf(detail, cap, "peers prove the cluster key; %" PRIu64 " refused since start", refused);
   return R_OK;
+}
+
+/* Membership through etcd (registry): registered, or why not. */
+static enum result check_registry(const struct doctor *d, char *detail, size_t cap) {
+  if (!d->status) return R_SKIP;
+  const char *r = kvf__json_get(d->status, "registry");
+  char state[32] = "", ep[300] = "", err[200] = "";
+  uint64_t members = 0;
+  if (!r || *r == 'n') {
+    snprintf(detail, cap, "registry is off: static peers only");
+    return R_SKIP;
+  }
+  kvf__json_get_str(r, "state", state, sizeof state);
+  kvf__json_get_str(r, "endpoint", ep, sizeof ep);
+  kvf__json_get_str(r, "last_error", err, sizeof err);
+  kvf__json_get_u64(r, "members", &members);
+  if (strcmp(state, "registered") == 0) {
+    snprintf(detail, cap, "registered at %s, %" PRIu64 " members", ep, members);
+    return R_OK;
+  }
+  snprintf(detail, cap, "%s (%s; %" PRIu64 " members kept): %s", state, ep, members, err);
+  return R_FAIL;
 }
 
 /* GPU checks: ctl_gpu.c (results in this file's order). */
@@ -310,6 +332,7 @@ static const struct check {
     {"peers-up", "every configured peer daemon is connected", check_peers},
     {"metrics", "the metrics endpoint answers", check_metrics},
     {"cluster-key", "peers authenticate with a cluster key", check_cluster_key},
+    {"registry", "this node is registered in etcd (registry)", check_registry},
     {"cuda", "the NVIDIA driver loads and sees the GPUs", check_cuda},
     {"gpu-dmabuf", "GPUs, driver and kernel export GPU memory as dmabuf", check_gpu_dmabuf},
     {"nvidia-peermem", "nvidia_peermem is loaded where dmabuf is not available", check_gpu_peermem},
@@ -325,6 +348,21 @@ static const struct check {
 #define N_CHECKS (sizeof checks / sizeof checks[0])
 
 /* ------------------------------------------------------------ running */
+
+static bool selected[N_CHECKS];
+static bool any_selected;
+
+bool ctl_doctor_select(const char *list) {
+  for (const char *p = list; *p;) {
+    size_t n = strcspn(p, ",");
+    size_t i = 0;
+    while (i < N_CHECKS && (strlen(checks[i].name) != n || strncmp(checks[i].name, p, n) != 0)) i++;
+    if (i == N_CHECKS) return false;
+    selected[i] = any_selected = true;
+    p += n + (p[n] == ',');
+  }
+  return any_selected;
+}
 
 static void fetch(struct doctor *d) {
   kvf_client *c;
@@ -362,13 +400,16 @@ int ctl_doctor(const char *socket, bool json) {
   fetch(&d);
   if (json) printf("{\"checks\":[");
   else printf("%-14s %-5s %s\n", "CHECK", "RESULT", "DETAIL");
+  bool first = true;
   for (size_t i = 0; i < N_CHECKS; i++) {
     char detail[1024] = "";
+    if (any_selected && !selected[i]) continue;
     enum result r = checks[i].fn(&d, detail, sizeof detail);
     if (r == R_SKIP && !detail[0]) snprintf(detail, sizeof detail, "daemon not reachable");
     failed += r == R_FAIL;
     warned += r == R_WARN;
-    print_row(json, i == 0, &checks[i], r, detail);
+    print_row(json, first, &checks[i], r, detail);
+    first = false;
   }
   if (json) printf("],\"failed\":%zu,\"warnings\":%zu}\n", failed, warned);
   else printf("\n%zu failed, %zu warnings\n", failed, warned);

@@ -57,6 +57,8 @@ static void usage(FILE *f) {
           "  -s, --socket PATH  kvferryd's socket (default: $KVFERRY_SOCKET,\n"
           "                     else " DEFAULT_SOCKET ")\n"
           "  --json             print JSON instead of a table\n"
+          "  --checks NAME,...  doctor: only these checks (e.g. a readiness probe:\n"
+          "                     --checks socket,pools-locked,registry)\n"
           "  -h, --help         print this help\n"
           "\n"
           "Commands:\n");
@@ -79,9 +81,10 @@ static int usage_error(const char *problem, const char *arg) {
  * unambiguous abbreviations). Returns EXIT_OK or EXIT_USAGE (message
  * printed). */
 static int parse_args(int argc, char **argv, struct options *opt) {
-  enum { OPT_JSON = 0x100 };
+  enum { OPT_JSON = 0x100, OPT_CHECKS };
   static const struct option longopts[] = {{"socket", required_argument, NULL, 's'},
                                            {"json", no_argument, NULL, OPT_JSON},
+                                           {"checks", required_argument, NULL, OPT_CHECKS},
                                            {"help", no_argument, NULL, 'h'},
                                            {0}};
   int o;
@@ -90,6 +93,9 @@ static int parse_args(int argc, char **argv, struct options *opt) {
     switch (o) {
     case 's': opt->socket = optarg; break;
     case OPT_JSON: opt->json = true; break;
+    case OPT_CHECKS:
+      if (!ctl_doctor_select(optarg)) return usage_error("unknown doctor check in", optarg);
+      break;
     case 'h': opt->help = true; break;
     case ':': return usage_error("missing path after", argv[optind - 1]);
     default: return usage_error("unknown option", argv[optind - 1]);

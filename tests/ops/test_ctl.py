@@ -104,10 +104,11 @@ class TestCtl(unittest.TestCase):
         self.assertEqual(set(results), {"socket", "memlock", "pools-locked", "hugepages",
                                         "peers-up", "metrics", "cluster-key", "cuda", "gpu-dmabuf",
                                         "nvidia-peermem", "iommu", "gpu-bar1", "gpu-nic-pcie",
-                                        "pcie-acs", "gpu-pools", "rdma-writes"})
+                                        "pcie-acs", "gpu-pools", "rdma-writes", "registry"})
         for name in ("socket", "peers-up", "metrics"):
             self.assertEqual(results[name], "ok", doc)
         self.assertEqual(results["rdma-writes"], "skip", doc)  # no rdma transport here
+        self.assertEqual(results["registry"], "skip", doc)  # registry off
         self.assertEqual(doc["failed"], sum(r == "fail" for r in results.values()))
         self.assertEqual(out.returncode, 4 if doc["failed"] else 0, out.stdout)
         self.assertIn("CHECK", out.stdout.splitlines()[0])

@@ -23,6 +23,7 @@
  * all know each of them. */
 static const char *const all_keys[] = {
     "node", "api-socket", "api-allow-users", "api-allow-groups", "peer-listen", "peer",
+    "registry", "peer-connect", "peer-idle-close-ms", "registry-ttl-ms",
     "cluster-key-file", "pool", "default-deadline-ms", "heartbeat-ms", "peer-timeout-ms",
     "reconnect-min-ms", "reconnect-max-ms", "tcp-streams", "max-frame", "max-descs",
     "max-clients", "api-hello-timeout-ms", "api-operator-slots", "api-output-budget", "max-transfers-per-client", "max-peers", "max-pending-peers", "max-pending-per-address",
