@@ -46,6 +46,7 @@
 #include "peer.h"
 #include "pool.h"
 #include "xfer.h"
+#include "xfer_trace.h"
 
 #define DATA_MAGIC 0x4446564bu      /* "KVFD" little-endian */
 #define LAYER_MAGIC 0x4c46564bu     /* "KVFL": a layer marker (tcp_mark_layers) */
@@ -172,6 +173,7 @@ typedef struct ticket {
   atomic_int outstanding;
   atomic_int status;
   atomic_bool aborted;
+  _Atomic uint64_t first_ns, done_ns; /* first byte handed to a socket, last written */
 } ticket;
 
 typedef struct wr {      /* one data frame to write */
@@ -206,6 +208,7 @@ typedef struct tevent {
   uint64_t gen;
   void *stream;          /* EV_STREAM_GONE: the inbound stream to reap */
   uint32_t first, n;     /* EV_LAYERS: the layers that landed */
+  uint64_t t_first, t_last; /* EV_LANDED: the grant's first byte read, its last landed */
 } tevent;
 
 /* Receiver: a layer marker seen on some of its streams. */
@@ -224,6 +227,7 @@ typedef struct rgrant {
   atomic_bool closed;    /* set under g_lock; a receiver mid-payload reads it without */
   lmark *marks;          /* layer markers not yet seen on every stream */
   size_t n_marks;
+  uint64_t first_ns;     /* the first batch for it read (g_lock) */
 } rgrant;
 
 /* Receiver: a batch with payloads staged for a GPU; it lands (unpins its
@@ -320,7 +324,18 @@ static void ticket_part_done(ticket *tk, int status) {
     int zero = 0;
     atomic_compare_exchange_strong(&tk->status, &zero, status);
   }
-  if (atomic_fetch_sub(&tk->outstanding, 1) == 1) post_event(tk->tt, EV_TICKET, tk, 0, 0, NULL);
+  if (atomic_fetch_sub(&tk->outstanding, 1) > 1) return;
+  atomic_store(&tk->done_ns, kvf__now_ns());
+  post_event(tk->tt, EV_TICKET, tk, 0, 0, NULL);
+}
+
+/* EV_LANDED, with the grant's first and last byte's times. */
+static void post_landed(tcp_peer *tp, uint64_t handle, uint64_t first_ns) {
+  tevent *e = calloc(1, sizeof(*e));
+  if (!e) abort(); /* as post_event */
+  *e = (tevent){.kind = EV_LANDED, .handle = handle, .peer = tp->p, .gen = tp->gen, .t_first = first_ns,
+                .t_last = kvf__now_ns()};
+  push_event(tp->tt, e);
 }
 
 static void item_free(item *it) {
@@ -675,6 +690,8 @@ static void *sender_main(void *arg) {
       item_free(it);
       continue;
     }
+    uint64_t none = 0;
+    atomic_compare_exchange_strong(&it->tk->first_ns, &none, kvf__now_ns());
     int rc = broken ? KVF_EPEERLOST : it->gpu ? write_item_staged(s, it) : write_item(s, it);
     bool item_only = rc == KVF_ECANCELED || rc == GPU_COPY_FAILED || rc == SOURCE_FAULT; /* the stream is fine */
     if (rc && !item_only && !broken) {
@@ -810,6 +827,7 @@ static rgrant *pin_grant(tcp_peer *tp, const batch_hdr *h, const batch_ent *e) {
     g = NULL;
   }
   if (g) g->writers++;
+  if (g && !g->first_ns) g->first_ns = kvf__now_ns();
   pthread_mutex_unlock(&tt->g_lock);
   return g;
 }
@@ -819,7 +837,7 @@ static void unpin_grant(rgrant *g, tcp_peer *tp, uint64_t handle, uint64_t len) 
   pthread_mutex_lock(&tt->g_lock);
   g->writers--;
   g->landed += len;
-  if (!g->closed && g->landed == g->total) post_event(tt, EV_LANDED, NULL, handle, 0, tp);
+  if (!g->closed && g->landed == g->total) post_landed(tp, handle, g->first_ns);
   if (g->closed && g->writers == 0) pthread_cond_broadcast(&tt->g_cond);
   pthread_mutex_unlock(&tt->g_lock);
 }
@@ -1392,12 +1410,17 @@ static void handle_event(tevent *e) {
   case EV_TICKET: {
     ticket *tk = e->tk;
     int st = atomic_load(&tk->status);
+    if (atomic_load(&tk->first_ns)) kvf__xtrace_stamp(tk->x, KVF__XT_FIRST, atomic_load(&tk->first_ns));
+    kvf__xtrace_stamp(tk->x, KVF__XT_LAST, atomic_load(&tk->done_ns) ? atomic_load(&tk->done_ns) : 0);
     kvf__xfer_on_posted(tk->x, st == KVF_ECANCELED ? 0 : st, tk->last);
     free(tk);
     break;
   }
   case EV_LANDED:
-    if ((g = grant_for_event(e->tt, e->handle)) != NULL) kvf__xfer_on_landed(g->x);
+    if ((g = grant_for_event(e->tt, e->handle)) == NULL) break;
+    kvf__xtrace_stamp(g->x, KVF__XT_FIRST, e->t_first);
+    kvf__xtrace_stamp(g->x, KVF__XT_LAST, e->t_last);
+    kvf__xfer_on_landed(g->x);
     break;
   case EV_DATA_ERROR:
     if ((g = grant_for_event(e->tt, e->handle)) != NULL)
