@@ -508,6 +508,7 @@ static void teardown(bench *b) {
 /* ------------------------------------------------------------ transfers */
 
 static int drain_both(bench *b, size_t n);
+static void latency_note(const bench *b, const req *r); /* --latency */
 
 /* Adds the time of one API call to the request's posting cost. */
 static void count_call(req *r, int64_t t0) { r->post_ns += now_ns() - t0; }
@@ -773,6 +774,7 @@ static int run_wave(bench *b, uint64_t first, size_t n) {
     int64_t due = b->o.compute ? r->t_due : r->t_last_send;
     b->exposed_us[r->index] = (double)(r->t_recv - due) / 1e3;
     b->late_us[r->index] = (double)(r->t_last_send - due) / 1e3;
+    latency_note(b, r);
   }
   if (gpu_sync(b, &b->dst, false) < 0) return -1;
   for (size_t i = 0; i < n; i++)
@@ -855,7 +857,24 @@ static struct {
   char id[48];
   double p50_us;
   lat_side send, recv;
+  int64_t *t_post, *t_recv; /* per request: the timed send call, RECV_DONE taken (CLOCK_MONOTONIC) */
+  uint64_t n_t;
+  int64_t p50_post, p50_recv;
 } LT;
+
+/* Called per finished request (run_wave): the client's own times, to set
+ * against the daemons' stamps (one clock: CLOCK_MONOTONIC, one machine). */
+static void latency_note(const bench *b, const req *r) {
+  if (!b->o.latency) return;
+  if (!LT.t_post) {
+    LT.n_t = b->o.requests;
+    LT.t_post = calloc((size_t)LT.n_t, sizeof(int64_t));
+    LT.t_recv = calloc((size_t)LT.n_t, sizeof(int64_t));
+  }
+  if (!LT.t_post || !LT.t_recv || r->index >= LT.n_t) return;
+  LT.t_post[r->index] = r->t_post;
+  LT.t_recv[r->index] = r->t_recv;
+}
 
 static double lat_num(const char *obj, const char *key) {
   const char *v = kvf__json_get(obj, key);
@@ -881,12 +900,18 @@ static void lat_read(side *s, const char *role, lat_side *ls, uint64_t from) {
     char id[160], r[8];
     if (kvf__json_get_str(o, "id", id, sizeof id) || kvf__json_get_str(o, "role", r, sizeof r)) continue;
     if (strcmp(r, role) != 0 || !lat_recent(id, from)) continue;
+    bool p50 = strcmp(id, LT.id) == 0;
     for (int k = 0; k < LAT_HOPS; k++) {
       double v = lat_num(o, lat_hop[k]);
       if (ls->all[k]) ls->all[k][ls->n] = v;
-      if (strcmp(id, LT.id) == 0) ls->hop[k] = v;
+      if (p50) ls->hop[k] = v;
     }
-    ls->found |= strcmp(id, LT.id) == 0;
+    uint64_t posted = 0;
+    if (p50 && kvf__json_get_u64(o, "posted_ns", &posted) == 0) {
+      if (ls == &LT.send) LT.p50_post = (int64_t)posted;
+      else LT.p50_recv = (int64_t)posted + (int64_t)(ls->hop[LAT_HOPS - 1] * 1e3);
+    }
+    ls->found |= p50;
     ls->n++;
   }
   free(text);
@@ -906,6 +931,7 @@ static void latency_collect(bench *b) {
   for (uint64_t i = from; i < b->done; i++)
     if (fabs(b->lat_us[i] - LT.p50_us) < fabs(b->lat_us[pick] - LT.p50_us)) pick = i;
   snprintf(LT.id, sizeof LT.id, "bench-%ld-%" PRIu64, (long)getpid(), pick);
+  LT.p50_post = LT.p50_recv = 0;
   lat_side *sides[2] = {&LT.send, &LT.recv};
   for (int s = 0; s < 2; s++)
     for (int k = 0; k < LAT_HOPS; k++) sides[s]->all[k] = calloc((size_t)n, sizeof(double));
@@ -937,9 +963,18 @@ static void latency_report_json(void) {
   printf(", \"trace\": {\"p50_id\": ");
   json_str(stdout, LT.id);
   printf(", \"p50_recent_us\": %.1f", LT.p50_us);
+  /* The hops outside the daemons: the send call to the sending daemon's
+   * post stamp, and the receiving daemon's event to RECV_DONE taken. */
+  const char *dash = strrchr(LT.id, '-');
+  uint64_t i = dash ? strtoull(dash + 1, NULL, 10) : LT.n_t;
+  if (i < LT.n_t && LT.t_post && LT.p50_post && LT.p50_recv)
+    printf(", \"client_to_daemon_us\": %.1f, \"daemon_to_client_us\": %.1f",
+           (double)(LT.p50_post - LT.t_post[i]) / 1e3, (double)(LT.t_recv[i] - LT.p50_recv) / 1e3);
   latency_side_json("send", &LT.send);
   latency_side_json("recv", &LT.recv);
   printf("}");
+  free(LT.t_post);
+  free(LT.t_recv);
 }
 
 static void latency_report_human(void) {
@@ -955,6 +990,8 @@ static void latency_report_human(void) {
     printf("\n");
     for (int k = 0; k < LAT_HOPS; k++) free(ls->all[k]);
   }
+  free(LT.t_post);
+  free(LT.t_recv);
 }
 
 static void report_json(const bench *b, const summary *s) {

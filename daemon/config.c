@@ -291,6 +291,16 @@ static const struct opt opts[] = {
              "and the rdma progress threads never sleep on their completion channels, "
              "which takes the wake-ups off a handoff's path. Each of those threads then "
              "keeps a core busy all the time: for nodes with cores to spare."},
+    {.name = "spin-us", .type = OPT_U32, .off = F(spin_us), .min = 0, .max = 1000000, .def = "50",
+     .help = "How long the event loop and the tcp transport's threads keep polling after their "
+             "last activity before they sleep, so that the next hop of a handoff finds them awake; "
+             "0 = sleep at once. busy-poll yes: always."},
+    {.name = "spin-grant-us", .type = OPT_U32, .off = F(spin_grant_us), .min = 0, .max = 10000000,
+     .def = "10000",
+     .help = "How long a grant keeps the data path polling: on the receiver from the grant's "
+             "opening (the loop and the tcp receivers), on the sender from the peer's grant "
+             "reaching it ahead of the send (the loop and the tcp senders), so that a send posted "
+             "a prefill after its grant is not slower than one posted back to back; 0 = off."},
     {.name = "rdma-memory-windows", .type = OPT_ENUM, .off = F(rdma_memory_windows),
      .words = tristate_words, .def = "auto",
      .help = "Limit a peer's RDMA writes to the ranges of its open grants: pools are "

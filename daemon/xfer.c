@@ -1027,8 +1027,7 @@ static void complete_local(kvf__xfer *send) {
   send->twin = NULL;
   if (recv) {
     recv->twin = NULL;
-    recv->tr.t[KVF__XT_FIRST] = send->tr.t[KVF__XT_FIRST] ? send->tr.t[KVF__XT_FIRST] : send->send.first_post_ns;
-    kvf__xtrace_stamp(recv, KVF__XT_LAST, send->tr.t[KVF__XT_LAST] ? send->tr.t[KVF__XT_LAST] : send->send.posted_ns);
+    kvf__xtrace_twin(recv, send);
     succeed(recv);
   }
   succeed(send);
@@ -1277,6 +1276,7 @@ static void on_grant(kvf__peer *p, const Kvf__Grant *g) {
   int rc = grant_decode(g, &in);
   if (rc == KVF_ELIMIT) refuse_grant(p, g, rc);
   if (rc) return; /* malformed: no daemon sends that; ignored */
+  kvf__spin_expect(false); /* its send's data path polls until the send comes (spin.h) */
   kvf__xfer *x = kvf__map_get(&X.send_by_id, g->xfer_id);
   if (x && x->peer == p && send_waiting(x)) {
     rc = tp_grant_copy(&x->tp_grant, g);

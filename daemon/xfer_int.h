@@ -5,6 +5,7 @@
 #define KVF_XFER_INT_H
 
 #include "xfer.h"
+#include "spin.h"
 #include "xfer_trace.h"
 
 /* xfer.c: the core. */

@@ -46,6 +46,12 @@ void kvf__xtrace_stamp(kvf__xfer *x, int which, uint64_t ns) {
   else if (!*t) *t = ns;
 }
 
+void kvf__xtrace_twin(kvf__xfer *recv, const kvf__xfer *send) {
+  const uint64_t *t = send->tr.t;
+  recv->tr.t[KVF__XT_FIRST] = t[KVF__XT_FIRST] ? t[KVF__XT_FIRST] : send->send.first_post_ns;
+  recv->tr.t[KVF__XT_LAST] = t[KVF__XT_LAST] ? t[KVF__XT_LAST] : send->send.posted_ns;
+}
+
 static void observe(hist *h, uint64_t ns) {
   double s = (double)ns / 1e9;
   size_t i = 0;

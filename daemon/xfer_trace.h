@@ -29,6 +29,8 @@
 /* Sets stamp `which` of x to ns (0: now). FIRST keeps the earliest, LAST
  * the latest, the others the first one set. */
 void kvf__xtrace_stamp(kvf__xfer *x, int which, uint64_t ns);
+/* A local receive: its bytes moved when its sender's did. */
+void kvf__xtrace_twin(kvf__xfer *recv, const kvf__xfer *send);
 /* x ended with status (its event was queued, or it failed): its timeline
  * goes into the ring, and, when it succeeded, into the histograms. */
 void kvf__xtrace_finish(const kvf__xfer *x, int status);

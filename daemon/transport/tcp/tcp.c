@@ -47,15 +47,12 @@
 #include "pool.h"
 #include "xfer.h"
 #include "xfer_trace.h"
+#include "tcp_wire.h"
+#include "spin.h"
 
-#define DATA_MAGIC 0x4446564bu      /* "KVFD" little-endian */
-#define LAYER_MAGIC 0x4c46564bu     /* "KVFL": a layer marker (tcp_mark_layers) */
-#define BHDR_LEN 16u                /* batch header: magic, count, handle */
-#define ENT_LEN 16u                 /* per frame: pool, len, offset */
-#define SLICE (1u << 20)            /* one frame carries at most this */
-#define BATCH_FRAMES 256            /* frames per batch (one writev, one readv) */
 #define MAX_STREAMS 64              /* tcp-streams is capped here */
 #define STAGE_SLOT (4u << 20)       /* a GPU staging slot; >= SLICE */
+#define SMALL_POST (128u << 10)     /* a post up to this goes on one stream (deal_frames) */
 /* A GPU copy failed (internal): fails the transfer, not the stream. */
 #define GPU_COPY_FAILED (-EREMOTEIO)
 /* An item's source memory faulted under writev (engine memory whose file
@@ -69,92 +66,6 @@
  * reads into closed (a stalled or lossy stream must not pin a closed
  * grant's memory: tcp_grant_close would have to cut every stream). */
 #define RECV_CHECK_MS 50
-
-/* ------------------------------------------------------------ data frames
- *
- * A batch is a 16-byte header (magic, count, grant handle), count 16-byte
- * entries (pool, length, offset in the receiver's space), then the count
- * payloads back to back. The receiver checks every entry against the grant
- * before it reads a byte, then reads all payloads with one readv straight
- * into pool memory: a few syscalls per batch instead of two per block.
- *
- * A layer marker (grants with layer events) has the same 16-byte header
- * with LAYER_MAGIC, count = the number of streams it was sent on, and one
- * entry (pool = first layer, len = number of layers, offset 0). The sender
- * puts one behind a part's data on every stream; a stream's data lands in
- * order, so once the receiver has seen the marker on every stream (and
- * landed what each stream staged for a GPU before it), the part's layers
- * are in. */
-
-static void put32(uint8_t *p, uint32_t v) { kvf__frame_put_header(p, v); }
-static void put64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static uint64_t get64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
-  return v;
-}
-
-typedef struct batch_hdr {
-  uint32_t magic;
-  uint32_t count;
-  uint64_t handle;
-} batch_hdr;
-
-typedef struct batch_ent {
-  uint32_t pool;
-  uint32_t len;
-  uint64_t offset;
-} batch_ent;
-
-static void bhdr_encode(uint8_t out[BHDR_LEN], uint32_t count, uint64_t handle) {
-  put32(out, DATA_MAGIC);
-  put32(out + 4, count);
-  put64(out + 8, handle);
-}
-
-static void bhdr_decode(const uint8_t in[BHDR_LEN], batch_hdr *h) {
-  h->magic = kvf__frame_get_u32(in);
-  h->count = kvf__frame_get_u32(in + 4);
-  h->handle = get64(in + 8);
-}
-
-static void ent_encode(uint8_t out[ENT_LEN], uint32_t pool, uint32_t len, uint64_t offset) {
-  put32(out, pool);
-  put32(out + 4, len);
-  put64(out + 8, offset);
-}
-
-static void ent_decode(const uint8_t in[ENT_LEN], batch_ent *e) {
-  e->pool = kvf__frame_get_u32(in);
-  e->len = kvf__frame_get_u32(in + 4);
-  e->offset = get64(in + 8);
-}
-
-/* The receiver's checks, before it reads a payload byte (pure: also
- * kvf__tcp_batch_check's). The header's own fields: */
-static int check_header(const batch_hdr *h) {
-  return h->magic != DATA_MAGIC || h->count == 0 || h->count > BATCH_FRAMES ? KVF_EPROTO : 0;
-}
-
-/* count raw entries, each 1..SLICE bytes; *bytes is the payload that follows. */
-static int decode_entries(const uint8_t *raw, uint32_t count, batch_ent *e, uint64_t *bytes) {
-  *bytes = 0;
-  for (uint32_t i = 0; i < count; i++) {
-    ent_decode(raw + (size_t)i * ENT_LEN, &e[i]);
-    if (e[i].len == 0 || e[i].len > SLICE) return KVF_EPROTO;
-    *bytes += e[i].len;
-  }
-  return 0;
-}
-
-/* The first entry outside the grant's ranges; count when all lie inside. */
-static uint32_t first_outside(const kvf__rangeset *rs, const batch_ent *e, uint32_t count) {
-  uint32_t i = 0;
-  while (i < count && kvf__rangeset_contains(rs, e[i].pool, e[i].offset, e[i].len)) i++;
-  return i;
-}
 
 _Static_assert(BHDR_LEN == KVF__TCP_BATCH_HDR && ENT_LEN == KVF__TCP_BATCH_ENT &&
                    BATCH_FRAMES == KVF__TCP_BATCH_MAX,
@@ -266,6 +177,7 @@ typedef struct stream {
   pthread_t thr;
   bool started;
   item *head, *tail;     /* sender queue */
+  pthread_cond_t cond;   /* sender: signalled when its queue grows or the peer stops */
   bool outbound;
   struct stream *next_in;/* inbound list */
   gstage *stage;         /* GPU staging, made at the first GPU frame */
@@ -281,7 +193,7 @@ typedef struct tcp_peer {
   uint32_t rr;           /* next stream for round robin */
   stream *in;            /* inbound streams */
   pthread_mutex_t lock;  /* queues of out[] and the in list */
-  pthread_cond_t cond;
+  atomic_uint posts;     /* items queued ever: what a spinning sender watches */
 } tcp_peer;
 
 struct tcp_transport {
@@ -663,10 +575,23 @@ static int connect_stream(stream *s) {
   return 0;
 }
 
+/* This thread's last activity (moved data), for spin.h's window. */
+static _Thread_local uint64_t thread_last_ns;
+
+/* Waits for s's next item: polls the queue while spin.h's window is open
+ * (the next part of a handoff is likely soon), then sleeps on the cond. */
 static item *next_item(stream *s) {
   tcp_peer *tp = s->tp;
   pthread_mutex_lock(&tp->lock);
-  while (!s->head && !atomic_load(&tp->stop)) pthread_cond_wait(&tp->cond, &tp->lock);
+  while (!s->head && !atomic_load(&tp->stop) && kvf__spin_open(KVF__SPIN_SEND, thread_last_ns)) {
+    unsigned seen = atomic_load(&tp->posts);
+    pthread_mutex_unlock(&tp->lock);
+    while (atomic_load(&tp->posts) == seen && !atomic_load(&tp->stop) &&
+           kvf__spin_open(KVF__SPIN_SEND, thread_last_ns))
+      kvf__spin_relax();
+    pthread_mutex_lock(&tp->lock);
+  }
+  while (!s->head && !atomic_load(&tp->stop)) pthread_cond_wait(&s->cond, &tp->lock);
   item *it = s->head;
   if (it && !atomic_load(&tp->stop)) {
     s->head = it->next;
@@ -700,16 +625,26 @@ static void *sender_main(void *arg) {
     }
     ticket_part_done(it->tk, rc == 0 ? 0 : rc == GPU_COPY_FAILED ? -EIO : item_only ? rc : KVF_EPEERLOST);
     item_free(it);
+    thread_last_ns = kvf__now_ns();
   }
   return NULL;
 }
 
 /* ------------------------------------------------------- receiver threads */
 
+/* One recvmsg; while spin.h's window is open (data moved on this thread
+ * lately, or a grant here waits for its data) it polls without blocking
+ * first, so that the data does not wait for this thread to wake. */
 static int recv_some(int fd, struct iovec *iov, int n) {
   struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)n};
   for (;;) {
-    ssize_t r = recvmsg(fd, &msg, 0);
+    ssize_t r = recvmsg(fd, &msg, MSG_DONTWAIT);
+    while (r < 0 && errno == EAGAIN && kvf__spin_open(KVF__SPIN_RECV, thread_last_ns)) {
+      kvf__spin_relax();
+      r = recvmsg(fd, &msg, MSG_DONTWAIT);
+    }
+    if (r < 0 && errno == EAGAIN) r = recvmsg(fd, &msg, 0);
+    if (r > 0) thread_last_ns = kvf__now_ns();
     if (r > 0) return (int)r;
     if (r == 0) return -ECONNRESET;
     if (errno == EAGAIN || errno == EWOULDBLOCK) return -EAGAIN; /* RECV_CHECK_MS passed */
@@ -1075,8 +1010,12 @@ static void *receiver_main(void *arg) {
 /* ------------------------------------------------------------------ ops */
 
 /* Cuts runs into frames of at most SLICE bytes and deals them round robin
- * over the streams, so one huge descriptor still uses every connection. */
+ * over the streams, so one huge descriptor still uses every connection. A
+ * post of at most SMALL_POST bytes goes whole on one stream (the next in
+ * turn): spread, its handoff would wait for the wake-up of a thread on
+ * each side of every stream it touched (a layer-block's K and V on two). */
 static int deal_frames(tcp_peer *tp, const kvf__runs *runs, item **items) {
+  bool small = runs->bytes <= SMALL_POST;
   size_t cap = runs->n + (size_t)(runs->bytes / SLICE) + 1;
   size_t per = cap / tp->n_out + 2;
   for (uint32_t i = 0; i < tp->n_out; i++) {
@@ -1102,15 +1041,18 @@ static int deal_frames(tcp_peer *tp, const kvf__runs *runs, item **items) {
       it->w[it->n++] = (wr){src + done, run->dst_pool, len, run->dst_off + done, sp->cuda_dev};
       if (sp->cuda_dev >= 0) it->gpu = true;
       done += len;
-      k = (k + 1) % tp->n_out;
+      if (!small) k = (k + 1) % tp->n_out;
     }
   }
-  tp->rr = k;
+  tp->rr = small ? (k + 1) % tp->n_out : k;
   return 0;
 }
 
-/* Appends it to s's queue; the caller holds the peer's lock. */
+/* Appends it to s's queue and wakes s's thread (only s's: a post of one
+ * stream's share does not wake them all); the caller holds the peer's lock. */
 static void enqueue(stream *s, item *it) {
+  atomic_fetch_add(&s->tp->posts, 1);
+  pthread_cond_signal(&s->cond);
   if (s->tail) s->tail->next = it;
   else s->head = it;
   s->tail = it;
@@ -1153,7 +1095,6 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
     it->handle = x->handle;
     enqueue(&tp->out[i], it);
   }
-  pthread_cond_broadcast(&tp->cond);
   pthread_mutex_unlock(&tp->lock);
   if (!used) post_event(tt, EV_TICKET, tk, 0, 0, NULL);
   return 0;
@@ -1179,7 +1120,6 @@ static bool tcp_mark_layers(kvf__transport *t, kvf__xfer *x, uint32_t first, uin
     *it = (item){.handle = x->handle, .marker = true, .first = first, .n_layers = n, .streams = tp->n_out};
     enqueue(&tp->out[i], it);
   }
-  pthread_cond_broadcast(&tp->cond);
   pthread_mutex_unlock(&tp->lock);
   return true;
 }
@@ -1220,6 +1160,7 @@ static int tcp_grant_open(kvf__transport *t, kvf__xfer *x) {
     kvf__rangeset_free(&g->rs);
     free(g);
   }
+  if (rc == 0) kvf__spin_expect(true); /* the receivers poll until the data comes (spin.h) */
   return rc;
 }
 
@@ -1285,7 +1226,7 @@ static int tcp_peer_up(kvf__transport *t, kvf__peer *p) {
     return -ENOMEM;
   }
   pthread_mutex_init(&tp->lock, NULL);
-  pthread_cond_init(&tp->cond, NULL);
+  for (uint32_t i = 0; i < tp->n_out; i++) pthread_cond_init(&tp->out[i].cond, NULL);
   kvf__transport_set_peer(t, p, tp);
   for (uint32_t i = 0; i < tp->n_out; i++) {
     stream *s = &tp->out[i];
@@ -1340,7 +1281,7 @@ static void tcp_peer_down(kvf__transport *t, kvf__peer *p) {
   for (uint32_t i = 0; i < tp->n_out; i++)
     if (tp->out[i].fd >= 0) shutdown(tp->out[i].fd, SHUT_RDWR);
   for (stream *s = tp->in; s; s = s->next_in) shutdown(s->fd, SHUT_RDWR);
-  pthread_cond_broadcast(&tp->cond);
+  for (uint32_t i = 0; i < tp->n_out; i++) pthread_cond_broadcast(&tp->out[i].cond);
   pthread_mutex_unlock(&tp->lock);
   /* A sender in connect() or its handshake was woken by the shutdown. */
   for (uint32_t i = 0; i < tp->n_out; i++)
@@ -1360,7 +1301,7 @@ static void tcp_peer_down(kvf__transport *t, kvf__peer *p) {
     free(s);
   }
   pthread_mutex_destroy(&tp->lock);
-  pthread_cond_destroy(&tp->cond);
+  for (uint32_t i = 0; i < tp->n_out; i++) pthread_cond_destroy(&tp->out[i].cond);
   free(tp->out);
   free(tp);
   kvf__transport_set_peer(t, p, NULL);
