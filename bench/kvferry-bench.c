@@ -863,9 +863,10 @@ static struct {
 } LT;
 
 /* Called per finished request (run_wave): the client's own times, to set
- * against the daemons' stamps (one clock: CLOCK_MONOTONIC, one machine). */
+ * against the daemons' stamps (one clock: CLOCK_MONOTONIC, one machine).
+ * Only where the timed window starts at the send call (--time-from-send). */
 static void latency_note(const bench *b, const req *r) {
-  if (!b->o.latency) return;
+  if (!b->o.latency || !b->o.time_from_send || b->o.layerwise) return;
   if (!LT.t_post) {
     LT.n_t = b->o.requests;
     LT.t_post = calloc((size_t)LT.n_t, sizeof(int64_t));
