@@ -632,14 +632,17 @@ static void *sender_main(void *arg) {
 
 /* ------------------------------------------------------- receiver threads */
 
-/* One recvmsg; while spin.h's window is open (data moved on this thread
- * lately, or a grant here waits for its data) it polls without blocking
- * first, so that the data does not wait for this thread to wake. */
-static int recv_some(int fd, struct iovec *iov, int n) {
+/* One recvmsg. With spin (waiting for a batch's header: a handoff starts
+ * there), while spin.h's window is open (data moved on this thread lately,
+ * or a grant here waits for its data), it polls without blocking first, so
+ * that the data does not wait for this thread to wake. Within a payload it
+ * blocks: a bulk stream's wake-ups are few and its CPU is better spent on
+ * the copies. */
+static int recv_some(int fd, struct iovec *iov, int n, bool spin) {
   struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)n};
   for (;;) {
     ssize_t r = recvmsg(fd, &msg, MSG_DONTWAIT);
-    while (r < 0 && errno == EAGAIN && kvf__spin_open(KVF__SPIN_RECV, thread_last_ns)) {
+    while (spin && r < 0 && errno == EAGAIN && kvf__spin_open(KVF__SPIN_RECV, thread_last_ns)) {
       kvf__spin_relax();
       r = recvmsg(fd, &msg, MSG_DONTWAIT);
     }
@@ -683,7 +686,7 @@ static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t
       return PAYLOAD_SUNK;
     }
     /* after a fault, one element at a time, so that it is found */
-    int r = recv_some(fd, v, faulted && *faulted ? 1 : cnt);
+    int r = recv_some(fd, v, faulted && *faulted ? 1 : cnt, false);
     if (r == -EAGAIN) continue;
     if (r == -EFAULT && faulted && !*faulted) {
       *faulted = true;
@@ -718,7 +721,7 @@ static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t
 static int read_header(int fd, uint8_t *hdr, uint32_t *have) {
   while (*have < BHDR_LEN) {
     struct iovec iov = {hdr + *have, BHDR_LEN - *have};
-    int r = recv_some(fd, &iov, 1);
+    int r = recv_some(fd, &iov, 1, true);
     if (r == -EAGAIN) continue;
     if (r < 0) return r;
     *have += (uint32_t)r;
