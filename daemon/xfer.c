@@ -444,6 +444,7 @@ static void emit_failure(kvf__xfer *x) {
   kvf__xoutcome_record(x, x->status, x->error);
   kvf__xfer_set_state(x, KVF__XS_FAILED);
   emit(x, x->status, x->error);
+  kvf__xtrace_finish(x, x->status ? x->status : KVF_ECANCELED);
   kvf__metrics_transfer(x, x->status);
   kvfd.stats.transfers_failed++;
   xfer_destroy(x);
@@ -472,7 +473,6 @@ static bool judge_refusal(kvf__xfer *x) {
 }
 
 static void finish_failure(kvf__xfer *x) {
-  kvf__xtrace_finish(x, x->status ? x->status : KVF_ECANCELED);
   if (!judge_refusal(x)) emit_failure(x);
 }
 

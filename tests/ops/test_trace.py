@@ -129,6 +129,19 @@ class TestTrace(unittest.TestCase):
             self.assertEqual(after_dec[("recv", hop)] - before_dec[("recv", hop)], n_tcp + len(local_ids), hop)
             self.assertEqual(after_dec[("send", hop)] - before_dec[("send", hop)], len(local_ids), hop)
 
+    def test_failure_listed_not_counted(self):
+        _, before = hop_counts(self.dec)
+        self.cd.grant("tr-late", "prefill", [self.pd.desc(20 << 20, BLK)], deadline_ms=100)
+        self.assertEqual(wait_event(self.cd, "tr-late").error_name, "KVF_EDEADLINE")
+        rec = [r for r in trace(self.dec) if r["id"] == "tr-late"]
+        self.assertEqual(len(rec), 1, rec)
+        self.assertEqual(rec[0]["status"], "KVF_EDEADLINE")
+        self.assertEqual(rec[0]["role"], "recv")
+        self.assertAlmostEqual(sum(rec[0][h + "_us"] for h in HOPS), rec[0]["total_us"], delta=0.005)
+        self.assertGreaterEqual(rec[0]["total_us"], 100e3 * 0.9, rec)  # it waited for its deadline
+        _, after = hop_counts(self.dec)
+        self.assertEqual(after, before)  # the histograms count successes only
+
     def test_tables(self):
         self.handoff("tr-table", self.cp, self.pp, "prefill", "decode", 1, 7 << 20)
         r = ctl(self.dec, "transfers", "--trace")
