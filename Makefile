@@ -9,7 +9,8 @@
 #   make test-build   every test program: tests/unit, tests/integration,
 #                     tests/kvferryd-rogue (failpoints), tests/rdma (and
 #                     mw_probe), tests/gpu, tests/chaos/chaos_client
-#   make bench-tools  desc-bench, post-bench, wake-bench, submit-bench, tests/gpu/gpu_copy
+#   make bench-tools  desc-bench, post-bench, wake-bench, submit-bench, tcp-pingpong,
+#                     tests/gpu/gpu_copy
 #                     (what bench/*.sh run besides the product)
 #   make fuzz-build   the libFuzzer targets and gen_corpus (clang; "fuzz" below)
 # Running: each target first builds what it runs.
@@ -83,7 +84,8 @@ LIB_SONAME := libkvferry.so.1
 LIB_REAL := libkvferry.so.1.0.0
 LIB_SO := $(BUILD)/$(LIB_REAL) $(BUILD)/$(LIB_SONAME) $(BUILD)/libkvferry.so
 BINS := $(BUILD)/kvferryd $(BUILD)/kvferryctl $(BUILD)/kvferry-bench $(LIB_SO) $(BUILD)/libkvferry.a
-BENCH_TOOLS := $(BUILD)/desc-bench $(BUILD)/post-bench $(BUILD)/wake-bench $(BUILD)/submit-bench
+BENCH_TOOLS := $(BUILD)/desc-bench $(BUILD)/post-bench $(BUILD)/wake-bench $(BUILD)/submit-bench \
+               $(BUILD)/tcp-pingpong
 
 # Operations tests (tests/ops): Python, stdlib only, TAP on stdout.
 OPS_TESTS := $(wildcard tests/ops/test_*.py)
@@ -185,6 +187,11 @@ $(BUILD)/submit-bench: bench/submit_bench.c $(BUILD)/libkvferry.a | deps
 $(BUILD)/wake-bench: bench/wake_bench.c | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_BASE) -o $@ $< -lpthread
+
+# The raw loopback TCP baseline of bench/latency.sh (bench/tcp_pingpong.c).
+$(BUILD)/tcp-pingpong: bench/tcp_pingpong.c | deps
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_BASE) -o $@ $< -lpthread -lm
 
 # Unit tests link the daemon's objects (all but main) and cmocka.
 $(BUILD)/tests/%: tests/unit/%.c $(DAEMON_OBJ) $(BUILD)/libkvferry.a $(PROTO_H) | deps

@@ -98,6 +98,7 @@ typedef struct opts {
   bool nowait;            /* parts after the first with KVF_SEND_NOWAIT */
   kvfb_het het;           /* --prefill-tp and the rest: heterogeneous layouts (bench_hetero.c) */
   uint64_t compute_us;    /* per layer */
+  bool latency;           /* --latency: the p50 handoff's hops from the daemons' traces */
 } opts;
 
 /* ------------------------------------------------------------ state */
@@ -509,6 +510,7 @@ static void teardown(bench *b) {
 /* ------------------------------------------------------------ transfers */
 
 static int drain_both(bench *b, size_t n);
+static void latency_note(const bench *b, const req *r); /* --latency */
 
 /* Adds the time of one API call to the request's posting cost. */
 static void count_call(req *r, int64_t t0) { r->post_ns += now_ns() - t0; }
@@ -774,6 +776,7 @@ static int run_wave(bench *b, uint64_t first, size_t n) {
     int64_t due = b->o.compute ? r->t_due : r->t_last_send;
     b->exposed_us[r->index] = (double)(r->t_recv - due) / 1e3;
     b->late_us[r->index] = (double)(r->t_last_send - due) / 1e3;
+    latency_note(b, r);
   }
   if (gpu_sync(b, &b->dst, false) < 0) return -1;
   for (size_t i = 0; i < n; i++)
@@ -833,6 +836,167 @@ static summary summarize(bench *b) {
   return s;
 }
 
+/* ------------------------------------------------------------ --latency */
+
+/* --latency: where the time of the p50 handoff went, read back from both
+ * daemons' trace rings (kvferryctl transfers --trace --json): the hops of
+ * the request nearest the p50 among the last LAT_RECENT (the rings keep
+ * 1,024 transfers), and the median of each hop over those requests. */
+#define LAT_RECENT 512
+#define LAT_HOPS 5
+static const char *const lat_hop[LAT_HOPS] = {"post_to_pair_us", "pair_to_first_us", "first_to_last_us",
+                                              "last_to_event_us", "total_us"};
+
+typedef struct lat_side {
+  bool found;                 /* the p50 request's record */
+  double hop[LAT_HOPS];
+  double *all[LAT_HOPS];      /* per hop, every recent request's */
+  size_t n;
+} lat_side;
+
+static struct {
+  bool done;
+  char id[48];
+  double p50_us;
+  lat_side send, recv;
+  int64_t *t_post, *t_recv; /* per request: the timed send call, RECV_DONE taken (CLOCK_MONOTONIC) */
+  uint64_t n_t;
+  int64_t p50_post, p50_recv;
+} LT;
+
+/* Called per finished request (run_wave): the client's own times, to set
+ * against the daemons' stamps (one clock: CLOCK_MONOTONIC, one machine).
+ * Only where the timed window starts at the send call (--time-from-send). */
+static void latency_note(const bench *b, const req *r) {
+  if (!b->o.latency || !b->o.time_from_send || b->o.layerwise) return;
+  if (!LT.t_post) {
+    LT.n_t = b->o.requests;
+    LT.t_post = calloc((size_t)LT.n_t, sizeof(int64_t));
+    LT.t_recv = calloc((size_t)LT.n_t, sizeof(int64_t));
+  }
+  if (!LT.t_post || !LT.t_recv || r->index >= LT.n_t) return;
+  LT.t_post[r->index] = r->t_post;
+  LT.t_recv[r->index] = r->t_recv;
+}
+
+static double lat_num(const char *obj, const char *key) {
+  const char *v = kvf__json_get(obj, key);
+  return v ? strtod(v, NULL) : 0;
+}
+
+/* Whether id is one of this run's requests at index >= from. */
+static bool lat_recent(const char *id, uint64_t from) {
+  char prefix[32];
+  int n = snprintf(prefix, sizeof prefix, "bench-%ld-", (long)getpid());
+  if (strncmp(id, prefix, (size_t)n) != 0) return false;
+  char *end;
+  unsigned long long index = strtoull(id + n, &end, 10);
+  return *end == '\0' && index >= from;
+}
+
+/* One daemon's ring: the records of role `role` of this run's recent requests. */
+static void lat_read(side *s, const char *role, lat_side *ls, uint64_t from) {
+  char *text = NULL;
+  if (kvf_inspect(s->c, KVF_INSPECT_TRACE, 1, &text) < 0 || !text) return;
+  const char *it = kvf__json_get(text, "transfers");
+  for (const char *o; it && (o = kvf__json_next(&it)) != NULL;) {
+    char id[160], r[8];
+    if (kvf__json_get_str(o, "id", id, sizeof id) || kvf__json_get_str(o, "role", r, sizeof r)) continue;
+    if (strcmp(r, role) != 0 || !lat_recent(id, from)) continue;
+    bool p50 = strcmp(id, LT.id) == 0;
+    for (int k = 0; k < LAT_HOPS; k++) {
+      double v = lat_num(o, lat_hop[k]);
+      if (ls->all[k]) ls->all[k][ls->n] = v;
+      if (p50) ls->hop[k] = v;
+    }
+    uint64_t posted = 0;
+    if (p50 && kvf__json_get_u64(o, "posted_ns", &posted) == 0) {
+      if (ls == &LT.send) LT.p50_post = (int64_t)posted;
+      else LT.p50_recv = (int64_t)posted + (int64_t)(ls->hop[LAT_HOPS - 1] * 1e3);
+    }
+    ls->found |= p50;
+    ls->n++;
+  }
+  free(text);
+}
+
+/* After the run, before the report sorts the latencies. */
+static void latency_collect(bench *b) {
+  uint64_t from = b->done > LAT_RECENT ? b->done - LAT_RECENT : 0, n = b->done - from;
+  if (n == 0) return;
+  double *v = malloc(n * sizeof *v);
+  if (!v) return;
+  memcpy(v, b->lat_us + from, n * sizeof *v);
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  LT.p50_us = percentile(v, n, 50);
+  free(v);
+  uint64_t pick = from;
+  for (uint64_t i = from; i < b->done; i++)
+    if (fabs(b->lat_us[i] - LT.p50_us) < fabs(b->lat_us[pick] - LT.p50_us)) pick = i;
+  snprintf(LT.id, sizeof LT.id, "bench-%ld-%" PRIu64, (long)getpid(), pick);
+  LT.p50_post = LT.p50_recv = 0;
+  lat_side *sides[2] = {&LT.send, &LT.recv};
+  for (int s = 0; s < 2; s++)
+    for (int k = 0; k < LAT_HOPS; k++) sides[s]->all[k] = calloc((size_t)n, sizeof(double));
+  lat_read(&b->src, "send", &LT.send, from);
+  lat_read(&b->dst, "recv", &LT.recv, from);
+  LT.done = true;
+}
+
+static void latency_side_json(const char *name, lat_side *ls) {
+  printf(", \"%s\": {\"found\": %s", name, ls->found ? "true" : "false");
+  for (int k = 0; k < LAT_HOPS; k++) printf(", \"%s\": %.1f", lat_hop[k], ls->hop[k]);
+  printf(", \"records\": %zu, \"hop_p50\": {", ls->n);
+  for (int k = 0; k < LAT_HOPS; k++) {
+    double med = 0;
+    if (ls->n && ls->all[k]) {
+      qsort(ls->all[k], ls->n, sizeof(double), cmp_double);
+      med = percentile(ls->all[k], ls->n, 50);
+    }
+    printf("%s\"%s\": %.1f", k ? ", " : "", lat_hop[k], med);
+    free(ls->all[k]);
+    ls->all[k] = NULL;
+  }
+  printf("}}");
+}
+
+/* The "trace" member of the JSON line. */
+static void latency_report_json(void) {
+  if (!LT.done) return;
+  printf(", \"trace\": {\"p50_id\": ");
+  json_str(stdout, LT.id);
+  printf(", \"p50_recent_us\": %.1f", LT.p50_us);
+  /* The hops outside the daemons: the send call to the sending daemon's
+   * post stamp, and the receiving daemon's event to RECV_DONE taken. */
+  const char *dash = strrchr(LT.id, '-');
+  uint64_t i = dash ? strtoull(dash + 1, NULL, 10) : LT.n_t;
+  if (i < LT.n_t && LT.t_post && LT.p50_post && LT.p50_recv)
+    printf(", \"client_to_daemon_us\": %.1f, \"daemon_to_client_us\": %.1f",
+           (double)(LT.p50_post - LT.t_post[i]) / 1e3, (double)(LT.t_recv[i] - LT.p50_recv) / 1e3);
+  latency_side_json("send", &LT.send);
+  latency_side_json("recv", &LT.recv);
+  printf("}");
+  free(LT.t_post);
+  free(LT.t_recv);
+}
+
+static void latency_report_human(void) {
+  if (!LT.done) return;
+  printf("  p50 handoff %s (%.1f us), hops in us (post>pair, pair>first, first>last, last>event, total):\n",
+         LT.id, LT.p50_us);
+  lat_side *sides[2] = {&LT.send, &LT.recv};
+  for (int s = 0; s < 2; s++) {
+    lat_side *ls = sides[s];
+    printf("    %s:", s ? "recv" : "send");
+    if (!ls->found) printf(" not in the daemon's trace");
+    for (int k = 0; ls->found && k < LAT_HOPS; k++) printf(" %.1f", ls->hop[k]);
+    printf("\n");
+    for (int k = 0; k < LAT_HOPS; k++) free(ls->all[k]);
+  }
+  free(LT.t_post);
+  free(LT.t_recv);
+}
+
 static void report_json(const bench *b, const summary *s) {
   printf("{\"path\": ");
   json_str(stdout, b->path[0] ? b->path : "none");
@@ -852,6 +1016,7 @@ static void report_json(const bench *b, const summary *s) {
   if (b->o.layer_events)
     printf(", \"layer_events\": %" PRIu64 ", \"layer_events_in_order\": %s", b->layer_events,
            b->layers_in_order ? "true" : "false");
+  latency_report_json();
   if (!s->ok) {
     printf(", \"error\": ");
     json_str(stdout, b->err);
@@ -880,6 +1045,7 @@ static void report_human(const bench *b, const summary *s) {
   if (b->o.layer_events)
     printf("  layer events: %" PRIu64 ", %s\n", b->layer_events,
            b->layers_in_order ? "each request's in layer order" : "some out of layer order");
+  latency_report_human();
   printf("  verified: %s\n", s->ok ? "every byte" : "NO");
 }
 
@@ -934,6 +1100,9 @@ static void usage(FILE *f) {
     "  --seed N             data and layout seed (default 1)\n"
     "  --json               one JSON line on stdout; its \"gbps\" is GB/s (10^9 bytes\n"
     "                       per second; the name stays for scripts), \"gbit_s\" the same in Gbit/s\n"
+    "  --latency            after the run, read both daemons' transfer traces\n"
+    "                       (kvferryctl transfers --trace) and report where the p50\n"
+    "                       handoff's time went, hop by hop (JSON: \"trace\")\n"
     "  --quiet              no summary and no warnings; the exit status tells\n"
     "  --help\n"
     "Exit 0 only when every request transferred and verified.\n");
@@ -955,7 +1124,7 @@ static int parse_u64(const char *name, const char *s, uint64_t min, uint64_t max
 enum { O_FROM = 256, O_TO, O_MODEL, O_LAYERS, O_KVH, O_HDIM, O_BTOK, O_DTYPE, O_MLA, O_TOKENS,
        O_REQS, O_CONC, O_PFROM, O_PTO, O_LAYERWISE, O_SENDFIRST, O_GRANTANY, O_DEADLINE, O_SEED,
        O_JSON, O_QUIET, O_HELP, O_TFS, O_LEAD, O_BUSY, O_BLOCKS, O_LAYEREV, O_COMPUTE, O_WHOLE,
-       O_NOWAIT, O_HET_PTP, O_HET_DTP, O_HET_PORD, O_HET_DORD, O_HET_PBT, O_HET_DBT };
+       O_NOWAIT, O_HET_PTP, O_HET_DTP, O_HET_PORD, O_HET_DORD, O_HET_PBT, O_HET_DBT, O_LATENCY };
 
 static const struct option long_opts[] = {
   {"from", required_argument, 0, O_FROM}, {"to", required_argument, 0, O_TO},
@@ -977,6 +1146,7 @@ static const struct option long_opts[] = {
   {"prefill-tp", required_argument, 0, O_HET_PTP}, {"decode-tp", required_argument, 0, O_HET_DTP},
   {"prefill-order", required_argument, 0, O_HET_PORD}, {"decode-order", required_argument, 0, O_HET_DORD},
   {"prefill-block-tokens", required_argument, 0, O_HET_PBT}, {"decode-block-tokens", required_argument, 0, O_HET_DBT},
+  {"latency", no_argument, 0, O_LATENCY},
   {0, 0, 0, 0},
 };
 
@@ -1128,6 +1298,7 @@ static int parse_args(int argc, char **argv, opts *o) {
     else if (c == O_WHOLE) o->whole = true;
     else if (c == O_NOWAIT) o->nowait = true;
     else if (c >= O_HET_PTP && c <= O_HET_DBT) rc = het_opt(c, optarg, o);
+    else if (c == O_LATENCY) o->latency = true;
     else if (c == O_HELP) { usage(stdout); return 1; }
     else { usage(stderr); return -1; }
     if (rc < 0) return -1;
@@ -1148,7 +1319,7 @@ int main(int argc, char **argv) {
   if (rc) return rc > 0 ? 0 : 2;
   if (b.o.het.on) return het_run(&b.o);
   bool ready = setup(&b) == 0;
-  if (ready) run(&b);
+  if (ready && run(&b) == 0 && b.o.latency) latency_collect(&b);
   summary s = summarize(&b);
   if (!s.ok) fprintf(stderr, "kvferry-bench: %s\n", b.err);
   if (b.o.json) report_json(&b, &s);

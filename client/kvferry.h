@@ -452,7 +452,8 @@ int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeout_ms);
 /* Introspection, rendered by the daemon: a human table or a JSON document.
  * *out is malloc'ed; free() it. */
 enum kvf_inspect { KVF_INSPECT_STATUS, KVF_INSPECT_POOLS, KVF_INSPECT_PEERS,
-                   KVF_INSPECT_TRANSFERS, KVF_INSPECT_LAYOUTS };
+                   KVF_INSPECT_TRANSFERS, KVF_INSPECT_LAYOUTS,
+                   KVF_INSPECT_TRACE /* the last finished transfers' timelines */ };
 int kvf_inspect(kvf_client *c, int what, int json, char **out);
 
 #ifdef __cplusplus

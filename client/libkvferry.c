@@ -2316,7 +2316,7 @@ KVF_API int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeo
 /* ------------------------------------------------------------ inspect */
 
 KVF_API int kvf_inspect(kvf_client *c, int what, int json, char **out) {
-  if (!c || !out || what < KVF_INSPECT_STATUS || what > KVF_INSPECT_LAYOUTS) return KVF_EINVAL;
+  if (!c || !out || what < KVF_INSPECT_STATUS || what > KVF_INSPECT_TRACE) return KVF_EINVAL;
   *out = NULL;
   Kvf__InspectReq body = KVF__INSPECT_REQ__INIT;
   body.what = (Kvf__InspectWhat)what; /* enum kvf_inspect mirrors InspectWhat */

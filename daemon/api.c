@@ -87,7 +87,7 @@ struct kvf__session {
 };
 
 /* The views InspectReq.what names (InspectWhat, LAYOUTS last). */
-#define INSPECT_VIEWS ((size_t)KVF__INSPECT_WHAT__INSPECT_LAYOUTS + 1)
+#define INSPECT_VIEWS ((size_t)KVF__INSPECT_WHAT__INSPECT_TRACE + 1)
 
 /* An inspect view as last rendered. */
 typedef struct render {

@@ -308,10 +308,23 @@ static const struct opt opts[] = {
      .help = "How long a progress thread keeps polling after its last completion "
              "before it sleeps on the completion channel; 0 = sleep at once."},
     {.name = "busy-poll", .type = OPT_BOOL, .off = F(busy_poll), .def = "no",
-     .help = "Spin instead of sleeping: the event loop never blocks waiting for events "
-             "and the rdma progress threads never sleep on their completion channels, "
-             "which takes the wake-ups off a handoff's path. Each of those threads then "
-             "keeps a core busy all the time: for nodes with cores to spare."},
+     .help = "Spin instead of sleeping: the event loop never blocks waiting for events, "
+             "the tcp transport's threads poll their queues and sockets, and the rdma "
+             "progress threads never sleep on their completion channels, which takes the "
+             "wake-ups off a handoff's path. Each of those threads (two per tcp stream) then "
+             "keeps a core busy all the time: for nodes with cores to spare. Without it, "
+             "spin-us and spin-grant-us spin for bounded windows."},
+    {.name = "spin-us", .type = OPT_U32, .off = F(spin_us), .min = 0, .max = 1000000, .def = "200",
+     .help = "How long the event loop and the tcp transport's threads keep polling after their "
+             "last activity before they sleep, so that the next hop of a handoff finds them awake; "
+             "200 us covers the gap between the layer parts of a short prompt's prefill (145 us a "
+             "layer at 128 tokens); 0 = sleep at once. busy-poll yes: always."},
+    {.name = "spin-grant-us", .type = OPT_U32, .off = F(spin_grant_us), .min = 0, .max = 10000000,
+     .def = "10000",
+     .help = "How long a grant keeps the data path polling: on the receiver from the grant's "
+             "opening (the loop and the tcp receivers), on the sender from the peer's grant "
+             "reaching it ahead of the send (the loop and the tcp senders), so that a send posted "
+             "a prefill after its grant is not slower than one posted back to back; 0 = off."},
     {.name = "rdma-memory-windows", .type = OPT_ENUM, .off = F(rdma_memory_windows),
      .words = tristate_words, .def = "auto",
      .help = "Limit a peer's RDMA writes to the ranges of its open grants: pools are "

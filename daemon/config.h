@@ -93,7 +93,9 @@ typedef struct kvf__config {
   uint32_t rdma_inline;
   uint32_t rdma_slice;
   uint32_t rdma_poll_us;
-  bool busy_poll;                  /* the loop and the rdma progress threads never sleep */
+  bool busy_poll;                  /* the loop, tcp and rdma threads never sleep */
+  uint32_t spin_us;                /* spin.h: poll this long after activity */
+  uint32_t spin_grant_us;          /* spin.h: and this long after a grant ahead */
   int rdma_memory_windows;         /* enum kvf__tristate: a type 2 memory window per grant range */
   uint32_t rdma_mw_max_windows;    /* windows per grant; more ranges are merged across gaps */
   int gpu_direct;                  /* enum kvf__gdr: off = every pool bounces */

@@ -20,6 +20,7 @@
 #include "transport/transport.h"
 #include "xfer.h"
 #include "xfer_int.h"
+#include "xfer_trace.h"
 
 static void peer_addr(const kvf__peer *p, char *buf, size_t len) {
   const char *h = p->cfg.host;
@@ -315,6 +316,7 @@ char *kvf__inspect_render(int what, int json) {
   case KVF__INSPECT_WHAT__INSPECT_PEERS: render_peers(&b, json); break;
   case KVF__INSPECT_WHAT__INSPECT_TRANSFERS: render_transfers(&b, json); break;
   case KVF__INSPECT_WHAT__INSPECT_LAYOUTS: render_layouts(&b, json); break;
+  case KVF__INSPECT_WHAT__INSPECT_TRACE: kvf__xtrace_render(&b, json); break;
   default: render_status(&b, json); break;
   }
   if (b.oom || !b.s) {

@@ -1,7 +1,12 @@
 /* mailbox.c - threads to the loop (mailbox.h). */
 #include "mailbox.h"
 
-static void on_wake(uv_async_t *a) { kvf__mailbox_drain(a->data); }
+#include "spin.h"
+
+static void on_wake(uv_async_t *a) {
+  kvf__spin_loop_active(); /* more mail is likely soon: the loop polls a while */
+  kvf__mailbox_drain(a->data);
+}
 
 int kvf__mailbox_init(kvf__mailbox *mb, uv_loop_t *loop) {
   mb->head = mb->tail = NULL;

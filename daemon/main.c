@@ -23,6 +23,7 @@
 #include "pool.h"
 #include "pool_engine.h"
 #include "registry.h"
+#include "spin.h"
 #include "transport/transport.h"
 #include "xfer.h"
 
@@ -113,18 +114,6 @@ static void report_gpu_pools(void) {
                p->kind, gi.name, gi.bdf, p->nic_reg,
                direct ? " (GPUDirect RDMA)" : ": remote transfers bounce through pinned host memory (rdma-bounce)");
   }
-}
-
-static void spin_once(uv_idle_t *h) {}
-
-/* busy-poll: an active idle handle makes every turn of the loop poll for
- * events without blocking. Unreferenced, it does not keep the loop alive
- * when the daemon stops. */
-static void start_spinning(uv_idle_t *h) {
-  uv_idle_init(kvfd.loop, h);
-  uv_idle_start(h, spin_once);
-  uv_unref((uv_handle_t *)h);
-  kvf__info("busy-poll: the loop and the rdma progress threads spin (a core each)");
 }
 
 static void close_walk(uv_handle_t *h, void *arg) {
@@ -264,8 +253,7 @@ int main(int argc, char **argv) {
     kvf__auth_forget();
     return 1;
   }
-  static uv_idle_t spin;
-  if (kvfd.cfg.busy_poll) start_spinning(&spin);
+  kvf__spin_loop_start(kvfd.loop); /* busy-poll, spin-us, spin-grant-us */
   uv_run(kvfd.loop, UV_RUN_DEFAULT);
   uv_walk(kvfd.loop, close_walk, NULL);
   uv_run(kvfd.loop, UV_RUN_DEFAULT);

@@ -19,6 +19,7 @@
 #include "pool.h"
 #include "transport/transport.h"
 #include "xfer.h"
+#include "xfer_trace.h"
 
 #define PATH_MAX_LEN 32
 #define MAX_COLLECTORS 8
@@ -150,6 +151,7 @@ void kvf__metrics_reset(void) {
   free(M.h);
   free(M.e);
   memset(&M, 0, sizeof M);
+  kvf__xtrace_reset();
 }
 
 /* ------------------------------------------------------------ helpers */
@@ -407,6 +409,7 @@ char *kvf__metrics_render(size_t *len) {
   render_info(&b);
   render_finished(&b);
   render_latency(&b);
+  kvf__xtrace_metrics(&b);
   render_active(&b);
   render_errors(&b);
   render_peers(&b);

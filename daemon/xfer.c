@@ -335,6 +335,7 @@ const char *kvf__xfer_path(const kvf__xfer *x) {
 }
 
 static void emit(kvf__xfer *x, int status, const char *error) {
+  kvf__xtrace_stamp(x, KVF__XT_EVENT, 0);
   if (!x->owner) return;
   Kvf__Event ev = KVF__EVENT__INIT;
   ev.type = x->role == KVF__RECV ? KVF__EVENT_TYPE__EVENT_RECV_DONE : KVF__EVENT_TYPE__EVENT_SEND_DONE;
@@ -348,26 +349,12 @@ static void emit(kvf__xfer *x, int status, const char *error) {
   kvf__xfer_emit(x->owner, &ev);
 }
 
-/* Where a finished send's time went, at debug level: from its first part
- * to the transport's first post, last post and last completion, and to now
- * (both events sent when it is local). */
-static void trace_send(const kvf__xfer *x) {
-  if (x->role != KVF__SEND || !x->send.first_post_ns) return;
-  const kvf__xsend *s = &x->send;
-  uint64_t now = kvf__now_ns();
-  kvf__debug("transfer '%s' %s: %llu descriptors, %llu bytes: first post +%.0f us, last post +%.0f us, "
-             "transport done +%.0f us, done +%.0f us",
-             x->id, kvf__xfer_path(x), (unsigned long long)s->descs_taken, (unsigned long long)s->bytes_posted,
-             (double)(s->first_post_ns - x->created_ns) / 1e3, (double)(s->last_post_ns - x->created_ns) / 1e3,
-             (double)(s->posted_ns - x->created_ns) / 1e3, (double)(now - x->created_ns) / 1e3);
-}
-
 static void succeed(kvf__xfer *x) {
   if (x->role == KVF__RECV) kvf__xrecv_flush_layers(x); /* every layer is in */
   kvf__xoutcome_record(x, 0, NULL);
   kvf__xfer_set_state(x, KVF__XS_DONE);
-  trace_send(x);
   emit(x, 0, NULL);
+  kvf__xtrace_finish(x, 0);
   kvf__metrics_transfer(x, 0);
   kvfd.stats.transfers_done++;
   if (x->role == KVF__RECV) kvfd.stats.bytes_received += kvf__xfer_bytes(x);
@@ -458,6 +445,7 @@ static void emit_failure(kvf__xfer *x) {
   kvf__xoutcome_record(x, x->status, x->error);
   kvf__xfer_set_state(x, KVF__XS_FAILED);
   emit(x, x->status, x->error);
+  kvf__xtrace_finish(x, x->status ? x->status : KVF_ECANCELED);
   kvf__metrics_transfer(x, x->status);
   kvfd.stats.transfers_failed++;
   xfer_destroy(x);
@@ -593,6 +581,7 @@ static int post_part(kvf__xfer *x, const kvf__descs *part, bool last) {
 /* The grant is known: pair and post what came early, the last part among
  * it when QUEUED. */
 static void start_sending(kvf__xfer *x) {
+  kvf__xtrace_stamp(x, KVF__XT_PAIR, 0);
   if (x->blocks || kvf__xsend_grant_is_blocks(x)) {
     kvf__xsend_blocks_start(x);
     return;
@@ -611,6 +600,7 @@ static void bind_local(kvf__xfer *send, kvf__xfer *recv) {
   send->tp = recv->tp = X.env.local;
   snprintf(send->peer_name, sizeof(send->peer_name), "%s", own_node());
   snprintf(recv->peer_name, sizeof(recv->peer_name), "%s", own_node());
+  kvf__xtrace_stamp(recv, KVF__XT_PAIR, 0);
   kvf__xfer_set_state(recv, KVF__RECV_OPEN);
   start_sending(send);
 }
@@ -634,6 +624,7 @@ static int bind_remote_send(kvf__xfer *x, uint64_t handle, kvf__descs *dst, kvf_
 
 /* Binds a grant to a remote sender and tells it where the blocks go. */
 static int bind_remote_recv(kvf__xfer *x, kvf__peer *p) {
+  kvf__xtrace_stamp(x, KVF__XT_PAIR, 0);
   x->peer = p;
   snprintf(x->peer_name, sizeof(x->peer_name), "%s", X.env.peer_name(p));
   x->tp = X.env.peer_transport(p);
@@ -1038,6 +1029,7 @@ static void complete_local(kvf__xfer *send) {
   send->twin = NULL;
   if (recv) {
     recv->twin = NULL;
+    kvf__xtrace_twin(recv, send);
     succeed(recv);
   }
   succeed(send);
@@ -1123,6 +1115,7 @@ void kvf__xfer_on_landed(kvf__xfer *x) {
 }
 
 void kvf__xfer_on_delivered(kvf__xfer *x) {
+  if (!x->tr.t[KVF__XT_LAST]) kvf__xtrace_stamp(x, KVF__XT_LAST, 0); /* one-sided: what we can see */
   switch (x->recv.state) {
   case KVF__RECV_OPEN:
   case KVF__RECV_LANDED:
@@ -1285,6 +1278,7 @@ static void on_grant(kvf__peer *p, const Kvf__Grant *g) {
   int rc = grant_decode(g, &in);
   if (rc == KVF_ELIMIT) refuse_grant(p, g, rc);
   if (rc) return; /* malformed: no daemon sends that; ignored */
+  kvf__spin_expect(false); /* its send's data path polls until the send comes (spin.h) */
   kvf__xfer *x = kvf__map_get(&X.send_by_id, g->xfer_id);
   if (x && x->peer == p && send_waiting(x)) {
     rc = tp_grant_copy(&x->tp_grant, g);
@@ -1307,6 +1301,7 @@ static void on_send_done(kvf__peer *p, const Kvf__SendDone *d) {
 
 void kvf__xrecv_sender_done(kvf__xfer *x, uint64_t bytes) {
   if (!kvf__xfer_live(x)) return;
+  kvf__xtrace_stamp(x, KVF__XT_RESULT, 0);
   if (bytes != kvf__xfer_bytes(x)) {
     kvf__xfer_fail(x, KVF_ESIZE, "the sender sent a different number of bytes", true, KVF_ESIZE);
     return;
@@ -1319,6 +1314,7 @@ void kvf__xrecv_sender_done(kvf__xfer *x, uint64_t bytes) {
 static void on_recv_result(kvf__peer *p, const Kvf__RecvResult *r) {
   kvf__xfer *x = by_handle(p, KVF__SEND, r->handle);
   if (!x || !kvf__xfer_live(x)) return;
+  kvf__xtrace_stamp(x, KVF__XT_RESULT, 0);
   enum kvf__send_state s = x->send.state;
   /* With one-sided writes the receiver may confirm before our own last
    * completion reached the loop: remember it, finish in on_posted. */

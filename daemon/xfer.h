@@ -219,6 +219,12 @@ typedef struct kvf__xsend {
   uint8_t wait_peer;          /* XW_* (xfer_int.h): waits for its peer's link */
 } kvf__xsend;
 
+/* A transfer's timeline (xfer_trace.h): CLOCK_MONOTONIC ns, 0 = not yet. */
+enum { KVF__XT_POST, KVF__XT_PAIR, KVF__XT_FIRST, KVF__XT_LAST, KVF__XT_RESULT, KVF__XT_EVENT, KVF__XT_N };
+typedef struct kvf__xtrace {
+  uint64_t t[KVF__XT_N];
+} kvf__xtrace;
+
 struct kvf__xfer {
   char id[KVF_XFER_ID_MAX + 1];
   int role;                   /* enum kvf__role */
@@ -237,6 +243,7 @@ struct kvf__xfer {
   int status;                 /* the failure to report once drained */
   char error[128];
   uint64_t created_ns;
+  kvf__xtrace tr;             /* where its time went (xfer_trace.c) */
   uint32_t deadline_ms;
   uv_timer_t timer;           /* the deadline; FENCE_MS while fencing */
   void *tp_state;             /* the transport's own per-transfer state */

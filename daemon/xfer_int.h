@@ -5,6 +5,8 @@
 #define KVF_XFER_INT_H
 
 #include "xfer.h"
+#include "spin.h"
+#include "xfer_trace.h"
 
 /* xfer.c: the core. */
 void kvf__xfer_fail(kvf__xfer *x, int status, const char *why, bool notify, int remote_status);

@@ -1,6 +1,7 @@
 /* kvferryctl - asks the local kvferryd what it is doing.
  *
  *   kvferryctl [-s SOCKET] [--json] status|pools|peers|transfers|layouts|metrics|doctor
+ *   kvferryctl [-s SOCKET] [--json] transfers --trace
  *
  * The daemon renders the status, pools, peers, transfers and layouts tables and
  * their JSON; this tool forwards the question and prints the answer.
@@ -45,6 +46,7 @@ static const struct command commands[] = {
 struct options {
   const char *socket;
   bool json;
+  bool trace;                                 /* transfers: the finished ones' timelines */
   bool help;
   const char *command;
 };
@@ -59,6 +61,8 @@ static void usage(FILE *f) {
           "  --json             print JSON instead of a table\n"
           "  --checks NAME,...  doctor: only these checks (e.g. a readiness probe:\n"
           "                     --checks socket,pools-locked,registry)\n"
+          "  --trace            transfers: the last 1024 finished transfers and where\n"
+          "                     their time went (hops in us)\n"
           "  -h, --help         print this help\n"
           "\n"
           "Commands:\n");
@@ -81,10 +85,11 @@ static int usage_error(const char *problem, const char *arg) {
  * unambiguous abbreviations). Returns EXIT_OK or EXIT_USAGE (message
  * printed). */
 static int parse_args(int argc, char **argv, struct options *opt) {
-  enum { OPT_JSON = 0x100, OPT_CHECKS };
+  enum { OPT_JSON = 0x100, OPT_CHECKS, OPT_TRACE };
   static const struct option longopts[] = {{"socket", required_argument, NULL, 's'},
                                            {"json", no_argument, NULL, OPT_JSON},
                                            {"checks", required_argument, NULL, OPT_CHECKS},
+                                           {"trace", no_argument, NULL, OPT_TRACE},
                                            {"help", no_argument, NULL, 'h'},
                                            {0}};
   int o;
@@ -96,6 +101,7 @@ static int parse_args(int argc, char **argv, struct options *opt) {
     case OPT_CHECKS:
       if (!ctl_doctor_select(optarg)) return usage_error("unknown doctor check in", optarg);
       break;
+    case OPT_TRACE: opt->trace = true; break;
     case 'h': opt->help = true; break;
     case ':': return usage_error("missing path after", argv[optind - 1]);
     default: return usage_error("unknown option", argv[optind - 1]);
@@ -132,7 +138,7 @@ int ctl_print(const char *text) {
   return EXIT_OK;
 }
 
-static int run(const struct command *cmd, const char *path, bool json) {
+static int run(const struct command *cmd, int what, const char *path, bool json) {
   kvf_client *c;
   int rc = kvf_connect(path, &c);
   if (rc < 0) {
@@ -140,7 +146,7 @@ static int run(const struct command *cmd, const char *path, bool json) {
     return CTL_UNREACHABLE;
   }
   char *text = NULL;
-  rc = kvf_inspect(c, cmd->what, json, &text);
+  rc = kvf_inspect(c, what, json, &text);
   kvf_close(c);
   if (rc < 0) {
     fprintf(stderr, "kvferryctl: %s: %s (%s)\n", cmd->name, kvf_strerror(rc), kvf_err_name(rc));
@@ -162,6 +168,7 @@ int main(int argc, char **argv) {
   if (!opt.command) return usage_error("missing COMMAND", NULL);
   const struct command *cmd = find_command(opt.command);
   if (!cmd) return usage_error("unknown command", opt.command);
+  if (opt.trace && cmd->what != KVF_INSPECT_TRANSFERS) return usage_error("--trace goes with", "transfers");
   if (cmd->run) return cmd->run(socket_path(&opt), opt.json);
-  return run(cmd, socket_path(&opt), opt.json);
+  return run(cmd, opt.trace ? KVF_INSPECT_TRACE : cmd->what, socket_path(&opt), opt.json);
 }

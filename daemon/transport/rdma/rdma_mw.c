@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "pool.h"
+#include "spin.h"
 #ifdef KVF_FAILPOINTS
 #include "failpoint.h"
 #endif
@@ -836,6 +837,7 @@ void kvf__rdma_accepted_ready(rqp *q) {
 int kvf__rdma_grant_open(kvf__transport *t, kvf__xfer *x) {
   rdma_transport *rt = to_rdma(t);
   char key[16];
+  kvf__spin_expect(true); /* the progress threads poll until the data comes (spin.h) */
   for (size_t i = 0; rt->any_gpu && !x->path && i < x->dst.n; i++) {
     const kvf__pool *p = kvf__pool_get(x->dst.pool[i]);
     if (p && kvf__pool_gpu(p) && !(x->dst.pool[i] < rt->n_pool_slots && rt->pool_bounce[x->dst.pool[i]]))

@@ -40,6 +40,7 @@
 #endif
 
 #include "pool.h"
+#include "spin.h"
 #ifdef KVF_FAILPOINTS
 #include "failpoint.h"
 #endif
@@ -588,7 +589,9 @@ void *kvf__rdma_progress_main(void *arg) {
       idle = spin_ns ? fast_ns() : 0;
       continue;
     }
-    if (kvfd.cfg.busy_poll || (spin_ns && fast_ns() - idle < spin_ns)) continue;
+    /* busy-poll, or a grant ahead of its data here (spin.h): no sleep */
+    if (kvf__spin_open(KVF__SPIN_SEND, 0) || kvf__spin_open(KVF__SPIN_RECV, 0)) continue;
+    if (spin_ns && fast_ns() - idle < spin_ns) continue;
     sleep_until_work(d);
     idle = spin_ns ? fast_ns() : 0;
   }

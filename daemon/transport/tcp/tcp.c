@@ -46,15 +46,13 @@
 #include "peer.h"
 #include "pool.h"
 #include "xfer.h"
+#include "xfer_trace.h"
+#include "tcp_wire.h"
+#include "spin.h"
 
-#define DATA_MAGIC 0x4446564bu      /* "KVFD" little-endian */
-#define LAYER_MAGIC 0x4c46564bu     /* "KVFL": a layer marker (tcp_mark_layers) */
-#define BHDR_LEN 16u                /* batch header: magic, count, handle */
-#define ENT_LEN 16u                 /* per frame: pool, len, offset */
-#define SLICE (1u << 20)            /* one frame carries at most this */
-#define BATCH_FRAMES 256            /* frames per batch (one writev, one readv) */
 #define MAX_STREAMS 64              /* tcp-streams is capped here */
 #define STAGE_SLOT (4u << 20)       /* a GPU staging slot; >= SLICE */
+#define SMALL_POST (128u << 10)     /* a post up to this goes on one stream (deal_frames) */
 /* A GPU copy failed (internal): fails the transfer, not the stream. */
 #define GPU_COPY_FAILED (-EREMOTEIO)
 /* An item's source memory faulted under writev (engine memory whose file
@@ -68,92 +66,6 @@
  * reads into closed (a stalled or lossy stream must not pin a closed
  * grant's memory: tcp_grant_close would have to cut every stream). */
 #define RECV_CHECK_MS 50
-
-/* ------------------------------------------------------------ data frames
- *
- * A batch is a 16-byte header (magic, count, grant handle), count 16-byte
- * entries (pool, length, offset in the receiver's space), then the count
- * payloads back to back. The receiver checks every entry against the grant
- * before it reads a byte, then reads all payloads with one readv straight
- * into pool memory: a few syscalls per batch instead of two per block.
- *
- * A layer marker (grants with layer events) has the same 16-byte header
- * with LAYER_MAGIC, count = the number of streams it was sent on, and one
- * entry (pool = first layer, len = number of layers, offset 0). The sender
- * puts one behind a part's data on every stream; a stream's data lands in
- * order, so once the receiver has seen the marker on every stream (and
- * landed what each stream staged for a GPU before it), the part's layers
- * are in. */
-
-static void put32(uint8_t *p, uint32_t v) { kvf__frame_put_header(p, v); }
-static void put64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static uint64_t get64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
-  return v;
-}
-
-typedef struct batch_hdr {
-  uint32_t magic;
-  uint32_t count;
-  uint64_t handle;
-} batch_hdr;
-
-typedef struct batch_ent {
-  uint32_t pool;
-  uint32_t len;
-  uint64_t offset;
-} batch_ent;
-
-static void bhdr_encode(uint8_t out[BHDR_LEN], uint32_t count, uint64_t handle) {
-  put32(out, DATA_MAGIC);
-  put32(out + 4, count);
-  put64(out + 8, handle);
-}
-
-static void bhdr_decode(const uint8_t in[BHDR_LEN], batch_hdr *h) {
-  h->magic = kvf__frame_get_u32(in);
-  h->count = kvf__frame_get_u32(in + 4);
-  h->handle = get64(in + 8);
-}
-
-static void ent_encode(uint8_t out[ENT_LEN], uint32_t pool, uint32_t len, uint64_t offset) {
-  put32(out, pool);
-  put32(out + 4, len);
-  put64(out + 8, offset);
-}
-
-static void ent_decode(const uint8_t in[ENT_LEN], batch_ent *e) {
-  e->pool = kvf__frame_get_u32(in);
-  e->len = kvf__frame_get_u32(in + 4);
-  e->offset = get64(in + 8);
-}
-
-/* The receiver's checks, before it reads a payload byte (pure: also
- * kvf__tcp_batch_check's). The header's own fields: */
-static int check_header(const batch_hdr *h) {
-  return h->magic != DATA_MAGIC || h->count == 0 || h->count > BATCH_FRAMES ? KVF_EPROTO : 0;
-}
-
-/* count raw entries, each 1..SLICE bytes; *bytes is the payload that follows. */
-static int decode_entries(const uint8_t *raw, uint32_t count, batch_ent *e, uint64_t *bytes) {
-  *bytes = 0;
-  for (uint32_t i = 0; i < count; i++) {
-    ent_decode(raw + (size_t)i * ENT_LEN, &e[i]);
-    if (e[i].len == 0 || e[i].len > SLICE) return KVF_EPROTO;
-    *bytes += e[i].len;
-  }
-  return 0;
-}
-
-/* The first entry outside the grant's ranges; count when all lie inside. */
-static uint32_t first_outside(const kvf__rangeset *rs, const batch_ent *e, uint32_t count) {
-  uint32_t i = 0;
-  while (i < count && kvf__rangeset_contains(rs, e[i].pool, e[i].offset, e[i].len)) i++;
-  return i;
-}
 
 _Static_assert(BHDR_LEN == KVF__TCP_BATCH_HDR && ENT_LEN == KVF__TCP_BATCH_ENT &&
                    BATCH_FRAMES == KVF__TCP_BATCH_MAX,
@@ -172,6 +84,7 @@ typedef struct ticket {
   atomic_int outstanding;
   atomic_int status;
   atomic_bool aborted;
+  _Atomic uint64_t first_ns, done_ns; /* first byte handed to a socket, last written */
 } ticket;
 
 typedef struct wr {      /* one data frame to write */
@@ -206,6 +119,7 @@ typedef struct tevent {
   uint64_t gen;
   void *stream;          /* EV_STREAM_GONE: the inbound stream to reap */
   uint32_t first, n;     /* EV_LAYERS: the layers that landed */
+  uint64_t t_first, t_last; /* EV_LANDED: the grant's first byte read, its last landed */
 } tevent;
 
 /* Receiver: a layer marker seen on some of its streams. */
@@ -224,6 +138,7 @@ typedef struct rgrant {
   atomic_bool closed;    /* set under g_lock; a receiver mid-payload reads it without */
   lmark *marks;          /* layer markers not yet seen on every stream */
   size_t n_marks;
+  uint64_t first_ns;     /* the first batch for it read (g_lock) */
 } rgrant;
 
 /* Receiver: a batch with payloads staged for a GPU; it lands (unpins its
@@ -262,6 +177,7 @@ typedef struct stream {
   pthread_t thr;
   bool started;
   item *head, *tail;     /* sender queue */
+  pthread_cond_t cond;   /* sender: signalled when its queue grows or the peer stops */
   bool outbound;
   struct stream *next_in;/* inbound list */
   gstage *stage;         /* GPU staging, made at the first GPU frame */
@@ -277,7 +193,7 @@ typedef struct tcp_peer {
   uint32_t rr;           /* next stream for round robin */
   stream *in;            /* inbound streams */
   pthread_mutex_t lock;  /* queues of out[] and the in list */
-  pthread_cond_t cond;
+  atomic_uint posts;     /* items queued ever: what a spinning sender watches */
 } tcp_peer;
 
 struct tcp_transport {
@@ -320,7 +236,18 @@ static void ticket_part_done(ticket *tk, int status) {
     int zero = 0;
     atomic_compare_exchange_strong(&tk->status, &zero, status);
   }
-  if (atomic_fetch_sub(&tk->outstanding, 1) == 1) post_event(tk->tt, EV_TICKET, tk, 0, 0, NULL);
+  if (atomic_fetch_sub(&tk->outstanding, 1) > 1) return;
+  atomic_store(&tk->done_ns, kvf__now_ns());
+  post_event(tk->tt, EV_TICKET, tk, 0, 0, NULL);
+}
+
+/* EV_LANDED, with the grant's first and last byte's times. */
+static void post_landed(tcp_peer *tp, uint64_t handle, uint64_t first_ns) {
+  tevent *e = calloc(1, sizeof(*e));
+  if (!e) abort(); /* as post_event */
+  *e = (tevent){.kind = EV_LANDED, .handle = handle, .peer = tp->p, .gen = tp->gen, .t_first = first_ns,
+                .t_last = kvf__now_ns()};
+  push_event(tp->tt, e);
 }
 
 static void item_free(item *it) {
@@ -648,10 +575,23 @@ static int connect_stream(stream *s) {
   return 0;
 }
 
+/* This thread's last activity (moved data), for spin.h's window. */
+static _Thread_local uint64_t thread_last_ns;
+
+/* Waits for s's next item: polls the queue while spin.h's window is open
+ * (the next part of a handoff is likely soon), then sleeps on the cond. */
 static item *next_item(stream *s) {
   tcp_peer *tp = s->tp;
   pthread_mutex_lock(&tp->lock);
-  while (!s->head && !atomic_load(&tp->stop)) pthread_cond_wait(&tp->cond, &tp->lock);
+  while (!s->head && !atomic_load(&tp->stop) && kvf__spin_open(KVF__SPIN_SEND, thread_last_ns)) {
+    unsigned seen = atomic_load(&tp->posts);
+    pthread_mutex_unlock(&tp->lock);
+    while (atomic_load(&tp->posts) == seen && !atomic_load(&tp->stop) &&
+           kvf__spin_open(KVF__SPIN_SEND, thread_last_ns))
+      kvf__spin_relax();
+    pthread_mutex_lock(&tp->lock);
+  }
+  while (!s->head && !atomic_load(&tp->stop)) pthread_cond_wait(&s->cond, &tp->lock);
   item *it = s->head;
   if (it && !atomic_load(&tp->stop)) {
     s->head = it->next;
@@ -675,6 +615,8 @@ static void *sender_main(void *arg) {
       item_free(it);
       continue;
     }
+    uint64_t none = 0;
+    atomic_compare_exchange_strong(&it->tk->first_ns, &none, kvf__now_ns());
     int rc = broken ? KVF_EPEERLOST : it->gpu ? write_item_staged(s, it) : write_item(s, it);
     bool item_only = rc == KVF_ECANCELED || rc == GPU_COPY_FAILED || rc == SOURCE_FAULT; /* the stream is fine */
     if (rc && !item_only && !broken) {
@@ -683,16 +625,29 @@ static void *sender_main(void *arg) {
     }
     ticket_part_done(it->tk, rc == 0 ? 0 : rc == GPU_COPY_FAILED ? -EIO : item_only ? rc : KVF_EPEERLOST);
     item_free(it);
+    thread_last_ns = kvf__now_ns();
   }
   return NULL;
 }
 
 /* ------------------------------------------------------- receiver threads */
 
-static int recv_some(int fd, struct iovec *iov, int n) {
+/* One recvmsg. With spin (waiting for a batch's header: a handoff starts
+ * there), while spin.h's window is open (data moved on this thread lately,
+ * or a grant here waits for its data), it polls without blocking first, so
+ * that the data does not wait for this thread to wake. Within a payload it
+ * blocks: a bulk stream's wake-ups are few and its CPU is better spent on
+ * the copies. */
+static int recv_some(int fd, struct iovec *iov, int n, bool spin) {
   struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)n};
   for (;;) {
-    ssize_t r = recvmsg(fd, &msg, 0);
+    ssize_t r = recvmsg(fd, &msg, MSG_DONTWAIT);
+    while (spin && r < 0 && errno == EAGAIN && kvf__spin_open(KVF__SPIN_RECV, thread_last_ns)) {
+      kvf__spin_relax();
+      r = recvmsg(fd, &msg, MSG_DONTWAIT);
+    }
+    if (r < 0 && errno == EAGAIN) r = recvmsg(fd, &msg, 0);
+    if (r > 0) thread_last_ns = kvf__now_ns();
     if (r > 0) return (int)r;
     if (r == 0) return -ECONNRESET;
     if (errno == EAGAIN || errno == EWOULDBLOCK) return -EAGAIN; /* RECV_CHECK_MS passed */
@@ -731,7 +686,7 @@ static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t
       return PAYLOAD_SUNK;
     }
     /* after a fault, one element at a time, so that it is found */
-    int r = recv_some(fd, v, faulted && *faulted ? 1 : cnt);
+    int r = recv_some(fd, v, faulted && *faulted ? 1 : cnt, false);
     if (r == -EAGAIN) continue;
     if (r == -EFAULT && faulted && !*faulted) {
       *faulted = true;
@@ -766,7 +721,7 @@ static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t
 static int read_header(int fd, uint8_t *hdr, uint32_t *have) {
   while (*have < BHDR_LEN) {
     struct iovec iov = {hdr + *have, BHDR_LEN - *have};
-    int r = recv_some(fd, &iov, 1);
+    int r = recv_some(fd, &iov, 1, true);
     if (r == -EAGAIN) continue;
     if (r < 0) return r;
     *have += (uint32_t)r;
@@ -810,6 +765,7 @@ static rgrant *pin_grant(tcp_peer *tp, const batch_hdr *h, const batch_ent *e) {
     g = NULL;
   }
   if (g) g->writers++;
+  if (g && !g->first_ns) g->first_ns = kvf__now_ns();
   pthread_mutex_unlock(&tt->g_lock);
   return g;
 }
@@ -819,7 +775,7 @@ static void unpin_grant(rgrant *g, tcp_peer *tp, uint64_t handle, uint64_t len) 
   pthread_mutex_lock(&tt->g_lock);
   g->writers--;
   g->landed += len;
-  if (!g->closed && g->landed == g->total) post_event(tt, EV_LANDED, NULL, handle, 0, tp);
+  if (!g->closed && g->landed == g->total) post_landed(tp, handle, g->first_ns);
   if (g->closed && g->writers == 0) pthread_cond_broadcast(&tt->g_cond);
   pthread_mutex_unlock(&tt->g_lock);
 }
@@ -1057,8 +1013,12 @@ static void *receiver_main(void *arg) {
 /* ------------------------------------------------------------------ ops */
 
 /* Cuts runs into frames of at most SLICE bytes and deals them round robin
- * over the streams, so one huge descriptor still uses every connection. */
+ * over the streams, so one huge descriptor still uses every connection. A
+ * post of at most SMALL_POST bytes goes whole on one stream (the next in
+ * turn): spread, its handoff would wait for the wake-up of a thread on
+ * each side of every stream it touched (a layer-block's K and V on two). */
 static int deal_frames(tcp_peer *tp, const kvf__runs *runs, item **items) {
+  bool small = runs->bytes <= SMALL_POST;
   size_t cap = runs->n + (size_t)(runs->bytes / SLICE) + 1;
   size_t per = cap / tp->n_out + 2;
   for (uint32_t i = 0; i < tp->n_out; i++) {
@@ -1084,15 +1044,18 @@ static int deal_frames(tcp_peer *tp, const kvf__runs *runs, item **items) {
       it->w[it->n++] = (wr){src + done, run->dst_pool, len, run->dst_off + done, sp->cuda_dev};
       if (sp->cuda_dev >= 0) it->gpu = true;
       done += len;
-      k = (k + 1) % tp->n_out;
+      if (!small) k = (k + 1) % tp->n_out;
     }
   }
-  tp->rr = k;
+  tp->rr = small ? (k + 1) % tp->n_out : k;
   return 0;
 }
 
-/* Appends it to s's queue; the caller holds the peer's lock. */
+/* Appends it to s's queue and wakes s's thread (only s's: a post of one
+ * stream's share does not wake them all); the caller holds the peer's lock. */
 static void enqueue(stream *s, item *it) {
+  atomic_fetch_add(&s->tp->posts, 1);
+  pthread_cond_signal(&s->cond);
   if (s->tail) s->tail->next = it;
   else s->head = it;
   s->tail = it;
@@ -1135,7 +1098,6 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
     it->handle = x->handle;
     enqueue(&tp->out[i], it);
   }
-  pthread_cond_broadcast(&tp->cond);
   pthread_mutex_unlock(&tp->lock);
   if (!used) post_event(tt, EV_TICKET, tk, 0, 0, NULL);
   return 0;
@@ -1161,7 +1123,6 @@ static bool tcp_mark_layers(kvf__transport *t, kvf__xfer *x, uint32_t first, uin
     *it = (item){.handle = x->handle, .marker = true, .first = first, .n_layers = n, .streams = tp->n_out};
     enqueue(&tp->out[i], it);
   }
-  pthread_cond_broadcast(&tp->cond);
   pthread_mutex_unlock(&tp->lock);
   return true;
 }
@@ -1202,6 +1163,7 @@ static int tcp_grant_open(kvf__transport *t, kvf__xfer *x) {
     kvf__rangeset_free(&g->rs);
     free(g);
   }
+  if (rc == 0) kvf__spin_expect(true); /* the receivers poll until the data comes (spin.h) */
   return rc;
 }
 
@@ -1267,7 +1229,7 @@ static int tcp_peer_up(kvf__transport *t, kvf__peer *p) {
     return -ENOMEM;
   }
   pthread_mutex_init(&tp->lock, NULL);
-  pthread_cond_init(&tp->cond, NULL);
+  for (uint32_t i = 0; i < tp->n_out; i++) pthread_cond_init(&tp->out[i].cond, NULL);
   kvf__transport_set_peer(t, p, tp);
   for (uint32_t i = 0; i < tp->n_out; i++) {
     stream *s = &tp->out[i];
@@ -1322,7 +1284,7 @@ static void tcp_peer_down(kvf__transport *t, kvf__peer *p) {
   for (uint32_t i = 0; i < tp->n_out; i++)
     if (tp->out[i].fd >= 0) shutdown(tp->out[i].fd, SHUT_RDWR);
   for (stream *s = tp->in; s; s = s->next_in) shutdown(s->fd, SHUT_RDWR);
-  pthread_cond_broadcast(&tp->cond);
+  for (uint32_t i = 0; i < tp->n_out; i++) pthread_cond_broadcast(&tp->out[i].cond);
   pthread_mutex_unlock(&tp->lock);
   /* A sender in connect() or its handshake was woken by the shutdown. */
   for (uint32_t i = 0; i < tp->n_out; i++)
@@ -1342,7 +1304,7 @@ static void tcp_peer_down(kvf__transport *t, kvf__peer *p) {
     free(s);
   }
   pthread_mutex_destroy(&tp->lock);
-  pthread_cond_destroy(&tp->cond);
+  for (uint32_t i = 0; i < tp->n_out; i++) pthread_cond_destroy(&tp->out[i].cond);
   free(tp->out);
   free(tp);
   kvf__transport_set_peer(t, p, NULL);
@@ -1392,12 +1354,17 @@ static void handle_event(tevent *e) {
   case EV_TICKET: {
     ticket *tk = e->tk;
     int st = atomic_load(&tk->status);
+    if (atomic_load(&tk->first_ns)) kvf__xtrace_stamp(tk->x, KVF__XT_FIRST, atomic_load(&tk->first_ns));
+    kvf__xtrace_stamp(tk->x, KVF__XT_LAST, atomic_load(&tk->done_ns) ? atomic_load(&tk->done_ns) : 0);
     kvf__xfer_on_posted(tk->x, st == KVF_ECANCELED ? 0 : st, tk->last);
     free(tk);
     break;
   }
   case EV_LANDED:
-    if ((g = grant_for_event(e->tt, e->handle)) != NULL) kvf__xfer_on_landed(g->x);
+    if ((g = grant_for_event(e->tt, e->handle)) == NULL) break;
+    kvf__xtrace_stamp(g->x, KVF__XT_FIRST, e->t_first);
+    kvf__xtrace_stamp(g->x, KVF__XT_LAST, e->t_last);
+    kvf__xfer_on_landed(g->x);
     break;
   case EV_DATA_ERROR:
     if ((g = grant_for_event(e->tt, e->handle)) != NULL)

@@ -1,0 +1,159 @@
+#!/bin/sh
+# latency.sh - a handoff within microseconds of the wire (issue 16): one
+# layer-block and a layer-wise request over kvferry's tcp transport between
+# two kvferryd on loopback, against raw loopback TCP, in one run on one
+# machine.
+#
+#   raw            build/tcp-pingpong: 64 KiB written, a 1-byte ack back
+#                  (TCP_NODELAY, default buffers: as the tcp transport's data
+#                  streams), p50/p99 over 2,000 round trips; the same after
+#                  5 ms of idle before each (raw_gap); 512 KiB (one layer of
+#                  llama3-8b at 128 tokens: its wire time)
+#   back_to_back   kvferry-bench: one layer-block (llama3-8b, 16 tokens, one
+#                  layer: K and V, 2 x 32 KiB), the grant posted just before
+#                  the send, timed from the send call to RECV_DONE
+#   grant_lead_5ms the same with the grant posted 5 ms before the send, as an
+#                  engine grants ahead
+#   layerwise      llama3-8b, 128 tokens (16 MiB, 512 layer-blocks), by block
+#                  ids, each layer's part sent as its emulated compute
+#                  (145 us a layer) ends: exposed time after the last layer
+#                  against one layer's wire time (goal <= 1.2x)
+# The kvferry cases print, with kvferry-bench --latency, where the p50
+# handoff's time went on each daemon (kvferryctl transfers --trace).
+#
+# Output: one JSON line per case on stdout, each with "goal_us" (raw p50 +
+# 20 us) and the ratios against the raw baseline; progress on stderr.
+# Usage: bench/latency.sh [BUILD]   (BUILD: the build folder, default build)
+# Environment: LAT_CONF: extra kvferryd.conf lines for both daemons (e.g.
+# "spin-us 0" or "busy-poll yes"); REQUESTS (back to back, default 2000;
+# a quarter of it with the 5 ms lead).
+set -eu
+
+cd "$(dirname "$0")/.."
+BUILD=${1:-${BUILD:-build}}
+REQUESTS=${REQUESTS:-2000}
+LEAD_REQUESTS=$((REQUESTS / 4))
+LAT_CONF=${LAT_CONF:-}
+
+say() { echo "latency: $*" >&2; }
+die() {
+  say "$*"
+  exit 1
+}
+
+for bin in kvferryd kvferryctl kvferry-bench tcp-pingpong; do
+  [ -x "$BUILD/$bin" ] || die "$BUILD/$bin is missing (make all bench-tools)"
+done
+command -v python3 >/dev/null || die "python3 is missing"
+
+. bench/lib.sh
+bench_setup latency
+
+# ---------------------------------------------------------------- raw TCP
+say "raw tcp: 64 KiB + 1-byte ack, back to back and after 5 ms idle; 512 KiB"
+"$BUILD/tcp-pingpong" --rounds 2000 >"$TMP/raw.json"
+"$BUILD/tcp-pingpong" --rounds 300 --warmup 20 --gap-us 5000 >"$TMP/raw_gap.json"
+"$BUILD/tcp-pingpong" --bytes 524288 --rounds 500 >"$TMP/raw_layer.json"
+
+# ---------------------------------------------------------------- daemons
+PORTS=$(python3 -c '
+import socket
+socks = [socket.socket() for _ in range(2)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in socks))')
+PORT_A=${PORTS% *}
+PORT_B=${PORTS#* }
+
+write_conf() { # NAME PORT OTHER OTHER_PORT
+  {
+    printf 'node %s\napi-socket %s\npeer-listen 127.0.0.1:%s\npeer %s 127.0.0.1:%s\npool kv host 256M\n' \
+      "$1" "$TMP/$1.sock" "$2" "$3" "$4"
+    [ -z "$LAT_CONF" ] || printf '%s\n' "$LAT_CONF"
+  } >"$TMP/$1.conf"
+}
+
+peer_up() { # NAME OTHER
+  bench_ctl "$1" peers --json 2>/dev/null | python3 -c '
+import json, sys
+try:
+    doc = json.load(sys.stdin)
+except ValueError:
+    sys.exit(1)
+peers = doc.get("peers", []) if isinstance(doc, dict) else []
+sys.exit(0 if any(p.get("name") == sys.argv[1] and p.get("state") == "up" for p in peers) else 1)' "$2"
+}
+
+write_conf a "$PORT_A" b "$PORT_B"
+write_conf b "$PORT_B" a "$PORT_A"
+for n in a b; do
+  "$BUILD/kvferryd" -c "$TMP/$n.conf" 2>"$TMP/$n.log" &
+  PIDS="$PIDS $!"
+done
+i=0
+until peer_up a b && peer_up b a; do
+  i=$((i + 1))
+  [ "$i" -le 200 ] || die "the daemons did not see each other in 20 s: $(tail -n 5 "$TMP/a.log" "$TMP/b.log")"
+  sleep 0.1
+done
+
+kvbench() { # NAME ARGS...
+  name=$1
+  shift
+  say "kvferry-bench $*"
+  "$BUILD/kvferry-bench" --from "$TMP/a.sock" --to "$TMP/b.sock" --model llama3-8b --json --latency "$@" \
+    >"$TMP/$name.json" 2>"$TMP/$name.err" || {
+    cat "$TMP/$name.json" "$TMP/$name.err" >&2
+    die "kvferry-bench $* failed: $(tail -n 5 "$TMP/a.log" "$TMP/b.log")"
+  }
+}
+kvbench back_to_back --layers 1 --tokens 16 --time-from-send --requests "$REQUESTS"
+kvbench grant_lead_5ms --layers 1 --tokens 16 --grant-lead-ms 5 --requests "$LEAD_REQUESTS"
+kvbench layerwise --tokens 128 --blocks --layerwise --nowait --compute-us-per-layer 145 --requests 60
+
+# Idle CPU of the daemons once traffic stopped (% of one core over 2 s).
+cpu_ticks() {
+  t=0
+  for pid in $PIDS; do
+    set -- $(sed 's/^.*) //' "/proc/$pid/stat")
+    t=$((t + ${12} + ${13}))
+  done
+  echo "$t"
+}
+sleep 0.5
+T0=$(cpu_ticks)
+sleep 2
+T1=$(cpu_ticks)
+IDLE_PCT=$(python3 -c "import os; print(round(($T1 - $T0) * 100.0 / os.sysconf('SC_CLK_TCK') / 2, 1))")
+
+# ---------------------------------------------------------------- report
+python3 - "$TMP" "$(nproc)" "$LAT_CONF" "$IDLE_PCT" <<'PY'
+import json, os, sys, time
+tmp, nproc, conf, idle = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+def load(name):
+    lines = [l for l in open(os.path.join(tmp, name + ".json")).read().splitlines() if l.strip()]
+    return json.loads(lines[-1])
+raw, gap, layer = load("raw"), load("raw_gap"), load("raw_layer")
+goal = raw["p50_us"] + 20
+common = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "nproc": nproc, "conf": conf,
+          "raw_p50_us": raw["p50_us"], "raw_p99_us": raw["p99_us"], "goal_us": round(goal, 1)}
+print(json.dumps(dict(case="raw", **common, raw_gap_5ms_p50_us=gap["p50_us"], raw_gap_5ms_p99_us=gap["p99_us"],
+                      raw_512k_p50_us=layer["p50_us"], daemons_idle_cpu_pct=idle)))
+for name in ("back_to_back", "grant_lead_5ms"):
+    k = load(name)
+    t = k.get("trace", {})
+    print(json.dumps(dict(case=name, **common, p50_us=k["p50_us"], p99_us=k["p99_us"], requests=k["requests"],
+                          verified=k["verified"], path=k["path"],
+                          p50_vs_raw=round(k["p50_us"] / raw["p50_us"], 2),
+                          p50_over_raw_us=round(k["p50_us"] - raw["p50_us"], 1),
+                          meets_goal=k["p50_us"] <= goal, p50_send_hops=t.get("send"), p50_recv_hops=t.get("recv"))))
+k = load("layerwise")
+t = k.get("trace", {})
+wire = layer["p50_us"]
+print(json.dumps(dict(case="layerwise", **common, tokens=128, exposed_p50_us=k["exposed_p50_us"],
+                      exposed_p99_us=k["exposed_p99_us"], one_layer_wire_us=wire,
+                      exposed_vs_layer=round(k["exposed_p50_us"] / wire, 2),
+                      meets_goal=k["exposed_p50_us"] <= 1.2 * wire, verified=k["verified"],
+                      last_send_late_p50_us=k.get("last_send_late_p50_us"),
+                      p50_send_hops=t.get("send"), p50_recv_hops=t.get("recv"))))
+PY

@@ -1,0 +1,42 @@
+/* spin.h - bounded adaptive spinning: the daemon loop and the tcp
+ * transport's threads poll for a while instead of sleeping, where the next
+ * event is likely to come soon, so that a handoff does not pay a thread's
+ * (and an idle CPU's) wake-up at each of its hops.
+ *
+ * A waiting point polls while its window is open:
+ *   - spin-us after its own last activity (the loop: after it woke from a
+ *     blocking wait or took mail from a thread; a tcp thread: after it
+ *     moved data);
+ *   - spin-grant-us after a grant was opened here (the loop and the tcp
+ *     receivers) or a peer's grant reached us ahead of our send (the loop
+ *     and the tcp senders): an engine grants a whole prefill before the
+ *     send, and the data then finds every hop of its path awake;
+ *   - always with busy-poll yes.
+ * Once nothing happens for those windows, every waiting point blocks
+ * again: an idle daemon uses no CPU. Spinning yields the CPU on each turn
+ * (sched_yield), so on a machine with fewer cores than spinning threads the
+ * ones with work still run. Thread-safe unless said otherwise. */
+#ifndef KVF_SPIN_H
+#define KVF_SPIN_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
+
+enum { KVF__SPIN_LOOP, KVF__SPIN_SEND, KVF__SPIN_RECV, KVF__SPIN_N };
+
+/* A grant was opened here (recv) or a peer's grant came ahead of our send
+ * (!recv): the loop and that side's threads poll for spin-grant-us. */
+void kvf__spin_expect(bool recv);
+/* Whether a waiting point of kind `what` whose last activity was at
+ * last_ns (0: none) keeps polling now. */
+bool kvf__spin_open(int what, uint64_t last_ns);
+/* One turn of a polling wait. */
+void kvf__spin_relax(void);
+/* Loop thread: the loop spins adaptively (a uv_idle handle while its
+ * window is open). Handles are unreferenced: they do not keep it alive. */
+void kvf__spin_loop_start(uv_loop_t *loop);
+/* Loop thread: it took mail from a thread (mailbox.c). */
+void kvf__spin_loop_active(void);
+
+#endif
