@@ -146,7 +146,9 @@ for name in ("back_to_back", "grant_lead_5ms"):
                           verified=k["verified"], path=k["path"],
                           p50_vs_raw=round(k["p50_us"] / raw["p50_us"], 2),
                           p50_over_raw_us=round(k["p50_us"] - raw["p50_us"], 1),
-                          meets_goal=k["p50_us"] <= goal, p50_send_hops=t.get("send"), p50_recv_hops=t.get("recv"))))
+                          meets_goal=k["p50_us"] <= goal, p50_send_hops=t.get("send"), p50_recv_hops=t.get("recv"),
+                          p50_client_to_daemon_us=t.get("client_to_daemon_us"),
+                          p50_daemon_to_client_us=t.get("daemon_to_client_us"))))
 k = load("layerwise")
 t = k.get("trace", {})
 wire = layer["p50_us"]

@@ -8,6 +8,10 @@
 
 /* Per kind, until when (CLOCK_MONOTONIC ns) a grant keeps it polling. */
 static _Atomic uint64_t expect_until[KVF__SPIN_N];
+/* The settings, read by the threads: taken at start (none reloads), so a
+ * SIGHUP rewriting kvfd.cfg under them is no race. */
+static _Atomic uint64_t own_ns, grant_ns;
+static atomic_bool always;
 /* The loop's last activity (loop thread only). */
 static uint64_t loop_last;
 
@@ -20,7 +24,7 @@ static void extend(int what, uint64_t until) {
 }
 
 void kvf__spin_expect(bool recv) {
-  uint64_t win = (uint64_t)kvfd.cfg.spin_grant_us * 1000;
+  uint64_t win = atomic_load_explicit(&grant_ns, memory_order_relaxed);
   if (!win) return;
   uint64_t until = kvf__now_ns() + win;
   extend(KVF__SPIN_LOOP, until);
@@ -28,8 +32,9 @@ void kvf__spin_expect(bool recv) {
 }
 
 bool kvf__spin_open(int what, uint64_t last_ns) {
-  if (kvfd.cfg.busy_poll) return true;
-  uint64_t own = (uint64_t)kvfd.cfg.spin_us * 1000, grant = atomic_load_explicit(&expect_until[what], memory_order_relaxed);
+  if (atomic_load_explicit(&always, memory_order_relaxed)) return true;
+  uint64_t own = atomic_load_explicit(&own_ns, memory_order_relaxed);
+  uint64_t grant = atomic_load_explicit(&expect_until[what], memory_order_relaxed);
   if (!own && !grant) return false;
   uint64_t now = kvf__now_ns();
   return (own && last_ns && now - last_ns < own) || now < grant;
@@ -64,6 +69,9 @@ static void on_check(uv_check_t *h) {
 }
 
 void kvf__spin_loop_start(uv_loop_t *loop) {
+  atomic_store(&own_ns, (uint64_t)kvfd.cfg.spin_us * 1000);
+  atomic_store(&grant_ns, (uint64_t)kvfd.cfg.spin_grant_us * 1000);
+  atomic_store(&always, kvfd.cfg.busy_poll);
   uv_idle_init(loop, &idle);
   uv_prepare_init(loop, &prepare);
   uv_check_init(loop, &check);

@@ -33,8 +33,10 @@ void kvf__spin_expect(bool recv);
 bool kvf__spin_open(int what, uint64_t last_ns);
 /* One turn of a polling wait. */
 void kvf__spin_relax(void);
-/* Loop thread: the loop spins adaptively (a uv_idle handle while its
- * window is open). Handles are unreferenced: they do not keep it alive. */
+/* Loop thread, at start: takes the settings (busy-poll, spin-us,
+ * spin-grant-us; none reloads) and makes the loop spin adaptively (a
+ * uv_idle handle while its window is open). Handles are unreferenced: they
+ * do not keep it alive. Before it, nothing spins. */
 void kvf__spin_loop_start(uv_loop_t *loop);
 /* Loop thread: it took mail from a thread (mailbox.c). */
 void kvf__spin_loop_active(void);
