@@ -21,6 +21,10 @@ mkdir -p "$out/lib" "$out/bin" "$out/build/tests/gpu"
 bins=("$BUILD/kvferryd" "$BUILD/kvferry-bench" "$BUILD/kvferryctl" "$BUILD"/tests/gpu/* /usr/bin/iperf3)
 cp "${bins[@]:0:3}" "$BUILD/libkvferry.so" "$out/build/"
 cp "$BUILD"/tests/gpu/* "$out/build/tests/gpu/"
+# The CPU benchmarks run there too (16 cores: bench/latency.sh, bench/submit.sh).
+for tool in tcp-pingpong submit-bench; do
+  [ -x "$BUILD/$tool" ] && cp "$BUILD/$tool" "$out/build/"
+done
 # Every library ldd resolves, except the C library and the loader, which the
 # machine has (and must match its kernel).
 ldd "${bins[@]}" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u |
