@@ -603,9 +603,11 @@ static int post_request(bench *b, req *r, size_t n) {
     if (post_grant(b, r) < 0) return -1;
     /* An engine grants when it admits the request, a whole prefill before
      * the send: the grant is in place (windows bound, pushed to the
-     * sender) and only the handoff is timed. */
+     * sender) and only the handoff is timed. Meanwhile the prefill engine
+     * computes: with --busy-poll this thread stays busy (as an engine
+     * whose CUDA synchronisation spins), without it sleeps in poll. */
     uint32_t lead = b->o.grant_lead_ms;
-    if (lead) nanosleep(&(struct timespec){lead / 1000, (long)(lead % 1000) * 1000000L}, NULL);
+    if (lead && compute_until(b, n, now_ns() + (int64_t)lead * 1000000) < 0) return -1;
     if (b->o.time_from_send) {
       r->t_post = now_ns();
       r->post_ns = 0; /* the send calls only */

@@ -24,9 +24,14 @@
 # Output: one JSON line per case on stdout, each with "goal_us" (raw p50 +
 # 20 us) and the ratios against the raw baseline; progress on stderr.
 # Usage: bench/latency.sh [BUILD]   (BUILD: the build folder, default build)
-# Environment: LAT_CONF: extra kvferryd.conf lines for both daemons (e.g.
-# "spin-us 0" or "busy-poll yes"); REQUESTS (back to back, default 2000;
-# a quarter of it with the 5 ms lead).
+# Environment: KVFERRY_SPIN_US: the clients' spin (libkvferry: their reader
+# thread and kvf_wait_events poll instead of sleeping that long after each
+# request and event; 10000 covers the 5 ms grant lead); LAT_CONF: extra
+# kvferryd.conf lines for both daemons (e.g. "spin-us 0" or "busy-poll
+# yes"); LAT_BENCH_ARGS: extra kvferry-bench options (--busy-poll: the
+# clients poll for events, and the prefill client stays busy through the
+# grant lead, as an engine computing); REQUESTS (back to back, default
+# 2000; a quarter of it with the 5 ms lead).
 set -eu
 
 cd "$(dirname "$0")/.."
@@ -34,6 +39,7 @@ BUILD=${1:-${BUILD:-build}}
 REQUESTS=${REQUESTS:-2000}
 LEAD_REQUESTS=$((REQUESTS / 4))
 LAT_CONF=${LAT_CONF:-}
+LAT_BENCH_ARGS=${LAT_BENCH_ARGS:-}
 
 say() { echo "latency: $*" >&2; }
 die() {
@@ -101,7 +107,8 @@ kvbench() { # NAME ARGS...
   name=$1
   shift
   say "kvferry-bench $*"
-  "$BUILD/kvferry-bench" --from "$TMP/a.sock" --to "$TMP/b.sock" --model llama3-8b --json --latency "$@" \
+  # shellcheck disable=SC2086 # LAT_BENCH_ARGS: words
+  "$BUILD/kvferry-bench" --from "$TMP/a.sock" --to "$TMP/b.sock" --model llama3-8b --json --latency $LAT_BENCH_ARGS "$@" \
     >"$TMP/$name.json" 2>"$TMP/$name.err" || {
     cat "$TMP/$name.json" "$TMP/$name.err" >&2
     die "kvferry-bench $* failed: $(tail -n 5 "$TMP/a.log" "$TMP/b.log")"
@@ -136,6 +143,8 @@ def load(name):
 raw, gap, layer = load("raw"), load("raw_gap"), load("raw_layer")
 goal = raw["p50_us"] + 20
 common = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "nproc": nproc, "conf": conf,
+          "client_spin_us": int(os.environ.get("KVFERRY_SPIN_US", "0") or 0),
+          "bench_args": os.environ.get("LAT_BENCH_ARGS", ""),
           "raw_p50_us": raw["p50_us"], "raw_p99_us": raw["p99_us"], "goal_us": round(goal, 1)}
 print(json.dumps(dict(case="raw", **common, raw_gap_5ms_p50_us=gap["p50_us"], raw_gap_5ms_p99_us=gap["p99_us"],
                       raw_512k_p50_us=layer["p50_us"], daemons_idle_cpu_pct=idle)))

@@ -33,6 +33,7 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -191,6 +192,13 @@ struct kvf_client {
    * so that a spinning waiter sees one come without taking mu. */
   unsigned spin_us;
   atomic_uint_fast64_t ev_count;
+  /* The reader thread polls the socket instead of sleeping in recv until
+   * this time (CLOCK_MONOTONIC ns): spin_us after each read and after each
+   * request written, so that the events a request leads to reach a waiter
+   * without the reader being woken first (0: never spins). */
+  atomic_uint_fast64_t spin_until;
+  atomic_bool reader_asleep; /* in poll, past its spin window */
+  int wake_fd;               /* eventfd: a request written wakes it to spin */
 };
 
 /* ------------------------------------------------------------ small helpers */
@@ -474,6 +482,73 @@ static int claim_fd(struct inbound *in, uint64_t end) {
 }
 
 /* One recvmsg into the frame buffer; fds that came along are remembered. */
+/* A pause for a spinning loop: lets a sibling hyperthread run. */
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+static uint64_t mono_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+/* The reader spins too (KVFERRY_SPIN_US): an event the daemon sends is
+ * read by the reader thread before a waiter can take it, so a waiter that
+ * spins gains little while the reader sleeps in recv and must be woken
+ * first. The reader's spin window opens after each read and after each
+ * request written (the answer or event it leads to comes soon); a request
+ * written while the reader sleeps past its window wakes it through wake_fd
+ * to spin for what comes back. Opens (or extends) the window. */
+static void spin_window_open(kvf_client *c) {
+  if (c->spin_us) atomic_store(&c->spin_until, mono_ns() + (uint64_t)c->spin_us * 1000);
+}
+
+/* After a request went: the reader spins for what it leads to. The store
+ * of the window and the load of reader_asleep pair with the reader's store
+ * of reader_asleep and load of the window (both sequentially consistent):
+ * either we see it asleep and wake it, or it sees the window open. */
+static void spin_reader_for_answer(kvf_client *c) {
+  if (!c->spin_us) return;
+  spin_window_open(c);
+  if (atomic_load(&c->reader_asleep)) (void)!eventfd_write(c->wake_fd, 1);
+}
+
+/* Polls the socket while the spin window is open; true once readable. */
+static bool spin_until_readable(kvf_client *c) {
+  struct pollfd p = {.fd = c->sock, .events = POLLIN};
+  for (unsigned i = 0;; i++) {
+    if (i % 16 == 0 && mono_ns() >= atomic_load(&c->spin_until)) return false;
+    if (poll(&p, 1, 0) != 0) return true; /* readable, closed or failed: the read says which */
+    cpu_relax();
+  }
+}
+
+/* On the reader thread, before it reads: spins within the window, then
+ * sleeps until the socket is readable or a request wakes it to spin. */
+static void await_readable(kvf_client *c) {
+  for (;;) {
+    if (spin_until_readable(c)) return;
+    atomic_store(&c->reader_asleep, true);
+    if (mono_ns() < atomic_load(&c->spin_until)) { /* a request came meanwhile */
+      atomic_store(&c->reader_asleep, false);
+      continue;
+    }
+    struct pollfd p[2] = {{.fd = c->sock, .events = POLLIN}, {.fd = c->wake_fd, .events = POLLIN}};
+    int n = poll(p, 2, -1);
+    atomic_store(&c->reader_asleep, false);
+    if (p[1].revents & POLLIN) {
+      eventfd_t v;
+      (void)!eventfd_read(c->wake_fd, &v);
+    }
+    if (p[0].revents || (n < 0 && errno != EINTR)) return;
+  }
+}
+
 static int read_inbound(int sock, struct inbound *in) {
   uint8_t *buf;
   size_t avail;
@@ -538,8 +613,10 @@ static int dispatch_frame(kvf_client *c, const uint8_t *payload, uint32_t len, u
 /* Reads once and dispatches every whole frame now held. Any error means the
  * stream can no longer be trusted. */
 static int pump_inbound(kvf_client *c) {
+  if (c->spin_us) await_readable(c);
   int rc = read_inbound(c->sock, &c->in);
   if (rc) return rc;
+  spin_window_open(c);
   const uint8_t *payload;
   uint32_t len;
   while ((rc = kvf__framebuf_next(&c->in.fb, &payload, &len)) == 1) {
@@ -634,6 +711,7 @@ static int send_request_locked(kvf_client *c, Kvf__ApiRequest *req, uint64_t gen
     shutdown(c->sock, SHUT_RDWR);
     return KVF_EDAEMON;
   }
+  spin_reader_for_answer(c);
   return 0;
 }
 
@@ -876,7 +954,10 @@ static kvf_client *client_new(void) {
   if (!c) return NULL;
   c->sock = -1;
   c->event_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  if (c->event_fd < 0) {
+  c->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (c->event_fd < 0 || c->wake_fd < 0) {
+    if (c->event_fd >= 0) close(c->event_fd);
+    if (c->wake_fd >= 0) close(c->wake_fd);
     free(c);
     return NULL;
   }
@@ -918,6 +999,7 @@ static void client_free(kvf_client *c) {
   free_ids(c);
   free(c->socket_path);
   close(c->event_fd);
+  close(c->wake_fd);
   pthread_cond_destroy(&c->evented);
   pthread_cond_destroy(&c->state_cv);
   pthread_cond_destroy(&c->responded);
@@ -1824,7 +1906,10 @@ static bool socket_room(int sock, size_t len) {
 static int write_batch(kvf_client *c, size_t len, uint64_t gen, bool noblock) {
   if (gen != c->sock_gen) return KVF_EDAEMON;
   if (noblock && !socket_room(c->sock, len)) return -EAGAIN;
-  if (kvf__send_all(c->sock, c->bbuf, len, -1) == 0) return 0;
+  if (kvf__send_all(c->sock, c->bbuf, len, -1) == 0) {
+    spin_reader_for_answer(c);
+    return 0;
+  }
   shutdown(c->sock, SHUT_RDWR); /* a partly written frame ends the stream (send_request_locked) */
   return KVF_EDAEMON;
 }
@@ -2261,21 +2346,6 @@ static int wait_for_event(kvf_client *c, int timeout_ms, const struct timespec *
   if (timeout_ms == 0) return ETIMEDOUT;
   if (timeout_ms < 0) return pthread_cond_wait(&c->evented, &c->mu);
   return pthread_cond_timedwait(&c->evented, &c->mu, deadline);
-}
-
-/* A pause for a spinning loop: lets a sibling hyperthread run. */
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  __asm__ __volatile__("yield");
-#endif
-}
-
-static uint64_t mono_ns(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
 }
 
 /* Spins up to us microseconds for an event after `seen` (mu not held):
