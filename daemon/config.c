@@ -411,79 +411,6 @@ static bool is_space(char c) {
   return c == ' ' || c == '\t' || c == '\r' || c == '\v' || c == '\f';
 }
 
-/* Parses leading decimal digits (no sign, no spaces); *end gets the rest. */
-static int parse_digits(const char *s, uint64_t *out, const char **end) {
-  uint64_t v = 0;
-  if (!is_digit(*s)) return -EINVAL;
-  for (; is_digit(*s); s++) {
-    unsigned d = (unsigned)(*s - '0');
-    if (v > (UINT64_MAX - d) / 10) return -ERANGE;
-    v = v * 10 + d;
-  }
-  *out = v;
-  *end = s;
-  return 0;
-}
-
-static int parse_dec(const char *s, uint64_t *out) {
-  const char *end;
-  int rc = parse_digits(s, out, &end);
-  if (rc) return rc;
-  return *end ? -EINVAL : 0;
-}
-
-/* Skips an optional "B", or "iB" after a unit letter ("64K", "64KB", "64KiB"). */
-static const char *skip_byte_suffix(const char *p, bool after_unit) {
-  if (after_unit && (*p == 'i' || *p == 'I') && (p[1] == 'b' || p[1] == 'B'))
-    return p + 2;
-  if (*p == 'b' || *p == 'B') return p + 1;
-  return p;
-}
-
-int kvf__parse_size(const char *s, uint64_t *out) {
-  static const char units[] = "KMGT";
-  uint64_t v;
-  const char *p;
-  if (!s || !out) return -EINVAL;
-  int rc = parse_digits(s, &v, &p);
-  if (rc) return rc;
-  char unit = (*p >= 'a' && *p <= 'z') ? (char)(*p - 'a' + 'A') : *p;
-  const char *u = unit ? strchr(units, unit) : NULL;
-  unsigned shift = u ? 10u * (unsigned)(u - units + 1) : 0;
-  p = skip_byte_suffix(u ? p + 1 : p, u != NULL);
-  if (*p) return -EINVAL;
-  if (shift && v > (UINT64_MAX >> shift)) return -ERANGE;
-  *out = v << shift;
-  return 0;
-}
-
-/* The shortest exact form of a size: 64M rather than 67108864. */
-static const char *format_size(uint64_t v, char buf[static 32]) {
-  static const char units[] = "KMGT";
-  int i = -1;
-  while (v && i < 3 && (v & 1023) == 0) {
-    v >>= 10;
-    i++;
-  }
-  if (i < 0)
-    snprintf(buf, 32, "%" PRIu64, v);
-  else
-    snprintf(buf, 32, "%" PRIu64 "%c", v, units[i]);
-  return buf;
-}
-
-static bool valid_name(const char *s) {
-  size_t n = strlen(s);
-  if (n == 0 || n > KVF__NAME_MAX) return false;
-  for (; *s; s++)
-    if (!is_digit(*s) && !strchr("abcdefghijklmnopqrstuvwxyz"
-                                 "ABCDEFGHIJKLMNOPQRSTUVWXYZ._-", *s))
-      return false;
-  return true;
-}
-
-bool kvf__config_valid_name(const char *s) { return valid_name(s); }
-
 /* Copies a string into a fixed field, zeroing the rest so that equal
  * configurations are equal byte for byte whatever their history. */
 static void set_str(char *dst, size_t cap, const char *src) {
@@ -521,20 +448,6 @@ static int split_items(char **argv, int argc, char **items) {
 
 /* ---- addresses ---------------------------------------------------------- */
 
-static bool valid_hostname(const char *h) {
-  bool numeric = true;
-  if (*h == '-' || *h == '.') return false;
-  for (const char *p = h; *p; p++) {
-    if (!is_digit(*p) && *p != '.') numeric = false;
-    if (!is_digit(*p) && !strchr("abcdefghijklmnopqrstuvwxyz"
-                                 "ABCDEFGHIJKLMNOPQRSTUVWXYZ.-", *p))
-      return false;
-  }
-  struct in_addr a4;
-  /* All digits and dots must be a real IPv4 address, not "999.1.1.1". */
-  return !numeric || inet_pton(AF_INET, h, &a4) == 1;
-}
-
 /* Splits "HOST:PORT" or "[V6]:PORT"; host is written without brackets. */
 static int split_hostport(const char *key, const char *s, char *host, size_t hostcap,
                           const char **port, struct pctx *pc) {
@@ -568,11 +481,11 @@ static int parse_hostport(const char *key, const char *s, char *host, size_t hos
   if (rc) return rc;
   struct in6_addr a6;
   bool v6 = *s == '[';
-  if (v6 ? inet_pton(AF_INET6, host, &a6) != 1 : !valid_hostname(host))
+  if (v6 ? inet_pton(AF_INET6, host, &a6) != 1 : !kvf__config_valid_hostname(host))
     return fail(pc, -EINVAL, "%s: '%s' is not a valid %s", key, show(pc, host),
                 v6 ? "IPv6 address" : "IPv4 address or host name");
   uint64_t p;
-  if (parse_dec(ps, &p) || p > 65535 || (p == 0 && !port0_ok))
+  if (kvf__config_parse_dec(ps, &p) || p > 65535 || (p == 0 && !port0_ok))
     return fail(pc, -EINVAL, "%s: port '%s' is not in %d..65535", key, show(pc, ps),
                 port0_ok ? 0 : 1);
   *port = (uint16_t)p;
@@ -590,7 +503,7 @@ static void format_addr(const char *host, uint16_t port, char *buf, size_t cap) 
 
 static int parse_name(const struct opt *o, kvf__config *cfg, char **argv, int argc,
                       struct pctx *pc) {
-  if (!valid_name(argv[0]))
+  if (!kvf__config_valid_name(argv[0]))
     return fail(pc, -EINVAL, "%s: '%s' is not a valid name (1..%d of A-Z a-z 0-9 . _ -)",
                 o->name, show(pc, argv[0]), KVF__NAME_MAX);
   set_str(field(cfg, o->off), KVF__NAME_MAX + 1, argv[0]);
@@ -613,7 +526,7 @@ static int parse_path(const struct opt *o, kvf__config *cfg, char **argv, int ar
 static int parse_u32(const struct opt *o, kvf__config *cfg, char **argv, int argc,
                      struct pctx *pc) {
   uint64_t v;
-  int rc = parse_dec(argv[0], &v);
+  int rc = kvf__config_parse_dec(argv[0], &v);
   if (rc == -EINVAL)
     return fail(pc, -EINVAL, "%s: '%s' is not a decimal number", o->name, show(pc, argv[0]));
   if (rc || v < o->min || v > o->max)
@@ -633,7 +546,7 @@ static int parse_size32(const struct opt *o, kvf__config *cfg, char **argv, int 
                 show(pc, argv[0]));
   if (rc || v < o->min || v > o->max)
     return fail(pc, -ERANGE, "%s: %s is out of range %s..%s", o->name, show(pc, argv[0]),
-                format_size(o->min, lo), format_size(o->max, hi));
+                kvf__config_format_size(o->min, lo), kvf__config_format_size(o->max, hi));
   *(uint32_t *)field(cfg, o->off) = (uint32_t)v;
   return 0;
 }
@@ -665,7 +578,7 @@ static int parse_enum(const struct opt *o, kvf__config *cfg, char **argv, int ar
 static int resolve_id(const char *s, bool user, unsigned *id) {
   uint64_t v;
   if (is_digit(*s)) {
-    if (parse_dec(s, &v) || v >= (uid_t)-1) return -ERANGE;
+    if (kvf__config_parse_dec(s, &v) || v >= (uid_t)-1) return -ERANGE;
     *id = (unsigned)v;
     return 0;
   }
@@ -768,7 +681,7 @@ static bool valid_device(char *item) {
   char *colon = strchr(item, ':');
   uint64_t port;
   if (colon) *colon = '\0';
-  bool ok = valid_name(item) && (!colon || (parse_dec(colon + 1, &port) == 0 && port >= 1 &&
+  bool ok = kvf__config_valid_name(item) && (!colon || (kvf__config_parse_dec(colon + 1, &port) == 0 && port >= 1 &&
                                             port <= 255));
   if (colon) *colon = ':';
   return ok;
@@ -862,7 +775,7 @@ static int parse_auto_u32(const struct opt *o, kvf__config *cfg, char **argv, in
     *(int32_t *)field(cfg, o->off) = -1;
     return 0;
   }
-  int rc = parse_dec(argv[0], &v);
+  int rc = kvf__config_parse_dec(argv[0], &v);
   if (rc == -EINVAL)
     return fail(pc, -EINVAL, "%s: '%s' is not auto or a decimal number", o->name,
                 show(pc, argv[0]));
@@ -879,7 +792,7 @@ static int parse_peer(const struct opt *o, kvf__config *cfg, char **argv, int ar
     return fail(pc, -ERANGE, "peer: more than %d peers", KVF__MAX_PEERS_CFG);
   kvf__peer_cfg *p = &cfg->peers[cfg->n_peers];
   memset(p, 0, sizeof *p);
-  if (!valid_name(argv[0]))
+  if (!kvf__config_valid_name(argv[0]))
     return fail(pc, -EINVAL, "peer: '%s' is not a valid name (1..%d of A-Z a-z 0-9 . _ -)",
                 show(pc, argv[0]), KVF__NAME_MAX);
   set_str(p->name, sizeof p->name, argv[0]);
@@ -895,7 +808,7 @@ static int parse_pool_kind(const char *s, char *kind, size_t cap) {
     set_str(kind, cap, s);
     return 0;
   }
-  if (strncmp(s, "cuda:", 5) || parse_dec(s + 5, &dev) || dev > CUDA_DEV_MAX) return -EINVAL;
+  if (strncmp(s, "cuda:", 5) || kvf__config_parse_dec(s + 5, &dev) || dev > CUDA_DEV_MAX) return -EINVAL;
   char norm[16];
   snprintf(norm, sizeof norm, "cuda:%u", (unsigned)dev); /* "cuda:07" -> "cuda:7" */
   set_str(kind, cap, norm);
@@ -923,7 +836,7 @@ static int parse_pool(const struct opt *o, kvf__config *cfg, char **argv, int ar
     return fail(pc, -ERANGE, "pool: more than %d pools", KVF__MAX_POOLS_CFG);
   kvf__pool_cfg *p = &cfg->pools[cfg->n_pools];
   memset(p, 0, sizeof *p);
-  if (!valid_name(argv[0]))
+  if (!kvf__config_valid_name(argv[0]))
     return fail(pc, -EINVAL, "pool: '%s' is not a valid name (1..%d of A-Z a-z 0-9 . _ -)",
                 show(pc, argv[0]), KVF__NAME_MAX);
   set_str(p->name, sizeof p->name, argv[0]);
@@ -974,7 +887,7 @@ static void dump_u32(const struct opt *o, const kvf__config *cfg, FILE *out) {
 
 static void dump_size32(const struct opt *o, const kvf__config *cfg, FILE *out) {
   char buf[32];
-  fprintf(out, "%s %s\n", o->name, format_size(*(const uint32_t *)cfield(cfg, o->off), buf));
+  fprintf(out, "%s %s\n", o->name, kvf__config_format_size(*(const uint32_t *)cfield(cfg, o->off), buf));
 }
 
 static void dump_bool(const struct opt *o, const kvf__config *cfg, FILE *out) {
@@ -1029,7 +942,7 @@ static void dump_pools(const struct opt *o, const kvf__config *cfg, FILE *out) {
   char buf[32];
   for (size_t i = 0; i < cfg->n_pools && i < KVF__MAX_POOLS_CFG; i++)
     fprintf(out, "pool %s %s %s%s\n", cfg->pools[i].name, cfg->pools[i].kind,
-            format_size(cfg->pools[i].size, buf),
+            kvf__config_format_size(cfg->pools[i].size, buf),
             cfg->pools[i].gpu_direct == KVF__GDR_OFF ? " gpu-direct=off" : "");
 }
 
@@ -1360,7 +1273,7 @@ static void help_bounds(const struct opt *o, char *buf, size_t cap) {
   if (o->type == OPT_U32 || o->type == OPT_AUTO_U32)
     snprintf(buf, cap, " (%" PRIu64 "..%" PRIu64 ")", o->min, o->max);
   else if (o->type == OPT_SIZE32)
-    snprintf(buf, cap, " (%s..%s)", format_size(o->min, lo), format_size(o->max, hi));
+    snprintf(buf, cap, " (%s..%s)", kvf__config_format_size(o->min, lo), kvf__config_format_size(o->max, hi));
 }
 
 static void help_default(const struct opt *o, char *buf, size_t cap) {

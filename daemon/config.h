@@ -135,5 +135,11 @@ void kvf__config_prepare_reload(kvf__config *next, const kvf__config *cur,
 bool kvf__config_key_reloadable(const char *key);
 /* Parses sizes like 4096, 64K, 512M, 2G (binary units). */
 int kvf__parse_size(const char *s, uint64_t *out);
+/* config_syntax.c: a decimal number (digits only, 0 or -EINVAL/-ERANGE);
+ * the shortest exact form of a size (64M rather than 67108864); an IPv4
+ * address or host name. */
+int kvf__config_parse_dec(const char *s, uint64_t *out);
+const char *kvf__config_format_size(uint64_t v, char buf[static 32]);
+bool kvf__config_valid_hostname(const char *h);
 
 #endif
