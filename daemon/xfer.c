@@ -1483,22 +1483,3 @@ void kvf__xfer_counts_get(kvf__xfer_counts *c) {
 }
 
 kvf__xfer *kvf__xfer_first(void) { return X.head; }
-
-const char *kvf__xstate_name(int state) {
-  static const char *const names[] = {
-#define XX(phase, name) [KVF__X_##phase] = name,
-      KVF__XPHASE_MAP(XX)
-#undef XX
-  };
-  return state > 0 && (size_t)state < sizeof(names) / sizeof(names[0]) ? names[state] : "?";
-}
-
-uint64_t kvf__xfer_bytes(const kvf__xfer *x) {
-  if (x->role == KVF__SEND) return x->send.bytes_posted;
-  return x->blocks ? kvf__xrecv_blocks_bytes(x) : x->dst.total;
-}
-
-uint64_t kvf__xfer_descriptors(const kvf__xfer *x) {
-  if (x->role == KVF__SEND) return x->send.descs_taken;
-  return x->blocks ? kvf__blocks_pieces(&x->mine.view, x->mine.n, x->mine.view.n_layers) : x->dst.n;
-}
