@@ -3,8 +3,7 @@
  * Receiver side: a grant is a kvf__xfer with role RECV. It waits for a sender
  * (a local send, or a peer's SendIntent), or is pushed ahead to the source
  * node when the grant names it. Once bound it is open in the transport and
- * completes when the transport saw every byte (or was told so by the sender:
- * SendDone, rdma's last write).
+ * completes when the transport saw every byte and the sender said SendDone.
  *
  * Sender side: the first part of a send creates a kvf__xfer with role SEND.
  * Parts that come before the grant wait in x->send.early; once the grant is
@@ -120,7 +119,8 @@ static const unsigned recv_next[KVF__RECV_NSTATES] = {
     [KVF__RECV_NONE] = R(WAIT),
     [KVF__RECV_WAIT] = R(OPENING) | R(OPEN) | R(DRAIN),
     [KVF__RECV_OPENING] = R(OPEN) | R(DRAIN),
-    [KVF__RECV_OPEN] = R(SENDER_DONE) | R(DONE) | R(FENCE) | R(DRAIN),
+    [KVF__RECV_OPEN] = R(LANDED) | R(SENDER_DONE) | R(DONE) | R(FENCE) | R(DRAIN),
+    [KVF__RECV_LANDED] = R(DONE) | R(FENCE) | R(DRAIN),
     [KVF__RECV_SENDER_DONE] = R(DONE) | R(FENCE) | R(DRAIN),
     [KVF__RECV_FENCE] = R(FAILED),
     [KVF__RECV_DRAIN] = R(FAILED),
@@ -483,7 +483,7 @@ static void finish_failure(kvf__xfer *x) {
 static bool fence_wanted(const kvf__xfer *x, int status, bool notify) {
   if (x->role != KVF__RECV) return false;
   enum kvf__recv_state s = x->recv.state;
-  bool granted = s == KVF__RECV_OPEN || s == KVF__RECV_SENDER_DONE;
+  bool granted = s == KVF__RECV_OPEN || s == KVF__RECV_LANDED || s == KVF__RECV_SENDER_DONE;
   /* else no Grant went out: no writes */
   return notify && status == KVF_ECANCELED && !X.stopping && x->peer && x->handle && x->tp &&
          x->tp->ops->one_sided && granted;
@@ -1104,13 +1104,14 @@ static void complete_recv(kvf__xfer *x) {
   succeed(x);
 }
 
-/* Every granted byte was placed, each write checked inside the grant: the
- * receive is complete without waiting for the sender's SendDone, which
- * would add a hop through the sender's loop and the control link to every
- * handoff (one arriving later finds no transfer). */
+/* Every granted byte was placed; the receive still waits for the sender's
+ * SendDone, whose hop is not free (the sender's loop, the control link):
+ * a tcp sender whose source faulted under its writev keeps the stream in
+ * step with zeros, and only its word vouches for what the bytes hold
+ * (tests/ops/test_engine_wire.py). */
 void kvf__xfer_on_landed(kvf__xfer *x) {
   switch (x->recv.state) {
-  case KVF__RECV_OPEN:
+  case KVF__RECV_OPEN: kvf__xfer_set_state(x, KVF__RECV_LANDED); break;
   case KVF__RECV_SENDER_DONE: complete_recv(x); break;
   case KVF__RECV_WAIT:
   case KVF__RECV_OPENING: bug(x, "the transport saw every byte of a grant it was not given"); break;
@@ -1122,6 +1123,7 @@ void kvf__xfer_on_delivered(kvf__xfer *x) {
   if (!x->tr.t[KVF__XT_LAST]) kvf__xtrace_stamp(x, KVF__XT_LAST, 0); /* one-sided: what we can see */
   switch (x->recv.state) {
   case KVF__RECV_OPEN:
+  case KVF__RECV_LANDED:
   case KVF__RECV_SENDER_DONE: complete_recv(x); break;
   case KVF__RECV_WAIT: bug(x, "the transport delivered into a grant it was not given"); break;
   default: break; /* OPENING: no sender knows the grant yet (a peer guessed it); or failed */
@@ -1310,6 +1312,7 @@ void kvf__xrecv_sender_done(kvf__xfer *x, uint64_t bytes) {
     return;
   }
   if (x->recv.state == KVF__RECV_OPEN) kvf__xfer_set_state(x, KVF__RECV_SENDER_DONE);
+  else if (x->recv.state == KVF__RECV_LANDED) complete_recv(x);
   /* else said twice, or OPENING: no sender knows the grant yet */
 }
 

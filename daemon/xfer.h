@@ -24,14 +24,14 @@
  *     +-- returns 0: the Grant goes --+                                     |
  *                                     v                                     v
  *                                   OPEN [active] <-------------------------+
- *                                     |         \ SendDone (the grant's size)
- *                                     |          v
- *                                     |        SENDER_DONE [active]
- *                kvf__xfer_on_landed  |          / kvf__xfer_on_landed
- *               (every byte placed)   v         v
- *                                     DONE <---+
+ *                    kvf__xfer_on_landed /     \ SendDone (the grant's size)
+ *                                       v       v
+ *                          LANDED [active]     SENDER_DONE [active]
+ *                                SendDone \     / kvf__xfer_on_landed
+ *                                          v   v
+ *                                          DONE
  *
- *   Also to DONE: from OPEN or SENDER_DONE, kvf__xfer_on_delivered
+ *   Also to DONE: from OPEN, LANDED or SENDER_DONE, kvf__xfer_on_delivered
  *   (rdma's WRITE_WITH_IMM: every byte placed, and the sender done); from
  *   OPEN, the last copy of the local sender.
  *
@@ -65,7 +65,7 @@
  *
  *   FENCE [failing]   receiver only: its client cancelled (or went away) a
  *                     grant whose Grant went to a one-sided transport's
- *                     sender (OPEN, SENDER_DONE). The grant stays
+ *                     sender (OPEN, LANDED, SENDER_DONE). The grant stays
  *                     open until the sender's CancelDone says none of its
  *                     writes is in flight, or FENCE_MS passed, the peer
  *                     went or the daemon stops; then it closes: -> FAILED.
@@ -122,6 +122,7 @@ enum kvf__xstate {
   XX(WAIT, WAIT, "wait")                    \
   XX(OPENING, ACTIVE, "opening")            \
   XX(OPEN, ACTIVE, "open")                  \
+  XX(LANDED, ACTIVE, "landed")              \
   XX(SENDER_DONE, ACTIVE, "sender-done")    \
   XX(FENCE, DRAIN, "fence")
 

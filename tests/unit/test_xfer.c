@@ -729,23 +729,18 @@ static void test_remote_pushed_grant(void **state) {
   assert_clean();
 }
 
-/* The other order: every byte landed first. That completes the grant at
- * once (the SendDone is not waited for); the SendDone, coming later, finds
- * no transfer and changes nothing. */
+/* The other order: data landed, then SendDone. */
 static void test_remote_landed_then_send_done(void **state) {
   assert_int_equal(do_grant(SR, "R2", "B", mkd(2, 0, 0, 100, 100), 777), 0);
   kvf__xfer *x = F.opened[0];
   Kvf__Grant *g = last_msg(F.pb, KVF__PEER_MSG__BODY_GRANT)->grant;
-  uint64_t h = g->handle;
   assert_in_range(g->deadline_ms, 677, 777);
   kvf__xfer_on_landed(x);
+  assert_int_equal(F.nev, 0);
+  in_send_done(F.pb, g->handle, 200, 2);
   expect_event("R2", RECV_DONE, SR, 0);
   assert_int_equal(last_msg(F.pb, KVF__PEER_MSG__BODY_RECV_RESULT)->recv_result->status, 0);
   assert_int_equal(nclosed_of(x), 1);
-  size_t msgs = F.nmsg;
-  in_send_done(F.pb, h, 200, 2);
-  assert_int_equal(F.nmsg, msgs);
-  assert_int_equal(F.nev, 1);
   assert_clean();
 }
 
@@ -814,11 +809,10 @@ static void test_grant_opened_later(void **state) {
   assert_int_equal(g->descs->packed.len, 2 * 20);
   in_intent(F.pb, "G1", 0); /* crossed: the Grant again */
   assert_int_equal(nmsgs(F.pb, KVF__PEER_MSG__BODY_GRANT), 2);
-  /* Every byte placed completes it: the SendDone is not waited for (and,
-   * coming later, finds no transfer). */
   kvf__xfer_on_landed(x);
-  expect_event("G1", RECV_DONE, SR, 0);
+  assert_int_equal(x->recv.state, KVF__RECV_LANDED);
   in_send_done(F.pb, x->handle, 8192, 2);
+  expect_event("G1", RECV_DONE, SR, 0);
   assert_int_equal(event_for("G1", RECV_DONE)->bytes, 8192);
   assert_int_equal(nclosed_of(x), 1);
 
@@ -943,7 +937,8 @@ static void test_recv_size_mismatch(void **state) {
   assert_int_equal(do_grant(SR, "R8", "B", mkd(2, 0, 0, 100, 100), 0), 0);
   kvf__xfer *x = F.opened[0];
   uint64_t h = last_msg(F.pb, KVF__PEER_MSG__BODY_GRANT)->grant->handle;
-  in_send_done(F.pb, h, 199, 2); /* before its bytes landed: a SendDone of another size */
+  kvf__xfer_on_landed(x);
+  in_send_done(F.pb, h, 199, 2);
   expect_event("R8", RECV_DONE, SR, KVF_ESIZE);
   Kvf__Cancel *c = last_msg(F.pb, KVF__PEER_MSG__BODY_CANCEL)->cancel;
   assert_int_equal(c->status, KVF_ESIZE);
@@ -1926,17 +1921,15 @@ static void test_outcome_receiver(void **state) {
   /* A grant still open takes the query as its SendDone. */
   assert_int_equal(do_grant(SR, "Q3", "B", mkd(1, 0, 0, 64, 64), 0), 0);
   kvf__xfer *x3 = F.opened[F.nopened - 1];
+  kvf__xfer_on_landed(x3);
   size_t before = F.nmsg;
 
   in_outcome_query(F.pb, h1, 64);
   in_outcome_query(F.pb, h2, 64);
   in_outcome_query(F.pb, 0x12345, 64);
   in_outcome_query(F.pb, x3->handle, 64);
-  assert_int_equal(F.nmsg, before + 4); /* four replies */
-  assert_int_equal(x3->recv.state, KVF__RECV_SENDER_DONE);
-  kvf__xfer_on_landed(x3); /* its bytes: done */
   expect_event("Q3", RECV_DONE, SR, 0);
-  assert_int_equal(last_msg(F.pb, KVF__PEER_MSG__BODY_RECV_RESULT)->recv_result->status, 0);
+  assert_int_equal(F.nmsg, before + 5); /* four replies and Q3's RecvResult */
   Kvf__OutcomeReply *r[4];
   size_t k = 0;
   for (size_t i = before; i < F.nmsg; i++)
