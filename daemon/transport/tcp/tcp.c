@@ -28,6 +28,7 @@
 #include "tcp.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <pthread.h>
@@ -48,6 +49,7 @@
 #include "xfer.h"
 #include "xfer_trace.h"
 #include "tcp_wire.h"
+#include "tcp_pattern.h"
 #include "spin.h"
 
 #define MAX_STREAMS 64              /* tcp-streams is capped here */
@@ -102,6 +104,7 @@ typedef struct item {    /* a stream's share of one post */
   wr *w;
   size_t n;
   bool gpu;              /* some frames come from GPU memory */
+  kvf__tcp_pshare *ps;   /* instead of frames: patterns (tcp_pattern.h) */
   bool marker;           /* a layer marker, no frames and no ticket: */
   uint32_t first, n_layers, streams;
 } item;
@@ -203,6 +206,7 @@ struct tcp_transport {
   pthread_cond_t g_cond;
   kvf__map grants;         /* handle -> rgrant */
   uint64_t gen;
+  _Atomic uint64_t pat_batches, pat_pieces, pat_sent; /* pattern batches read, their pieces; patterns sent */
 };
 
 static tcp_transport *to_tcp(kvf__transport *t) { return kvf__container_of(t, tcp_transport, base); }
@@ -252,6 +256,8 @@ static void post_landed(tcp_peer *tp, uint64_t handle, uint64_t first_ns) {
 
 static void item_free(item *it) {
   free(it->w);
+  if (it->ps) kvf__tcp_pshare_free(it->ps);
+  free(it->ps);
   free(it);
 }
 
@@ -297,7 +303,7 @@ static int write_each(int fd, const struct iovec *iov, int n, bool *faulted) {
  * says so; the receiver's framing never sees the difference. */
 static int writev_all(int fd, struct iovec *iov, int n, bool *faulted) {
   while (n > 0) {
-    ssize_t w = writev(fd, iov, n);
+    ssize_t w = writev(fd, iov, n < IOV_MAX ? n : IOV_MAX);
     if (w < 0 && errno == EFAULT && faulted) return write_each(fd, iov, n, faulted);
     if (w < 0) {
       if (errno == EINTR) continue;
@@ -316,8 +322,26 @@ static int writev_all(int fd, struct iovec *iov, int n, bool *faulted) {
   return 0;
 }
 
+/* Writes an item's patterns as pattern batches (tcp_pattern.h). */
+static int write_item_pat(stream *s, item *it) {
+  uint8_t hdr[BHDR_LEN], ents[BATCH_FRAMES * KVF__TCP_PAT_ENT];
+  struct iovec *iov = malloc(KVF__TCP_PAT_IOVS * sizeof(*iov));
+  int rc = iov ? 0 : -ENOMEM;
+  for (size_t i = 0; rc == 0 && i < it->ps->n;) {
+    if (atomic_load(&it->tk->aborted) || atomic_load(&s->tp->stop)) rc = KVF_ECANCELED;
+    uint64_t bytes;
+    int n = rc ? 0 : kvf__tcp_pat_batch(it->ps, &i, it->handle, hdr, ents, iov, &bytes);
+    bool faulted = false;
+    if (rc == 0) rc = writev_all(s->fd, iov, n, &faulted);
+    if (rc == 0 && faulted) rc = SOURCE_FAULT; /* at a batch's end: the stream is in step */
+  }
+  free(iov);
+  return rc;
+}
+
 /* Writes an item's frames as batches, one writev each. */
 static int write_item(stream *s, item *it) {
+  if (it->ps) return write_item_pat(s, it);
   uint8_t hdr[BHDR_LEN], ents[BATCH_FRAMES][ENT_LEN];
   struct iovec iov[BATCH_FRAMES + 2];
   for (size_t i = 0; i < it->n;) {
@@ -751,16 +775,18 @@ static rgrant *open_grant_of(tcp_peer *tp, uint64_t handle) {
 }
 
 /* Looks up and pins the grant a batch writes into; NULL when the batch must
- * be discarded. A batch with any entry outside its grant fails that grant. */
-static rgrant *pin_grant(tcp_peer *tp, const batch_hdr *h, const batch_ent *e) {
+ * be discarded. A batch with any entry outside its grant fails that grant.
+ * The entries are e, or for a pattern batch pe. */
+static rgrant *pin_grant(tcp_peer *tp, const batch_hdr *h, batch_ent *e, kvf__tcp_pat *pe) {
   tcp_transport *tt = tp->tt;
   pthread_mutex_lock(&tt->g_lock);
   rgrant *g = open_grant_of(tp, h->handle);
-  uint32_t bad = g ? first_outside(&g->rs, e, h->count) : h->count;
+  uint32_t bad = !g ? h->count : pe ? kvf__tcp_pat_first_outside(&g->rs, pe, h->count)
+                                    : first_outside(&g->rs, e, h->count);
   if (bad < h->count) {
-    kvf__warn("peer %s wrote outside grant %016llx (pool %u offset %llu len %u): refused",
-              tp->p->cfg.name, (unsigned long long)h->handle, e[bad].pool,
-              (unsigned long long)e[bad].offset, e[bad].len);
+    kvf__warn("peer %s wrote outside grant %016llx (pool %u offset %llu%s): refused", tp->p->cfg.name,
+              (unsigned long long)h->handle, pe ? pe[bad].pool : e[bad].pool,
+              (unsigned long long)(pe ? pe[bad].off : e[bad].offset), pe ? ", a pattern" : "");
     post_event(tt, EV_DATA_ERROR, NULL, h->handle, KVF_EPERM, tp);
     g = NULL;
   }
@@ -909,7 +935,7 @@ static int receive_batch(stream *s, const batch_hdr *h, uint8_t *ahead, uint32_t
   uint64_t bytes;
   int rc = read_entries(s, h, e, &bytes);
   if (rc) return rc;
-  rgrant *g = pin_grant(s->tp, h, e);
+  rgrant *g = pin_grant(s->tp, h, e, NULL);
   if (!g) return discard(s->fd, bytes, ahead, have);
   for (uint32_t i = 0; i < h->count; i++)
     if (kvf__pool_gpu(kvfd.pools[e[i].pool])) return receive_batch_gpu(s, h, e, g, bytes, ahead, have);
@@ -923,6 +949,68 @@ static int receive_batch(stream *s, const batch_hdr *h, uint8_t *ahead, uint32_t
   if (rc == 0 && faulted) post_event(s->tp->tt, EV_DATA_ERROR, NULL, h->handle, -EFAULT, s->tp);
   unpin_grant(g, s->tp, h->handle, rc || faulted ? 0 : bytes);
   return sunk ? discard(s->fd, rest, ahead, have) : rc;
+}
+
+/* A pattern batch into GPU pools: its pieces go through receive_batch_gpu
+ * as plain entries, BATCH_FRAMES at a time, each share pinning g once more
+ * (receive_batch_gpu unpins it). */
+static int receive_pattern_gpu(stream *s, const batch_hdr *h, const kvf__tcp_pat *pe, rgrant *g,
+                               uint8_t *ahead, uint32_t *have) {
+  batch_ent e[BATCH_FRAMES];
+  uint32_t k = 0, i = 0;
+  uint64_t piece = 0, bytes = 0;
+  int rc = 0;
+  while (rc == 0 && i < h->count) {
+    const kvf__tcp_pat *p = &pe[i];
+    e[k++] = (batch_ent){p->pool, p->len, p->off + piece / p->n1 * p->s2 + piece % p->n1 * p->s1};
+    bytes += p->len;
+    if (++piece == (uint64_t)p->n1 * p->n2) piece = 0, i++;
+    if (k < BATCH_FRAMES && i < h->count) continue;
+    batch_hdr sub = {DATA_MAGIC, k, h->handle};
+    rc = receive_batch_gpu(s, &sub, e, g, bytes, i == h->count ? ahead : NULL, have);
+    k = 0, bytes = 0;
+    if (rc == 0 && i < h->count) {
+      pthread_mutex_lock(&s->tp->tt->g_lock);
+      g->writers++; /* pinned: the grant waits for its writers */
+      pthread_mutex_unlock(&s->tp->tt->g_lock);
+    }
+  }
+  return rc;
+}
+
+/* A pattern batch (tcp_pattern.h): checked whole, then each entry's pieces
+ * read straight where they go (host pools), BATCH_FRAMES iovecs a read. */
+static int receive_pattern(stream *s, const batch_hdr *h, uint8_t *ahead, uint32_t *have) {
+  uint8_t raw[BATCH_FRAMES * KVF__TCP_PAT_ENT];
+  kvf__tcp_pat pe[BATCH_FRAMES];
+  uint64_t bytes, landed = 0, rest = 0;
+  if (h->count == 0 || h->count > BATCH_FRAMES) return KVF_EPROTO;
+  struct iovec iov[BATCH_FRAMES];
+  iov[0] = (struct iovec){raw, (size_t)h->count * KVF__TCP_PAT_ENT};
+  int rc = read_exact(s->fd, iov, 1, NULL, NULL, NULL, NULL, NULL);
+  if (rc == 0) rc = kvf__tcp_pat_decode(raw, h->count, pe, &bytes);
+  if (rc) return rc;
+  rgrant *g = pin_grant(s->tp, h, NULL, pe);
+  if (!g) return discard(s->fd, bytes, ahead, have);
+  atomic_fetch_add(&s->tp->tt->pat_batches, 1);
+  for (uint32_t i = 0; i < h->count; i++) atomic_fetch_add(&s->tp->tt->pat_pieces, (uint64_t)pe[i].n1 * pe[i].n2);
+  for (uint32_t i = 0; i < h->count; i++)
+    if (kvf__pool_gpu(kvfd.pools[pe[i].pool])) return receive_pattern_gpu(s, h, pe, g, ahead, have);
+  bool faulted = false;
+  for (uint32_t i = 0; rc == 0 && i < h->count; i++) {
+    uint64_t next = 0, total = (uint64_t)pe[i].n1 * pe[i].n2;
+    while (rc == 0 && next < total) { /* in range: the grant's check held the box */
+      int n = kvf__tcp_pat_iov(&pe[i], kvfd.pools[pe[i].pool]->base, &next, iov, BATCH_FRAMES);
+      uint64_t got = iov_bytes(iov, n);
+      bool end = i + 1 == h->count && next == total;
+      rc = read_exact(s->fd, iov, n, end ? ahead : NULL, have, &faulted, &g->closed, &rest);
+      landed += got;
+    }
+  }
+  bool sunk = rc == PAYLOAD_SUNK;
+  if (rc == 0 && faulted) post_event(s->tp->tt, EV_DATA_ERROR, NULL, h->handle, -EFAULT, s->tp);
+  unpin_grant(g, s->tp, h->handle, rc || faulted ? 0 : bytes);
+  return sunk ? discard(s->fd, rest + bytes - landed, ahead, have) : rc;
 }
 
 /* The thread of inbound stream s is ending: the loop joins it and frees
@@ -993,7 +1081,9 @@ static void *receiver_main(void *arg) {
     batch_hdr h;
     bhdr_decode(hdr, &h);
     have = 0;
-    rc = h.magic == LAYER_MAGIC ? receive_marker(s, &h, hdr, &have) : receive_batch(s, &h, hdr, &have);
+    rc = h.magic == LAYER_MAGIC        ? receive_marker(s, &h, hdr, &have)
+         : h.magic == KVF__TCP_PAT_MAGIC ? receive_pattern(s, &h, hdr, &have)
+                                         : receive_batch(s, &h, hdr, &have);
     if (rc == KVF_EPROTO)
       kvf__warn("peer %s: malformed data batch on stream %u; closing it", s->tp->p->cfg.name, s->index);
     if (rc) break;
@@ -1051,6 +1141,31 @@ static int deal_frames(tcp_peer *tp, const kvf__runs *runs, item **items) {
   return 0;
 }
 
+/* Whether runs go as patterns: the peer reads them (tcp_pattern.h) and the
+ * source is host memory (GPU sources stage frames, write_item_staged). */
+static bool patterns_for(const tcp_peer *tp, const kvf__runs *runs) {
+  const Kvf__Hello *h = tp->p->hello;
+  bool offered = false;
+  for (size_t i = 0; h && i < h->n_transports && !offered; i++)
+    offered = strcmp(h->transports[i], KVF__TCP_PAT_CAP) == 0;
+  for (size_t r = 0; offered && r < runs->n; r++)
+    if (kvfd.pools[runs->v[r].src_pool]->cuda_dev >= 0) return false;
+  return offered;
+}
+
+/* deal_frames as patterns (kvf__tcp_pat_deal). */
+static int deal_patterns(tcp_peer *tp, const kvf__runs *runs, item **items) {
+  kvf__tcp_pshare sh[MAX_STREAMS] = {0};
+  for (uint32_t i = 0; i < tp->n_out; i++)
+    if (!(items[i]->ps = calloc(1, sizeof(kvf__tcp_pshare)))) return -ENOMEM;
+  int rc = kvf__tcp_pat_deal(runs->v, runs->n, sh, tp->n_out, &tp->rr, runs->bytes <= SMALL_POST);
+  for (uint32_t i = 0; i < tp->n_out; i++) {
+    *items[i]->ps = sh[i];
+    atomic_fetch_add(&tp->tt->pat_sent, sh[i].n);
+  }
+  return rc;
+}
+
 /* Appends it to s's queue and wakes s's thread (only s's: a post of one
  * stream's share does not wake them all); the caller holds the peer's lock. */
 static void enqueue(stream *s, item *it) {
@@ -1061,7 +1176,27 @@ static void enqueue(stream *s, item *it) {
   s->tail = it;
 }
 
-static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) {
+/* What a post deals over the streams' items: runs, or a part of blocks
+ * with a transform (its plan as patterns). */
+typedef struct dealing {
+  const kvf__runs *runs;
+  const kvf__bpart *part;
+} dealing;
+
+static int deal(tcp_peer *tp, const dealing *d, item **items) {
+  if (d->runs) return patterns_for(tp, d->runs) ? deal_patterns(tp, d->runs, items) : deal_frames(tp, d->runs, items);
+  kvf__tcp_pshare sh[MAX_STREAMS] = {0};
+  for (uint32_t i = 0; i < tp->n_out; i++)
+    if (!(items[i]->ps = calloc(1, sizeof(kvf__tcp_pshare)))) return -ENOMEM;
+  int rc = kvf__tcp_pat_deal_plan(d->part, sh, tp->n_out, &tp->rr, false);
+  for (uint32_t i = 0; i < tp->n_out; i++) {
+    *items[i]->ps = sh[i];
+    atomic_fetch_add(&tp->tt->pat_sent, sh[i].n);
+  }
+  return rc;
+}
+
+static int post_dealt(kvf__transport *t, kvf__xfer *x, const dealing *d, bool last) {
   tcp_transport *tt = to_tcp(t);
   tcp_peer *tp = tcp_peer_of(tt, x->peer);
   if (!tp || atomic_load(&tp->stop)) return KVF_EPEERLOST;
@@ -1070,7 +1205,7 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
   int rc = tk ? 0 : -ENOMEM;
   for (uint32_t i = 0; rc == 0 && i < tp->n_out; i++)
     if (!(items[i] = calloc(1, sizeof(item)))) rc = -ENOMEM;
-  if (rc == 0) rc = deal_frames(tp, runs, items);
+  if (rc == 0) rc = deal(tp, d, items);
   if (rc) {
     for (uint32_t i = 0; i < tp->n_out; i++)
       if (items[i]) item_free(items[i]);
@@ -1083,14 +1218,14 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
   for (uint32_t i = 0; i < tp->n_out; i++)
     if (items[i]->gpu) x->path = "tcp-bounce";
   int used = 0;
-  for (uint32_t i = 0; i < tp->n_out; i++) used += items[i]->n > 0;
+  for (uint32_t i = 0; i < tp->n_out; i++) used += items[i]->n > 0 || (items[i]->ps && items[i]->ps->n > 0);
   /* An empty post (all parts already sent) still completes through the
    * queue, so the caller sees one callback either way. */
   atomic_store(&tk->outstanding, used ? used : 1);
   pthread_mutex_lock(&tp->lock);
   for (uint32_t i = 0; i < tp->n_out; i++) {
     item *it = items[i];
-    if (it->n == 0) {
+    if (it->n == 0 && !(it->ps && it->ps->n)) {
       item_free(it);
       continue;
     }
@@ -1101,6 +1236,21 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
   pthread_mutex_unlock(&tp->lock);
   if (!used) post_event(tt, EV_TICKET, tk, 0, 0, NULL);
   return 0;
+}
+
+static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) {
+  return post_dealt(t, x, &(dealing){.runs = runs}, last);
+}
+
+/* A transform to a peer that reads patterns, from host memory: straight
+ * from the plan (no run per piece); anything else as runs. */
+static int tcp_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
+  tcp_peer *tp = tcp_peer_of(to_tcp(t), x->peer);
+  kvf__runs none = {0};
+  if (!b->xf.transform || !tp || !patterns_for(tp, &none) || kvfd.pools[b->src->pool]->cuda_dev >= 0)
+    return kvf__transport_post_block_runs(t, x, b, last);
+  int rc = post_dealt(t, x, &(dealing){.part = b}, last);
+  return rc == -E2BIG ? kvf__transport_post_block_runs(t, x, b, last) : rc;
 }
 
 /* A marker behind the part just posted, on every stream (the format's
@@ -1416,8 +1566,10 @@ static void tcp_inspect(kvf__transport *t, char *buf, size_t len) {
   size_t out, in;
   count_streams(tt, &out, &in);
   snprintf(buf, len, "\"name\": \"tcp\", \"streams_per_peer\": %u, \"open_grants\": %zu, "
-                     "\"streams_out\": %zu, \"streams_in\": %zu",
-           kvfd.cfg.tcp_streams, n, out, in);
+                     "\"streams_out\": %zu, \"streams_in\": %zu, \"patterns_sent\": %llu, "
+                     "\"pattern_batches_read\": %llu, \"pattern_pieces_read\": %llu",
+           kvfd.cfg.tcp_streams, n, out, in, (unsigned long long)atomic_load(&tt->pat_sent),
+           (unsigned long long)atomic_load(&tt->pat_batches), (unsigned long long)atomic_load(&tt->pat_pieces));
 }
 
 static void tcp_free(kvf__mailbox *mb) {
@@ -1433,9 +1585,17 @@ static void tcp_destroy(kvf__transport *t) {
   kvf__mailbox_close(&to_tcp(t)->mb, tcp_free); /* delivers what is left first */
 }
 
+/* We read pattern batches (tcp_pattern.h): peer.c's Hello keeps a slot
+ * for this word behind the transports' names. */
+static void tcp_hello(kvf__transport *t, Kvf__Hello *h) {
+  h->transports[h->n_transports++] = (char *)KVF__TCP_PAT_CAP;
+}
+
 static const kvf__transport_ops tcp_ops = {
+    .hello = tcp_hello,
     .name = "tcp",
     .post = tcp_post,
+    .post_blocks = tcp_post_blocks,
     .mark_layers = tcp_mark_layers,
     .abort = tcp_abort,
     .grant_open = tcp_grant_open,
