@@ -50,6 +50,7 @@
 #include "xfer_trace.h"
 #include "tcp_wire.h"
 #include "tcp_pattern.h"
+#include "tcp_io.h"
 #include "spin.h"
 
 #define MAX_STREAMS 64              /* tcp-streams is capped here */
@@ -264,64 +265,6 @@ static void item_free(item *it) {
 
 /* --------------------------------------------------------- sender threads */
 
-static int write_zeros(int fd, size_t len) {
-  static const uint8_t zeros[64 << 10];
-  while (len > 0) {
-    ssize_t w = write(fd, zeros, len < sizeof(zeros) ? len : sizeof(zeros));
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) return -errno;
-    len -= (size_t)w;
-  }
-  return 0;
-}
-
-/* The elements of iov one write at a time, what faults (EFAULT: nothing
- * of that write was taken) replaced by zeros. */
-static int write_each(int fd, const struct iovec *iov, int n, bool *faulted) {
-  for (int i = 0; i < n; i++) {
-    const uint8_t *p = iov[i].iov_base;
-    size_t len = iov[i].iov_len;
-    while (len > 0) {
-      ssize_t w = write(fd, p, len);
-      if (w < 0 && errno == EINTR) continue;
-      if (w < 0 && errno == EFAULT) {
-        *faulted = true;
-        int rc = write_zeros(fd, len);
-        if (rc) return rc;
-        break;
-      }
-      if (w < 0) return -errno;
-      p += w;
-      len -= (size_t)w;
-    }
-  }
-  return 0;
-}
-
-/* With faulted: payload that faults (pool memory gone: EFAULT, the whole
- * call refused, whichever element it was) goes out as zeros, and *faulted
- * says so; the receiver's framing never sees the difference. */
-static int writev_all(int fd, struct iovec *iov, int n, bool *faulted) {
-  while (n > 0) {
-    ssize_t w = writev(fd, iov, n < IOV_MAX ? n : IOV_MAX);
-    if (w < 0 && errno == EFAULT && faulted) return write_each(fd, iov, n, faulted);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return -errno;
-    }
-    while (n > 0 && (size_t)w >= iov->iov_len) {
-      w -= (ssize_t)iov->iov_len;
-      iov++;
-      n--;
-    }
-    if (n > 0) {
-      iov->iov_base = (uint8_t *)iov->iov_base + w;
-      iov->iov_len -= (size_t)w;
-    }
-  }
-  return 0;
-}
-
 /* Writes an item's patterns as pattern batches (tcp_pattern.h). */
 static int write_item_pat(stream *s, item *it) {
   uint8_t hdr[BHDR_LEN], ents[BATCH_FRAMES * KVF__TCP_PAT_ENT];
@@ -332,7 +275,7 @@ static int write_item_pat(stream *s, item *it) {
     uint64_t bytes;
     int n = rc ? 0 : kvf__tcp_pat_batch(it->ps, &i, it->handle, hdr, ents, iov, &bytes);
     bool faulted = false;
-    if (rc == 0) rc = writev_all(s->fd, iov, n, &faulted);
+    if (rc == 0) rc = kvf__tcp_writev_all(s->fd, iov, n, &faulted);
     if (rc == 0 && faulted) rc = SOURCE_FAULT; /* at a batch's end: the stream is in step */
   }
   free(iov);
@@ -356,7 +299,7 @@ static int write_item(stream *s, item *it) {
     iov[0] = (struct iovec){hdr, BHDR_LEN};
     iov[1] = (struct iovec){ents, (size_t)k * ENT_LEN};
     bool faulted = false;
-    int rc = writev_all(s->fd, iov, (int)k + 2, &faulted);
+    int rc = kvf__tcp_writev_all(s->fd, iov, (int)k + 2, &faulted);
     if (rc) return rc;
     if (faulted) return SOURCE_FAULT; /* at a batch's end: the stream is in step */
   }
@@ -371,7 +314,7 @@ static int write_marker(stream *s, const item *it) {
   put64(buf + 8, it->handle);
   ent_encode(buf + BHDR_LEN, it->first, it->n_layers, 0);
   struct iovec iov = {buf, sizeof(buf)};
-  return writev_all(s->fd, &iov, 1, NULL);
+  return kvf__tcp_writev_all(s->fd, &iov, 1, NULL);
 }
 
 /* ------------------------------------------------------- GPU staging */
@@ -443,7 +386,7 @@ static int stage_send(stream *s, item *it, sslot *sl) {
   iov[0] = (struct iovec){hdr, BHDR_LEN};
   iov[1] = (struct iovec){ents, sl->n * ENT_LEN};
   bool faulted = false;
-  int rc = writev_all(s->fd, iov, (int)sl->n + 2, &faulted);
+  int rc = kvf__tcp_writev_all(s->fd, iov, (int)sl->n + 2, &faulted);
   return rc ? rc : faulted ? SOURCE_FAULT : 0;
 }
 
@@ -475,70 +418,6 @@ static int write_item_staged(stream *s, item *it) {
       kvf__gpu_batch_wait(g->slot[k].b);
     }
   return rc;
-}
-
-/* The receiver acknowledges a DataHello once a thread owns the stream, so
- * no data byte is ever read by the loop's connection handler. */
-static const uint8_t ACK[KVF__FRAME_HDR] = {0, 0, 0, 0};
-
-static int await_ack(int fd) {
-  uint8_t got[KVF__FRAME_HDR];
-  size_t have = 0;
-  while (have < sizeof(got)) {
-    ssize_t r = recv(fd, got + have, sizeof(got) - have, 0);
-    if (r == 0) return KVF_EPEERLOST;
-    if (r < 0 && errno != EINTR) return -errno;
-    if (r > 0) have += (size_t)r;
-  }
-  return memcmp(got, ACK, sizeof(ACK)) == 0 ? 0 : KVF_EPROTO;
-}
-
-/* One small framed PeerMsg on a blocking socket. */
-static int send_msg(int fd, const Kvf__PeerMsg *m) {
-  uint8_t buf[256];
-  size_t n = kvf__peer_msg__get_packed_size(m);
-  if (n + KVF__FRAME_HDR > sizeof(buf)) return KVF_EPROTO;
-  kvf__frame_put_header(buf, (uint32_t)n);
-  kvf__peer_msg__pack(m, buf + KVF__FRAME_HDR);
-  return kvf__send_all(fd, buf, n + KVF__FRAME_HDR, -1);
-}
-
-static int recv_exact(int fd, uint8_t *buf, size_t len) {
-  size_t have = 0;
-  while (have < len) {
-    ssize_t r = recv(fd, buf + have, len - have, 0);
-    if (r == 0) return KVF_EPEERLOST;
-    if (r < 0 && errno != EINTR) return -errno;
-    if (r > 0) have += (size_t)r;
-  }
-  return 0;
-}
-
-/* Cluster key (auth.h): the receiver answers our DataHello with a nonce;
- * it adopts the stream only once our proof over that nonce checks out. */
-static int answer_challenge(int fd, kvf__peer *p, uint32_t index) {
-  uint8_t buf[256], proof[KVF__AUTH_PROOF];
-  int rc = recv_exact(fd, buf, KVF__FRAME_HDR);
-  uint32_t n = rc ? 0 : kvf__frame_get_u32(buf);
-  if (rc == 0 && (n == 0 || n > sizeof(buf))) rc = KVF_EPROTO; /* an ACK: the peer has no key */
-  if (rc == 0) rc = recv_exact(fd, buf, n);
-  if (rc) return rc;
-  Kvf__PeerMsg *m = kvf__peer_msg__unpack(NULL, n, buf);
-  if (!m || m->body_case != KVF__PEER_MSG__BODY_AUTH || m->auth->nonce.len != KVF__AUTH_NONCE) {
-    if (m) kvf__peer_msg__free_unpacked(m, NULL);
-    return KVF_EPROTO;
-  }
-  size_t klen;
-  const uint8_t *key = kvf__auth_key(&klen);
-  kvf__auth_data_proof(key, klen, m->auth->nonce.data, p->remote_session, index, p->cfg.name,
-                       kvfd.cfg.node, proof);
-  kvf__peer_msg__free_unpacked(m, NULL);
-  Kvf__Auth a = KVF__AUTH__INIT;
-  a.proof = (ProtobufCBinaryData){sizeof(proof), proof};
-  Kvf__PeerMsg out = KVF__PEER_MSG__INIT;
-  out.body_case = KVF__PEER_MSG__BODY_AUTH;
-  out.auth = &a;
-  return send_msg(fd, &out);
 }
 
 /* Longest a data stream may make no progress before it counts as broken. */
@@ -589,9 +468,9 @@ static int connect_stream(stream *s) {
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_DATA_HELLO;
   m.data_hello = &dh;
-  int rc = send_msg(fd, &m);
-  if (rc == 0 && kvf__auth_enabled()) rc = answer_challenge(fd, p, s->index);
-  if (rc == 0) rc = await_ack(fd);
+  int rc = kvf__tcp_send_msg(fd, &m);
+  if (rc == 0 && kvf__auth_enabled()) rc = kvf__tcp_answer_challenge(fd, p, s->index);
+  if (rc == 0) rc = kvf__tcp_await_ack(fd);
   if (rc) return connect_fail(s, fd, rc);
   pthread_mutex_lock(&s->tp->lock);
   s->connected = true;
@@ -815,23 +694,6 @@ static int read_entries(stream *s, const batch_hdr *h, batch_ent *e, uint64_t *b
   rc = read_exact(s->fd, &iov, 1, NULL, NULL, NULL, NULL, NULL);
   if (rc) return rc;
   return decode_entries(&raw[0][0], h->count, e, bytes);
-}
-
-int kvf__tcp_batch_check(const uint8_t *buf, size_t len, const kvf__rangeset *rs, uint64_t *handle,
-                         uint32_t *count, uint64_t *bytes, kvf__range *ents) {
-  batch_hdr h;
-  batch_ent e[BATCH_FRAMES];
-  if (len < BHDR_LEN) return KVF_EPROTO;
-  bhdr_decode(buf, &h);
-  int rc = check_header(&h);
-  if (rc == 0 && len - BHDR_LEN < (size_t)h.count * ENT_LEN) rc = KVF_EPROTO;
-  if (rc == 0) rc = decode_entries(buf + BHDR_LEN, h.count, e, bytes);
-  if (rc) return rc;
-  *handle = h.handle;
-  *count = h.count;
-  for (uint32_t i = 0; ents && i < h.count; i++) /* end may wrap when outside */
-    ents[i] = (kvf__range){.pool = e[i].pool, .start = e[i].offset, .end = e[i].offset + e[i].len};
-  return first_outside(rs, e, h.count) < h.count ? KVF_EPERM : 0;
 }
 
 /* ---- receiving into GPU pools (staged) */
@@ -1068,7 +930,7 @@ static void *receiver_main(void *arg) {
   stream *s = arg;
   uint8_t hdr[BHDR_LEN];
   uint32_t have = 0;
-  if (kvf__send_all(s->fd, ACK, sizeof(ACK), -1) != 0) {
+  if (kvf__send_all(s->fd, KVF__TCP_ACK, KVF__FRAME_HDR, -1) != 0) {
     if (!atomic_load(&s->tp->stop)) post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, KVF_EPEERLOST, s->tp);
     stream_gone(s);
     return NULL;
