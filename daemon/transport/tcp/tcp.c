@@ -69,6 +69,10 @@
  * reads into closed (a stalled or lossy stream must not pin a closed
  * grant's memory: tcp_grant_close would have to cut every stream). */
 #define RECV_CHECK_MS 50
+/* iovecs a read_exact takes at most (and one for the read-ahead: IOV_MAX
+ * a recvmsg) */
+#define RECV_IOVS 1023
+_Static_assert(RECV_IOVS >= BATCH_FRAMES + 2, "a batch's payloads are read in one read_exact");
 
 _Static_assert(BHDR_LEN == KVF__TCP_BATCH_HDR && ENT_LEN == KVF__TCP_BATCH_ENT &&
                    BATCH_FRAMES == KVF__TCP_BATCH_MAX,
@@ -577,7 +581,7 @@ static uint64_t iov_bytes(const struct iovec *v, int n) {
  * reading the rest can take as long as the stream stalls. */
 static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t *have, bool *faulted,
                       const atomic_bool *gone, uint64_t *rest) {
-  struct iovec local[BATCH_FRAMES + 3];
+  struct iovec local[RECV_IOVS + 1];
   memcpy(local, iov, (size_t)n * sizeof(*iov));
   int cnt = n;
   if (ahead) local[cnt++] = (struct iovec){ahead, BHDR_LEN};
@@ -847,7 +851,7 @@ static int receive_pattern(stream *s, const batch_hdr *h, uint8_t *ahead, uint32
   kvf__tcp_pat pe[BATCH_FRAMES];
   uint64_t bytes, landed = 0, rest = 0;
   if (h->count == 0 || h->count > BATCH_FRAMES) return KVF_EPROTO;
-  struct iovec iov[BATCH_FRAMES];
+  struct iovec iov[RECV_IOVS];
   iov[0] = (struct iovec){raw, (size_t)h->count * KVF__TCP_PAT_ENT};
   int rc = read_exact(s->fd, iov, 1, NULL, NULL, NULL, NULL, NULL);
   if (rc == 0) rc = kvf__tcp_pat_decode(raw, h->count, pe, &bytes);
@@ -855,19 +859,20 @@ static int receive_pattern(stream *s, const batch_hdr *h, uint8_t *ahead, uint32
   rgrant *g = pin_grant(s->tp, h, NULL, pe);
   if (!g) return discard(s->fd, bytes, ahead, have);
   atomic_fetch_add(&s->tp->tt->pat_batches, 1);
-  for (uint32_t i = 0; i < h->count; i++) atomic_fetch_add(&s->tp->tt->pat_pieces, (uint64_t)pe[i].n1 * pe[i].n2);
+  uint64_t pieces = 0;
+  for (uint32_t i = 0; i < h->count; i++) pieces += (uint64_t)pe[i].n1 * pe[i].n2;
+  atomic_fetch_add(&s->tp->tt->pat_pieces, pieces);
   for (uint32_t i = 0; i < h->count; i++)
     if (kvf__pool_gpu(kvfd.pools[pe[i].pool])) return receive_pattern_gpu(s, h, pe, g, ahead, have);
   bool faulted = false;
-  for (uint32_t i = 0; rc == 0 && i < h->count; i++) {
-    uint64_t next = 0, total = (uint64_t)pe[i].n1 * pe[i].n2;
-    while (rc == 0 && next < total) { /* in range: the grant's check held the box */
-      int n = kvf__tcp_pat_iov(&pe[i], kvfd.pools[pe[i].pool]->base, &next, iov, BATCH_FRAMES);
-      uint64_t got = iov_bytes(iov, n);
-      bool end = i + 1 == h->count && next == total;
-      rc = read_exact(s->fd, iov, n, end ? ahead : NULL, have, &faulted, &g->closed, &rest);
-      landed += got;
-    }
+  uint64_t next = 0;
+  for (uint32_t i = 0, n = 0; rc == 0 && i < h->count;) { /* pieces of several entries a read */
+    n += kvf__tcp_pat_iov(&pe[i], kvfd.pools[pe[i].pool]->base, &next, iov + n, RECV_IOVS - n);
+    if (next == (uint64_t)pe[i].n1 * pe[i].n2) i++, next = 0; /* in range: the grant's check held the box */
+    if (n < RECV_IOVS && i < h->count) continue;
+    uint64_t got = iov_bytes(iov, (int)n);
+    rc = read_exact(s->fd, iov, (int)n, i == h->count ? ahead : NULL, have, &faulted, &g->closed, &rest);
+    landed += got, n = 0;
   }
   bool sunk = rc == PAYLOAD_SUNK;
   if (rc == 0 && faulted) post_event(s->tp->tt, EV_DATA_ERROR, NULL, h->handle, -EFAULT, s->tp);

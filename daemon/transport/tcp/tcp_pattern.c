@@ -231,7 +231,11 @@ int kvf__tcp_pat_batch(const kvf__tcp_pshare *s, size_t *next, uint64_t handle, 
     size_t i = *next, from = i ? s->iov_end[i - 1] : 0, k = s->iov_end[i] - from;
     if (count > 0 && n + k > KVF__TCP_PAT_IOVS) break;
     kvf__tcp_pat_encode(ents + (size_t)count * KVF__TCP_PAT_ENT, &s->p[i]);
-    for (size_t j = 0; j < k; j++) iov[n++] = s->iov[from + j];
+    for (size_t j = 0; j < k; j++) { /* a payload continuing the last one's memory: one iovec */
+      const struct iovec *v = &s->iov[from + j];
+      if (n > 2 && (uint8_t *)iov[n - 1].iov_base + iov[n - 1].iov_len == v->iov_base) iov[n - 1].iov_len += v->iov_len;
+      else iov[n++] = *v;
+    }
     *bytes += (uint64_t)s->p[i].len * s->p[i].n1 * s->p[i].n2;
     count++;
     ++*next;
