@@ -155,7 +155,7 @@ int kvf__xfan_grant_blocks(kvf__session *s, const char *id, const char *src_node
   for (uint32_t k = 0; k < f->nh && rc == 0; k++) {
     char sid[KVF_XFER_ID_MAX + 8];
     kvf__blockreq sb;
-    uint32_t *copy;
+    uint32_t *copy = NULL; /* freed also when sub_id fails */
     rc = sub_id(sid, sizeof(sid), id, f->h0 + k, err, errlen);
     if (rc == 0) rc = sub_req(b, f->h0 + k, k == 0, &sb, &copy);
     f->open++; /* before: its event may come before the call returns */
@@ -205,7 +205,7 @@ static int send_heads(fan *f, const kvf__blockreq *b, bool more, uint32_t deadli
   for (uint32_t k = 0; k < f->nh; k++) {
     char sid[KVF_XFER_ID_MAX + 8];
     kvf__blockreq sb;
-    uint32_t *copy;
+    uint32_t *copy = NULL; /* freed also when sub_id fails */
     int rc = sub_id(sid, sizeof(sid), f->id, f->h0 + k, err, errlen);
     if (rc == 0) rc = sub_req(b, f->h0 + k, true, &sb, &copy);
     if (first) f->open++; /* before: its event may come before the call returns */
