@@ -6,7 +6,10 @@
  * in the receiver's space, followed by the payload. The receiver reads each
  * payload straight into pool memory, after checking that the range lies
  * inside the grant that handle names and that the grant belongs to the peer
- * that owns the connection. No intermediate buffer on either side.
+ * that owns the connection. No intermediate buffer on either side. A
+ * transform between KV layouts goes in pattern batches (tcp_pattern.h: one
+ * entry for a chunk's strided pieces, placed as they are read) to a peer
+ * whose Hello says it reads them.
  *
  * Threads: one sender thread per outbound stream (blocking writev from pool
  * memory, many frames per call) and one receiver thread per inbound stream.
@@ -28,7 +31,6 @@
 #include "tcp.h"
 
 #include <errno.h>
-#include <limits.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <pthread.h>
