@@ -7,6 +7,7 @@
 #   bench/hetero_tcp.sh                 TP 8->4 NHD->NHD, TP 8->4 NHD->HND,
 #                                       TP 1->1 NHD->HND, 4096 tokens, 3 requests
 #   TOKENS=1024 REQUESTS=2 ROUNDS=3 POOL=2G bench/hetero_tcp.sh
+#   CASES="--prefill-tp_2_--decode-tp_1" bench/hetero_tcp.sh   (words joined by _)
 set -eu
 
 cd "$(dirname "$0")/.."
@@ -15,6 +16,9 @@ POOL=${POOL:-2G}
 TOKENS=${TOKENS:-4096}
 REQUESTS=${REQUESTS:-3}
 ROUNDS=${ROUNDS:-1}
+# the cases, words joined by _
+CASES=${CASES:-"--prefill-tp_8_--decode-tp_4 --prefill-tp_8_--decode-tp_4_--prefill-order_nhd_--decode-order_hnd
+--prefill-order_nhd_--decode-order_hnd"}
 
 say() { echo "hetero_tcp: $*" >&2; }
 die() { say "$*"; exit 1; }
@@ -67,9 +71,8 @@ run() { # ARGS...
 r=0
 while [ "$r" -lt "$ROUNDS" ]; do
   r=$((r + 1))
-  for c in "--prefill-tp 8 --decode-tp 4" \
-           "--prefill-tp 8 --decode-tp 4 --prefill-order nhd --decode-order hnd" \
-           "--prefill-order nhd --decode-order hnd"; do
+  for c in $CASES; do
+    c=$(echo "$c" | tr _ ' ')
     # shellcheck disable=SC2086
     same=$(run)
     # shellcheck disable=SC2086
