@@ -14,6 +14,8 @@
 #include <string.h>
 
 #include "desc.h"
+#include "kvferryd.h"
+#include "pool.h"
 #include "kvferry.h"
 #include "transport/tcp/tcp.h"
 #include "transport/tcp/tcp_pattern.h"
@@ -151,6 +153,53 @@ static void test_place(void **state) {
   place(&c, 1024, 5);
 }
 
+/* The receiver's read plan over a batch of mixed entries (small pieces
+ * through the bounce buffer, large ones straight): the payload, read step
+ * by step as the socket would deliver it, lands exactly where the
+ * patterns' definition says, and nothing else in the pool changes. */
+static void test_read_plan(void **state) {
+  (void)state;
+  enum { MEM = 2 << 20 };
+  kvf__pool pool = {0}, *pools[1] = {&pool};
+  pool.base = calloc(1, MEM);
+  uint8_t *want = calloc(1, MEM);
+  kvfd.pools = pools, kvfd.n_pools = 1;
+  kvf__tcp_pat e[] = {
+      {.len = 256, .n1 = 16, .n2 = 1, .off = 0, .s1 = 512},                /* TP 8 -> 4 NHD: bounced */
+      {.len = 4096, .n1 = 4, .n2 = 2, .off = 100000, .s1 = 8192, .s2 = 40000}, /* large: straight */
+      {.len = 16, .n1 = 8, .n2 = 4, .off = 300001, .s1 = 64, .s2 = 1024},  /* bounced, 2D */
+      {.len = 700, .n1 = 1, .n2 = 1, .off = 500000},                       /* one piece: straight */
+      {.len = 256, .n1 = 2000, .n2 = 1, .off = 600000, .s1 = 256},         /* contiguous, bounced */
+  };
+  uint32_t n_e = sizeof(e) / sizeof(e[0]);
+  uint64_t k = 0;
+  for (uint32_t i = 0; i < n_e; i++)
+    for (uint64_t i2 = 0; i2 < e[i].n2; i2++)
+      for (uint64_t i1 = 0; i1 < e[i].n1; i1++)
+        for (uint64_t j = 0; j < e[i].len; j++) want[e[i].off + i2 * e[i].s2 + i1 * e[i].s1 + j] = (uint8_t)(1 + k++ % 251);
+  for (int cap = 1; cap <= 1023; cap = cap * 4 + 3) {
+    memset(pool.base, 0, MEM);
+    kvf__tcp_rplan r;
+    kvf__tcp_rplan_init(&r, e, n_e);
+    assert_non_null(r.bounce);
+    struct iovec iov[1023];
+    uint64_t fed = 0;
+    int n;
+    while ((n = kvf__tcp_rplan_step(&r, iov, cap)) > 0) {
+      assert_true(n <= cap);
+      for (int i = 0; i < n; i++)
+        for (size_t j = 0; j < iov[i].iov_len; j++) ((uint8_t *)iov[i].iov_base)[j] = (uint8_t)(1 + fed++ % 251);
+      assert_int_equal(kvf__tcp_rplan_scatter(&r), 0);
+    }
+    assert_true(kvf__tcp_rplan_done(&r));
+    assert_int_equal(fed, k);
+    assert_memory_equal(pool.base, want, MEM);
+  }
+  kvfd.pools = NULL, kvfd.n_pools = 0;
+  free(pool.base);
+  free(want);
+}
+
 /* Runs of the sender: whatever it groups, the pieces of its patterns in
  * order are the runs' destinations in order, and no pattern passes a run's
  * grant piece, length or pool. */
@@ -200,6 +249,7 @@ int main(void) {
       cmocka_unit_test(test_check_malformed),
       cmocka_unit_test(test_place),
       cmocka_unit_test(test_take),
+      cmocka_unit_test(test_read_plan),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -867,14 +867,13 @@ static int receive_pattern(stream *s, const batch_hdr *h, uint8_t *ahead, uint32
   for (uint32_t i = 0; i < h->count; i++)
     if (kvf__pool_gpu(kvfd.pools[pe[i].pool])) return receive_pattern_gpu(s, h, pe, g, ahead, have);
   bool faulted = false;
-  uint64_t next = 0;
-  for (uint32_t i = 0, n = 0; rc == 0 && i < h->count;) { /* pieces of several entries a read */
-    n += kvf__tcp_pat_iov(&pe[i], kvfd.pools[pe[i].pool]->base, &next, iov + n, RECV_IOVS - n);
-    if (next == (uint64_t)pe[i].n1 * pe[i].n2) i++, next = 0; /* in range: the grant's check held the box */
-    if (n < RECV_IOVS && i < h->count) continue;
-    uint64_t got = iov_bytes(iov, (int)n);
-    rc = read_exact(s->fd, iov, (int)n, i == h->count ? ahead : NULL, have, &faulted, &g->closed, &rest);
-    landed += got, n = 0;
+  kvf__tcp_rplan rp; /* in range: the grant's check held every box */
+  kvf__tcp_rplan_init(&rp, pe, h->count);
+  for (int n; rc == 0 && (n = kvf__tcp_rplan_step(&rp, iov, RECV_IOVS)) > 0;) {
+    uint64_t got = iov_bytes(iov, n);
+    rc = read_exact(s->fd, iov, n, kvf__tcp_rplan_done(&rp) ? ahead : NULL, have, &faulted, &g->closed, &rest);
+    landed += got;
+    if (rc == 0 && kvf__tcp_rplan_scatter(&rp) != 0) faulted = true;
   }
   bool sunk = rc == PAYLOAD_SUNK;
   if (rc == 0 && faulted) post_event(s->tp->tt, EV_DATA_ERROR, NULL, h->handle, -EFAULT, s->tp);

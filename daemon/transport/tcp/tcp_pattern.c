@@ -9,6 +9,9 @@
 #include "frame.h"
 #include "kvferryd.h"
 #include "pool.h"
+#include "pool_engine.h"
+
+#include <pthread.h>
 #include "transport/tcp/tcp.h"
 #include "transport/transport.h"
 
@@ -89,6 +92,73 @@ int kvf__tcp_pat_iov(const kvf__tcp_pat *e, uint8_t *base, uint64_t *next, struc
   }
   return k;
 }
+
+/* ------------------------------------------------------------ receiving */
+
+/* The bounce buffer of a receiver thread, freed when the thread ends. */
+static pthread_key_t bounce_key;
+static pthread_once_t bounce_once = PTHREAD_ONCE_INIT;
+static void bounce_key_make(void) { pthread_key_create(&bounce_key, free); }
+
+static uint8_t *thread_bounce(void) {
+  pthread_once(&bounce_once, bounce_key_make);
+  uint8_t *b = pthread_getspecific(bounce_key);
+  if (!b && (b = malloc(KVF__TCP_PAT_BOUNCE)) != NULL && pthread_setspecific(bounce_key, b) != 0) {
+    free(b);
+    b = NULL;
+  }
+  return b; /* NULL: out of memory, every piece goes straight */
+}
+
+void kvf__tcp_rplan_init(kvf__tcp_rplan *r, const kvf__tcp_pat *e, uint32_t count) {
+  *r = (kvf__tcp_rplan){.e = e, .count = count};
+  for (uint32_t i = 0; i < count && !r->bounce; i++)
+    if (e[i].len < KVF__TCP_PAT_SMALL && (uint64_t)e[i].n1 * e[i].n2 > 1) r->bounce = thread_bounce();
+}
+
+static bool bounced(const kvf__tcp_rplan *r, const kvf__tcp_pat *p) {
+  return r->bounce && p->len < KVF__TCP_PAT_SMALL && (uint64_t)p->n1 * p->n2 > 1;
+}
+
+int kvf__tcp_rplan_step(kvf__tcp_rplan *r, struct iovec *iov, int cap) {
+  int n = 0;
+  uint64_t used = 0;
+  r->n_staged = 0;
+  while (r->i < r->count && n < cap) {
+    const kvf__tcp_pat *p = &r->e[r->i];
+    uint64_t total = (uint64_t)p->n1 * p->n2;
+    if (bounced(r, p)) {
+      uint64_t pay = total * p->len;
+      if (used + pay > KVF__TCP_PAT_BOUNCE) break; /* the next step's */
+      if (n > 0 && (uint8_t *)iov[n - 1].iov_base + iov[n - 1].iov_len == r->bounce + used)
+        iov[n - 1].iov_len += pay;
+      else
+        iov[n++] = (struct iovec){r->bounce + used, pay};
+      used += pay;
+      r->staged[r->n_staged++] = r->i++;
+      continue;
+    }
+    n += kvf__tcp_pat_iov(p, kvfd.pools[p->pool]->base, &r->next, iov + n, cap - n);
+    if (r->next == total) r->i++, r->next = 0;
+  }
+  return n;
+}
+
+int kvf__tcp_rplan_scatter(kvf__tcp_rplan *r) {
+  const uint8_t *from = r->bounce;
+  int rc = 0;
+  for (uint32_t k = 0; k < r->n_staged; k++) {
+    const kvf__tcp_pat *p = &r->e[r->staged[k]];
+    uint8_t *base = kvfd.pools[p->pool]->base + p->off;
+    for (uint64_t i2 = 0; i2 < p->n2; i2++)
+      for (uint64_t i1 = 0; i1 < p->n1; i1++, from += p->len)
+        if (rc == 0) rc = kvf__pool_copy(base + i2 * p->s2 + i1 * p->s1, from, p->len);
+  }
+  r->n_staged = 0;
+  return rc;
+}
+
+/* ------------------------------------------------------------ grouping */
 
 /* Whether run r may join a pattern started by v0, landing at dst. */
 static bool fits(const kvf__run *v0, const kvf__run *r, uint64_t dst) {

@@ -34,6 +34,7 @@
 #include <sys/uio.h>
 
 #include "desc.h"
+#include "transport/tcp/tcp.h"
 
 #define KVF__TCP_PAT_MAGIC 0x5046564bu  /* "KVFP" */
 #define KVF__TCP_PAT_ENT 40u
@@ -67,6 +68,31 @@ int kvf__tcp_pattern_check(const uint8_t *buf, size_t len, const kvf__rangeset *
  * *next on, at most cap, pieces back to back merged; advances *next.
  * Returns how many iovecs it filled (0 once every piece is out). */
 int kvf__tcp_pat_iov(const kvf__tcp_pat *e, uint8_t *base, uint64_t *next, struct iovec *iov, int cap);
+
+/* Receiver: the reads of a batch's payload. Entries whose pieces are
+ * small go through a bounce buffer of the thread's (one stretch of a read,
+ * then one guarded memcpy a piece: the kernel's copy costs more per iovec
+ * than memcpy per piece), the others straight into pool memory. A step
+ * fills iov (at most cap) for one read; after the read, scatter copies what
+ * the step put in the bounce buffer where it goes. */
+#define KVF__TCP_PAT_BOUNCE (1u << 20)  /* >= KVF__TCP_PAT_MAX */
+#define KVF__TCP_PAT_SMALL 1024u         /* pieces shorter than this are bounced */
+typedef struct kvf__tcp_rplan {
+  const kvf__tcp_pat *e;
+  uint32_t count, i;
+  uint64_t next;                           /* the next piece of e[i] */
+  uint8_t *bounce;                         /* NULL: everything straight */
+  uint32_t staged[KVF__TCP_BATCH_MAX];     /* entries of this step in the bounce buffer, in order */
+  uint32_t n_staged;
+} kvf__tcp_rplan;
+
+void kvf__tcp_rplan_init(kvf__tcp_rplan *r, const kvf__tcp_pat *e, uint32_t count);
+/* Fills the next read's iovecs; 0 when every payload byte is planned. */
+int kvf__tcp_rplan_step(kvf__tcp_rplan *r, struct iovec *iov, int cap);
+static inline bool kvf__tcp_rplan_done(const kvf__tcp_rplan *r) { return r->i == r->count; }
+/* After the step's read: the bounced pieces into the pools. 0, or -EFAULT
+ * when pool memory went away (kvf__pool_copy). */
+int kvf__tcp_rplan_scatter(kvf__tcp_rplan *r);
 
 /* Sender: the longest pattern at the start of runs v[0..n) (v[0].len at
  * most KVF__TCP_PAT_MAX: the caller cuts longer runs): runs of one
