@@ -1056,7 +1056,9 @@ static int deal(tcp_peer *tp, const dealing *d, item **items) {
   kvf__tcp_pshare sh[MAX_STREAMS] = {0};
   for (uint32_t i = 0; i < tp->n_out; i++)
     if (!(items[i]->ps = calloc(1, sizeof(kvf__tcp_pshare)))) return -ENOMEM;
-  int rc = kvf__tcp_pat_deal_plan(d->part, sh, tp->n_out, &tp->rr, false);
+  const kvf__bpart *b = d->part; /* a small part on one stream, as deal_frames */
+  bool small = kvf__xplan_bytes(&b->xf, b->n_layers, b->src->n_kv) <= SMALL_POST;
+  int rc = kvf__tcp_pat_deal_plan(b, sh, tp->n_out, &tp->rr, small);
   for (uint32_t i = 0; i < tp->n_out; i++) {
     *items[i]->ps = sh[i];
     atomic_fetch_add(&tp->tt->pat_sent, sh[i].n);
