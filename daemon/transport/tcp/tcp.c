@@ -1009,15 +1009,13 @@ static int deal_frames(tcp_peer *tp, const kvf__runs *runs, item **items) {
   return 0;
 }
 
-/* Whether runs go as patterns: the peer reads them (tcp_pattern.h) and the
- * source is host memory (GPU sources stage frames, write_item_staged). */
-static bool patterns_for(const tcp_peer *tp, const kvf__runs *runs) {
+/* Whether the peer reads pattern batches (tcp_pattern.h). Only transforms
+ * use them (plain runs are long and go as frames, as they did). */
+static bool patterns_for(const tcp_peer *tp) {
   const Kvf__Hello *h = tp->p->hello;
   bool offered = false;
   for (size_t i = 0; h && i < h->n_transports && !offered; i++)
     offered = strcmp(h->transports[i], KVF__TCP_PAT_CAP) == 0;
-  for (size_t r = 0; offered && r < runs->n; r++)
-    if (kvfd.pools[runs->v[r].src_pool]->cuda_dev >= 0) return false;
   return offered;
 }
 
@@ -1048,11 +1046,12 @@ static void enqueue(stream *s, item *it) {
  * with a transform (its plan as patterns). */
 typedef struct dealing {
   const kvf__runs *runs;
+  bool grouped;            /* runs of a transform: grouped into patterns */
   const kvf__bpart *part;
 } dealing;
 
 static int deal(tcp_peer *tp, const dealing *d, item **items) {
-  if (d->runs) return patterns_for(tp, d->runs) ? deal_patterns(tp, d->runs, items) : deal_frames(tp, d->runs, items);
+  if (d->runs) return d->grouped ? deal_patterns(tp, d->runs, items) : deal_frames(tp, d->runs, items);
   kvf__tcp_pshare sh[MAX_STREAMS] = {0};
   for (uint32_t i = 0; i < tp->n_out; i++)
     if (!(items[i]->ps = calloc(1, sizeof(kvf__tcp_pshare)))) return -ENOMEM;
@@ -1115,12 +1114,16 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
 /* A transform to a peer that reads patterns, from host memory: straight
  * from the plan (no run per piece); anything else as runs. */
 static int tcp_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
-  tcp_peer *tp = tcp_peer_of(to_tcp(t), x->peer);
-  kvf__runs none = {0};
-  if (!b->xf.transform || !tp || !patterns_for(tp, &none) || kvfd.pools[b->src->pool]->cuda_dev >= 0)
+  tcp_peer *tp = tcp_peer_of(to_tcp(t), x->peer); /* GPU sources stage frames (write_item_staged) */
+  if (!b->xf.transform || !tp || !patterns_for(tp) || kvfd.pools[b->src->pool]->cuda_dev >= 0)
     return kvf__transport_post_block_runs(t, x, b, last);
   int rc = post_dealt(t, x, &(dealing){.part = b}, last);
-  return rc == -E2BIG ? kvf__transport_post_block_runs(t, x, b, last) : rc;
+  if (rc != -E2BIG) return rc;
+  kvf__runs runs = {0}; /* chunks too large for an entry: the walk's runs, grouped */
+  rc = kvf__xform_runs(&b->xf, b->src, b->sids, b->dst, b->dids, b->first, b->n_layers, &runs);
+  if (rc == 0) rc = post_dealt(t, x, &(dealing){.runs = &runs, .grouped = true}, last);
+  kvf__runs_free(&runs);
+  return rc;
 }
 
 /* A marker behind the part just posted, on every stream (the format's
