@@ -91,7 +91,7 @@ static unsigned long long granted_bytes(void) {
 /* The tcp transport's open grants and data streams (JSON only). */
 static void tcp_status(kvf__sbuf *b) {
   kvf__transport *t = kvf__transport_find("tcp");
-  char frag[256] = "";
+  char frag[512] = "";
   if (t) t->ops->inspect(t, frag, sizeof(frag));
   kvf__sb_printf(b, t ? ", \"tcp\": {%s}" : ", \"tcp\": null", frag);
 }

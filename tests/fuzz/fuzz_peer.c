@@ -23,7 +23,10 @@
  * own kvf__tcp_batch_check against grant g1's ranges: a malformed batch
  * ends the stream; one outside the grant fails g1 (as the tcp transport's
  * EV_DATA_ERROR does); one for another handle is skipped; the payload of a
- * good one is written into the pools, where every entry must lie. */
+ * good one is written into the pools, where every entry must lie. Pattern
+ * batches ("KVFP", tcp_pattern.h) too, checked by kvf__tcp_pattern_check:
+ * one it lets through must have every piece in the grant (a plain walk of
+ * each piece), and its payload goes where kvf__tcp_pat_iov places it. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -31,6 +34,7 @@
 #include "fuzz_common.h"
 #include "pool.h"
 #include "transport/tcp/tcp.h"
+#include "transport/tcp/tcp_pattern.h"
 
 static kvf__xfer *find(const char *id, int role) {
   for (kvf__xfer *x = kvf__xfer_first(); x; x = x->next)
@@ -169,6 +173,52 @@ static bool granted(const kvf__descs *d, uint32_t pool, uint64_t start, uint64_t
   return true;
 }
 
+/* A pattern batch at data (size bytes left): its verdict against g1 (the
+ * plain walk of every piece where the check let it through), then its
+ * payload placed as the receiver does. Returns the bytes it took, 0 when
+ * malformed (the stream ends). *alive: g1 still open. */
+static size_t pattern_batch(const uint8_t *data, size_t size, kvf__xfer *g1, const kvf__rangeset *rs, bool *alive,
+                            uint64_t *landed) {
+  uint64_t handle, bytes;
+  uint32_t count;
+  int rc = kvf__tcp_pattern_check(data, size, rs, &handle, &count, &bytes);
+  if (rc != 0 && rc != KVF_EPERM) return 0;
+  kvf__tcp_pat pe[KVF__TCP_BATCH_MAX];
+  uint64_t b2;
+  if (kvf__tcp_pat_decode(data + KVF__TCP_BATCH_HDR, count, pe, &b2) != 0 || b2 != bytes)
+    fz_fail("a pattern batch decodes differently the second time");
+  size_t off = KVF__TCP_BATCH_HDR + (size_t)count * KVF__TCP_PAT_ENT;
+  bool ours = *alive && handle == g1->handle;
+  if (rc == KVF_EPERM && ours) {
+    kvf__xfer_on_data_error(g1, KVF_EPERM, "the peer wrote outside the grant");
+    *alive = false;
+  } else if (rc == 0 && ours) {
+    for (uint32_t i = 0; i < count; i++) {
+      kvf__pool *p = pe[i].pool < kvfd.n_pools ? kvfd.pools[pe[i].pool] : NULL;
+      uint64_t next = 0, total = (uint64_t)pe[i].n1 * pe[i].n2;
+      for (uint64_t k = 0; k < total; k++) { /* every piece, from the definition */
+        uint64_t at = pe[i].off + k / pe[i].n1 * pe[i].s2 + k % pe[i].n1 * pe[i].s1;
+        if (!p || !granted(&g1->dst, pe[i].pool, at, pe[i].len) || kvf__pool_check_range(p, at, pe[i].len) != 0)
+          fz_fail("pattern %u piece %llu (pool %u offset %llu len %u) passed the check but lies outside grant g1",
+                  i, (unsigned long long)k, pe[i].pool, (unsigned long long)at, pe[i].len);
+      }
+      struct iovec iov[64];
+      int n;
+      while ((n = kvf__tcp_pat_iov(&pe[i], p->base, &next, iov, 64)) > 0)
+        for (int j = 0; j < n && off < size; j++) {
+          size_t take = iov[j].iov_len < size - off ? iov[j].iov_len : size - off;
+          memcpy(iov[j].iov_base, data + off, take);
+          off += take;
+        }
+    }
+    *landed += bytes;
+    if (*landed == g1->dst.total) kvf__xfer_on_landed(g1);
+    return off < size ? off : size;
+  }
+  off += bytes < size - off ? (size_t)bytes : size - off; /* skipped */
+  return off;
+}
+
 static void data_stream(const uint8_t *data, size_t size) {
   kvf__xfer *g1 = find("g1", KVF__RECV);
   kvf__rangeset rs;
@@ -178,6 +228,12 @@ static void data_stream(const uint8_t *data, size_t size) {
   kvf__range ents[KVF__TCP_BATCH_MAX];
   size_t off = 0;
   while (off < size) {
+    if (size - off >= 4 && memcmp(data + off, "KVFP", 4) == 0) {
+      size_t took = pattern_batch(data + off, size - off, g1, &rs, &alive, &landed);
+      if (took == 0) break;
+      off += took;
+      continue;
+    }
     uint64_t handle, bytes;
     uint32_t count;
     int rc = kvf__tcp_batch_check(data + off, size - off, &rs, &handle, &count, &bytes, ents);
@@ -225,7 +281,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   scenario();
-  if (size >= 4 && memcmp(data, "KVFD", 4) == 0) data_stream(data, size);
+  if (size >= 4 && (memcmp(data, "KVFD", 4) == 0 || memcmp(data, "KVFP", 4) == 0)) data_stream(data, size);
   else control_stream(data, size);
   fz_finish(true);
   fz_b->state = KVF__PEER_UP;

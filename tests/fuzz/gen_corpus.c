@@ -677,6 +677,23 @@ static void batch(buf *b, uint32_t magic, uint64_t handle, const uint64_t (*e)[3
 }
 
 #define MAGIC 0x4446564bu
+
+/* A tcp pattern batch of one entry (tcp_pattern.h): pool, len, n1, n2,
+ * off, s1, s2, then its payload. */
+static void pattern(buf *b, uint64_t handle, uint32_t pool, uint32_t len, uint32_t n1, uint32_t n2, uint64_t off,
+                    uint64_t s1, uint64_t s2) {
+  uint8_t h[16 + 40];
+  kvf__frame_put_header(h, 0x5046564bu);
+  kvf__frame_put_header(h + 4, 1);
+  for (int i = 0; i < 8; i++) h[8 + i] = (uint8_t)(handle >> (8 * i));
+  uint32_t w[4] = {pool, len, n1, n2};
+  uint64_t q[3] = {off, s1, s2};
+  for (int k = 0; k < 4; k++) kvf__frame_put_header(h + 16 + 4 * k, w[k]);
+  for (int k = 0; k < 3; k++)
+    for (int i = 0; i < 8; i++) h[32 + 8 * k + i] = (uint8_t)(q[k] >> (8 * i));
+  put(b, h, sizeof(h));
+  for (uint64_t i = 0; i < (uint64_t)len * n1 * n2; i++) put(b, "\x5a", 1);
+}
 #define E(...) ((const uint64_t[][3]){__VA_ARGS__}), (uint32_t)(sizeof((const uint64_t[][3]){__VA_ARGS__}) / sizeof(uint64_t[3]))
 
 static void peer_seeds(void) {
@@ -798,6 +815,16 @@ static void peer_seeds(void) {
   batch(&b, MAGIC, 1, E({1, 200500, 1000}), true); /* past the range's end */
   batch(&b, MAGIC, 1, E({0, 0, 4096}), true);
   out(T, "data-past-end", &b);
+
+  /* pattern batches into g1: 2 rows of 4 pieces of 16 bytes in pool 0's
+   * first range, then one whose box crosses the gap */
+  pattern(&b, 1, 0, 16, 4, 2, 0, 64, 4096);
+  pattern(&b, 1, 1, 100, 1, 1, 200000, 0, 0);
+  out(T, "data-pattern", &b);
+
+  batch(&b, MAGIC, 1, E({0, 0, 100}), true);
+  pattern(&b, 1, 0, 16, 2, 1, 8000, 4288, 0); /* pieces inside, box over the gap */
+  out(T, "data-pattern-gap", &b);
 
   batch(&b, MAGIC, 1, E({0, 0, 0}), true); /* zero length */
   out(T, "data-zero", &b);

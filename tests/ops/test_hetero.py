@@ -266,6 +266,29 @@ class Hetero(Base, kvftest.PairTestCase):
     def test_tcp(self):
         self.every_combination("tcp")
 
+    def test_tcp_patterns(self):
+        """Over tcp a transform goes in pattern batches: one entry for a
+        chunk (16 tokens of one head here: the layouts state their model's
+        heads, so each head is a sub-transfer), not one per 256-byte piece.
+        TP 8 -> 4 NHD: the decode rank's two heads interleave, so a chunk
+        lands as 16 pieces (the receiver places each); NHD -> HND: a head's
+        tokens sit together at the decode rank, so it lands as one piece
+        (the sender gathers it)."""
+        def tcp(daemon):
+            c = self.client(daemon)
+            st = c.inspect("status", json=True)["tcp"]
+            c.close()
+            self.clients.remove(c)
+            return st
+        units = TOKENS * L * 2 * 8  # a token's head in a layer's K or V: 256 bytes
+        for ptp, dtp, dorder, pieces in ((8, 4, "NHD", units), (1, 1, "HND", units // 16)):
+            p0, d0 = tcp(self.pre), tcp(self.dec)
+            self.handoff("tcp", ptp, dtp, "NHD", dorder, 16, 16)
+            p1, d1 = tcp(self.pre), tcp(self.dec)
+            self.assertEqual(p1["patterns_sent"] - p0["patterns_sent"], units // 16, (p0, p1))
+            self.assertEqual(d1["pattern_pieces_read"] - d0["pattern_pieces_read"], pieces, (d0, d1))
+            self.assertGreater(d1["pattern_batches_read"], d0["pattern_batches_read"])
+
     def test_transform_listed(self):
         """kvferryctl transfers (the inspect API) says what a send of blocks
         does once it knows its grant: the heads, orders and block sizes."""

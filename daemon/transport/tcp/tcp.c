@@ -6,7 +6,10 @@
  * in the receiver's space, followed by the payload. The receiver reads each
  * payload straight into pool memory, after checking that the range lies
  * inside the grant that handle names and that the grant belongs to the peer
- * that owns the connection. No intermediate buffer on either side.
+ * that owns the connection. No intermediate buffer on either side. A
+ * transform between KV layouts goes in pattern batches (tcp_pattern.h: one
+ * entry for a chunk's strided pieces, placed as they are read) to a peer
+ * whose Hello says it reads them.
  *
  * Threads: one sender thread per outbound stream (blocking writev from pool
  * memory, many frames per call) and one receiver thread per inbound stream.
@@ -48,6 +51,8 @@
 #include "xfer.h"
 #include "xfer_trace.h"
 #include "tcp_wire.h"
+#include "tcp_pattern.h"
+#include "tcp_io.h"
 #include "spin.h"
 
 #define MAX_STREAMS 64              /* tcp-streams is capped here */
@@ -66,6 +71,10 @@
  * reads into closed (a stalled or lossy stream must not pin a closed
  * grant's memory: tcp_grant_close would have to cut every stream). */
 #define RECV_CHECK_MS 50
+/* iovecs a read_exact takes at most (and one for the read-ahead: IOV_MAX
+ * a recvmsg) */
+#define RECV_IOVS 1023
+_Static_assert(RECV_IOVS >= BATCH_FRAMES + 2, "a batch's payloads are read in one read_exact");
 
 _Static_assert(BHDR_LEN == KVF__TCP_BATCH_HDR && ENT_LEN == KVF__TCP_BATCH_ENT &&
                    BATCH_FRAMES == KVF__TCP_BATCH_MAX,
@@ -102,6 +111,7 @@ typedef struct item {    /* a stream's share of one post */
   wr *w;
   size_t n;
   bool gpu;              /* some frames come from GPU memory */
+  kvf__tcp_pshare *ps;   /* instead of frames: patterns (tcp_pattern.h) */
   bool marker;           /* a layer marker, no frames and no ticket: */
   uint32_t first, n_layers, streams;
 } item;
@@ -203,6 +213,7 @@ struct tcp_transport {
   pthread_cond_t g_cond;
   kvf__map grants;         /* handle -> rgrant */
   uint64_t gen;
+  _Atomic uint64_t pat_batches, pat_pieces, pat_sent; /* pattern batches read, their pieces; patterns sent */
 };
 
 static tcp_transport *to_tcp(kvf__transport *t) { return kvf__container_of(t, tcp_transport, base); }
@@ -252,72 +263,34 @@ static void post_landed(tcp_peer *tp, uint64_t handle, uint64_t first_ns) {
 
 static void item_free(item *it) {
   free(it->w);
+  if (it->ps) kvf__tcp_pshare_free(it->ps);
+  free(it->ps);
   free(it);
 }
 
 
 /* --------------------------------------------------------- sender threads */
 
-static int write_zeros(int fd, size_t len) {
-  static const uint8_t zeros[64 << 10];
-  while (len > 0) {
-    ssize_t w = write(fd, zeros, len < sizeof(zeros) ? len : sizeof(zeros));
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) return -errno;
-    len -= (size_t)w;
+/* Writes an item's patterns as pattern batches (tcp_pattern.h). */
+static int write_item_pat(stream *s, item *it) {
+  uint8_t hdr[BHDR_LEN], ents[BATCH_FRAMES * KVF__TCP_PAT_ENT];
+  struct iovec *iov = malloc(KVF__TCP_PAT_IOVS * sizeof(*iov));
+  int rc = iov ? 0 : -ENOMEM;
+  for (size_t i = 0; rc == 0 && i < it->ps->n;) {
+    if (atomic_load(&it->tk->aborted) || atomic_load(&s->tp->stop)) rc = KVF_ECANCELED;
+    uint64_t bytes;
+    int n = rc ? 0 : kvf__tcp_pat_batch(it->ps, &i, it->handle, hdr, ents, iov, &bytes);
+    bool faulted = false;
+    if (rc == 0) rc = kvf__tcp_writev_all(s->fd, iov, n, &faulted);
+    if (rc == 0 && faulted) rc = SOURCE_FAULT; /* at a batch's end: the stream is in step */
   }
-  return 0;
-}
-
-/* The elements of iov one write at a time, what faults (EFAULT: nothing
- * of that write was taken) replaced by zeros. */
-static int write_each(int fd, const struct iovec *iov, int n, bool *faulted) {
-  for (int i = 0; i < n; i++) {
-    const uint8_t *p = iov[i].iov_base;
-    size_t len = iov[i].iov_len;
-    while (len > 0) {
-      ssize_t w = write(fd, p, len);
-      if (w < 0 && errno == EINTR) continue;
-      if (w < 0 && errno == EFAULT) {
-        *faulted = true;
-        int rc = write_zeros(fd, len);
-        if (rc) return rc;
-        break;
-      }
-      if (w < 0) return -errno;
-      p += w;
-      len -= (size_t)w;
-    }
-  }
-  return 0;
-}
-
-/* With faulted: payload that faults (pool memory gone: EFAULT, the whole
- * call refused, whichever element it was) goes out as zeros, and *faulted
- * says so; the receiver's framing never sees the difference. */
-static int writev_all(int fd, struct iovec *iov, int n, bool *faulted) {
-  while (n > 0) {
-    ssize_t w = writev(fd, iov, n);
-    if (w < 0 && errno == EFAULT && faulted) return write_each(fd, iov, n, faulted);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return -errno;
-    }
-    while (n > 0 && (size_t)w >= iov->iov_len) {
-      w -= (ssize_t)iov->iov_len;
-      iov++;
-      n--;
-    }
-    if (n > 0) {
-      iov->iov_base = (uint8_t *)iov->iov_base + w;
-      iov->iov_len -= (size_t)w;
-    }
-  }
-  return 0;
+  free(iov);
+  return rc;
 }
 
 /* Writes an item's frames as batches, one writev each. */
 static int write_item(stream *s, item *it) {
+  if (it->ps) return write_item_pat(s, it);
   uint8_t hdr[BHDR_LEN], ents[BATCH_FRAMES][ENT_LEN];
   struct iovec iov[BATCH_FRAMES + 2];
   for (size_t i = 0; i < it->n;) {
@@ -332,7 +305,7 @@ static int write_item(stream *s, item *it) {
     iov[0] = (struct iovec){hdr, BHDR_LEN};
     iov[1] = (struct iovec){ents, (size_t)k * ENT_LEN};
     bool faulted = false;
-    int rc = writev_all(s->fd, iov, (int)k + 2, &faulted);
+    int rc = kvf__tcp_writev_all(s->fd, iov, (int)k + 2, &faulted);
     if (rc) return rc;
     if (faulted) return SOURCE_FAULT; /* at a batch's end: the stream is in step */
   }
@@ -347,7 +320,7 @@ static int write_marker(stream *s, const item *it) {
   put64(buf + 8, it->handle);
   ent_encode(buf + BHDR_LEN, it->first, it->n_layers, 0);
   struct iovec iov = {buf, sizeof(buf)};
-  return writev_all(s->fd, &iov, 1, NULL);
+  return kvf__tcp_writev_all(s->fd, &iov, 1, NULL);
 }
 
 /* ------------------------------------------------------- GPU staging */
@@ -419,7 +392,7 @@ static int stage_send(stream *s, item *it, sslot *sl) {
   iov[0] = (struct iovec){hdr, BHDR_LEN};
   iov[1] = (struct iovec){ents, sl->n * ENT_LEN};
   bool faulted = false;
-  int rc = writev_all(s->fd, iov, (int)sl->n + 2, &faulted);
+  int rc = kvf__tcp_writev_all(s->fd, iov, (int)sl->n + 2, &faulted);
   return rc ? rc : faulted ? SOURCE_FAULT : 0;
 }
 
@@ -451,70 +424,6 @@ static int write_item_staged(stream *s, item *it) {
       kvf__gpu_batch_wait(g->slot[k].b);
     }
   return rc;
-}
-
-/* The receiver acknowledges a DataHello once a thread owns the stream, so
- * no data byte is ever read by the loop's connection handler. */
-static const uint8_t ACK[KVF__FRAME_HDR] = {0, 0, 0, 0};
-
-static int await_ack(int fd) {
-  uint8_t got[KVF__FRAME_HDR];
-  size_t have = 0;
-  while (have < sizeof(got)) {
-    ssize_t r = recv(fd, got + have, sizeof(got) - have, 0);
-    if (r == 0) return KVF_EPEERLOST;
-    if (r < 0 && errno != EINTR) return -errno;
-    if (r > 0) have += (size_t)r;
-  }
-  return memcmp(got, ACK, sizeof(ACK)) == 0 ? 0 : KVF_EPROTO;
-}
-
-/* One small framed PeerMsg on a blocking socket. */
-static int send_msg(int fd, const Kvf__PeerMsg *m) {
-  uint8_t buf[256];
-  size_t n = kvf__peer_msg__get_packed_size(m);
-  if (n + KVF__FRAME_HDR > sizeof(buf)) return KVF_EPROTO;
-  kvf__frame_put_header(buf, (uint32_t)n);
-  kvf__peer_msg__pack(m, buf + KVF__FRAME_HDR);
-  return kvf__send_all(fd, buf, n + KVF__FRAME_HDR, -1);
-}
-
-static int recv_exact(int fd, uint8_t *buf, size_t len) {
-  size_t have = 0;
-  while (have < len) {
-    ssize_t r = recv(fd, buf + have, len - have, 0);
-    if (r == 0) return KVF_EPEERLOST;
-    if (r < 0 && errno != EINTR) return -errno;
-    if (r > 0) have += (size_t)r;
-  }
-  return 0;
-}
-
-/* Cluster key (auth.h): the receiver answers our DataHello with a nonce;
- * it adopts the stream only once our proof over that nonce checks out. */
-static int answer_challenge(int fd, kvf__peer *p, uint32_t index) {
-  uint8_t buf[256], proof[KVF__AUTH_PROOF];
-  int rc = recv_exact(fd, buf, KVF__FRAME_HDR);
-  uint32_t n = rc ? 0 : kvf__frame_get_u32(buf);
-  if (rc == 0 && (n == 0 || n > sizeof(buf))) rc = KVF_EPROTO; /* an ACK: the peer has no key */
-  if (rc == 0) rc = recv_exact(fd, buf, n);
-  if (rc) return rc;
-  Kvf__PeerMsg *m = kvf__peer_msg__unpack(NULL, n, buf);
-  if (!m || m->body_case != KVF__PEER_MSG__BODY_AUTH || m->auth->nonce.len != KVF__AUTH_NONCE) {
-    if (m) kvf__peer_msg__free_unpacked(m, NULL);
-    return KVF_EPROTO;
-  }
-  size_t klen;
-  const uint8_t *key = kvf__auth_key(&klen);
-  kvf__auth_data_proof(key, klen, m->auth->nonce.data, p->remote_session, index, p->cfg.name,
-                       kvfd.cfg.node, proof);
-  kvf__peer_msg__free_unpacked(m, NULL);
-  Kvf__Auth a = KVF__AUTH__INIT;
-  a.proof = (ProtobufCBinaryData){sizeof(proof), proof};
-  Kvf__PeerMsg out = KVF__PEER_MSG__INIT;
-  out.body_case = KVF__PEER_MSG__BODY_AUTH;
-  out.auth = &a;
-  return send_msg(fd, &out);
 }
 
 /* Longest a data stream may make no progress before it counts as broken. */
@@ -565,9 +474,9 @@ static int connect_stream(stream *s) {
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_DATA_HELLO;
   m.data_hello = &dh;
-  int rc = send_msg(fd, &m);
-  if (rc == 0 && kvf__auth_enabled()) rc = answer_challenge(fd, p, s->index);
-  if (rc == 0) rc = await_ack(fd);
+  int rc = kvf__tcp_send_msg(fd, &m);
+  if (rc == 0 && kvf__auth_enabled()) rc = kvf__tcp_answer_challenge(fd, p, s->index);
+  if (rc == 0) rc = kvf__tcp_await_ack(fd);
   if (rc) return connect_fail(s, fd, rc);
   pthread_mutex_lock(&s->tp->lock);
   s->connected = true;
@@ -674,7 +583,7 @@ static uint64_t iov_bytes(const struct iovec *v, int n) {
  * reading the rest can take as long as the stream stalls. */
 static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t *have, bool *faulted,
                       const atomic_bool *gone, uint64_t *rest) {
-  struct iovec local[BATCH_FRAMES + 3];
+  struct iovec local[RECV_IOVS + 1];
   memcpy(local, iov, (size_t)n * sizeof(*iov));
   int cnt = n;
   if (ahead) local[cnt++] = (struct iovec){ahead, BHDR_LEN};
@@ -751,16 +660,18 @@ static rgrant *open_grant_of(tcp_peer *tp, uint64_t handle) {
 }
 
 /* Looks up and pins the grant a batch writes into; NULL when the batch must
- * be discarded. A batch with any entry outside its grant fails that grant. */
-static rgrant *pin_grant(tcp_peer *tp, const batch_hdr *h, const batch_ent *e) {
+ * be discarded. A batch with any entry outside its grant fails that grant.
+ * The entries are e, or for a pattern batch pe. */
+static rgrant *pin_grant(tcp_peer *tp, const batch_hdr *h, batch_ent *e, kvf__tcp_pat *pe) {
   tcp_transport *tt = tp->tt;
   pthread_mutex_lock(&tt->g_lock);
   rgrant *g = open_grant_of(tp, h->handle);
-  uint32_t bad = g ? first_outside(&g->rs, e, h->count) : h->count;
+  uint32_t bad = !g ? h->count : pe ? kvf__tcp_pat_first_outside(&g->rs, pe, h->count)
+                                    : first_outside(&g->rs, e, h->count);
   if (bad < h->count) {
-    kvf__warn("peer %s wrote outside grant %016llx (pool %u offset %llu len %u): refused",
-              tp->p->cfg.name, (unsigned long long)h->handle, e[bad].pool,
-              (unsigned long long)e[bad].offset, e[bad].len);
+    kvf__warn("peer %s wrote outside grant %016llx (pool %u offset %llu%s): refused", tp->p->cfg.name,
+              (unsigned long long)h->handle, pe ? pe[bad].pool : e[bad].pool,
+              (unsigned long long)(pe ? pe[bad].off : e[bad].offset), pe ? ", a pattern" : "");
     post_event(tt, EV_DATA_ERROR, NULL, h->handle, KVF_EPERM, tp);
     g = NULL;
   }
@@ -789,23 +700,6 @@ static int read_entries(stream *s, const batch_hdr *h, batch_ent *e, uint64_t *b
   rc = read_exact(s->fd, &iov, 1, NULL, NULL, NULL, NULL, NULL);
   if (rc) return rc;
   return decode_entries(&raw[0][0], h->count, e, bytes);
-}
-
-int kvf__tcp_batch_check(const uint8_t *buf, size_t len, const kvf__rangeset *rs, uint64_t *handle,
-                         uint32_t *count, uint64_t *bytes, kvf__range *ents) {
-  batch_hdr h;
-  batch_ent e[BATCH_FRAMES];
-  if (len < BHDR_LEN) return KVF_EPROTO;
-  bhdr_decode(buf, &h);
-  int rc = check_header(&h);
-  if (rc == 0 && len - BHDR_LEN < (size_t)h.count * ENT_LEN) rc = KVF_EPROTO;
-  if (rc == 0) rc = decode_entries(buf + BHDR_LEN, h.count, e, bytes);
-  if (rc) return rc;
-  *handle = h.handle;
-  *count = h.count;
-  for (uint32_t i = 0; ents && i < h.count; i++) /* end may wrap when outside */
-    ents[i] = (kvf__range){.pool = e[i].pool, .start = e[i].offset, .end = e[i].offset + e[i].len};
-  return first_outside(rs, e, h.count) < h.count ? KVF_EPERM : 0;
 }
 
 /* ---- receiving into GPU pools (staged) */
@@ -909,7 +803,7 @@ static int receive_batch(stream *s, const batch_hdr *h, uint8_t *ahead, uint32_t
   uint64_t bytes;
   int rc = read_entries(s, h, e, &bytes);
   if (rc) return rc;
-  rgrant *g = pin_grant(s->tp, h, e);
+  rgrant *g = pin_grant(s->tp, h, e, NULL);
   if (!g) return discard(s->fd, bytes, ahead, have);
   for (uint32_t i = 0; i < h->count; i++)
     if (kvf__pool_gpu(kvfd.pools[e[i].pool])) return receive_batch_gpu(s, h, e, g, bytes, ahead, have);
@@ -923,6 +817,68 @@ static int receive_batch(stream *s, const batch_hdr *h, uint8_t *ahead, uint32_t
   if (rc == 0 && faulted) post_event(s->tp->tt, EV_DATA_ERROR, NULL, h->handle, -EFAULT, s->tp);
   unpin_grant(g, s->tp, h->handle, rc || faulted ? 0 : bytes);
   return sunk ? discard(s->fd, rest, ahead, have) : rc;
+}
+
+/* A pattern batch into GPU pools: its pieces go through receive_batch_gpu
+ * as plain entries, BATCH_FRAMES at a time, each share pinning g once more
+ * (receive_batch_gpu unpins it). */
+static int receive_pattern_gpu(stream *s, const batch_hdr *h, const kvf__tcp_pat *pe, rgrant *g,
+                               uint8_t *ahead, uint32_t *have) {
+  batch_ent e[BATCH_FRAMES];
+  uint32_t k = 0, i = 0;
+  uint64_t piece = 0, bytes = 0;
+  int rc = 0;
+  while (rc == 0 && i < h->count) {
+    const kvf__tcp_pat *p = &pe[i];
+    e[k++] = (batch_ent){p->pool, p->len, p->off + piece / p->n1 * p->s2 + piece % p->n1 * p->s1};
+    bytes += p->len;
+    if (++piece == (uint64_t)p->n1 * p->n2) piece = 0, i++;
+    if (k < BATCH_FRAMES && i < h->count) continue;
+    batch_hdr sub = {DATA_MAGIC, k, h->handle};
+    rc = receive_batch_gpu(s, &sub, e, g, bytes, i == h->count ? ahead : NULL, have);
+    k = 0, bytes = 0;
+    if (rc == 0 && i < h->count) {
+      pthread_mutex_lock(&s->tp->tt->g_lock);
+      g->writers++; /* pinned: the grant waits for its writers */
+      pthread_mutex_unlock(&s->tp->tt->g_lock);
+    }
+  }
+  return rc;
+}
+
+/* A pattern batch (tcp_pattern.h): checked whole, then each entry's pieces
+ * read straight where they go (host pools), BATCH_FRAMES iovecs a read. */
+static int receive_pattern(stream *s, const batch_hdr *h, uint8_t *ahead, uint32_t *have) {
+  uint8_t raw[BATCH_FRAMES * KVF__TCP_PAT_ENT];
+  kvf__tcp_pat pe[BATCH_FRAMES];
+  uint64_t bytes, landed = 0, rest = 0;
+  if (h->count == 0 || h->count > BATCH_FRAMES) return KVF_EPROTO;
+  struct iovec iov[RECV_IOVS];
+  iov[0] = (struct iovec){raw, (size_t)h->count * KVF__TCP_PAT_ENT};
+  int rc = read_exact(s->fd, iov, 1, NULL, NULL, NULL, NULL, NULL);
+  if (rc == 0) rc = kvf__tcp_pat_decode(raw, h->count, pe, &bytes);
+  if (rc) return rc;
+  rgrant *g = pin_grant(s->tp, h, NULL, pe);
+  if (!g) return discard(s->fd, bytes, ahead, have);
+  atomic_fetch_add(&s->tp->tt->pat_batches, 1);
+  uint64_t pieces = 0;
+  for (uint32_t i = 0; i < h->count; i++) pieces += (uint64_t)pe[i].n1 * pe[i].n2;
+  atomic_fetch_add(&s->tp->tt->pat_pieces, pieces);
+  for (uint32_t i = 0; i < h->count; i++)
+    if (kvf__pool_gpu(kvfd.pools[pe[i].pool])) return receive_pattern_gpu(s, h, pe, g, ahead, have);
+  bool faulted = false;
+  kvf__tcp_rplan rp; /* in range: the grant's check held every box */
+  kvf__tcp_rplan_init(&rp, pe, h->count);
+  for (int n; rc == 0 && (n = kvf__tcp_rplan_step(&rp, iov, RECV_IOVS)) > 0;) {
+    uint64_t got = iov_bytes(iov, n);
+    rc = read_exact(s->fd, iov, n, kvf__tcp_rplan_done(&rp) ? ahead : NULL, have, &faulted, &g->closed, &rest);
+    landed += got;
+    if (rc == 0 && kvf__tcp_rplan_scatter(&rp) != 0) faulted = true;
+  }
+  bool sunk = rc == PAYLOAD_SUNK;
+  if (rc == 0 && faulted) post_event(s->tp->tt, EV_DATA_ERROR, NULL, h->handle, -EFAULT, s->tp);
+  unpin_grant(g, s->tp, h->handle, rc || faulted ? 0 : bytes);
+  return sunk ? discard(s->fd, rest + bytes - landed, ahead, have) : rc;
 }
 
 /* The thread of inbound stream s is ending: the loop joins it and frees
@@ -980,7 +936,7 @@ static void *receiver_main(void *arg) {
   stream *s = arg;
   uint8_t hdr[BHDR_LEN];
   uint32_t have = 0;
-  if (kvf__send_all(s->fd, ACK, sizeof(ACK), -1) != 0) {
+  if (kvf__send_all(s->fd, KVF__TCP_ACK, KVF__FRAME_HDR, -1) != 0) {
     if (!atomic_load(&s->tp->stop)) post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, KVF_EPEERLOST, s->tp);
     stream_gone(s);
     return NULL;
@@ -993,7 +949,9 @@ static void *receiver_main(void *arg) {
     batch_hdr h;
     bhdr_decode(hdr, &h);
     have = 0;
-    rc = h.magic == LAYER_MAGIC ? receive_marker(s, &h, hdr, &have) : receive_batch(s, &h, hdr, &have);
+    rc = h.magic == LAYER_MAGIC        ? receive_marker(s, &h, hdr, &have)
+         : h.magic == KVF__TCP_PAT_MAGIC ? receive_pattern(s, &h, hdr, &have)
+                                         : receive_batch(s, &h, hdr, &have);
     if (rc == KVF_EPROTO)
       kvf__warn("peer %s: malformed data batch on stream %u; closing it", s->tp->p->cfg.name, s->index);
     if (rc) break;
@@ -1051,6 +1009,29 @@ static int deal_frames(tcp_peer *tp, const kvf__runs *runs, item **items) {
   return 0;
 }
 
+/* Whether the peer reads pattern batches (tcp_pattern.h). Only transforms
+ * use them (plain runs are long and go as frames, as they did). */
+static bool patterns_for(const tcp_peer *tp) {
+  const Kvf__Hello *h = tp->p->hello;
+  bool offered = false;
+  for (size_t i = 0; h && i < h->n_transports && !offered; i++)
+    offered = strcmp(h->transports[i], KVF__TCP_PAT_CAP) == 0;
+  return offered;
+}
+
+/* deal_frames as patterns (kvf__tcp_pat_deal). */
+static int deal_patterns(tcp_peer *tp, const kvf__runs *runs, item **items) {
+  kvf__tcp_pshare sh[MAX_STREAMS] = {0};
+  for (uint32_t i = 0; i < tp->n_out; i++)
+    if (!(items[i]->ps = calloc(1, sizeof(kvf__tcp_pshare)))) return -ENOMEM;
+  int rc = kvf__tcp_pat_deal(runs->v, runs->n, sh, tp->n_out, &tp->rr, runs->bytes <= SMALL_POST);
+  for (uint32_t i = 0; i < tp->n_out; i++) {
+    *items[i]->ps = sh[i];
+    atomic_fetch_add(&tp->tt->pat_sent, sh[i].n);
+  }
+  return rc;
+}
+
 /* Appends it to s's queue and wakes s's thread (only s's: a post of one
  * stream's share does not wake them all); the caller holds the peer's lock. */
 static void enqueue(stream *s, item *it) {
@@ -1061,7 +1042,30 @@ static void enqueue(stream *s, item *it) {
   s->tail = it;
 }
 
-static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) {
+/* What a post deals over the streams' items: runs, or a part of blocks
+ * with a transform (its plan as patterns). */
+typedef struct dealing {
+  const kvf__runs *runs;
+  bool grouped;            /* runs of a transform: grouped into patterns */
+  const kvf__bpart *part;
+} dealing;
+
+static int deal(tcp_peer *tp, const dealing *d, item **items) {
+  if (d->runs) return d->grouped ? deal_patterns(tp, d->runs, items) : deal_frames(tp, d->runs, items);
+  kvf__tcp_pshare sh[MAX_STREAMS] = {0};
+  for (uint32_t i = 0; i < tp->n_out; i++)
+    if (!(items[i]->ps = calloc(1, sizeof(kvf__tcp_pshare)))) return -ENOMEM;
+  const kvf__bpart *b = d->part; /* a small part on one stream, as deal_frames */
+  bool small = kvf__xplan_bytes(&b->xf, b->n_layers, b->src->n_kv) <= SMALL_POST;
+  int rc = kvf__tcp_pat_deal_plan(b, sh, tp->n_out, &tp->rr, small);
+  for (uint32_t i = 0; i < tp->n_out; i++) {
+    *items[i]->ps = sh[i];
+    atomic_fetch_add(&tp->tt->pat_sent, sh[i].n);
+  }
+  return rc;
+}
+
+static int post_dealt(kvf__transport *t, kvf__xfer *x, const dealing *d, bool last) {
   tcp_transport *tt = to_tcp(t);
   tcp_peer *tp = tcp_peer_of(tt, x->peer);
   if (!tp || atomic_load(&tp->stop)) return KVF_EPEERLOST;
@@ -1070,7 +1074,7 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
   int rc = tk ? 0 : -ENOMEM;
   for (uint32_t i = 0; rc == 0 && i < tp->n_out; i++)
     if (!(items[i] = calloc(1, sizeof(item)))) rc = -ENOMEM;
-  if (rc == 0) rc = deal_frames(tp, runs, items);
+  if (rc == 0) rc = deal(tp, d, items);
   if (rc) {
     for (uint32_t i = 0; i < tp->n_out; i++)
       if (items[i]) item_free(items[i]);
@@ -1083,14 +1087,14 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
   for (uint32_t i = 0; i < tp->n_out; i++)
     if (items[i]->gpu) x->path = "tcp-bounce";
   int used = 0;
-  for (uint32_t i = 0; i < tp->n_out; i++) used += items[i]->n > 0;
+  for (uint32_t i = 0; i < tp->n_out; i++) used += items[i]->n > 0 || (items[i]->ps && items[i]->ps->n > 0);
   /* An empty post (all parts already sent) still completes through the
    * queue, so the caller sees one callback either way. */
   atomic_store(&tk->outstanding, used ? used : 1);
   pthread_mutex_lock(&tp->lock);
   for (uint32_t i = 0; i < tp->n_out; i++) {
     item *it = items[i];
-    if (it->n == 0) {
+    if (it->n == 0 && !(it->ps && it->ps->n)) {
       item_free(it);
       continue;
     }
@@ -1101,6 +1105,25 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
   pthread_mutex_unlock(&tp->lock);
   if (!used) post_event(tt, EV_TICKET, tk, 0, 0, NULL);
   return 0;
+}
+
+static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) {
+  return post_dealt(t, x, &(dealing){.runs = runs}, last);
+}
+
+/* A transform to a peer that reads patterns, from host memory: straight
+ * from the plan (no run per piece); anything else as runs. */
+static int tcp_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
+  tcp_peer *tp = tcp_peer_of(to_tcp(t), x->peer); /* GPU sources stage frames (write_item_staged) */
+  if (!b->xf.transform || !tp || !patterns_for(tp) || kvfd.pools[b->src->pool]->cuda_dev >= 0)
+    return kvf__transport_post_block_runs(t, x, b, last);
+  int rc = post_dealt(t, x, &(dealing){.part = b}, last);
+  if (rc != -E2BIG) return rc;
+  kvf__runs runs = {0}; /* chunks too large for an entry: the walk's runs, grouped */
+  rc = kvf__xform_runs(&b->xf, b->src, b->sids, b->dst, b->dids, b->first, b->n_layers, &runs);
+  if (rc == 0) rc = post_dealt(t, x, &(dealing){.runs = &runs, .grouped = true}, last);
+  kvf__runs_free(&runs);
+  return rc;
 }
 
 /* A marker behind the part just posted, on every stream (the format's
@@ -1416,8 +1439,10 @@ static void tcp_inspect(kvf__transport *t, char *buf, size_t len) {
   size_t out, in;
   count_streams(tt, &out, &in);
   snprintf(buf, len, "\"name\": \"tcp\", \"streams_per_peer\": %u, \"open_grants\": %zu, "
-                     "\"streams_out\": %zu, \"streams_in\": %zu",
-           kvfd.cfg.tcp_streams, n, out, in);
+                     "\"streams_out\": %zu, \"streams_in\": %zu, \"patterns_sent\": %llu, "
+                     "\"pattern_batches_read\": %llu, \"pattern_pieces_read\": %llu",
+           kvfd.cfg.tcp_streams, n, out, in, (unsigned long long)atomic_load(&tt->pat_sent),
+           (unsigned long long)atomic_load(&tt->pat_batches), (unsigned long long)atomic_load(&tt->pat_pieces));
 }
 
 static void tcp_free(kvf__mailbox *mb) {
@@ -1433,9 +1458,17 @@ static void tcp_destroy(kvf__transport *t) {
   kvf__mailbox_close(&to_tcp(t)->mb, tcp_free); /* delivers what is left first */
 }
 
+/* We read pattern batches (tcp_pattern.h): peer.c's Hello keeps a slot
+ * for this word behind the transports' names. */
+static void tcp_hello(kvf__transport *t, Kvf__Hello *h) {
+  h->transports[h->n_transports++] = (char *)KVF__TCP_PAT_CAP;
+}
+
 static const kvf__transport_ops tcp_ops = {
+    .hello = tcp_hello,
     .name = "tcp",
     .post = tcp_post,
+    .post_blocks = tcp_post_blocks,
     .mark_layers = tcp_mark_layers,
     .abort = tcp_abort,
     .grant_open = tcp_grant_open,

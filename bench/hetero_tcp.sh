@@ -1,0 +1,89 @@
+#!/bin/sh
+# bench/hetero_tcp.sh - heterogeneous layouts over tcp next to the same
+# layout, in one run (issue 17): two daemons on loopback (tcp-streams 4),
+# kvferry-bench --blocks for each case, each case next to the same-layout
+# handoff of the same bytes; prints one JSON line per run and the ratios.
+#
+#   bench/hetero_tcp.sh                 TP 8->4 NHD->NHD, TP 8->4 NHD->HND,
+#                                       TP 1->1 NHD->HND, 4096 tokens, 3 requests
+#   TOKENS=1024 REQUESTS=2 ROUNDS=3 POOL=2G bench/hetero_tcp.sh
+#   CASES="--prefill-tp_2_--decode-tp_1" bench/hetero_tcp.sh   (words joined by _)
+set -eu
+
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+POOL=${POOL:-2G}
+TOKENS=${TOKENS:-4096}
+REQUESTS=${REQUESTS:-3}
+ROUNDS=${ROUNDS:-1}
+# the cases, words joined by _
+CASES=${CASES:-"--prefill-tp_8_--decode-tp_4 --prefill-tp_8_--decode-tp_4_--prefill-order_nhd_--decode-order_hnd
+--prefill-order_nhd_--decode-order_hnd"}
+
+say() { echo "hetero_tcp: $*" >&2; }
+die() { say "$*"; exit 1; }
+for bin in kvferryd kvferryctl kvferry-bench; do
+  [ -x "$BUILD/$bin" ] || die "$BUILD/$bin is missing (run make first)"
+done
+
+. bench/lib.sh
+bench_setup hetero
+
+PORTS=$(python3 -c '
+import socket
+s = [socket.socket() for _ in range(2)]
+for x in s: x.bind(("127.0.0.1", 0))
+print(" ".join(str(x.getsockname()[1]) for x in s))')
+read -r PORT_A PORT_B <<EOF2
+$PORTS
+EOF2
+
+write_conf() { # NAME PORT OTHER OTHER_PORT
+  cat >"$TMP/$1.conf" <<EOF2
+node $1
+api-socket $TMP/$1.sock
+peer-listen 127.0.0.1:$2
+peer $3 127.0.0.1:$4
+pool kv host $POOL
+tcp-streams 4
+EOF2
+}
+write_conf a "$PORT_A" b "$PORT_B"
+write_conf b "$PORT_B" a "$PORT_A"
+for n in a b; do
+  "$BUILD/kvferryd" -c "$TMP/$n.conf" >"$TMP/$n.log" 2>&1 &
+  PIDS="$PIDS $!"
+done
+i=0
+until "$BUILD/kvferryctl" -s "$TMP/a.sock" peers --json 2>/dev/null | grep -q '"up"'; do
+  i=$((i + 1))
+  [ "$i" -le 100 ] || die "the daemons did not connect: $(tail -n 5 "$TMP/a.log")"
+  sleep 0.1
+done
+
+gbps() { python3 -c 'import json,sys; print(json.loads(sys.argv[1])["gbps"])' "$1"; }
+
+run() { # ARGS...
+  "$BUILD/kvferry-bench" --from "$TMP/a.sock" --to "$TMP/b.sock" --blocks --json --tokens "$TOKENS" \
+    --requests "$REQUESTS" "$@"
+}
+
+r=0
+while [ "$r" -lt "$ROUNDS" ]; do
+  r=$((r + 1))
+  for c in $CASES; do
+    c=$(echo "$c" | tr _ ' ')
+    # shellcheck disable=SC2086
+    same=$(run)
+    # shellcheck disable=SC2086
+    het=$(run $c)
+    echo "$same"
+    echo "$het"
+    python3 -c '
+import json, sys
+s, h = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+assert s["bytes"] == h["bytes"] and s["verified"] and h["verified"]
+print("round %s  %-70s %6.2f GB/s vs same layout %6.2f GB/s: %.2fx" % (sys.argv[3], sys.argv[4], h["gbps"], s["gbps"], h["gbps"] / s["gbps"]))' \
+      "$same" "$het" "$r" "$c" >&2
+  done
+done
