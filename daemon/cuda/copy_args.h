@@ -167,17 +167,32 @@ KVF_HD unsigned long long kvf_xelem(unsigned int order, unsigned int tpb, unsign
   return order == 1 /* KVF_LAYOUT_HND */ ? (unsigned long long)h * tpb + t : (unsigned long long)t * heads + h;
 }
 
+/* v / d, and v % d in *rem. Every word of a transform takes two of these,
+ * and a GPU has no divider (a 32-bit division is some twenty instructions):
+ * the divisors (words per unit, tokens per chunk, heads moved) are powers of
+ * two in every real geometry, so those go by shift and mask; the test is
+ * the same for every thread of a launch, so it does not diverge. */
+KVF_HD unsigned int kvf_divmod(unsigned int v, unsigned int d, unsigned int *rem) {
+  if ((d & (d - 1)) == 0) {
+    *rem = v & (d - 1);
+#ifdef __CUDA_ARCH__
+    return v >> (__ffs((int)d) - 1);
+#else
+    return v >> __builtin_ctz(d);
+#endif
+  }
+  unsigned int q = v / d;
+  *rem = v - q * d;
+  return q;
+}
+
 /* Word w of piece x: its source and destination addresses. */
 KVF_HD void kvf_xblocks_word(const kvf_xblocks_args *a, const kvf_xpiece *x, unsigned int w,
                              unsigned long long *src, unsigned long long *dst) {
-  unsigned int j = w % x->upw, q = w / x->upw, k, h;
-  if (a->d_order == 1) {
-    k = q % a->g;
-    h = q / a->g;
-  } else {
-    h = q % a->nh;
-    k = q / a->nh;
-  }
+  unsigned int j, k, h;
+  unsigned int q = kvf_divmod(w, x->upw, &j);
+  if (a->d_order == 1) h = kvf_divmod(q, a->g, &k);
+  else k = kvf_divmod(q, a->nh, &h);
   *src = x->src + kvf_xelem(a->s_order, a->s_tpb, a->s_heads, x->st + k, a->s_h + h) * a->unit + j * x->width;
   *dst = x->dst + kvf_xelem(a->d_order, a->d_tpb, a->d_heads, x->dt + k, a->d_h + h) * a->unit + j * x->width;
 }
