@@ -1372,7 +1372,7 @@ static void on_cancel(kvf__peer *p, const Kvf__Cancel *c) {
  * mark them in the data). */
 static void on_layers_done(kvf__peer *p, const Kvf__LayersDone *d) {
   kvf__xfer *x = by_handle(p, KVF__RECV, d->handle);
-  if (x) kvf__xfer_on_layers_landed(x, d->first_layer, d->n_layers);
+  if (x) kvf__xrecv_layers_done(x, d);
 }
 
 static void on_cancel_done(kvf__peer *p, const Kvf__CancelDone *d) {

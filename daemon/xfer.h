@@ -192,6 +192,13 @@ typedef struct kvf__xrecv {
 } kvf__xrecv;
 
 /* A sender's own part: its size is what it posted so far. */
+/* A part written into the receiver's staging (rdma): the heads and order
+ * of what sits there, which the receiver's transform pass reads
+ * (LayersDone.staged_*). nh 0: not staged. */
+typedef struct kvf__xstaged {
+  uint32_t order, h0, nh;
+} kvf__xstaged;
+
 typedef struct kvf__xsend {
   enum kvf__send_state state;
   kvf__descs early;           /* parts that came before the grant (WAIT, QUEUED) */
@@ -216,6 +223,7 @@ typedef struct kvf__xsend {
   bool layer_events;          /* the grant wants them: */
   kvf__lrange *unannounced;   /* posted parts the receiver has not heard of */
   size_t n_unannounced;
+  kvf__xstaged staged;        /* the transport staged its parts: each is announced */
   uint8_t wait_peer;          /* XW_* (xfer_int.h): waits for its peer's link */
 } kvf__xsend;
 
@@ -242,6 +250,7 @@ struct kvf__xfer {
   void *tp_state;             /* the transport's own per-transfer state */
   kvf__tp_grant tp_grant;     /* set by grant_open on the receiver, from the Grant on
                                  the sender; owned */
+  const char *stage_note;     /* rdma: how a transform went ("staged", ...; rdma_stage.c) */
   const char *path;           /* set by the transport when more precise than its
                                  name ("local-nvlink", "tcp-bounce"); static */
   bool blocks;                /* blocks of KV layouts, not descriptors: */

@@ -56,6 +56,24 @@ void kvf__xfer_on_layers_landed(kvf__xfer *x, uint32_t first, uint32_t n) {
   report_layers(x);
 }
 
+/* The sender's LayersDone: a staged part goes through the transport's
+ * transform pass first (a failure fails x). */
+void kvf__xrecv_layers_done(kvf__xfer *x, const Kvf__LayersDone *d) {
+  if (!kvf__xfer_live(x)) return;
+  if (d->staged_heads) {
+    char why[200];
+    kvf__xstaged st = {d->staged_order, d->staged_first_head, d->staged_heads};
+    int rc = x->role == KVF__RECV && x->blocks && d->n_layers
+                 ? x->tp->ops->unstage(x->tp, x, d->first_layer, d->n_layers, &st, why, sizeof(why))
+                 : (snprintf(why, sizeof(why), "a staged part of no layers of blocks"), KVF_EPROTO);
+    if (rc) {
+      kvf__xfer_fail(x, rc, why, true, rc);
+      return;
+    }
+  }
+  kvf__xfer_on_layers_landed(x, d->first_layer, d->n_layers);
+}
+
 uint64_t kvf__xrecv_blocks_bytes(const kvf__xfer *x) {
   uint64_t b = kvf__blocks_bytes(&x->mine.view, x->mine.n, x->mine.view.n_layers);
   return x->mine.head1 ? b / x->mine.view.geom.kv_heads : b; /* a fan's head of every block */
@@ -166,7 +184,8 @@ static int post_block_part(kvf__xfer *x, uint32_t first, uint32_t n, bool last) 
   if (rc == 0) rc = x->tp->ops->post_blocks(x->tp, x, &bp, last);
   if (rc == KVF_ERANGE) snprintf(why, sizeof(why), "layers %u-%u are not in the grant (layers %u-%u)", first,
                                  first + n - 1, g->view.first_layer, g->view.first_layer + g->view.n_layers - 1);
-  if (rc == 0 && s->layer_events && !x->tp->ops->mark_layers(x->tp, x, first, n))
+  /* a staged part is announced with or without layer events: the receiver transforms it then */
+  if (rc == 0 && (s->layer_events || s->staged.nh) && !x->tp->ops->mark_layers(x->tp, x, first, n))
     rc = append_range(&s->unannounced, &s->n_unannounced, first, n);
   if (rc) {
     kvf__xfer_fail(x, rc, why, true, rc);
@@ -216,6 +235,9 @@ void kvf__xsend_announce_layers(kvf__xfer *x) {
     d.handle = x->handle;
     d.first_layer = r.first;
     d.n_layers = r.n;
+    d.staged_order = s->staged.order;
+    d.staged_first_head = s->staged.h0;
+    d.staged_heads = s->staged.nh;
     Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
     m.body_case = KVF__PEER_MSG__BODY_LAYERS_DONE;
     m.layers_done = &d;

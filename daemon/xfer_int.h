@@ -71,6 +71,8 @@ int kvf__xblocks_from_grant(const Kvf__Grant *g, kvf__xblocks *gb);
 bool kvf__xfer_transform(const kvf__xfer *x, char *buf, size_t len);
 /* Receiver: the size of a grant of blocks (a fan's sub-grant: its head's). */
 uint64_t kvf__xrecv_blocks_bytes(const kvf__xfer *x);
+/* Receiver: the sender's LayersDone (a staged part: transformed first). */
+void kvf__xrecv_layers_done(kvf__xfer *x, const Kvf__LayersDone *d);
 /* Receiver: the receive is complete; the layers not reported yet landed. */
 void kvf__xrecv_flush_layers(kvf__xfer *x);
 
