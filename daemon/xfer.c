@@ -345,6 +345,8 @@ static void emit(kvf__xfer *x, int status, const char *error) {
   ev.bytes = kvf__xfer_bytes(x);
   ev.descriptors = kvf__xfer_descriptors(x);
   ev.error = (char *)(error ? error : "");
+  char tf[sizeof(x->transform)];
+  ev.transform = (char *)kvf__xfer_event_transform(x, tf, sizeof(tf));
   kvf__xfer_emit(x->owner, &ev);
 }
 
@@ -1035,6 +1037,7 @@ void kvf__xfer_session_gone(kvf__session *s) {
 
 static void complete_local(kvf__xfer *send) {
   kvf__xfer *recv = send->twin;
+  kvf__xfer_keep_transform(send, recv); /* their events say it after the unpairing */
   send->twin = NULL;
   if (recv) {
     recv->twin = NULL;
@@ -1048,6 +1051,8 @@ static void send_done(kvf__xfer *x) {
   d.handle = x->handle;
   d.bytes = x->send.bytes_posted;
   d.descriptors = x->send.descs_taken;
+  char tf[sizeof(x->transform)];
+  d.transform = (char *)kvf__xfer_event_transform(x, tf, sizeof(tf));
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_SEND_DONE;
   m.send_done = &d;
@@ -1302,6 +1307,7 @@ static void on_grant(kvf__peer *p, const Kvf__Grant *g) {
 
 static void on_send_done(kvf__peer *p, const Kvf__SendDone *d) {
   kvf__xfer *x = by_handle(p, KVF__RECV, d->handle);
+  if (x && d->transform) snprintf(x->transform, sizeof(x->transform), "%s", d->transform);
   if (x) kvf__xrecv_sender_done(x, d->bytes);
 }
 

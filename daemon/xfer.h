@@ -251,6 +251,7 @@ struct kvf__xfer {
   kvf__tp_grant tp_grant;     /* set by grant_open on the receiver, from the Grant on
                                  the sender; owned */
   const char *stage_note;     /* rdma: how a transform went ("staged", ...; rdma_stage.c) */
+  char transform[112];        /* receiver of a remote send of blocks: its SendDone.transform */
   const char *path;           /* set by the transport when more precise than its
                                  name ("local-nvlink", "tcp-bounce"); static */
   bool blocks;                /* blocks of KV layouts, not descriptors: */

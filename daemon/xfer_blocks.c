@@ -136,7 +136,20 @@ bool kvf__xfer_transform(const kvf__xfer *x, char *buf, size_t len) {
       send_plan(s, grant_blocks(s), &p, why, sizeof(why)) != 0)
     return false;
   kvf__xplan_describe(&p, buf, len);
+  size_t u = strlen(buf);
+  if (p.transform && s->stage_note && u < len) snprintf(buf + u, len - u, ", %s", s->stage_note);
   return true;
+}
+
+const char *kvf__xfer_event_transform(const kvf__xfer *x, char *buf, size_t len) {
+  if (!x->blocks) return "";
+  if (kvf__xfer_transform(x, buf, len)) return buf;
+  return x->transform; /* a remote sender's word, or kept when the local pair parted */
+}
+
+void kvf__xfer_keep_transform(kvf__xfer *send, kvf__xfer *recv) {
+  if (!send->blocks || !kvf__xfer_transform(send, send->transform, sizeof(send->transform))) return;
+  if (recv) snprintf(recv->transform, sizeof(recv->transform), "%s", send->transform);
 }
 
 /* Why the send's blocks cannot go into the grant's, or NULL. */

@@ -119,12 +119,13 @@ class Base:
         sends = [(pre[d.r % ptp], xid(d)) for d in dec] if mla else [(p, tag) for p in pre]
         for p, x in sends:
             cps[p.r].send_blocks(x, dst_node, p.id, sids[p.r])
+        self.events = {}  # the completions, for the tests of what they say
         for d in dec:
-            ev = wait_event(cds[d.r], xid(d), type=kvferry.RECV_DONE)
+            ev = self.events["recv", d.r] = wait_event(cds[d.r], xid(d), type=kvferry.RECV_DONE)
             self.assertEqual((ev.status, ev.error, ev.path), (0, "", path), xid(d))
             self.assertEqual(ev.bytes, nd * L * d.n_kv * d.bb, xid(d))
         for p, x in sends:
-            sev = wait_event(cps[p.r], x, type=kvferry.SEND_DONE)
+            sev = self.events["send", p.r] = wait_event(cps[p.r], x, type=kvferry.SEND_DONE)
             self.assertEqual((sev.status, sev.error), (0, ""), x)
             self.assertEqual(sev.bytes, TOKENS * p.heads * UNIT * L * p.n_kv, x)
         got = bytes(dmem[dbase:dbase + span])
@@ -281,6 +282,26 @@ class Hetero(Base, kvftest.PairTestCase):
         self.assertEqual(wait_event(cd, "listed", type=kvferry.RECV_DONE).status, 0)
         self.assertEqual(wait_event(cp, "listed", type=kvferry.SEND_DONE).status, 0)
 
+    def test_events_say_transform(self):
+        """RECV_DONE and SEND_DONE say what the transfer did (Event.transform):
+        a fan's over its heads, a one-to-one transform, whole blocks; over
+        tcp the receiver has it from its sender's SendDone."""
+        for path in self.PATHS:
+            self.handoff(path, 8, 4, "NHD", "HND", 16, 64)
+            ev = self.events
+            self.assertEqual(ev["recv", 1].transform, "heads 2-3, NHD 16/1h -> HND 64/2h", path)
+            self.assertEqual(ev["send", 5].transform, "heads 5-5, NHD 16/1h -> HND 64/2h", path)
+            self.handoff(path, 2, 2, "NHD", "HND", 16, 16)
+            self.assertEqual(self.events["recv", 0].transform, "heads 0-3, NHD 16/4h -> HND 16/4h", path)
+            self.assertEqual(self.events["send", 1].transform, "heads 4-7, NHD 16/4h -> HND 16/4h", path)
+            self.handoff(path, 4, 4, "HND", "HND", 16, 16)  # a fan still: each head on its own
+            self.assertEqual(self.events["recv", 3].transform, "heads 6-7, HND 16/2h -> HND 16/2h", path)
+            self.handoff(path, 2, 4, "NHD", "NHD", 64, 16, mla=True)
+            self.assertEqual(self.events["recv", 2].transform, "heads 0-0, NHD 64/1h -> NHD 16/1h", path)
+            self.handoff(path, 2, 4, "NHD", "NHD", 16, 16, mla=True)
+            self.assertEqual((self.events["recv", 3].transform, self.events["send", 1].transform),
+                             ("whole blocks", "whole blocks"), path)
+
     def test_bench(self):
         """kvferry-bench --blocks with heterogeneous layouts: every rank a
         client, every byte of every decode rank verified, the JSON line."""
@@ -342,6 +363,14 @@ class HeteroRdma(Base, unittest.TestCase):
         self.assertEqual(r["grants"] - before_r["grants"], parts, r)
         self.assertEqual((r["no_room"], r["slices"], r["bytes"]), (before_r["no_room"], 0, self.STAGING), r)
 
+    def test_events_say_staged(self):
+        """Over rdma the events also say how the transform was placed."""
+        self.handoff("rdma", 8, 4, "NHD", "HND", 16, 64)
+        self.assertEqual(self.events["recv", 1].transform, "heads 2-3, NHD 16/1h -> HND 64/2h, staged")
+        self.assertEqual(self.events["send", 5].transform, "heads 5-5, NHD 16/1h -> HND 64/2h, staged")
+        self.handoff("rdma", 2, 4, "NHD", "NHD", 16, 16, mla=True)
+        self.assertEqual(self.events["recv", 3].transform, "whole blocks")
+
     def test_staging_no_room(self):
         """A grant larger than the receiver's staging arena: it goes without
         a slice (the log says so, no_room counts it) and the sender writes
@@ -360,7 +389,10 @@ class HeteroRdma(Base, unittest.TestCase):
         cp.send_blocks("no-room", "decode", p.id, sids)
         ev = wait_event(cd, "no-room", type=kvferry.RECV_DONE, timeout=60)
         self.assertEqual((ev.status, ev.error, ev.path), (0, "", "rdma"))
-        self.assertEqual(wait_event(cp, "no-room", type=kvferry.SEND_DONE, timeout=60).status, 0)
+        sev = wait_event(cp, "no-room", type=kvferry.SEND_DONE, timeout=60)
+        self.assertEqual(sev.status, 0)
+        said = "heads 0-7, NHD 64/8h -> HND 64/8h, direct (the receiver lent no staging)"
+        self.assertEqual((ev.transform, sev.transform), (said, said))
         want = bytearray([POISON]) * d.size
         src = pp.memory
         for layer in range(L):

@@ -954,9 +954,10 @@ static void on_imm(const tevent *e) {
     kvf__debug("rdma: completion notice %08x from %s matches no open grant", e->imm, peer_name(rp));
     return;
   }
-  /* with a staging slice the SendDone also counts: the sender's staged
-   * notes come before it, and their transform passes must run first */
-  if (g->st_len) kvf__xfer_on_landed(g->x);
+  /* blocks: the SendDone also counts. It says what the transfer did
+   * (Event.transform), and with a staging slice the sender's staged notes
+   * come before it: their transform passes must run first. */
+  if (g->st_len || g->x->blocks) kvf__xfer_on_landed(g->x);
   else kvf__xfer_on_delivered(g->x);
 }
 

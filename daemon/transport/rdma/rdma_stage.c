@@ -128,12 +128,10 @@ void kvf__rdma_stage_reserve(rgrant *g, kvf__xfer *x) {
     kvf__warn("rdma: grant %s: no room for its %llu bytes in the staging arena (rdma-staging-size %zu, %zu "
               "grants hold slices): a transform into it is written directly, run by run",
               x->id, (unsigned long long)need, rt->stage.len, rt->stage.n_used);
-    x->stage_note = "direct: no staging room";
     return;
   }
   g->st_len = need;
   rt->stage.grants++;
-  x->stage_note = "staging offered";
 }
 
 int kvf__rdma_stage_window(rgrant *g) {
@@ -230,11 +228,16 @@ static int staged_runs(const kvf__bpart *b, const kvf__mw_rec *w, const kvf__xst
 int kvf__rdma_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
   kvf__mw_rec w;
   kvf__xstaged st = {b->xf.s.order, b->xf.h0, b->xf.nh};
-  if (!b->xf.transform || !stage_record(x, &w) || (!x->send.staged.nh && !runs_small(b)))
+  if (!b->xf.transform) return kvf__transport_post_block_runs(t, x, b, last);
+  bool offered = stage_record(x, &w);
+  if (!offered || (!x->send.staged.nh && !runs_small(b))) {
+    x->stage_note = offered ? "direct (runs of 4 KiB or more)" : "direct (the receiver lent no staging)";
     return kvf__transport_post_block_runs(t, x, b, last);
+  }
   kvf__runs runs = {0};
   int rc = staged_runs(b, &w, &st, &runs);
   if (rc == KVF_ESIZE && !x->send.staged.nh) {
+    x->stage_note = "direct (the receiver's staging is too small)";
     kvf__runs_free(&runs);
     return kvf__transport_post_block_runs(t, x, b, last);
   }
