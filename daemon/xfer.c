@@ -240,12 +240,6 @@ static kvf__xfer *xfer_new(kvf__session *s, const char *id, int role, uint32_t d
   return x;
 }
 
-static void tp_grant_free(kvf__tp_grant *t) {
-  free(t->win);
-  free(t->of);
-  memset(t, 0, sizeof(*t));
-}
-
 /* What a transport's failed post means, for the event. */
 static const char *post_failure(int status) {
   switch (status) {
@@ -305,7 +299,7 @@ static void free_after_close(uv_handle_t *h) {
   } else {
     free(x->recv.landed);
   }
-  tp_grant_free(&x->tp_grant);
+  kvf__tp_grant_free(&x->tp_grant);
   free(x);
 }
 
@@ -654,24 +648,6 @@ static int bind_remote_recv(kvf__xfer *x, kvf__peer *p) {
 
 int kvf__xrecv_bind_remote(kvf__xfer *x, kvf__peer *p) { return bind_remote_recv(x, p); }
 
-static int copy_bytes(uint8_t **out, size_t *len, const ProtobufCBinaryData *w) {
-  *out = NULL;
-  *len = 0;
-  if (!w->len) return 0;
-  if (!(*out = malloc(w->len))) return -ENOMEM;
-  memcpy(*out, w->data, w->len);
-  *len = w->len;
-  return 0;
-}
-
-/* The sender's copy of a Grant's transport part. */
-static int tp_grant_copy(kvf__tp_grant *t, const Kvf__Grant *g) {
-  int rc = copy_bytes(&t->win, &t->win_len, &g->windows);
-  if (rc == 0) rc = copy_bytes(&t->of, &t->of_len, &g->window_of);
-  if (rc) tp_grant_free(t);
-  return rc;
-}
-
 static void send_intent(kvf__xfer *x) {
   Kvf__SendIntent si = KVF__SEND_INTENT__INIT;
   si.xfer_id = x->id;
@@ -714,7 +690,7 @@ static bool peer_may_wait(kvf__peer *p, const char *what, const char *id, char *
 static void pregrant_free(pregrant *g) {
   kvf__descs_free(&g->dst);
   kvf__xblocks_free(&g->gb);
-  tp_grant_free(&g->tp);
+  kvf__tp_grant_free(&g->tp);
   free(g);
 }
 
@@ -1250,7 +1226,7 @@ static void keep_pregrant(kvf__peer *p, const Kvf__Grant *g, grant_in *in, int r
   ng->expires_ns = deadline_ns(g->deadline_ms);
   ng->refused = refused;
   snprintf(ng->why, sizeof(ng->why), "%s", why ? why : "");
-  if (tp_grant_copy(&ng->tp, g) != 0) ng->refused = -ENOMEM;
+  if (kvf__tp_grant_copy(&ng->tp, g) != 0) ng->refused = -ENOMEM;
 }
 
 /* A grant with more descriptors than our max-descs (the receiver's may be
@@ -1292,7 +1268,7 @@ static void on_grant(kvf__peer *p, const Kvf__Grant *g) {
   if (rc) return; /* malformed: no daemon sends that; ignored */
   kvf__xfer *x = kvf__map_get(&X.send_by_id, g->xfer_id);
   if (x && x->peer == p && send_waiting(x)) {
-    rc = tp_grant_copy(&x->tp_grant, g);
+    rc = kvf__tp_grant_copy(&x->tp_grant, g);
     if (rc == 0) rc = bind_remote_send(x, g->handle, &in.dst, &in.gb, g->layer_events);
     grant_in_free(&in);
     if (rc) kvf__xfer_fail(x, rc, "duplicate grant handle", true, KVF_EPROTO);

@@ -341,3 +341,29 @@ void kvf__xblocks_take(kvf__xblocks *mine, const kvf__blockreq *b, const kvf__lv
   *b->ids = NULL;
 }
 
+
+/* ------------------------------------------------------------ a Grant's transport part
+ * (here for room: xfer.c is at its size limit) */
+
+static int copy_bytes(uint8_t **out, size_t *len, const ProtobufCBinaryData *w) {
+  *out = NULL;
+  *len = 0;
+  if (!w->len) return 0;
+  if (!(*out = malloc(w->len))) return -ENOMEM;
+  memcpy(*out, w->data, w->len);
+  *len = w->len;
+  return 0;
+}
+
+void kvf__tp_grant_free(kvf__tp_grant *t) {
+  free(t->win);
+  free(t->of);
+  memset(t, 0, sizeof(*t));
+}
+
+int kvf__tp_grant_copy(kvf__tp_grant *t, const Kvf__Grant *g) {
+  int rc = copy_bytes(&t->win, &t->win_len, &g->windows);
+  if (rc == 0) rc = copy_bytes(&t->of, &t->of_len, &g->window_of);
+  if (rc) kvf__tp_grant_free(t);
+  return rc;
+}

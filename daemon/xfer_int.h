@@ -72,6 +72,9 @@ bool kvf__xfer_transform(const kvf__xfer *x, char *buf, size_t len);
 /* Event.transform of x: kvf__xfer_transform's (with how a transport placed
  * it: ", staged"), a receiver's sender's SendDone.transform, or "". */
 const char *kvf__xfer_event_transform(const kvf__xfer *x, char *buf, size_t len);
+/* The sender's copy of a Grant's transport part (windows), and freeing it. */
+int kvf__tp_grant_copy(kvf__tp_grant *t, const Kvf__Grant *g);
+void kvf__tp_grant_free(kvf__tp_grant *t);
 /* A local pair parts: each keeps the description for its event. */
 void kvf__xfer_keep_transform(kvf__xfer *send, kvf__xfer *recv);
 /* Receiver: the size of a grant of blocks (a fan's sub-grant: its head's). */
