@@ -14,7 +14,8 @@
 # Prints one line per case and mode, then (last line) one JSON line.
 # Usage (as root, on the host): make all && bench/rdma_hetero.sh.
 # Environment: BUILD (build), TOKENS (4096), REQUESTS (2), POOL (1G per
-# daemon), STAGING (rdma-staging-size when on, 640M), VM_MEM (8G), RDMA_VM.
+# daemon), STAGING (rdma-staging-size when on, 640M), VM_MEM (8G), RDMA_VM,
+# CASES (same tp8to4 nhd2hnd), MODES (direct staged).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -35,7 +36,7 @@ done
 
 if [ -z "${RDMA_VM_NODES:-}" ]; then
   [ -x "$RDMA_VM" ] || die "no VM runner at $RDMA_VM (set RDMA_VM)"
-  export BUILD TOKENS REQUESTS POOL STAGING CASES
+  export BUILD TOKENS REQUESTS POOL STAGING CASES MODES
   exec "$RDMA_VM" --nodes 2 --mem "$VM_MEM" --timeout 1500 -- bench/rdma_hetero.sh
 fi
 
@@ -80,7 +81,8 @@ stop_daemons() {
 
 declare -A ARGS=([same]="" [tp8to4]="--prefill-tp 8 --decode-tp 4" [nhd2hnd]="--decode-order hnd")
 CASES=${CASES:-same tp8to4 nhd2hnd}
-for mode in direct staged; do
+MODES=${MODES:-direct staged}
+for mode in $MODES; do
   staging=0
   [ $mode = staged ] && staging=$STAGING
   start_daemons "$staging"
@@ -90,18 +92,19 @@ for mode in direct staged; do
     "$BUILD/kvferry-bench" --from "$TMP/prefill.sock" --to "$TMP/decode.sock" --json --blocks --model llama3-8b \
       --tokens "$TOKENS" --requests "$REQUESTS" ${ARGS[$c]} >"$TMP/$mode-$c.json" 2>"$TMP/$mode-$c.err" ||
       { cat "$TMP/$mode-$c.err" >&2; tail -n 20 "$TMP"/*.log >&2; die "kvferry-bench failed"; }
+    say "$mode: $c: $(tail -n 1 "$TMP/$mode-$c.json")"
   done
   bench_ctl decode status --json >"$TMP/$mode-status.json"
   stop_daemons
 done
 
-python3 - "$TMP" "$CASES" <<'EOF'
+python3 - "$TMP" "$CASES" "$MODES" <<'EOF'
 import json, os, sys
-tmp, cases = sys.argv[1], sys.argv[2].split()
+tmp, cases, modes = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
 def last_json(path):
     return json.loads([l for l in open(path).read().splitlines() if l.strip()][-1])
 out = {}
-for mode in ("direct", "staged"):
+for mode in modes:
     st = json.load(open(os.path.join(tmp, mode + "-status.json")))["rdma"]["staging"]
     for c in cases:
         r = last_json(os.path.join(tmp, "%s-%s.json" % (mode, c)))
@@ -110,7 +113,7 @@ for mode in ("direct", "staged"):
         print("%-8s %-8s %9.1f MB/s  %d bytes, path %s" % (mode, c, r["gbps"] * 1e3, r["bytes"], r["path"]))
     out[mode + "_staging"] = st
     print("%-8s staging: %s" % (mode, json.dumps(st)))
-for mode in ("direct", "staged"):
+for mode in modes:
     for c in cases:
         if c != "same" and out.get("%s_same_mbps" % mode):
             k = "%s_%s_mbps" % (mode, c)

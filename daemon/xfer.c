@@ -1289,6 +1289,11 @@ static void on_send_done(kvf__peer *p, const Kvf__SendDone *d) {
 
 void kvf__xrecv_sender_done(kvf__xfer *x, uint64_t bytes) {
   if (!kvf__xfer_live(x)) return;
+  if (x->recv.passes_out) { /* staged parts are still being placed: kvf__xrecv_unstaged says it again */
+    x->recv.done_owed = true;
+    x->recv.owed_bytes = bytes;
+    return;
+  }
   if (bytes != kvf__xfer_bytes(x)) {
     kvf__xfer_fail(x, KVF_ESIZE, "the sender sent a different number of bytes", true, KVF_ESIZE);
     return;

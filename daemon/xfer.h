@@ -189,6 +189,11 @@ typedef struct kvf__xrecv {
   bool layer_events;
   uint8_t *landed;
   uint32_t next_event;
+  /* staged parts whose transform pass runs (rdma_stage.c): the SendDone
+   * waits for them (done_owed, with its bytes) */
+  unsigned passes_out;
+  bool done_owed;
+  uint64_t owed_bytes;
 } kvf__xrecv;
 
 /* A sender's own part: its size is what it posted so far. */
@@ -345,6 +350,9 @@ void kvf__xfer_on_data_error(kvf__xfer *x, int status, const char *why);
 /* Receiver, blocks: every byte of layers [first, first + n) landed (a
  * transport that marks layers, or the sender's word). */
 void kvf__xfer_on_layers_landed(kvf__xfer *x, uint32_t first, uint32_t n);
+/* A transform pass of a staged part that the transport's unstage started
+ * (transport.h) ended: layers [first, first + n) are placed, or rc fails x. */
+void kvf__xrecv_unstaged(kvf__xfer *x, uint32_t first, uint32_t n, int rc, const char *why);
 /* A grant_open that returned a positive value is done: 0 sends the Grant,
  * else the grant fails with status (why: for its owner). */
 void kvf__xfer_on_grant_ready(kvf__xfer *x, int status, const char *why);

@@ -66,12 +66,29 @@ void kvf__xrecv_layers_done(kvf__xfer *x, const Kvf__LayersDone *d) {
     int rc = x->role == KVF__RECV && x->blocks && d->n_layers
                  ? x->tp->ops->unstage(x->tp, x, d->first_layer, d->n_layers, &st, why, sizeof(why))
                  : (snprintf(why, sizeof(why), "a staged part of no layers of blocks"), KVF_EPROTO);
+    if (rc > 0) { /* rc passes run off the loop: each says kvf__xrecv_unstaged */
+      x->recv.passes_out += (unsigned)rc;
+      return;
+    }
     if (rc) {
       kvf__xfer_fail(x, rc, why, true, rc);
       return;
     }
   }
   kvf__xfer_on_layers_landed(x, d->first_layer, d->n_layers);
+}
+
+void kvf__xrecv_unstaged(kvf__xfer *x, uint32_t first, uint32_t n, int rc, const char *why) {
+  x->recv.passes_out--;
+  if (!kvf__xfer_live(x)) return;
+  if (rc) {
+    kvf__xfer_fail(x, rc, why, true, rc);
+    return;
+  }
+  kvf__xfer_on_layers_landed(x, first, n);
+  if (x->recv.passes_out || !x->recv.done_owed) return;
+  x->recv.done_owed = false;
+  kvf__xrecv_sender_done(x, x->recv.owed_bytes);
 }
 
 uint64_t kvf__xrecv_blocks_bytes(const kvf__xfer *x) {

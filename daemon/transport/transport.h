@@ -73,8 +73,10 @@ typedef struct kvf__transport_ops {
   bool (*mark_layers)(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n);
   /* Receiver: the sender says layers [first, first + n) of x's grant sit in
    * the staging this transport gave the grant, as st says (rdma): place
-   * them in the grant's blocks before they are reported. 0, or an error
-   * with why (x then fails). Default: KVF_EPROTO (we gave no staging). */
+   * them in the grant's blocks before they are reported. 0 (placed), a
+   * positive count of passes started off the loop (each then calls
+   * kvf__xrecv_unstaged on the loop; x's SendDone waits for them), or an
+   * error with why (x then fails). Default: KVF_EPROTO (we gave no staging). */
   int (*unstage)(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n, const struct kvf__xstaged *st,
                  char *why, size_t len);
   /* Sender: stop the transfer's queued work. The outstanding

@@ -327,6 +327,7 @@ typedef struct rgrant {
   struct rgrant *next_b;        /* rt->mw.binding, or rt->mw.zombies once closed */
   uint64_t st_off, st_len;      /* its slice of the staging arena (rdma_stage.c); st_len 0: none */
   uint32_t st_done;             /* granted layers the staging pass placed */
+  struct spass *passes;         /* transform passes running (rdma_stage.c) */
   struct bgrant *bg;            /* the bounce path: its staging slots (receiver) */
   struct xbounce *credit_of;    /* not a grant: the token of a send's credits (sender) */
 } rgrant;
@@ -664,6 +665,9 @@ void kvf__rdma_stage_free(rdma_transport *rt);
  * when the arena has no room (the sender then writes directly). */
 void kvf__rdma_stage_reserve(rgrant *g, kvf__xfer *x);
 void kvf__rdma_stage_release(rdma_transport *rt, uint64_t off, uint64_t len);
+/* The grant closes: waits for its passes still running, detaches them. */
+typedef struct spass spass;
+void kvf__rdma_stage_detach(rgrant *g);
 /* Receiver: appends g's slice to its planned windows. */
 int kvf__rdma_stage_window(rgrant *g);
 /* Sender: post_blocks, staging what would be small writes. */

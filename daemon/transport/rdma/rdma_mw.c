@@ -840,6 +840,7 @@ static void close_grant(rgrant *g) {
   rdma_transport *rt = g->rt;
   uint64_t off = g->st_off, len = g->st_len;
   g->st_len = 0;
+  kvf__rdma_stage_detach(g); /* its passes write into its blocks: over before the memory goes back */
   bool done = mw_release(g);
   kvf__rdma_stage_release(rt, off, len);
   if (done) free(g);

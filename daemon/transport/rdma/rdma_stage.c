@@ -198,10 +198,12 @@ static bool stage_record(const kvf__xfer *x, kvf__mw_rec *r) {
   return false;
 }
 
-/* Whether b's direct runs would be small: their average under STAGE_MIN_RUN. */
+/* Whether b's direct runs would be small: their average under STAGE_MIN_RUN,
+ * judged on its first layer (every layer has the same geometry; the loop
+ * does not walk them all twice). */
 static bool runs_small(const kvf__bpart *b) {
   counter c = {0};
-  if (kvf__xform_walk(&b->xf, b->src, b->sids, b->dst, b->dids, b->first, b->n_layers, count_run, &c) != 0) return false;
+  if (kvf__xform_walk(&b->xf, b->src, b->sids, b->dst, b->dids, b->first, 1, count_run, &c) != 0) return false;
   return c.runs && c.bytes / c.runs < STAGE_MIN_RUN;
 }
 
@@ -249,24 +251,94 @@ int kvf__rdma_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, 
   return rc;
 }
 
-/* ------------------------------------------------------------ receiver: the pass */
+/* ------------------------------------------------------------ receiver: the pass
+ *
+ * A part's layers are split among up to PASS_JOBS jobs on libuv's thread
+ * pool (the loop keeps serving: a pass of a large part takes seconds under
+ * emulation, longer than a peer waits for heartbeats). Each job reports its
+ * layers on the loop (kvf__xrecv_unstaged). A grant that closes waits for
+ * its jobs still running (they write into its blocks) and detaches them. */
 
-typedef struct pass {
+#define PASS_JOBS 4u
+
+struct spass {
+  uv_work_t req;
+  struct spass *next;           /* the grant's jobs (loop) */
+  rgrant *g;                    /* NULL once the grant closed */
+  kvf__xfer *x;
+  kvf__xplan p;
+  kvf__lview sv, gv;
+  uint64_t *offs;               /* sv's offsets (owned) */
+  uint32_t *ids;                /* the slice's block ids (owned) */
+  uint32_t first, n;
   const uint8_t *src;
   uint64_t src_len;
   uint8_t *dst;
   uint64_t dst_len;
   int rc;
-} pass;
+  uint64_t ns;
+  atomic_bool done;             /* the work is over (close_grant waits for it) */
+};
 
 static void pass_run(void *ctx, uint64_t so, uint64_t dof, uint64_t len, uint32_t piece) {
-  pass *p = ctx;
+  spass *p = ctx;
   if (p->rc) return;
   if (so > p->src_len || len > p->src_len - so || dof > p->dst_len || len > p->dst_len - dof) {
     p->rc = KVF_ERANGE;
     return;
   }
   p->rc = kvf__pool_copy(p->dst + dof, p->src + so, len); /* guarded: engine memory may shrink */
+}
+
+static void pass_work(uv_work_t *req) {
+  spass *p = req->data;
+  uint64_t t0 = kvf__now_ns();
+  int rc = kvf__xform_walk(&p->p, &p->sv, p->ids, &p->gv, p->x->mine.ids, p->first, p->n, pass_run, p);
+  if (rc && !p->rc) p->rc = rc;
+  p->ns = kvf__now_ns() - t0;
+  atomic_store(&p->done, true);
+}
+
+static void pass_free(spass *p) {
+  free(p->offs);
+  free(p->ids);
+  free(p);
+}
+
+static void pass_after(uv_work_t *req, int status) {
+  spass *p = req->data;
+  rgrant *g = p->g;
+  if (!g) { /* the grant closed under it */
+    pass_free(p);
+    return;
+  }
+  for (spass **pp = &g->passes; *pp; pp = &(*pp)->next)
+    if (*pp == p) {
+      *pp = p->next;
+      break;
+    }
+  rdma_transport *rt = g->rt;
+  rt->stage.passes++;
+  rt->stage.pass_ns += p->ns;
+  char why[160] = "";
+  int rc = p->rc ? p->rc : status;
+  if (rc) snprintf(why, sizeof(why), "the transform pass of staged layers %u-%u failed (%d)", p->first,
+                   p->first + p->n - 1, rc);
+  kvf__xfer *x = p->x;
+  uint32_t first = p->first, n = p->n;
+  pass_free(p);
+  kvf__xrecv_unstaged(x, first, n, rc, why);
+}
+
+void kvf__rdma_stage_detach(rgrant *g) {
+  for (spass *p = g->passes; p; p = p->next) {
+    while (!atomic_load(&p->done)) {
+      struct timespec nap = {0, 50000};
+      nanosleep(&nap, NULL);
+    }
+    p->g = NULL;
+  }
+  g->passes = NULL;
 }
 
 static int check_note(const kvf__xfer *x, const rgrant *g, const kvf__xstaged *st, char *why, size_t len) {
@@ -281,6 +353,46 @@ static int check_note(const kvf__xfer *x, const rgrant *g, const kvf__xstaged *s
   return 0;
 }
 
+/* One job over layers [first, first + n): its own copy of the views. */
+static int pass_start(rdma_transport *rt, rgrant *g, kvf__xfer *x, const kvf__xstaged *st, const kvf__pool *pool,
+                      uint32_t first, uint32_t n) {
+  spass *p = calloc(1, sizeof(*p));
+  if (!p) return -ENOMEM;
+  const kvf__lview *gv = &x->mine.view;
+  const kvf__lgeom *ge = &gv->geom;
+  uint64_t bytes = 0;
+  p->ids = identity(x->mine.n);
+  int rc = p->ids ? stage_view(gv, x->mine.n, st, &p->sv, &p->offs, &bytes) : -ENOMEM;
+  if (rc == 0 && bytes > g->st_len) rc = KVF_ESIZE;
+  if (rc) {
+    pass_free(p);
+    return rc;
+  }
+  p->p = (kvf__xplan){.transform = true,
+                      .s = {ge->tokens_per_block, st->nh, st->h0, st->order},
+                      .d = {ge->tokens_per_block, ge->kv_heads, ge->first_head, ge->order},
+                      .h0 = st->h0, .nh = st->nh, .unit = (uint64_t)ge->head_dim * ge->dtype_bytes,
+                      .tokens = (uint64_t)x->mine.n * ge->tokens_per_block, .ns = x->mine.n, .nd = x->mine.n};
+  p->gv = *gv;
+  p->g = g;
+  p->x = x;
+  p->first = first;
+  p->n = n;
+  p->src = rt->stage.mem + g->st_off;
+  p->src_len = g->st_len;
+  p->dst = pool->base;
+  p->dst_len = pool->size;
+  p->req.data = p;
+  rt->stage.bytes += bytes / (gv->n_layers ? gv->n_layers : 1) * n;
+  if ((rc = uv_queue_work(rt->base.loop, &p->req, pass_work, pass_after)) != 0) {
+    pass_free(p);
+    return rc;
+  }
+  p->next = g->passes;
+  g->passes = p;
+  return 0;
+}
+
 int kvf__rdma_unstage(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n, const kvf__xstaged *st,
                       char *why, size_t len) {
   rdma_transport *rt = to_rdma(t);
@@ -290,30 +402,16 @@ int kvf__rdma_unstage(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t 
   if (g && g->x != x) g = NULL;
   int rc = check_note(x, g, st, why, len);
   if (rc) return rc;
-  uint64_t t0 = kvf__now_ns();
   const kvf__lview *gv = &x->mine.view;
   const kvf__pool *pool = kvf__pool_get(gv->pool);
-  kvf__lview sv;
-  uint64_t *offs = NULL, bytes = 0;
-  uint32_t *ids = identity(x->mine.n);
-  rc = ids ? stage_view(gv, x->mine.n, st, &sv, &offs, &bytes) : -ENOMEM;
-  if (rc == 0 && (bytes > g->st_len || !pool || kvf__pool_gpu(pool))) rc = KVF_ESIZE;
-  const kvf__lgeom *ge = &gv->geom;
-  uint64_t unit = (uint64_t)ge->head_dim * ge->dtype_bytes;
-  kvf__xplan p = {.transform = true,
-                  .s = {ge->tokens_per_block, st->nh, st->h0, st->order},
-                  .d = {ge->tokens_per_block, ge->kv_heads, ge->first_head, ge->order},
-                  .h0 = st->h0, .nh = st->nh, .unit = unit,
-                  .tokens = (uint64_t)x->mine.n * ge->tokens_per_block, .ns = x->mine.n, .nd = x->mine.n};
-  pass ps = {rt->stage.mem + g->st_off, g->st_len, pool ? pool->base : NULL, pool ? pool->size : 0, 0};
-  if (rc == 0) rc = kvf__xform_walk(&p, &sv, ids, gv, x->mine.ids, first, n, pass_run, &ps);
-  if (rc == 0) rc = ps.rc;
-  if (rc) snprintf(why, len, "the transform pass of staged layers %u-%u failed (%d)", first, first + n - 1, rc);
-  free(ids);
-  free(offs);
+  if (!pool || kvf__pool_gpu(pool) || first < gv->first_layer || n > gv->n_layers ||
+      first - gv->first_layer > gv->n_layers - n)
+    return snprintf(why, len, "staged layers %u-%u are not the grant's (or not in host memory)", first,
+                    first + n - 1), KVF_ERANGE;
+  uint32_t jobs = n < PASS_JOBS ? n : PASS_JOBS, per = (n + jobs - 1) / jobs, started = 0;
+  for (uint32_t l = first; l < first + n && rc == 0; l += per, started++)
+    rc = pass_start(rt, g, x, st, pool, l, first + n - l < per ? first + n - l : per);
+  if (rc && started == 0) return snprintf(why, len, "the transform pass could not start (%d)", rc), rc;
   g->st_done += n;
-  rt->stage.passes++;
-  rt->stage.bytes += bytes / (gv->n_layers ? gv->n_layers : 1) * n;
-  rt->stage.pass_ns += kvf__now_ns() - t0;
-  return rc;
+  return (int)started; /* a job that could not start: its layers never land, the deadline says so */
 }
