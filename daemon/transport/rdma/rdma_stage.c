@@ -318,8 +318,7 @@ static void pass_after(uv_work_t *req, int status) {
       break;
     }
   rdma_transport *rt = g->rt;
-  rt->stage.passes++;
-  rt->stage.pass_ns += p->ns;
+  rt->stage.pass_ns += p->ns; /* the jobs' time summed (they may overlap) */
   char why[160] = "";
   int rc = p->rc ? p->rc : status;
   if (rc) snprintf(why, sizeof(why), "the transform pass of staged layers %u-%u failed (%d)", p->first,
@@ -413,5 +412,6 @@ int kvf__rdma_unstage(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t 
     rc = pass_start(rt, g, x, st, pool, l, first + n - l < per ? first + n - l : per);
   if (rc && started == 0) return snprintf(why, len, "the transform pass could not start (%d)", rc), rc;
   g->st_done += n;
+  rt->stage.passes++; /* per staged part, however many jobs */
   return (int)started; /* a job that could not start: its layers never land, the deadline says so */
 }
