@@ -27,7 +27,11 @@
 extern "C" {
 #endif
 
-#define KVF_API_VERSION 1
+/* 2: kvf_event gained transform, at its end. The structure grew: programs
+ * compiled against version 1's kvferry.h must be rebuilt before they use
+ * this library (kvf_wait_events fills arrays of it). The daemon still
+ * serves version 1 libraries (their events lack the field). */
+#define KVF_API_VERSION 2
 #define KVF_XFER_ID_MAX 127   /* bytes, without the terminating NUL */
 #define KVF_NAME_MAX 63       /* node and pool names */
 
@@ -433,6 +437,13 @@ typedef struct kvf_event {
   uint64_t descriptors;                /* blocks: blocks x layers x K/V */
   char error[128];                     /* detail when status != 0 */
   uint32_t layer;                      /* KVF_EV_LAYER_DONE: the layer that landed */
+  /* RECV_DONE / SEND_DONE of blocks: what was done to them and where:
+   * "whole blocks", or the transform (kv heads moved, each side's order,
+   * tokens per block and heads: "heads 0-1, NHD 16/1h -> HND 64/2h"), then
+   * how the transport placed it when it says (rdma: ", staged" through the
+   * receiver's staging and a transform pass there, ", direct" written run
+   * by run, with why). Empty: descriptors, or not known. */
+  char transform[112];
 } kvf_event;
 
 /* A file descriptor that polls readable while events are waiting; for an

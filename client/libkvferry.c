@@ -392,6 +392,7 @@ static void event_from_wire(kvf_event *ev, const Kvf__Event *w) {
   ev->descriptors = w->descriptors;
   copy_string(ev->error, sizeof(ev->error), w->error);
   ev->layer = w->layer;
+  copy_string(ev->transform, sizeof(ev->transform), w->transform);
 }
 
 /* Called with mu held. */

@@ -325,8 +325,8 @@ static void refuse(kvf__session *s, uint64_t seq) {
 }
 
 static void on_hello(kvf__session *s, uint64_t seq, const Kvf__HelloReq *h) {
-  if (h->version != KVF__API_VERSION) {
-    reply_status(s, seq, KVF_EVERSION, "the daemon speaks API version 1");
+  if (h->version < 1 || h->version > KVF__API_VERSION) { /* 2 only added Event.transform */
+    reply_status(s, seq, KVF_EVERSION, "the daemon speaks API versions 1-2");
     session_close(s, NULL);
     return;
   }
@@ -334,7 +334,7 @@ static void on_hello(kvf__session *s, uint64_t seq, const Kvf__HelloReq *h) {
   s->hello_done = true;
   if (!s->sink) uv_timer_stop(&s->hello_timer);
   Kvf__HelloResp hr = KVF__HELLO_RESP__INIT;
-  hr.version = KVF__API_VERSION;
+  hr.version = h->version;
   hr.node = kvfd.cfg.node;
   hr.max_frame = kvfd.cfg.max_frame;
   hr.max_descs = kvfd.cfg.max_descs;

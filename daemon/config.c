@@ -355,6 +355,8 @@ static const struct opt opts[] = {
              "of pools the NIC cannot reach are staged (path rdma-bounce): half for sending, "
              "half for receiving, in chunks of up to 1M, several in flight so that copies "
              "overlap the writes."},
+    {.name = "rdma-staging-size", .type = OPT_SIZE32, .off = F(rdma_staging_size), .max = 1u << 31, .def = "64M",
+     .help = "Host memory (pinned) a receiver lends, per grant, as staging for transforms whose direct writes would be small; 0: off."},
 };
 #define N_OPTS (sizeof(opts) / sizeof(opts[0]))
 

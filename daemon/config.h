@@ -100,6 +100,7 @@ typedef struct kvf__config {
   uint32_t rdma_mw_max_windows;    /* windows per grant; more ranges are merged across gaps */
   int gpu_direct;                  /* enum kvf__gdr: off = every pool bounces */
   uint32_t rdma_bounce_size;       /* pinned staging per device for the rdma bounce path */
+  uint32_t rdma_staging_size;      /* the arena of transforms' staging slices (rdma_stage.c); 0: off */
   /* peer authentication (daemon/auth.c) */
   char cluster_key_file[256];      /* "" = off: peers are not authenticated */
 } kvf__config;

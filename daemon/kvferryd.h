@@ -13,7 +13,7 @@
 #include "log.h"
 
 #define KVF__VERSION "0.1.0"
-#define KVF__API_VERSION 1
+#define KVF__API_VERSION 2     /* clients of 1 are served too (api.c: on_hello) */
 #define KVF__PEER_VERSION 1
 #define KVF__TRANSPORTS_MAX 8   /* rows in transport.c's table, at most */
 

@@ -240,12 +240,6 @@ static kvf__xfer *xfer_new(kvf__session *s, const char *id, int role, uint32_t d
   return x;
 }
 
-static void tp_grant_free(kvf__tp_grant *t) {
-  free(t->win);
-  free(t->of);
-  memset(t, 0, sizeof(*t));
-}
-
 /* What a transport's failed post means, for the event. */
 static const char *post_failure(int status) {
   switch (status) {
@@ -305,7 +299,7 @@ static void free_after_close(uv_handle_t *h) {
   } else {
     free(x->recv.landed);
   }
-  tp_grant_free(&x->tp_grant);
+  kvf__tp_grant_free(&x->tp_grant);
   free(x);
 }
 
@@ -346,6 +340,8 @@ static void emit(kvf__xfer *x, int status, const char *error) {
   ev.bytes = kvf__xfer_bytes(x);
   ev.descriptors = kvf__xfer_descriptors(x);
   ev.error = (char *)(error ? error : "");
+  char tf[sizeof(x->transform)];
+  ev.transform = (char *)kvf__xfer_event_transform(x, tf, sizeof(tf));
   kvf__xfer_emit(x->owner, &ev);
 }
 
@@ -643,24 +639,6 @@ static int bind_remote_recv(kvf__xfer *x, kvf__peer *p) {
 
 int kvf__xrecv_bind_remote(kvf__xfer *x, kvf__peer *p) { return bind_remote_recv(x, p); }
 
-static int copy_bytes(uint8_t **out, size_t *len, const ProtobufCBinaryData *w) {
-  *out = NULL;
-  *len = 0;
-  if (!w->len) return 0;
-  if (!(*out = malloc(w->len))) return -ENOMEM;
-  memcpy(*out, w->data, w->len);
-  *len = w->len;
-  return 0;
-}
-
-/* The sender's copy of a Grant's transport part. */
-static int tp_grant_copy(kvf__tp_grant *t, const Kvf__Grant *g) {
-  int rc = copy_bytes(&t->win, &t->win_len, &g->windows);
-  if (rc == 0) rc = copy_bytes(&t->of, &t->of_len, &g->window_of);
-  if (rc) tp_grant_free(t);
-  return rc;
-}
-
 static void send_intent(kvf__xfer *x) {
   Kvf__SendIntent si = KVF__SEND_INTENT__INIT;
   si.xfer_id = x->id;
@@ -703,7 +681,7 @@ static bool peer_may_wait(kvf__peer *p, const char *what, const char *id, char *
 static void pregrant_free(pregrant *g) {
   kvf__descs_free(&g->dst);
   kvf__xblocks_free(&g->gb);
-  tp_grant_free(&g->tp);
+  kvf__tp_grant_free(&g->tp);
   free(g);
 }
 
@@ -1026,6 +1004,7 @@ void kvf__xfer_session_gone(kvf__session *s) {
 
 static void complete_local(kvf__xfer *send) {
   kvf__xfer *recv = send->twin;
+  kvf__xfer_keep_transform(send, recv); /* their events say it after the unpairing */
   send->twin = NULL;
   if (recv) {
     recv->twin = NULL;
@@ -1040,6 +1019,8 @@ static void send_done(kvf__xfer *x) {
   d.handle = x->handle;
   d.bytes = x->send.bytes_posted;
   d.descriptors = x->send.descs_taken;
+  char tf[sizeof(x->transform)];
+  d.transform = (char *)kvf__xfer_event_transform(x, tf, sizeof(tf));
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_SEND_DONE;
   m.send_done = &d;
@@ -1243,7 +1224,7 @@ static void keep_pregrant(kvf__peer *p, const Kvf__Grant *g, grant_in *in, int r
   ng->expires_ns = deadline_ns(g->deadline_ms);
   ng->refused = refused;
   snprintf(ng->why, sizeof(ng->why), "%s", why ? why : "");
-  if (tp_grant_copy(&ng->tp, g) != 0) ng->refused = -ENOMEM;
+  if (kvf__tp_grant_copy(&ng->tp, g) != 0) ng->refused = -ENOMEM;
 }
 
 /* A grant with more descriptors than our max-descs (the receiver's may be
@@ -1286,7 +1267,7 @@ static void on_grant(kvf__peer *p, const Kvf__Grant *g) {
   kvf__spin_expect(false); /* its send's data path polls until the send comes (spin.h) */
   kvf__xfer *x = kvf__map_get(&X.send_by_id, g->xfer_id);
   if (x && x->peer == p && send_waiting(x)) {
-    rc = tp_grant_copy(&x->tp_grant, g);
+    rc = kvf__tp_grant_copy(&x->tp_grant, g);
     if (rc == 0) rc = bind_remote_send(x, g->handle, &in.dst, &in.gb, g->layer_events);
     grant_in_free(&in);
     if (rc) kvf__xfer_fail(x, rc, "duplicate grant handle", true, KVF_EPROTO);
@@ -1301,11 +1282,17 @@ static void on_grant(kvf__peer *p, const Kvf__Grant *g) {
 
 static void on_send_done(kvf__peer *p, const Kvf__SendDone *d) {
   kvf__xfer *x = by_handle(p, KVF__RECV, d->handle);
+  if (x && d->transform) snprintf(x->transform, sizeof(x->transform), "%s", d->transform);
   if (x) kvf__xrecv_sender_done(x, d->bytes);
 }
 
 void kvf__xrecv_sender_done(kvf__xfer *x, uint64_t bytes) {
   if (!kvf__xfer_live(x)) return;
+  if (x->recv.passes_out) { /* staged parts are still being placed: kvf__xrecv_unstaged says it again */
+    x->recv.done_owed = true;
+    x->recv.owed_bytes = bytes;
+    return;
+  }
   kvf__xtrace_stamp(x, KVF__XT_RESULT, 0);
   if (bytes != kvf__xfer_bytes(x)) {
     kvf__xfer_fail(x, KVF_ESIZE, "the sender sent a different number of bytes", true, KVF_ESIZE);
@@ -1373,7 +1360,7 @@ static void on_cancel(kvf__peer *p, const Kvf__Cancel *c) {
  * mark them in the data). */
 static void on_layers_done(kvf__peer *p, const Kvf__LayersDone *d) {
   kvf__xfer *x = by_handle(p, KVF__RECV, d->handle);
-  if (x) kvf__xfer_on_layers_landed(x, d->first_layer, d->n_layers);
+  if (x) kvf__xrecv_layers_done(x, d);
 }
 
 static void on_cancel_done(kvf__peer *p, const Kvf__CancelDone *d) {

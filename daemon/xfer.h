@@ -189,9 +189,21 @@ typedef struct kvf__xrecv {
   bool layer_events;
   uint8_t *landed;
   uint32_t next_event;
+  /* staged parts whose transform pass runs (rdma_stage.c): the SendDone
+   * waits for them (done_owed, with its bytes) */
+  unsigned passes_out;
+  bool done_owed;
+  uint64_t owed_bytes;
 } kvf__xrecv;
 
 /* A sender's own part: its size is what it posted so far. */
+/* A part written into the receiver's staging (rdma): the heads and order
+ * of what sits there, which the receiver's transform pass reads
+ * (LayersDone.staged_*). nh 0: not staged. */
+typedef struct kvf__xstaged {
+  uint32_t order, h0, nh;
+} kvf__xstaged;
+
 typedef struct kvf__xsend {
   enum kvf__send_state state;
   kvf__descs early;           /* parts that came before the grant (WAIT, QUEUED) */
@@ -216,6 +228,7 @@ typedef struct kvf__xsend {
   bool layer_events;          /* the grant wants them: */
   kvf__lrange *unannounced;   /* posted parts the receiver has not heard of */
   size_t n_unannounced;
+  kvf__xstaged staged;        /* the transport staged its parts: each is announced */
   uint8_t wait_peer;          /* XW_* (xfer_int.h): waits for its peer's link */
 } kvf__xsend;
 
@@ -249,6 +262,8 @@ struct kvf__xfer {
   void *tp_state;             /* the transport's own per-transfer state */
   kvf__tp_grant tp_grant;     /* set by grant_open on the receiver, from the Grant on
                                  the sender; owned */
+  const char *stage_note;     /* rdma: how a transform went ("staged", ...; rdma_stage.c) */
+  char transform[112];        /* receiver of a remote send of blocks: its SendDone.transform */
   const char *path;           /* set by the transport when more precise than its
                                  name ("local-nvlink", "tcp-bounce"); static */
   bool blocks;                /* blocks of KV layouts, not descriptors: */
@@ -342,6 +357,9 @@ void kvf__xfer_on_data_error(kvf__xfer *x, int status, const char *why);
 /* Receiver, blocks: every byte of layers [first, first + n) landed (a
  * transport that marks layers, or the sender's word). */
 void kvf__xfer_on_layers_landed(kvf__xfer *x, uint32_t first, uint32_t n);
+/* A transform pass of a staged part that the transport's unstage started
+ * (transport.h) ended: layers [first, first + n) are placed, or rc fails x. */
+void kvf__xrecv_unstaged(kvf__xfer *x, uint32_t first, uint32_t n, int rc, const char *why);
 /* A grant_open that returned a positive value is done: 0 sends the Grant,
  * else the grant fails with status (why: for its owner). */
 void kvf__xfer_on_grant_ready(kvf__xfer *x, int status, const char *why);

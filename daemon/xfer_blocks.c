@@ -56,6 +56,41 @@ void kvf__xfer_on_layers_landed(kvf__xfer *x, uint32_t first, uint32_t n) {
   report_layers(x);
 }
 
+/* The sender's LayersDone: a staged part goes through the transport's
+ * transform pass first (a failure fails x). */
+void kvf__xrecv_layers_done(kvf__xfer *x, const Kvf__LayersDone *d) {
+  if (!kvf__xfer_live(x)) return;
+  if (d->staged_heads) {
+    char why[200];
+    kvf__xstaged st = {d->staged_order, d->staged_first_head, d->staged_heads};
+    int rc = x->role == KVF__RECV && x->blocks && d->n_layers
+                 ? x->tp->ops->unstage(x->tp, x, d->first_layer, d->n_layers, &st, why, sizeof(why))
+                 : (snprintf(why, sizeof(why), "a staged part of no layers of blocks"), KVF_EPROTO);
+    if (rc > 0) { /* rc passes run off the loop: each says kvf__xrecv_unstaged */
+      x->recv.passes_out += (unsigned)rc;
+      return;
+    }
+    if (rc) {
+      kvf__xfer_fail(x, rc, why, true, rc);
+      return;
+    }
+  }
+  kvf__xfer_on_layers_landed(x, d->first_layer, d->n_layers);
+}
+
+void kvf__xrecv_unstaged(kvf__xfer *x, uint32_t first, uint32_t n, int rc, const char *why) {
+  x->recv.passes_out--;
+  if (!kvf__xfer_live(x)) return;
+  if (rc) {
+    kvf__xfer_fail(x, rc, why, true, rc);
+    return;
+  }
+  kvf__xfer_on_layers_landed(x, first, n);
+  if (x->recv.passes_out || !x->recv.done_owed) return;
+  x->recv.done_owed = false;
+  kvf__xrecv_sender_done(x, x->recv.owed_bytes);
+}
+
 uint64_t kvf__xrecv_blocks_bytes(const kvf__xfer *x) {
   uint64_t b = kvf__blocks_bytes(&x->mine.view, x->mine.n, x->mine.view.n_layers);
   return x->mine.head1 ? b / x->mine.view.geom.kv_heads : b; /* a fan's head of every block */
@@ -118,7 +153,20 @@ bool kvf__xfer_transform(const kvf__xfer *x, char *buf, size_t len) {
       send_plan(s, grant_blocks(s), &p, why, sizeof(why)) != 0)
     return false;
   kvf__xplan_describe(&p, buf, len);
+  size_t u = strlen(buf);
+  if (p.transform && s->stage_note && u < len) snprintf(buf + u, len - u, ", %s", s->stage_note);
   return true;
+}
+
+const char *kvf__xfer_event_transform(const kvf__xfer *x, char *buf, size_t len) {
+  if (!x->blocks) return "";
+  if (kvf__xfer_transform(x, buf, len)) return buf;
+  return x->transform; /* a remote sender's word, or kept when the local pair parted */
+}
+
+void kvf__xfer_keep_transform(kvf__xfer *send, kvf__xfer *recv) {
+  if (!send->blocks || !kvf__xfer_transform(send, send->transform, sizeof(send->transform))) return;
+  if (recv) snprintf(recv->transform, sizeof(recv->transform), "%s", send->transform);
 }
 
 /* Why the send's blocks cannot go into the grant's, or NULL. */
@@ -166,7 +214,8 @@ static int post_block_part(kvf__xfer *x, uint32_t first, uint32_t n, bool last) 
   if (rc == 0) rc = x->tp->ops->post_blocks(x->tp, x, &bp, last);
   if (rc == KVF_ERANGE) snprintf(why, sizeof(why), "layers %u-%u are not in the grant (layers %u-%u)", first,
                                  first + n - 1, g->view.first_layer, g->view.first_layer + g->view.n_layers - 1);
-  if (rc == 0 && s->layer_events && !x->tp->ops->mark_layers(x->tp, x, first, n))
+  /* a staged part is announced with or without layer events: the receiver transforms it then */
+  if (rc == 0 && (s->layer_events || s->staged.nh) && !x->tp->ops->mark_layers(x->tp, x, first, n))
     rc = append_range(&s->unannounced, &s->n_unannounced, first, n);
   if (rc) {
     kvf__xfer_fail(x, rc, why, true, rc);
@@ -216,6 +265,9 @@ void kvf__xsend_announce_layers(kvf__xfer *x) {
     d.handle = x->handle;
     d.first_layer = r.first;
     d.n_layers = r.n;
+    d.staged_order = s->staged.order;
+    d.staged_first_head = s->staged.h0;
+    d.staged_heads = s->staged.nh;
     Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
     m.body_case = KVF__PEER_MSG__BODY_LAYERS_DONE;
     m.layers_done = &d;
@@ -306,3 +358,29 @@ void kvf__xblocks_take(kvf__xblocks *mine, const kvf__blockreq *b, const kvf__lv
   *b->ids = NULL;
 }
 
+
+/* ------------------------------------------------------------ a Grant's transport part
+ * (here for room: xfer.c is at its size limit) */
+
+static int copy_bytes(uint8_t **out, size_t *len, const ProtobufCBinaryData *w) {
+  *out = NULL;
+  *len = 0;
+  if (!w->len) return 0;
+  if (!(*out = malloc(w->len))) return -ENOMEM;
+  memcpy(*out, w->data, w->len);
+  *len = w->len;
+  return 0;
+}
+
+void kvf__tp_grant_free(kvf__tp_grant *t) {
+  free(t->win);
+  free(t->of);
+  memset(t, 0, sizeof(*t));
+}
+
+int kvf__tp_grant_copy(kvf__tp_grant *t, const Kvf__Grant *g) {
+  int rc = copy_bytes(&t->win, &t->win_len, &g->windows);
+  if (rc == 0) rc = copy_bytes(&t->of, &t->of_len, &g->window_of);
+  if (rc) kvf__tp_grant_free(t);
+  return rc;
+}

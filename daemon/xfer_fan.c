@@ -27,6 +27,7 @@ typedef struct fan {
   uint64_t bytes, descs;
   char path[32];
   char peers[128];
+  char transform[112];       /* the first head's, over the fan's heads */
   char (*node)[KVF_NAME_MAX + 1]; /* a send's: per head, where it goes */
   bool layer_events;
   uint32_t first_layer, n_layers, next_layer;
@@ -329,6 +330,7 @@ static void report(fan *f, const Kvf__Event *like, int type, uint32_t layer, int
   ev.descriptors = like ? like->descriptors : f->descs;
   ev.layer = layer;
   ev.error = (char *)error;
+  ev.transform = type == KVF__EVENT_TYPE__EVENT_LAYER_DONE ? "" : f->transform;
   reporting = true;
   kvf__xfer_emit(f->s, &ev);
   reporting = false;
@@ -362,6 +364,15 @@ static void on_layer(fan *f, const Kvf__Event *ev) {
     report(f, ev, KVF__EVENT_TYPE__EVENT_LAYER_DONE, f->first_layer + f->next_layer++, 0, "");
 }
 
+/* A head's "heads 3-3, NHD ..." said of the fan's heads: "heads 2-3, NHD ...". */
+static void note_transform(fan *f, const char *tf) {
+  const char *rest = tf ? strstr(tf, ", ") : NULL;
+  if (f->transform[0] || !tf || !tf[0]) return;
+  if (strncmp(tf, "heads ", 6) == 0 && rest)
+    snprintf(f->transform, sizeof(f->transform), "heads %u-%u%s", f->h0, f->h0 + f->nh - 1, rest);
+  else snprintf(f->transform, sizeof(f->transform), "%s", tf);
+}
+
 static void note_peer(fan *f, const char *peer) {
   if (!peer || !peer[0] || strstr(f->peers, peer)) return;
   size_t o = strlen(f->peers);
@@ -387,6 +398,7 @@ bool kvf__xfan_event(kvf__session *s, const Kvf__Event *ev) {
   }
   if (ev->path && !f->path[0]) snprintf(f->path, sizeof(f->path), "%s", ev->path);
   note_peer(f, ev->peer);
+  note_transform(f, ev->transform);
   if (ev->status && !f->status) {
     f->status = ev->status;
     snprintf(f->error, sizeof(f->error), "%s", ev->error ? ev->error : "");

@@ -71,8 +71,18 @@ int kvf__xblocks_from_grant(const Kvf__Grant *g, kvf__xblocks *gb);
  * heads, orders and tokens per block), once its sender knows the grant;
  * false when not known here (descriptors, no grant yet, a remote sender). */
 bool kvf__xfer_transform(const kvf__xfer *x, char *buf, size_t len);
+/* Event.transform of x: kvf__xfer_transform's (with how a transport placed
+ * it: ", staged"), a receiver's sender's SendDone.transform, or "". */
+const char *kvf__xfer_event_transform(const kvf__xfer *x, char *buf, size_t len);
+/* The sender's copy of a Grant's transport part (windows), and freeing it. */
+int kvf__tp_grant_copy(kvf__tp_grant *t, const Kvf__Grant *g);
+void kvf__tp_grant_free(kvf__tp_grant *t);
+/* A local pair parts: each keeps the description for its event. */
+void kvf__xfer_keep_transform(kvf__xfer *send, kvf__xfer *recv);
 /* Receiver: the size of a grant of blocks (a fan's sub-grant: its head's). */
 uint64_t kvf__xrecv_blocks_bytes(const kvf__xfer *x);
+/* Receiver: the sender's LayersDone (a staged part: transformed first). */
+void kvf__xrecv_layers_done(kvf__xfer *x, const Kvf__LayersDone *d);
 /* Receiver: the receive is complete; the layers not reported yet landed. */
 void kvf__xrecv_flush_layers(kvf__xfer *x);
 

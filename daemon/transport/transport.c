@@ -37,6 +37,12 @@ static int def_pool_added(kvf__transport *t, kvf__pool *p, char *err, size_t err
 }
 int kvf__transport_pool_mapped(kvf__transport *t, kvf__pool *p, char *err, size_t errlen) { return 0; }
 static void def_pool_removed(kvf__transport *t, kvf__pool *p) {}
+static int def_unstage(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n, const struct kvf__xstaged *st,
+                       char *why, size_t len) {
+  snprintf(why, len, "the sender says it staged layers %u-%u, but the %s transport gave the grant no staging",
+           first, first + n - 1, t->ops->name);
+  return KVF_EPROTO;
+}
 static void def_hello(kvf__transport *t, Kvf__Hello *h) {}
 static const char *def_protection(kvf__transport *t) { return NULL; }
 static void def_inspect(kvf__transport *t, char *buf, size_t len) {
@@ -50,6 +56,7 @@ static const kvf__transport_ops defaults = {
     .post = def_post,
     .post_blocks = kvf__transport_post_block_runs,
     .mark_layers = def_mark_layers,
+    .unstage = def_unstage,
     .abort = def_xfer,
     .xfer_done = def_xfer,
     .grant_open = def_grant_open,
@@ -73,6 +80,7 @@ void kvf__transport_init(kvf__transport *t, const kvf__transport_ops *ops, uv_lo
   TAKE(post);
   TAKE(post_blocks);
   TAKE(mark_layers);
+  TAKE(unstage);
   TAKE(abort);
   TAKE(xfer_done);
   TAKE(grant_open);

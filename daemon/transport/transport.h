@@ -40,6 +40,8 @@ typedef struct kvf__bpart {
   kvf__xplan xf;               /* zero: whole blocks, as without it */
 } kvf__bpart;
 
+struct kvf__xstaged; /* xfer.h */
+
 typedef struct kvf__transport_ops {
   const char *name;            /* reported as the transfer's path */
   /* Receiver: writes land without this side taking part (one-sided), so
@@ -69,6 +71,14 @@ typedef struct kvf__transport_ops {
    * post is called back, which for a transport whose callback means "the
    * writes completed" (rdma) is when they landed. Default: false. */
   bool (*mark_layers)(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n);
+  /* Receiver: the sender says layers [first, first + n) of x's grant sit in
+   * the staging this transport gave the grant, as st says (rdma): place
+   * them in the grant's blocks before they are reported. 0 (placed), a
+   * positive count of passes started off the loop (each then calls
+   * kvf__xrecv_unstaged on the loop; x's SendDone waits for them), or an
+   * error with why (x then fails). Default: KVF_EPROTO (we gave no staging). */
+  int (*unstage)(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n, const struct kvf__xstaged *st,
+                 char *why, size_t len);
   /* Sender: stop the transfer's queued work. The outstanding
    * kvf__xfer_on_posted callbacks still come, once nothing touches the
    * source memory any more. */

@@ -119,12 +119,13 @@ class Base:
         sends = [(pre[d.r % ptp], xid(d)) for d in dec] if mla else [(p, tag) for p in pre]
         for p, x in sends:
             cps[p.r].send_blocks(x, dst_node, p.id, sids[p.r])
+        self.events = {}  # the completions, for the tests of what they say
         for d in dec:
-            ev = wait_event(cds[d.r], xid(d), type=kvferry.RECV_DONE)
+            ev = self.events["recv", d.r] = wait_event(cds[d.r], xid(d), type=kvferry.RECV_DONE)
             self.assertEqual((ev.status, ev.error, ev.path), (0, "", path), xid(d))
             self.assertEqual(ev.bytes, nd * L * d.n_kv * d.bb, xid(d))
         for p, x in sends:
-            sev = wait_event(cps[p.r], x, type=kvferry.SEND_DONE)
+            sev = self.events["send", p.r] = wait_event(cps[p.r], x, type=kvferry.SEND_DONE)
             self.assertEqual((sev.status, sev.error), (0, ""), x)
             self.assertEqual(sev.bytes, TOKENS * p.heads * UNIT * L * p.n_kv, x)
         got = bytes(dmem[dbase:dbase + span])
@@ -304,6 +305,26 @@ class Hetero(Base, kvftest.PairTestCase):
         self.assertEqual(wait_event(cd, "listed", type=kvferry.RECV_DONE).status, 0)
         self.assertEqual(wait_event(cp, "listed", type=kvferry.SEND_DONE).status, 0)
 
+    def test_events_say_transform(self):
+        """RECV_DONE and SEND_DONE say what the transfer did (Event.transform):
+        a fan's over its heads, a one-to-one transform, whole blocks; over
+        tcp the receiver has it from its sender's SendDone."""
+        for path in self.PATHS:
+            self.handoff(path, 8, 4, "NHD", "HND", 16, 64)
+            ev = self.events
+            self.assertEqual(ev["recv", 1].transform, "heads 2-3, NHD 16/1h -> HND 64/2h", path)
+            self.assertEqual(ev["send", 5].transform, "heads 5-5, NHD 16/1h -> HND 64/2h", path)
+            self.handoff(path, 2, 2, "NHD", "HND", 16, 16)
+            self.assertEqual(self.events["recv", 0].transform, "heads 0-3, NHD 16/4h -> HND 16/4h", path)
+            self.assertEqual(self.events["send", 1].transform, "heads 4-7, NHD 16/4h -> HND 16/4h", path)
+            self.handoff(path, 4, 4, "HND", "HND", 16, 16)  # a fan still: each head on its own
+            self.assertEqual(self.events["recv", 3].transform, "heads 6-7, HND 16/2h -> HND 16/2h", path)
+            self.handoff(path, 2, 4, "NHD", "NHD", 64, 16, mla=True)
+            self.assertEqual(self.events["recv", 2].transform, "heads 0-0, NHD 64/1h -> NHD 16/1h", path)
+            self.handoff(path, 2, 4, "NHD", "NHD", 16, 16, mla=True)
+            self.assertEqual((self.events["recv", 3].transform, self.events["send", 1].transform),
+                             ("whole blocks", "whole blocks"), path)
+
     def test_bench(self):
         """kvferry-bench --blocks with heterogeneous layouts: every rank a
         client, every byte of every decode rank verified, the JSON line."""
@@ -331,15 +352,23 @@ IPS = os.environ.get("KVF_TEST_RDMA_IPS", "").split()
 
 @unittest.skipUnless(len(IPS) == 2, "KVF_TEST_RDMA_IPS not set (run in the VM: tests/rdma/run.sh)")
 class HeteroRdma(Base, unittest.TestCase):
-    """rdma in the soft-RoCE VM: each piece written where it goes (one
-    write per coalesced run), fewer combinations (the VM is slow)."""
+    """rdma in the soft-RoCE VM, fewer combinations (the VM is slow). Every
+    transform here has small runs (a head is 16 bytes): each goes through
+    the receiver's staging (rdma_stage.c) and its transform pass, which the
+    daemons' counters must show. A staging arena of 256 KiB holds every
+    grant of those, not the one of test_staging_no_room."""
     PATHS = ("rdma",)
+    STAGING = 256 << 10
 
     @classmethod
     def setUpClass(cls):
         cls.dir = kvftest.tempdir()
-        cls.pre, cls.dec = kvftest.pair(cls.dir, "32M", extra="transports rdma\n", extra_of={
+        cls.pre, cls.dec = kvftest.pair(cls.dir, "32M", extra="transports rdma\nrdma-staging-size 256K\n", extra_of={
             "prefill": "rdma-listen %s:0" % IPS[0], "decode": "rdma-listen %s:0" % IPS[1]})
+
+    def staging(self, daemon):
+        """The rdma transport's staging counters (status JSON)."""
+        return self.client(daemon).inspect("status", json=True)["rdma"]["staging"]
 
     @classmethod
     def tearDownClass(cls):
@@ -347,7 +376,58 @@ class HeteroRdma(Base, unittest.TestCase):
             assert d.stop() == 0
 
     def test_rdma(self):
+        before_s, before_r = self.staging(self.pre), self.staging(self.dec)
         self.every_combination("rdma", tps=((8, 4), (2, 8)), tokens=((16, 64), (64, 16)))
+        s, r = self.staging(self.pre), self.staging(self.dec)
+        # 4 orders x 2 token pairs x (TP 8->4: 8 heads, 2->8: 8 heads, MLA 2->4: 4 grants) x 2 layers' part
+        parts = 4 * 2 * (8 + 8 + 4)
+        self.assertEqual(s["staged_parts"] - before_s["staged_parts"], parts, s)
+        self.assertEqual(r["passes"] - before_r["passes"], parts, r)
+        self.assertEqual(r["grants"] - before_r["grants"], parts, r)
+        self.assertEqual((r["no_room"], r["slices"], r["bytes"]), (before_r["no_room"], 0, self.STAGING), r)
+
+    def test_events_say_staged(self):
+        """Over rdma the events also say how the transform was placed."""
+        self.handoff("rdma", 8, 4, "NHD", "HND", 16, 64)
+        self.assertEqual(self.events["recv", 1].transform, "heads 2-3, NHD 16/1h -> HND 64/2h, staged")
+        self.assertEqual(self.events["send", 5].transform, "heads 5-5, NHD 16/1h -> HND 64/2h, staged")
+        self.handoff("rdma", 2, 4, "NHD", "NHD", 16, 16, mla=True)
+        self.assertEqual(self.events["recv", 3].transform, "whole blocks")
+
+    def test_staging_no_room(self):
+        """A grant larger than the receiver's staging arena: it goes without
+        a slice (the log says so, no_room counts it) and the sender writes
+        its transform directly, run by run; every byte lands."""
+        cp, cd = self.pair_clients("rdma")
+        pp, pd = cp.pool_find("kv"), cd.pool_find("kv")
+        p = Rank(cp, pp, 0, 1, 0, "NHD", 64, model=0)
+        d = Rank(cd, pd, 8 * RANK_SLICE, 1, 0, "HND", 64, model=0)
+        n = NB  # 12 blocks of 64 tokens of 8 heads, 2 layers, K and V: 384 KiB > 256 KiB
+        self.assertGreater(n * L * 2 * d.bb, self.STAGING)
+        sids, dids = self.rng.sample(range(NB), n), self.rng.sample(range(NB), n)
+        pp.memory[0:p.size] = os.urandom(p.size)
+        pd.memory[d.base:d.base + d.size] = bytes([POISON]) * d.size
+        before = self.staging(self.dec)
+        cd.grant_blocks("no-room", "prefill", d.id, dids)
+        cp.send_blocks("no-room", "decode", p.id, sids)
+        ev = wait_event(cd, "no-room", type=kvferry.RECV_DONE, timeout=60)
+        self.assertEqual((ev.status, ev.error, ev.path), (0, "", "rdma"))
+        sev = wait_event(cp, "no-room", type=kvferry.SEND_DONE, timeout=60)
+        self.assertEqual(sev.status, 0)
+        said = "heads 0-7, NHD 64/8h -> HND 64/8h, direct (the receiver lent no staging)"
+        self.assertEqual((ev.transform, sev.transform), (said, said))
+        want = bytearray([POISON]) * d.size
+        src = pp.memory
+        for layer in range(L):
+            for kv in range(2):
+                for h in range(H):
+                    for t in range(n * 64):
+                        s, o = p.addr(layer, kv, sids, t, h), d.addr(layer, kv, dids, t, h) - d.base
+                        want[o:o + UNIT] = src[s:s + UNIT]
+        self.assertEqual(bytes(pd.memory[d.base:d.base + d.size]), bytes(want))
+        after = self.staging(self.dec)
+        self.assertEqual(after["no_room"] - before["no_room"], 1, after)
+        self.assertEqual(after["passes"], before["passes"], after)
 
 
 if __name__ == "__main__":

@@ -120,7 +120,8 @@ class Event(ctypes.Structure):
                 ("bytes", ctypes.c_uint64),
                 ("descriptors", ctypes.c_uint64),
                 ("error", ctypes.c_char * 128),
-                ("layer", ctypes.c_uint32)]
+                ("layer", ctypes.c_uint32),
+                ("transform", ctypes.c_char * 112)]
 
 
 _P = ctypes.c_void_p

@@ -84,12 +84,14 @@ def _desc_array(descs):
 
 
 class Event(collections.namedtuple(
-        "Event", "type status xfer_id path peer bytes descriptors error layer",
-        defaults=(0,))):
+        "Event", "type status xfer_id path peer bytes descriptors error layer transform",
+        defaults=(0, ""))):
     """A transfer's event (kvf_event). type is RECV_DONE or SEND_DONE (the
     transfer's completion), or LAYER_DONE (a grant with layer_events=True:
     layer .layer has landed, before RECV_DONE); status 0 or a negative
-    error code."""
+    error code. .transform (completions of blocks): "whole blocks", or the
+    transform and how it was placed, e.g. "heads 0-1, NHD 16/1h -> HND
+    64/2h, staged"; "" when not known."""
 
     @property
     def ok(self):
@@ -113,7 +115,7 @@ class Event(collections.namedtuple(
     def _from_c(cls, ev):
         return cls(ev.type, ev.status, ev.xfer_id.decode(errors="replace"), ev.path.decode(),
                    ev.peer.decode(), ev.bytes, ev.descriptors,
-                   ev.error.decode(errors="replace"), ev.layer)
+                   ev.error.decode(errors="replace"), ev.layer, ev.transform.decode(errors="replace"))
 
 
 class _Region:

@@ -86,10 +86,10 @@ static int start(rdma_transport *rt, char *err, size_t errlen) {
   if (rc == 0) rc = kvf__rdma_check_memlock(rt, err, errlen);
   if (rc) return rc;
   kvf__rdma_calibrate_clock();
-  rt->n_pool_slots = KVF__POOLS_MAX;
+  rt->n_pool_slots = KVF__RDMA_SLOTS; /* the pools', then the staging arena's (rdma_stage.c) */
   rt->n_hello_pools = kvfd.n_pools;
-  rt->pool_base = calloc(KVF__POOLS_MAX, sizeof(*rt->pool_base));
-  rt->pool_bounce = calloc(KVF__POOLS_MAX, sizeof(*rt->pool_bounce));
+  rt->pool_base = calloc(KVF__RDMA_SLOTS, sizeof(*rt->pool_base));
+  rt->pool_bounce = calloc(KVF__RDMA_SLOTS, sizeof(*rt->pool_bounce));
   if (!rt->pool_base || !rt->pool_bounce) return -ENOMEM;
   for (size_t i = 0; i < kvfd.n_pools; i++) {
     const kvf__pool *p = kvf__pool_get((uint32_t)i);
@@ -100,6 +100,7 @@ static int start(rdma_transport *rt, char *err, size_t errlen) {
   for (int i = 0; rc == 0 && i < rt->n_devs; i++) rc = kvf__rdma_setup_device(&rt->devs[i], err, errlen);
   if (rc == 0) rc = kvf__rdma_decide_windows(rt, err, errlen);
   for (int i = 0; rc == 0 && i < rt->n_devs; i++) rc = kvf__rdma_register_pools(&rt->devs[i], err, errlen);
+  if (rc == 0) rc = kvf__rdma_stage_setup(rt, err, errlen);
   if (rc) return rc;
   rt->cm = rdma_create_event_channel();
   if (!rt->cm || set_nonblock(rt->cm->fd)) {
@@ -182,6 +183,7 @@ static void teardown(rdma_transport *rt) {
   }
   kvf__rdma_free_grants(rt);
   for (int i = 0; i < rt->n_devs; i++) kvf__rdma_free_device(&rt->devs[i]);
+  kvf__rdma_stage_free(rt);
   if (rt->cm) rdma_destroy_event_channel(rt->cm);
   if (rt->all) rdma_free_devices(rt->all);
   free(rt->pool_base);
@@ -208,6 +210,8 @@ static const kvf__transport_ops rdma_ops = {
     .one_sided = true,
     .usable = kvf__rdma_usable,
     .post = kvf__rdma_post,
+    .post_blocks = kvf__rdma_post_blocks,
+    .unstage = kvf__rdma_unstage,
     .abort = kvf__rdma_abort,
     .xfer_done = kvf__rdma_xfer_done,
     .grant_open = kvf__rdma_grant_open,

@@ -531,8 +531,8 @@ void kvf__rdma_peer_down(kvf__transport *t, kvf__peer *p) {
 static int find_mrs(rlink *lk, const Kvf__RdmaDevice *rd, const rpeer *rp) {
   lk->n_rpools = rp->n_pools;
   /* KVF__POOLS_MAX: the peer's engine memory comes later, in its grants */
-  lk->raddr = calloc(KVF__POOLS_MAX, sizeof(*lk->raddr));
-  lk->rkey = calloc(KVF__POOLS_MAX, sizeof(*lk->rkey));
+  lk->raddr = calloc(KVF__RDMA_SLOTS, sizeof(*lk->raddr)); /* the staging slot's stays 0: windows' addresses */
+  lk->rkey = calloc(KVF__RDMA_SLOTS, sizeof(*lk->rkey));
   if (!lk->raddr || !lk->rkey) return -ENOMEM;
   size_t found = 0;
   for (size_t i = 0; i < rd->n_mrs; i++) {
@@ -608,9 +608,9 @@ static rpeer *rpeer_new(rdma_transport *rt, kvf__peer *p) {
   rp->session = p->remote_session;
   rp->up_ns = kvf__now_ns();
   rp->n_pools = h->n_pools;
-  rp->pool_size = calloc(KVF__POOLS_MAX, sizeof(*rp->pool_size));
-  rp->pool_gpu = calloc(KVF__POOLS_MAX, sizeof(*rp->pool_gpu));
-  rp->pool_bounce = calloc(KVF__POOLS_MAX, sizeof(*rp->pool_bounce));
+  rp->pool_size = calloc(KVF__RDMA_SLOTS, sizeof(*rp->pool_size));
+  rp->pool_gpu = calloc(KVF__RDMA_SLOTS, sizeof(*rp->pool_gpu));
+  rp->pool_bounce = calloc(KVF__RDMA_SLOTS, sizeof(*rp->pool_bounce));
   if (!rp->pool_size || !rp->pool_gpu || !rp->pool_bounce) {
     free(rp->pool_size);
     free(rp->pool_gpu);

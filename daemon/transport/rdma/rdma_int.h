@@ -325,6 +325,9 @@ typedef struct rgrant {
   unsigned tries;
   uint64_t since_ns;
   struct rgrant *next_b;        /* rt->mw.binding, or rt->mw.zombies once closed */
+  uint64_t st_off, st_len;      /* its slice of the staging arena (rdma_stage.c); st_len 0: none */
+  uint32_t st_done;             /* granted layers the staging pass placed */
+  struct spass *passes;         /* transform passes running (rdma_stage.c) */
   struct bgrant *bg;            /* the bounce path: its staging slots (receiver) */
   struct xbounce *credit_of;    /* not a grant: the token of a send's credits (sender) */
 } rgrant;
@@ -404,6 +407,15 @@ struct rdma_transport {
      * (a chained send posts one per frame) */
     uint64_t last_wrs, last_loop_ns, last_build_ns, last_bell_ns;
   } post;
+  /* the staging arena of transforms (rdma_stage.c): host memory, each
+   * device's MR of it in mrs[KVF__RDMA_STAGE_POOL]; extents by offset */
+  struct {
+    uint8_t *mem;
+    size_t len;
+    struct { uint64_t off, len; } *used;
+    size_t n_used, cap_used;
+    uint64_t grants, refused, staged_parts, passes, pass_ns, bytes;
+  } stage;
   /* memory windows (rdma_mw.c) */
   char protection[400];         /* one line for status, doctor and the log */
   struct {
@@ -636,6 +648,33 @@ int kvf__rdma_grant_add_mrs(rdma_transport *rt, kvf__xfer *x);
  * bounce records follow them); learning the MR records. */
 size_t kvf__rdma_window_records(const kvf__tp_grant *g);
 int kvf__rdma_learn_mrs(rpeer *rp, const kvf__xfer *x);
+
+/* ------------------------------------------------------------ rdma_stage.c */
+
+/* The staging arena's slot in the per-pool tables (one past the pools':
+ * engine memory never takes it). Its window records name this pool with
+ * absolute addresses (its base is 0), so a sender writes into it through
+ * the window alone. */
+#define KVF__RDMA_STAGE_POOL KVF__POOLS_MAX
+#define KVF__RDMA_SLOTS (KVF__POOLS_MAX + 1)
+
+int kvf__rdma_stage_setup(rdma_transport *rt, char *err, size_t errlen);
+void kvf__rdma_stage_free(rdma_transport *rt);
+/* Receiver: a slice for g's grant when it may need a transform pass (a
+ * grant of blocks of stated geometry into host memory, with windows); none
+ * when the arena has no room (the sender then writes directly). */
+void kvf__rdma_stage_reserve(rgrant *g, kvf__xfer *x);
+void kvf__rdma_stage_release(rdma_transport *rt, uint64_t off, uint64_t len);
+/* The grant closes: waits for its passes still running, detaches them. */
+typedef struct spass spass;
+void kvf__rdma_stage_detach(rgrant *g);
+/* Receiver: appends g's slice to its planned windows. */
+int kvf__rdma_stage_window(rgrant *g);
+/* Sender: post_blocks, staging what would be small writes. */
+int kvf__rdma_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last);
+/* Receiver: the sender's note that layers of a staged part landed. */
+int kvf__rdma_unstage(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n, const kvf__xstaged *st,
+                      char *why, size_t len);
 
 /* ------------------------------------------------------------ rdma_status.c */
 

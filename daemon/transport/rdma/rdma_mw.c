@@ -725,6 +725,7 @@ static int mw_grant_open(rgrant *g, kvf__xfer *x) {
   size_t merged = 0;
   int rc = kvf__rangeset_build(&rs, &x->dst);
   if (rc == 0) rc = kvf__mw_plan(&rs, kvfd.cfg.rdma_mw_max_windows, &g->win, &g->n_win, &merged);
+  if (rc == 0) rc = kvf__rdma_stage_window(g); /* its slice of the staging arena, last (highest pool) */
   size_t ranges = rs.n;
   kvf__rangeset_free(&rs);
   if (rc == 0 && g->n_win == 0) rc = KVF_EINVAL;
@@ -834,6 +835,18 @@ void kvf__rdma_accepted_ready(rqp *q) {
 
 /* ------------------------------------------------------------ grants */
 
+/* Windows invalidated first, then the staging slice goes back: no write
+ * can reach it once another grant has it. */
+static void close_grant(rgrant *g) {
+  rdma_transport *rt = g->rt;
+  uint64_t off = g->st_off, len = g->st_len;
+  g->st_len = 0;
+  kvf__rdma_stage_detach(g); /* its passes write into its blocks: over before the memory goes back */
+  bool done = mw_release(g);
+  kvf__rdma_stage_release(rt, off, len);
+  if (done) free(g);
+}
+
 int kvf__rdma_grant_open(kvf__transport *t, kvf__xfer *x) {
   rdma_transport *rt = to_rdma(t);
   char key[16];
@@ -865,6 +878,7 @@ int kvf__rdma_grant_open(kvf__transport *t, kvf__xfer *x) {
     return rc;
   }
   if (rc > 0) return rc == 2; /* 2: waiting for staging slots */
+  if (rt->mw.on) kvf__rdma_stage_reserve(g, x);
   rc = rt->mw.on ? mw_grant_open(g, x) : 0;
   /* engine memory our Hello did not list: its MRs, for the sender */
   if (rc >= 0) {
@@ -873,7 +887,7 @@ int kvf__rdma_grant_open(kvf__transport *t, kvf__xfer *x) {
   }
   if (rc < 0) {
     kvf__map_del(&rt->grants, key);
-    if (mw_release(g)) free(g);
+    close_grant(g);
   }
   return rc;
 }
@@ -886,7 +900,7 @@ void kvf__rdma_grant_close(kvf__transport *t, kvf__xfer *x) {
   if (!g || g->x != x) return;
   kvf__map_del(&rt->grants, key);
   kvf__rdma_bounce_grant_close(g);
-  if (mw_release(g)) free(g);
+  close_grant(g);
 }
 
 /* Before the PDs go: every grant closed, every window deallocated. */
@@ -895,7 +909,7 @@ void kvf__rdma_free_grants(rdma_transport *rt) {
     for (kvf__map_ent *e = rt->grants.b[i]; e; e = e->next) {
       if (((rgrant *)e->val)->credit_of) continue; /* a send's credit token: goes with its transfer */
       kvf__rdma_bounce_grant_close(e->val);
-      if (mw_release(e->val)) free(e->val);
+      close_grant(e->val);
     }
   kvf__map_free(&rt->grants);
   while (rt->mw.zombies) {

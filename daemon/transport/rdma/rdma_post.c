@@ -629,8 +629,10 @@ int kvf__rdma_check_runs(const rpeer *rp, const kvf__runs *runs, uint64_t slice,
   *extra = 0;
   for (size_t i = 0; i < runs->n; i++) {
     const kvf__run *r = &runs->v[i];
-    if (r->src_pool >= kvfd.n_pools || (!staged && r->dst_pool >= rp->n_pools)) return KVF_ENOPOOL;
-    uint64_t size = staged ? UINT64_MAX : rp->pool_size[r->dst_pool];
+    /* the receiver's staging slot: its grant's window is the bound (rdma_stage.c) */
+    bool stage = r->dst_pool == KVF__RDMA_STAGE_POOL;
+    if (r->src_pool >= kvfd.n_pools || (!staged && !stage && r->dst_pool >= rp->n_pools)) return KVF_ENOPOOL;
+    uint64_t size = staged || stage ? UINT64_MAX : rp->pool_size[r->dst_pool];
     if (r->len == 0 || r->dst_off > size || r->len > size - r->dst_off) return KVF_ERANGE;
     if (r->len > slice) *extra += (size_t)((r->len - 1) / slice);
   }
@@ -955,7 +957,11 @@ static void on_imm(const tevent *e) {
     kvf__debug("rdma: completion notice %08x from %s matches no open grant", e->imm, peer_name(rp));
     return;
   }
-  kvf__xfer_on_delivered(g->x);
+  /* blocks: the SendDone also counts. It says what the transfer did
+   * (Event.transform), and with a staging slice the sender's staged notes
+   * come before it: their transform passes must run first. */
+  if (g->st_len || g->x->blocks) kvf__xfer_on_landed(g->x);
+  else kvf__xfer_on_delivered(g->x);
 }
 
 static void on_event(kvf__mail *m) {

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# rdma_hetero.sh - heterogeneous handoffs over rdma (issue 17) against a
+# same-layout handoff of the same bytes, in ONE run of the soft-RoCE VM
+# (two nodes, rxe0 <-> rxe1), with the receiver's staging off (every run of
+# a transform written directly: rdma-staging-size 0) and on (small runs
+# staged and transformed on the receiver: daemon/transport/rdma/rdma_stage.c):
+#
+#   kvferry-bench --blocks --model llama3-8b --tokens TOKENS --requests N
+#     same        TP 1 -> TP 1, NHD -> NHD (whole blocks)
+#     tp8to4      --prefill-tp 8 --decode-tp 4 (fan-in of two, NHD)
+#     nhd2hnd     --decode-order hnd (TP 1 -> TP 1)
+#
+# The VM is emulated (TCG): compare figures only within one run.
+# Prints one line per case and mode, then (last line) one JSON line.
+# Usage (as root, on the host): make all && bench/rdma_hetero.sh.
+# Environment: BUILD (build), TOKENS (4096), REQUESTS (2), POOL (1G per
+# daemon), STAGING (rdma-staging-size when on, 640M), VM_MEM (8G), RDMA_VM,
+# CASES (same tp8to4 nhd2hnd), MODES (direct staged).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+TOKENS=${TOKENS:-4096}
+REQUESTS=${REQUESTS:-2}
+POOL=${POOL:-1G}
+STAGING=${STAGING:-640M}
+VM_MEM=${VM_MEM:-8G}
+RDMA_VM=${RDMA_VM:-$(cd .. && pwd)/shared/rdma-vm/run}
+
+say() { echo "rdma_hetero: $*" >&2; }
+die() { say "$*"; exit 1; }
+
+for bin in kvferryd kvferryctl kvferry-bench; do
+  [ -x "$BUILD/$bin" ] || die "$BUILD/$bin is missing (run make all first)"
+done
+
+if [ -z "${RDMA_VM_NODES:-}" ]; then
+  [ -x "$RDMA_VM" ] || die "no VM runner at $RDMA_VM (set RDMA_VM)"
+  export BUILD TOKENS REQUESTS POOL STAGING CASES MODES
+  exec "$RDMA_VM" --nodes 2 --mem "$VM_MEM" --timeout 1500 -- bench/rdma_hetero.sh
+fi
+
+# ---------------------------------------------------------------- in the VM
+. bench/lib.sh
+bench_setup rdma-hetero
+PORT0=7471 PORT1=7472
+
+write_conf() { # NAME IP PORT PEER PEER_IP PEER_PORT STAGING
+  cat >"$TMP/$1.conf" <<EOF
+node $1
+api-socket $TMP/$1.sock
+peer-listen $2:$3
+peer $4 $5:$6
+pool kv host $POOL
+transports rdma
+rdma-staging-size $7
+log-level info
+EOF
+}
+
+start_daemons() { # STAGING
+  write_conf prefill "$NODE0_IP" $PORT0 decode "$NODE1_IP" $PORT1 "$1"
+  write_conf decode "$NODE1_IP" $PORT1 prefill "$NODE0_IP" $PORT0 "$1"
+  "$BUILD/kvferryd" -c "$TMP/prefill.conf" 2>>"$TMP/prefill.log" &
+  PIDS="$PIDS $!"
+  "$BUILD/kvferryd" -c "$TMP/decode.conf" 2>>"$TMP/decode.log" &
+  PIDS="$PIDS $!"
+  local i=0
+  until bench_rdma_ready prefill && bench_rdma_ready decode; do
+    i=$((i + 1))
+    [ $i -le 600 ] || { tail -n 20 "$TMP"/*.log >&2; die "daemons not connected over rdma after 60 s"; }
+    sleep 0.1
+  done
+}
+
+stop_daemons() {
+  for pid in $PIDS; do kill "$pid" 2>/dev/null || true; done
+  for pid in $PIDS; do wait "$pid" 2>/dev/null || true; done
+  PIDS=""
+}
+
+declare -A ARGS=([same]="" [tp8to4]="--prefill-tp 8 --decode-tp 4" [nhd2hnd]="--decode-order hnd")
+CASES=${CASES:-same tp8to4 nhd2hnd}
+MODES=${MODES:-direct staged}
+for mode in $MODES; do
+  staging=0
+  [ $mode = staged ] && staging=$STAGING
+  start_daemons "$staging"
+  for c in $CASES; do
+    say "$mode: $c: kvferry-bench --blocks --model llama3-8b --tokens $TOKENS --requests $REQUESTS ${ARGS[$c]}"
+    # shellcheck disable=SC2086
+    "$BUILD/kvferry-bench" --from "$TMP/prefill.sock" --to "$TMP/decode.sock" --json --blocks --model llama3-8b \
+      --tokens "$TOKENS" --requests "$REQUESTS" ${ARGS[$c]} >"$TMP/$mode-$c.json" 2>"$TMP/$mode-$c.err" ||
+      { cat "$TMP/$mode-$c.err" >&2; tail -n 20 "$TMP"/*.log >&2; die "kvferry-bench failed"; }
+    say "$mode: $c: $(tail -n 1 "$TMP/$mode-$c.json")"
+  done
+  bench_ctl decode status --json >"$TMP/$mode-status.json"
+  stop_daemons
+done
+
+python3 - "$TMP" "$CASES" "$MODES" <<'EOF'
+import json, os, sys
+tmp, cases, modes = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
+def last_json(path):
+    return json.loads([l for l in open(path).read().splitlines() if l.strip()][-1])
+out = {}
+for mode in modes:
+    st = json.load(open(os.path.join(tmp, mode + "-status.json")))["rdma"]["staging"]
+    for c in cases:
+        r = last_json(os.path.join(tmp, "%s-%s.json" % (mode, c)))
+        out["%s_%s_mbps" % (mode, c)] = r["gbps"] * 1e3
+        assert r["verified"], r
+        print("%-8s %-8s %9.1f MB/s  %d bytes, path %s" % (mode, c, r["gbps"] * 1e3, r["bytes"], r["path"]))
+    out[mode + "_staging"] = st
+    print("%-8s staging: %s" % (mode, json.dumps(st)))
+for mode in modes:
+    for c in cases:
+        if c != "same" and out.get("%s_same_mbps" % mode):
+            k = "%s_%s_mbps" % (mode, c)
+            out["%s_%s_ratio" % (mode, c)] = out[k] / out["%s_same_mbps" % mode]
+            print("%-8s %-8s / same: %.3f" % (mode, c, out["%s_%s_ratio" % (mode, c)]))
+print(json.dumps(out))
+EOF

@@ -1,0 +1,419 @@
+/* rdma_stage.c - transforms over rdma: direct writes where they are large,
+ * else a staging slice of the receiver's and a transform pass there.
+ *
+ * A transform between layouts of other heads, order or tokens per block
+ * (kv_xform.h) walks into runs that are often small: NHD into a grant of
+ * more heads is a run per token (a head's 256 bytes), NHD <-> HND a run per
+ * token and head. Over rdma each run is a work request, and small ones
+ * cost far more than their bytes. So:
+ *
+ * Receiver. A grant of blocks of stated geometry into host memory, with
+ * memory windows, gets a slice of the staging arena (rdma-staging-size of
+ * host memory, registered with every device at start, its slot in the
+ * per-pool tables KVF__RDMA_STAGE_POOL) as large as the grant's bytes, and
+ * one more memory window over that slice, bound like the grant's others: a
+ * sender can write nothing of the arena but its grant's slice, and only
+ * while the grant is open. No room: the grant goes without (the sender then
+ * writes directly; the log and kvferryctl say so).
+ *
+ * Sender. A part of a transform whose direct runs average under
+ * STAGE_MIN_RUN bytes, to a grant with a slice, is written into the slice
+ * instead, in the layout "the grant's blocks, in order, each of the
+ * grant's tokens per block, holding only the heads moved, in the SEND's
+ * order" (kvf__xstaged): that is the source's own bytes regrouped, so its
+ * runs are whole rows of the source (a source block of the moved heads, or
+ * a head's tokens). Once the part's writes completed the sender says so
+ * (LayersDone with staged_*), before its SendDone.
+ *
+ * Receiver again. On that note the part's layers are transformed from the
+ * slice into the grant's blocks (the plan slice -> grant, a walk of
+ * kv_xform.c on libuv's thread pool; every read checked against the slice,
+ * every write computed from the grant's own view), then reported (layer
+ * events). A grant of blocks completes on the sender's SendDone as well as
+ * its last write's notice: the notes come before the SendDone on the
+ * peer's link, and the SendDone waits for the passes still running.
+ *
+ * CUDA pools take direct writes still: a pass with the transform kernel
+ * (kvf_xblocks) from the slice is not written yet. */
+#include "rdma_int.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "kv_xform.h"
+#include "pool.h"
+#include "pool_engine.h"
+
+#define STAGE_ALIGN 4096u
+/* Direct writes when a part's runs average at least this: a whole HND head
+ * slice of 16 tokens of 128 x 2 bytes and up. Chosen, not tuned: below a
+ * few KiB per work request the requests, not the bytes, set the time. */
+#define STAGE_MIN_RUN 4096u
+
+/* ------------------------------------------------------------ the arena */
+
+int kvf__rdma_stage_setup(rdma_transport *rt, char *err, size_t errlen) {
+  size_t len = kvfd.cfg.rdma_staging_size;
+  if (!len || !rt->mw.on) return 0; /* without windows a slice could not be confined to its grant */
+  void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return snprintf(err, errlen, "no memory for rdma-staging-size (%zu bytes)", len), -ENOMEM;
+  rt->stage.mem = m;
+  rt->stage.len = len;
+  for (int i = 0; i < rt->n_devs; i++) {
+    rdev *d = &rt->devs[i];
+    d->mrs[KVF__RDMA_STAGE_POOL] = ibv_reg_mr(d->pd, m, len, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_MW_BIND);
+    if (!d->mrs[KVF__RDMA_STAGE_POOL]) {
+      int e = errno;
+      snprintf(err, errlen, "registering %zu bytes of staging (rdma-staging-size) with %s failed: %s", len, d->name,
+               strerror(e));
+      return -e;
+    }
+    d->lkey[KVF__RDMA_STAGE_POOL] = d->mrs[KVF__RDMA_STAGE_POOL]->lkey;
+  }
+  return 0;
+}
+
+/* After the devices' MRs went (kvf__rdma_free_device). */
+void kvf__rdma_stage_free(rdma_transport *rt) {
+  if (rt->stage.mem) munmap(rt->stage.mem, rt->stage.len);
+  free(rt->stage.used);
+  memset(&rt->stage, 0, sizeof(rt->stage));
+}
+
+/* First fit among the used extents (sorted by offset): 0, or -ENOSPC. */
+static int arena_take(rdma_transport *rt, uint64_t len, uint64_t *off) {
+  uint64_t at = 0;
+  size_t i = 0;
+  for (; i < rt->stage.n_used; i++) {
+    if (rt->stage.used[i].off - at >= len) break;
+    at = rt->stage.used[i].off + rt->stage.used[i].len;
+  }
+  if (at > rt->stage.len || rt->stage.len - at < len) return -ENOSPC;
+  if (rt->stage.n_used == rt->stage.cap_used) {
+    size_t cap = rt->stage.cap_used ? 2 * rt->stage.cap_used : 16;
+    void *nv = realloc(rt->stage.used, cap * sizeof(*rt->stage.used));
+    if (!nv) return -ENOMEM;
+    rt->stage.used = nv;
+    rt->stage.cap_used = cap;
+  }
+  memmove(&rt->stage.used[i + 1], &rt->stage.used[i], (rt->stage.n_used - i) * sizeof(*rt->stage.used));
+  rt->stage.used[i].off = at;
+  rt->stage.used[i].len = len;
+  rt->stage.n_used++;
+  *off = at;
+  return 0;
+}
+
+void kvf__rdma_stage_release(rdma_transport *rt, uint64_t off, uint64_t len) {
+  for (size_t i = 0; len && i < rt->stage.n_used; i++)
+    if (rt->stage.used[i].off == off) {
+      memmove(&rt->stage.used[i], &rt->stage.used[i + 1], (rt->stage.n_used - i - 1) * sizeof(*rt->stage.used));
+      rt->stage.n_used--;
+      return;
+    }
+}
+
+static bool geometry_stated(const kvf__lgeom *g) {
+  return g->tokens_per_block && g->kv_heads && g->head_dim && g->dtype_bytes;
+}
+
+void kvf__rdma_stage_reserve(rgrant *g, kvf__xfer *x) {
+  rdma_transport *rt = g->rt;
+  const kvf__pool *p = x->blocks ? kvf__pool_get(x->mine.view.pool) : NULL;
+  if (!rt->stage.mem || g->bg || !p || kvf__pool_gpu(p) || !geometry_stated(&x->mine.view.geom)) return;
+  uint64_t need = (x->dst.total + STAGE_ALIGN - 1) / STAGE_ALIGN * STAGE_ALIGN;
+  if (need == 0) return;
+  if (arena_take(rt, need, &g->st_off) != 0) {
+    rt->stage.refused++;
+    kvf__warn("rdma: grant %s: no room for its %llu bytes in the staging arena (rdma-staging-size %zu, %zu "
+              "grants hold slices): a transform into it is written directly, run by run",
+              x->id, (unsigned long long)need, rt->stage.len, rt->stage.n_used);
+    return;
+  }
+  g->st_len = need;
+  rt->stage.grants++;
+}
+
+int kvf__rdma_stage_window(rgrant *g) {
+  if (!g->st_len) return 0;
+  kvf__range *nv = realloc(g->win, (g->n_win + 1) * sizeof(*nv));
+  if (!nv) return -ENOMEM;
+  uint64_t a = (uint64_t)(uintptr_t)g->rt->stage.mem + g->st_off; /* the slot's base is 0 */
+  nv[g->n_win++] = (kvf__range){.pool = KVF__RDMA_STAGE_POOL, .start = a, .end = a + g->st_len};
+  g->win = nv;
+  return 0;
+}
+
+/* ------------------------------------------------------------ the staged layout */
+
+/* The view of grant view gv's nd blocks as staged with st: same layers,
+ * regions and tokens per block, st's heads and order, packed (layer,
+ * region, block); its offsets in *offs (malloc'ed). Its bytes in *bytes. */
+static int stage_view(const kvf__lview *gv, size_t nd, const kvf__xstaged *st, kvf__lview *v, uint64_t **offs,
+                      uint64_t *bytes) {
+  uint64_t unit = (uint64_t)gv->geom.head_dim * gv->geom.dtype_bytes;
+  uint64_t bb = (uint64_t)gv->geom.tokens_per_block * st->nh * unit;
+  size_t n = (size_t)gv->n_layers * gv->n_kv;
+  uint64_t *o = malloc((n ? n : 1) * sizeof(*o));
+  if (!o) return -ENOMEM;
+  for (size_t i = 0; i < n; i++) o[i] = (uint64_t)i * nd * bb;
+  *v = *gv;
+  v->pool = KVF__RDMA_STAGE_POOL;
+  v->n_blocks = (uint32_t)nd;
+  v->block_bytes = v->block_stride = bb;
+  v->offsets = o;
+  v->geom.kv_heads = st->nh;
+  v->geom.first_head = st->h0;
+  v->geom.order = st->order;
+  *offs = o;
+  *bytes = (uint64_t)n * nd * bb;
+  return 0;
+}
+
+static uint32_t *identity(size_t n) {
+  uint32_t *v = malloc((n ? n : 1) * sizeof(*v));
+  for (size_t i = 0; v && i < n; i++) v[i] = (uint32_t)i;
+  return v;
+}
+
+/* ------------------------------------------------------------ sender */
+
+typedef struct counter {
+  uint64_t runs, bytes;
+} counter;
+
+static void count_run(void *ctx, uint64_t so, uint64_t dof, uint64_t len, uint32_t piece) {
+  counter *c = ctx;
+  c->runs++;
+  c->bytes += len;
+}
+
+/* The Grant's window over the receiver's staging slice, if it gave one. */
+static bool stage_record(const kvf__xfer *x, kvf__mw_rec *r) {
+  for (size_t i = kvf__rdma_window_records(&x->tp_grant); i-- > 0;) {
+    kvf__mw_rec_get(x->tp_grant.win + i * KVF__MW_REC, r);
+    if (r->pool == KVF__RDMA_STAGE_POOL) return true;
+    if (r->pool < KVF__RDMA_STAGE_POOL) break;
+  }
+  return false;
+}
+
+/* Whether b's direct runs would be small: their average under STAGE_MIN_RUN,
+ * judged on its first layer (every layer has the same geometry; the loop
+ * does not walk them all twice). */
+static bool runs_small(const kvf__bpart *b) {
+  counter c = {0};
+  if (kvf__xform_walk(&b->xf, b->src, b->sids, b->dst, b->dids, b->first, 1, count_run, &c) != 0) return false;
+  return c.runs && c.bytes / c.runs < STAGE_MIN_RUN;
+}
+
+/* b's runs into the staging slice of record w, staged as st. */
+static int staged_runs(const kvf__bpart *b, const kvf__mw_rec *w, const kvf__xstaged *st, kvf__runs *runs) {
+  kvf__lview sv;
+  uint64_t *offs = NULL, bytes = 0;
+  uint32_t *ids = identity(b->xf.nd);
+  int rc = ids ? stage_view(b->dst, b->xf.nd, st, &sv, &offs, &bytes) : -ENOMEM;
+  if (rc == 0 && bytes > w->len) rc = KVF_ESIZE; /* the receiver sized its slice otherwise: go direct */
+  kvf__xplan p = b->xf; /* the send's side, heads and tokens; the slice's side: */
+  p.d = (kvf__xside){b->xf.d.tpb, st->nh, st->h0, st->order};
+  p.transform = true;
+  if (rc == 0) rc = kvf__xform_runs(&p, b->src, b->sids, &sv, ids, b->first, b->n_layers, runs);
+  for (size_t i = 0; rc == 0 && i < runs->n; i++) {
+    runs->v[i].dst_off += w->off;
+    runs->v[i].dst_desc = UINT32_MAX; /* not a grant descriptor: its window is found by pool */
+  }
+  free(ids);
+  free(offs);
+  return rc;
+}
+
+int kvf__rdma_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
+  kvf__mw_rec w;
+  kvf__xstaged st = {b->xf.s.order, b->xf.h0, b->xf.nh};
+  if (!b->xf.transform) return kvf__transport_post_block_runs(t, x, b, last);
+  bool offered = stage_record(x, &w);
+  if (!offered || (!x->send.staged.nh && !runs_small(b))) {
+    x->stage_note = offered ? "direct (runs of 4 KiB or more)" : "direct (the receiver lent no staging)";
+    return kvf__transport_post_block_runs(t, x, b, last);
+  }
+  kvf__runs runs = {0};
+  int rc = staged_runs(b, &w, &st, &runs);
+  if (rc == KVF_ESIZE && !x->send.staged.nh) {
+    x->stage_note = "direct (the receiver's staging is too small)";
+    kvf__runs_free(&runs);
+    return kvf__transport_post_block_runs(t, x, b, last);
+  }
+  x->send.staged = st; /* every later part of x goes the same way */
+  x->stage_note = "staged";
+  if (rc == 0) rc = kvf__rdma_post(t, x, &runs, last);
+  if (rc == 0) to_rdma(t)->stage.staged_parts++;
+  kvf__runs_free(&runs);
+  return rc;
+}
+
+/* ------------------------------------------------------------ receiver: the pass
+ *
+ * A part's layers are split among up to PASS_JOBS jobs on libuv's thread
+ * pool (the loop keeps serving: a pass of a large part takes seconds under
+ * emulation, longer than a peer waits for heartbeats). Each job reports its
+ * layers on the loop (kvf__xrecv_unstaged). A grant that closes waits for
+ * its jobs still running (they write into its blocks) and detaches them. */
+
+#define PASS_JOBS 4u
+
+struct spass {
+  uv_work_t req;
+  struct spass *next;           /* the grant's jobs (loop) */
+  rgrant *g;                    /* NULL once the grant closed */
+  kvf__xfer *x;
+  kvf__xplan p;
+  kvf__lview sv, gv;
+  uint64_t *offs;               /* sv's offsets (owned) */
+  uint32_t *ids;                /* the slice's block ids (owned) */
+  uint32_t first, n;
+  const uint8_t *src;
+  uint64_t src_len;
+  uint8_t *dst;
+  uint64_t dst_len;
+  int rc;
+  uint64_t ns;
+  atomic_bool done;             /* the work is over (close_grant waits for it) */
+};
+
+static void pass_run(void *ctx, uint64_t so, uint64_t dof, uint64_t len, uint32_t piece) {
+  spass *p = ctx;
+  if (p->rc) return;
+  if (so > p->src_len || len > p->src_len - so || dof > p->dst_len || len > p->dst_len - dof) {
+    p->rc = KVF_ERANGE;
+    return;
+  }
+  p->rc = kvf__pool_copy(p->dst + dof, p->src + so, len); /* guarded: engine memory may shrink */
+}
+
+static void pass_work(uv_work_t *req) {
+  spass *p = req->data;
+  uint64_t t0 = kvf__now_ns();
+  int rc = kvf__xform_walk(&p->p, &p->sv, p->ids, &p->gv, p->x->mine.ids, p->first, p->n, pass_run, p);
+  if (rc && !p->rc) p->rc = rc;
+  p->ns = kvf__now_ns() - t0;
+  atomic_store(&p->done, true);
+}
+
+static void pass_free(spass *p) {
+  free(p->offs);
+  free(p->ids);
+  free(p);
+}
+
+static void pass_after(uv_work_t *req, int status) {
+  spass *p = req->data;
+  rgrant *g = p->g;
+  if (!g) { /* the grant closed under it */
+    pass_free(p);
+    return;
+  }
+  for (spass **pp = &g->passes; *pp; pp = &(*pp)->next)
+    if (*pp == p) {
+      *pp = p->next;
+      break;
+    }
+  rdma_transport *rt = g->rt;
+  rt->stage.pass_ns += p->ns; /* the jobs' time summed (they may overlap) */
+  char why[160] = "";
+  int rc = p->rc ? p->rc : status;
+  if (rc) snprintf(why, sizeof(why), "the transform pass of staged layers %u-%u failed (%d)", p->first,
+                   p->first + p->n - 1, rc);
+  kvf__xfer *x = p->x;
+  uint32_t first = p->first, n = p->n;
+  pass_free(p);
+  kvf__xrecv_unstaged(x, first, n, rc, why);
+}
+
+void kvf__rdma_stage_detach(rgrant *g) {
+  for (spass *p = g->passes; p; p = p->next) {
+    while (!atomic_load(&p->done)) {
+      struct timespec nap = {0, 50000};
+      nanosleep(&nap, NULL);
+    }
+    p->g = NULL;
+  }
+  g->passes = NULL;
+}
+
+static int check_note(const kvf__xfer *x, const rgrant *g, const kvf__xstaged *st, char *why, size_t len) {
+  const kvf__lgeom *ge = &x->mine.view.geom;
+  if (!g || !g->st_len) return snprintf(why, len, "the sender says it staged, but the grant has no staging"), KVF_EPROTO;
+  if ((st->order != KVF_LAYOUT_NHD && st->order != KVF_LAYOUT_HND) || !st->nh || st->h0 < ge->first_head ||
+      st->nh > ge->kv_heads || st->h0 - ge->first_head > ge->kv_heads - st->nh ||
+      (x->mine.head1 && (st->h0 != x->mine.head1 - 1 || st->nh != 1)))
+    return snprintf(why, len, "the sender staged heads %u-%u in order %u: not the grant's heads %u-%u",
+                    st->h0, st->h0 + st->nh - 1, st->order, ge->first_head, ge->first_head + ge->kv_heads - 1),
+           KVF_EPROTO;
+  return 0;
+}
+
+/* One job over layers [first, first + n): its own copy of the views. */
+static int pass_start(rdma_transport *rt, rgrant *g, kvf__xfer *x, const kvf__xstaged *st, const kvf__pool *pool,
+                      uint32_t first, uint32_t n) {
+  spass *p = calloc(1, sizeof(*p));
+  if (!p) return -ENOMEM;
+  const kvf__lview *gv = &x->mine.view;
+  const kvf__lgeom *ge = &gv->geom;
+  uint64_t bytes = 0;
+  p->ids = identity(x->mine.n);
+  int rc = p->ids ? stage_view(gv, x->mine.n, st, &p->sv, &p->offs, &bytes) : -ENOMEM;
+  if (rc == 0 && bytes > g->st_len) rc = KVF_ESIZE;
+  if (rc) {
+    pass_free(p);
+    return rc;
+  }
+  p->p = (kvf__xplan){.transform = true,
+                      .s = {ge->tokens_per_block, st->nh, st->h0, st->order},
+                      .d = {ge->tokens_per_block, ge->kv_heads, ge->first_head, ge->order},
+                      .h0 = st->h0, .nh = st->nh, .unit = (uint64_t)ge->head_dim * ge->dtype_bytes,
+                      .tokens = (uint64_t)x->mine.n * ge->tokens_per_block, .ns = x->mine.n, .nd = x->mine.n};
+  p->gv = *gv;
+  p->g = g;
+  p->x = x;
+  p->first = first;
+  p->n = n;
+  p->src = rt->stage.mem + g->st_off;
+  p->src_len = g->st_len;
+  p->dst = pool->base;
+  p->dst_len = pool->size;
+  p->req.data = p;
+  rt->stage.bytes += bytes / (gv->n_layers ? gv->n_layers : 1) * n;
+  if ((rc = uv_queue_work(rt->base.loop, &p->req, pass_work, pass_after)) != 0) {
+    pass_free(p);
+    return rc;
+  }
+  p->next = g->passes;
+  g->passes = p;
+  return 0;
+}
+
+int kvf__rdma_unstage(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n, const kvf__xstaged *st,
+                      char *why, size_t len) {
+  rdma_transport *rt = to_rdma(t);
+  char key[16];
+  grant_key(key, sizeof(key), (uint32_t)x->handle);
+  rgrant *g = kvf__map_get(&rt->grants, key);
+  if (g && g->x != x) g = NULL;
+  int rc = check_note(x, g, st, why, len);
+  if (rc) return rc;
+  const kvf__lview *gv = &x->mine.view;
+  const kvf__pool *pool = kvf__pool_get(gv->pool);
+  if (!pool || kvf__pool_gpu(pool) || first < gv->first_layer || n > gv->n_layers ||
+      first - gv->first_layer > gv->n_layers - n)
+    return snprintf(why, len, "staged layers %u-%u are not the grant's (or not in host memory)", first,
+                    first + n - 1), KVF_ERANGE;
+  uint32_t jobs = n < PASS_JOBS ? n : PASS_JOBS, per = (n + jobs - 1) / jobs, started = 0;
+  for (uint32_t l = first; l < first + n && rc == 0; l += per, started++)
+    rc = pass_start(rt, g, x, st, pool, l, first + n - l < per ? first + n - l : per);
+  if (rc && started == 0) return snprintf(why, len, "the transform pass could not start (%d)", rc), rc;
+  g->st_done += n;
+  rt->stage.passes++; /* per staged part, however many jobs */
+  return (int)started; /* a job that could not start: its layers never land, the deadline says so */
+}
