@@ -456,7 +456,11 @@ int kvf_event_fd(kvf_client *c);
  * 10,000, never past timeout_ms) and only then sleeps: an event that comes
  * within them is taken without a sleep and a wake-up, at the price of one
  * busy CPU while it spins (worth it where cores are spare; never on a
- * machine with fewer cores than busy threads). */
+ * machine with fewer cores than busy threads). With it, the library's own
+ * reader thread also polls the daemon socket for that long after each read
+ * and each request written (a request written while it sleeps wakes it),
+ * so that an event is not held behind the reader's own wake-up: a second
+ * busy CPU while a transfer of this client is in flight. */
 #define KVF_SPIN_US_DEFAULT 0
 int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeout_ms);
 
