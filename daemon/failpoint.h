@@ -21,7 +21,9 @@
  *                        link to the sender instead (both redial): the
  *                        sender must learn the outcome after reconnecting
  *   result-withheld      the same without the drop: the RecvResult is never
- *                        sent (a test then kills or cuts the receiver) */
+ *                        sent (a test then kills or cuts the receiver)
+ *   registry-slow-sync   the registry thread waits 1 s before each read of
+ *                        the membership from etcd (a slow etcd at start) */
 #ifndef KVF_FAILPOINT_H
 #define KVF_FAILPOINT_H
 
@@ -36,6 +38,7 @@ enum {
   KVF__FP_BAD_WINDOW_INDEX = 4,
   KVF__FP_RESULT_LOST = 5,
   KVF__FP_RESULT_WITHHELD = 6,
+  KVF__FP_REGISTRY_SLOW_SYNC = 7,
 };
 
 bool kvf__failpoint(int which);

@@ -46,6 +46,9 @@
 #include "metrics.h"
 #include "sbuf.h"
 #include "peer.h"
+#ifdef KVF_FAILPOINTS
+#include "failpoint.h"
+#endif
 
 #define MAX_ENDPOINTS 8
 #define BACKOFF_MIN_MS 100u
@@ -490,11 +493,16 @@ static void process_watch(void) {
   }
 }
 
+static void pause_ms(uint32_t ms);
+
 /* Range of the prefix (the whole membership), then a watch from there. */
 static int sync_members(char *err, size_t errlen) {
   char key64[1024], end64[1024], body[2200];
   buf out = {0};
   watch_stop();
+#ifdef KVF_FAILPOINTS
+  if (kvf__failpoint(KVF__FP_REGISTRY_SLOW_SYNC)) pause_ms(1000);
+#endif
   b64_of(R.prefix, key64, sizeof key64);
   range_end_of(R.prefix, end64, sizeof end64);
   snprintf(body, sizeof body, "{\"key\":\"%s\",\"range_end\":\"%s\"}", key64, end64);
@@ -678,10 +686,16 @@ static int register_first(char *err, size_t errlen) {
 static void *thread_main(void *arg) {
   char err[300];
   uint64_t next_ka = 0;
+  char serr[300];
   int rc = register_first(err, sizeof err);
+  /* The members too before the daemon serves (kvf__registry_start applies
+   * them): an engine's first send may name any of them, and must not be
+   * refused with KVF_ENOPEER for coming early. Failing, it is retried. */
+  int synced = rc == 0 ? sync_members(serr, sizeof serr) : 0;
   first_outcome(rc);
   if (rc == -EEXIST) return NULL; /* the daemon stops */
   if (rc) failed(rc, err);
+  else if (synced) failed(synced, serr);
   else succeeded();
   while (!atomic_load(&R.stop)) {
     if (!R.registered) {
@@ -803,6 +817,7 @@ int kvf__registry_start(uv_loop_t *loop, char *err, size_t errlen) {
              "daemon)", R.node, R.key, R.conflict);
     return -EEXIST;
   }
+  kvf__mailbox_drain(&R.mb); /* the first membership, on this (the loop's) thread before it serves */
   if (rc) kvf__warn("registry: etcd (%s) does not answer yet; starting with static peers only, "
                     "retrying in the background", kvfd.cfg.registry);
   return 0;

@@ -17,6 +17,7 @@ daemons that have no peer lines:
 
 Every transfer verifies every byte. Skips (loudly) without etcd."""
 import json
+import os
 import subprocess
 import time
 import unittest
@@ -27,6 +28,8 @@ import kvfetcd
 from kvftest import Daemon, wait_event, wait_for
 
 import kvferry
+
+ROGUE = os.path.join(kvftest.BUILD, "tests", "kvferryd-rogue")  # the failpoint build
 
 TTL_MS = 2000
 N = 256 << 10
@@ -41,6 +44,23 @@ class RegDaemon(Daemon):
     def __init__(self, dir, name, etcd, prefix, extra="", **kw):
         self.registry = "registry %s\nregistry-ttl-ms %d\n" % (etcd.url(prefix), TTL_MS)
         super().__init__(dir, name, pool="8M", metrics=True, extra=self.registry + extra, **kw)
+
+
+class SlowSyncDaemon(RegDaemon):
+    """A daemon of the failpoint build whose registry thread waits 1 s before
+    each read of the membership (a slow etcd at start)."""
+
+    def start(self, env=None, wait=True):
+        self.write_conf()
+        env = dict(env or os.environ, KVF_FAILPOINT="registry-slow-sync")
+        with open(self.log, "a") as log:
+            log.write("=== test_registry: starting %s (registry-slow-sync)\n" % self.name)
+            log.flush()
+            self.proc = subprocess.Popen([ROGUE, "-c", self.conf], stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=log, env=env)
+        if wait:
+            self.wait_ready()
+        return self
 
 
 def peer_names(d, state=None):
@@ -121,6 +141,29 @@ class TestJoinLeave(Base):
         self.assertEqual(metric(a, "kvferry_registry_registered"), 1)
         self.assertEqual(metric(a, "kvferry_registry_members"), 2)
         self.assertIn("registry        registered", ctl(a.sock, "status").stdout)
+
+    def test_members_known_when_ready(self):
+        """A daemon serves its clients only once it has the membership: a
+        client's first send right after the start names a member without
+        KVF_ENOPEER (it came early once, under load, in CI)."""
+        a = self.daemon("a")
+        cd = a.client()
+        self.clients.append(cd)
+        pd = cd.pool_find("kv")
+        for n in range(3):
+            pd.memory[0:N] = bytes(N)
+            cd.grant("early-%d" % n, None, [(pd.id, 0, N)], deadline_ms=10000)  # from any node
+            b = SlowSyncDaemon(self.dir, "b%d" % n, self.etcd, "kvf")
+            self.daemons.append(b)
+            b.start()  # returns once b is ready
+            cs = b.client()
+            self.clients.append(cs)
+            ps = cs.pool_find("kv")
+            ps.memory[0:N] = pattern(10 + n, N)
+            cs.send("early-%d" % n, "a", [(ps.id, 0, N)], deadline_ms=10000)  # at once: no KVF_ENOPEER
+            wait_event(cd, "early-%d" % n, 15, kvferry.RECV_DONE).raise_for_status()
+            wait_event(cs, "early-%d" % n, 15, kvferry.SEND_DONE).raise_for_status()
+            self.assertEqual(bytes(pd.memory[0:N]), pattern(10 + n, N))
 
     def test_static_peer_beside_the_registry(self):
         a = self.daemon("a", start=False)
