@@ -79,7 +79,9 @@ static size_t expected_seqs(const uint8_t *data, size_t size, uint64_t *seqs) {
     bool silent = hello_done && ((q->body_case == KVF__API_REQUEST__BODY_SEND && (q->send->chained || q->send->no_reply)) ||
                                  (q->body_case == KVF__API_REQUEST__BODY_GRANT && q->grant->no_reply) ||
                                  (q->body_case == KVF__API_REQUEST__BODY_CANCEL && q->cancel->no_reply));
-    if (q->body_case == KVF__API_REQUEST__BODY_HELLO && q->hello->version == KVF__API_VERSION) hello_done = true;
+    /* Every version from 1 up is served (api.c, on_hello). */
+    if (q->body_case == KVF__API_REQUEST__BODY_HELLO && q->hello->version >= 1 && q->hello->version <= KVF__API_VERSION)
+      hello_done = true;
     if (!silent && n < MAX_SEQS) seqs[n] = q->seq;
     if (!silent) n++;
     kvf__api_request__free_unpacked(q, NULL);
