@@ -22,6 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BUILD = os.path.join(REPO, os.environ.get("BUILD", "build"))
 LIB = os.path.join(BUILD, "libkvferry.so")
 KVFERRYD = os.path.join(BUILD, "kvferryd")
+ROGUE = os.path.join(BUILD, "tests", "kvferryd-rogue")  # the failpoint build (daemon/failpoint.h)
 KVFERRYCTL = os.path.join(BUILD, "kvferryctl")
 READY_S = 10
 STOP_S = 10
@@ -198,12 +199,17 @@ class Daemon:
         with open(self.conf, "w") as f:
             f.write(text if text is not None else self.config_text())
 
+    failpoint = None  # e.g. "result-lost": runs the failpoint build with KVF_FAILPOINT set
+
     def start(self, env=None, wait=True):
         self.write_conf()
+        binary = KVFERRYD
+        if self.failpoint:
+            binary, env = ROGUE, dict(env or os.environ, KVF_FAILPOINT=self.failpoint)
         with open(self.log, "a") as log:
-            log.write("=== kvftest: starting %s\n" % self.name)
+            log.write("=== kvftest: starting %s%s\n" % (self.name, " (%s)" % self.failpoint if self.failpoint else ""))
             log.flush()
-            self.proc = subprocess.Popen([KVFERRYD, "-c", self.conf], stdin=subprocess.DEVNULL,
+            self.proc = subprocess.Popen([binary, "-c", self.conf], stdin=subprocess.DEVNULL,
                                          stdout=log, stderr=log, env=env)
         if wait:
             self.wait_ready()

@@ -27,7 +27,7 @@ from kvftest import Daemon, wait_event, wait_for
 
 import kvferry
 
-ROGUE = os.path.join(kvftest.BUILD, "tests", "kvferryd-rogue")
+ROGUE = kvftest.ROGUE
 N = 256 << 10
 # In the soft-RoCE VM (tests/rdma/run.sh) the split outcome tests run over
 # rdma, where the receiver finishes on the last write alone.
@@ -49,18 +49,6 @@ class RogueDaemon(Daemon):
     def __init__(self, dir, name, failpoint, **kw):
         super().__init__(dir, name, **kw)
         self.failpoint = failpoint
-
-    def start(self, env=None, wait=True):
-        self.write_conf()
-        env = dict(env or os.environ, KVF_FAILPOINT=self.failpoint)
-        with open(self.log, "a") as log:
-            log.write("=== test_peer_wait: starting %s (%s)\n" % (self.name, self.failpoint))
-            log.flush()
-            self.proc = subprocess.Popen([ROGUE, "-c", self.conf], stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=log, env=env)
-        if wait:
-            self.wait_ready()
-        return self
 
 
 class DefaultsDaemon(Daemon):

@@ -17,7 +17,6 @@ daemons that have no peer lines:
 
 Every transfer verifies every byte. Skips (loudly) without etcd."""
 import json
-import os
 import subprocess
 import time
 import unittest
@@ -28,8 +27,6 @@ import kvfetcd
 from kvftest import Daemon, wait_event, wait_for
 
 import kvferry
-
-ROGUE = os.path.join(kvftest.BUILD, "tests", "kvferryd-rogue")  # the failpoint build
 
 TTL_MS = 2000
 N = 256 << 10
@@ -50,17 +47,7 @@ class SlowSyncDaemon(RegDaemon):
     """A daemon of the failpoint build whose registry thread waits 1 s before
     each read of the membership (a slow etcd at start)."""
 
-    def start(self, env=None, wait=True):
-        self.write_conf()
-        env = dict(env or os.environ, KVF_FAILPOINT="registry-slow-sync")
-        with open(self.log, "a") as log:
-            log.write("=== test_registry: starting %s (registry-slow-sync)\n" % self.name)
-            log.flush()
-            self.proc = subprocess.Popen([ROGUE, "-c", self.conf], stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=log, env=env)
-        if wait:
-            self.wait_ready()
-        return self
+    failpoint = "registry-slow-sync"
 
 
 def peer_names(d, state=None):
