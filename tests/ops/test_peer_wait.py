@@ -18,7 +18,6 @@ against real daemons:
 Every transfer that lands verifies every byte."""
 import os
 import signal
-import subprocess
 import time
 import unittest
 
