@@ -1093,7 +1093,7 @@ static void complete_recv(kvf__xfer *x) {
  * a tcp sender whose source faulted under its writev keeps the stream in
  * step with zeros, and only its word vouches for what the bytes hold
  * (tests/ops/test_engine_wire.py). Bytes from sources that cannot fault
- * come as kvf__xfer_on_delivered instead (tcp_wire.h: BATCH_SEALED). */
+ * come as kvf__xfer_on_vouched instead (tcp_wire.h: BATCH_SEALED). */
 void kvf__xfer_on_landed(kvf__xfer *x) {
   switch (x->recv.state) {
   case KVF__RECV_OPEN: kvf__xfer_set_state(x, KVF__RECV_LANDED); break;
@@ -1113,6 +1113,12 @@ void kvf__xfer_on_delivered(kvf__xfer *x) {
   case KVF__RECV_WAIT: bug(x, "the transport delivered into a grant it was not given"); break;
   default: break; /* OPENING: no sender knows the grant yet (a peer guessed it); or failed */
   }
+}
+
+void kvf__xfer_on_vouched(kvf__xfer *x) {
+  kvf__xplan whole = {.transform = false};
+  if (x->blocks && !x->transform[0]) kvf__xplan_describe(&whole, x->transform, sizeof(x->transform));
+  kvf__xfer_on_delivered(x);
 }
 
 void kvf__xfer_on_data_error(kvf__xfer *x, int status, const char *why) {

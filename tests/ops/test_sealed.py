@@ -9,7 +9,9 @@ from engine memory the daemon could seal completes anyway, every byte
 checked, and so does the send (the receiver's RecvResult). A grant fed from
 engine memory that cannot be sealed (a memfd made without
 MFD_ALLOW_SEALING: it could shrink under the sender's writev, which then
-sends zeros in its place) must not: both sides fail at the deadline.
+sends zeros in its place) must not: both sides fail at the deadline. Blocks
+sent whole complete on their bytes too (the event says "whole blocks");
+blocks with a transform wait (its description comes with the SendDone).
 
 Also: a daemon pool's memfd is sealed, so a client holding its fd cannot
 shrink it under the daemon's mappings."""
@@ -111,6 +113,41 @@ class TestSealed(unittest.TestCase):
             return True
         except kvferry.KvferryError:
             return False
+
+    def blocks_handoff(self, xfer_id, dst_order, deadline_ms=10000):
+        """2 layers x K/V x 4 blocks of 16 tokens x 2 heads x 64 B, NHD at
+        the sender, dst_order at the receiver; returns both events and the
+        sender's bytes of each region (for the identity check)."""
+        geo = dict(tokens_per_block=16, kv_heads=2, head_dim=32, dtype_bytes=2)
+        bb = 16 * 2 * 64
+        src = kvferry.Layout(self.pp, [N + r * 4 * bb for r in range(4)], 4, bb, order="NHD", **geo)
+        dst = kvferry.Layout(self.pd, [r * 4 * bb for r in range(4)], 4, bb, order=dst_order, **geo)
+        self.pp.memory[N:N + 16 * bb] = pattern(4, 16 * bb)
+        self.pd.memory[0:16 * bb] = bytes(16 * bb)
+        ls, ld = self.cp.register_layout(src), self.cd.register_layout(dst)
+        self.cd.grant_blocks(xfer_id, "prefill", ld, [3, 2, 1, 0], deadline_ms=deadline_ms)
+        self.cp.send_blocks(xfer_id, "decode", ls, [0, 1, 2, 3], deadline_ms=deadline_ms)
+        recv = wait_event(self.cd, xfer_id, deadline_ms / 1000 + 10, kvferry.RECV_DONE)
+        send = wait_event(self.cp, xfer_id, deadline_ms / 1000 + 10, kvferry.SEND_DONE)
+        return recv, send, bb
+
+    def test_whole_blocks_complete_on_their_bytes(self):
+        recv, send, bb = self.blocks_handoff("sealed-blocks", "NHD")
+        recv.raise_for_status()
+        send.raise_for_status()
+        self.assertEqual(recv.transform, "whole blocks")
+        src = pattern(4, 16 * bb)
+        for region in range(4):
+            for i in range(4):  # source block i -> granted block 3 - i
+                d = (region * 4 + 3 - i) * bb
+                sb = (region * 4 + i) * bb
+                self.assertEqual(bytes(self.pd.memory[d:d + bb]), src[sb:sb + bb], (region, i))
+
+    def test_transformed_blocks_wait_for_the_sender(self):
+        """NHD -> HND: the receiver learns the transform from the SendDone
+        (withheld here), so it must not complete on the bytes."""
+        recv, send, _ = self.blocks_handoff("transformed-blocks", "HND", deadline_ms=1500)
+        self.assertEqual(recv.status, kvferry.ERRORS["KVF_EDEADLINE"], recv.error)
 
     def test_daemon_pool_memfd_cannot_shrink(self):
         for d in (self.pre, self.dec):

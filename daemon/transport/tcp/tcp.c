@@ -45,6 +45,7 @@
 #include "auth.h"
 #include "cuda/gpu.h"
 #include "frame.h"
+#include "layout.h"
 #include "map.h"
 #include "peer.h"
 #include "pool.h"
@@ -1053,6 +1054,7 @@ static void enqueue(stream *s, item *it) {
 typedef struct dealing {
   const kvf__runs *runs;
   bool grouped;            /* runs of a transform: grouped into patterns */
+  bool whole_blocks;       /* runs of blocks without a transform */
   const kvf__bpart *part;
 } dealing;
 
@@ -1072,10 +1074,11 @@ static int deal(tcp_peer *tp, const dealing *d, item **items) {
 }
 
 /* Whether a post's batches may go sealed: the peer reads the flag and no
- * source pool of the runs can fault (pool.h: sealed). Not for blocks: the
- * receiver learns a transfer of blocks' transform from the SendDone. */
+ * source pool of the runs can fault (pool.h: sealed). Blocks only without
+ * a transform: a receiver that completes on sealed bytes takes them for
+ * whole blocks (a transform's description comes with the SendDone). */
 static bool sealed_for(const tcp_peer *tp, const kvf__xfer *x, const dealing *d) {
-  if (x->blocks || !d->runs || d->grouped || !offers(tp, KVF__TCP_SEALED_CAP)) return false;
+  if (!d->runs || d->grouped || (x->blocks && !d->whole_blocks) || !offers(tp, KVF__TCP_SEALED_CAP)) return false;
   for (size_t i = 0; i < d->runs->n; i++) {
     const kvf__pool *p = kvfd.pools[d->runs->v[i].src_pool];
     if (!p || !p->sealed) return false;
@@ -1135,7 +1138,14 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
  * from the plan (no run per piece); anything else as runs. */
 static int tcp_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
   tcp_peer *tp = tcp_peer_of(to_tcp(t), x->peer); /* GPU sources stage frames (write_item_staged) */
-  if (!b->xf.transform || !tp || !patterns_for(tp) || kvfd.pools[b->src->pool]->cuda_dev >= 0)
+  if (!b->xf.transform) { /* whole blocks: the layouts' coalesced runs */
+    kvf__runs runs = {0};
+    int rc = kvf__blocks_pair(b->src, b->sids, b->dst, b->dids, b->n, b->first, b->n_layers, &runs);
+    if (rc == 0) rc = post_dealt(t, x, &(dealing){.runs = &runs, .whole_blocks = true}, last);
+    kvf__runs_free(&runs);
+    return rc;
+  }
+  if (!tp || !patterns_for(tp) || kvfd.pools[b->src->pool]->cuda_dev >= 0)
     return kvf__transport_post_block_runs(t, x, b, last);
   int rc = post_dealt(t, x, &(dealing){.part = b}, last);
   if (rc != -E2BIG) return rc;
@@ -1407,7 +1417,7 @@ static void handle_event(tevent *e) {
     if ((g = grant_for_event(e->tt, e->handle)) == NULL) break;
     kvf__xtrace_stamp(g->x, KVF__XT_FIRST, e->t_first);
     kvf__xtrace_stamp(g->x, KVF__XT_LAST, e->t_last);
-    if (e->sealed) kvf__xfer_on_delivered(g->x); /* the bytes vouch (tcp_wire.h) */
+    if (e->sealed) kvf__xfer_on_vouched(g->x); /* the bytes vouch (tcp_wire.h) */
     else kvf__xfer_on_landed(g->x);
     break;
   case EV_DATA_ERROR:
