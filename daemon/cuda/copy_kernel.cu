@@ -223,12 +223,13 @@ extern "C" __global__ void __launch_bounds__(1024) kvf_blocks(const __grid_const
 // from the tables and the ids, and copies its words in the destination's
 // order, so consecutive threads store consecutive words (coalesced stores;
 // the loads are whole units of a head, 256 bytes at llama's geometry). Each
-// thread keeps up to 8 loads in flight, as kvf_blocks does: one load at a
-// time held the transform to 0.65-0.70x of kvf_blocks. The word width is
-// uniform within a piece: no divergence.
+// thread keeps up to 8 loads in flight, as kvf_blocks does: with one load
+// at a time (a divmod per word) the transform ran at 0.65-0.70x of
+// kvf_blocks on an H200, with 8 and the walk at 0.96-1.04x (bench/RESULTS.md,
+// gpu_xform bench). The word width is uniform within a piece: no divergence.
 
-// The walk (copy_args.h, kvf_xwalk): thread's words by fixed steps, no
-// division per word.
+// A thread's words of a piece by the walk (copy_args.h, kvf_xwalk): fixed
+// steps, no division per word.
 template <typename T, bool WRAP>
 __device__ __forceinline__ void xwalk_copy(unsigned long long sb, unsigned long long db, const kvf_xwalk &w) {
   unsigned so = w.so, si = w.in, dof = w.dof, di = w.in;
