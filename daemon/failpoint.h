@@ -23,7 +23,12 @@
  *   result-withheld      the same without the drop: the RecvResult is never
  *                        sent (a test then kills or cuts the receiver)
  *   registry-slow-sync   the registry thread waits 1 s before each read of
- *                        the membership from etcd (a slow etcd at start) */
+ *                        the membership from etcd (a slow etcd at start)
+ *   close-dial-unread    each of our dials is closed as the first frame
+ *                        from the peer comes in, with that frame and the
+ *                        rest of the read still to go: as when the dial's
+ *                        patience ran out (a timer) in the loop iteration
+ *                        whose poll then reads the peer's Hello */
 #ifndef KVF_FAILPOINT_H
 #define KVF_FAILPOINT_H
 
@@ -39,6 +44,7 @@ enum {
   KVF__FP_RESULT_LOST = 5,
   KVF__FP_RESULT_WITHHELD = 6,
   KVF__FP_REGISTRY_SLOW_SYNC = 7,
+  KVF__FP_CLOSE_DIAL_UNREAD = 8,
 };
 
 bool kvf__failpoint(int which);

@@ -55,6 +55,7 @@
 #include <unistd.h>
 
 #include "auth.h"
+#include "failpoint.h"
 #include "peer_int.h"
 #include "frame.h"
 #include "transport/tcp/tcp.h"
@@ -316,6 +317,11 @@ static void conn_close(kvf__pconn *c, const char *why) {
     if (why && !p->last_error[0]) snprintf(p->last_error, sizeof(p->last_error), "%s", why);
     schedule_reconnect(p);
   }
+  /* Its handle closes only after the timer's (on_hs_timer_closed): nothing
+   * more may be read from it meanwhile, or a Hello already in the socket
+   * (a dial whose patience ran out in this loop iteration) would bring the
+   * link up on a connection about to be freed. */
+  uv_read_stop((uv_stream_t *)&c->tcp);
   uv_timer_stop(&c->hs_timer);
   uv_close((uv_handle_t *)&c->hs_timer, on_hs_timer_closed);
 }
@@ -1023,6 +1029,7 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
   kvf__pconn *c = s->data;
+  if (c->closing) return;
   if (nread < 0) {
     conn_close(c, nread == UV_EOF ? "connection closed by the peer" : uv_strerror((int)nread));
     return;
@@ -1042,7 +1049,13 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
       conn_close(c, "oversized frame");
       return;
     }
-    if (!on_frame(c, payload, len)) return;
+#ifdef KVF_FAILPOINTS
+    if (c->outbound && !c->established && !c->closing && kvf__failpoint(KVF__FP_CLOSE_DIAL_UNREAD)) {
+      kvf__warn("failpoint close-dial-unread: closed the dial to %s, its first frame unread", c->peer->cfg.name);
+      conn_close(c, "failpoint close-dial-unread");
+    }
+#endif
+    if (c->closing || !on_frame(c, payload, len)) return; /* a closing connection's frames are dropped */
   }
 }
 
