@@ -19,9 +19,7 @@ import os
 import unittest
 
 import kvftest  # first: puts the binding from the source tree on sys.path
-from kvftest import Daemon, wait_event, wait_for
-
-import kvferry
+from kvftest import Daemon, wait_for
 
 N = 256 << 10
 
@@ -50,14 +48,11 @@ class TestClosedDial(unittest.TestCase):
 
     def transfer(self, src, dst, xid, seed):
         with src.client() as cs, dst.client() as cd:
-            ps, pd = cs.pool_find("kv"), cd.pool_find("kv")
-            ps.memory[0:N] = pattern(seed, N)
-            pd.memory[0:N] = bytes(N)
-            cd.grant(xid, src.name, [(pd.id, 0, N)], deadline_ms=10000)
-            cs.send(xid, dst.name, [(ps.id, 0, N)], deadline_ms=10000)
-            wait_event(cd, xid, 15, kvferry.RECV_DONE).raise_for_status()
-            wait_event(cs, xid, 15, kvferry.SEND_DONE).raise_for_status()
-            self.assertEqual(bytes(pd.memory[0:N]), pattern(seed, N))
+            er, es, landed = kvftest.move(cs, cd, cs.pool_find("kv"), cd.pool_find("kv"), src, dst, xid, 0,
+                                          pattern(seed, N), 10000, 15)
+            er.raise_for_status()
+            es.raise_for_status()
+            self.assertTrue(landed, "%s: wrong bytes landed" % xid)
 
     def test_link_never_rides_a_closed_dial(self):
         self.pre.start()

@@ -50,7 +50,6 @@ from kvftest import wait_for  # noqa: E402
 
 import kvferry  # noqa: E402
 
-TTL_MS = 2000
 DEADLINE_MS = 10000
 WAIT_S = DEADLINE_MS / 1000 + 10
 
@@ -142,20 +141,25 @@ class Mover:
                 if r != "OK":
                     with lock:
                         errors.append("%s -> %s: %s" % (self.nodes[s].name, self.nodes[d].name, r))
-        ts = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        in_threads(work, workers)
         if errors:
             raise AssertionError("transfers failed: %s" % errors[:5])
+
+
+def in_threads(fn, n):
+    """fn(0) .. fn(n - 1), each on its own thread; returns when all have."""
+    ts = [threading.Thread(target=fn, args=(w,)) for w in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
 
 
 class Bench:
     def __init__(self, a):
         self.a = a
         self.dir = tempfile.mkdtemp(prefix="kvferry-scale.", dir="/tmp")
-        n = max(max(a.sizes), 1 + max(a.senders))
+        n = max(a.sizes + [1 + k for k in a.senders])
         self.net = Net(n, "kvfb", "10.78.0")
         self.etcd = kvfetcd.Etcd(self.dir, host=self.net.host)
         self.nodes = []
@@ -210,6 +214,10 @@ class Bench:
         if peers > 256:
             raise SystemExit("bench_scale: max-peers is at most 256")
 
+    def conf(self):
+        return "tcp-streams %d\nheartbeat-ms %d\npeer-timeout-ms %d\n" % (
+            self.a.tcp_streams, self.a.heartbeat_ms, self.a.peer_timeout_ms)
+
     def usage(self, nodes):
         """Per daemon: (threads, fds, RSS KiB) now, and CPU over idle_s."""
         c0, t0 = [n.cpu() for n in nodes], time.monotonic()
@@ -226,18 +234,23 @@ class Bench:
         d = os.path.join(self.dir, "mesh%d" % size)
         os.mkdir(d)
         addr = [("n%02d" % i, self.net.ip(i)) for i in range(size)]
-        extra = "peer-connect eager\nmax-peers %d\ntcp-streams %d\n" % (max(64, size), self.a.tcp_streams)
-        self.nodes = [Node(d, i, self.net, self.etcd.url("mesh%d" % size), TTL_MS, self.a.pool, extra,
+        extra = "peer-connect eager\nmax-peers %d\n%s" % (max(64, size), self.conf())
+        self.nodes = [Node(d, i, self.net, self.etcd.url("mesh%d" % size), self.a.ttl_ms, self.a.pool, extra,
                            [p for j, p in enumerate(addr) if j != i]) for i in range(size)]
         t0 = time.monotonic()
         self.start(self.nodes)
         ready = time.monotonic() - t0
         others = lambda n: sorted(x.name for x in self.nodes if x is not n)  # noqa: E731
-        wait_for(lambda: all(n.members() == others(n) and n.links_up() == size - 1 for n in self.nodes),
-                 120, "a full mesh of %d daemons" % size, step=0.1)
-        formed = time.monotonic() - t0
-        base = {"case": "mesh", "daemons": size, "tcp_streams": self.a.tcp_streams, "ready_s": round(ready, 3),
-                "formation_s": round(formed, 3)}
+        base = {"case": "mesh", "daemons": size, "tcp_streams": self.a.tcp_streams, "heartbeat_ms": self.a.heartbeat_ms,
+                "peer_timeout_ms": self.a.peer_timeout_ms, "ready_s": round(ready, 3)}
+        try:
+            wait_for(lambda: all(n.members() == others(n) and n.links_up() == size - 1 for n in self.nodes),
+                     self.a.form_s, "a full mesh of %d daemons" % size, step=0.1)
+        except AssertionError as e:
+            note(str(e))
+            self.mesh_figures(dict(base, state="not formed", formation_s=None))
+            return False
+        base["formation_s"] = round(time.monotonic() - t0, 3)
         self.mesh_figures(dict(base, state="linked"))
         mover = Mover(self.nodes, self.a.mesh_xfer_size)
         t1 = time.monotonic()
@@ -245,16 +258,21 @@ class Bench:
         took = time.monotonic() - t1
         mover.close()
         self.mesh_figures(dict(base, state="used", pair_xfers=size * (size - 1), pair_xfers_s=round(took, 2)))
+        return True
 
     def mesh_figures(self, rec):
         use, cpu = self.usage(self.nodes)
         n = len(use)
+        try:
+            links = round(sum(x.links_up() for x in self.nodes) / n, 1)
+        except kvferry.KvferryError:
+            links = None  # a daemon that does not answer
         mean = lambda k: sum(u[k] for u in use) / n  # noqa: E731
         rec.update(threads_mean=round(mean(0), 1), threads_max=max(u[0] for u in use),
                    fds_mean=round(mean(1), 1), fds_max=max(u[1] for u in use),
                    rss_kib_mean=round(mean(2)), rss_kib_max=max(u[2] for u in use),
                    idle_cpu_pct_mean=round(100 * sum(cpu) / n, 3), idle_cpu_pct_max=round(100 * max(cpu), 3),
-                   idle_s=self.a.idle_s, links_up_mean=round(sum(x.links_up() for x in self.nodes) / n, 1))
+                   idle_s=self.a.idle_s, links_up_mean=links)
         self.record(rec)
 
     # ------------------------------------------------------------ recovery
@@ -324,8 +342,9 @@ class Bench:
         d = os.path.join(self.dir, "active")
         os.mkdir(d)
         rx_pool = "%dK" % (self.a.inflight * self.a.xfer_size // 1024 + 1024)
-        extra = "peer-idle-close-ms 0\nmax-peers %d\ntcp-streams %d\n" % (max(64, k_max), self.a.tcp_streams)
-        self.nodes = [Node(d, i, self.net, self.etcd.url("active"), TTL_MS, rx_pool, extra) for i in range(k_max + 1)]
+        extra = "peer-idle-close-ms 0\nmax-peers %d\n%s" % (max(64, k_max), self.conf())
+        self.nodes = [Node(d, i, self.net, self.etcd.url("active"), self.a.ttl_ms, rx_pool, extra)
+                      for i in range(k_max + 1)]
         self.start(self.nodes)
         names = sorted(n.name for n in self.nodes)
         wait_for(lambda: all(n.members() == [x for x in names if x != n.name] for n in self.nodes), 120,
@@ -371,11 +390,7 @@ class Bench:
                 if r != "OK":
                     errors.append(r)
                     return
-        ts = [threading.Thread(target=work, args=(w,)) for w in range(self.a.inflight)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        in_threads(work, self.a.inflight)
         if errors:
             raise AssertionError("transfers failed: %s" % errors[:5])
 
@@ -385,8 +400,12 @@ class Bench:
         sizes = sorted(self.a.sizes)
         for size in sizes:
             note("mesh of %d daemons" % size)
-            self.mesh(size)
-            if size == sizes[-1]:
+            if not self.mesh(size):
+                for n in self.nodes:  # what did not form is not asked to stop cleanly
+                    n.kill()
+                self.nodes = []
+                continue
+            if size == self.a.recovery_at:
                 for r in range(self.a.restarts):
                     self.restart(r)
                 for r in range(self.a.restarts):
@@ -407,8 +426,10 @@ class Bench:
             peers = r["daemons"] - 1
             slope = ((r["rss_kib_mean"] - first["rss_kib_mean"]) / (peers - first["daemons"] + 1)
                      if peers > first["daemons"] - 1 else float("nan"))
-            out.append("| %d | %s | %.2f | %.1f / %d | %.1f / %d | %.1f / %.1f | %.2f | %.4f | %s |" % (
-                r["daemons"], r["state"], r["formation_s"], r["threads_mean"], r["threads_max"], r["fds_mean"],
+            out.append("| %d | %s | %s | %.1f / %d | %.1f / %d | %.1f / %.1f | %.2f | %.4f | %s |" % (
+                r["daemons"], r["state"], "%.2f" % r["formation_s"] if r["formation_s"] is not None
+                else "not in %d s (%s links up of %d)" % (self.a.form_s, r["links_up_mean"], peers),
+                r["threads_mean"], r["threads_max"], r["fds_mean"],
                 r["fds_max"], r["rss_kib_mean"] / 1024, r["rss_kib_max"] / 1024, r["idle_cpu_pct_mean"],
                 r["idle_cpu_pct_mean"] / peers, "-" if slope != slope else "%.0f" % slope))
         act = [r for r in self.records if r["case"] == "active"]
@@ -441,9 +462,17 @@ def main():
     p.add_argument("--inflight", type=int, default=32, help="transfers at once [32]")
     p.add_argument("--repeat", type=int, default=3, help="runs per active case [3]")
     p.add_argument("--idle-s", type=float, default=5.0, help="idle CPU window [5]")
-    p.add_argument("--restarts", type=int, default=3, help="peer and etcd restarts at the largest size [3]")
+    p.add_argument("--restarts", type=int, default=3, help="peer and etcd restarts [3]")
+    p.add_argument("--recovery-at", type=int, default=32, help="the mesh size the restarts are measured at [32]")
+    p.add_argument("--form-s", type=int, default=90, help="how long a mesh may take to form [90]")
     p.add_argument("--tcp-streams", type=int, default=2, help="tcp-streams of every daemon [2]")
     p.add_argument("--pool", default="4M", help="host pool per mesh daemon [4M]")
+    p.add_argument("--heartbeat-ms", type=int, default=200, help="heartbeat-ms of every daemon [200, the default]")
+    # 2 cores and 64 daemons that all dial 63 peers at once (16,000 threads
+    # started): heartbeats fall seconds behind while the mesh forms, and
+    # with 1.5 s links drop and redial in a storm that does not settle.
+    p.add_argument("--peer-timeout-ms", type=int, default=10000, help="peer-timeout-ms of every daemon [10000]")
+    p.add_argument("--ttl-ms", type=int, default=2000, help="registry-ttl-ms of every daemon [2000, as make check-scale]")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (daemon logs)")
     a = p.parse_args()
     if a.inflight * max(a.mesh_xfer_size, 1) > size_arg(a.pool):

@@ -11,7 +11,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "ops"))
 import kvftest  # noqa: E402  first: puts the binding from the source tree on sys.path
 import kvfetcd  # noqa: E402
-from kvftest import wait_event  # noqa: E402
 
 import kvferry  # noqa: E402
 
@@ -138,8 +137,10 @@ class Node:
         with open(self.log, "a") as log:
             log.write("=== kvfscale: starting %s\n" % self.name)
             log.flush()
+            # cwd: its own dir, where a core dump lands (core_pattern "core")
             self.proc = subprocess.Popen(["ip", "netns", "exec", self.ns, kvftest.KVFERRYD, "-c", self.conf],
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         cwd=os.path.dirname(self.conf))
 
     def ready(self):
         if self.proc.poll() is not None:
@@ -167,14 +168,7 @@ class Node:
             self.proc.wait()
 
     def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                return self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                return "hung"
-        return self.proc.returncode if self.proc else 0
+        return kvftest.stop_proc(self.proc, 15)
 
     def usage(self):
         """(threads, fds, RSS KiB) of the daemon."""
@@ -190,15 +184,4 @@ class Node:
         return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime: fields 14 and 15
 
 
-def move(cs, cd, ps, pd, src, dst, xid, off, data, deadline_ms, wait_s):
-    """One transfer of data from src (client cs, pool ps) to offset off of
-    dst's pool pd (client cd): grant, send, both outcomes. Returns
-    (receiver event, sender event, every byte landed). A refusal raises
-    kvferry.KvferryError; no outcome within wait_s raises AssertionError."""
-    ps.memory[off:off + len(data)] = data
-    pd.memory[off:off + len(data)] = bytes(len(data))
-    cd.grant(xid, src.name, [(pd.id, off, len(data))], deadline_ms=deadline_ms)
-    cs.send(xid, dst.name, [(ps.id, off, len(data))], deadline_ms=deadline_ms)
-    er = wait_event(cd, xid, wait_s, kvferry.RECV_DONE)
-    es = wait_event(cs, xid, wait_s, kvferry.SEND_DONE)
-    return er, es, bytes(pd.memory[off:off + len(data)]) == data
+move = kvftest.move  # one verified transfer
