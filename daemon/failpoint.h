@@ -28,7 +28,10 @@
  *                        from the peer comes in, with that frame and the
  *                        rest of the read still to go: as when the dial's
  *                        patience ran out (a timer) in the loop iteration
- *                        whose poll then reads the peer's Hello */
+ *                        whose poll then reads the peer's Hello
+ *   idle-close-held      an on-demand link closes for idleness although the
+ *                        peer left grants pushed here waiting: as when the
+ *                        idle close crossed the push on the wire */
 #ifndef KVF_FAILPOINT_H
 #define KVF_FAILPOINT_H
 
@@ -45,6 +48,7 @@ enum {
   KVF__FP_RESULT_WITHHELD = 6,
   KVF__FP_REGISTRY_SLOW_SYNC = 7,
   KVF__FP_CLOSE_DIAL_UNREAD = 8,
+  KVF__FP_IDLE_CLOSE_HELD = 9,
 };
 
 bool kvf__failpoint(int which);

@@ -461,10 +461,14 @@ static void go_idle(kvf__peer *p, bool tell) {
   p->conn = NULL;
   p->state = KVF__PEER_IDLE;
   transports_down(p);
-  kvf__xfer_on_peer_down(p); /* nothing is bound to it; the waiting stay waiting */
+  kvf__xfer_on_peer_down(p); /* the waiting stay waiting; grants it had not taken wait again */
   if (c) conn_close(c, NULL);
   uv_timer_stop(&p->reconnect);
-  kvf__debug("peer %s: idle link closed", p->cfg.name);
+  kvf__debug("peer %s: idle link closed (%u pushed grants to push again)", p->cfg.name, p->regrants);
+  if (p->regrants) { /* its close crossed our pushed grants: dial for them */
+    p->regrants = 0;
+    kvf__peer_need(p);
+  }
 }
 
 /* Marks the peers that transfers are bound to as used now. */
@@ -474,7 +478,11 @@ static void mark_used(uint64_t now) {
 }
 
 static bool idle_link(const kvf__peer *p, uint64_t now) {
-  return p->state == KVF__PEER_UP && on_demand(p) && !p->queued && !p->waiting && p->last_used_ns < now;
+  bool held = p->waiting > 0;
+#ifdef KVF_FAILPOINTS
+  if (kvf__failpoint(KVF__FP_IDLE_CLOSE_HELD)) held = false; /* as if its pushed grant were still on the way */
+#endif
+  return p->state == KVF__PEER_UP && on_demand(p) && !p->queued && !held && p->last_used_ns < now;
 }
 
 /* max-peers bounds live links: below limit (max-peers, or one more when
