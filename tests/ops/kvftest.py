@@ -310,6 +310,27 @@ def wait_event(client, xfer_id, timeout=10.0, type=None):
             raise AssertionError("no event for %s within %.1fs" % (xfer_id, timeout))
 
 
+def pattern(seed, n):
+    """n bytes that differ per seed and per position."""
+    block = bytes((seed * 131 + i * 7) & 0xFF for i in range(4096))
+    return (block * (n // 4096 + 1))[:n]
+
+
+def peer_row(daemon, name):
+    """daemon's inspect("peers") entry for peer name."""
+    with daemon.client() as c:
+        return next(p for p in c.inspect("peers", json=True)["peers"] if p["name"] == name)
+
+
+def peer_both(test, a, b):
+    """Daemons a and b each get the other as a peer line; the test's
+    cleanup kills both."""
+    a.add_peer(b)
+    b.add_peer(a)
+    test.addCleanup(a.kill)
+    test.addCleanup(b.kill)
+
+
 def move(cs, cd, ps, pd, src, dst, xid, off, data, deadline_ms, wait_s):
     """One transfer of data from src (client cs, pool ps) to offset off of
     dst's pool pd (client cd): grant, send, both outcomes. Returns

@@ -19,19 +19,9 @@ import os
 import unittest
 
 import kvftest  # first: puts the binding from the source tree on sys.path
-from kvftest import Daemon, wait_for
+from kvftest import Daemon, peer_row, wait_for
 
 N = 256 << 10
-
-
-def pattern(seed, n):
-    block = bytes((seed * 131 + i * 7) & 0xFF for i in range(4096))
-    return (block * (n // 4096 + 1))[:n]
-
-
-def peer(daemon, name):
-    with daemon.client() as c:
-        return next(p for p in c.inspect("peers", json=True)["peers"] if p["name"] == name)
 
 
 @unittest.skipUnless(os.path.exists(kvftest.ROGUE), "no failpoint build (make test-build)")
@@ -41,15 +31,12 @@ class TestClosedDial(unittest.TestCase):
         self.pre = Daemon(self.dir, "prefill", pool="8M")
         self.pre.failpoint = "close-dial-unread"
         self.dec = Daemon(self.dir, "decode", pool="8M", extra="peer-connect on-demand\npeer-idle-close-ms 0")
-        self.pre.add_peer(self.dec)
-        self.dec.add_peer(self.pre)
-        self.addCleanup(self.pre.kill)
-        self.addCleanup(self.dec.kill)
+        kvftest.peer_both(self, self.pre, self.dec)
 
     def transfer(self, src, dst, xid, seed):
         with src.client() as cs, dst.client() as cd:
             er, es, landed = kvftest.move(cs, cd, cs.pool_find("kv"), cd.pool_find("kv"), src, dst, xid, 0,
-                                          pattern(seed, N), 10000, 15)
+                                          kvftest.pattern(seed, N), 10000, 15)
             er.raise_for_status()
             es.raise_for_status()
             self.assertTrue(landed, "%s: wrong bytes landed" % xid)
@@ -60,14 +47,14 @@ class TestClosedDial(unittest.TestCase):
         # Each closed dial is redialed (reconnect-min-ms 50); two closed,
         # with their Hellos unread, or the link came up on one of them.
         closed = lambda: self.pre.log_text().count("failpoint close-dial-unread: closed")  # noqa: E731
-        wait_for(lambda: closed() >= 2 or peer(self.pre, "decode")["ups"] > 0, 15,
+        wait_for(lambda: closed() >= 2 or peer_row(self.pre, "decode")["ups"] > 0, 15,
                  "two dials of prefill closed by the failpoint")
-        self.assertEqual(peer(self.pre, "decode")["ups"], 0,
+        self.assertEqual(peer_row(self.pre, "decode")["ups"], 0,
                          "the link came up on a dial that was being closed:\n" + self.pre.log_text()[-2000:])
         # decode's own dial carries the link; the link works both ways.
         self.transfer(self.dec, self.pre, "to-prefill", 1)
         self.transfer(self.pre, self.dec, "to-decode", 2)
-        self.assertEqual(peer(self.pre, "decode")["state"], "up")
+        self.assertEqual(peer_row(self.pre, "decode")["state"], "up")
         self.assertIsNone(self.pre.proc.poll(), "prefill died:\n" + self.pre.log_text()[-2000:])
         self.assertEqual(self.pre.stop(), 0)
         self.assertEqual(self.dec.stop(), 0)

@@ -17,22 +17,12 @@ import os
 import unittest
 
 import kvftest  # first: puts the binding from the source tree on sys.path
-from kvftest import Daemon, wait_event, wait_for
+from kvftest import Daemon, peer_row, wait_event, wait_for
 
 import kvferry
 
 N = 256 << 10
 ON_DEMAND = "peer-connect on-demand\n"
-
-
-def pattern(seed, n):
-    block = bytes((seed * 131 + i * 7) & 0xFF for i in range(4096))
-    return (block * (n // 4096 + 1))[:n]
-
-
-def peer(daemon, name):
-    with daemon.client() as c:
-        return next(p for p in c.inspect("peers", json=True)["peers"] if p["name"] == name)
 
 
 @unittest.skipUnless(os.path.exists(kvftest.ROGUE), "no failpoint build (make test-build)")
@@ -42,10 +32,7 @@ class TestIdleGrant(unittest.TestCase):
         self.pre = Daemon(self.dir, "prefill", pool="8M", extra=ON_DEMAND + "peer-idle-close-ms 300")
         self.pre.failpoint = "idle-close-held"
         self.dec = Daemon(self.dir, "decode", pool="8M", extra=ON_DEMAND + "peer-idle-close-ms 0")
-        self.pre.add_peer(self.dec)
-        self.dec.add_peer(self.pre)
-        self.addCleanup(self.pre.kill)
-        self.addCleanup(self.dec.kill)
+        kvftest.peer_both(self, self.pre, self.dec)
         self.pre.start()
         self.dec.start()
 
@@ -55,7 +42,7 @@ class TestIdleGrant(unittest.TestCase):
         self.addCleanup(cp.close)
         pd, pp = cd.pool_find("kv"), cp.pool_find("kv")
         pd.memory[0:N] = bytes(N)
-        pp.memory[0:N] = pattern(7, N)
+        pp.memory[0:N] = kvftest.pattern(7, N)
         cd.grant("g1", "prefill", [(pd.id, 0, N)], deadline_ms=20000)  # decode dials prefill, pushes it
         # prefill closes the link 300 ms later, its grant held (the
         # failpoint); decode must dial again for the grant, not fail it.
@@ -63,14 +50,14 @@ class TestIdleGrant(unittest.TestCase):
 
         def relinked_or_ended():
             events.extend(cd.wait_events(4, 0))
-            return events or peer(self.dec, "prefill")["ups"] >= 2
+            return events or peer_row(self.dec, "prefill")["ups"] >= 2
         wait_for(relinked_or_ended, 15, "decode to link to prefill again after prefill's idle close")
         self.assertEqual(events, [], "the grant ended at the idle close: %s" % [(e.error_name, e.error) for e in events])
         cp.send("g1", "decode", [(pp.id, 0, N)], deadline_ms=20000)
         er = wait_event(cd, "g1", 15, kvferry.RECV_DONE)
         es = wait_event(cp, "g1", 15, kvferry.SEND_DONE)
         self.assertEqual((er.error_name, es.error_name), ("OK", "OK"), (er.error, es.error))
-        self.assertEqual(bytes(pd.memory[0:N]), pattern(7, N))
+        self.assertEqual(bytes(pd.memory[0:N]), kvftest.pattern(7, N))
         self.assertEqual(self.pre.stop(), 0)
         self.assertEqual(self.dec.stop(), 0)
 

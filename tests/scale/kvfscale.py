@@ -34,9 +34,7 @@ def why_not():
     return None
 
 
-def pattern(seed, n):
-    block = bytes((seed * 131 + i * 7) & 0xFF for i in range(4096))
-    return (block * (n // 4096 + 1))[:n]
+pattern = kvftest.pattern  # bytes that differ per seed and position
 
 
 class Net:
