@@ -10,8 +10,11 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "desc.h"
 #include "kvferryd.h"
@@ -154,18 +157,23 @@ static void test_place(void **state) {
 }
 
 /* The receiver's read plan over a batch of mixed entries (small pieces
- * through the bounce buffer, large ones straight): the payload, read step
- * by step as the socket would deliver it, lands exactly where the
- * patterns' definition says, and nothing else in the pool changes. */
+ * through the bounce buffer, large ones straight; bounced pieces of whole
+ * cache lines at line-aligned places streamed, the others copied): the
+ * payload, read step by step as the socket would deliver it, lands exactly
+ * where the patterns' definition says, and nothing else in the pool
+ * changes. */
 static void test_read_plan(void **state) {
   (void)state;
   enum { MEM = 2 << 20 };
   kvf__pool pool = {0}, *pools[1] = {&pool};
-  pool.base = calloc(1, MEM);
+  pool.base = aligned_alloc(64, MEM); /* offsets below choose streamed or copied */
   uint8_t *want = calloc(1, MEM);
   kvfd.pools = pools, kvfd.n_pools = 1;
   kvf__tcp_pat e[] = {
       {.len = 256, .n1 = 16, .n2 = 1, .off = 0, .s1 = 512},                /* TP 8 -> 4 NHD: bounced */
+      {.len = 192, .n1 = 5, .n2 = 3, .off = 64 * 1000, .s1 = 320, .s2 = 4096}, /* whole lines: streamed */
+      {.len = 128, .n1 = 7, .n2 = 1, .off = 1200003, .s1 = 192},           /* lines, misaligned: copied */
+      {.len = 96, .n1 = 9, .n2 = 1, .off = 1300032, .s1 = 128},            /* aligned, part lines: copied */
       {.len = 4096, .n1 = 4, .n2 = 2, .off = 100000, .s1 = 8192, .s2 = 40000}, /* large: straight */
       {.len = 16, .n1 = 8, .n2 = 4, .off = 300001, .s1 = 64, .s2 = 1024},  /* bounced, 2D */
       {.len = 700, .n1 = 1, .n2 = 1, .off = 500000},                       /* one piece: straight */
@@ -198,6 +206,36 @@ static void test_read_plan(void **state) {
   kvfd.pools = NULL, kvfd.n_pools = 0;
   free(pool.base);
   free(want);
+}
+
+/* Bounced pieces into pool memory whose file shrank under the mapping:
+ * the scatter reports -EFAULT (the guard caught SIGBUS) instead of
+ * killing the daemon, and the next scatter works again. */
+static void test_scatter_fault(void **state) {
+  (void)state;
+  enum { MEM = 64 << 10 };
+  int fd = memfd_create("test_tcp_pattern", MFD_CLOEXEC);
+  assert_true(fd >= 0);
+  assert_int_equal(ftruncate(fd, MEM), 0);
+  uint8_t *map = mmap(NULL, MEM, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  assert_true(map != MAP_FAILED);
+  kvf__pool pool = {0}, *pools[1] = {&pool};
+  pool.base = map;
+  kvfd.pools = pools, kvfd.n_pools = 1;
+  kvf__tcp_pat e = {.len = 256, .n1 = 16, .n2 = 1, .off = 4096, .s1 = 512};
+  struct iovec iov[4];
+  for (int shrunk = 1; shrunk >= 0; shrunk--) {
+    assert_int_equal(ftruncate(fd, shrunk ? 0 : MEM), 0);
+    kvf__tcp_rplan r;
+    kvf__tcp_rplan_init(&r, &e, 1);
+    assert_int_equal(kvf__tcp_rplan_step(&r, iov, 4), 1);
+    memset(iov[0].iov_base, 0x5a, iov[0].iov_len);
+    assert_int_equal(kvf__tcp_rplan_scatter(&r), shrunk ? -EFAULT : 0);
+  }
+  for (uint32_t i = 0; i < e.n1; i++) assert_int_equal(map[e.off + i * e.s1 + 255], 0x5a);
+  kvfd.pools = NULL, kvfd.n_pools = 0;
+  munmap(map, MEM);
+  close(fd);
 }
 
 /* Runs of the sender: whatever it groups, the pieces of its patterns in
@@ -245,6 +283,9 @@ static void test_take(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
+      /* first: cmocka installs its SIGBUS handler around each test, and
+       * pool_engine.c installs its guard's once, at the first guarded copy */
+      cmocka_unit_test(test_scatter_fault),
       cmocka_unit_test(test_check_edges),
       cmocka_unit_test(test_check_malformed),
       cmocka_unit_test(test_place),
