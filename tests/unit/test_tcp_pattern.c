@@ -91,6 +91,57 @@ static void test_check_edges(void **state) {
   kvf__rangeset_free(&rs);
 }
 
+/* Batches of many entries (the receiver remembers the range that held
+ * the last box): kvf__tcp_pat_first_outside agrees with each box checked
+ * on its own by a linear scan of the ranges, the boxes computed here in
+ * 128 bits. Entries are drawn near and across the ranges' edges, in other
+ * pools and with the last entry's range in mind. */
+static bool box_inside(const kvf__range *v, size_t n, const kvf__tcp_pat *p) {
+  unsigned __int128 end = (unsigned __int128)p->off + (unsigned __int128)(p->n2 - 1) * p->s2 +
+                          (unsigned __int128)(p->n1 - 1) * p->s1 + p->len;
+  for (size_t i = 0; i < n; i++)
+    if (v[i].pool == p->pool && p->off >= v[i].start && end <= v[i].end) return true;
+  return false;
+}
+
+static void test_first_outside_many(void **state) {
+  (void)state;
+  uint32_t pool[] = {1, 1, 1, 2};
+  uint64_t off[] = {0, 2000, 3000, 0}, len[] = {1000, 1000, 500, 1000}; /* [2000, 3500) merges */
+  kvf__descs d = {pool, off, len, 4, 3500};
+  kvf__rangeset rs;
+  assert_int_equal(kvf__rangeset_build(&rs, &d), 0);
+  uint64_t seed = 17;
+  int refused = 0, taken = 0;
+  for (int round = 0; round < 20000; round++) {
+    kvf__tcp_pat e[8];
+    uint32_t n = 0;
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    uint32_t count = 1 + (uint32_t)(seed >> 40) % 8;
+    uint64_t at = 0;
+    for (; n < count; n++) {
+      seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+      uint64_t r = seed >> 16;
+      kvf__tcp_pat *p = &e[n];
+      p->pool = r % 7 == 0 ? 2 : 1;
+      p->len = 1 + (uint32_t)(r >> 3) % 64;
+      p->n1 = 1 + (uint32_t)(r >> 9) % 4, p->n2 = 1 + (uint32_t)(r >> 11) % 3;
+      p->s1 = (r >> 13) % 80, p->s2 = (r >> 20) % 300;
+      /* near the last entry (same range, or just past it), or near an edge */
+      static const uint64_t edges[] = {0, 1000, 2000, 3000, 3500};
+      p->off = (r >> 27) % 2 ? at + (r >> 28) % 200 : edges[(r >> 29) % 5] - (r >> 32) % 3 * 64;
+      if (p->off > UINT64_MAX / 2) p->off = 0;
+      at = p->off;
+    }
+    uint32_t want = 0;
+    while (want < count && box_inside(rs.v, rs.n, &e[want])) want++;
+    assert_int_equal(kvf__tcp_pat_first_outside(&rs, e, count), want);
+    want < count ? refused++ : taken++;
+  }
+  assert_true(refused > 1000 && taken > 1000); /* both outcomes drawn often */
+  kvf__rangeset_free(&rs);
+}
+
 static void test_check_malformed(void **state) {
   (void)state;
   kvf__rangeset rs;
@@ -288,6 +339,7 @@ int main(void) {
       cmocka_unit_test(test_scatter_fault),
       cmocka_unit_test(test_check_edges),
       cmocka_unit_test(test_check_malformed),
+      cmocka_unit_test(test_first_outside_many),
       cmocka_unit_test(test_place),
       cmocka_unit_test(test_take),
       cmocka_unit_test(test_read_plan),

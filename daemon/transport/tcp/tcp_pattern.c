@@ -63,9 +63,13 @@ static bool box_end(const kvf__tcp_pat *p, uint64_t *end) {
 }
 
 uint32_t kvf__tcp_pat_first_outside(const kvf__rangeset *rs, const kvf__tcp_pat *e, uint32_t count) {
+  long at = -1; /* the range that held the last box: a batch's boxes are mostly in a few (its blocks) */
   for (uint32_t i = 0; i < count; i++) {
     uint64_t end;
-    if (!box_end(&e[i], &end) || !kvf__rangeset_contains(rs, e[i].pool, e[i].off, end - e[i].off)) return i;
+    if (e[i].len == 0 || !box_end(&e[i], &end)) return i;
+    if (at >= 0 && kvf__range_holds(&rs->v[at], e[i].pool, e[i].off, end - e[i].off)) continue;
+    at = kvf__ranges_find(rs->v, rs->n, e[i].pool, e[i].off, end - e[i].off);
+    if (at < 0) return i;
   }
   return count;
 }
@@ -376,8 +380,12 @@ static int plan_chunk(kvf__tcp_pshare *s, const kvf__xplan *p, const uint8_t *sr
   pt.n1 = nhd ? p->nh : g, pt.s1 = nhd ? dh : dk; /* inner */
   pt.n2 = nhd ? g : p->nh, pt.s2 = nhd ? dk : dh; /* outer */
   int rc = 0;
-  for (uint32_t o = 0; rc == 0 && o < pt.n2; o++) /* the source's inner pieces sit together */
-    rc = src_add(s, src + (nhd ? elem(&p->s, st + o, hs, u) : elem(&p->s, st, hs + o, u)), (uint64_t)pt.n1 * u);
+  uint64_t row = (uint64_t)pt.n1 * u, s0 = elem(&p->s, st, hs, u);
+  uint64_t s1 = (nhd ? elem(&p->s, st + 1, hs, u) : elem(&p->s, st, hs + 1, u)) - s0;
+  if (s1 == row) /* the rows follow each other in the source (one head a rank): one stretch */
+    rc = src_add(s, src + s0, row * pt.n2);
+  for (uint32_t o = 0; s1 != row && rc == 0 && o < pt.n2; o++) /* the source's inner pieces sit together */
+    rc = src_add(s, src + s0 + o * s1, row);
   normalise(&pt);
   return rc ? rc : src_close(s, &pt);
 }
