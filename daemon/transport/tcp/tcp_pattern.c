@@ -390,6 +390,19 @@ static int plan_chunk(kvf__tcp_pshare *s, const kvf__xplan *p, const uint8_t *sr
   return rc ? rc : src_close(s, &pt);
 }
 
+/* The send's blocks in the order of their ids (the source's address
+ * order within a region), for qsort. */
+static int id_cmp(const void *a, const void *b, void *ids) {
+  const uint32_t *by_id = ids;
+  uint32_t x = by_id[*(const uint32_t *)a], y = by_id[*(const uint32_t *)b];
+  return x < y ? -1 : x > y;
+}
+
+/* Bytes a stream takes in a row before the deal moves on: its chunks then
+ * read neighbouring source blocks, which writev takes as few long iovecs
+ * (a chunk of one head is 4 KiB of llama3-8b). */
+#define GROUP (256u << 10)
+
 int kvf__tcp_pat_deal_plan(const kvf__bpart *b, kvf__tcp_pshare *sh, uint32_t n_sh, uint32_t *rr, bool small) {
   const kvf__xplan *p = &b->xf;
   const kvf__lview *s = b->src, *d = b->dst;
@@ -398,19 +411,30 @@ int kvf__tcp_pat_deal_plan(const kvf__bpart *b, kvf__tcp_pshare *sh, uint32_t n_
   if (b->n_layers == 0 || b->first < s->first_layer || b->first < d->first_layer ||
       b->first + b->n_layers > s->first_layer + s->n_layers || b->first + b->n_layers > d->first_layer + d->n_layers)
     return KVF_ERANGE;
+  size_t ns = (size_t)((p->tokens + p->s.tpb - 1) / p->s.tpb); /* source blocks the tokens touch */
+  uint32_t *order = malloc(ns * sizeof(*order));
+  if (!order) return -ENOMEM;
+  for (size_t i = 0; i < ns; i++) order[i] = (uint32_t)i;
+  qsort_r(order, ns, sizeof(*order), id_cmp, (void *)b->sids);
   const uint8_t *base = kvfd.pools[s->pool]->base;
+  uint64_t chunk = (uint64_t)g * p->nh * p->unit, dealt = 0;
   uint32_t k = *rr;
-  for (uint32_t l = b->first; l < b->first + b->n_layers; l++)
-    for (uint32_t kv = 0; kv < s->n_kv; kv++) {
+  int rc = 0;
+  for (uint32_t l = b->first; rc == 0 && l < b->first + b->n_layers; l++)
+    for (uint32_t kv = 0; rc == 0 && kv < s->n_kv; kv++) {
       uint64_t s0 = kvf__lview_addr(s, l, kv, 0), d0 = kvf__lview_addr(d, l, kv, 0);
-      for (uint64_t t = 0; t < p->tokens; t += g) {
-        size_t si = t / p->s.tpb, di = t / p->d.tpb;
-        int rc = plan_chunk(&sh[k], p, base + s0 + (uint64_t)b->sids[si] * s->block_stride, d->pool,
-                            d0 + (uint64_t)b->dids[di] * d->block_stride, t % p->s.tpb, t % p->d.tpb, g);
-        if (rc) return rc;
-        if (!small) k = (k + 1) % n_sh;
+      for (size_t j = 0; rc == 0 && j < ns; j++) {
+        uint64_t t0 = (uint64_t)order[j] * p->s.tpb, t1 = t0 + p->s.tpb < p->tokens ? t0 + p->s.tpb : p->tokens;
+        for (uint64_t t = t0; rc == 0 && t < t1; t += g) {
+          size_t di = t / p->d.tpb;
+          rc = plan_chunk(&sh[k], p, base + s0 + (uint64_t)b->sids[order[j]] * s->block_stride, d->pool,
+                          d0 + (uint64_t)b->dids[di] * d->block_stride, t % p->s.tpb, t % p->d.tpb, g);
+          if (!small && (dealt += chunk) >= GROUP) k = (k + 1) % n_sh, dealt = 0;
+        }
       }
     }
-  *rr = small ? (k + 1) % n_sh : k;
+  free(order);
+  if (rc) return rc;
+  *rr = small ? (k + 1) % n_sh : (dealt ? (k + 1) % n_sh : k);
   return 0;
 }
