@@ -45,6 +45,7 @@
 #include "auth.h"
 #include "cuda/gpu.h"
 #include "frame.h"
+#include "layout.h"
 #include "map.h"
 #include "peer.h"
 #include "pool.h"
@@ -111,6 +112,7 @@ typedef struct item {    /* a stream's share of one post */
   wr *w;
   size_t n;
   bool gpu;              /* some frames come from GPU memory */
+  bool sealed;           /* its batches go with BATCH_SEALED (tcp_wire.h) */
   kvf__tcp_pshare *ps;   /* instead of frames: patterns (tcp_pattern.h) */
   bool marker;           /* a layer marker, no frames and no ticket: */
   uint32_t first, n_layers, streams;
@@ -130,6 +132,7 @@ typedef struct tevent {
   void *stream;          /* EV_STREAM_GONE: the inbound stream to reap */
   uint32_t first, n;     /* EV_LAYERS: the layers that landed */
   uint64_t t_first, t_last; /* EV_LANDED: the grant's first byte read, its last landed */
+  bool sealed;           /* EV_LANDED: every batch of the grant came sealed */
 } tevent;
 
 /* Receiver: a layer marker seen on some of its streams. */
@@ -149,6 +152,7 @@ typedef struct rgrant {
   lmark *marks;          /* layer markers not yet seen on every stream */
   size_t n_marks;
   uint64_t first_ns;     /* the first batch for it read (g_lock) */
+  bool unsealed;         /* some batch for it came without BATCH_SEALED (g_lock) */
 } rgrant;
 
 /* Receiver: a batch with payloads staged for a GPU; it lands (unpins its
@@ -253,11 +257,11 @@ static void ticket_part_done(ticket *tk, int status) {
 }
 
 /* EV_LANDED, with the grant's first and last byte's times. */
-static void post_landed(tcp_peer *tp, uint64_t handle, uint64_t first_ns) {
+static void post_landed(tcp_peer *tp, uint64_t handle, uint64_t first_ns, bool sealed) {
   tevent *e = calloc(1, sizeof(*e));
   if (!e) abort(); /* as post_event */
   *e = (tevent){.kind = EV_LANDED, .handle = handle, .peer = tp->p, .gen = tp->gen, .t_first = first_ns,
-                .t_last = kvf__now_ns()};
+                .t_last = kvf__now_ns(), .sealed = sealed};
   push_event(tp->tt, e);
 }
 
@@ -301,7 +305,7 @@ static int write_item(stream *s, item *it) {
       ent_encode(ents[k], w->dst_pool, w->len, w->dst_off);
       iov[2 + k] = (struct iovec){(void *)w->src, w->len};
     }
-    bhdr_encode(hdr, k, it->handle);
+    bhdr_encode(hdr, k, it->handle, it->sealed);
     iov[0] = (struct iovec){hdr, BHDR_LEN};
     iov[1] = (struct iovec){ents, (size_t)k * ENT_LEN};
     bool faulted = false;
@@ -388,7 +392,7 @@ static int stage_send(stream *s, item *it, sslot *sl) {
     ent_encode(ents[k], w->dst_pool, w->len, w->dst_off);
     iov[2 + k] = (struct iovec){w->dev >= 0 ? sl->host + sl->off[k] : (void *)w->src, w->len};
   }
-  bhdr_encode(hdr, (uint32_t)sl->n, it->handle);
+  bhdr_encode(hdr, (uint32_t)sl->n, it->handle, it->sealed);
   iov[0] = (struct iovec){hdr, BHDR_LEN};
   iov[1] = (struct iovec){ents, sl->n * ENT_LEN};
   bool faulted = false;
@@ -676,6 +680,7 @@ static rgrant *pin_grant(tcp_peer *tp, const batch_hdr *h, batch_ent *e, kvf__tc
     g = NULL;
   }
   if (g) g->writers++;
+  if (g && !h->sealed) g->unsealed = true;
   if (g && !g->first_ns) g->first_ns = kvf__now_ns();
   pthread_mutex_unlock(&tt->g_lock);
   return g;
@@ -686,7 +691,7 @@ static void unpin_grant(rgrant *g, tcp_peer *tp, uint64_t handle, uint64_t len) 
   pthread_mutex_lock(&tt->g_lock);
   g->writers--;
   g->landed += len;
-  if (!g->closed && g->landed == g->total) post_landed(tp, handle, g->first_ns);
+  if (!g->closed && g->landed == g->total) post_landed(tp, handle, g->first_ns, !g->unsealed);
   if (g->closed && g->writers == 0) pthread_cond_broadcast(&tt->g_cond);
   pthread_mutex_unlock(&tt->g_lock);
 }
@@ -834,7 +839,7 @@ static int receive_pattern_gpu(stream *s, const batch_hdr *h, const kvf__tcp_pat
     bytes += p->len;
     if (++piece == (uint64_t)p->n1 * p->n2) piece = 0, i++;
     if (k < BATCH_FRAMES && i < h->count) continue;
-    batch_hdr sub = {DATA_MAGIC, k, h->handle};
+    batch_hdr sub = {DATA_MAGIC, k, h->handle, false};
     rc = receive_batch_gpu(s, &sub, e, g, bytes, i == h->count ? ahead : NULL, have);
     k = 0, bytes = 0;
     if (rc == 0 && i < h->count) {
@@ -1011,13 +1016,15 @@ static int deal_frames(tcp_peer *tp, const kvf__runs *runs, item **items) {
 
 /* Whether the peer reads pattern batches (tcp_pattern.h). Only transforms
  * use them (plain runs are long and go as frames, as they did). */
-static bool patterns_for(const tcp_peer *tp) {
+static bool offers(const tcp_peer *tp, const char *cap) {
   const Kvf__Hello *h = tp->p->hello;
   bool offered = false;
   for (size_t i = 0; h && i < h->n_transports && !offered; i++)
-    offered = strcmp(h->transports[i], KVF__TCP_PAT_CAP) == 0;
+    offered = strcmp(h->transports[i], cap) == 0;
   return offered;
 }
+
+static bool patterns_for(const tcp_peer *tp) { return offers(tp, KVF__TCP_PAT_CAP); }
 
 /* deal_frames as patterns (kvf__tcp_pat_deal). */
 static int deal_patterns(tcp_peer *tp, const kvf__runs *runs, item **items) {
@@ -1047,6 +1054,7 @@ static void enqueue(stream *s, item *it) {
 typedef struct dealing {
   const kvf__runs *runs;
   bool grouped;            /* runs of a transform: grouped into patterns */
+  bool whole_blocks;       /* runs of blocks without a transform */
   const kvf__bpart *part;
 } dealing;
 
@@ -1063,6 +1071,19 @@ static int deal(tcp_peer *tp, const dealing *d, item **items) {
     atomic_fetch_add(&tp->tt->pat_sent, sh[i].n);
   }
   return rc;
+}
+
+/* Whether a post's batches may go sealed: the peer reads the flag and no
+ * source pool of the runs can fault (pool.h: sealed). Blocks only without
+ * a transform: a receiver that completes on sealed bytes takes them for
+ * whole blocks (a transform's description comes with the SendDone). */
+static bool sealed_for(const tcp_peer *tp, const kvf__xfer *x, const dealing *d) {
+  if (!d->runs || d->grouped || (x->blocks && !d->whole_blocks) || !offers(tp, KVF__TCP_SEALED_CAP)) return false;
+  for (size_t i = 0; i < d->runs->n; i++) {
+    const kvf__pool *p = kvfd.pools[d->runs->v[i].src_pool];
+    if (!p || !p->sealed) return false;
+  }
+  return true;
 }
 
 static int post_dealt(kvf__transport *t, kvf__xfer *x, const dealing *d, bool last) {
@@ -1087,6 +1108,7 @@ static int post_dealt(kvf__transport *t, kvf__xfer *x, const dealing *d, bool la
   for (uint32_t i = 0; i < tp->n_out; i++)
     if (items[i]->gpu) x->path = "tcp-bounce";
   int used = 0;
+  bool sealed = sealed_for(tp, x, d);
   for (uint32_t i = 0; i < tp->n_out; i++) used += items[i]->n > 0 || (items[i]->ps && items[i]->ps->n > 0);
   /* An empty post (all parts already sent) still completes through the
    * queue, so the caller sees one callback either way. */
@@ -1100,6 +1122,7 @@ static int post_dealt(kvf__transport *t, kvf__xfer *x, const dealing *d, bool la
     }
     it->tk = tk;
     it->handle = x->handle;
+    it->sealed = sealed;
     enqueue(&tp->out[i], it);
   }
   pthread_mutex_unlock(&tp->lock);
@@ -1115,7 +1138,14 @@ static int tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last)
  * from the plan (no run per piece); anything else as runs. */
 static int tcp_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
   tcp_peer *tp = tcp_peer_of(to_tcp(t), x->peer); /* GPU sources stage frames (write_item_staged) */
-  if (!b->xf.transform || !tp || !patterns_for(tp) || kvfd.pools[b->src->pool]->cuda_dev >= 0)
+  if (!b->xf.transform) { /* whole blocks: the layouts' coalesced runs */
+    kvf__runs runs = {0};
+    int rc = kvf__blocks_pair(b->src, b->sids, b->dst, b->dids, b->n, b->first, b->n_layers, &runs);
+    if (rc == 0) rc = post_dealt(t, x, &(dealing){.runs = &runs, .whole_blocks = true}, last);
+    kvf__runs_free(&runs);
+    return rc;
+  }
+  if (!tp || !patterns_for(tp) || kvfd.pools[b->src->pool]->cuda_dev >= 0)
     return kvf__transport_post_block_runs(t, x, b, last);
   int rc = post_dealt(t, x, &(dealing){.part = b}, last);
   if (rc != -E2BIG) return rc;
@@ -1387,7 +1417,8 @@ static void handle_event(tevent *e) {
     if ((g = grant_for_event(e->tt, e->handle)) == NULL) break;
     kvf__xtrace_stamp(g->x, KVF__XT_FIRST, e->t_first);
     kvf__xtrace_stamp(g->x, KVF__XT_LAST, e->t_last);
-    kvf__xfer_on_landed(g->x);
+    if (e->sealed) kvf__xfer_on_vouched(g->x); /* the bytes vouch (tcp_wire.h) */
+    else kvf__xfer_on_landed(g->x);
     break;
   case EV_DATA_ERROR:
     if ((g = grant_for_event(e->tt, e->handle)) != NULL)
@@ -1462,6 +1493,7 @@ static void tcp_destroy(kvf__transport *t) {
  * for this word behind the transports' names. */
 static void tcp_hello(kvf__transport *t, Kvf__Hello *h) {
   h->transports[h->n_transports++] = (char *)KVF__TCP_PAT_CAP;
+  h->transports[h->n_transports++] = (char *)KVF__TCP_SEALED_CAP;
 }
 
 static const kvf__transport_ops tcp_ops = {
