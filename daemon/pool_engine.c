@@ -424,16 +424,3 @@ int kvf__pool_copy(void *dst, const void *src, size_t n) {
   return 0;
 }
 
-int kvf__pool_guarded(void (*fn)(void *arg), void *arg) {
-  sigjmp_buf jb;
-  install_guard();
-  if (sigsetjmp(jb, 0)) {
-    copy_guard = NULL;
-    return -EFAULT;
-  }
-  copy_guard = &jb;
-  fn(arg);
-  copy_guard = NULL;
-  return 0;
-}
-

@@ -56,10 +56,6 @@ int kvf__pool_engine_dmabuf(const kvf__pool *p, int *fd, uint64_t *offset);
 /* memcpy that survives a file shrinking under a mapping of engine memory
  * (see pool_engine.c): 0, or -EFAULT (part of the copy may have happened). */
 int kvf__pool_copy(void *dst, const void *src, size_t n);
-/* fn(arg) under the same guard, for many small copies at once (one
- * sigsetjmp instead of one a copy): 0, or -EFAULT when a touch of pool
- * memory faulted (fn was cut short there; it must hold no lock). */
-int kvf__pool_guarded(void (*fn)(void *arg), void *arg);
 
 /* What registering engine pool p cost; false for daemon pools. */
 bool kvf__pool_engine_timing(const kvf__pool *p, kvf__mem_timing *t);

@@ -208,8 +208,9 @@ static void test_place(void **state) {
 }
 
 /* The receiver's read plan over a batch of mixed entries (small pieces
- * through the bounce buffer, large ones straight; bounced pieces of whole
- * cache lines at line-aligned places streamed, the others copied): the
+ * through the bounce buffer, large ones straight; into a sealed pool,
+ * bounced pieces of whole cache lines at line-aligned places streamed, the
+ * others copied; into one that is not, every piece a guarded copy): the
  * payload, read step by step as the socket would deliver it, lands exactly
  * where the patterns' definition says, and nothing else in the pool
  * changes. */
@@ -236,7 +237,8 @@ static void test_read_plan(void **state) {
     for (uint64_t i2 = 0; i2 < e[i].n2; i2++)
       for (uint64_t i1 = 0; i1 < e[i].n1; i1++)
         for (uint64_t j = 0; j < e[i].len; j++) want[e[i].off + i2 * e[i].s2 + i1 * e[i].s1 + j] = (uint8_t)(1 + k++ % 251);
-  for (int cap = 1; cap <= 1023; cap = cap * 4 + 3) {
+  for (int cap = 1, sealed = 0; cap <= 1023; cap = sealed ? cap * 4 + 3 : cap, sealed = !sealed) {
+    pool.sealed = sealed; /* guarded copies, or streamed */
     memset(pool.base, 0, MEM);
     kvf__tcp_rplan r;
     kvf__tcp_rplan_init(&r, e, n_e);
@@ -259,9 +261,9 @@ static void test_read_plan(void **state) {
   free(want);
 }
 
-/* Bounced pieces into pool memory whose file shrank under the mapping:
- * the scatter reports -EFAULT (the guard caught SIGBUS) instead of
- * killing the daemon, and the next scatter works again. */
+/* Bounced pieces into pool memory (not sealed) whose file shrank under
+ * the mapping: the scatter reports -EFAULT (the guard caught SIGBUS)
+ * instead of killing the daemon, and the next scatter works again. */
 static void test_scatter_fault(void **state) {
   (void)state;
   enum { MEM = 64 << 10 };
