@@ -229,7 +229,8 @@ static void test_read_plan(void **state) {
       {.len = 4096, .n1 = 4, .n2 = 2, .off = 100000, .s1 = 8192, .s2 = 40000}, /* large: straight */
       {.len = 16, .n1 = 8, .n2 = 4, .off = 300001, .s1 = 64, .s2 = 1024},  /* bounced, 2D */
       {.len = 700, .n1 = 1, .n2 = 1, .off = 500000},                       /* one piece: straight */
-      {.len = 256, .n1 = 2000, .n2 = 1, .off = 600000, .s1 = 256},         /* contiguous, bounced */
+      {.len = 256, .n1 = 2000, .n2 = 1, .off = 600000, .s1 = 256},         /* over the bounce buffer: straight */
+      {.len = 256, .n1 = 1024, .n2 = 1, .off = 1400064, .s1 = 256},        /* the bounce buffer whole */
   };
   uint32_t n_e = sizeof(e) / sizeof(e[0]);
   uint64_t k = 0;

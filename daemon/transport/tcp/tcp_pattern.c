@@ -119,15 +119,19 @@ static uint8_t *thread_bounce(void) {
   return b; /* NULL: out of memory, every piece goes straight */
 }
 
+/* Whether p's pieces are worth a bounce (small, several) and fit it. */
+static bool bounceable(const kvf__tcp_pat *p) {
+  uint64_t pieces = (uint64_t)p->n1 * p->n2;
+  return p->len < KVF__TCP_PAT_SMALL && pieces > 1 && pieces * p->len <= KVF__TCP_PAT_BOUNCE;
+}
+
 void kvf__tcp_rplan_init(kvf__tcp_rplan *r, const kvf__tcp_pat *e, uint32_t count) {
   *r = (kvf__tcp_rplan){.e = e, .count = count};
   for (uint32_t i = 0; i < count && !r->bounce; i++)
-    if (e[i].len < KVF__TCP_PAT_SMALL && (uint64_t)e[i].n1 * e[i].n2 > 1) r->bounce = thread_bounce();
+    if (bounceable(&e[i])) r->bounce = thread_bounce();
 }
 
-static bool bounced(const kvf__tcp_rplan *r, const kvf__tcp_pat *p) {
-  return r->bounce && p->len < KVF__TCP_PAT_SMALL && (uint64_t)p->n1 * p->n2 > 1;
-}
+static bool bounced(const kvf__tcp_rplan *r, const kvf__tcp_pat *p) { return r->bounce && bounceable(p); }
 
 int kvf__tcp_rplan_step(kvf__tcp_rplan *r, struct iovec *iov, int cap) {
   int n = 0;

@@ -75,7 +75,10 @@ int kvf__tcp_pat_iov(const kvf__tcp_pat *e, uint8_t *base, uint64_t *next, struc
  * than memcpy per piece), the others straight into pool memory. A step
  * fills iov (at most cap) for one read; after the read, scatter copies what
  * the step put in the bounce buffer where it goes. */
-#define KVF__TCP_PAT_BOUNCE (1u << 20)  /* >= KVF__TCP_PAT_MAX */
+/* 256 KiB: the kernel's copy into it and the scatter out of it stay in
+ * cache with four receiver threads on two cores (1 MiB cost the kernel's
+ * copy a third more, perf); entries with more payload go straight. */
+#define KVF__TCP_PAT_BOUNCE (256u << 10)
 #define KVF__TCP_PAT_SMALL 1024u         /* pieces shorter than this are bounced */
 typedef struct kvf__tcp_rplan {
   const kvf__tcp_pat *e;
