@@ -8,6 +8,10 @@
 #                                       TP 1->1 NHD->HND, 4096 tokens, 3 requests
 #   TOKENS=1024 REQUESTS=2 ROUNDS=3 POOL=2G bench/hetero_tcp.sh
 #   CASES="--prefill-tp_2_--decode-tp_1" bench/hetero_tcp.sh   (words joined by _)
+#   BUILD=/tmp/before ROUNDS=1 bench/hetero_tcp.sh   (another build's kvferryd,
+#       kvferryctl and kvferry-bench: alternate it with build/ round by round
+#       for a before/after in one session; the ratios vary by about 0.2x
+#       between rounds on the loaded 2-core dev machine)
 set -eu
 
 cd "$(dirname "$0")/.."

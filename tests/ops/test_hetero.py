@@ -54,7 +54,7 @@ class Rank:
         """Pool offset of token t (of the transfer) of model head h."""
         block, slot, hh = ids[t // self.tpb], t % self.tpb, h - self.h0
         inner = slot * self.heads + hh if self.order == "NHD" else hh * self.tpb + slot
-        return self.offsets[layer * self.n_kv + kv] + block * self.bb + inner * UNIT
+        return self.offsets[layer * self.n_kv + kv] + block * self.bb + inner * self.unit
 
     def holds(self, h):
         return self.h0 <= h < self.h0 + self.heads
@@ -77,22 +77,23 @@ class Base:
         self.clients.append(c)
         return c
 
-    def handoff(self, path, ptp, dtp, porder, dorder, pts, dts, mla=False):
+    def handoff(self, path, ptp, dtp, porder, dorder, pts, dts, mla=False, head_dim=D):
         """Every rank of prefill TP ptp and decode TP dtp is a client with
         its own layout. KV heads: one transfer id for the request, each
         decode rank grants it, each prefill rank sends it (fan-in and
         fan-out: the daemons move each head from the rank that holds it).
         MLA: decode rank r takes the latent from prefill rank r % ptp (any
         one source), one id each. Then every byte of every decode rank is
-        checked."""
-        tag = "%s-%d-%d-%s-%s-%d-%d-%s" % (path, ptp, dtp, porder, dorder, pts, dts, mla)
+        checked. head_dim: the pieces' size (head_dim * 2 bytes)."""
+        tag = "%s-%d-%d-%s-%s-%d-%d-%s-%d" % (path, ptp, dtp, porder, dorder, pts, dts, mla, head_dim)
         ddaemon = self.dec if path != "local" else self.pre
         cps = [self.client(self.pre) for _ in range(ptp)]
         cds = [self.client(ddaemon) for _ in range(dtp)]
         pp, pd = cps[0].pool_find("kv"), cds[0].pool_find("kv")
-        pre = [Rank(cps[i], pp, i * RANK_SLICE, ptp, i, porder, pts, mla) for i in range(ptp)]
+        pre = [Rank(cps[i], pp, i * RANK_SLICE, ptp, i, porder, pts, mla, head_dim=head_dim) for i in range(ptp)]
         dbase = 8 * RANK_SLICE  # local: one pool for both sides
-        dec = [Rank(cds[i], pd, dbase + i * RANK_SLICE, dtp, i, dorder, dts, mla) for i in range(dtp)]
+        dec = [Rank(cds[i], pd, dbase + i * RANK_SLICE, dtp, i, dorder, dts, mla, head_dim=head_dim)
+               for i in range(dtp)]
         nd, ns = TOKENS // dts, -(-TOKENS // pts)
         sids = [self.rng.sample(range(NB), ns) for _ in pre]
         dids = [self.rng.sample(range(NB), nd) for _ in dec]
@@ -110,7 +111,7 @@ class Base:
                         p = pre[d.r % ptp] if mla else next(p for p in pre if p.holds(h))
                         for t in range(TOKENS):
                             s, o = p.addr(layer, kv, sids[p.r], t, h), d.addr(layer, kv, dids[d.r], t, h) - dbase
-                            want[o:o + UNIT] = src[s:s + UNIT]
+                            want[o:o + d.unit] = src[s:s + p.unit]
         src_node = "prefill" if path != "local" else None
         dst_node = "decode" if path != "local" else "prefill"
         xid = lambda d: "%s-%d" % (tag, d.r) if mla else tag  # noqa: E731
@@ -127,7 +128,7 @@ class Base:
         for p, x in sends:
             sev = self.events["send", p.r] = wait_event(cps[p.r], x, type=kvferry.SEND_DONE)
             self.assertEqual((sev.status, sev.error), (0, ""), x)
-            self.assertEqual(sev.bytes, TOKENS * p.heads * UNIT * L * p.n_kv, x)
+            self.assertEqual(sev.bytes, TOKENS * p.heads * p.unit * L * p.n_kv, x)
         got = bytes(dmem[dbase:dbase + span])
         if got != want:
             i = next(i for i in range(span) if got[i] != want[i])
@@ -289,6 +290,16 @@ class Hetero(Base, kvftest.PairTestCase):
             self.assertEqual(p1["patterns_sent"] - p0["patterns_sent"], units // 16, (p0, p1))
             self.assertEqual(d1["pattern_pieces_read"] - d0["pattern_pieces_read"], pieces, (d0, d1))
             self.assertGreater(d1["pattern_batches_read"], d0["pattern_batches_read"])
+
+    def test_tcp_whole_lines(self):
+        """llama3's pieces: head_dim 128 of fp16, 256 bytes, whole cache
+        lines that the receiver streams from its bounce buffer into place
+        (TP 8 -> 4 NHD interleaves two senders' heads, so every piece is
+        bounced); every byte checked as in every other handoff."""
+        for pts in (16, 64):
+            with self.subTest(pts=pts):
+                self.handoff("tcp", 8, 4, "NHD", "NHD", pts, 16, head_dim=128)
+        self.handoff("tcp", 8, 4, "NHD", "HND", 16, 16, head_dim=128)
 
     def test_transform_listed(self):
         """kvferryctl transfers (the inspect API) says what a send of blocks

@@ -10,8 +10,11 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "desc.h"
 #include "kvferryd.h"
@@ -88,6 +91,57 @@ static void test_check_edges(void **state) {
   kvf__rangeset_free(&rs);
 }
 
+/* Batches of many entries (the receiver remembers the range that held
+ * the last box): kvf__tcp_pat_first_outside agrees with each box checked
+ * on its own by a linear scan of the ranges, the boxes computed here in
+ * 128 bits. Entries are drawn near and across the ranges' edges, in other
+ * pools and with the last entry's range in mind. */
+static bool box_inside(const kvf__range *v, size_t n, const kvf__tcp_pat *p) {
+  unsigned __int128 end = (unsigned __int128)p->off + (unsigned __int128)(p->n2 - 1) * p->s2 +
+                          (unsigned __int128)(p->n1 - 1) * p->s1 + p->len;
+  for (size_t i = 0; i < n; i++)
+    if (v[i].pool == p->pool && p->off >= v[i].start && end <= v[i].end) return true;
+  return false;
+}
+
+static void test_first_outside_many(void **state) {
+  (void)state;
+  uint32_t pool[] = {1, 1, 1, 2};
+  uint64_t off[] = {0, 2000, 3000, 0}, len[] = {1000, 1000, 500, 1000}; /* [2000, 3500) merges */
+  kvf__descs d = {pool, off, len, 4, 3500};
+  kvf__rangeset rs;
+  assert_int_equal(kvf__rangeset_build(&rs, &d), 0);
+  uint64_t seed = 17;
+  int refused = 0, taken = 0;
+  for (int round = 0; round < 20000; round++) {
+    kvf__tcp_pat e[8];
+    uint32_t n = 0;
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    uint32_t count = 1 + (uint32_t)(seed >> 40) % 8;
+    uint64_t at = 0;
+    for (; n < count; n++) {
+      seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+      uint64_t r = seed >> 16;
+      kvf__tcp_pat *p = &e[n];
+      p->pool = r % 7 == 0 ? 2 : 1;
+      p->len = 1 + (uint32_t)(r >> 3) % 64;
+      p->n1 = 1 + (uint32_t)(r >> 9) % 4, p->n2 = 1 + (uint32_t)(r >> 11) % 3;
+      p->s1 = (r >> 13) % 80, p->s2 = (r >> 20) % 300;
+      /* near the last entry (same range, or just past it), or near an edge */
+      static const uint64_t edges[] = {0, 1000, 2000, 3000, 3500};
+      p->off = (r >> 27) % 2 ? at + (r >> 28) % 200 : edges[(r >> 29) % 5] - (r >> 32) % 3 * 64;
+      if (p->off > UINT64_MAX / 2) p->off = 0;
+      at = p->off;
+    }
+    uint32_t want = 0;
+    while (want < count && box_inside(rs.v, rs.n, &e[want])) want++;
+    assert_int_equal(kvf__tcp_pat_first_outside(&rs, e, count), want);
+    want < count ? refused++ : taken++;
+  }
+  assert_true(refused > 1000 && taken > 1000); /* both outcomes drawn often */
+  kvf__rangeset_free(&rs);
+}
+
 static void test_check_malformed(void **state) {
   (void)state;
   kvf__rangeset rs;
@@ -154,22 +208,29 @@ static void test_place(void **state) {
 }
 
 /* The receiver's read plan over a batch of mixed entries (small pieces
- * through the bounce buffer, large ones straight): the payload, read step
- * by step as the socket would deliver it, lands exactly where the
- * patterns' definition says, and nothing else in the pool changes. */
+ * through the bounce buffer, large ones straight; into a sealed pool,
+ * bounced pieces of whole cache lines at line-aligned places streamed, the
+ * others copied; into one that is not, every piece a guarded copy): the
+ * payload, read step by step as the socket would deliver it, lands exactly
+ * where the patterns' definition says, and nothing else in the pool
+ * changes. */
 static void test_read_plan(void **state) {
   (void)state;
   enum { MEM = 2 << 20 };
   kvf__pool pool = {0}, *pools[1] = {&pool};
-  pool.base = calloc(1, MEM);
+  pool.base = aligned_alloc(64, MEM); /* offsets below choose streamed or copied */
   uint8_t *want = calloc(1, MEM);
   kvfd.pools = pools, kvfd.n_pools = 1;
   kvf__tcp_pat e[] = {
       {.len = 256, .n1 = 16, .n2 = 1, .off = 0, .s1 = 512},                /* TP 8 -> 4 NHD: bounced */
+      {.len = 192, .n1 = 5, .n2 = 3, .off = 64 * 1000, .s1 = 320, .s2 = 4096}, /* whole lines: streamed */
+      {.len = 128, .n1 = 7, .n2 = 1, .off = 1200003, .s1 = 192},           /* lines, misaligned: copied */
+      {.len = 96, .n1 = 9, .n2 = 1, .off = 1300032, .s1 = 128},            /* aligned, part lines: copied */
       {.len = 4096, .n1 = 4, .n2 = 2, .off = 100000, .s1 = 8192, .s2 = 40000}, /* large: straight */
       {.len = 16, .n1 = 8, .n2 = 4, .off = 300001, .s1 = 64, .s2 = 1024},  /* bounced, 2D */
       {.len = 700, .n1 = 1, .n2 = 1, .off = 500000},                       /* one piece: straight */
-      {.len = 256, .n1 = 2000, .n2 = 1, .off = 600000, .s1 = 256},         /* contiguous, bounced */
+      {.len = 256, .n1 = 2000, .n2 = 1, .off = 600000, .s1 = 256},         /* over the bounce buffer: straight */
+      {.len = 256, .n1 = 1024, .n2 = 1, .off = 1400064, .s1 = 256},        /* the bounce buffer whole */
   };
   uint32_t n_e = sizeof(e) / sizeof(e[0]);
   uint64_t k = 0;
@@ -177,7 +238,8 @@ static void test_read_plan(void **state) {
     for (uint64_t i2 = 0; i2 < e[i].n2; i2++)
       for (uint64_t i1 = 0; i1 < e[i].n1; i1++)
         for (uint64_t j = 0; j < e[i].len; j++) want[e[i].off + i2 * e[i].s2 + i1 * e[i].s1 + j] = (uint8_t)(1 + k++ % 251);
-  for (int cap = 1; cap <= 1023; cap = cap * 4 + 3) {
+  for (int cap = 1, sealed = 0; cap <= 1023; cap = sealed ? cap * 4 + 3 : cap, sealed = !sealed) {
+    pool.sealed = sealed; /* guarded copies, or streamed */
     memset(pool.base, 0, MEM);
     kvf__tcp_rplan r;
     kvf__tcp_rplan_init(&r, e, n_e);
@@ -198,6 +260,36 @@ static void test_read_plan(void **state) {
   kvfd.pools = NULL, kvfd.n_pools = 0;
   free(pool.base);
   free(want);
+}
+
+/* Bounced pieces into pool memory (not sealed) whose file shrank under
+ * the mapping: the scatter reports -EFAULT (the guard caught SIGBUS)
+ * instead of killing the daemon, and the next scatter works again. */
+static void test_scatter_fault(void **state) {
+  (void)state;
+  enum { MEM = 64 << 10 };
+  int fd = memfd_create("test_tcp_pattern", MFD_CLOEXEC);
+  assert_true(fd >= 0);
+  assert_int_equal(ftruncate(fd, MEM), 0);
+  uint8_t *map = mmap(NULL, MEM, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  assert_true(map != MAP_FAILED);
+  kvf__pool pool = {0}, *pools[1] = {&pool};
+  pool.base = map;
+  kvfd.pools = pools, kvfd.n_pools = 1;
+  kvf__tcp_pat e = {.len = 256, .n1 = 16, .n2 = 1, .off = 4096, .s1 = 512};
+  struct iovec iov[4];
+  for (int shrunk = 1; shrunk >= 0; shrunk--) {
+    assert_int_equal(ftruncate(fd, shrunk ? 0 : MEM), 0);
+    kvf__tcp_rplan r;
+    kvf__tcp_rplan_init(&r, &e, 1);
+    assert_int_equal(kvf__tcp_rplan_step(&r, iov, 4), 1);
+    memset(iov[0].iov_base, 0x5a, iov[0].iov_len);
+    assert_int_equal(kvf__tcp_rplan_scatter(&r), shrunk ? -EFAULT : 0);
+  }
+  for (uint32_t i = 0; i < e.n1; i++) assert_int_equal(map[e.off + i * e.s1 + 255], 0x5a);
+  kvfd.pools = NULL, kvfd.n_pools = 0;
+  munmap(map, MEM);
+  close(fd);
 }
 
 /* Runs of the sender: whatever it groups, the pieces of its patterns in
@@ -245,8 +337,12 @@ static void test_take(void **state) {
 
 int main(void) {
   const struct CMUnitTest tests[] = {
+      /* first: cmocka installs its SIGBUS handler around each test, and
+       * pool_engine.c installs its guard's once, at the first guarded copy */
+      cmocka_unit_test(test_scatter_fault),
       cmocka_unit_test(test_check_edges),
       cmocka_unit_test(test_check_malformed),
+      cmocka_unit_test(test_first_outside_many),
       cmocka_unit_test(test_place),
       cmocka_unit_test(test_take),
       cmocka_unit_test(test_read_plan),

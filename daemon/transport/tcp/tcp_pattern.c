@@ -5,6 +5,7 @@
 
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "frame.h"
 #include "kvferryd.h"
@@ -14,6 +15,10 @@
 #include <pthread.h>
 #include "transport/tcp/tcp.h"
 #include "transport/transport.h"
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 static void put64(uint8_t *p, uint64_t v) {
   for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
@@ -58,9 +63,13 @@ static bool box_end(const kvf__tcp_pat *p, uint64_t *end) {
 }
 
 uint32_t kvf__tcp_pat_first_outside(const kvf__rangeset *rs, const kvf__tcp_pat *e, uint32_t count) {
+  long at = -1; /* the range that held the last box: a batch's boxes are mostly in a few (its blocks) */
   for (uint32_t i = 0; i < count; i++) {
     uint64_t end;
-    if (!box_end(&e[i], &end) || !kvf__rangeset_contains(rs, e[i].pool, e[i].off, end - e[i].off)) return i;
+    if (e[i].len == 0 || !box_end(&e[i], &end)) return i;
+    if (at >= 0 && kvf__range_holds(&rs->v[at], e[i].pool, e[i].off, end - e[i].off)) continue;
+    at = kvf__ranges_find(rs->v, rs->n, e[i].pool, e[i].off, end - e[i].off);
+    if (at < 0) return i;
   }
   return count;
 }
@@ -110,15 +119,19 @@ static uint8_t *thread_bounce(void) {
   return b; /* NULL: out of memory, every piece goes straight */
 }
 
+/* Whether p's pieces are worth a bounce (small, several) and fit it. */
+static bool bounceable(const kvf__tcp_pat *p) {
+  uint64_t pieces = (uint64_t)p->n1 * p->n2;
+  return p->len < KVF__TCP_PAT_SMALL && pieces > 1 && pieces * p->len <= KVF__TCP_PAT_BOUNCE;
+}
+
 void kvf__tcp_rplan_init(kvf__tcp_rplan *r, const kvf__tcp_pat *e, uint32_t count) {
   *r = (kvf__tcp_rplan){.e = e, .count = count};
   for (uint32_t i = 0; i < count && !r->bounce; i++)
-    if (e[i].len < KVF__TCP_PAT_SMALL && (uint64_t)e[i].n1 * e[i].n2 > 1) r->bounce = thread_bounce();
+    if (bounceable(&e[i])) r->bounce = thread_bounce();
 }
 
-static bool bounced(const kvf__tcp_rplan *r, const kvf__tcp_pat *p) {
-  return r->bounce && p->len < KVF__TCP_PAT_SMALL && (uint64_t)p->n1 * p->n2 > 1;
-}
+static bool bounced(const kvf__tcp_rplan *r, const kvf__tcp_pat *p) { return r->bounce && bounceable(p); }
 
 int kvf__tcp_rplan_step(kvf__tcp_rplan *r, struct iovec *iov, int cap) {
   int n = 0;
@@ -144,16 +157,63 @@ int kvf__tcp_rplan_step(kvf__tcp_rplan *r, struct iovec *iov, int cap) {
   return n;
 }
 
-int kvf__tcp_rplan_scatter(kvf__tcp_rplan *r) {
+/* A piece into pool memory. Whole cache lines go with non-temporal
+ * stores: a bounced piece is a few lines of a destination nobody has
+ * touched lately, and an ordinary store first reads each line in (the
+ * scatter cost as much again as the kernel's copy of the same bytes into
+ * the bounce buffer, perf on the dev machine); the kernel's own large
+ * copies avoid that read, 256-byte memcpys do not. */
+static void put_piece(uint8_t *dst, const uint8_t *src, size_t n) {
+#if defined(__SSE2__)
+  if (((uintptr_t)dst & 63) || (n & 63)) {
+    memcpy(dst, src, n);
+    return;
+  }
+  for (size_t i = 0; i < n; i += 64) {
+    const __m128i *s = (const __m128i *)(src + i);
+    __m128i a = _mm_loadu_si128(s), b = _mm_loadu_si128(s + 1), c = _mm_loadu_si128(s + 2),
+            d = _mm_loadu_si128(s + 3);
+    __m128i *o = (__m128i *)(dst + i);
+    _mm_stream_si128(o, a);
+    _mm_stream_si128(o + 1, b);
+    _mm_stream_si128(o + 2, c);
+    _mm_stream_si128(o + 3, d);
+  }
+#else
+  memcpy(dst, src, n);
+#endif
+}
+
+/* The step's bounced pieces into place; guarded: through kvf__pool_copy
+ * a piece (pool memory that can go away: SIGBUS becomes -EFAULT), else
+ * streamed straight. */
+static int scatter(const kvf__tcp_rplan *r, bool guarded) {
   const uint8_t *from = r->bounce;
   int rc = 0;
   for (uint32_t k = 0; k < r->n_staged; k++) {
     const kvf__tcp_pat *p = &r->e[r->staged[k]];
     uint8_t *base = kvfd.pools[p->pool]->base + p->off;
     for (uint64_t i2 = 0; i2 < p->n2; i2++)
-      for (uint64_t i1 = 0; i1 < p->n1; i1++, from += p->len)
-        if (rc == 0) rc = kvf__pool_copy(base + i2 * p->s2 + i1 * p->s1, from, p->len);
+      for (uint64_t i1 = 0; i1 < p->n1; i1++, from += p->len) {
+        uint8_t *to = base + i2 * p->s2 + i1 * p->s1;
+        if (!guarded) put_piece(to, from, p->len);
+        else if (rc == 0) rc = kvf__pool_copy(to, from, p->len);
+      }
   }
+#if defined(__SSE2__)
+  _mm_sfence(); /* the streamed lines are out before the grant hears of them */
+#endif
+  return rc;
+}
+
+/* Sealed pools (pool.h: their memory cannot go away) take the pieces
+ * without a guard: a kvf__pool_copy a 256-byte piece (its sigsetjmp and
+ * atomic exchange) cost about a quarter of both daemons' CPU in TP 8 -> 4
+ * NHD (perf on the dev machine). */
+int kvf__tcp_rplan_scatter(kvf__tcp_rplan *r) {
+  bool guarded = false;
+  for (uint32_t k = 0; k < r->n_staged && !guarded; k++) guarded = !kvfd.pools[r->e[r->staged[k]].pool]->sealed;
+  int rc = r->n_staged ? scatter(r, guarded) : 0;
   r->n_staged = 0;
   return rc;
 }
@@ -336,11 +396,28 @@ static int plan_chunk(kvf__tcp_pshare *s, const kvf__xplan *p, const uint8_t *sr
   pt.n1 = nhd ? p->nh : g, pt.s1 = nhd ? dh : dk; /* inner */
   pt.n2 = nhd ? g : p->nh, pt.s2 = nhd ? dk : dh; /* outer */
   int rc = 0;
-  for (uint32_t o = 0; rc == 0 && o < pt.n2; o++) /* the source's inner pieces sit together */
-    rc = src_add(s, src + (nhd ? elem(&p->s, st + o, hs, u) : elem(&p->s, st, hs + o, u)), (uint64_t)pt.n1 * u);
+  uint64_t row = (uint64_t)pt.n1 * u, s0 = elem(&p->s, st, hs, u);
+  uint64_t s1 = (nhd ? elem(&p->s, st + 1, hs, u) : elem(&p->s, st, hs + 1, u)) - s0;
+  if (s1 == row) /* the rows follow each other in the source (one head a rank): one stretch */
+    rc = src_add(s, src + s0, row * pt.n2);
+  for (uint32_t o = 0; s1 != row && rc == 0 && o < pt.n2; o++) /* the source's inner pieces sit together */
+    rc = src_add(s, src + s0 + o * s1, row);
   normalise(&pt);
   return rc ? rc : src_close(s, &pt);
 }
+
+/* The send's blocks in the order of their ids (the source's address
+ * order within a region), for qsort. */
+static int id_cmp(const void *a, const void *b, void *ids) {
+  const uint32_t *by_id = ids;
+  uint32_t x = by_id[*(const uint32_t *)a], y = by_id[*(const uint32_t *)b];
+  return x < y ? -1 : x > y;
+}
+
+/* Bytes a stream takes in a row before the deal moves on: its chunks then
+ * read neighbouring source blocks, which writev takes as few long iovecs
+ * (a chunk of one head is 4 KiB of llama3-8b). */
+#define GROUP (256u << 10)
 
 int kvf__tcp_pat_deal_plan(const kvf__bpart *b, kvf__tcp_pshare *sh, uint32_t n_sh, uint32_t *rr, bool small) {
   const kvf__xplan *p = &b->xf;
@@ -350,19 +427,30 @@ int kvf__tcp_pat_deal_plan(const kvf__bpart *b, kvf__tcp_pshare *sh, uint32_t n_
   if (b->n_layers == 0 || b->first < s->first_layer || b->first < d->first_layer ||
       b->first + b->n_layers > s->first_layer + s->n_layers || b->first + b->n_layers > d->first_layer + d->n_layers)
     return KVF_ERANGE;
+  size_t ns = (size_t)((p->tokens + p->s.tpb - 1) / p->s.tpb); /* source blocks the tokens touch */
+  uint32_t *order = malloc(ns * sizeof(*order));
+  if (!order) return -ENOMEM;
+  for (size_t i = 0; i < ns; i++) order[i] = (uint32_t)i;
+  qsort_r(order, ns, sizeof(*order), id_cmp, (void *)b->sids);
   const uint8_t *base = kvfd.pools[s->pool]->base;
+  uint64_t chunk = (uint64_t)g * p->nh * p->unit, dealt = 0;
   uint32_t k = *rr;
-  for (uint32_t l = b->first; l < b->first + b->n_layers; l++)
-    for (uint32_t kv = 0; kv < s->n_kv; kv++) {
+  int rc = 0;
+  for (uint32_t l = b->first; rc == 0 && l < b->first + b->n_layers; l++)
+    for (uint32_t kv = 0; rc == 0 && kv < s->n_kv; kv++) {
       uint64_t s0 = kvf__lview_addr(s, l, kv, 0), d0 = kvf__lview_addr(d, l, kv, 0);
-      for (uint64_t t = 0; t < p->tokens; t += g) {
-        size_t si = t / p->s.tpb, di = t / p->d.tpb;
-        int rc = plan_chunk(&sh[k], p, base + s0 + (uint64_t)b->sids[si] * s->block_stride, d->pool,
-                            d0 + (uint64_t)b->dids[di] * d->block_stride, t % p->s.tpb, t % p->d.tpb, g);
-        if (rc) return rc;
-        if (!small) k = (k + 1) % n_sh;
+      for (size_t j = 0; rc == 0 && j < ns; j++) {
+        uint64_t t0 = (uint64_t)order[j] * p->s.tpb, t1 = t0 + p->s.tpb < p->tokens ? t0 + p->s.tpb : p->tokens;
+        for (uint64_t t = t0; rc == 0 && t < t1; t += g) {
+          size_t di = t / p->d.tpb;
+          rc = plan_chunk(&sh[k], p, base + s0 + (uint64_t)b->sids[order[j]] * s->block_stride, d->pool,
+                          d0 + (uint64_t)b->dids[di] * d->block_stride, t % p->s.tpb, t % p->d.tpb, g);
+          if (!small && (dealt += chunk) >= GROUP) k = (k + 1) % n_sh, dealt = 0;
+        }
       }
     }
-  *rr = small ? (k + 1) % n_sh : k;
+  free(order);
+  if (rc) return rc;
+  *rr = small ? (k + 1) % n_sh : (dealt ? (k + 1) % n_sh : k);
   return 0;
 }

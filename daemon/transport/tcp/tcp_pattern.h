@@ -71,11 +71,16 @@ int kvf__tcp_pat_iov(const kvf__tcp_pat *e, uint8_t *base, uint64_t *next, struc
 
 /* Receiver: the reads of a batch's payload. Entries whose pieces are
  * small go through a bounce buffer of the thread's (one stretch of a read,
- * then one guarded memcpy a piece: the kernel's copy costs more per iovec
- * than memcpy per piece), the others straight into pool memory. A step
- * fills iov (at most cap) for one read; after the read, scatter copies what
- * the step put in the bounce buffer where it goes. */
-#define KVF__TCP_PAT_BOUNCE (1u << 20)  /* >= KVF__TCP_PAT_MAX */
+ * then a copy a piece: the kernel's copy costs more per iovec than the
+ * copy per piece; into sealed pools whole cache lines are streamed,
+ * otherwise each piece is a guarded kvf__pool_copy), the others straight
+ * into pool memory. A step fills iov (at most cap) for one read; after the
+ * read, scatter copies what the step put in the bounce buffer where it
+ * goes. */
+/* 256 KiB: the kernel's copy into it and the scatter out of it stay in
+ * cache with four receiver threads on two cores (1 MiB cost the kernel's
+ * copy a third more, perf); entries with more payload go straight. */
+#define KVF__TCP_PAT_BOUNCE (256u << 10)
 #define KVF__TCP_PAT_SMALL 1024u         /* pieces shorter than this are bounced */
 typedef struct kvf__tcp_rplan {
   const kvf__tcp_pat *e;
@@ -121,8 +126,10 @@ void kvf__tcp_pshare_free(kvf__tcp_pshare *s);
 /* The same for a part of blocks with a transform (b->xf), straight from
  * the plan: each chunk of kv_xform's walk (g tokens of one region in one
  * block on each side) is one pattern, its pieces in the source's order so
- * that the source is read in few stretches. -E2BIG when a chunk would not
- * fit one entry (the caller walks runs instead). */
+ * that the source is read in few stretches. The chunks go in the order of
+ * the source's block ids, 256 KiB to a stream at a time, so that a stream
+ * reads neighbouring blocks. -E2BIG when a chunk would not fit one entry
+ * (the caller walks runs instead). */
 struct kvf__bpart;
 int kvf__tcp_pat_deal_plan(const struct kvf__bpart *b, kvf__tcp_pshare *sh, uint32_t n_sh, uint32_t *rr,
                            bool small);
