@@ -11,10 +11,16 @@
  * entry for a chunk's strided pieces, placed as they are read) to a peer
  * whose Hello says it reads them.
  *
- * Threads: one sender thread per outbound stream (blocking writev from pool
- * memory, many frames per call) and one receiver thread per inbound stream.
- * They never touch loop state: results go to the loop through the
- * transport's mailbox (mailbox.h), and the loop calls back into xfer.c.
+ * Threads: a fixed set, tcp-threads a side, whatever the number of peers.
+ * Sender workers (tcp_send.c) take outbound streams with queued items from
+ * a run queue, one worker a stream at a time (its data stays in order),
+ * and write a quantum of it (blocking writev from pool memory, many frames
+ * per call) before the next stream. Receiver workers (tcp_recv.c) each
+ * serve the inbound streams on their epoll set; a stream's receive parks
+ * where a read would block, in the middle of a batch too, so a stalled
+ * peer holds back no other. Workers never touch loop state: results go to
+ * the loop through the transport's mailbox (mailbox.h), and the loop calls
+ * back into xfer.c.
  *
  * State: the instance (tcp_transport, reached from the kvf__transport that
  * every op gets) holds the grants this side accepts writes for; each peer's
@@ -165,17 +171,18 @@ static int tcp_peer_up(kvf__transport *t, kvf__peer *p) {
     return -ENOMEM;
   }
   pthread_mutex_init(&tp->lock, NULL);
-  for (uint32_t i = 0; i < tp->n_out; i++) pthread_cond_init(&tp->out[i].cond, NULL);
+  pthread_cond_init(&tp->in_done, NULL);
   kvf__transport_set_peer(t, p, tp);
+  pthread_mutex_lock(&tp->lock);
   for (uint32_t i = 0; i < tp->n_out; i++) {
     stream *s = &tp->out[i];
     s->tp = tp;
     s->index = i;
     s->fd = -1;
     s->outbound = true;
-    s->started = pthread_create(&s->thr, NULL, kvf__tcp_sender_main, s) == 0;
-    if (!s->started) return -EAGAIN;
+    kvf__tcp_stream_schedule(s); /* a sender worker connects it */
   }
+  pthread_mutex_unlock(&tp->lock);
   return 0;
 }
 
@@ -187,14 +194,17 @@ int kvf__tcp_adopt_stream(kvf__transport *t, kvf__peer *p, int fd, uint32_t inde
   s->tp = tp;
   s->fd = fd;
   s->index = index;
-  struct timeval tv = {.tv_sec = 0, .tv_usec = RECV_CHECK_MS * 1000};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  int rc = kvf__tcp_stream_hand(tp->tt, s); /* a receiver worker sends the ACK and reads */
+  if (rc) {
+    close(fd);
+    free(s);
+    return rc;
+  }
   pthread_mutex_lock(&tp->lock);
   s->next_in = tp->in;
   tp->in = s;
-  s->started = pthread_create(&s->thr, NULL, kvf__tcp_receiver_main, s) == 0;
   pthread_mutex_unlock(&tp->lock);
-  return s->started ? 0 : -EAGAIN;
+  return 0;
 }
 
 /* Completes every queued item with the peer's loss; the tickets reach the
@@ -203,6 +213,11 @@ static void drain_queues(tcp_peer *tp) {
   for (uint32_t i = 0; i < tp->n_out; i++) {
     item *it = tp->out[i].head;
     tp->out[i].head = tp->out[i].tail = NULL;
+    if (tp->out[i].cur) { /* a quantum ended in it */
+      tp->out[i].cur->next = it;
+      it = tp->out[i].cur;
+      tp->out[i].cur = NULL;
+    }
     while (it) {
       item *next = it->next;
       if (it->tk) kvf__tcp_ticket_part_done(it->tk, KVF_EPEERLOST); /* a layer marker has none */
@@ -220,13 +235,13 @@ static void tcp_peer_down(kvf__transport *t, kvf__peer *p) {
   for (uint32_t i = 0; i < tp->n_out; i++)
     if (tp->out[i].fd >= 0) shutdown(tp->out[i].fd, SHUT_RDWR);
   for (stream *s = tp->in; s; s = s->next_in) shutdown(s->fd, SHUT_RDWR);
-  for (uint32_t i = 0; i < tp->n_out; i++) pthread_cond_broadcast(&tp->out[i].cond);
+  /* The inbound streams' workers see the shutdown and let go of them; a
+   * stream adopted a moment ago is started (and ends) first. */
+  for (stream *s = tp->in; s; s = s->next_in) kvf__tcp_stream_wait_done(tp, s);
   pthread_mutex_unlock(&tp->lock);
-  /* A sender in connect() or its handshake was woken by the shutdown. */
-  for (uint32_t i = 0; i < tp->n_out; i++)
-    if (tp->out[i].started) pthread_join(tp->out[i].thr, NULL);
-  for (stream *s = tp->in; s; s = s->next_in)
-    if (s->started) pthread_join(s->thr, NULL);
+  /* A sender worker in connect() or its handshake was woken by the
+   * shutdown; one writing sees stop after its batch. */
+  kvf__tcp_streams_unschedule(tp);
   drain_queues(tp);
   for (uint32_t i = 0; i < tp->n_out; i++) {
     if (tp->out[i].fd >= 0) close(tp->out[i].fd);
@@ -237,10 +252,11 @@ static void tcp_peer_down(kvf__transport *t, kvf__peer *p) {
     tp->in = s->next_in;
     close(s->fd);
     kvf__tcp_stage_free(s->stage);
+    free(s->bounce);
     free(s);
   }
   pthread_mutex_destroy(&tp->lock);
-  for (uint32_t i = 0; i < tp->n_out; i++) pthread_cond_destroy(&tp->out[i].cond);
+  pthread_cond_destroy(&tp->in_done);
   free(tp->out);
   free(tp);
   kvf__transport_set_peer(t, p, NULL);
@@ -256,7 +272,7 @@ static rgrant *grant_for_event(tcp_transport *tt, uint64_t handle) {
   return g;
 }
 
-/* EV_STREAM_GONE: unlinks, joins and frees the stream, when it still
+/* EV_STREAM_GONE: unlinks, waits for its worker and frees the stream, when it still
  * belongs to the peer's current state (peer_down frees its own). */
 static void reap_stream(const tevent *e) {
   tcp_peer *tp = tcp_peer_of(e->tt, e->peer);
@@ -269,11 +285,12 @@ static void reap_stream(const tevent *e) {
       *pp = s->next_in;
       break;
     }
+  if (s) kvf__tcp_stream_wait_done(tp, s); /* its coroutine posted this just before it ended */
   pthread_mutex_unlock(&tp->lock);
   if (!s) return;
-  if (s->started) pthread_join(s->thr, NULL);
   close(s->fd);
   kvf__tcp_stage_free(s->stage);
+  free(s->bounce);
   free(s);
 }
 
@@ -351,10 +368,10 @@ static void tcp_inspect(kvf__transport *t, char *buf, size_t len) {
   pthread_mutex_unlock(&tt->g_lock);
   size_t out, in;
   count_streams(tt, &out, &in);
-  snprintf(buf, len, "\"name\": \"tcp\", \"streams_per_peer\": %u, \"open_grants\": %zu, "
+  snprintf(buf, len, "\"name\": \"tcp\", \"threads\": %u, \"streams_per_peer\": %u, \"open_grants\": %zu, "
                      "\"streams_out\": %zu, \"streams_in\": %zu, \"patterns_sent\": %llu, "
                      "\"pattern_batches_read\": %llu, \"pattern_pieces_read\": %llu",
-           kvfd.cfg.tcp_streams, n, out, in, (unsigned long long)atomic_load(&tt->pat_sent),
+           tt->n_senders + tt->n_receivers, kvfd.cfg.tcp_streams, n, out, in, (unsigned long long)atomic_load(&tt->pat_sent),
            (unsigned long long)atomic_load(&tt->pat_batches), (unsigned long long)atomic_load(&tt->pat_pieces));
 }
 
@@ -368,6 +385,8 @@ static void tcp_free(kvf__mailbox *mb) {
 
 /* Every peer is down by now (peers stop first): no thread posts any more. */
 static void tcp_destroy(kvf__transport *t) {
+  kvf__tcp_senders_stop(to_tcp(t));
+  kvf__tcp_receivers_stop(to_tcp(t));
   kvf__mailbox_close(&to_tcp(t)->mb, tcp_free); /* delivers what is left first */
 }
 
@@ -405,6 +424,13 @@ int kvf__tcp_create(uv_loop_t *loop, unsigned slot, kvf__transport **out, char *
   }
   pthread_mutex_init(&tt->g_lock, NULL);
   pthread_cond_init(&tt->g_cond, NULL);
+  tt->n_workers = kvf__tcp_workers();
+  rc = kvf__tcp_senders_start(tt);
+  if (rc == 0) rc = kvf__tcp_receivers_start(tt);
+  if (rc) {
+    snprintf(err, errlen, "cannot start the tcp transport's %u worker threads: %s", tt->n_workers, strerror(-rc));
+    return rc; /* the daemon exits */
+  }
   *out = &tt->base;
   return 0;
 }

@@ -8,6 +8,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <ucontext.h>
 
 #include "tcp.h"
 #include "cuda/gpu.h"
@@ -34,6 +35,23 @@
  * reads into closed (a stalled or lossy stream must not pin a closed
  * grant's memory: tcp_grant_close would have to cut every stream). */
 #define RECV_CHECK_MS 50
+/* Fairness across peers: a sender worker writes about this much of one
+ * stream before it takes the next stream in the run queue; a receiver
+ * worker reads about this much of one stream before it serves the others
+ * ready on its epoll set. */
+#define SEND_QUANTUM (2u << 20)
+#define RECV_QUANTUM (2u << 20)
+/* Longest a sender worker spends connecting a stream (and its handshake):
+ * meanwhile it serves no other stream. */
+#define CONNECT_MS 3000
+/* Stack of an inbound stream's receive (a coroutine, tcp_recv.c): its
+ * deepest path (a pattern batch, read_exact, a discard) takes under 80 KiB;
+ * only the pages touched are resident. Sanitizers need more. */
+#if defined(__SANITIZE_ADDRESS__)
+#define RECV_STACK (2u << 20)
+#else
+#define RECV_STACK (256u << 10)
+#endif
 /* iovecs a read_exact takes at most (and one for the read-ahead: IOV_MAX
  * a recvmsg) */
 #define RECV_IOVS 1023
@@ -69,6 +87,7 @@ typedef struct wr {      /* one data frame to write */
 
 typedef struct item {    /* a stream's share of one post */
   struct item *next;
+  size_t pos;            /* the next frame or pattern to write (a quantum ended in it) */
   ticket *tk;
   uint64_t handle;
   wr *w;
@@ -142,18 +161,37 @@ typedef struct gstage {
   int cur;
 } gstage;
 
+enum { RQ_IDLE, RQ_QUEUED, RQ_RUNNING }; /* an outbound stream in the run queue (rq_lock) */
+
+struct rworker;
+
 typedef struct stream {
   struct tcp_peer *tp;
   uint32_t index;
   int fd;                /* outbound: from socket() on, so peer_down can shut it */
   bool connected;        /* outbound: its handshake done (tp->lock) */
-  pthread_t thr;
-  bool started;
-  item *head, *tail;     /* sender queue */
-  pthread_cond_t cond;   /* sender: signalled when its queue grows or the peer stops */
+  item *head, *tail;     /* sender queue (tp->lock) */
   bool outbound;
   struct stream *next_in;/* inbound list */
   gstage *stage;         /* GPU staging, made at the first GPU frame */
+  /* outbound, for the sender workers (tcp_send.c): */
+  int sched;             /* RQ_* (the transport's rq_lock) */
+  struct stream *next_run; /* run queue link (rq_lock) */
+  item *cur;             /* the item a quantum ended in (its worker's; peer_down's once idle) */
+  int broken;            /* its connect or a write failed: the rest of its items fail */
+  bool hello_sent;       /* connect_stream got as far as the handshake */
+  /* inbound, for the receiver workers (tcp_recv.c): */
+  struct rworker *w;     /* the worker whose epoll set holds it */
+  struct stream *next_w, *next_ready, *next_new; /* the worker's lists (its own) */
+  ucontext_t co;         /* the receive's coroutine: it parks where a read would block */
+  void *stack;
+  bool on_ready;         /* in the worker's ready list (yielded with data left) */
+  bool finished;         /* the coroutine returned */
+  bool watch;            /* mid-payload with a grant pinned: resumed every RECV_CHECK_MS */
+  bool done;             /* its worker let go of it (tp->lock): peer_down or reap frees it */
+  uint64_t quantum;      /* bytes read since it was last resumed */
+  uint8_t *bounce;       /* pattern pieces' bounce buffer (tcp_pattern.h): its own, since
+                          * the streams of a worker interleave mid-read */
 } stream;
 
 typedef struct tcp_peer {
@@ -166,7 +204,7 @@ typedef struct tcp_peer {
   uint32_t rr;           /* next stream for round robin */
   stream *in;            /* inbound streams */
   pthread_mutex_t lock;  /* queues of out[] and the in list */
-  atomic_uint posts;     /* items queued ever: what a spinning sender watches */
+  pthread_cond_t in_done;/* an inbound stream's worker let go of it */
 } tcp_peer;
 
 struct tcp_transport {
@@ -177,6 +215,20 @@ struct tcp_transport {
   kvf__map grants;         /* handle -> rgrant */
   uint64_t gen;
   _Atomic uint64_t pat_batches, pat_pieces, pat_sent; /* pattern batches read, their pieces; patterns sent */
+  /* The workers (tcp-threads a side): sending, a run queue of outbound
+   * streams with items; receiving, an epoll set each. */
+  unsigned n_workers;
+  pthread_t *senders;
+  unsigned n_senders;      /* started */
+  pthread_mutex_t rq_lock;
+  pthread_cond_t rq_cond;  /* workers: the run queue grew, or stop */
+  pthread_cond_t rq_idle;  /* peer_down: a stream stopped running */
+  stream *rq_head, *rq_tail;
+  atomic_uint rq_posts;    /* streams queued ever: what a spinning worker watches */
+  bool rq_stop;
+  struct rworker *receivers;
+  unsigned n_receivers;    /* started */
+  atomic_uint rw_next;     /* round robin of new inbound streams */
 };
 
 static inline tcp_transport *to_tcp(kvf__transport *t) { return kvf__container_of(t, tcp_transport, base); }
@@ -196,13 +248,26 @@ void kvf__tcp_ticket_part_done(ticket *tk, int status);
 void kvf__tcp_item_free(item *it);
 void kvf__tcp_stage_free(gstage *g);
 gstage *kvf__tcp_stage_get(stream *s);
-void *kvf__tcp_sender_main(void *arg);
+/* The sender workers; the run queue (an outbound stream queued for its
+ * connect, at peer up, or for its items); a stopping peer's streams out of
+ * it, waiting for those running (tp->stop set and their fds shut down). */
+int kvf__tcp_senders_start(tcp_transport *tt);
+void kvf__tcp_senders_stop(tcp_transport *tt);
+void kvf__tcp_stream_schedule(stream *s); /* the caller holds tp->lock */
+void kvf__tcp_streams_unschedule(tcp_peer *tp);
 int kvf__tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last);
 int kvf__tcp_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last);
 bool kvf__tcp_mark_layers(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n);
 void kvf__tcp_abort(kvf__transport *t, kvf__xfer *x);
 
 /* tcp_recv.c */
-void *kvf__tcp_receiver_main(void *arg);
+/* The receiver workers; an adopted inbound stream handed to one of them
+ * (it sends the ACK and reads); waits (tp->lock held) until s's worker let
+ * go of it. */
+int kvf__tcp_receivers_start(tcp_transport *tt);
+void kvf__tcp_receivers_stop(tcp_transport *tt);
+int kvf__tcp_stream_hand(tcp_transport *tt, stream *s);
+void kvf__tcp_stream_wait_done(tcp_peer *tp, stream *s);
+unsigned kvf__tcp_workers(void); /* tcp-threads, 0 resolved */
 
 #endif

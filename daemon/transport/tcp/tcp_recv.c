@@ -1,5 +1,5 @@
 /* tcp_recv.c - the tcp transport's receiving side (tcp.c's comment at the
- * top): receiver threads reading batches, pattern batches and layer markers
+ * top): receiver workers reading batches, pattern batches and layer markers
  * straight into pool memory (or through GPU staging), pinning the grant a
  * batch writes into. */
 #include "tcp_int.h"
@@ -7,7 +7,10 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -29,32 +32,78 @@ static void post_landed(tcp_peer *tp, uint64_t handle, uint64_t first_ns) {
   kvf__tcp_push_event(tp->tt, e);
 }
 
-/* ------------------------------------------------------- receiver threads */
+/* ------------------------------------------------------ receiver workers
+ *
+ * tcp-threads workers serve every peer's inbound streams, each stream on
+ * one worker's epoll set. A stream's receive is the straight-line code
+ * below (batches, pattern batches, markers, GPU staging), run as a
+ * coroutine on a small stack of its own: where a read would block, it
+ * parks (recv_some) and its worker serves the other streams until epoll
+ * says this one is readable again. So a peer that stalls in the middle of
+ * a batch holds back no other peer's data, and the receive keeps its
+ * state (where in which batch, the grant pinned) without a thread. A
+ * stream that reads RECV_QUANTUM in one go yields to the others too. */
+typedef struct rworker {
+  tcp_transport *tt;
+  pthread_t thr;
+  int ep, efd;             /* its epoll set; an eventfd in it: new streams, stop */
+  pthread_mutex_t lock;    /* inbox, stop */
+  stream *inbox;           /* adopted streams not started yet */
+  bool stop;
+  stream *list;            /* its streams (the worker's own from here on) */
+  stream *ready, **ready_tail; /* yielded with data left */
+  unsigned n_watch;        /* streams mid-payload with a grant pinned */
+  ucontext_t main;         /* the worker's own context, while a stream runs */
+} rworker;
 
-/* One recvmsg. With spin (waiting for a batch's header: a handoff starts
- * there), while spin.h's window is open (data moved on this thread lately,
- * or a grant here waits for its data), it polls without blocking first, so
- * that the data does not wait for this thread to wake. Within a payload it
- * blocks: a bulk stream's wake-ups are few and its CPU is better spent on
- * the copies. */
-static int recv_some(int fd, struct iovec *iov, int n, bool spin) {
+/* The stream whose coroutine runs on this thread. */
+static _Thread_local stream *co_cur;
+
+/* Back to the worker; returns once the worker resumes this stream. */
+static void co_yield(void) {
+  stream *s = co_cur;
+  swapcontext(&s->co, &s->w->main);
+}
+
+/* The stream read n bytes: past its quantum, it lets the others run. */
+static void co_account(ssize_t n) {
+  stream *s = co_cur;
+  s->quantum += (uint64_t)n;
+  if (s->quantum < RECV_QUANTUM) return;
+  if (!s->on_ready) {
+    s->on_ready = true;
+    s->next_ready = NULL;
+    *s->w->ready_tail = s;
+    s->w->ready_tail = &s->next_ready;
+  }
+  co_yield();
+}
+
+/* One recvmsg. Where it would block, the stream parks until its worker
+ * resumes it (readable, or RECV_CHECK_MS passed while it watches a grant):
+ * -EAGAIN then, and the caller tries again. The worker, not the stream,
+ * polls while spin.h's window is open (epoll_wait without a timeout). */
+static int recv_some(int fd, struct iovec *iov, int n) {
   struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)n};
   for (;;) {
     ssize_t r = recvmsg(fd, &msg, MSG_DONTWAIT);
-    while (spin && r < 0 && errno == EAGAIN && kvf__spin_open(KVF__SPIN_RECV, thread_last_ns)) {
-      kvf__spin_relax();
-      r = recvmsg(fd, &msg, MSG_DONTWAIT);
+    if (r > 0) {
+      thread_last_ns = kvf__now_ns();
+      co_account(r);
+      return (int)r;
     }
-    if (r < 0 && errno == EAGAIN) r = recvmsg(fd, &msg, 0);
-    if (r > 0) thread_last_ns = kvf__now_ns();
-    if (r > 0) return (int)r;
     if (r == 0) return -ECONNRESET;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) return -EAGAIN; /* RECV_CHECK_MS passed */
+    if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      co_yield();
+      return -EAGAIN;
+    }
     if (errno != EINTR) return -errno;
   }
 }
 
 static int discard(int fd, uint64_t len, uint8_t *ahead, uint32_t *have);
+static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t *have, bool *faulted,
+                      const atomic_bool *gone, uint64_t *rest);
 
 static uint64_t iov_bytes(const struct iovec *v, int n) {
   uint64_t sum = 0;
@@ -71,8 +120,8 @@ static uint64_t iov_bytes(const struct iovec *v, int n) {
  * With gone: once it is set (the grant closed), PAYLOAD_SUNK with *rest
  * the bytes not read yet: the caller lets go of the grant first, since
  * reading the rest can take as long as the stream stalls. */
-static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t *have, bool *faulted,
-                      const atomic_bool *gone, uint64_t *rest) {
+static int read_exact_in(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t *have, bool *faulted,
+                         const atomic_bool *gone, uint64_t *rest) {
   struct iovec local[RECV_IOVS + 1];
   memcpy(local, iov, (size_t)n * sizeof(*iov));
   int cnt = n;
@@ -85,7 +134,7 @@ static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t
       return PAYLOAD_SUNK;
     }
     /* after a fault, one element at a time, so that it is found */
-    int r = recv_some(fd, v, faulted && *faulted ? 1 : cnt, false);
+    int r = recv_some(fd, v, faulted && *faulted ? 1 : cnt);
     if (r == -EAGAIN) continue;
     if (r == -EFAULT && faulted && !*faulted) {
       *faulted = true;
@@ -117,10 +166,29 @@ static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t
   return 0;
 }
 
+/* read_exact_in; with gone, the stream is resumed every RECV_CHECK_MS
+ * while it waits, so that it sees the grant close (tcp_grant_close waits
+ * for it). */
+static int read_exact(int fd, struct iovec *iov, int n, uint8_t *ahead, uint32_t *have, bool *faulted,
+                      const atomic_bool *gone, uint64_t *rest) {
+  stream *s = co_cur;
+  bool watch = gone && !s->watch;
+  if (watch) {
+    s->watch = true;
+    s->w->n_watch++;
+  }
+  int rc = read_exact_in(fd, iov, n, ahead, have, faulted, gone, rest);
+  if (watch) {
+    s->watch = false;
+    s->w->n_watch--;
+  }
+  return rc;
+}
+
 static int read_header(int fd, uint8_t *hdr, uint32_t *have) {
   while (*have < BHDR_LEN) {
     struct iovec iov = {hdr + *have, BHDR_LEN - *have};
-    int r = recv_some(fd, &iov, 1, true);
+    int r = recv_some(fd, &iov, 1);
     if (r == -EAGAIN) continue;
     if (r < 0) return r;
     *have += (uint32_t)r;
@@ -359,6 +427,8 @@ static int receive_pattern(stream *s, const batch_hdr *h, uint8_t *ahead, uint32
   bool faulted = false;
   kvf__tcp_rplan rp; /* in range: the grant's check held every box */
   kvf__tcp_rplan_init(&rp, pe, h->count);
+  if (rp.bounce && !s->bounce) s->bounce = malloc(KVF__TCP_PAT_BOUNCE);
+  if (rp.bounce) rp.bounce = s->bounce; /* NULL: every piece straight */
   for (int n; rc == 0 && (n = kvf__tcp_rplan_step(&rp, iov, RECV_IOVS)) > 0;) {
     uint64_t got = iov_bytes(iov, n);
     rc = read_exact(s->fd, iov, n, kvf__tcp_rplan_done(&rp) ? ahead : NULL, have, &faulted, &g->closed, &rest);
@@ -422,14 +492,13 @@ static int receive_marker(stream *s, const batch_hdr *h, uint8_t *ahead, uint32_
   return 0;
 }
 
-void *kvf__tcp_receiver_main(void *arg) {
-  stream *s = arg;
+static void receive_stream(stream *s) {
   uint8_t hdr[BHDR_LEN];
   uint32_t have = 0;
   if (kvf__send_all(s->fd, KVF__TCP_ACK, KVF__FRAME_HDR, -1) != 0) {
     if (!atomic_load(&s->tp->stop)) kvf__tcp_post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, KVF_EPEERLOST, s->tp);
     stream_gone(s);
-    return NULL;
+    return;
   }
   int rc;
   for (;;) {
@@ -455,6 +524,179 @@ void *kvf__tcp_receiver_main(void *arg) {
   if (!atomic_load(&s->tp->stop) && rc != -ECONNRESET)
     kvf__tcp_post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, rc, s->tp);
   stream_gone(s);
+}
+
+
+/* The coroutine's body: the stream's receive, to its end. */
+static void co_main(void) {
+  stream *s = co_cur;
+  receive_stream(s);
+  s->finished = true;
+} /* returns to the worker (uc_link) */
+
+/* The worker lets go of a finished stream: its owner (peer_down, or the
+ * loop's reap) may free it once done is set. */
+static void stream_release(rworker *w, stream *s) {
+  epoll_ctl(w->ep, EPOLL_CTL_DEL, s->fd, NULL);
+  for (stream **pp = &w->list; *pp; pp = &(*pp)->next_w)
+    if (*pp == s) {
+      *pp = s->next_w;
+      break;
+    }
+  munmap(s->stack, RECV_STACK);
+  s->stack = NULL;
+  tcp_peer *tp = s->tp;
+  pthread_mutex_lock(&tp->lock);
+  s->done = true;
+  pthread_cond_broadcast(&tp->in_done);
+  pthread_mutex_unlock(&tp->lock);
+}
+
+/* Runs s until it parks, yields or ends. */
+static void resume(rworker *w, stream *s) {
+  if (s->finished) return;
+  co_cur = s;
+  s->quantum = 0;
+  swapcontext(&w->main, &s->co);
+  co_cur = NULL;
+  if (s->finished && !s->on_ready) stream_release(w, s);
+}
+
+/* Starts the streams handed to w. */
+static bool take_inbox(rworker *w) {
+  uint64_t v;
+  if (read(w->efd, &v, sizeof(v)) < 0) { /* nothing new (EAGAIN) */
+  }
+  pthread_mutex_lock(&w->lock);
+  stream *s = w->inbox;
+  w->inbox = NULL;
+  bool stop = w->stop;
+  pthread_mutex_unlock(&w->lock);
+  while (s) {
+    stream *next = s->next_new;
+    getcontext(&s->co);
+    s->co.uc_stack = (stack_t){.ss_sp = s->stack, .ss_size = RECV_STACK};
+    s->co.uc_link = &w->main;
+    makecontext(&s->co, co_main, 0);
+    s->next_w = w->list;
+    w->list = s;
+    struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = s};
+    epoll_ctl(w->ep, EPOLL_CTL_ADD, s->fd, &ev); /* failing, the stream's reads fail its receive */
+    resume(w, s);
+    s = next;
+  }
+  return stop;
+}
+
+static void run_ready(rworker *w) {
+  stream *s = w->ready;
+  w->ready = NULL;
+  w->ready_tail = &w->ready;
+  while (s) {
+    stream *next = s->next_ready;
+    s->on_ready = false;
+    if (s->finished) stream_release(w, s);
+    else resume(w, s);
+    s = next;
+  }
+}
+
+/* Streams waiting on a grant mid-payload look whether it closed. */
+static void run_watch(rworker *w) {
+  stream *next;
+  for (stream *s = w->list; s; s = next) {
+    next = s->next_w; /* s may be released */
+    if (s->watch) resume(w, s);
+  }
+}
+
+static void *receiver_main(void *arg) {
+  rworker *w = arg;
+  struct epoll_event ev[64];
+  uint64_t tick = kvf__now_ns();
+  for (;;) {
+    int n = epoll_wait(w->ep, ev, 64, 0);
+    if (n == 0 && !w->ready) {
+      if (kvf__spin_open(KVF__SPIN_RECV, thread_last_ns)) kvf__spin_relax();
+      else n = epoll_wait(w->ep, ev, 64, w->n_watch ? RECV_CHECK_MS : -1);
+    }
+    bool stop = false;
+    for (int i = 0; i < n; i++) {
+      if (ev[i].data.ptr) resume(w, ev[i].data.ptr);
+      else stop = take_inbox(w);
+    }
+    if (stop) break;
+    run_ready(w);
+    uint64_t now = kvf__now_ns();
+    if (w->n_watch && now - tick >= RECV_CHECK_MS * 1000000ull) run_watch(w);
+    if (now - tick >= RECV_CHECK_MS * 1000000ull) tick = now;
+  }
   return NULL;
 }
 
+int kvf__tcp_stream_hand(tcp_transport *tt, stream *s) {
+  s->stack = mmap(NULL, RECV_STACK, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK | MAP_NORESERVE,
+                  -1, 0);
+  if (s->stack == MAP_FAILED) {
+    s->stack = NULL;
+    return -ENOMEM;
+  }
+  rworker *w = &tt->receivers[atomic_fetch_add(&tt->rw_next, 1) % tt->n_receivers];
+  s->w = w;
+  pthread_mutex_lock(&w->lock);
+  s->next_new = w->inbox;
+  w->inbox = s;
+  pthread_mutex_unlock(&w->lock);
+  uint64_t one = 1;
+  return write(w->efd, &one, sizeof(one)) == sizeof(one) ? 0 : -errno;
+}
+
+void kvf__tcp_stream_wait_done(tcp_peer *tp, stream *s) {
+  while (!s->done) pthread_cond_wait(&tp->in_done, &tp->lock);
+}
+
+int kvf__tcp_receivers_start(tcp_transport *tt) {
+  tt->receivers = calloc(tt->n_workers, sizeof(rworker));
+  if (!tt->receivers) return -ENOMEM;
+  for (; tt->n_receivers < tt->n_workers; tt->n_receivers++) {
+    rworker *w = &tt->receivers[tt->n_receivers];
+    w->tt = tt;
+    w->ready_tail = &w->ready;
+    w->ep = epoll_create1(EPOLL_CLOEXEC);
+    w->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+    if (w->ep < 0 || w->efd < 0 || epoll_ctl(w->ep, EPOLL_CTL_ADD, w->efd, &ev) != 0) {
+      int rc = -errno;
+      if (w->ep >= 0) close(w->ep);
+      if (w->efd >= 0) close(w->efd);
+      return rc;
+    }
+    pthread_mutex_init(&w->lock, NULL);
+    int rc = pthread_create(&w->thr, NULL, receiver_main, w);
+    if (rc) {
+      close(w->ep);
+      close(w->efd);
+      pthread_mutex_destroy(&w->lock);
+      return -rc;
+    }
+    pthread_setname_np(w->thr, "kvf-tcp-recv");
+  }
+  return 0;
+}
+
+/* Every peer is down: every stream was let go of. */
+void kvf__tcp_receivers_stop(tcp_transport *tt) {
+  for (unsigned i = 0; i < tt->n_receivers; i++) {
+    rworker *w = &tt->receivers[i];
+    pthread_mutex_lock(&w->lock);
+    w->stop = true;
+    pthread_mutex_unlock(&w->lock);
+    uint64_t one = 1;
+    if (write(w->efd, &one, sizeof(one)) < 0) kvf__warn("tcp: cannot stop a receiver worker: %s", strerror(errno));
+    pthread_join(w->thr, NULL);
+    close(w->ep);
+    close(w->efd);
+    pthread_mutex_destroy(&w->lock);
+  }
+  free(tt->receivers);
+}

@@ -5,6 +5,8 @@
 #include "tcp_int.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <stdlib.h>
@@ -29,36 +31,42 @@ void kvf__tcp_item_free(item *it) {
 
 /* --------------------------------------------------------- sender threads */
 
-/* Writes an item's patterns as pattern batches (tcp_pattern.h). */
-static int write_item_pat(stream *s, item *it) {
+/* Writes an item's patterns as pattern batches (tcp_pattern.h), from
+ * it->pos on, until *budget bytes went out (then it->pos says where the
+ * next quantum goes on). */
+static int write_item_pat(stream *s, item *it, int64_t *budget) {
   uint8_t hdr[BHDR_LEN], ents[BATCH_FRAMES * KVF__TCP_PAT_ENT];
   struct iovec *iov = malloc(KVF__TCP_PAT_IOVS * sizeof(*iov));
   int rc = iov ? 0 : -ENOMEM;
-  for (size_t i = 0; rc == 0 && i < it->ps->n;) {
+  while (rc == 0 && it->pos < it->ps->n && *budget > 0) {
     if (atomic_load(&it->tk->aborted) || atomic_load(&s->tp->stop)) rc = KVF_ECANCELED;
-    uint64_t bytes;
-    int n = rc ? 0 : kvf__tcp_pat_batch(it->ps, &i, it->handle, hdr, ents, iov, &bytes);
+    uint64_t bytes = 0;
+    int n = rc ? 0 : kvf__tcp_pat_batch(it->ps, &it->pos, it->handle, hdr, ents, iov, &bytes);
     bool faulted = false;
     if (rc == 0) rc = kvf__tcp_writev_all(s->fd, iov, n, &faulted);
     if (rc == 0 && faulted) rc = SOURCE_FAULT; /* at a batch's end: the stream is in step */
+    *budget -= (int64_t)bytes;
   }
   free(iov);
   return rc;
 }
 
-/* Writes an item's frames as batches, one writev each. */
-static int write_item(stream *s, item *it) {
-  if (it->ps) return write_item_pat(s, it);
+/* Writes an item's frames as batches, one writev each, from it->pos on,
+ * until *budget bytes went out. */
+static int write_item(stream *s, item *it, int64_t *budget) {
+  if (it->ps) return write_item_pat(s, it, budget);
   uint8_t hdr[BHDR_LEN], ents[BATCH_FRAMES][ENT_LEN];
   struct iovec iov[BATCH_FRAMES + 2];
-  for (size_t i = 0; i < it->n;) {
+  while (it->pos < it->n && *budget > 0) {
     if (atomic_load(&it->tk->aborted) || atomic_load(&s->tp->stop)) return KVF_ECANCELED;
     uint32_t k = 0;
-    for (; k < BATCH_FRAMES && i < it->n; k++, i++) {
+    for (size_t i = it->pos; k < BATCH_FRAMES && i < it->n; k++, i++) {
       const wr *w = &it->w[i];
       ent_encode(ents[k], w->dst_pool, w->len, w->dst_off);
       iov[2 + k] = (struct iovec){(void *)w->src, w->len};
+      *budget -= w->len;
     }
+    it->pos += k;
     bhdr_encode(hdr, k, it->handle);
     iov[0] = (struct iovec){hdr, BHDR_LEN};
     iov[1] = (struct iovec){ents, (size_t)k * ENT_LEN};
@@ -204,6 +212,33 @@ static int connect_fail(stream *s, int fd, int rc) {
   return rc;
 }
 
+/* Sets fd's send and receive timeouts to ms. */
+static void fd_timeouts(int fd, uint32_t ms) {
+  struct timeval tv = {.tv_sec = ms / 1000, .tv_usec = (ms % 1000) * 1000};
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+}
+
+/* connect() bounded by CONNECT_MS: a worker connecting serves no other
+ * stream meanwhile. A peer_down shuts fd down, which ends the wait. */
+static int connect_bounded(int fd, const kvf__peer *p) {
+  int fl = fcntl(fd, F_GETFL);
+  if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) != 0) return -errno;
+  int rc = connect(fd, (const struct sockaddr *)&p->addr, p->addrlen) == 0 ? 0 : -errno;
+  if (rc == -EINPROGRESS) {
+    struct pollfd pf = {.fd = fd, .events = POLLOUT};
+    int n;
+    while ((n = poll(&pf, 1, CONNECT_MS)) < 0 && errno == EINTR) {}
+    int err = 0;
+    socklen_t len = sizeof(err);
+    if (n == 0) rc = -ETIMEDOUT;
+    else if (n < 0 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) rc = -errno;
+    else rc = -err;
+  }
+  if (fcntl(fd, F_SETFL, fl) != 0 && rc == 0) rc = -errno;
+  return rc;
+}
+
 static int connect_stream(stream *s) {
   kvf__peer *p = s->tp->p;
   int fd = socket(p->addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -214,16 +249,9 @@ static int connect_stream(stream *s) {
   }
   int one = 1;
   setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  /* A peer that stops reading must not hold a sender thread forever. The
-   * bound is not peer-timeout-ms: the control connection says whether the
-   * peer lives (and its loss shuts these streams down), while a lossy
-   * network stalls a bulk stream's connect and writes for seconds of TCP
-   * backoff after it heals, and that must not take a live peer down. */
-  uint32_t stall_ms = kvfd.cfg.peer_timeout_ms > STREAM_STALL_MS ? kvfd.cfg.peer_timeout_ms : STREAM_STALL_MS;
-  struct timeval tv = {.tv_sec = stall_ms / 1000, .tv_usec = (stall_ms % 1000) * 1000};
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  if (connect(fd, (struct sockaddr *)&p->addr, p->addrlen) != 0) return connect_fail(s, fd, -errno);
+  fd_timeouts(fd, CONNECT_MS); /* the handshake, as the connect */
+  int rc = connect_bounded(fd, p);
+  if (rc) return connect_fail(s, fd, rc);
   Kvf__DataHello dh = KVF__DATA_HELLO__INIT;
   dh.version = KVF__PEER_VERSION;
   dh.node = kvfd.cfg.node;
@@ -232,10 +260,16 @@ static int connect_stream(stream *s) {
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_DATA_HELLO;
   m.data_hello = &dh;
-  int rc = kvf__tcp_send_msg(fd, &m);
+  rc = kvf__tcp_send_msg(fd, &m);
   if (rc == 0 && kvf__auth_enabled()) rc = kvf__tcp_answer_challenge(fd, p, s->index);
   if (rc == 0) rc = kvf__tcp_await_ack(fd);
   if (rc) return connect_fail(s, fd, rc);
+  /* A peer that stops reading must not hold a sender worker forever. The
+   * bound is not peer-timeout-ms: the control connection says whether the
+   * peer lives (and its loss shuts these streams down), while a lossy
+   * network stalls a bulk stream's writes for seconds of TCP backoff after
+   * it heals, and that must not take a live peer down. */
+  fd_timeouts(fd, kvfd.cfg.peer_timeout_ms > STREAM_STALL_MS ? kvfd.cfg.peer_timeout_ms : STREAM_STALL_MS);
   pthread_mutex_lock(&s->tp->lock);
   s->connected = true;
   pthread_mutex_unlock(&s->tp->lock);
@@ -245,56 +279,190 @@ static int connect_stream(stream *s) {
 /* This thread's last activity (moved data), for spin.h's window. */
 static _Thread_local uint64_t thread_last_ns;
 
-/* Waits for s's next item: polls the queue while spin.h's window is open
- * (the next part of a handoff is likely soon), then sleeps on the cond. */
-static item *next_item(stream *s) {
-  tcp_peer *tp = s->tp;
-  pthread_mutex_lock(&tp->lock);
-  while (!s->head && !atomic_load(&tp->stop) && kvf__spin_open(KVF__SPIN_SEND, thread_last_ns)) {
-    unsigned seen = atomic_load(&tp->posts);
-    pthread_mutex_unlock(&tp->lock);
-    while (atomic_load(&tp->posts) == seen && !atomic_load(&tp->stop) &&
-           kvf__spin_open(KVF__SPIN_SEND, thread_last_ns))
+/* ------------------------------------------------------- sender workers
+ *
+ * tcp-threads workers serve every peer's outbound streams. A stream with
+ * items (or its connect) to do sits in the transport's run queue; a worker
+ * takes it (no other worker touches it meanwhile: a stream's data goes out
+ * in order), writes about SEND_QUANTUM of it, and puts it back at the tail
+ * if more is queued, so a bulk transfer to one peer does not hold back the
+ * others. The writes block (bounded by the stream's stall timeout); more
+ * workers than a few stalled peers keep the rest moving. */
+
+/* Appends s to the run queue; the caller holds rq_lock. */
+static void rq_push(tcp_transport *tt, stream *s) {
+  s->sched = RQ_QUEUED;
+  s->next_run = NULL;
+  if (tt->rq_tail) tt->rq_tail->next_run = s;
+  else tt->rq_head = s;
+  tt->rq_tail = s;
+  atomic_fetch_add(&tt->rq_posts, 1);
+  pthread_cond_signal(&tt->rq_cond);
+}
+
+void kvf__tcp_stream_schedule(stream *s) {
+  tcp_transport *tt = s->tp->tt;
+  pthread_mutex_lock(&tt->rq_lock);
+  if (s->sched == RQ_IDLE && !atomic_load(&s->tp->stop)) rq_push(tt, s);
+  pthread_mutex_unlock(&tt->rq_lock);
+}
+
+/* The next stream to serve: polls the queue while spin.h's window is open
+ * (the next part of a handoff is likely soon), then sleeps. NULL: stop. */
+static stream *rq_take(tcp_transport *tt) {
+  pthread_mutex_lock(&tt->rq_lock);
+  while (!tt->rq_head && !tt->rq_stop && kvf__spin_open(KVF__SPIN_SEND, thread_last_ns)) {
+    unsigned seen = atomic_load(&tt->rq_posts);
+    pthread_mutex_unlock(&tt->rq_lock);
+    while (atomic_load(&tt->rq_posts) == seen && kvf__spin_open(KVF__SPIN_SEND, thread_last_ns))
       kvf__spin_relax();
-    pthread_mutex_lock(&tp->lock);
+    pthread_mutex_lock(&tt->rq_lock);
   }
-  while (!s->head && !atomic_load(&tp->stop)) pthread_cond_wait(&s->cond, &tp->lock);
-  item *it = s->head;
-  if (it && !atomic_load(&tp->stop)) {
+  while (!tt->rq_head && !tt->rq_stop) pthread_cond_wait(&tt->rq_cond, &tt->rq_lock);
+  stream *s = tt->rq_stop ? NULL : tt->rq_head;
+  if (s) {
+    tt->rq_head = s->next_run;
+    if (!tt->rq_head) tt->rq_tail = NULL;
+    s->sched = RQ_RUNNING;
+  }
+  pthread_mutex_unlock(&tt->rq_lock);
+  return s;
+}
+
+/* s's quantum is over: back in the queue when it has more to do. */
+static void rq_release(stream *s) {
+  tcp_peer *tp = s->tp;
+  tcp_transport *tt = tp->tt;
+  pthread_mutex_lock(&tp->lock);
+  pthread_mutex_lock(&tt->rq_lock);
+  if ((s->cur || s->head) && !atomic_load(&tp->stop)) {
+    rq_push(tt, s);
+  } else {
+    s->sched = RQ_IDLE;
+    pthread_cond_broadcast(&tt->rq_idle);
+  }
+  pthread_mutex_unlock(&tt->rq_lock);
+  pthread_mutex_unlock(&tp->lock);
+}
+
+/* Takes tp's streams out of the run queue and waits for those running:
+ * tp->stop is set and their fds shut down, so their writes end soon. */
+void kvf__tcp_streams_unschedule(tcp_peer *tp) {
+  tcp_transport *tt = tp->tt;
+  pthread_mutex_lock(&tt->rq_lock);
+  stream **pp = &tt->rq_head;
+  tt->rq_tail = NULL;
+  while (*pp) {
+    stream *s = *pp;
+    if (s->tp == tp) {
+      *pp = s->next_run;
+      s->sched = RQ_IDLE;
+    } else {
+      tt->rq_tail = s;
+      pp = &s->next_run;
+    }
+  }
+  for (uint32_t i = 0; i < tp->n_out; i++)
+    while (tp->out[i].sched == RQ_RUNNING) pthread_cond_wait(&tt->rq_idle, &tt->rq_lock);
+  pthread_mutex_unlock(&tt->rq_lock);
+}
+
+/* The next item of s: the one its last quantum ended in, else its queue's
+ * head. */
+static item *stream_item(stream *s) {
+  if (s->cur) return s->cur;
+  pthread_mutex_lock(&s->tp->lock);
+  item *it = atomic_load(&s->tp->stop) ? NULL : s->head;
+  if (it) {
     s->head = it->next;
     if (!s->head) s->tail = NULL;
-  } else {
-    it = NULL;
   }
-  pthread_mutex_unlock(&tp->lock);
+  pthread_mutex_unlock(&s->tp->lock);
   return it;
 }
 
-void *kvf__tcp_sender_main(void *arg) {
-  stream *s = arg;
-  int broken = connect_stream(s);
-  if (broken) kvf__tcp_post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, broken, s->tp);
+static bool item_left(const item *it) { return it->ps ? it->pos < it->ps->n : it->pos < it->n; }
+
+/* Writes some of it (*budget); true when it is done (written or failed). */
+static bool send_item(stream *s, item *it, int64_t *budget) {
+  if (it->marker) { /* no ticket: a lost marker fails the peer, so the grant */
+    int rc = s->broken ? 0 : write_marker(s, it);
+    if (rc && !s->broken) kvf__tcp_post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, s->broken = rc, s->tp);
+    *budget -= BHDR_LEN + ENT_LEN;
+    return true;
+  }
+  uint64_t none = 0;
+  atomic_compare_exchange_strong(&it->tk->first_ns, &none, kvf__now_ns());
+  int rc = s->broken ? KVF_EPEERLOST : it->gpu ? write_item_staged(s, it) : write_item(s, it, budget);
+  if (it->gpu) *budget = 0; /* staged items go whole: their slots pipeline */
+  if (rc == 0 && !it->gpu && item_left(it)) return false;
+  bool item_only = rc == KVF_ECANCELED || rc == GPU_COPY_FAILED || rc == SOURCE_FAULT; /* the stream is fine */
+  if (rc && !item_only && !s->broken) {
+    s->broken = rc;
+    kvf__tcp_post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, rc, s->tp);
+  }
+  kvf__tcp_ticket_part_done(it->tk, rc == 0 ? 0 : rc == GPU_COPY_FAILED ? -EIO : item_only ? rc : KVF_EPEERLOST);
+  return true;
+}
+
+/* One quantum of s: its connect first (queued at peer up), then items. */
+static void serve_stream(stream *s) {
+  if (!s->hello_sent) {
+    s->hello_sent = true;
+    int rc = connect_stream(s);
+    if (rc) kvf__tcp_post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, s->broken = rc, s->tp);
+  }
+  int64_t budget = SEND_QUANTUM;
   item *it;
-  while ((it = next_item(s)) != NULL) {
-    if (it->marker) { /* no ticket: a lost marker fails the peer, so the grant */
-      int rc = broken ? 0 : write_marker(s, it);
-      if (rc && !broken) kvf__tcp_post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, broken = rc, s->tp);
-      kvf__tcp_item_free(it);
-      continue;
-    }
-    uint64_t none = 0;
-    atomic_compare_exchange_strong(&it->tk->first_ns, &none, kvf__now_ns());
-    int rc = broken ? KVF_EPEERLOST : it->gpu ? write_item_staged(s, it) : write_item(s, it);
-    bool item_only = rc == KVF_ECANCELED || rc == GPU_COPY_FAILED || rc == SOURCE_FAULT; /* the stream is fine */
-    if (rc && !item_only && !broken) {
-      broken = rc;
-      kvf__tcp_post_event(s->tp->tt, EV_STREAM_ERROR, NULL, 0, rc, s->tp);
-    }
-    kvf__tcp_ticket_part_done(it->tk, rc == 0 ? 0 : rc == GPU_COPY_FAILED ? -EIO : item_only ? rc : KVF_EPEERLOST);
-    kvf__tcp_item_free(it);
-    thread_last_ns = kvf__now_ns();
+  while (budget > 0 && (it = stream_item(s)) != NULL) {
+    bool done = send_item(s, it, &budget);
+    s->cur = done ? NULL : it;
+    if (done) kvf__tcp_item_free(it);
+  }
+  thread_last_ns = kvf__now_ns();
+}
+
+static void *sender_main(void *arg) {
+  tcp_transport *tt = arg;
+  stream *s;
+  while ((s = rq_take(tt)) != NULL) {
+    serve_stream(s);
+    rq_release(s);
   }
   return NULL;
+}
+
+unsigned kvf__tcp_workers(void) {
+  if (kvfd.cfg.tcp_threads) return kvfd.cfg.tcp_threads;
+  long n = sysconf(_SC_NPROCESSORS_ONLN) / 2;
+  return n < 2 ? 2 : n > 16 ? 16 : (unsigned)n;
+}
+
+int kvf__tcp_senders_start(tcp_transport *tt) {
+  pthread_mutex_init(&tt->rq_lock, NULL);
+  pthread_cond_init(&tt->rq_cond, NULL);
+  pthread_cond_init(&tt->rq_idle, NULL);
+  tt->senders = calloc(tt->n_workers, sizeof(pthread_t));
+  if (!tt->senders) return -ENOMEM;
+  for (; tt->n_senders < tt->n_workers; tt->n_senders++) {
+    int rc = pthread_create(&tt->senders[tt->n_senders], NULL, sender_main, tt);
+    if (rc) return -rc;
+    pthread_setname_np(tt->senders[tt->n_senders], "kvf-tcp-send");
+  }
+  return 0;
+}
+
+/* Every peer is down: the queue is empty. */
+void kvf__tcp_senders_stop(tcp_transport *tt) {
+  pthread_mutex_lock(&tt->rq_lock);
+  tt->rq_stop = true;
+  pthread_cond_broadcast(&tt->rq_cond);
+  pthread_mutex_unlock(&tt->rq_lock);
+  for (unsigned i = 0; i < tt->n_senders; i++) pthread_join(tt->senders[i], NULL);
+  free(tt->senders);
+  pthread_mutex_destroy(&tt->rq_lock);
+  pthread_cond_destroy(&tt->rq_cond);
+  pthread_cond_destroy(&tt->rq_idle);
 }
 
 /* ------------------------------------------------------------------ ops */
@@ -361,14 +529,13 @@ static int deal_patterns(tcp_peer *tp, const kvf__runs *runs, item **items) {
   return rc;
 }
 
-/* Appends it to s's queue and wakes s's thread (only s's: a post of one
- * stream's share does not wake them all); the caller holds the peer's lock. */
+/* Appends it to s's queue and puts s in the run queue (one worker wakes);
+ * the caller holds the peer's lock. */
 static void enqueue(stream *s, item *it) {
-  atomic_fetch_add(&s->tp->posts, 1);
-  pthread_cond_signal(&s->cond);
   if (s->tail) s->tail->next = it;
   else s->head = it;
   s->tail = it;
+  kvf__tcp_stream_schedule(s);
 }
 
 /* What a post deals over the streams' items: runs, or a part of blocks
