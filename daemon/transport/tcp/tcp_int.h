@@ -45,13 +45,16 @@
  * meanwhile it serves no other stream. */
 #define CONNECT_MS 3000
 /* Stack of an inbound stream's receive (a coroutine, tcp_recv.c): its
- * deepest path (a pattern batch, read_exact, a discard) takes under 80 KiB;
- * only the pages touched are resident. Sanitizers need more. */
+ * deepest path of ours (a pattern batch, read_exact, a discard) takes under
+ * 80 KiB, but GPU staging calls into the CUDA driver and logging into
+ * libsystemd on it; only the pages touched are resident (MAP_NORESERVE).
+ * Sanitizers need more. */
 #if defined(__SANITIZE_ADDRESS__)
-#define RECV_STACK (2u << 20)
+#define RECV_STACK (4u << 20)
 #else
-#define RECV_STACK (256u << 10)
+#define RECV_STACK (1u << 20)
 #endif
+#define RECV_GUARD 4096u            /* of RECV_STACK: its lowest page, never mapped */
 /* iovecs a read_exact takes at most (and one for the read-ahead: IOV_MAX
  * a recvmsg) */
 #define RECV_IOVS 1023

@@ -575,7 +575,7 @@ static bool take_inbox(rworker *w) {
   while (s) {
     stream *next = s->next_new;
     getcontext(&s->co);
-    s->co.uc_stack = (stack_t){.ss_sp = s->stack, .ss_size = RECV_STACK};
+    s->co.uc_stack = (stack_t){.ss_sp = (uint8_t *)s->stack + RECV_GUARD, .ss_size = RECV_STACK - RECV_GUARD};
     s->co.uc_link = &w->main;
     makecontext(&s->co, co_main, 0);
     s->next_w = w->list;
@@ -635,11 +635,18 @@ static void *receiver_main(void *arg) {
 }
 
 int kvf__tcp_stream_hand(tcp_transport *tt, stream *s) {
+  /* its lowest page a guard: an overflow faults instead of writing over
+   * whatever lies below */
   s->stack = mmap(NULL, RECV_STACK, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK | MAP_NORESERVE,
                   -1, 0);
   if (s->stack == MAP_FAILED) {
     s->stack = NULL;
     return -ENOMEM;
+  }
+  if (mprotect(s->stack, RECV_GUARD, PROT_NONE) != 0) {
+    munmap(s->stack, RECV_STACK);
+    s->stack = NULL;
+    return -errno;
   }
   rworker *w = &tt->receivers[atomic_fetch_add(&tt->rw_next, 1) % tt->n_receivers];
   s->w = w;
