@@ -316,7 +316,7 @@ static const struct opt opts[] = {
      .help = "Spin instead of sleeping: the event loop never blocks waiting for events, "
              "the tcp transport's threads poll their queues and sockets, and the rdma "
              "progress threads never sleep on their completion channels, which takes the "
-             "wake-ups off a handoff's path. Each of those threads (two per tcp stream) then "
+             "wake-ups off a handoff's path. Each of those threads (2 x tcp-threads for tcp) then "
              "keeps a core busy all the time: for nodes with cores to spare. Without it, "
              "spin-us and spin-grant-us spin for bounded windows."},
     {.name = "spin-us", .type = OPT_U32, .off = F(spin_us), .min = 0, .max = 1000000, .def = "200",

@@ -456,6 +456,7 @@ int kvf__tcp_senders_start(tcp_transport *tt) {
 void kvf__tcp_senders_stop(tcp_transport *tt) {
   pthread_mutex_lock(&tt->rq_lock);
   tt->rq_stop = true;
+  atomic_fetch_add(&tt->rq_posts, 1); /* ends a spin (busy-poll: it never times out) */
   pthread_cond_broadcast(&tt->rq_cond);
   pthread_mutex_unlock(&tt->rq_lock);
   for (unsigned i = 0; i < tt->n_senders; i++) pthread_join(tt->senders[i], NULL);
