@@ -130,7 +130,9 @@ int kvf_pool_find(kvf_client *c, const char *name, kvf_pool_info *out);
 /* Maps a pool into this process (once; later calls return the same
  * mapping). The mapping lives until kvf_close.
  *
- * Host pools: *addr is an ordinary pointer (mmap of the daemon's memfd).
+ * Host pools: *addr is an ordinary pointer (mmap of the daemon's memfd,
+ * sealed against resizing: ftruncate of it fails with EPERM, so no client
+ * can pull its pages from under the daemon or another client).
  * cuda:N pools: *addr is a CUDA device pointer (a CUdeviceptr cast to void *)
  * valid in this process on GPU N and on every GPU with peer access to it:
  * use it with kernels, cudaMemcpy or torch (e.g. via __cuda_array_interface__);

@@ -13,7 +13,8 @@ static const char *const names[] = {[KVF__FP_WRITE_OUTSIDE] = "write-outside-gra
                                     [KVF__FP_BAD_WINDOW_INDEX] = "bad-window-index",
                                     [KVF__FP_RESULT_LOST] = "result-lost",
                                     [KVF__FP_RESULT_WITHHELD] = "result-withheld",
-                                    [KVF__FP_REGISTRY_SLOW_SYNC] = "registry-slow-sync"};
+                                    [KVF__FP_REGISTRY_SLOW_SYNC] = "registry-slow-sync",
+                                    [KVF__FP_SEND_DONE_WITHHELD] = "send-done-withheld"};
 
 bool kvf__failpoint(int which) {
   const char *env = getenv("KVF_FAILPOINT"), *name = names[which];

@@ -23,7 +23,10 @@
  *   result-withheld      the same without the drop: the RecvResult is never
  *                        sent (a test then kills or cuts the receiver)
  *   registry-slow-sync   the registry thread waits 1 s before each read of
- *                        the membership from etcd (a slow etcd at start) */
+ *                        the membership from etcd (a slow etcd at start)
+ *   send-done-withheld   a sending daemon never sends SendDone: a receiver
+ *                        completes only on bytes that vouch for themselves
+ *                        (tcp_wire.h: BATCH_SEALED) or on rdma's last write */
 #ifndef KVF_FAILPOINT_H
 #define KVF_FAILPOINT_H
 
@@ -39,6 +42,7 @@ enum {
   KVF__FP_RESULT_LOST = 5,
   KVF__FP_RESULT_WITHHELD = 6,
   KVF__FP_REGISTRY_SLOW_SYNC = 7,
+  KVF__FP_SEND_DONE_WITHHELD = 8,
 };
 
 bool kvf__failpoint(int which);

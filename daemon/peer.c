@@ -236,7 +236,7 @@ static void send_hello(kvf__pconn *c) {
   h.session = kvfd.session;
   h.data_streams = kvfd.cfg.tcp_streams;
   h.heartbeat_ms = kvfd.cfg.heartbeat_ms;
-  char *names[8 + 1]; /* + 1: tcp's capability word (tcp_pattern.h), added by its hello */
+  char *names[8 + 2]; /* + 2: tcp's capability words (tcp_pattern.h, tcp_wire.h), added by its hello */
   for (size_t i = 0; i < P.n_tps; i++) names[i] = (char *)P.tps[i]->ops->name;
   h.transports = names;
   h.n_transports = P.n_tps;

@@ -5,6 +5,7 @@
 #include "pool.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -113,6 +114,13 @@ static int fill_range(uint8_t *base, uint64_t len, uint64_t align, bool lock, in
   return rc;
 }
 
+/* Fixes a pool memfd's size for good: the clients it is shared with get
+ * the fd read-write, and one that shrank it would pull pages from under the
+ * daemon's mapping (SIGBUS, EFAULT in tcp's writev). Whether it held. */
+static bool seal_size(int fd) {
+  return fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0;
+}
+
 /* A memfd of size bytes, mapped MAP_SHARED, populated and locked as asked:
  * on huge pages when hugepages allows and the kernel has enough reserved
  * (vm.nr_hugepages; else normal pages, unless hugepages is on). Normal
@@ -121,7 +129,7 @@ static int fill_range(uint8_t *base, uint64_t len, uint64_t align, bool lock, in
 static int map_memfd(kvf__pool *p, const char *name, int hugepages, bool want_mlock, int *lock_errno) {
   *lock_errno = 0;
   if (hugepages != KVF__OFF) {
-    int fd = memfd_create(name, MFD_CLOEXEC | MFD_HUGETLB);
+    int fd = memfd_create(name, MFD_CLOEXEC | MFD_HUGETLB | MFD_ALLOW_SEALING);
     struct stat st;
     void *base = MAP_FAILED;
     if (fd >= 0 && fstat(fd, &st) == 0 && st.st_blksize > 0 && p->size % (uint64_t)st.st_blksize == 0 &&
@@ -130,6 +138,7 @@ static int map_memfd(kvf__pool *p, const char *name, int hugepages, bool want_ml
     if (base != MAP_FAILED && fill_range(base, p->size, (uint64_t)st.st_blksize, want_mlock, lock_errno) == 0) {
       p->fd = fd;
       p->base = base;
+      p->sealed = seal_size(fd);
       snprintf(p->backing, sizeof(p->backing), "memfd-hugetlb");
       return 0;
     }
@@ -137,7 +146,7 @@ static int map_memfd(kvf__pool *p, const char *name, int hugepages, bool want_ml
     if (fd >= 0) close(fd);
     if (hugepages == KVF__ON) return -ENOMEM;
   }
-  int fd = memfd_create(name, MFD_CLOEXEC);
+  int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return -errno;
   void *base = MAP_FAILED;
   if (ftruncate(fd, (off_t)p->size) == 0)
@@ -162,6 +171,7 @@ static int map_memfd(kvf__pool *p, const char *name, int hugepages, bool want_ml
   }
   p->fd = fd;
   p->base = base;
+  p->sealed = seal_size(fd);
   snprintf(p->backing, sizeof(p->backing), "memfd");
   return 0;
 }
@@ -188,6 +198,7 @@ static int create_cuda(kvf__pool *p, int dev, uint64_t size, char *err, size_t e
   p->base = (uint8_t *)(uintptr_t)m.dptr;
   p->cu_handle = m.handle;
   p->locked = true; /* device memory is never paged */
+  p->sealed = true;
   snprintf(p->backing, sizeof(p->backing), m.gdr_flag ? "cumem-gdr" : "cumem");
   return 0;
 }

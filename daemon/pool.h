@@ -19,6 +19,10 @@ struct kvf__pool {
    * It is what ibv_reg_mr takes with nvidia-peermem. */
   uint8_t *base;
   bool locked;           /* mlock succeeded (host) */
+  /* Its memory cannot go away under the daemon's mappings (a memfd sealed
+   * against shrinking, GPU memory): a copy out of it cannot fault, so what
+   * a tcp batch carries from it is what it held (tcp_wire.h). */
+  bool sealed;
   /* CUDA (daemon/cuda/gpu.h) */
   int cuda_dev;          /* -1: host memory */
   uint64_t dev_alias;    /* host pools: address kernels use (0: not registered) */

@@ -113,10 +113,12 @@ static int check_file(int fd, struct stat *st, const char **backing, uint64_t *a
   return 0;
 }
 
-/* Seals a memfd against shrinking when it can be; see the top. */
-static void seal_shrink(int fd) {
+/* Seals a memfd against shrinking when it can be (see the top); whether
+ * the file is sealed so now. */
+static bool seal_shrink(int fd) {
   int seals = fcntl(fd, F_GET_SEALS);
-  if (seals >= 0 && !(seals & F_SEAL_SHRINK)) (void)fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK);
+  if (seals >= 0 && !(seals & F_SEAL_SHRINK)) seals = fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) == 0 ? F_SEAL_SHRINK : 0;
+  return seals > 0 && (seals & F_SEAL_SHRINK);
 }
 
 static int map_host(int fd, const Kvf__MemRegisterReq *q, kvf__pool *p, engine_rec *r, char *err, size_t errlen) {
@@ -138,7 +140,7 @@ static int map_host(int fd, const Kvf__MemRegisterReq *q, kvf__pool *p, engine_r
     snprintf(err, errlen, "cannot map the region: %s", strerror(errno));
     return -errno;
   }
-  seal_shrink(fd);
+  p->sealed = seal_shrink(fd);
   p->base = r->map + skew;
   snprintf(p->backing, sizeof(p->backing), "%s", backing);
   /* As for host pools (pool.c): with GPUs here, kernels reach it directly. */
@@ -190,6 +192,7 @@ static int import_cuda(int fd, const Kvf__MemRegisterReq *q, kvf__pool *p, engin
   snprintf(p->kind, sizeof(p->kind), "cuda:%d", r->im.dev);
   p->base = (uint8_t *)(uintptr_t)(r->im.dptr + q->offset);
   p->locked = true; /* device memory is never paged */
+  p->sealed = true;  /* the import holds the allocation */
   return 0;
 }
 

@@ -1032,6 +1032,9 @@ static void send_done(kvf__xfer *x) {
     if (X.env.peer_up(x->peer) && x->peer->remote_session == x->peer_session) kvf__xwait_ask(x);
     return;
   }
+#ifdef KVF_FAILPOINTS
+  if (kvf__failpoint(KVF__FP_SEND_DONE_WITHHELD)) return;
+#endif
   if (kvf__xfer_peer_send(x->peer, &m) != 0 && !kvf__xwait_hold(x))
     kvf__xfer_fail(x, KVF_EPEERLOST, "lost the peer", false, 0);
 }
@@ -1089,7 +1092,8 @@ static void complete_recv(kvf__xfer *x) {
  * SendDone, whose hop is not free (the sender's loop, the control link):
  * a tcp sender whose source faulted under its writev keeps the stream in
  * step with zeros, and only its word vouches for what the bytes hold
- * (tests/ops/test_engine_wire.py). */
+ * (tests/ops/test_engine_wire.py). Bytes from sources that cannot fault
+ * come as kvf__xfer_on_vouched instead (tcp_wire.h: BATCH_SEALED). */
 void kvf__xfer_on_landed(kvf__xfer *x) {
   switch (x->recv.state) {
   case KVF__RECV_OPEN: kvf__xfer_set_state(x, KVF__RECV_LANDED); break;
@@ -1109,6 +1113,12 @@ void kvf__xfer_on_delivered(kvf__xfer *x) {
   case KVF__RECV_WAIT: bug(x, "the transport delivered into a grant it was not given"); break;
   default: break; /* OPENING: no sender knows the grant yet (a peer guessed it); or failed */
   }
+}
+
+void kvf__xfer_on_vouched(kvf__xfer *x) {
+  kvf__xplan whole = {.transform = false};
+  if (x->blocks && !x->transform[0]) kvf__xplan_describe(&whole, x->transform, sizeof(x->transform));
+  kvf__xfer_on_delivered(x);
 }
 
 void kvf__xfer_on_data_error(kvf__xfer *x, int status, const char *why) {

@@ -353,6 +353,10 @@ void kvf__xfer_on_landed(kvf__xfer *x);
 /* Every byte is placed and the sender is done (rdma's WRITE_WITH_IMM):
  * completes the receive without waiting for SendDone. */
 void kvf__xfer_on_delivered(kvf__xfer *x);
+/* Every byte is placed from sources that cannot fault, and blocks came
+ * whole, without a transform (tcp_wire.h: BATCH_SEALED): the same, without
+ * the SendDone that would have said so. */
+void kvf__xfer_on_vouched(kvf__xfer *x);
 void kvf__xfer_on_data_error(kvf__xfer *x, int status, const char *why);
 /* Receiver, blocks: every byte of layers [first, first + n) landed (a
  * transport that marks layers, or the sender's word). */

@@ -338,8 +338,9 @@ class TestBlockTransfers(kvftest.PairTestCase):
         self.assertIn(lid, ids)
         self.assertIn(self.dst, ids)
         other.close()
-        ids = [row["id"] for row in self.cd.inspect("layouts", json=True)["layouts"]]
-        self.assertNotIn(lid, ids)
+        # the daemon sees the close on its own loop, after close() returned
+        kvftest.wait_for(lambda: lid not in [row["id"] for row in self.cd.inspect("layouts", json=True)["layouts"]],
+                         5, "the closed client's layout freed")
         self.cd.free_layout(self.dst)
         ids = [row["id"] for row in self.cd.inspect("layouts", json=True)["layouts"]]
         self.assertNotIn(self.dst, ids)

@@ -317,7 +317,8 @@ static void handle_event(tevent *e) {
     if ((g = grant_for_event(e->tt, e->handle)) == NULL) break;
     kvf__xtrace_stamp(g->x, KVF__XT_FIRST, e->t_first);
     kvf__xtrace_stamp(g->x, KVF__XT_LAST, e->t_last);
-    kvf__xfer_on_landed(g->x);
+    if (e->sealed) kvf__xfer_on_vouched(g->x); /* the bytes vouch (tcp_wire.h) */
+    else kvf__xfer_on_landed(g->x);
     break;
   case EV_DATA_ERROR:
     if ((g = grant_for_event(e->tt, e->handle)) != NULL)
@@ -394,6 +395,7 @@ static void tcp_destroy(kvf__transport *t) {
  * for this word behind the transports' names. */
 static void tcp_hello(kvf__transport *t, Kvf__Hello *h) {
   h->transports[h->n_transports++] = (char *)KVF__TCP_PAT_CAP;
+  h->transports[h->n_transports++] = (char *)KVF__TCP_SEALED_CAP;
 }
 
 static const kvf__transport_ops tcp_ops = {

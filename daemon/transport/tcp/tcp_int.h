@@ -96,6 +96,7 @@ typedef struct item {    /* a stream's share of one post */
   wr *w;
   size_t n;
   bool gpu;              /* some frames come from GPU memory */
+  bool sealed;           /* its batches go with BATCH_SEALED (tcp_wire.h) */
   kvf__tcp_pshare *ps;   /* instead of frames: patterns (tcp_pattern.h) */
   bool marker;           /* a layer marker, no frames and no ticket: */
   uint32_t first, n_layers, streams;
@@ -115,6 +116,7 @@ typedef struct tevent {
   void *stream;          /* EV_STREAM_GONE: the inbound stream to reap */
   uint32_t first, n;     /* EV_LAYERS: the layers that landed */
   uint64_t t_first, t_last; /* EV_LANDED: the grant's first byte read, its last landed */
+  bool sealed;           /* EV_LANDED: every batch of the grant came sealed */
 } tevent;
 
 /* Receiver: a layer marker seen on some of its streams. */
@@ -134,6 +136,7 @@ typedef struct rgrant {
   lmark *marks;          /* layer markers not yet seen on every stream */
   size_t n_marks;
   uint64_t first_ns;     /* the first batch for it read (g_lock) */
+  bool unsealed;         /* some batch for it came without BATCH_SEALED (g_lock) */
 } rgrant;
 
 /* Receiver: a batch with payloads staged for a GPU; it lands (unpins its

@@ -24,11 +24,11 @@
 static _Thread_local uint64_t thread_last_ns;
 
 /* EV_LANDED, with the grant's first and last byte's times. */
-static void post_landed(tcp_peer *tp, uint64_t handle, uint64_t first_ns) {
+static void post_landed(tcp_peer *tp, uint64_t handle, uint64_t first_ns, bool sealed) {
   tevent *e = calloc(1, sizeof(*e));
   if (!e) abort(); /* as kvf__tcp_post_event */
   *e = (tevent){.kind = EV_LANDED, .handle = handle, .peer = tp->p, .gen = tp->gen, .t_first = first_ns,
-                .t_last = kvf__now_ns()};
+                .t_last = kvf__now_ns(), .sealed = sealed};
   kvf__tcp_push_event(tp->tt, e);
 }
 
@@ -234,6 +234,7 @@ static rgrant *pin_grant(tcp_peer *tp, const batch_hdr *h, batch_ent *e, kvf__tc
     g = NULL;
   }
   if (g) g->writers++;
+  if (g && !h->sealed) g->unsealed = true;
   if (g && !g->first_ns) g->first_ns = kvf__now_ns();
   pthread_mutex_unlock(&tt->g_lock);
   return g;
@@ -244,7 +245,7 @@ static void unpin_grant(rgrant *g, tcp_peer *tp, uint64_t handle, uint64_t len) 
   pthread_mutex_lock(&tt->g_lock);
   g->writers--;
   g->landed += len;
-  if (!g->closed && g->landed == g->total) post_landed(tp, handle, g->first_ns);
+  if (!g->closed && g->landed == g->total) post_landed(tp, handle, g->first_ns, !g->unsealed);
   if (g->closed && g->writers == 0) pthread_cond_broadcast(&tt->g_cond);
   pthread_mutex_unlock(&tt->g_lock);
 }
@@ -392,7 +393,7 @@ static int receive_pattern_gpu(stream *s, const batch_hdr *h, const kvf__tcp_pat
     bytes += p->len;
     if (++piece == (uint64_t)p->n1 * p->n2) piece = 0, i++;
     if (k < BATCH_FRAMES && i < h->count) continue;
-    batch_hdr sub = {DATA_MAGIC, k, h->handle};
+    batch_hdr sub = {DATA_MAGIC, k, h->handle, false};
     rc = receive_batch_gpu(s, &sub, e, g, bytes, i == h->count ? ahead : NULL, have);
     k = 0, bytes = 0;
     if (rc == 0 && i < h->count) {

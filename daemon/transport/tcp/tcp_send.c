@@ -17,6 +17,7 @@
 
 #include "auth.h"
 #include "frame.h"
+#include "layout.h"
 #include "pool.h"
 #include "tcp_io.h"
 #include "spin.h"
@@ -67,7 +68,7 @@ static int write_item(stream *s, item *it, int64_t *budget) {
       *budget -= w->len;
     }
     it->pos += k;
-    bhdr_encode(hdr, k, it->handle);
+    bhdr_encode(hdr, k, it->handle, it->sealed);
     iov[0] = (struct iovec){hdr, BHDR_LEN};
     iov[1] = (struct iovec){ents, (size_t)k * ENT_LEN};
     bool faulted = false;
@@ -154,7 +155,7 @@ static int stage_send(stream *s, item *it, sslot *sl) {
     ent_encode(ents[k], w->dst_pool, w->len, w->dst_off);
     iov[2 + k] = (struct iovec){w->dev >= 0 ? sl->host + sl->off[k] : (void *)w->src, w->len};
   }
-  bhdr_encode(hdr, (uint32_t)sl->n, it->handle);
+  bhdr_encode(hdr, (uint32_t)sl->n, it->handle, it->sealed);
   iov[0] = (struct iovec){hdr, BHDR_LEN};
   iov[1] = (struct iovec){ents, sl->n * ENT_LEN};
   bool faulted = false;
@@ -509,13 +510,15 @@ static int deal_frames(tcp_peer *tp, const kvf__runs *runs, item **items) {
 
 /* Whether the peer reads pattern batches (tcp_pattern.h). Only transforms
  * use them (plain runs are long and go as frames, as they did). */
-static bool patterns_for(const tcp_peer *tp) {
+static bool offers(const tcp_peer *tp, const char *cap) {
   const Kvf__Hello *h = tp->p->hello;
   bool offered = false;
   for (size_t i = 0; h && i < h->n_transports && !offered; i++)
-    offered = strcmp(h->transports[i], KVF__TCP_PAT_CAP) == 0;
+    offered = strcmp(h->transports[i], cap) == 0;
   return offered;
 }
+
+static bool patterns_for(const tcp_peer *tp) { return offers(tp, KVF__TCP_PAT_CAP); }
 
 /* deal_frames as patterns (kvf__tcp_pat_deal). */
 static int deal_patterns(tcp_peer *tp, const kvf__runs *runs, item **items) {
@@ -544,6 +547,7 @@ static void enqueue(stream *s, item *it) {
 typedef struct dealing {
   const kvf__runs *runs;
   bool grouped;            /* runs of a transform: grouped into patterns */
+  bool whole_blocks;       /* runs of blocks without a transform */
   const kvf__bpart *part;
 } dealing;
 
@@ -560,6 +564,19 @@ static int deal(tcp_peer *tp, const dealing *d, item **items) {
     atomic_fetch_add(&tp->tt->pat_sent, sh[i].n);
   }
   return rc;
+}
+
+/* Whether a post's batches may go sealed: the peer reads the flag and no
+ * source pool of the runs can fault (pool.h: sealed). Blocks only without
+ * a transform: a receiver that completes on sealed bytes takes them for
+ * whole blocks (a transform's description comes with the SendDone). */
+static bool sealed_for(const tcp_peer *tp, const kvf__xfer *x, const dealing *d) {
+  if (!d->runs || d->grouped || (x->blocks && !d->whole_blocks) || !offers(tp, KVF__TCP_SEALED_CAP)) return false;
+  for (size_t i = 0; i < d->runs->n; i++) {
+    const kvf__pool *p = kvfd.pools[d->runs->v[i].src_pool];
+    if (!p || !p->sealed) return false;
+  }
+  return true;
 }
 
 static int post_dealt(kvf__transport *t, kvf__xfer *x, const dealing *d, bool last) {
@@ -584,6 +601,7 @@ static int post_dealt(kvf__transport *t, kvf__xfer *x, const dealing *d, bool la
   for (uint32_t i = 0; i < tp->n_out; i++)
     if (items[i]->gpu) x->path = "tcp-bounce";
   int used = 0;
+  bool sealed = sealed_for(tp, x, d);
   for (uint32_t i = 0; i < tp->n_out; i++) used += items[i]->n > 0 || (items[i]->ps && items[i]->ps->n > 0);
   /* An empty post (all parts already sent) still completes through the
    * queue, so the caller sees one callback either way. */
@@ -597,6 +615,7 @@ static int post_dealt(kvf__transport *t, kvf__xfer *x, const dealing *d, bool la
     }
     it->tk = tk;
     it->handle = x->handle;
+    it->sealed = sealed;
     enqueue(&tp->out[i], it);
   }
   pthread_mutex_unlock(&tp->lock);
@@ -612,7 +631,14 @@ int kvf__tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) {
  * from the plan (no run per piece); anything else as runs. */
 int kvf__tcp_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
   tcp_peer *tp = tcp_peer_of(to_tcp(t), x->peer); /* GPU sources stage frames (write_item_staged) */
-  if (!b->xf.transform || !tp || !patterns_for(tp) || kvfd.pools[b->src->pool]->cuda_dev >= 0)
+  if (!b->xf.transform) { /* whole blocks: the layouts' coalesced runs */
+    kvf__runs runs = {0};
+    int rc = kvf__blocks_pair(b->src, b->sids, b->dst, b->dids, b->n, b->first, b->n_layers, &runs);
+    if (rc == 0) rc = post_dealt(t, x, &(dealing){.runs = &runs, .whole_blocks = true}, last);
+    kvf__runs_free(&runs);
+    return rc;
+  }
+  if (!tp || !patterns_for(tp) || kvfd.pools[b->src->pool]->cuda_dev >= 0)
     return kvf__transport_post_block_runs(t, x, b, last);
   int rc = post_dealt(t, x, &(dealing){.part = b}, last);
   if (rc != -E2BIG) return rc;

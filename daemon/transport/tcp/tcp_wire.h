@@ -4,8 +4,10 @@
 #ifndef KVF_TCP_WIRE_H
 #define KVF_TCP_WIRE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
+#include "desc.h"
 #include "frame.h"
 #include "kvferryd.h"
 #include "map.h"
@@ -17,6 +19,8 @@
 #define ENT_LEN 16u                 /* per frame: pool, len, offset */
 #define SLICE (1u << 20)            /* one frame carries at most this */
 #define BATCH_FRAMES 256            /* frames per batch (one writev, one readv) */
+#define BATCH_SEALED 0x80000000u    /* in a data batch's count: its source cannot fault */
+#define KVF__TCP_SEALED_CAP "tcp-sealed" /* Hello.transports: we read BATCH_SEALED */
 
 /* ------------------------------------------------------------ data frames
  *
@@ -32,7 +36,14 @@
  * puts one behind a part's data on every stream; a stream's data lands in
  * order, so once the receiver has seen the marker on every stream (and
  * landed what each stream staged for a GPU before it), the part's layers
- * are in. */
+ * are in.
+ *
+ * BATCH_SEALED, the count's top bit (to peers that offered "tcp-sealed"),
+ * says that the sender's source memory cannot fault (a sealed memfd, GPU
+ * memory): its payload is what the source held. A source that can fault
+ * goes out as zeros where it faulted (the stream stays in step) and only
+ * the sender's SendDone says so; a grant whose every batch came sealed can
+ * complete on its bytes alone, a control-link hop sooner. */
 
 static inline void put32(uint8_t *p, uint32_t v) { kvf__frame_put_header(p, v); }
 static inline void put64(uint8_t *p, uint64_t v) {
@@ -48,6 +59,7 @@ typedef struct batch_hdr {
   uint32_t magic;
   uint32_t count;
   uint64_t handle;
+  bool sealed;           /* BATCH_SEALED was set */
 } batch_hdr;
 
 typedef struct batch_ent {
@@ -56,15 +68,17 @@ typedef struct batch_ent {
   uint64_t offset;
 } batch_ent;
 
-static inline void bhdr_encode(uint8_t out[BHDR_LEN], uint32_t count, uint64_t handle) {
+static inline void bhdr_encode(uint8_t out[BHDR_LEN], uint32_t count, uint64_t handle, bool sealed) {
   put32(out, DATA_MAGIC);
-  put32(out + 4, count);
+  put32(out + 4, count | (sealed ? BATCH_SEALED : 0));
   put64(out + 8, handle);
 }
 
 static inline void bhdr_decode(const uint8_t in[BHDR_LEN], batch_hdr *h) {
   h->magic = kvf__frame_get_u32(in);
-  h->count = kvf__frame_get_u32(in + 4);
+  uint32_t count = kvf__frame_get_u32(in + 4);
+  h->sealed = h->magic == DATA_MAGIC && (count & BATCH_SEALED);
+  h->count = h->magic == DATA_MAGIC ? count & ~BATCH_SEALED : count;
   h->handle = get64(in + 8);
 }
 
