@@ -67,10 +67,16 @@ KVF_HD kvf_split kvf_chunk_split(unsigned long long src, unsigned long long dst,
  * when 2 n fit, else in device memory at ids (one copy per request). */
 #define KVF__BLOCKS_INLINE_IDS 864u
 
-typedef struct kvf_blocks_args {
+/* Both block kernels' two pools: where each is, its regions' offsets and
+ * its block stride. */
+typedef struct kvf_blocks_ends {
   unsigned long long src_base, dst_base;    /* device addresses of the pools */
   unsigned long long src_table, dst_table;  /* device: u64 offset of each region */
   unsigned long long src_stride, dst_stride;
+} kvf_blocks_ends;
+
+typedef struct kvf_blocks_args {
+  kvf_blocks_ends e;
   unsigned long long ids;                   /* device: sids[n], dids[n]; 0: inline_ids */
   unsigned int block_bytes;
   unsigned int n;                           /* block ids per side */
@@ -103,9 +109,7 @@ KVF_HD unsigned int kvf_blocks_group(unsigned long long units, unsigned int thre
  * as kvf_blocks' (sids[ns] then dids[nd], inline when they fit). The word
  * math is here, shared with the CPU tests. */
 typedef struct kvf_xblocks_args {
-  unsigned long long src_base, dst_base;
-  unsigned long long src_table, dst_table;
-  unsigned long long src_stride, dst_stride;
+  kvf_blocks_ends e;
   unsigned long long ids;                   /* device: sids[ns], dids[nd]; 0: inline_ids */
   unsigned int unit;                        /* one token of one head: head_dim x dtype bytes */
   unsigned int s_tpb, s_heads, s_order, s_h; /* s_h: the first moved head, from the side's first */
@@ -117,8 +121,29 @@ typedef struct kvf_xblocks_args {
   unsigned int n_regions;
   unsigned int piece0, piece1;
   unsigned int group;
+  unsigned int walk;                        /* 1: every piece by the walk in 16-byte words (kvf_xwalk) */
   unsigned int inline_ids[KVF__BLOCKS_INLINE_IDS];
 } kvf_xblocks_args;
+
+/* v / d, and v % d in *rem. A GPU has no divider (a 32-bit division is
+ * some twenty instructions), and the transform kernel takes a few of these
+ * per piece (and two per word where it goes word by word): the divisors
+ * (tokens per block and chunk, words per unit, heads moved, chunks) are
+ * powers of two in every real geometry, so those go by shift and mask; the
+ * test is the same for every thread of a launch, so it does not diverge. */
+KVF_HD unsigned int kvf_divmod(unsigned int v, unsigned int d, unsigned int *rem) {
+  if ((d & (d - 1)) == 0) {
+    *rem = v & (d - 1);
+#ifdef __CUDA_ARCH__
+    return v >> (__ffs((int)d) - 1);
+#else
+    return v >> __builtin_ctz(d);
+#endif
+  }
+  unsigned int q = v / d;
+  *rem = v - q * d;
+  return q;
+}
 
 /* Where piece p's chunk is: its region, the index of its block on each
  * side (into sids and dids) and the slots its first token takes. */
@@ -128,8 +153,15 @@ typedef struct kvf_xloc {
 
 KVF_HD kvf_xloc kvf_xblocks_locate(const kvf_xblocks_args *a, unsigned int p) {
   kvf_xloc l;
-  l.r = p / a->chunks;
-  unsigned long long t = (unsigned long long)(p - l.r * a->chunks) * a->g;
+  unsigned int c;
+  l.r = kvf_divmod(p, a->chunks, &c);
+  if ((unsigned long long)a->chunks * a->g <= 0xffffffffull) { /* every real transfer: 32-bit math */
+    const unsigned int t = c * a->g;
+    l.si = kvf_divmod(t, a->s_tpb, &l.st);
+    l.di = kvf_divmod(t, a->d_tpb, &l.dt);
+    return l;
+  }
+  unsigned long long t = (unsigned long long)c * a->g;
   l.si = (unsigned int)(t / a->s_tpb);
   l.st = (unsigned int)(t - (unsigned long long)l.si * a->s_tpb);
   l.di = (unsigned int)(t / a->d_tpb);
@@ -167,25 +199,6 @@ KVF_HD unsigned long long kvf_xelem(unsigned int order, unsigned int tpb, unsign
   return order == 1 /* KVF_LAYOUT_HND */ ? (unsigned long long)h * tpb + t : (unsigned long long)t * heads + h;
 }
 
-/* v / d, and v % d in *rem. Every word of a transform takes two of these,
- * and a GPU has no divider (a 32-bit division is some twenty instructions):
- * the divisors (words per unit, tokens per chunk, heads moved) are powers of
- * two in every real geometry, so those go by shift and mask; the test is
- * the same for every thread of a launch, so it does not diverge. */
-KVF_HD unsigned int kvf_divmod(unsigned int v, unsigned int d, unsigned int *rem) {
-  if ((d & (d - 1)) == 0) {
-    *rem = v & (d - 1);
-#ifdef __CUDA_ARCH__
-    return v >> (__ffs((int)d) - 1);
-#else
-    return v >> __builtin_ctz(d);
-#endif
-  }
-  unsigned int q = v / d;
-  *rem = v - q * d;
-  return q;
-}
-
 /* Word w of piece x: its source and destination addresses. */
 KVF_HD void kvf_xblocks_word(const kvf_xblocks_args *a, const kvf_xpiece *x, unsigned int w,
                              unsigned long long *src, unsigned long long *dst) {
@@ -195,6 +208,84 @@ KVF_HD void kvf_xblocks_word(const kvf_xblocks_args *a, const kvf_xpiece *x, uns
   else k = kvf_divmod(q, a->nh, &h);
   *src = x->src + kvf_xelem(a->s_order, a->s_tpb, a->s_heads, x->st + k, a->s_h + h) * a->unit + j * x->width;
   *dst = x->dst + kvf_xelem(a->d_order, a->d_tpb, a->d_heads, x->dt + k, a->d_h + h) * a->unit + j * x->width;
+}
+
+/* ---------------------------------------------------------------- the walk
+ *
+ * kvf_xblocks_word costs two divisions per word. The kernel's threads
+ * instead walk: in destination order a piece is units q = 0 .. g nh - 1 (a
+ * token of a head, upw words each), and when a group of gs threads is a
+ * whole number of units wide (upw divides gs), thread t copies word j = t %
+ * upw of units q0 = t / upw, q0 + Q, q0 + 2 Q, ... (Q = gs / upw): the same
+ * place in every unit it copies. A unit is (outer, inner) with q = outer
+ * n_in + inner (HND destination: head, token; NHD: token, head), and each
+ * index moves both offsets by a fixed number of bytes, so a step of Q units
+ * adds fixed steps to the two offsets and, when the inner index passes n_in
+ * (at most once, Q % n_in < n_in), a fixed correction. The divisions are
+ * once per thread and piece shape; consecutive threads still take
+ * consecutive destination words. Offsets are 32 bits, from the first slot
+ * of each piece's blocks (kvf_xwalk_bases): a block is under 4 GiB. */
+typedef struct kvf_xwalk {
+  unsigned int so, dof;                     /* this thread's first word, from the bases */
+  unsigned int in;                          /* its unit's inner index */
+  unsigned int count;                       /* its words */
+  unsigned int s_step, d_step;              /* per step of Q units */
+  unsigned int s_wrap, d_wrap;              /* ... plus these (mod 2^32) when in wraps */
+  unsigned int in_step, n_in;
+} kvf_xwalk;
+
+/* Thread t of a group of gs on words of `width` bytes: 0 when upw does
+ * not divide gs (the kernel then goes word by word). */
+KVF_HD int kvf_xwalk_init(const kvf_xblocks_args *a, unsigned int width, unsigned int gs, unsigned int t,
+                          kvf_xwalk *w) {
+  unsigned int j, r, i0, qi;
+  const unsigned int upw = a->unit / width;
+  const unsigned int qs = kvf_divmod(gs, upw, &r); /* Q */
+  if (r) return 0;
+  const unsigned int q0 = kvf_divmod(t, upw, &j);
+  /* bytes per token and per head on each side */
+  const unsigned int s_tok = (a->s_order == 1 ? 1u : a->s_heads) * a->unit;
+  const unsigned int s_head = (a->s_order == 1 ? a->s_tpb : 1u) * a->unit;
+  const unsigned int d_tok = (a->d_order == 1 ? 1u : a->d_heads) * a->unit;
+  const unsigned int d_head = (a->d_order == 1 ? a->d_tpb : 1u) * a->unit;
+  const int hnd = a->d_order == 1;
+  const unsigned int n_in = hnd ? a->g : a->nh;
+  const unsigned int s_in = hnd ? s_tok : s_head, s_out = hnd ? s_head : s_tok;
+  const unsigned int d_in = hnd ? d_tok : d_head, d_out = hnd ? d_head : d_tok;
+  const unsigned int o0 = kvf_divmod(q0, n_in, &i0), qo = kvf_divmod(qs, n_in, &qi);
+  const unsigned int units = a->g * a->nh;
+  w->so = o0 * s_out + i0 * s_in + j * width;
+  w->dof = o0 * d_out + i0 * d_in + j * width;
+  w->in = i0;
+  w->count = q0 < units ? kvf_divmod(units - q0 + qs - 1, qs, &r) : 0;
+  w->s_step = qo * s_out + qi * s_in;
+  w->d_step = qo * d_out + qi * d_in;
+  w->s_wrap = s_out - n_in * s_in;
+  w->d_wrap = d_out - n_in * d_in;
+  w->in_step = qi;
+  w->n_in = n_in;
+  return 1;
+}
+
+/* One side's next unit: its offset *off advances by step, and by wrap
+ * more when the inner index *in passes n_in. The kernel walks the two sides
+ * apart (loads ahead of stores), so each keeps its own inner index. */
+KVF_HD void kvf_xwalk_next(const kvf_xwalk *w, unsigned int *off, unsigned int *in, unsigned int step,
+                           unsigned int wrap) {
+  *off += step;
+  *in += w->in_step;
+  if (*in >= w->n_in) {
+    *in -= w->n_in;
+    *off += wrap;
+  }
+}
+
+/* Where piece x's offsets start: its first token's slot, its first moved
+ * head, in each of its two blocks. */
+KVF_HD void kvf_xwalk_bases(const kvf_xblocks_args *a, const kvf_xpiece *x, unsigned long long *src,
+                            unsigned long long *dst) {
+  *src = x->src + kvf_xelem(a->s_order, a->s_tpb, a->s_heads, x->st, a->s_h) * a->unit;
+  *dst = x->dst + kvf_xelem(a->d_order, a->d_tpb, a->d_heads, x->dt, a->d_h) * a->unit;
 }
 
 #endif

@@ -202,15 +202,15 @@ extern "C" __global__ void __launch_bounds__(1024) kvf_copy_u8nc(const kvf_chunk
 extern "C" __global__ void __launch_bounds__(1024) kvf_blocks(const __grid_constant__ kvf_blocks_args a) {
   const unsigned gs = a.group, gpc = blockDim.x / gs, t = threadIdx.x & (gs - 1);
   const unsigned *gids = (const unsigned *)a.ids;
-  const unsigned long long *st = (const unsigned long long *)a.src_table;
-  const unsigned long long *dt = (const unsigned long long *)a.dst_table;
+  const unsigned long long *st = (const unsigned long long *)a.e.src_table;
+  const unsigned long long *dt = (const unsigned long long *)a.e.dst_table;
   for (unsigned p = a.piece0 + blockIdx.x * gpc + threadIdx.x / gs; p < a.piece1; p += gridDim.x * gpc) {
     const unsigned r = p / a.n, i = p - r * a.n;
     const unsigned sid = gids ? gids[i] : a.inline_ids[i];
     const unsigned did = gids ? gids[a.n + i] : a.inline_ids[a.n + i];
     kvf_chunk ch;
-    ch.src = a.src_base + st[r] + sid * a.src_stride;
-    ch.dst = a.dst_base + dt[r] + did * a.dst_stride;
+    ch.src = a.e.src_base + st[r] + sid * a.e.src_stride;
+    ch.dst = a.e.dst_base + dt[r] + did * a.e.dst_stride;
     ch.len = a.block_bytes;
     copy_one<8, 0>(ch, kvf_chunk_split(ch.src, ch.dst, ch.len), t, gs);
   }
@@ -221,8 +221,42 @@ extern "C" __global__ void __launch_bounds__(1024) kvf_blocks(const __grid_const
 // (copy_args.h, kvf_xblocks_args): each group of a.group threads takes a
 // piece (the g tokens of one chunk of one region), finds its two blocks
 // from the tables and the ids, and copies its words in the destination's
-// order (kvf_xblocks_word), so consecutive threads store consecutive
-// words. The word width is uniform within a piece: no divergence.
+// order, so consecutive threads store consecutive words (coalesced stores;
+// the loads are whole units of a head, 256 bytes at llama's geometry). Each
+// thread keeps up to 8 loads in flight, as kvf_blocks does: with one load
+// at a time (a divmod per word) the transform ran at 0.65-0.70x of
+// kvf_blocks on an H200, with 8 and the walk at 0.96-1.04x (bench/RESULTS.md,
+// gpu_xform bench). The word width is uniform within a piece: no divergence.
+
+// A thread's words of a piece by the walk (copy_args.h, kvf_xwalk): fixed
+// steps, no division per word.
+template <typename T, bool WRAP>
+__device__ __forceinline__ void xwalk_copy(unsigned long long sb, unsigned long long db, const kvf_xwalk &w) {
+  unsigned so = w.so, si = w.in, dof = w.dof, di = w.in;
+  for (unsigned n = w.count; n;) {
+    const unsigned m = n < 8 ? n : 8;
+    T r[8];
+    // the loads walk ahead, the stores follow: no offsets held in between
+#pragma unroll
+    for (unsigned k = 0; k < 8; k++)
+      if (k < m) {
+        r[k] = load<T, 0>((const T *)(sb + so));
+        if (WRAP) kvf_xwalk_next(&w, &so, &si, w.s_step, w.s_wrap);
+        else so += w.s_step;
+      }
+#pragma unroll
+    for (unsigned k = 0; k < 8; k++)
+      if (k < m) {
+        store<T, 0>((T *)(db + dof), r[k]);
+        if (WRAP) kvf_xwalk_next(&w, &dof, &di, w.d_step, w.d_wrap);
+        else dof += w.d_step;
+      }
+    n -= m;
+  }
+}
+
+// Word by word, where the walk does not fit (a unit that is no whole
+// number of a group's widths: MLA's 1,152 bytes, odd head dims).
 template <typename T>
 __device__ __forceinline__ void xwords(const kvf_xblocks_args &a, const kvf_xpiece &x, unsigned t, unsigned gs) {
   for (unsigned w = t; w < x.words; w += gs) {
@@ -232,17 +266,37 @@ __device__ __forceinline__ void xwords(const kvf_xblocks_args &a, const kvf_xpie
   }
 }
 
+// Piece p's two blocks.
+__device__ __forceinline__ kvf_xpiece xblocks_piece(const kvf_xblocks_args &a, unsigned p) {
+  const unsigned *gids = (const unsigned *)a.ids;
+  const unsigned long long *st = (const unsigned long long *)a.e.src_table;
+  const unsigned long long *dt = (const unsigned long long *)a.e.dst_table;
+  const kvf_xloc l = kvf_xblocks_locate(&a, p);
+  const unsigned sid = gids ? gids[l.si] : a.inline_ids[l.si];
+  const unsigned did = gids ? gids[a.ns + l.di] : a.inline_ids[a.ns + l.di];
+  return kvf_xblocks_piece(&a, &l, a.e.src_base + st[l.r] + sid * a.e.src_stride,
+                           a.e.dst_base + dt[l.r] + did * a.e.dst_stride);
+}
+
+// Two loops, one per launch (a.walk is the host's): the walk's registers
+// and the word-by-word path's are never live together, so neither spills.
 extern "C" __global__ void __launch_bounds__(1024) kvf_xblocks(const __grid_constant__ kvf_xblocks_args a) {
   const unsigned gs = a.group, gpc = blockDim.x / gs, t = threadIdx.x & (gs - 1);
-  const unsigned *gids = (const unsigned *)a.ids;
-  const unsigned long long *st = (const unsigned long long *)a.src_table;
-  const unsigned long long *dt = (const unsigned long long *)a.dst_table;
-  for (unsigned p = a.piece0 + blockIdx.x * gpc + threadIdx.x / gs; p < a.piece1; p += gridDim.x * gpc) {
-    const kvf_xloc l = kvf_xblocks_locate(&a, p);
-    const unsigned sid = gids ? gids[l.si] : a.inline_ids[l.si];
-    const unsigned did = gids ? gids[a.ns + l.di] : a.inline_ids[a.ns + l.di];
-    const kvf_xpiece x = kvf_xblocks_piece(&a, &l, a.src_base + st[l.r] + sid * a.src_stride,
-                                           a.dst_base + dt[l.r] + did * a.dst_stride);
+  const unsigned p0 = a.piece0 + blockIdx.x * gpc + threadIdx.x / gs, step = gridDim.x * gpc;
+  if (a.walk) {
+    kvf_xwalk w;
+    kvf_xwalk_init(&a, 16, gs, t, &w); // the same in every piece
+    for (unsigned p = p0; p < a.piece1; p += step) {
+      const kvf_xpiece x = xblocks_piece(a, p);
+      unsigned long long sb, db;
+      kvf_xwalk_bases(&a, &x, &sb, &db);
+      if (w.in_step) xwalk_copy<uint4, true>(sb, db, w);
+      else xwalk_copy<uint4, false>(sb, db, w);
+    }
+    return;
+  }
+  for (unsigned p = p0; p < a.piece1; p += step) {
+    const kvf_xpiece x = xblocks_piece(a, p);
     switch (x.width) {
     case 16: xwords<uint4>(a, x, t, gs); break;
     case 8: xwords<unsigned long long>(a, x, t, gs); break;

@@ -1132,31 +1132,51 @@ static int blocks_ids(per_dev *p, const kvf__gpu_blocks *j, unsigned *inline_ids
   return 0;
 }
 
+/* The pools both block kernels read. */
+static kvf_blocks_ends blocks_ends(const kvf__gpu_blocks *j) {
+  return (kvf_blocks_ends){.src_base = j->src.base, .dst_base = j->dst.base, .src_table = j->src.table,
+                           .dst_table = j->dst.table, .src_stride = j->src.stride, .dst_stride = j->dst.stride};
+}
+
+/* One launch of fn on p's stream over pieces [p0, p1) of `bytes` each, in
+ * groups of `group` threads; args: the kernel's one argument. */
+static int pieces_launch(per_dev *p, int dev, CUfunction fn, const char *what, void *args, unsigned group,
+                         uint64_t p0, uint64_t p1, uint64_t bytes) {
+  unsigned per_cta = G.threads / group;
+  unsigned grid = kvf__gpu_plan_grid((size_t)((p1 - p0 + per_cta - 1) / per_cta), G.dev[dev].info.sms, G.ctas_per_sm);
+  void *argv[] = {args};
+  CU_TRY(what, G.cu.LaunchKernel(fn, grid, 1, 1, G.threads, 1, 1, 0, p->st, argv, NULL));
+  atomic_fetch_add(&G.launches, 1);
+  atomic_fetch_add(&G.bytes_kernel, (p1 - p0) * bytes);
+  return 0;
+}
+
+/* Whether every piece of j goes by the kernel's walk (copy_args.h,
+ * kvf_xwalk): 16-byte words throughout (both pools' bases, regions and
+ * strides and the unit 16-byte aligned) and groups a whole number of units
+ * wide. Else the kernel goes word by word. */
+static bool xblocks_walks(const kvf__gpu_blocks *j, const kvf_xblocks_args *a) {
+  uint64_t bits = a->e.src_base | a->e.dst_base | a->e.src_stride | a->e.dst_stride | a->unit;
+  for (size_t r = 0; r < a->n_regions; r++) bits |= j->src.offsets[r] | j->dst.offsets[r];
+  kvf_xwalk w;
+  return (bits & 15) == 0 && kvf_xwalk_init(a, 16, a->group, 0, &w);
+}
+
 /* Pieces (region x chunk) [p0, p1) of transform j by the transform kernel. */
 static int xblocks_kernel(per_dev *p, int dev, const kvf__gpu_blocks *j, uint64_t p0, uint64_t p1) {
   static _Thread_local kvf_xblocks_args a; /* 3.5 KiB: off the stack */
-  const kvf__xplan *x = j->xf;
   memset(&a, 0, offsetof(kvf_xblocks_args, inline_ids));
   int rc = blocks_ids(p, j, a.inline_ids, &a.ids);
   if (rc || p1 == p0) return rc;
-  a.src_base = j->src.base;
-  a.dst_base = j->dst.base;
-  a.src_table = j->src.table;
-  a.dst_table = j->dst.table;
-  a.src_stride = j->src.stride;
-  a.dst_stride = j->dst.stride;
-  kvf__xform_kargs(x, &a);
+  a.e = blocks_ends(j);
+  kvf__xform_kargs(j->xf, &a);
   a.n_regions = j->n_layers * j->n_kv;
   a.piece0 = (unsigned)p0;
   a.piece1 = (unsigned)p1;
   a.group = kvf_blocks_group(((uint64_t)a.g * a.nh * a.unit + 15) / 16, G.threads);
-  unsigned per_cta = G.threads / a.group;
-  unsigned grid = kvf__gpu_plan_grid((size_t)((p1 - p0 + per_cta - 1) / per_cta), G.dev[dev].info.sms, G.ctas_per_sm);
-  void *args[] = {&a};
-  CU_TRY("cuLaunchKernel (xblocks)", G.cu.LaunchKernel(G.dev[dev].xfn, grid, 1, 1, G.threads, 1, 1, 0, p->st, args, NULL));
-  atomic_fetch_add(&G.launches, 1);
-  atomic_fetch_add(&G.bytes_kernel, (p1 - p0) * (uint64_t)a.g * a.nh * a.unit);
-  return 0;
+  a.walk = xblocks_walks(j, &a);
+  return pieces_launch(p, dev, G.dev[dev].xfn, "cuLaunchKernel (xblocks)", &a, a.group, p0, p1,
+                       (uint64_t)a.g * a.nh * a.unit);
 }
 
 /* Pieces [p0, p1) of j by the block kernel on dev. */
@@ -1166,25 +1186,14 @@ static int blocks_kernel(per_dev *p, int dev, const kvf__gpu_blocks *j, uint64_t
   memset(&a, 0, offsetof(kvf_blocks_args, inline_ids));
   int rc = blocks_ids(p, j, a.inline_ids, &a.ids);
   if (rc || p1 == p0) return rc;
-  a.src_base = j->src.base;
-  a.dst_base = j->dst.base;
-  a.src_table = j->src.table;
-  a.dst_table = j->dst.table;
-  a.src_stride = j->src.stride;
-  a.dst_stride = j->dst.stride;
+  a.e = blocks_ends(j);
   a.block_bytes = (unsigned)j->block_bytes;
   a.n = (unsigned)j->n;
   a.n_regions = j->n_layers * j->n_kv;
   a.piece0 = (unsigned)p0;
   a.piece1 = (unsigned)p1;
   a.group = kvf_blocks_group((j->block_bytes + 15) / 16, G.threads);
-  unsigned per_cta = G.threads / a.group;
-  unsigned grid = kvf__gpu_plan_grid((size_t)((p1 - p0 + per_cta - 1) / per_cta), G.dev[dev].info.sms, G.ctas_per_sm);
-  void *args[] = {&a};
-  CU_TRY("cuLaunchKernel (blocks)", G.cu.LaunchKernel(G.dev[dev].bfn, grid, 1, 1, G.threads, 1, 1, 0, p->st, args, NULL));
-  atomic_fetch_add(&G.launches, 1);
-  atomic_fetch_add(&G.bytes_kernel, (p1 - p0) * j->block_bytes);
-  return 0;
+  return pieces_launch(p, dev, G.dev[dev].bfn, "cuLaunchKernel (blocks)", &a, a.group, p0, p1, j->block_bytes);
 }
 
 /* Without the block kernel: the layouts walked into coalesced runs
@@ -1270,7 +1279,8 @@ int kvf__gpu_blocks_start(const kvf__gpu_blocks *j, kvf__gpu_done_fn done, void 
   uint64_t regions = (uint64_t)j->n_layers * j->n_kv;
   if (j->xf && (G.blocks && !G.xblocks)) return -EAGAIN; /* an image without the transform kernel: runs */
   if (j->xf && (j->xf->unit > UINT32_MAX || j->xf->ns + j->xf->nd > UINT32_MAX || regions == 0 ||
-                blocks_pieces(j) > UINT32_MAX || (uint64_t)j->xf->s.tpb * j->xf->nh * j->xf->unit > UINT32_MAX))
+                blocks_pieces(j) > UINT32_MAX || (uint64_t)j->xf->s.tpb * j->xf->s.heads * j->xf->unit > UINT32_MAX ||
+                (uint64_t)j->xf->d.tpb * j->xf->d.heads * j->xf->unit > UINT32_MAX))
     return -EINVAL;
   if (!j->xf && (j->block_bytes == 0 || j->block_bytes > UINT32_MAX || regions == 0 || j->n > UINT32_MAX ||
                  regions * j->n > UINT32_MAX))

@@ -33,58 +33,12 @@
 #include "config.h"
 #include "cuda/cudrv.h"
 #include "cuda/gpu.h"
-#include "gpu_test.h"
+#include "gpu_pool.h"
 #include "log.h"
-
-static kvf_cu cu;
-static int failures;
 
 static uint64_t rng = 0x2545f4914f6cdd1dull;
 static uint64_t rnd(void) { return gt_xorshift(&rng); }
 
-
-/* ------------------------------------------------------------ pools */
-
-/* A cuda pool and the host's picture of it. */
-typedef struct pool {
-  const char *name;
-  kvf__gpu_mem mem;
-  uint8_t *want;           /* what the pool must hold */
-  uint8_t *got;            /* read back */
-  uint64_t size;
-} pool;
-
-static int pool_new(pool *p, const char *name, uint64_t size, bool random) {
-  char err[300];
-  memset(p, 0, sizeof(*p));
-  p->name = name;
-  CHECK(kvf__gpu_mem_alloc(0, size, &p->mem, err, sizeof(err)) == 0, "alloc %s: %s", name, err);
-  p->size = size;
-  p->want = malloc(size);
-  p->got = malloc(size);
-  CHECK(p->want && p->got, "malloc %s", name);
-  for (uint64_t i = 0; i + 8 <= size; i += 8) {
-    uint64_t v = random ? rnd() : 0xa5a5a5a5a5a5a5a5ull ^ i;
-    memcpy(p->want + i, &v, 8);
-  }
-  CHECK(cu.MemcpyHtoD(p->mem.dptr, p->want, size) == 0, "HtoD %s", name);
-  return 0;
-}
-
-static void pool_free(pool *p) {
-  kvf__gpu_mem_free(&p->mem);
-  free(p->want);
-  free(p->got);
-}
-
-/* Reads p back whole and compares it with p->want. */
-static int pool_verify(pool *p, const char *what) {
-  CHECK(cu.MemcpyDtoH(p->got, p->mem.dptr, p->size) == 0, "DtoH %s", p->name);
-  if (memcmp(p->got, p->want, p->size) == 0) return 0;
-  uint64_t bad = 0;
-  while (p->got[bad] == p->want[bad]) bad++;
-  CHECK(0, "%s: %s byte %" PRIu64 " is 0x%02x, want 0x%02x", what, p->name, bad, p->got[bad], p->want[bad]);
-}
 
 /* ------------------------------------------------------------ layouts */
 
@@ -122,25 +76,6 @@ static int layout_upload(layout *l) {
 
 /* ------------------------------------------------------------ one copy */
 
-typedef struct waiter {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  int calls, rc;
-  float ms;
-} waiter;
-
-static waiter W = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
-
-static void on_done(void *arg, int rc, float ms) {
-  waiter *w = arg;
-  pthread_mutex_lock(&w->mu);
-  w->calls++;
-  w->rc = rc;
-  w->ms = ms;
-  pthread_cond_signal(&w->cv);
-  pthread_mutex_unlock(&w->mu);
-}
-
 /* A copy of n blocks over layers [first, first + nl). */
 typedef struct copy {
   const char *name;
@@ -150,7 +85,7 @@ typedef struct copy {
   uint32_t *sids, *dids;
 } copy;
 
-static kvf__gpu_blocks job_of(const copy *c, pool *ps, pool *pd) {
+static kvf__gpu_blocks job_of(const copy *c, gt_pool *ps, gt_pool *pd) {
   size_t skip = (size_t)c->first * 2;
   kvf__gpu_blocks j = {
       .src = {.dev = 0, .base = ps->mem.dptr, .table = kvf__gpu_layout_table(c->s->gpu) + skip * 8,
@@ -182,27 +117,13 @@ static int pick_ids(copy *c) {
 }
 
 /* Starts c, waits for its callback; *host_us: the start call's time. */
-static int run_copy(const copy *c, pool *ps, pool *pd, float *ms, double *host_us) {
+static int run_copy(const copy *c, gt_pool *ps, gt_pool *pd, float *ms, double *host_us) {
   kvf__gpu_blocks j = job_of(c, ps, pd);
-  pthread_mutex_lock(&W.mu);
-  int before = W.calls;
-  pthread_mutex_unlock(&W.mu);
-  double t0 = gt_now_us();
-  int rc = kvf__gpu_blocks_start(&j, on_done, &W);
-  if (host_us) *host_us = gt_now_us() - t0;
-  CHECK(rc == 0, "%s: kvf__gpu_blocks_start: %d", c->name, rc);
-  pthread_mutex_lock(&W.mu);
-  while (W.calls == before) pthread_cond_wait(&W.cv, &W.mu);
-  int calls = W.calls - before;
-  rc = W.rc;
-  if (ms) *ms = W.ms;
-  pthread_mutex_unlock(&W.mu);
-  CHECK(calls == 1 && rc == 0, "%s: %d callbacks, rc %d", c->name, calls, rc);
-  return 0;
+  return gt_blocks_run(&j, c->name, ms, host_us);
 }
 
 /* What c must do to the destination's picture. */
-static void expect(const copy *c, const pool *ps, pool *pd) {
+static void expect(const copy *c, const gt_pool *ps, gt_pool *pd) {
   for (uint32_t l = c->first; l < c->first + c->nl; l++)
     for (uint32_t kv = 0; kv < 2; kv++)
       for (size_t i = 0; i < c->n; i++)
@@ -211,13 +132,13 @@ static void expect(const copy *c, const pool *ps, pool *pd) {
 }
 
 /* Runs c once and checks the whole destination pool. */
-static int check_copy(copy *c, pool *ps, pool *pd) {
+static int check_copy(copy *c, gt_pool *ps, gt_pool *pd) {
   kvf__gpu_stats before, after;
   kvf__gpu_stats_get(&before);
   if (pick_ids(c)) return -1;
   int rc = run_copy(c, ps, pd, NULL, NULL);
   expect(c, ps, pd);
-  if (rc == 0) rc = pool_verify(pd, c->name);
+  if (rc == 0) rc = gt_pool_verify(pd, c->name);
   kvf__gpu_stats_get(&after);
   uint64_t bytes = (uint64_t)c->n * c->nl * 2 * c->s->bb;
   bool kernel = kvf__gpu_blocks_kernel();
@@ -273,7 +194,7 @@ static void free_layouts(cases *k) {
   for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) kvf__gpu_layout_free(all[i]->gpu);
 }
 
-static int run_tests(cases *k, pool *ps, pool *pd) {
+static int run_tests(cases *k, gt_pool *ps, gt_pool *pd) {
   copy v[] = {
       {"32k-vllm-vllm", &k->v32, &k->v32, 0, 32, 256, NULL, NULL},
       {"32k-vllm-cross", &k->v32, &k->x32, 0, 32, 256, NULL, NULL},
@@ -294,7 +215,7 @@ static int run_tests(cases *k, pool *ps, pool *pd) {
   }
   /* Host pools are not the kernel's: the caller walks runs. */
   kvf__gpu_blocks h = {.src = {.dev = -1}, .dst = {.dev = 0}, .block_bytes = 4096, .n_layers = 1, .n_kv = 2, .n = 1};
-  int r = kvf__gpu_blocks_start(&h, on_done, &W);
+  int r = kvf__gpu_blocks_start(&h, gt_on_done, &gt_W);
   if (r != -EAGAIN) {
     fprintf(stderr, "FAIL: a host source gave %d, want -EAGAIN\n", r);
     failures++;
@@ -336,7 +257,7 @@ static double memcpy_ms(uint64_t dst, uint64_t src, uint64_t bytes, int reps) {
 
 /* The kernel on c, reps times (after a warm-up), then checked; one JSON
  * line with the ratio to a contiguous copy of the same bytes. */
-static int bench_copy(copy *c, pool *ps, pool *pd, uint64_t scratch, int reps, const char *shape) {
+static int bench_copy(copy *c, gt_pool *ps, gt_pool *pd, uint64_t scratch, int reps, const char *shape) {
   if (pick_ids(c)) return -1;
   double *ms = calloc((size_t)reps, sizeof(double)), *host = calloc((size_t)reps, sizeof(double));
   CHECK(ms && host, "malloc");
@@ -347,7 +268,7 @@ static int bench_copy(copy *c, pool *ps, pool *pd, uint64_t scratch, int reps, c
     ms[r] = k;
   }
   expect(c, ps, pd);
-  if (rc == 0) rc = pool_verify(pd, c->name);
+  if (rc == 0) rc = gt_pool_verify(pd, c->name);
   uint64_t bytes = (uint64_t)c->n * c->nl * 2 * c->s->bb;
   if (rc == 0) {
     double km = gt_median(ms, reps), hu = gt_median(host, reps);
@@ -367,7 +288,7 @@ static int bench_copy(copy *c, pool *ps, pool *pd, uint64_t scratch, int reps, c
 
 /* The host's time per start, against the number of layers (4 KiB blocks,
  * 256 of them, per-layer layouts of 8, 32 and 128 layers). */
-static int bench_host(pool *ps, pool *pd, int reps) {
+static int bench_host(gt_pool *ps, gt_pool *pd, int reps) {
   static const uint32_t layers[] = {8, 32, 128};
   for (size_t k = 0; k < sizeof(layers) / sizeof(layers[0]); k++) {
     layout l;
@@ -379,7 +300,7 @@ static int bench_host(pool *ps, pool *pd, int reps) {
     int rc = host ? 0 : -1;
     for (int r = 0; r < reps && rc == 0; r++) rc = run_copy(&c, ps, pd, NULL, &host[r]);
     expect(&c, ps, pd);
-    if (rc == 0) rc = pool_verify(pd, "host-time");
+    if (rc == 0) rc = gt_pool_verify(pd, "host-time");
     if (rc == 0)
       printf("{\"what\": \"blocks_host\", \"layers\": %u, \"blocks\": 256, \"pieces\": %u, \"host_start_us_p50\": %.1f}\n",
              layers[k], 256 * 2 * layers[k], gt_median(host, reps));
@@ -391,7 +312,7 @@ static int bench_host(pool *ps, pool *pd, int reps) {
   return 0;
 }
 
-static int run_bench(cases *k, pool *ps, pool *pd, int reps) {
+static int run_bench(cases *k, gt_pool *ps, gt_pool *pd, int reps) {
   CUdeviceptr scratch = 0;
   CHECK(cu.MemAlloc(&scratch, 512ull << 20) == 0, "scratch");
   kvf__gpu_tuning t0;
@@ -436,9 +357,9 @@ int main(int argc, char **argv) {
   printf("== gpu_blocks on cuda:0 %s (%d SMs), block copies by %s\n", info.name, info.sms,
          kvf__gpu_blocks_kernel() ? "the kernel (kvf_blocks)" : "cuMemcpy per run (no kernel)");
   cases k;
-  pool ps, pd;
-  int rc = pool_new(&ps, "src", POOL_BYTES, true);
-  if (rc == 0) rc = pool_new(&pd, "dst", POOL_BYTES, false);
+  gt_pool ps, pd;
+  int rc = gt_pool_new(&ps, "src", POOL_BYTES, &rng);
+  if (rc == 0) rc = gt_pool_new(&pd, "dst", POOL_BYTES, NULL);
   if (rc == 0) rc = make_layouts(&k);
   if (rc == 0) rc = run_tests(&k, &ps, &pd);
   if (rc == 0 && strcmp(mode, "bench") == 0) {
@@ -446,8 +367,8 @@ int main(int argc, char **argv) {
     rc = run_bench(&k, &ps, &pd, reps > 0 ? reps : 20);
   }
   if (rc == 0) free_layouts(&k);
-  pool_free(&ps);
-  pool_free(&pd);
+  gt_pool_free(&ps);
+  gt_pool_free(&pd);
   kvf__gpu_shutdown();
   printf("%s: %d failure(s)\n", mode, failures);
   return rc || failures ? 1 : 0;

@@ -30,44 +30,14 @@
 #include "config.h"
 #include "cuda/cudrv.h"
 #include "cuda/gpu.h"
-#include "gpu_test.h"
+#include "gpu_pool.h"
 #include "kv_xform.h"
 #include "log.h"
 
-static kvf_cu cu;
-static int failures;
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 
 #define POOL_BYTES (1100ull << 20)
 #define LAYERS 32
-
-typedef struct pool {
-  kvf__gpu_mem mem;
-  uint8_t *want, *got;
-  uint64_t size;
-} pool;
-
-static int pool_new(pool *p, uint64_t size, bool random) {
-  char err[300];
-  memset(p, 0, sizeof(*p));
-  CHECK(kvf__gpu_mem_alloc(0, size, &p->mem, err, sizeof(err)) == 0, "alloc: %s", err);
-  p->size = size;
-  p->want = malloc(size);
-  p->got = malloc(size);
-  CHECK(p->want && p->got, "malloc");
-  for (uint64_t i = 0; i + 8 <= size; i += 8) {
-    uint64_t v = random ? gt_xorshift(&rng) : 0xa5a5a5a5a5a5a5a5ull ^ i;
-    memcpy(p->want + i, &v, 8);
-  }
-  CHECK(cu.MemcpyHtoD(p->mem.dptr, p->want, size) == 0, "HtoD");
-  return 0;
-}
-
-static void pool_free(pool *p) {
-  kvf__gpu_mem_free(&p->mem);
-  free(p->want);
-  free(p->got);
-}
 
 /* One side: a per-layer layout ([n_kv][nb] blocks per layer) from pad,
  * its geometry, its ids. */
@@ -112,7 +82,7 @@ static uint64_t ref_addr(const side *x, uint32_t r, uint64_t t, uint32_t h) {
   return x->offsets[r] + (uint64_t)x->ids[t / x->tpb] * x->bb + in * unit;
 }
 
-static void reference(const side *s, const side *d, uint64_t tokens, const pool *ps, pool *pd) {
+static void reference(const side *s, const side *d, uint64_t tokens, const gt_pool *ps, gt_pool *pd) {
   uint32_t lo = s->h0 > d->h0 ? s->h0 : d->h0;
   uint32_t hi = s->h0 + s->heads < d->h0 + d->heads ? s->h0 + s->heads : d->h0 + d->heads;
   uint64_t unit = (uint64_t)s->head_dim * s->dtype;
@@ -121,49 +91,7 @@ static void reference(const side *s, const side *d, uint64_t tokens, const pool 
       for (uint32_t h = lo; h < hi; h++) memcpy(pd->want + ref_addr(d, r, t, h), ps->want + ref_addr(s, r, t, h), unit);
 }
 
-typedef struct waiter {
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-  int calls, rc;
-  float ms;
-} waiter;
-static waiter W = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
-
-static void on_done(void *arg, int rc, float ms) {
-  waiter *w = arg;
-  pthread_mutex_lock(&w->mu);
-  w->calls++;
-  w->rc = rc;
-  w->ms = ms;
-  pthread_cond_signal(&w->cv);
-  pthread_mutex_unlock(&w->mu);
-}
-
-/* One start of j, waited for: the kernel's ms, or -1. */
-static float run_job(const kvf__gpu_blocks *j, const char *name) {
-  pthread_mutex_lock(&W.mu);
-  int before = W.calls;
-  pthread_mutex_unlock(&W.mu);
-  int rc = kvf__gpu_blocks_start(j, on_done, &W);
-  if (rc) {
-    fprintf(stderr, "FAIL: %s: kvf__gpu_blocks_start: %d\n", name, rc);
-    failures++;
-    return -1;
-  }
-  pthread_mutex_lock(&W.mu);
-  while (W.calls == before) pthread_cond_wait(&W.cv, &W.mu);
-  rc = W.rc;
-  float ms = W.ms;
-  pthread_mutex_unlock(&W.mu);
-  if (rc) {
-    fprintf(stderr, "FAIL: %s: callback rc %d\n", name, rc);
-    failures++;
-    return -1;
-  }
-  return ms;
-}
-
-static kvf__gpu_blocks job_of(const side *s, const side *d, const pool *ps, const pool *pd, const kvf__xplan *xf) {
+static kvf__gpu_blocks job_of(const side *s, const side *d, const gt_pool *ps, const gt_pool *pd, const kvf__xplan *xf) {
   return (kvf__gpu_blocks){
       .src = {.dev = 0, .base = ps->mem.dptr, .table = kvf__gpu_layout_table(s->gpu), .offsets = s->offsets,
               .stride = s->bb, .ids = s->ids},
@@ -179,7 +107,7 @@ typedef struct xcase {
 } xcase;
 
 /* Runs c through the transform kernel and checks the whole destination. */
-static int check_case(xcase *c, pool *ps, pool *pd, kvf__xplan *plan) {
+static int check_case(xcase *c, gt_pool *ps, gt_pool *pd, kvf__xplan *plan) {
   c->d.n = c->tokens / c->d.tpb;
   c->s.n = (c->tokens + c->s.tpb - 1) / c->s.tpb;
   if (side_make(&c->s) || side_make(&c->d)) return -1;
@@ -188,14 +116,9 @@ static int check_case(xcase *c, pool *ps, pool *pd, kvf__xplan *plan) {
         why);
   CHECK(plan->transform, "%s: not a transform", c->name);
   kvf__gpu_blocks j = job_of(&c->s, &c->d, ps, pd, plan);
-  if (run_job(&j, c->name) < 0) return -1;
+  if (gt_blocks_run(&j, c->name, NULL, NULL)) return -1;
   reference(&c->s, &c->d, c->tokens, ps, pd);
-  CHECK(cu.MemcpyDtoH(pd->got, pd->mem.dptr, pd->size) == 0, "DtoH");
-  if (memcmp(pd->got, pd->want, pd->size) != 0) {
-    uint64_t bad = 0;
-    while (pd->got[bad] == pd->want[bad]) bad++;
-    CHECK(0, "%s: destination byte %" PRIu64 " is 0x%02x, want 0x%02x", c->name, bad, pd->got[bad], pd->want[bad]);
-  }
+  if (gt_pool_verify(pd, c->name)) return -1;
   printf("ok   %s: %" PRIu64 " tokens, %zu -> %zu blocks, ids %s\n", c->name, c->tokens, c->s.n, c->d.n,
          c->s.n + c->d.n <= KVF__BLOCKS_INLINE_IDS ? "inline" : "in device memory");
   return 0;
@@ -222,7 +145,7 @@ static xcase cases[] = {
 
 /* The transform's kernel time against the block kernel moving the same
  * bytes as whole blocks between two same layouts. */
-static int bench(pool *ps, pool *pd, int reps) {
+static int bench(gt_pool *ps, gt_pool *pd, int reps) {
   static const struct {
     const char *name;
     size_t k;
@@ -240,9 +163,30 @@ static int bench(pool *ps, pool *pd, int reps) {
     kvf__gpu_blocks jx = job_of(&c->s, &c->d, ps, pd, &plan), jw = job_of(&same, &same, ps, pd, NULL);
     double *vx = calloc((size_t)reps, sizeof(double)), *vw = calloc((size_t)reps, sizeof(double));
     CHECK(vx && vw, "calloc");
-    for (int r = 0; r < reps; r++) {
-      vx[r] = run_job(&jx, b[i].name);
-      vw[r] = run_job(&jw, "whole blocks");
+    int rc = 0;
+    for (int r = 0; r < reps && rc == 0; r++) {
+      float kx = -1, kw = -1;
+      rc = gt_blocks_run(&jx, b[i].name, &kx, NULL);
+      if (rc == 0) rc = gt_blocks_run(&jw, "whole blocks", &kw, NULL);
+      vx[r] = kx;
+      vw[r] = kw;
+    }
+    /* the timed kernels' bytes too: the whole blocks, then the transform over them */
+    if (rc == 0) rc = gt_blocks_run(&jx, b[i].name, NULL, NULL);
+    if (rc == 0) {
+      for (uint32_t r = 0; r < LAYERS * same.n_kv; r++)
+        for (size_t k = 0; k < same.n; k++) {
+          uint64_t off = same.offsets[r] + (uint64_t)same.ids[k] * same.bb;
+          memcpy(pd->want + off, ps->want + off, same.bb);
+        }
+      reference(&c->s, &c->d, c->tokens, ps, pd);
+      rc = gt_pool_verify(pd, b[i].name);
+    }
+    if (rc) {
+      free(vx);
+      free(vw);
+      side_free(&same);
+      return -1;
     }
     double mx = gt_median(vx, reps), mw = gt_median(vw, reps);
     printf("{\"bench\": \"gpu_xform\", \"case\": \"%s\", \"bytes\": %" PRIu64 ", \"xform_ms\": %.4f, "
@@ -265,9 +209,9 @@ int main(int argc, char **argv) {
   }
   printf("== gpu_xform on cuda:0, transforms by %s\n",
          kvf__gpu_blocks_kernel() ? "the kernel (kvf_xblocks)" : "cuMemcpy per run (no kernel)");
-  pool ps, pd;
-  int rc = pool_new(&ps, POOL_BYTES, true);
-  if (rc == 0) rc = pool_new(&pd, POOL_BYTES, false);
+  gt_pool ps, pd;
+  int rc = gt_pool_new(&ps, "src", POOL_BYTES, &rng);
+  if (rc == 0) rc = gt_pool_new(&pd, "dst", POOL_BYTES, NULL);
   size_t n = sizeof(cases) / sizeof(cases[0]);
   for (size_t i = 0; i < n && rc == 0; i++) {
     kvf__xplan plan;
@@ -278,8 +222,8 @@ int main(int argc, char **argv) {
     if (cases[i].s.gpu) side_free(&cases[i].s);
     if (cases[i].d.gpu) side_free(&cases[i].d);
   }
-  pool_free(&ps);
-  pool_free(&pd);
+  gt_pool_free(&ps);
+  gt_pool_free(&pd);
   kvf__gpu_shutdown();
   printf("%s: %d failure(s)\n", mode, failures);
   return rc || failures ? 1 : 0;

@@ -198,14 +198,14 @@ static void test_blocks_group(void **state) {
  * piece's addresses from the tables and the inline ids. */
 static void emulate_blocks(const kvf_blocks_args *a, unsigned grid, unsigned threads) {
   const unsigned gpc = threads / a->group;
-  const uint64_t *st = (const uint64_t *)(uintptr_t)a->src_table, *dt = (const uint64_t *)(uintptr_t)a->dst_table;
+  const uint64_t *st = (const uint64_t *)(uintptr_t)a->e.src_table, *dt = (const uint64_t *)(uintptr_t)a->e.dst_table;
   for (unsigned b = 0; b < grid; b++)
     for (unsigned g = 0; g < gpc; g++)
       for (unsigned p = a->piece0 + b * gpc + g; p < a->piece1; p += grid * gpc) {
         unsigned r = p / a->n, i = p - r * a->n;
         assert_true(r < a->n_regions);
-        kvf_chunk ch = {a->src_base + st[r] + a->inline_ids[i] * a->src_stride,
-                        a->dst_base + dt[r] + a->inline_ids[a->n + i] * a->dst_stride, a->block_bytes, 0};
+        kvf_chunk ch = {a->e.src_base + st[r] + a->inline_ids[i] * a->e.src_stride,
+                        a->e.dst_base + dt[r] + a->inline_ids[a->n + i] * a->e.dst_stride, a->block_bytes, 0};
         emulate_chunk(&ch, a->group);
       }
 }
@@ -241,12 +241,12 @@ static void test_blocks_vs_pair(void **state) {
   for (size_t i = 0; i < runs.n; i++) memcpy(ref + runs.v[i].dst_off, sp + runs.v[i].src_off, runs.v[i].len);
   assert_int_equal(runs.bytes, (uint64_t)N * NL * KV * BB);
   kvf__runs_free(&runs);
-  a.src_base = (uintptr_t)sp;
-  a.dst_base = (uintptr_t)dp;
-  a.src_table = (uintptr_t)(so + FIRST * KV); /* from the first copied layer */
-  a.dst_table = (uintptr_t)(dof + FIRST * KV);
-  a.src_stride = BB;
-  a.dst_stride = dstride;
+  a.e.src_base = (uintptr_t)sp;
+  a.e.dst_base = (uintptr_t)dp;
+  a.e.src_table = (uintptr_t)(so + FIRST * KV); /* from the first copied layer */
+  a.e.dst_table = (uintptr_t)(dof + FIRST * KV);
+  a.e.src_stride = BB;
+  a.e.dst_stride = dstride;
   a.block_bytes = BB;
   a.n = N;
   a.n_regions = NL * KV;

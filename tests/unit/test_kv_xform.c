@@ -8,8 +8,9 @@
  * in and coalesce what is contiguous; layouts that cannot be reconciled
  * are refused with KVF_ESIZE and a reason naming the mismatch. The GPU
  * transform kernel's address math (cuda/copy_args.h: kvf_xblocks_locate,
- * _piece, _word) is run here on the CPU over the same cases, its pieces
- * split in two launches as two GPUs would, against the same reference. */
+ * _piece, _word, and the walk, kvf_xwalk) is run here on the CPU over the
+ * same cases, its pieces split in two launches as two GPUs would, against
+ * the same reference. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -126,8 +127,8 @@ static void kernel_range(const kvf_xblocks_args *a, const side *s, const side *d
   for (unsigned p = p0; p < p1; p++) {
     kvf_xloc l = kvf_xblocks_locate(a, p);
     unsigned sid = a->inline_ids[l.si], did = a->inline_ids[a->ns + l.di];
-    unsigned long long sb = a->src_base + s->off[l.r] + sid * a->src_stride;
-    unsigned long long db = a->dst_base + d->off[l.r] + did * a->dst_stride;
+    unsigned long long sb = a->e.src_base + s->off[l.r] + sid * a->e.src_stride;
+    unsigned long long db = a->e.dst_base + d->off[l.r] + did * a->e.dst_stride;
     kvf_xpiece x = kvf_xblocks_piece(a, &l, sb, db);
     assert_int_equal(x.width * x.upw, a->unit);
     assert_int_equal(sb % x.width, 0);
@@ -135,14 +136,65 @@ static void kernel_range(const kvf_xblocks_args *a, const side *s, const side *d
       unsigned long long so, dof;
       kvf_xblocks_word(a, &x, w, &so, &dof);
       assert_true(so % x.width == 0 && dof % x.width == 0);
-      assert_true(so >= a->src_base && so + x.width <= a->src_base + s->size);
-      assert_true(dof >= a->dst_base && dof + x.width <= a->dst_base + d->size);
+      assert_true(so >= a->e.src_base && so + x.width <= a->e.src_base + s->size);
+      assert_true(dof >= a->e.dst_base && dof + x.width <= a->e.dst_base + d->size);
       memcpy((void *)(uintptr_t)dof, (const void *)(uintptr_t)so, x.width);
     }
   }
 }
 
+/* The kernel's walk (cuda/copy_args.h, kvf_xwalk) on the CPU: each thread
+ * t < gs of a group on each piece of [p0, p1), its loads and its stores
+ * each stepped on their own as the kernel steps them; the group copies
+ * every word of the piece, once. */
+static void walk_range(const kvf_xblocks_args *a, const side *s, const side *d, unsigned width, unsigned gs,
+                       unsigned p0, unsigned p1) {
+  for (unsigned p = p0; p < p1; p++) {
+    kvf_xloc l = kvf_xblocks_locate(a, p);
+    unsigned sid = a->inline_ids[l.si], did = a->inline_ids[a->ns + l.di];
+    kvf_xpiece x = kvf_xblocks_piece(a, &l, a->e.src_base + s->off[l.r] + sid * a->e.src_stride,
+                                     a->e.dst_base + d->off[l.r] + did * a->e.dst_stride);
+    unsigned long long sb, db;
+    kvf_xwalk_bases(a, &x, &sb, &db);
+    uint64_t words = 0;
+    for (unsigned t = 0; t < gs; t++) {
+      kvf_xwalk w;
+      assert_true(kvf_xwalk_init(a, width, gs, t, &w));
+      unsigned so = w.so, si = w.in, dof = w.dof, di = w.in;
+      for (unsigned n = 0; n < w.count; n++) {
+        assert_true(sb + so >= x.src && sb + so + width <= x.src + s->v.block_bytes);
+        assert_true(db + dof >= x.dst && db + dof + width <= x.dst + d->v.block_bytes);
+        memcpy((void *)(uintptr_t)(db + dof), (const void *)(uintptr_t)(sb + so), width);
+        kvf_xwalk_next(&w, &so, &si, w.s_step, w.s_wrap);
+        kvf_xwalk_next(&w, &dof, &di, w.d_step, w.d_wrap);
+      }
+      words += w.count;
+    }
+    assert_int_equal(words, (uint64_t)a->g * a->nh * (a->unit / width));
+  }
+}
+
 static kvf_xblocks_args kargs; /* 3.5 KiB */
+
+/* The walk at every word width that divides the unit, in groups of 1, 2,
+ * 3, 5 and 64 units' words (64: more threads than units, some idle), and
+ * its refusal where the group is not a whole number of units wide. */
+static void walk_on_cpu(const side *s, const side *d, uint8_t *out, const uint8_t *want, unsigned pieces) {
+  static const unsigned mult[] = {1, 2, 3, 5, 64};
+  for (unsigned width = 1; width <= 16; width *= 2) {
+    if (UNIT % width) continue;
+    unsigned upw = UNIT / width;
+    for (size_t m = 0; m < sizeof(mult) / sizeof(mult[0]); m++) {
+      memcpy(out, d->mem, d->size);
+      kargs.e.dst_base = (uintptr_t)out;
+      walk_range(&kargs, s, d, width, mult[m] * upw, pieces / 2, pieces);
+      walk_range(&kargs, s, d, width, mult[m] * upw, 0, pieces / 2);
+      assert_memory_equal(out, want, d->size);
+    }
+    kvf_xwalk w;
+    if (upw > 1) assert_false(kvf_xwalk_init(&kargs, width, upw + 1, 0, &w));
+  }
+}
 
 static void kernel_on_cpu(const kvf__xplan *plan, const side *s, const side *d, const uint8_t *want) {
   uint8_t *out = malloc(d->size);
@@ -150,10 +202,10 @@ static void kernel_on_cpu(const kvf__xplan *plan, const side *s, const side *d, 
   memcpy(out, d->mem, d->size);
   memset(&kargs, 0, sizeof(kargs));
   kvf__xform_kargs(plan, &kargs);
-  kargs.src_base = (uintptr_t)s->mem;
-  kargs.dst_base = (uintptr_t)out;
-  kargs.src_stride = s->v.block_stride;
-  kargs.dst_stride = d->v.block_stride;
+  kargs.e.src_base = (uintptr_t)s->mem;
+  kargs.e.dst_base = (uintptr_t)out;
+  kargs.e.src_stride = s->v.block_stride;
+  kargs.e.dst_stride = d->v.block_stride;
   assert_true(s->n + d->n <= KVF__BLOCKS_INLINE_IDS);
   memcpy(kargs.inline_ids, s->ids, s->n * sizeof(uint32_t));
   memcpy(kargs.inline_ids + s->n, d->ids, d->n * sizeof(uint32_t));
@@ -161,6 +213,7 @@ static void kernel_on_cpu(const kvf__xplan *plan, const side *s, const side *d, 
   kernel_range(&kargs, s, d, out, half, pieces); /* two launches, as two GPUs share one */
   kernel_range(&kargs, s, d, out, 0, half);
   assert_memory_equal(out, want, d->size);
+  walk_on_cpu(s, d, out, want, pieces);
   free(out);
 }
 
