@@ -173,7 +173,7 @@ static const struct opt opts[] = {
      .min = 0, .max = 256, .def = "0",
      .help = "Worker threads of the tcp transport on each side (sending, receiving): they "
              "multiplex every peer's data streams, so a daemon's thread count does not grow "
-             "with its peers. 0 = from the core count: half the cores, at least 2 and at most 16."},
+             "with its peers. 0 = from the core count: half the cores, at least 4 and at most 16."},
     {.name = "max-frame", .type = OPT_SIZE32, .off = F(max_frame),
      .min = 4096, .max = 1u << 30, .def = "64M",
      .help = "Largest control message accepted (checked before unpacking); must hold "

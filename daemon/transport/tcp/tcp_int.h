@@ -274,6 +274,6 @@ int kvf__tcp_receivers_start(tcp_transport *tt);
 void kvf__tcp_receivers_stop(tcp_transport *tt);
 int kvf__tcp_stream_hand(tcp_transport *tt, stream *s);
 void kvf__tcp_stream_wait_done(tcp_peer *tp, stream *s);
-unsigned kvf__tcp_workers(void); /* tcp-threads, 0 resolved */
+unsigned kvf__tcp_workers(void); /* tcp-threads, 0 resolved (tcp_send.c) */
 
 #endif
