@@ -62,46 +62,8 @@ say "raw tcp: 64 KiB + 1-byte ack, back to back and after 5 ms idle; 512 KiB"
 "$BUILD/tcp-pingpong" --bytes 524288 --rounds 500 >"$TMP/raw_layer.json"
 
 # ---------------------------------------------------------------- daemons
-PORTS=$(python3 -c '
-import socket
-socks = [socket.socket() for _ in range(2)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(" ".join(str(s.getsockname()[1]) for s in socks))')
-PORT_A=${PORTS% *}
-PORT_B=${PORTS#* }
-
-write_conf() { # NAME PORT OTHER OTHER_PORT
-  {
-    printf 'node %s\napi-socket %s\npeer-listen 127.0.0.1:%s\npeer %s 127.0.0.1:%s\npool kv host 256M\n' \
-      "$1" "$TMP/$1.sock" "$2" "$3" "$4"
-    [ -z "$LAT_CONF" ] || printf '%s\n' "$LAT_CONF"
-  } >"$TMP/$1.conf"
-}
-
-peer_up() { # NAME OTHER
-  bench_ctl "$1" peers --json 2>/dev/null | python3 -c '
-import json, sys
-try:
-    doc = json.load(sys.stdin)
-except ValueError:
-    sys.exit(1)
-peers = doc.get("peers", []) if isinstance(doc, dict) else []
-sys.exit(0 if any(p.get("name") == sys.argv[1] and p.get("state") == "up" for p in peers) else 1)' "$2"
-}
-
-write_conf a "$PORT_A" b "$PORT_B"
-write_conf b "$PORT_B" a "$PORT_A"
-for n in a b; do
-  "$BUILD/kvferryd" -c "$TMP/$n.conf" 2>"$TMP/$n.log" &
-  PIDS="$PIDS $!"
-done
-i=0
-until peer_up a b && peer_up b a; do
-  i=$((i + 1))
-  [ "$i" -le 200 ] || die "the daemons did not see each other in 20 s: $(tail -n 5 "$TMP/a.log" "$TMP/b.log")"
-  sleep 0.1
-done
+bench_pair a b "pool kv host 256M
+$LAT_CONF"
 
 kvbench() { # NAME ARGS...
   name=$1

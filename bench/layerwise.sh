@@ -110,58 +110,24 @@ for t in $TOKENS; do [ "$t" -gt "$MAXTOK" ] && MAXTOK=$t; done
 # One request in flight: blocks x 32 layers x K/V x 32 KiB, and room.
 # shellcheck disable=SC2017 # whole blocks: the division rounds on purpose
 POOL_MB=$(( (MAXTOK + 15) / 16 * 2 + 64 ))
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-start() { # NAME
-  "$BUILD/kvferryd" -c "$TMP/$1.conf" 2>"$TMP/$1.log" &
-  PIDS="$PIDS $!"
-  local i=0
-  until grep -q " ready" "$TMP/$1.log"; do
-    kill -0 "$!" 2>/dev/null || die "kvferryd $1 exited: $(tail -n 5 "$TMP/$1.log")"
-    i=$((i + 1)); [ "$i" -le 600 ] || die "kvferryd $1 not ready after 60 s"
-    sleep 0.1
-  done
-}
-peer_up() { # SOCK PEER
-  local i=0
-  until "$BUILD/kvferryctl" -s "$1" peers 2>/dev/null | awk -v p="$2" '$1 == p && $3 == "up" { ok = 1 } END { exit !ok }'; do
-    i=$((i + 1)); [ "$i" -le 200 ] || die "peer $2 not up after 20 s: $(tail -n 5 "$TMP"/*.log)"
-    sleep 0.1
-  done
-}
-
 if [ -n "$REPLOT" ]; then
   PATH_DESC="replotted from $REPLOT"
 elif [ "$MODE" = tcp ]; then
   AVAIL_MB=$(awk '/^MemAvailable:/ { print int($2 / 1024) }' /proc/meminfo)
   [ "$AVAIL_MB" -gt $((2 * POOL_MB + 1024)) ] ||
     die "two pools of $POOL_MB MiB need more memory than the $AVAIL_MB MiB available (fewer --tokens)"
-  PA=$(free_port); PB=$(free_port)
-  for n in a b; do
-    if [ $n = a ]; then me=$PA other=b op=$PB; else me=$PB other=a op=$PA; fi
-    cat >"$TMP/$n.conf" <<EOF
-node $n
-api-socket $TMP/$n.sock
-peer-listen 127.0.0.1:$me
-peer $other 127.0.0.1:$op
-pool kv host ${POOL_MB}M
-tcp-streams 4
-EOF
-  done
-  start a; start b
-  peer_up "$TMP/a.sock" b; peer_up "$TMP/b.sock" a
+  bench_pair a b "pool kv host ${POOL_MB}M
+tcp-streams 4"
   BENCH_ARGS=(--from "$TMP/a.sock" --to "$TMP/b.sock")
   PATH_DESC="tcp: two kvferryd on loopback (tcp-streams 4), host pools"
 else
   GPU_TO=${GPU_TO:-0}
-  cat >"$TMP/g.conf" <<EOF
-node gpunode
-api-socket $TMP/g.sock
-peer-listen 127.0.0.1:$(free_port)
+  bench_conf g "$(bench_free_ports 1)" <<EOF
 pool g0 cuda:0 ${POOL_MB}M
 pool g1 cuda:$GPU_TO ${POOL_MB}M
 cuda on
 EOF
-  start g
+  bench_start g
   BENCH_ARGS=(--from "$TMP/g.sock" --to "$TMP/g.sock" --pool-from g0 --pool-to g1)
   PATH_DESC="local GPU path: one kvferryd, pools on cuda:0 and cuda:$GPU_TO"
 fi

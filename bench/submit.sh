@@ -36,45 +36,12 @@ bench_setup submit
 
 # Each pool: 2 x 32 layers x 128 blocks x BLOCK_BYTES, and room.
 POOL_MB=$(( 2 * 32 * 128 * BLOCK_BYTES / 1048576 + 8 ))
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-start() { # NAME
-  "$BUILD/kvferryd" -c "$TMP/$1.conf" 2>"$TMP/$1.log" &
-  PIDS="$PIDS $!"
-  local i=0
-  until grep -q " ready" "$TMP/$1.log"; do
-    kill -0 "$!" 2>/dev/null || die "kvferryd $1 exited: $(tail -n 5 "$TMP/$1.log")"
-    i=$((i + 1)); [ "$i" -le 600 ] || die "kvferryd $1 not ready after 60 s"
-    sleep 0.1
-  done
-}
-peer_up() { # SOCK PEER
-  local i=0
-  until "$BUILD/kvferryctl" -s "$1" peers 2>/dev/null | awk -v p="$2" '$1 == p && $3 == "up" { ok = 1 } END { exit !ok }'; do
-    i=$((i + 1)); [ "$i" -le 200 ] || die "peer $2 not up after 20 s: $(tail -n 5 "$TMP"/*.log)"
-    sleep 0.1
-  done
-}
-
-PA=$(free_port); PB=$(free_port); PL=$(free_port)
-for n in a b; do
-  if [ $n = a ]; then me=$PA other=b op=$PB; else me=$PB other=a op=$PA; fi
-  cat >"$TMP/$n.conf" <<EOF
-node $n
-api-socket $TMP/$n.sock
-peer-listen 127.0.0.1:$me
-peer $other 127.0.0.1:$op
-pool kv host ${POOL_MB}M
-EOF
-done
-cat >"$TMP/l.conf" <<EOF
-node l
-api-socket $TMP/l.sock
-peer-listen 127.0.0.1:$PL
+bench_pair a b "pool kv host ${POOL_MB}M"
+bench_conf l "$(bench_free_ports 1)" <<EOF
 pool kv host ${POOL_MB}M
 pool kv2 host ${POOL_MB}M
 EOF
-start a; start b; start l
-peer_up "$TMP/a.sock" b; peer_up "$TMP/b.sock" a
+bench_start l
 
 ARGS=(--reps "$REPS" --batches "$BATCHES" --block-bytes "$BLOCK_BYTES")
 : >"$TMP/all.json"

@@ -32,20 +32,6 @@ done
 . bench/lib.sh
 bench_setup iperf
 
-# Free ports from the kernel (bind to port 0). Another process could take
-# one before we use it; then a start fails loudly rather than measuring junk.
-free_ports() {
-  python3 - "$1" <<'EOF'
-import socket, sys
-socks = []
-for _ in range(int(sys.argv[1])):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    socks.append(s)
-print(" ".join(str(s.getsockname()[1]) for s in socks))
-EOF
-}
-
 # Waits until something listens on 127.0.0.1:$1. A probe connection would
 # count as a client to iperf3, so ask the kernel instead.
 wait_listen() {
@@ -95,10 +81,7 @@ if d.get("error"):
 print("%.3f" % (d["end"]["sum_received"]["bits_per_second"] / 8e9))' "$1"
 }
 
-PORTS=$(free_ports 3)
-read -r IPERF_PORT PORT_A PORT_B <<EOF
-$PORTS
-EOF
+IPERF_PORT=$(bench_free_ports 1)
 
 iperf3 -s -p "$IPERF_PORT" -B 127.0.0.1 >"$TMP/iperf-server.log" 2>&1 &
 PIDS="$PIDS $!"
@@ -112,82 +95,14 @@ iperf3 -c 127.0.0.1 -p "$IPERF_PORT" -t "$SECONDS_IPERF" -P 4 -J >"$TMP/p4.json"
 IPERF_P4=$(iperf_gbps "$TMP/p4.json")
 
 # ---------------------------------------------------------------- kvferry
-write_conf() { # NAME PORT OTHER OTHER_PORT
-  cat >"$TMP/$1.conf" <<EOF
-node $1
-api-socket $TMP/$1.sock
-peer-listen 127.0.0.1:$2
-peer $3 127.0.0.1:$4
-pool kv host $POOL
-tcp-streams 4
-EOF
-}
-
-# Succeeds once kvferryctl shows peer $2 "up" on the daemon at socket $1.
-# The document's shape is the daemon's; any object naming the peer (or not
-# naming any) with "state": "up" counts.
-peer_up() {
-  "$BUILD/kvferryctl" -s "$1" peers --json 2>/dev/null | python3 -c '
-import json, sys
-want = sys.argv[1]
-try:
-    doc = json.load(sys.stdin)
-except ValueError:
-    sys.exit(1)
-def walk(x):
-    if isinstance(x, dict):
-        yield x
-        for v in x.values():
-            yield from walk(v)
-    elif isinstance(x, list):
-        for v in x:
-            yield from walk(v)
-for o in walk(doc):
-    names = [o[k] for k in ("name", "node", "peer") if isinstance(o.get(k), str)]
-    if o.get("state") == "up" and (not names or want in names):
-        sys.exit(0)
-sys.exit(1)' "$2"
-}
-
-# The last lines of both daemons' logs, for any failure after they start.
-daemon_logs() {
-  for n in a b; do
-    echo "--- kvferryd $n ($TMP/$n.log):"
-    tail -n 20 "$TMP/$n.log"
-  done
-}
-
-wait_peer_up() { # SOCK OTHER PID
-  i=0
-  until peer_up "$1" "$2"; do
-    kill -0 "$3" 2>/dev/null || die "a kvferryd exited before its peer came up
-$(daemon_logs)"
-    i=$((i + 1))
-    [ "$i" -le 200 ] || die "peer $2 not up after 20 s; peers as a and b see them:
-$("$BUILD/kvferryctl" -s "$TMP/a.sock" peers 2>&1)
-$("$BUILD/kvferryctl" -s "$TMP/b.sock" peers 2>&1)
-$(daemon_logs)"
-    sleep 0.1
-  done
-}
-
-write_conf a "$PORT_A" b "$PORT_B"
-write_conf b "$PORT_B" a "$PORT_A"
-"$BUILD/kvferryd" -c "$TMP/a.conf" 2>"$TMP/a.log" &
-PID_A=$!
-PIDS="$PIDS $PID_A"
-"$BUILD/kvferryd" -c "$TMP/b.conf" 2>"$TMP/b.log" &
-PID_B=$!
-PIDS="$PIDS $PID_B"
-wait_peer_up "$TMP/a.sock" b "$PID_A"
-wait_peer_up "$TMP/b.sock" a "$PID_B"
+bench_pair a b "pool kv host $POOL
+tcp-streams 4"
 
 say "kvferry-bench, llama3-8b, 4096 tokens, $REQUESTS requests"
 if ! "$BUILD/kvferry-bench" --from "$TMP/a.sock" --to "$TMP/b.sock" --model llama3-8b \
     --tokens 4096 --requests "$REQUESTS" --json >"$TMP/bench.json" 2>"$TMP/bench.err"; then
   cat "$TMP/bench.json" "$TMP/bench.err" >&2
-  die "kvferry-bench failed
-$(daemon_logs)"
+  bench_die "kvferry-bench failed"
 fi
 cat "$TMP/bench.err" >&2
 more_bench() { # NAME ARGS...

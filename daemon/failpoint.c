@@ -14,7 +14,9 @@ static const char *const names[] = {[KVF__FP_WRITE_OUTSIDE] = "write-outside-gra
                                     [KVF__FP_RESULT_LOST] = "result-lost",
                                     [KVF__FP_RESULT_WITHHELD] = "result-withheld",
                                     [KVF__FP_REGISTRY_SLOW_SYNC] = "registry-slow-sync",
-                                    [KVF__FP_SEND_DONE_WITHHELD] = "send-done-withheld"};
+                                    [KVF__FP_SEND_DONE_WITHHELD] = "send-done-withheld",
+                                    [KVF__FP_CLOSE_DIAL_UNREAD] = "close-dial-unread",
+                                    [KVF__FP_IDLE_CLOSE_HELD] = "idle-close-held"};
 
 bool kvf__failpoint(int which) {
   const char *env = getenv("KVF_FAILPOINT"), *name = names[which];

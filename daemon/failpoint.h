@@ -26,7 +26,15 @@
  *                        the membership from etcd (a slow etcd at start)
  *   send-done-withheld   a sending daemon never sends SendDone: a receiver
  *                        completes only on bytes that vouch for themselves
- *                        (tcp_wire.h: BATCH_SEALED) or on rdma's last write */
+ *                        (tcp_wire.h: BATCH_SEALED) or on rdma's last write
+ *   close-dial-unread    each of our dials is closed as the first frame
+ *                        from the peer comes in, with that frame and the
+ *                        rest of the read still to go: as when the dial's
+ *                        patience ran out (a timer) in the loop iteration
+ *                        whose poll then reads the peer's Hello
+ *   idle-close-held      an on-demand link closes for idleness although the
+ *                        peer left grants pushed here waiting: as when the
+ *                        idle close crossed the push on the wire */
 #ifndef KVF_FAILPOINT_H
 #define KVF_FAILPOINT_H
 
@@ -43,6 +51,8 @@ enum {
   KVF__FP_RESULT_WITHHELD = 6,
   KVF__FP_REGISTRY_SLOW_SYNC = 7,
   KVF__FP_SEND_DONE_WITHHELD = 8,
+  KVF__FP_CLOSE_DIAL_UNREAD = 9,
+  KVF__FP_IDLE_CLOSE_HELD = 10,
 };
 
 bool kvf__failpoint(int which);

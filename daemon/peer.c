@@ -55,6 +55,7 @@
 #include <unistd.h>
 
 #include "auth.h"
+#include "failpoint.h"
 #include "peer_int.h"
 #include "frame.h"
 #include "transport/tcp/tcp.h"
@@ -316,6 +317,11 @@ static void conn_close(kvf__pconn *c, const char *why) {
     if (why && !p->last_error[0]) snprintf(p->last_error, sizeof(p->last_error), "%s", why);
     schedule_reconnect(p);
   }
+  /* Its handle closes only after the timer's (on_hs_timer_closed): nothing
+   * more may be read from it meanwhile, or a Hello already in the socket
+   * (a dial whose patience ran out in this loop iteration) would bring the
+   * link up on a connection about to be freed. */
+  uv_read_stop((uv_stream_t *)&c->tcp);
   uv_timer_stop(&c->hs_timer);
   uv_close((uv_handle_t *)&c->hs_timer, on_hs_timer_closed);
 }
@@ -455,10 +461,14 @@ static void go_idle(kvf__peer *p, bool tell) {
   p->conn = NULL;
   p->state = KVF__PEER_IDLE;
   transports_down(p);
-  kvf__xfer_on_peer_down(p); /* nothing is bound to it; the waiting stay waiting */
+  kvf__xfer_on_peer_down(p); /* the waiting stay waiting; grants it had not taken wait again */
   if (c) conn_close(c, NULL);
   uv_timer_stop(&p->reconnect);
-  kvf__debug("peer %s: idle link closed", p->cfg.name);
+  kvf__debug("peer %s: idle link closed (%u pushed grants to push again)", p->cfg.name, p->regrants);
+  if (p->regrants) { /* its close crossed our pushed grants: dial for them */
+    p->regrants = 0;
+    kvf__peer_need(p);
+  }
 }
 
 /* Marks the peers that transfers are bound to as used now. */
@@ -468,7 +478,11 @@ static void mark_used(uint64_t now) {
 }
 
 static bool idle_link(const kvf__peer *p, uint64_t now) {
-  return p->state == KVF__PEER_UP && on_demand(p) && !p->queued && !p->waiting && p->last_used_ns < now;
+  bool held = p->waiting > 0;
+#ifdef KVF_FAILPOINTS
+  if (kvf__failpoint(KVF__FP_IDLE_CLOSE_HELD)) held = false; /* as if its pushed grant were still on the way */
+#endif
+  return p->state == KVF__PEER_UP && on_demand(p) && !p->queued && !held && p->last_used_ns < now;
 }
 
 /* max-peers bounds live links: below limit (max-peers, or one more when
@@ -1023,6 +1037,7 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
   kvf__pconn *c = s->data;
+  if (c->closing) return;
   if (nread < 0) {
     conn_close(c, nread == UV_EOF ? "connection closed by the peer" : uv_strerror((int)nread));
     return;
@@ -1042,7 +1057,13 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf) {
       conn_close(c, "oversized frame");
       return;
     }
-    if (!on_frame(c, payload, len)) return;
+#ifdef KVF_FAILPOINTS
+    if (c->outbound && !c->established && !c->closing && kvf__failpoint(KVF__FP_CLOSE_DIAL_UNREAD)) {
+      kvf__warn("failpoint close-dial-unread: closed the dial to %s, its first frame unread", c->peer->cfg.name);
+      conn_close(c, "failpoint close-dial-unread");
+    }
+#endif
+    if (c->closing || !on_frame(c, payload, len)) return; /* a closing connection's frames are dropped */
   }
 }
 

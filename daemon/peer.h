@@ -40,6 +40,7 @@ struct kvf__peer {
   uint64_t reg_incarnation;       /* the incarnation its registry record names */
   uint32_t waiting;               /* its send intents and pushed grants held here (xfer.c) */
   uint32_t queued;                /* our sends waiting for it to be up (xfer_wait.c) */
+  uint32_t regrants;              /* grants pushed to it that its idle close sent back to waiting */
   uint64_t dial_ns;               /* when our current dial began */
   uint64_t last_used_ns;          /* a transfer was bound to it, or a need came (idle close) */
 };

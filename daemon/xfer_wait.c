@@ -60,8 +60,28 @@ void kvf__xwait_clear(kvf__xfer *x) {
   if (x->role == KVF__SEND && x->peer) set_wait(x, XW_NONE);
 }
 
+/* A grant pushed to p that p had not taken when it closed the link for
+ * idleness (p->state is IDLE, not DOWN: its close crossed our push, or our
+ * push reached it too late): nothing of it went on the wire but the push,
+ * so it waits again, unbound, and is pushed on the next link
+ * (kvf__xfer_on_peer_up), which the idle close dials at once (p->regrants).
+ * A peer lost for real fails it, as before (KVF_EPEERLOST). */
+static bool regrant(kvf__xfer *x) {
+  kvf__peer *p = x->peer;
+  if (p->state != KVF__PEER_IDLE || (x->recv.state != KVF__RECV_OPEN && x->recv.state != KVF__RECV_OPENING))
+    return false;
+  x->tp->ops->grant_close(x->tp, x);
+  x->tp = NULL;
+  x->peer = NULL;
+  kvf__xfer_set_state(x, KVF__RECV_WAIT);
+  p->regrants++;
+  return true;
+}
+
 bool kvf__xwait_hold(kvf__xfer *x) {
-  if (x->role != KVF__SEND || !x->peer || kvfd.stopping || x->peer->removed) return false;
+  if (!x->peer || kvfd.stopping || x->peer->removed) return false;
+  if (x->role == KVF__RECV) return regrant(x);
+  if (x->role != KVF__SEND) return false;
   switch (x->send.state) {
   case KVF__SEND_WAIT:
   case KVF__SEND_QUEUED:

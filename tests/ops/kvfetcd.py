@@ -65,9 +65,4 @@ class Etcd:
             self.proc.wait()
 
     def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        kvftest.stop_proc(self.proc, 10)

@@ -310,6 +310,55 @@ def wait_event(client, xfer_id, timeout=10.0, type=None):
             raise AssertionError("no event for %s within %.1fs" % (xfer_id, timeout))
 
 
+def pattern(seed, n):
+    """n bytes that differ per seed and per position."""
+    block = bytes((seed * 131 + i * 7) & 0xFF for i in range(4096))
+    return (block * (n // 4096 + 1))[:n]
+
+
+def peer_row(daemon, name):
+    """daemon's inspect("peers") entry for peer name."""
+    with daemon.client() as c:
+        return next(p for p in c.inspect("peers", json=True)["peers"] if p["name"] == name)
+
+
+def peer_both(test, a, b):
+    """Daemons a and b each get the other as a peer line; the test's
+    cleanup kills both."""
+    a.add_peer(b)
+    b.add_peer(a)
+    test.addCleanup(a.kill)
+    test.addCleanup(b.kill)
+
+
+def move(cs, cd, ps, pd, src, dst, xid, off, data, deadline_ms, wait_s):
+    """One transfer of data from src (client cs, pool ps) to offset off of
+    dst's pool pd (client cd): grant, send, both outcomes. Returns
+    (receiver event, sender event, every byte landed). A refusal raises
+    kvferry.KvferryError; no outcome within wait_s raises AssertionError."""
+    import kvferry
+    ps.memory[off:off + len(data)] = data
+    pd.memory[off:off + len(data)] = bytes(len(data))
+    cd.grant(xid, src.name, [(pd.id, off, len(data))], deadline_ms=deadline_ms)
+    cs.send(xid, dst.name, [(ps.id, off, len(data))], deadline_ms=deadline_ms)
+    er = wait_event(cd, xid, wait_s, kvferry.RECV_DONE)
+    es = wait_event(cs, xid, wait_s, kvferry.SEND_DONE)
+    return er, es, bytes(pd.memory[off:off + len(data)]) == data
+
+
+def stop_proc(proc, timeout):
+    """SIGTERM, then SIGKILL after timeout s: the exit status, or "hung"."""
+    if not proc or proc.poll() is not None:
+        return proc.returncode if proc else 0
+    proc.terminate()
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return "hung"
+
+
 def run(cmd, timeout=120, **kw):
     """subprocess.run with text output; never hangs the suite."""
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)

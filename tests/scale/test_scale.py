@@ -23,18 +23,17 @@ Needs root (ip netns) and etcd; skips loudly without them. Prints "#"
 lines with the figures (bench/RESULTS.md)."""
 import os
 import random
-import shutil
-import subprocess
 import sys
 import threading
 import time
 import unittest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "ops"))
-import kvftest  # noqa: E402  first: puts the binding from the source tree on sys.path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kvfscale  # noqa: E402  first: puts tests/ops and the binding on sys.path
+import kvftest  # noqa: E402
 import kvfetcd  # noqa: E402
-from kvftest import wait_event, wait_for  # noqa: E402
+from kvfscale import Net, Node, pattern, why_not  # noqa: E402
+from kvftest import wait_for  # noqa: E402
 
 import kvferry  # noqa: E402
 
@@ -44,149 +43,8 @@ SLOT = 64 << 10
 WORKERS = 6
 DEADLINE_MS = 6000
 SLACK_S = 2.0          # an outcome may reach the test this much after its deadline
-NET = "10.79.0"
-BR = "kvfsbr0"
 # KVF_EDAEMON: the client's own daemon was killed under it.
 ALLOWED = {"KVF_EPEERLOST", "KVF_EUNKNOWN", "KVF_EDEADLINE", "KVF_ECANCELED", "KVF_EDAEMON"}
-
-
-def sh(*argv, check=True):
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    if check and r.returncode != 0:
-        raise RuntimeError("%s: %s" % (" ".join(argv), r.stderr.strip()))
-    return r
-
-
-def why_not():
-    if os.geteuid() != 0:
-        return "not root (network namespaces)"
-    if not shutil.which("ip"):
-        return "no ip (apt-get install iproute2)"
-    if not kvfetcd.ETCD:
-        return kvfetcd.SKIP_WHY
-    return None
-
-
-def pattern(seed, n):
-    block = bytes((seed * 131 + i * 7) & 0xFF for i in range(4096))
-    return (block * (n // 4096 + 1))[:n]
-
-
-class Net:
-    """A bridge (NET.1, etcd's address) and one namespace per daemon.
-
-    The kernel's ARP table is one for all namespaces, gc_thresh3 (default
-    1024) entries in all: N namespaces that each talk to every other need
-    about N x N, and past the bound new entries fail ("neighbour: arp_cache:
-    neighbor table overflow!"), so some pairs cannot reach each other for
-    seconds. create() raises the bounds for the run; destroy() restores
-    them."""
-
-    NEIGH = "/proc/sys/net/ipv4/neigh/default/gc_thresh%d"
-
-    def __init__(self, n):
-        self.n = n
-        self.saved = {}
-
-    def raise_neigh_bounds(self):
-        need = 4 * (self.n + 2) ** 2
-        for k, want in ((2, need // 2), (3, need)):
-            with open(self.NEIGH % k) as f:
-                cur = int(f.read())
-            if cur < want:
-                self.saved[k] = cur
-                with open(self.NEIGH % k, "w") as f:
-                    f.write(str(want))
-
-    def ip(self, i):
-        return "%s.%d" % (NET, 10 + i)
-
-    def create(self):
-        self.destroy()  # what a killed run left
-        self.raise_neigh_bounds()
-        sh("ip", "link", "add", BR, "type", "bridge")
-        sh("ip", "addr", "add", NET + ".1/24", "dev", BR)
-        sh("ip", "link", "set", BR, "up")
-        for i in range(self.n):
-            ns, h, c = "kvfs%d" % i, "kvfs%dh" % i, "kvfs%dn" % i
-            sh("ip", "netns", "add", ns)
-            sh("ip", "link", "add", h, "type", "veth", "peer", "name", c)
-            sh("ip", "link", "set", c, "netns", ns)
-            sh("ip", "link", "set", h, "master", BR)
-            sh("ip", "link", "set", h, "up")
-            sh("ip", "-n", ns, "addr", "add", self.ip(i) + "/24", "dev", c)
-            sh("ip", "-n", ns, "link", "set", c, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-
-    def destroy(self):
-        for i in range(self.n):
-            sh("ip", "netns", "del", "kvfs%d" % i, check=False)
-        sh("ip", "link", "del", BR, check=False)
-        for k in sorted(self.saved, reverse=True):  # thresh3 first: 2 <= 3 holds throughout
-            with open(self.NEIGH % k, "w") as f:
-                f.write(str(self.saved.pop(k)))
-
-
-class Node:
-    def __init__(self, dir, i, net, etcd):
-        self.i, self.name, self.ns = i, "n%02d" % i, "kvfs%d" % i
-        self.sock = os.path.join(dir, self.name + ".sock")
-        self.conf = os.path.join(dir, self.name + ".conf")
-        self.log = os.path.join(dir, self.name + ".log")
-        with open(self.conf, "w") as f:
-            f.write("node %s\napi-socket %s\npeer-listen %s:7470\npool kv host 8M\n"
-                    "registry %s\nregistry-ttl-ms %d\nheartbeat-ms 200\npeer-timeout-ms 1500\n"
-                    "reconnect-min-ms 50\nreconnect-max-ms 500\ntcp-streams 2\n"
-                    "peer-idle-close-ms 5000\ntransports tcp\n"
-                    % (self.name, self.sock, net.ip(i), etcd.url("scale"), TTL_MS))
-            f.write(os.environ.get("KVF_SCALE_EXTRA", "") + "\n")  # e.g. log-level debug
-        self.proc = None
-
-    def start(self):
-        with open(self.log, "a") as log:
-            log.write("=== test_scale: starting %s\n" % self.name)
-            log.flush()
-            self.proc = subprocess.Popen(["ip", "netns", "exec", self.ns, kvftest.KVFERRYD, "-c", self.conf],
-                                         stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-
-    def ready(self):
-        if self.proc.poll() is not None:
-            with open(self.log) as f:
-                raise AssertionError("%s exited with %s:\n%s" % (self.name, self.proc.returncode, f.read()[-2000:]))
-        try:
-            kvferry.Client(self.sock).close()
-            return True
-        except kvferry.KvferryError:
-            return False
-
-    def inspect(self, what):
-        with kvferry.Client(self.sock) as c:
-            return c.inspect(what, json=True)
-
-    def members(self):
-        return sorted(p["name"] for p in self.inspect("peers")["peers"])
-
-    def kill(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                return self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                return "hung"
-        return self.proc.returncode if self.proc else 0
-
-    def usage(self):
-        """(threads, fds, RSS KiB) of the daemon."""
-        pid = self.proc.pid  # ip netns exec execs the daemon: same pid
-        with open("/proc/%d/status" % pid) as f:
-            st = dict(line.split(":", 1) for line in f)
-        return int(st["Threads"]), len(os.listdir("/proc/%d/fd" % pid)), int(st["VmRSS"].split()[0])
 
 
 class Load:
@@ -220,17 +78,11 @@ class Load:
         cs = cd = None
         try:
             cs, cd = kvferry.Client(src.sock), kvferry.Client(dst.sock)
-            ps, pd = cs.pool_find("kv"), cd.pool_find("kv")
-            ps.memory[off:off + SLOT] = data
-            pd.memory[off:off + SLOT] = bytes(SLOT)
-            cd.grant(xid, src.name, [(pd.id, off, SLOT)], deadline_ms=DEADLINE_MS)
-            cs.send(xid, dst.name, [(ps.id, off, SLOT)], deadline_ms=DEADLINE_MS)
-            wait_s = DEADLINE_MS / 1000 + SLACK_S + 5
-            er = wait_event(cd, xid, wait_s, kvferry.RECV_DONE)
-            es = wait_event(cs, xid, wait_s, kvferry.SEND_DONE)
+            er, es, landed = kvfscale.move(cs, cd, cs.pool_find("kv"), cd.pool_find("kv"), src, dst, xid, off,
+                                           data, DEADLINE_MS, DEADLINE_MS / 1000 + SLACK_S + 5)
             late = time.monotonic() - t0 - DEADLINE_MS / 1000
             if er.error_name == "OK" and es.error_name == "OK":
-                self.record("ok" if bytes(pd.memory[off:off + SLOT]) == data else "CORRUPT", late)
+                self.record("ok" if landed else "CORRUPT", late)
             else:
                 bad = [e for e in (er.error_name, es.error_name) if e != "OK" and e not in ALLOWED]
                 print("# %s %s -> %s failed: receiver %s (%s), sender %s (%s)" % (
@@ -293,13 +145,13 @@ class TestScale(unittest.TestCase):
     def setUp(self):
         # Cleanups, not tearDown: they run when setUp itself fails half way.
         self.dir = kvftest.tempdir()
-        self.net = Net(N)
+        self.net = Net(N, "kvfs", "10.79.0")
         self.addCleanup(self.net.destroy)
         self.net.create()
-        self.etcd = kvfetcd.Etcd(self.dir, host=NET + ".1")
+        self.etcd = kvfetcd.Etcd(self.dir, host=self.net.host)
         self.addCleanup(self.etcd.kill)
         self.etcd.start()
-        self.nodes = [Node(self.dir, i, self.net, self.etcd) for i in range(N)]
+        self.nodes = [Node(self.dir, i, self.net, self.etcd.url("scale"), TTL_MS) for i in range(N)]
         for n in self.nodes:
             self.addCleanup(n.kill)
 
