@@ -169,6 +169,11 @@ static const struct opt opts[] = {
     {.name = "tcp-streams", .type = OPT_U32, .off = F(tcp_streams),
      .min = 1, .max = 64, .def = "4",
      .help = "TCP connections per peer that the tcp transport stripes data over."},
+    {.name = "tcp-threads", .type = OPT_U32, .off = F(tcp_threads),
+     .min = 0, .max = 256, .def = "0",
+     .help = "Worker threads of the tcp transport on each side (sending, receiving): they "
+             "multiplex every peer's data streams, so a daemon's thread count does not grow "
+             "with its peers. 0 = from the core count: half the cores, at least 4 and at most 16."},
     {.name = "max-frame", .type = OPT_SIZE32, .off = F(max_frame),
      .min = 4096, .max = 1u << 30, .def = "64M",
      .help = "Largest control message accepted (checked before unpacking); must hold "
@@ -311,7 +316,7 @@ static const struct opt opts[] = {
      .help = "Spin instead of sleeping: the event loop never blocks waiting for events, "
              "the tcp transport's threads poll their queues and sockets, and the rdma "
              "progress threads never sleep on their completion channels, which takes the "
-             "wake-ups off a handoff's path. Each of those threads (two per tcp stream) then "
+             "wake-ups off a handoff's path. Each of those threads (2 x tcp-threads for tcp) then "
              "keeps a core busy all the time: for nodes with cores to spare. Without it, "
              "spin-us and spin-grant-us spin for bounded windows."},
     {.name = "spin-us", .type = OPT_U32, .off = F(spin_us), .min = 0, .max = 1000000, .def = "200",

@@ -25,7 +25,7 @@ static const char *const all_keys[] = {
     "node", "api-socket", "api-allow-users", "api-allow-groups", "peer-listen", "peer",
     "registry", "peer-connect", "peer-idle-close-ms", "registry-ttl-ms",
     "cluster-key-file", "pool", "default-deadline-ms", "heartbeat-ms", "peer-timeout-ms",
-    "reconnect-min-ms", "reconnect-max-ms", "tcp-streams", "max-frame", "max-descs",
+    "reconnect-min-ms", "reconnect-max-ms", "tcp-streams", "tcp-threads", "max-frame", "max-descs",
     "max-clients", "api-hello-timeout-ms", "api-operator-slots", "api-output-budget", "max-transfers-per-client", "max-peers", "max-pending-peers", "max-pending-per-address",
     "peer-handshake-timeout-ms", "peer-address-check", "max-peer-waiting", "grant-overlap", "hugepages",
     "mlock", "cuda", "log-level", "transports", "metrics-listen", "stop-timeout-ms",
@@ -103,6 +103,7 @@ static void test_defaults(void **state) {
   assert_int_equal(c->reconnect_min_ms, 100);
   assert_int_equal(c->reconnect_max_ms, 5000);
   assert_int_equal(c->tcp_streams, 4);
+  assert_int_equal(c->tcp_threads, 0); /* from the core count */
   assert_int_equal(c->max_frame, 64u << 20);
   assert_int_equal(c->max_descs, 1048576);
   assert_int_equal(c->max_clients, 256);
@@ -130,6 +131,7 @@ static const char every_key[] =
     "reconnect-min-ms 10\n"
     "reconnect-max-ms 20\n"
     "tcp-streams 8\n"
+    "tcp-threads 3\n"
     "max-frame 1M\n"
     "max-descs 77\n"
     "max-clients 5\n"
@@ -170,6 +172,7 @@ static void test_every_key(void **state) {
   assert_int_equal(c->reconnect_min_ms, 10);
   assert_int_equal(c->reconnect_max_ms, 20);
   assert_int_equal(c->tcp_streams, 8);
+  assert_int_equal(c->tcp_threads, 3);
   assert_int_equal(c->max_frame, 1u << 20);
   assert_int_equal(c->max_descs, 77);
   assert_int_equal(c->max_clients, 5);
@@ -216,6 +219,7 @@ static void test_sizes(void **state) {
 static void test_bounds(void **state) {
   expect_error("node a\n\ntcp-streams 65\n", -ERANGE, 3, "tcp-streams");
   expect_error("tcp-streams 0\n", -ERANGE, 1, "1..64");
+  expect_error("tcp-threads 257\n", -ERANGE, 1, "0..256");
   expect_error("heartbeat-ms 9\n", -ERANGE, 1, "heartbeat-ms");
   expect_error("heartbeat-ms 99999999999999999999999\n", -ERANGE, 1, NULL);
   expect_error("default-deadline-ms 86400001\n", -ERANGE, 1, NULL);
