@@ -242,8 +242,10 @@ static void test_read_plan(void **state) {
     pool.sealed = sealed; /* guarded copies, or streamed */
     memset(pool.base, 0, MEM);
     kvf__tcp_rplan r;
-    kvf__tcp_rplan_init(&r, e, n_e);
+    uint8_t *bounce = NULL;
+    kvf__tcp_rplan_init(&r, e, n_e, &bounce);
     assert_non_null(r.bounce);
+    assert_ptr_equal(r.bounce, bounce);
     struct iovec iov[1023];
     uint64_t fed = 0;
     int n;
@@ -256,6 +258,7 @@ static void test_read_plan(void **state) {
     assert_true(kvf__tcp_rplan_done(&r));
     assert_int_equal(fed, k);
     assert_memory_equal(pool.base, want, MEM);
+    free(bounce);
   }
   kvfd.pools = NULL, kvfd.n_pools = 0;
   free(pool.base);
@@ -281,10 +284,12 @@ static void test_scatter_fault(void **state) {
   for (int shrunk = 1; shrunk >= 0; shrunk--) {
     assert_int_equal(ftruncate(fd, shrunk ? 0 : MEM), 0);
     kvf__tcp_rplan r;
-    kvf__tcp_rplan_init(&r, &e, 1);
+    uint8_t *bounce = NULL;
+    kvf__tcp_rplan_init(&r, &e, 1, &bounce);
     assert_int_equal(kvf__tcp_rplan_step(&r, iov, 4), 1);
     memset(iov[0].iov_base, 0x5a, iov[0].iov_len);
     assert_int_equal(kvf__tcp_rplan_scatter(&r), shrunk ? -EFAULT : 0);
+    free(bounce);
   }
   for (uint32_t i = 0; i < e.n1; i++) assert_int_equal(map[e.off + i * e.s1 + 255], 0x5a);
   kvfd.pools = NULL, kvfd.n_pools = 0;

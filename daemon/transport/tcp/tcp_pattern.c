@@ -12,7 +12,6 @@
 #include "pool.h"
 #include "pool_engine.h"
 
-#include <pthread.h>
 #include "transport/tcp/tcp.h"
 #include "transport/transport.h"
 
@@ -104,31 +103,18 @@ int kvf__tcp_pat_iov(const kvf__tcp_pat *e, uint8_t *base, uint64_t *next, struc
 
 /* ------------------------------------------------------------ receiving */
 
-/* The bounce buffer of a receiver thread, freed when the thread ends. */
-static pthread_key_t bounce_key;
-static pthread_once_t bounce_once = PTHREAD_ONCE_INIT;
-static void bounce_key_make(void) { pthread_key_create(&bounce_key, free); }
-
-static uint8_t *thread_bounce(void) {
-  pthread_once(&bounce_once, bounce_key_make);
-  uint8_t *b = pthread_getspecific(bounce_key);
-  if (!b && (b = malloc(KVF__TCP_PAT_BOUNCE)) != NULL && pthread_setspecific(bounce_key, b) != 0) {
-    free(b);
-    b = NULL;
-  }
-  return b; /* NULL: out of memory, every piece goes straight */
-}
-
 /* Whether p's pieces are worth a bounce (small, several) and fit it. */
 static bool bounceable(const kvf__tcp_pat *p) {
   uint64_t pieces = (uint64_t)p->n1 * p->n2;
   return p->len < KVF__TCP_PAT_SMALL && pieces > 1 && pieces * p->len <= KVF__TCP_PAT_BOUNCE;
 }
 
-void kvf__tcp_rplan_init(kvf__tcp_rplan *r, const kvf__tcp_pat *e, uint32_t count) {
+void kvf__tcp_rplan_init(kvf__tcp_rplan *r, const kvf__tcp_pat *e, uint32_t count, uint8_t **bounce) {
   *r = (kvf__tcp_rplan){.e = e, .count = count};
-  for (uint32_t i = 0; i < count && !r->bounce; i++)
-    if (bounceable(&e[i])) r->bounce = thread_bounce();
+  bool wanted = false;
+  for (uint32_t i = 0; i < count && !wanted; i++) wanted = bounceable(&e[i]);
+  if (wanted && !*bounce) *bounce = malloc(KVF__TCP_PAT_BOUNCE);
+  if (wanted) r->bounce = *bounce; /* NULL (out of memory): every piece straight */
 }
 
 static bool bounced(const kvf__tcp_rplan *r, const kvf__tcp_pat *p) { return r->bounce && bounceable(p); }

@@ -91,7 +91,10 @@ typedef struct kvf__tcp_rplan {
   uint32_t n_staged;
 } kvf__tcp_rplan;
 
-void kvf__tcp_rplan_init(kvf__tcp_rplan *r, const kvf__tcp_pat *e, uint32_t count);
+/* bounce: the reader's own buffer (a stream's: streams share threads),
+ * allocated here (KVF__TCP_PAT_BOUNCE bytes) the first time a batch wants
+ * it; the reader frees it. */
+void kvf__tcp_rplan_init(kvf__tcp_rplan *r, const kvf__tcp_pat *e, uint32_t count, uint8_t **bounce);
 /* Fills the next read's iovecs; 0 when every payload byte is planned. */
 int kvf__tcp_rplan_step(kvf__tcp_rplan *r, struct iovec *iov, int cap);
 static inline bool kvf__tcp_rplan_done(const kvf__tcp_rplan *r) { return r->i == r->count; }

@@ -427,9 +427,7 @@ static int receive_pattern(stream *s, const batch_hdr *h, uint8_t *ahead, uint32
     if (kvf__pool_gpu(kvfd.pools[pe[i].pool])) return receive_pattern_gpu(s, h, pe, g, ahead, have);
   bool faulted = false;
   kvf__tcp_rplan rp; /* in range: the grant's check held every box */
-  kvf__tcp_rplan_init(&rp, pe, h->count);
-  if (rp.bounce && !s->bounce) s->bounce = malloc(KVF__TCP_PAT_BOUNCE);
-  if (rp.bounce) rp.bounce = s->bounce; /* NULL: every piece straight */
+  kvf__tcp_rplan_init(&rp, pe, h->count, &s->bounce);
   for (int n; rc == 0 && (n = kvf__tcp_rplan_step(&rp, iov, RECV_IOVS)) > 0;) {
     uint64_t got = iov_bytes(iov, n);
     rc = read_exact(s->fd, iov, n, kvf__tcp_rplan_done(&rp) ? ahead : NULL, have, &faulted, &g->closed, &rest);
