@@ -15,7 +15,7 @@
 # Usage (as root, on the host): make all && bench/rdma_hetero.sh.
 # Environment: BUILD (build), TOKENS (4096), REQUESTS (2), POOL (1G per
 # daemon), STAGING (rdma-staging-size when on, 640M), VM_MEM (8G), RDMA_VM,
-# VM_TIMEOUT (1500 s), CASES (same tp8to4 nhd2hnd), MODES (direct staged),
+# VM_TIMEOUT (1500 s), DEADLINE_MS (each transfer's, 600000), CASES (same tp8to4 nhd2hnd), MODES (direct staged),
 # ROUNDS (1), and
 # BUILDS (BUILD): several build directories (each with kvferryd, kvferryctl
 # and kvferry-bench; e.g. "build/base build" for before and after) take
@@ -31,6 +31,7 @@ TOKENS=${TOKENS:-4096}
 REQUESTS=${REQUESTS:-2}
 POOL=${POOL:-1G}
 STAGING=${STAGING:-640M}
+DEADLINE_MS=${DEADLINE_MS:-600000}
 VM_MEM=${VM_MEM:-8G}
 RDMA_VM=${RDMA_VM:-$(cd .. && pwd)/shared/rdma-vm/run}
 
@@ -47,7 +48,7 @@ done
 
 if [ -z "${RDMA_VM_NODES:-}" ]; then
   [ -x "$RDMA_VM" ] || die "no VM runner at $RDMA_VM (set RDMA_VM)"
-  export BUILD BUILDS ROUNDS TOKENS REQUESTS POOL STAGING CASES MODES
+  export BUILD BUILDS ROUNDS DEADLINE_MS TOKENS REQUESTS POOL STAGING CASES MODES
   exec "$RDMA_VM" --nodes 2 --mem "$VM_MEM" --timeout "${VM_TIMEOUT:-1500}" -- bench/rdma_hetero.sh
 fi
 
@@ -110,7 +111,7 @@ for round in $(seq 1 "$ROUNDS"); do
         say "$run: $c: $BUILD/kvferry-bench --blocks --model llama3-8b --tokens $TOKENS --requests $REQUESTS ${ARGS[$c]}"
         # shellcheck disable=SC2086
         "$BUILD/kvferry-bench" --from "$TMP/prefill.sock" --to "$TMP/decode.sock" --json --blocks --model llama3-8b \
-          --tokens "$TOKENS" --requests "$REQUESTS" ${ARGS[$c]} >"$TMP/$run-$c.json" 2>"$TMP/$run-$c.err" ||
+          --tokens "$TOKENS" --requests "$REQUESTS" --deadline-ms "$DEADLINE_MS" ${ARGS[$c]} >"$TMP/$run-$c.json" 2>"$TMP/$run-$c.err" ||
           { cat "$TMP/$run-$c.err" >&2; tail -n 20 "$TMP"/*.log >&2; die "kvferry-bench failed"; }
         say "$run: $c: $(tail -n 1 "$TMP/$run-$c.json")"
       done
