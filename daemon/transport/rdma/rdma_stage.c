@@ -320,8 +320,7 @@ void kvf__rdma_stage_chunk_done(sgroup *g, kvf__xfer *x, uint32_t first, uint32_
     Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
     m.body_case = KVF__PEER_MSG__BODY_LAYERS_DONE;
     m.layers_done = &d;
-    int rc = kvf__peer_send(x->peer, &m);
-    if (rc && !g->status) g->status = rc;
+    kvf__peer_send(x->peer, &m); /* a peer lost meanwhile: the peer layer fails or holds x, as for the transfer's own */
   }
   group_end(g, x);
 }
@@ -365,7 +364,10 @@ int kvf__rdma_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, 
  * pool (the loop keeps serving: a pass of a large part takes seconds under
  * emulation, longer than a peer waits for heartbeats). Each job reports its
  * layers on the loop (kvf__xrecv_unstaged). A grant that closes waits for
- * its jobs still running (they write into its blocks) and detaches them. */
+ * its jobs still running (they write into its blocks) and detaches them.
+ * A job copies block by block through a table of the block's units
+ * (unit_table): the units are small (a head's token, 256 bytes for
+ * llama3-8b), so per-unit calls and checks would cost more than the copy. */
 
 #define PASS_JOBS 4u
 
@@ -383,6 +385,7 @@ struct spass {
   uint64_t src_len;
   uint8_t *dst;
   uint64_t dst_len;
+  bool guard;                   /* dst is engine memory: copies guarded (kvf__pool_copy) */
   int rc;
   uint64_t ns;
   atomic_bool done;             /* the work is over (close_grant waits for it) */
@@ -398,10 +401,62 @@ static void pass_run(void *ctx, uint64_t so, uint64_t dof, uint64_t len, uint32_
   p->rc = kvf__pool_copy(p->dst + dof, p->src + so, len); /* guarded: engine memory may shrink */
 }
 
+/* The offsets of every unit of a staged block (send's order, the moved
+ * heads) and of where it goes in a grant block, in *tab (pairs; malloc'ed):
+ * the same for every block, so the pass works them out once. NULL when a
+ * block has too many units for a table (the walk then does it). */
+#define PASS_TABLE_MAX 65536u
+static uint64_t *unit_table(const kvf__xplan *x, size_t *n) {
+  uint64_t units = (uint64_t)x->s.tpb * x->nh;
+  if (x->s.tpb != x->d.tpb || units == 0 || units > PASS_TABLE_MAX) return NULL;
+  uint64_t *t = malloc(2 * units * sizeof(*t)), u = x->unit;
+  uint32_t hs = x->h0 - x->s.h0, hd = x->h0 - x->d.h0;
+  for (uint64_t k = 0; t && k < units; k++) {
+    uint64_t tok = k / x->nh, h = k % x->nh; /* the grant's order below: NHD rows, HND columns */
+    if (x->d.order == KVF_LAYOUT_HND) tok = k % x->s.tpb, h = k / x->s.tpb;
+    t[2 * k] = x->s.order == KVF_LAYOUT_HND ? ((hs + h) * x->s.tpb + tok) * u : (tok * x->s.heads + hs + h) * u;
+    t[2 * k + 1] = x->d.order == KVF_LAYOUT_HND ? ((hd + h) * x->d.tpb + tok) * u : (tok * x->d.heads + hd + h) * u;
+  }
+  *n = (size_t)units;
+  return t;
+}
+
+/* The pass block by block through the unit table: each block's bounds
+ * checked once (the slice's, the pool's), its units copied; into engine
+ * memory each copy is guarded (the memory may shrink under it). The same
+ * bytes as the walk of kv_xform.c, without its per-unit calls. */
+static int pass_blocks(spass *p, const uint64_t *tab, size_t units) {
+  /* what of a block the table reaches on either side (every unit's head is
+   * below that side's count) */
+  uint64_t u = p->p.unit, bs = (uint64_t)p->p.s.tpb * p->p.s.heads * u, bd = (uint64_t)p->p.d.tpb * p->p.d.heads * u;
+  const uint32_t *dids = p->x->mine.ids;
+  for (uint32_t l = p->first; l < p->first + p->n; l++)
+    for (uint32_t kv = 0; kv < p->gv.n_kv; kv++)
+      for (size_t i = 0; i < p->p.nd; i++) {
+        uint64_t so = kvf__lview_addr(&p->sv, l, kv, (uint32_t)i), dof = kvf__lview_addr(&p->gv, l, kv, dids[i]);
+        if (so > p->src_len || bs > p->src_len - so || dof > p->dst_len || bd > p->dst_len - dof) return KVF_ERANGE;
+        const uint8_t *src = p->src + so;
+        uint8_t *dst = p->dst + dof;
+        for (size_t k = 0; k < units; k++) {
+          if (!p->guard) {
+            memcpy(dst + tab[2 * k + 1], src + tab[2 * k], u);
+            continue;
+          }
+          int rc = kvf__pool_copy(dst + tab[2 * k + 1], src + tab[2 * k], u);
+          if (rc) return rc;
+        }
+      }
+  return 0;
+}
+
 static void pass_work(uv_work_t *req) {
   spass *p = req->data;
   uint64_t t0 = kvf__now_ns();
-  int rc = kvf__xform_walk(&p->p, &p->sv, p->ids, &p->gv, p->x->mine.ids, p->first, p->n, pass_run, p);
+  size_t units = 0;
+  uint64_t *tab = unit_table(&p->p, &units);
+  int rc = tab ? pass_blocks(p, tab, units)
+               : kvf__xform_walk(&p->p, &p->sv, p->ids, &p->gv, p->x->mine.ids, p->first, p->n, pass_run, p);
+  free(tab);
   if (rc && !p->rc) p->rc = rc;
   p->ns = kvf__now_ns() - t0;
   atomic_store(&p->done, true);
@@ -497,6 +552,7 @@ static int pass_start(rdma_transport *rt, rgrant *g, kvf__xfer *x, const kvf__xs
   p->src_len = g->st_len;
   p->dst = pool->base;
   p->dst_len = pool->size;
+  p->guard = pool->engine != NULL;
   p->req.data = p;
   rt->stage.bytes += bytes / (gv->n_layers ? gv->n_layers : 1) * n;
   if ((rc = uv_queue_work(rt->base.loop, &p->req, pass_work, pass_after)) != 0) {
