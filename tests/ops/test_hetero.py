@@ -393,7 +393,9 @@ class HeteroRdma(Base, unittest.TestCase):
         # 4 orders x 2 token pairs x (TP 8->4: 8 heads, 2->8: 8 heads, MLA 2->4: 4 grants) x 2 layers' part
         parts = 4 * 2 * (8 + 8 + 4)
         self.assertEqual(s["staged_parts"] - before_s["staged_parts"], parts, s)
-        self.assertEqual(r["passes"] - before_r["passes"], parts, r)
+        # each part in two chunks of one layer, each noted, and transformed, on its own
+        self.assertEqual(s["chunks"] - before_s["chunks"], 2 * parts, s)
+        self.assertEqual(r["passes"] - before_r["passes"], 2 * parts, r)
         self.assertEqual(r["grants"] - before_r["grants"], parts, r)
         self.assertEqual((r["no_room"], r["slices"], r["bytes"]), (before_r["no_room"], 0, self.STAGING), r)
 

@@ -211,6 +211,7 @@ static const kvf__transport_ops rdma_ops = {
     .usable = kvf__rdma_usable,
     .post = kvf__rdma_post,
     .post_blocks = kvf__rdma_post_blocks,
+    .mark_layers = kvf__rdma_mark_layers,
     .unstage = kvf__rdma_unstage,
     .abort = kvf__rdma_abort,
     .xfer_done = kvf__rdma_xfer_done,

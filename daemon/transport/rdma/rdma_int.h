@@ -138,6 +138,10 @@ typedef struct ticket {
    * claimed a chunk at a time by the thread of the lane's QP */
   bool bounce;
   struct xbounce *xb;           /* the receiver stages too (its grant's slots); else NULL */
+  /* A chunk of a staged part (rdma_stage.c): its layers are noted to the
+   * receiver once written; the part is called back once all its chunks are */
+  struct sgroup *grp;           /* NULL: the ticket is the whole post */
+  uint32_t grp_first, grp_n;
 } ticket;
 
 #define MAX_LANES 256
@@ -327,6 +331,7 @@ typedef struct rgrant {
   struct rgrant *next_b;        /* rt->mw.binding, or rt->mw.zombies once closed */
   uint64_t st_off, st_len;      /* its slice of the staging arena (rdma_stage.c); st_len 0: none */
   uint32_t st_done;             /* granted layers the staging pass placed */
+  uint64_t st_landed_ns;        /* the last write's notice came while passes ran */
   struct spass *passes;         /* transform passes running (rdma_stage.c) */
   struct bgrant *bg;            /* the bounce path: its staging slots (receiver) */
   struct xbounce *credit_of;    /* not a grant: the token of a send's credits (sender) */
@@ -414,7 +419,8 @@ struct rdma_transport {
     size_t len;
     struct { uint64_t off, len; } *used;
     size_t n_used, cap_used;
-    uint64_t grants, refused, staged_parts, passes, pass_ns, bytes;
+    uint64_t grants, refused, staged_parts, chunks, passes, pass_ns, bytes;
+    uint64_t tail_ns;           /* passes still running after the last write landed, summed */
   } stage;
   /* memory windows (rdma_mw.c) */
   char protection[400];         /* one line for status, doctor and the log */
@@ -514,6 +520,10 @@ ticket *kvf__rdma_ticket_new(rdma_transport *rt, kvf__xfer *x, kvf__runs *runs, 
 void kvf__rdma_ticket_free(ticket *tk);
 xstate *kvf__rdma_xstate_of(kvf__xfer *x);
 int kvf__rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last);
+/* The same as one chunk, layers [first, first + n), of a staged part
+ * (rdma_stage.c): called back through kvf__rdma_stage_chunk_done. */
+int kvf__rdma_post_chunk(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last, struct sgroup *grp,
+                         uint32_t first, uint32_t n);
 void kvf__rdma_abort(kvf__transport *t, kvf__xfer *x);
 void kvf__rdma_xfer_done(kvf__transport *t, kvf__xfer *x);
 
@@ -667,11 +677,20 @@ void kvf__rdma_stage_reserve(rgrant *g, kvf__xfer *x);
 void kvf__rdma_stage_release(rdma_transport *rt, uint64_t off, uint64_t len);
 /* The grant closes: waits for its passes still running, detaches them. */
 typedef struct spass spass;
+typedef struct sgroup sgroup;
 void kvf__rdma_stage_detach(rgrant *g);
 /* Receiver: appends g's slice to its planned windows. */
 int kvf__rdma_stage_window(rgrant *g);
 /* Sender: post_blocks, staging what would be small writes. */
 int kvf__rdma_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last);
+/* Sender, a staged part: say the transform owes nothing more (each chunk
+ * was noted as it completed; ops->mark_layers). */
+bool kvf__rdma_mark_layers(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n);
+/* Sender: a chunk's ticket is done (status st): its note, and the part's
+ * callback once it was the last. */
+void kvf__rdma_stage_chunk_done(struct sgroup *g, kvf__xfer *x, uint32_t first, uint32_t n, int st);
+/* Receiver: the last write of g's grant landed (its notice). */
+void kvf__rdma_stage_landed(rgrant *g);
 /* Receiver: the sender's note that layers of a staged part landed. */
 int kvf__rdma_unstage(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n, const kvf__xstaged *st,
                       char *why, size_t len);

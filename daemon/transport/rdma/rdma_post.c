@@ -746,6 +746,11 @@ static void hand_over(rpeer *rp, xstate *xs, ticket *tk) {
 }
 
 int kvf__rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) {
+  return kvf__rdma_post_chunk(t, x, runs, last, NULL, 0, 0);
+}
+
+int kvf__rdma_post_chunk(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last, struct sgroup *grp,
+                         uint32_t first, uint32_t n_layers) {
   uint64_t t0 = thread_cpu_ns();
   rdma_transport *rt = to_rdma(t);
   rpeer *rp = x->peer ? rpeer_of(rt, x->peer) : NULL;
@@ -776,6 +781,9 @@ int kvf__rdma_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last) 
   if (!tk) return rc; /* xs, if made, goes with the transfer (kvf__rdma_xfer_done) */
   tk->xs = xs;
   tk->rp = rp;
+  tk->grp = grp;
+  tk->grp_first = first;
+  tk->grp_n = n_layers;
   xs->out++;
   live_link(tk);
   hand_over(rp, xs, tk);
@@ -938,9 +946,12 @@ static void ticket_done(ticket *tk) {
                x->id, (unsigned long long)rt->post.last_wrs, (double)rt->post.last_loop_ns / (double)rt->post.last_wrs,
                (double)rt->post.last_build_ns / (double)rt->post.last_wrs, (double)rt->post.last_bell_ns / (double)rt->post.last_wrs);
   }
+  struct sgroup *grp = tk->grp;
+  uint32_t first = tk->grp_first, n = tk->grp_n;
   kvf__rdma_ticket_free(tk);
   xs->out--;
-  kvf__xfer_on_posted(x, st == KVF_ECANCELED ? 0 : st, last);
+  if (grp) kvf__rdma_stage_chunk_done(grp, x, first, n, st);
+  else kvf__xfer_on_posted(x, st == KVF_ECANCELED ? 0 : st, last);
 }
 
 static void on_imm(const tevent *e) {
@@ -960,6 +971,7 @@ static void on_imm(const tevent *e) {
   /* blocks: the SendDone also counts. It says what the transfer did
    * (Event.transform), and with a staging slice the sender's staged notes
    * come before it: their transform passes must run first. */
+  if (g->st_len) kvf__rdma_stage_landed(g);
   if (g->st_len || g->x->blocks) kvf__xfer_on_landed(g->x);
   else kvf__xfer_on_delivered(g->x);
 }

@@ -22,16 +22,21 @@
  * grant's tokens per block, holding only the heads moved, in the SEND's
  * order" (kvf__xstaged): that is the source's own bytes regrouped, so its
  * runs are whole rows of the source (a source block of the moved heads, or
- * a head's tokens). Once the part's writes completed the sender says so
- * (LayersDone with staged_*), before its SendDone.
+ * a head's tokens). The part goes in chunks of about STAGE_CHUNK bytes
+ * (whole layers, two chunks at least), a ticket each; as each chunk's writes complete the
+ * sender says so (LayersDone with staged_* for the chunk's layers), and
+ * the part is called back once its last chunk is, so every note comes
+ * before its SendDone.
  *
- * Receiver again. On that note the part's layers are transformed from the
+ * Receiver again. On each note the chunk's layers are transformed from the
  * slice into the grant's blocks (the plan slice -> grant, a walk of
  * kv_xform.c on libuv's thread pool; every read checked against the slice,
  * every write computed from the grant's own view), then reported (layer
- * events). A grant of blocks completes on the sender's SendDone as well as
- * its last write's notice: the notes come before the SendDone on the
- * peer's link, and the SendDone waits for the passes still running.
+ * events), while the next chunks are still on the wire: only the last
+ * chunk's pass follows the last byte. A grant of blocks completes on the
+ * sender's SendDone as well as its last write's notice: the notes come
+ * before the SendDone on the peer's link, and the SendDone waits for the
+ * passes still running.
  *
  * CUDA pools take direct writes still: a pass with the transform kernel
  * (kvf_xblocks) from the slice is not written yet. */
@@ -43,6 +48,7 @@
 #include <sys/mman.h>
 
 #include "kv_xform.h"
+#include "peer.h"
 #include "pool.h"
 #include "pool_engine.h"
 
@@ -51,6 +57,13 @@
  * slice of 16 tokens of 128 x 2 bytes and up. Chosen, not tuned: below a
  * few KiB per work request the requests, not the bytes, set the time. */
 #define STAGE_MIN_RUN 4096u
+/* A staged part is written and noted in chunks of whole layers, about this
+ * many bytes each (at least one layer): the receiver transforms a chunk
+ * while the next ones are on the wire. Small enough that the pass after
+ * the last byte is short (llama3-8b: one layer of 4,096 tokens is 16 MiB,
+ * of one decode rank of TP 4, 4 MiB); large enough that a note and a pass
+ * job per chunk cost nothing next to its writes. */
+#define STAGE_CHUNK (4u << 20)
 
 /* ------------------------------------------------------------ the arena */
 
@@ -229,6 +242,95 @@ static int staged_runs(const kvf__bpart *b, const kvf__mw_rec *w, const kvf__xst
   return rc;
 }
 
+/* A staged part's chunks: the part is called back once all are. */
+struct sgroup {
+  unsigned out;                 /* chunks posted, not yet called back */
+  bool posting;                 /* more chunks may come (post_chunks runs) */
+  bool last;
+  int status;                   /* the first failure among its chunks */
+};
+
+/* Layers per chunk: about STAGE_CHUNK bytes of what lands, at least one,
+ * and at most half the part's (a part of two layers or more goes in two
+ * chunks or more: small ones too, so that the tests walk this path). */
+static uint32_t chunk_layers(const kvf__bpart *b) {
+  uint64_t per = kvf__xplan_bytes(&b->xf, 1, b->dst->n_kv);
+  uint64_t k = per && per < STAGE_CHUNK ? STAGE_CHUNK / per : 1, half = (b->n_layers + 1) / 2;
+  return (uint32_t)(k < half ? k : half);
+}
+
+/* The tail of g, once nothing of it is out nor to come: the part's callback. */
+static void group_end(sgroup *g, kvf__xfer *x) {
+  if (g->out || g->posting) return;
+  int st = g->status;
+  bool last = g->last;
+  free(g);
+  kvf__xfer_on_posted(x, st, last);
+}
+
+/* Posts b chunk by chunk (runs: its first chunk's, made by the caller).
+ * A chunk that cannot be posted once others are out fails the part through
+ * its callback (those out still complete first). */
+static int post_chunks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, uint32_t step, const kvf__mw_rec *w,
+                       const kvf__xstaged *st, kvf__runs *runs, bool last) {
+  sgroup *g = calloc(1, sizeof(*g));
+  if (!g) return -ENOMEM;
+  *g = (sgroup){.posting = true, .last = last};
+  uint32_t end = b->first + b->n_layers;
+  int rc = 0;
+  for (uint32_t l = b->first; l < end && rc == 0; l += step) {
+    kvf__bpart c = *b;
+    c.first = l;
+    c.n_layers = end - l < step ? end - l : step;
+    if (l != b->first) {
+      runs->n = 0; /* posting took the list, or copied it: made anew */
+      runs->bytes = 0;
+      rc = staged_runs(&c, w, st, runs);
+    }
+    if (rc == 0) rc = kvf__rdma_post_chunk(t, x, runs, last && l + c.n_layers == end, g, l, c.n_layers);
+    if (rc == 0) {
+      g->out++;
+      to_rdma(t)->stage.chunks++;
+    }
+  }
+  if (rc && g->out == 0) {
+    free(g);
+    return rc;
+  }
+  if (rc) g->status = rc;
+  g->posting = false;
+  return 0; /* callbacks come on the loop, after this */
+}
+
+void kvf__rdma_stage_chunk_done(sgroup *g, kvf__xfer *x, uint32_t first, uint32_t n, int st) {
+  g->out--;
+  if (st && st != KVF_ECANCELED && !g->status) g->status = st;
+  /* a chunk's writes all completed: the receiver may transform its layers
+   * now (LayersDone, as the transfer would once the whole part is back) */
+  bool ending = x->send.state == KVF__SEND_DRAIN || x->send.state == KVF__SEND_DONE ||
+                x->send.state == KVF__SEND_FAILED;
+  if (st == 0 && !g->status && !ending && x->peer) {
+    Kvf__LayersDone d = KVF__LAYERS_DONE__INIT;
+    d.handle = x->handle;
+    d.first_layer = first;
+    d.n_layers = n;
+    d.staged_order = x->send.staged.order;
+    d.staged_first_head = x->send.staged.h0;
+    d.staged_heads = x->send.staged.nh;
+    Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
+    m.body_case = KVF__PEER_MSG__BODY_LAYERS_DONE;
+    m.layers_done = &d;
+    kvf__peer_send(x->peer, &m); /* a peer lost meanwhile: the peer layer fails or holds x, as for the transfer's own */
+  }
+  group_end(g, x);
+}
+
+/* A staged part's chunks are noted by the transport (kvf__rdma_stage_chunk_done);
+ * a part written directly is noted by the transfer once called back. */
+bool kvf__rdma_mark_layers(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n) {
+  return x->send.staged.nh != 0;
+}
+
 int kvf__rdma_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
   kvf__mw_rec w;
   kvf__xstaged st = {b->xf.s.order, b->xf.h0, b->xf.nh};
@@ -239,7 +341,10 @@ int kvf__rdma_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, 
     return kvf__transport_post_block_runs(t, x, b, last);
   }
   kvf__runs runs = {0};
-  int rc = staged_runs(b, &w, &st, &runs);
+  uint32_t step = chunk_layers(b);
+  kvf__bpart c = *b;
+  c.n_layers = step;
+  int rc = staged_runs(&c, &w, &st, &runs);
   if (rc == KVF_ESIZE && !x->send.staged.nh) {
     x->stage_note = "direct (the receiver's staging is too small)";
     kvf__runs_free(&runs);
@@ -247,7 +352,7 @@ int kvf__rdma_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, 
   }
   x->send.staged = st; /* every later part of x goes the same way */
   x->stage_note = "staged";
-  if (rc == 0) rc = kvf__rdma_post(t, x, &runs, last);
+  if (rc == 0) rc = post_chunks(t, x, b, step, &w, &st, &runs, last);
   if (rc == 0) to_rdma(t)->stage.staged_parts++;
   kvf__runs_free(&runs);
   return rc;
@@ -259,7 +364,10 @@ int kvf__rdma_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, 
  * pool (the loop keeps serving: a pass of a large part takes seconds under
  * emulation, longer than a peer waits for heartbeats). Each job reports its
  * layers on the loop (kvf__xrecv_unstaged). A grant that closes waits for
- * its jobs still running (they write into its blocks) and detaches them. */
+ * its jobs still running (they write into its blocks) and detaches them.
+ * A job copies block by block through a table of the block's units
+ * (unit_table): the units are small (a head's token, 256 bytes for
+ * llama3-8b), so per-unit calls and checks would cost more than the copy. */
 
 #define PASS_JOBS 4u
 
@@ -277,6 +385,7 @@ struct spass {
   uint64_t src_len;
   uint8_t *dst;
   uint64_t dst_len;
+  bool guard;                   /* dst is engine memory: copies guarded (kvf__pool_copy) */
   int rc;
   uint64_t ns;
   atomic_bool done;             /* the work is over (close_grant waits for it) */
@@ -292,10 +401,62 @@ static void pass_run(void *ctx, uint64_t so, uint64_t dof, uint64_t len, uint32_
   p->rc = kvf__pool_copy(p->dst + dof, p->src + so, len); /* guarded: engine memory may shrink */
 }
 
+/* The offsets of every unit of a staged block (send's order, the moved
+ * heads) and of where it goes in a grant block, in *tab (pairs; malloc'ed):
+ * the same for every block, so the pass works them out once. NULL when a
+ * block has too many units for a table (the walk then does it). */
+#define PASS_TABLE_MAX 65536u
+static uint64_t *unit_table(const kvf__xplan *x, size_t *n) {
+  uint64_t units = (uint64_t)x->s.tpb * x->nh;
+  if (x->s.tpb != x->d.tpb || units == 0 || units > PASS_TABLE_MAX) return NULL;
+  uint64_t *t = malloc(2 * units * sizeof(*t)), u = x->unit;
+  uint32_t hs = x->h0 - x->s.h0, hd = x->h0 - x->d.h0;
+  for (uint64_t k = 0; t && k < units; k++) {
+    uint64_t tok = k / x->nh, h = k % x->nh; /* the grant's order below: NHD rows, HND columns */
+    if (x->d.order == KVF_LAYOUT_HND) tok = k % x->s.tpb, h = k / x->s.tpb;
+    t[2 * k] = x->s.order == KVF_LAYOUT_HND ? ((hs + h) * x->s.tpb + tok) * u : (tok * x->s.heads + hs + h) * u;
+    t[2 * k + 1] = x->d.order == KVF_LAYOUT_HND ? ((hd + h) * x->d.tpb + tok) * u : (tok * x->d.heads + hd + h) * u;
+  }
+  *n = (size_t)units;
+  return t;
+}
+
+/* The pass block by block through the unit table: each block's bounds
+ * checked once (the slice's, the pool's), its units copied; into engine
+ * memory each copy is guarded (the memory may shrink under it). The same
+ * bytes as the walk of kv_xform.c, without its per-unit calls. */
+static int pass_blocks(spass *p, const uint64_t *tab, size_t units) {
+  /* what of a block the table reaches on either side (every unit's head is
+   * below that side's count) */
+  uint64_t u = p->p.unit, bs = (uint64_t)p->p.s.tpb * p->p.s.heads * u, bd = (uint64_t)p->p.d.tpb * p->p.d.heads * u;
+  const uint32_t *dids = p->x->mine.ids;
+  for (uint32_t l = p->first; l < p->first + p->n; l++)
+    for (uint32_t kv = 0; kv < p->gv.n_kv; kv++)
+      for (size_t i = 0; i < p->p.nd; i++) {
+        uint64_t so = kvf__lview_addr(&p->sv, l, kv, (uint32_t)i), dof = kvf__lview_addr(&p->gv, l, kv, dids[i]);
+        if (so > p->src_len || bs > p->src_len - so || dof > p->dst_len || bd > p->dst_len - dof) return KVF_ERANGE;
+        const uint8_t *src = p->src + so;
+        uint8_t *dst = p->dst + dof;
+        for (size_t k = 0; k < units; k++) {
+          if (!p->guard) {
+            memcpy(dst + tab[2 * k + 1], src + tab[2 * k], u);
+            continue;
+          }
+          int rc = kvf__pool_copy(dst + tab[2 * k + 1], src + tab[2 * k], u);
+          if (rc) return rc;
+        }
+      }
+  return 0;
+}
+
 static void pass_work(uv_work_t *req) {
   spass *p = req->data;
   uint64_t t0 = kvf__now_ns();
-  int rc = kvf__xform_walk(&p->p, &p->sv, p->ids, &p->gv, p->x->mine.ids, p->first, p->n, pass_run, p);
+  size_t units = 0;
+  uint64_t *tab = unit_table(&p->p, &units);
+  int rc = tab ? pass_blocks(p, tab, units)
+               : kvf__xform_walk(&p->p, &p->sv, p->ids, &p->gv, p->x->mine.ids, p->first, p->n, pass_run, p);
+  free(tab);
   if (rc && !p->rc) p->rc = rc;
   p->ns = kvf__now_ns() - t0;
   atomic_store(&p->done, true);
@@ -321,6 +482,10 @@ static void pass_after(uv_work_t *req, int status) {
     }
   rdma_transport *rt = g->rt;
   rt->stage.pass_ns += p->ns; /* the jobs' time summed (they may overlap) */
+  if (!g->passes && g->st_landed_ns) { /* the last byte waited for this pass */
+    rt->stage.tail_ns += kvf__now_ns() - g->st_landed_ns;
+    g->st_landed_ns = 0;
+  }
   char why[160] = "";
   int rc = p->rc ? p->rc : status;
   if (rc) snprintf(why, sizeof(why), "the transform pass of staged layers %u-%u failed (%d)", p->first,
@@ -329,6 +494,10 @@ static void pass_after(uv_work_t *req, int status) {
   uint32_t first = p->first, n = p->n;
   pass_free(p);
   kvf__xrecv_unstaged(x, first, n, rc, why);
+}
+
+void kvf__rdma_stage_landed(rgrant *g) {
+  if (g->passes) g->st_landed_ns = kvf__now_ns();
 }
 
 void kvf__rdma_stage_detach(rgrant *g) {
@@ -383,6 +552,7 @@ static int pass_start(rdma_transport *rt, rgrant *g, kvf__xfer *x, const kvf__xs
   p->src_len = g->st_len;
   p->dst = pool->base;
   p->dst_len = pool->size;
+  p->guard = pool->engine != NULL;
   p->req.data = p;
   rt->stage.bytes += bytes / (gv->n_layers ? gv->n_layers : 1) * n;
   if ((rc = uv_queue_work(rt->base.loop, &p->req, pass_work, pass_after)) != 0) {
