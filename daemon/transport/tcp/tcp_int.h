@@ -231,6 +231,7 @@ struct tcp_transport {
   pthread_cond_t rq_idle;  /* peer_down: a stream stopped running */
   stream *rq_head, *rq_tail;
   atomic_uint rq_posts;    /* streams queued ever: what a spinning worker watches */
+  bool rq_spinner;         /* a worker polls the queue (rq_lock): a push wakes no other */
   bool rq_stop;
   struct rworker *receivers;
   unsigned n_receivers;    /* started */

@@ -615,8 +615,8 @@ static void *receiver_main(void *arg) {
   uint64_t tick = kvf__now_ns();
   for (;;) {
     int n = epoll_wait(w->ep, ev, 64, 0);
-    if (n == 0 && !w->ready) {
-      if (kvf__spin_open(KVF__SPIN_RECV, thread_last_ns)) kvf__spin_relax();
+    if (n == 0 && !w->ready) { /* a worker without streams has nothing to poll for */
+      if (w->list && kvf__spin_open(KVF__SPIN_RECV, thread_last_ns)) kvf__spin_relax();
       else n = epoll_wait(w->ep, ev, 64, w->n_watch ? RECV_CHECK_MS : -1);
     }
     bool stop = false;
