@@ -231,7 +231,8 @@ struct tcp_transport {
   pthread_cond_t rq_idle;  /* peer_down: a stream stopped running */
   stream *rq_head, *rq_tail;
   atomic_uint rq_posts;    /* streams queued ever: what a spinning worker watches */
-  bool rq_spinner;         /* a worker polls the queue (rq_lock): a push wakes no other */
+  unsigned rq_spinner;     /* a worker polls the queue, not yet given a push (its turn; 0: none) */
+  unsigned rq_turns;       /* the last turn taken (rq_lock) */
   bool rq_stop;
   struct rworker *receivers;
   unsigned n_receivers;    /* started */

@@ -298,7 +298,8 @@ static void rq_push(tcp_transport *tt, stream *s) {
   else tt->rq_head = s;
   tt->rq_tail = s;
   atomic_fetch_add(&tt->rq_posts, 1);
-  if (!tt->rq_spinner) pthread_cond_signal(&tt->rq_cond);
+  if (tt->rq_spinner) tt->rq_spinner = 0; /* this one is the spinner's; the next wakes a worker */
+  else pthread_cond_signal(&tt->rq_cond);
 }
 
 void kvf__tcp_stream_schedule(stream *s) {
@@ -309,11 +310,11 @@ void kvf__tcp_stream_schedule(stream *s) {
 }
 
 /* The next stream to serve: one worker at a time polls the queue while
- * spin.h's window is open (the next part of a handoff is likely soon) and
- * a push then wakes nobody (a futex wake on the poster's path, and a
- * second thread racing the spinner for the same stream); the others sleep.
- * A worker that takes a stream and leaves more queued wakes the next.
- * NULL: stop. */
+ * spin.h's window is open (the next part of a handoff is likely soon), and
+ * the first push it sees wakes nobody (a futex wake on the poster's path,
+ * and a second thread racing the spinner for the same stream); the pushes
+ * after it, the other streams of a striped post, each wake a sleeping
+ * worker, so they move at once. NULL: stop. */
 static stream *rq_take(tcp_transport *tt) {
   pthread_mutex_lock(&tt->rq_lock);
   while (!tt->rq_head && !tt->rq_stop) {
@@ -321,20 +322,20 @@ static stream *rq_take(tcp_transport *tt) {
       pthread_cond_wait(&tt->rq_cond, &tt->rq_lock);
       continue;
     }
-    tt->rq_spinner = true;
+    unsigned turn = ++tt->rq_turns ? tt->rq_turns : ++tt->rq_turns; /* never 0 */
+    tt->rq_spinner = turn;
     unsigned seen = atomic_load(&tt->rq_posts);
     pthread_mutex_unlock(&tt->rq_lock);
     while (atomic_load(&tt->rq_posts) == seen && kvf__spin_open(KVF__SPIN_SEND, thread_last_ns))
       kvf__spin_relax();
     pthread_mutex_lock(&tt->rq_lock);
-    tt->rq_spinner = false;
+    if (tt->rq_spinner == turn) tt->rq_spinner = 0; /* not given a push: the window closed */
   }
   stream *s = tt->rq_stop ? NULL : tt->rq_head;
   if (s) {
     tt->rq_head = s->next_run;
     if (!tt->rq_head) tt->rq_tail = NULL;
     s->sched = RQ_RUNNING;
-    if (tt->rq_head) pthread_cond_signal(&tt->rq_cond);
   }
   pthread_mutex_unlock(&tt->rq_lock);
   return s;
