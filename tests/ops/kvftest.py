@@ -278,12 +278,15 @@ class Daemon:
             return ""
 
 
-def pair(dir, pool="64M", metrics=False, extra="", extra_of=None):
+def pair(dir, pool="64M", metrics=False, extra="", extra_of=None, failpoint_of=None):
     """"prefill" and "decode", peered, started, both peers up. extra_of:
-    config lines by daemon name, after extra (e.g. each one's rdma-listen)."""
-    extra_of = extra_of or {}
+    config lines by daemon name, after extra (e.g. each one's rdma-listen);
+    failpoint_of: a failpoint by daemon name (that daemon runs the
+    failpoint build, Daemon.failpoint)."""
+    extra_of, failpoint_of = extra_of or {}, failpoint_of or {}
     pre = Daemon(dir, "prefill", pool, metrics, extra + extra_of.get("prefill", ""))
     dec = Daemon(dir, "decode", pool, metrics, extra + extra_of.get("decode", ""))
+    pre.failpoint, dec.failpoint = failpoint_of.get("prefill"), failpoint_of.get("decode")
     pre.add_peer(dec)
     dec.add_peer(pre)
     pre.start()
@@ -567,15 +570,30 @@ class SoloTestCase(unittest.TestCase):
 
 class PairTestCase(unittest.TestCase):
     """Tests against one "prefill"/"decode" pair for the whole class (pool
-    POOL each); both daemons must exit 0 at the end."""
+    POOL each; FAILPOINTS: pair's failpoint_of); both daemons must exit 0
+    at the end."""
     POOL = "32M"
+    FAILPOINTS = {}
 
     @classmethod
     def setUpClass(cls):
         cls.dir = tempdir()
-        cls.pre, cls.dec = pair(cls.dir, pool=cls.POOL)
+        cls.pre, cls.dec = pair(cls.dir, pool=cls.POOL, failpoint_of=cls.FAILPOINTS)
 
     @classmethod
     def tearDownClass(cls):
         for d in (cls.pre, cls.dec):
             assert d.stop() == 0
+
+
+class PairClientsTestCase(PairTestCase):
+    """A PairTestCase whose every test has a client of each daemon (cp,
+    cd) and its pool "kv" (pp, pd)."""
+
+    def setUp(self):
+        self.cp, self.cd = self.pre.client(), self.dec.client()
+        self.pp, self.pd = self.cp.pool_find("kv"), self.cd.pool_find("kv")
+
+    def tearDown(self):
+        self.cp.close()
+        self.cd.close()

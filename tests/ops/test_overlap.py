@@ -55,17 +55,9 @@ class RawClient:
         self.raw.close()
 
 
-class Clients(kvftest.PairTestCase):
+class Clients(kvftest.PairClientsTestCase):
     """A client of each daemon and its pool "kv"."""
     POOL = "32M"
-
-    def setUp(self):
-        self.cp, self.cd = self.pre.client(), self.dec.client()
-        self.pp, self.pd = self.cp.pool_find("kv"), self.cd.pool_find("kv")
-
-    def tearDown(self):
-        self.cp.close()
-        self.cd.close()
 
     def assert_code(self, code, fn):
         with self.assertRaises(kvferry.KvferryError) as cm:

@@ -20,45 +20,17 @@ import os
 import unittest
 
 import kvftest  # first: puts the binding from the source tree on sys.path
-from kvftest import Daemon, wait_event
+from kvftest import pattern, wait_event
 
 import kvferry
 
 N = 256 * 1024
 
 
-def pattern(seed, n):
-    block = bytes((seed * 37 + i * 11) & 0xFF for i in range(4096))
-    return (block * (n // 4096 + 1))[:n]
-
-
 @unittest.skipUnless(os.path.exists(kvftest.ROGUE), "no failpoint build (make test-build)")
-class TestSealed(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.dir = kvftest.tempdir()
-        cls.pre = Daemon(cls.dir, "prefill", pool="16M")
-        cls.pre.failpoint = "send-done-withheld"
-        cls.dec = Daemon(cls.dir, "decode", pool="16M")
-        cls.pre.add_peer(cls.dec)
-        cls.dec.add_peer(cls.pre)
-        cls.pre.start()
-        cls.dec.start()
-        cls.pre.wait_peers_up()
-        cls.dec.wait_peers_up()
-
-    @classmethod
-    def tearDownClass(cls):
-        for d in (cls.pre, cls.dec):
-            assert d.stop() == 0
-
-    def setUp(self):
-        self.cp, self.cd = self.pre.client(), self.dec.client()
-        self.pp, self.pd = self.cp.pool_find("kv"), self.cd.pool_find("kv")
-
-    def tearDown(self):
-        self.cp.close()
-        self.cd.close()
+class TestSealed(kvftest.PairClientsTestCase):
+    POOL = "16M"
+    FAILPOINTS = {"prefill": "send-done-withheld"}
 
     def handoff(self, xfer_id, src, src_off, deadline_ms=10000):
         """Grants N bytes at the decode pool's offset 0, sends them from
