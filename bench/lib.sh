@@ -8,6 +8,9 @@
 #
 # bench_ctl NAME ARGS...: kvferryctl against the daemon NAME of $TMP.
 # bench_rdma_ready NAME: true once every rdma QP of daemon NAME is connected.
+# bench_rdma_start A B: starts daemons A and B from $TMP/A.conf and B.conf
+#   (the soft-RoCE VM's two nodes; added to $PIDS, stderr to $TMP/NAME.log)
+#   and waits up to 60 s until every rdma QP of both is connected.
 #
 # Daemons on loopback (daemon NAME: $TMP/NAME.conf, .sock, .log):
 # bench_free_ports N: N distinct free TCP ports of 127.0.0.1, on one line.
@@ -62,8 +65,21 @@ qps = [q for p in r.get("peers", []) for q in p.get("qps", [])]
 sys.exit(0 if qps and all(q["state"] == "connected" for q in qps) else 1)'
 }
 
+bench_rdma_start() {
+  for bench_n in "$1" "$2"; do
+    "$BUILD/kvferryd" -c "$TMP/$bench_n.conf" 2>>"$TMP/$bench_n.log" &
+    PIDS="$PIDS $!"
+  done
+  bench_i=0
+  until bench_rdma_ready "$1" && bench_rdma_ready "$2"; do
+    bench_i=$((bench_i + 1))
+    [ "$bench_i" -le 600 ] || bench_die "daemons not connected over rdma after 60 s"
+    sleep 0.1
+  done
+}
+
 bench_die() {
-  echo "$BENCH_NAME: $*" >&2
+  echo "${BENCH_NAME:-bench}: $*" >&2
   for bench_log in "$TMP"/*.log; do
     [ -f "$bench_log" ] || continue
     echo "--- $bench_log:" >&2

@@ -70,21 +70,13 @@ $7
 EOF
 }
 
-. bench/lib.sh # bench_ctl, bench_rdma_ready
+. bench/lib.sh # bench_ctl, bench_rdma_start
+BENCH_NAME=$(basename "$0" .sh) # bench_die's prefix (no bench_setup here)
 
 start_daemons() { # EXTRA
   write_conf prefill "$NODE0_IP" $PORT0 decode "$NODE1_IP" $PORT1 "$1"
   write_conf decode "$NODE1_IP" $PORT1 prefill "$NODE0_IP" $PORT0 "$1"
-  "$BUILD/kvferryd" -c "$TMP/prefill.conf" 2>>"$TMP/prefill.log" &
-  PIDS="$PIDS $!"
-  "$BUILD/kvferryd" -c "$TMP/decode.conf" 2>>"$TMP/decode.log" &
-  PIDS="$PIDS $!"
-  local i=0
-  until bench_rdma_ready prefill && bench_rdma_ready decode; do
-    i=$((i + 1))
-    [ $i -le 600 ] || { tail -n 20 "$TMP"/*.log >&2; die "daemons not connected over rdma after 60 s"; }
-    sleep 0.1
-  done
+  bench_rdma_start prefill decode
 }
 
 bench() { # OUT ARGS...
