@@ -12,6 +12,9 @@
 #       kvferryctl and kvferry-bench: alternate it with build/ round by round
 #       for a before/after in one session; the ratios vary by about 0.2x
 #       between rounds on the loaded 2-core dev machine)
+#   PERF=/tmp/p ROUNDS=1 bench/hetero_tcp.sh   (perf record -F 4000 of both
+#       daemons around each run: /tmp/p/ROUND-N-same.data, ROUND-N-het.data
+#       for the N-th case; compare with perf report --sort dso,sym)
 set -eu
 
 cd "$(dirname "$0")/.."
@@ -67,20 +70,35 @@ done
 
 gbps() { python3 -c 'import json,sys; print(json.loads(sys.argv[1])["gbps"])' "$1"; }
 
-run() { # ARGS...
+bench_once() { # ARGS...
   "$BUILD/kvferry-bench" --from "$TMP/a.sock" --to "$TMP/b.sock" --blocks --json --tokens "$TOKENS" \
     --requests "$REQUESTS" "$@"
 }
 
+run() { # TAG ARGS...
+  tag=$1
+  shift
+  [ -n "${PERF:-}" ] || { bench_once "$@"; return; }
+  mkdir -p "$PERF"
+  perf record -q -F 4000 -g -p "$(echo $PIDS | tr ' ' ,)" -o "$PERF/$tag.data" >/dev/null 2>&1 &
+  perf_pid=$!
+  sleep 0.5 # perf attaches before the run starts (a measurement aid only)
+  out=$(bench_once "$@")
+  kill -INT "$perf_pid"
+  wait "$perf_pid" || true
+  echo "$out"
+}
+
 r=0
+n=0
 while [ "$r" -lt "$ROUNDS" ]; do
   r=$((r + 1))
   for c in $CASES; do
     c=$(echo "$c" | tr _ ' ')
+    n=$((n + 1))
+    same=$(run "$r-$n-same")
     # shellcheck disable=SC2086
-    same=$(run)
-    # shellcheck disable=SC2086
-    het=$(run $c)
+    het=$(run "$r-$n-het" $c)
     echo "$same"
     echo "$het"
     python3 -c '

@@ -87,6 +87,7 @@ static int tcp_grant_open(kvf__transport *t, kvf__xfer *x) {
     free(g);
     return rc;
   }
+  kvf__tcp_rindex_build(&g->ix, &g->rs);
   g->x = x;
   g->peer = x->peer;
   g->total = x->dst.total;
@@ -102,6 +103,7 @@ static int tcp_grant_open(kvf__transport *t, kvf__xfer *x) {
   rc = kvf__map_put(&tt->grants, key, g);
   pthread_mutex_unlock(&tt->g_lock);
   if (rc) {
+    kvf__tcp_rindex_free(&g->ix);
     kvf__rangeset_free(&g->rs);
     free(g);
   }
@@ -151,6 +153,7 @@ static void tcp_grant_close(kvf__transport *t, kvf__xfer *x) {
   }
   kvf__map_del(&tt->grants, key);
   pthread_mutex_unlock(&tt->g_lock);
+  kvf__tcp_rindex_free(&g->ix);
   kvf__rangeset_free(&g->rs);
   free(g->marks);
   free(g);

@@ -129,6 +129,7 @@ typedef struct rgrant {
   kvf__xfer *x;
   kvf__peer *peer;
   kvf__rangeset rs;
+  kvf__tcp_rindex ix;    /* over rs, for pattern boxes */
   uint64_t total;
   uint64_t landed;
   int writers;

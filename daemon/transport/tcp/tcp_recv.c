@@ -219,21 +219,27 @@ static rgrant *open_grant_of(tcp_peer *tp, uint64_t handle) {
 
 /* Looks up and pins the grant a batch writes into; NULL when the batch must
  * be discarded. A batch with any entry outside its grant fails that grant.
- * The entries are e, or for a pattern batch pe. */
+ * The entries are e, or for a pattern batch pe. The check runs after the
+ * pin, outside g_lock: the grant's ranges do not change while it is open,
+ * and the pin keeps it (tcp_grant_close waits for its writers), so the
+ * receivers of a fan-in do not queue behind each other's checks. */
 static rgrant *pin_grant(tcp_peer *tp, const batch_hdr *h, batch_ent *e, kvf__tcp_pat *pe) {
   tcp_transport *tt = tp->tt;
   pthread_mutex_lock(&tt->g_lock);
   rgrant *g = open_grant_of(tp, h->handle);
-  uint32_t bad = !g ? h->count : pe ? kvf__tcp_pat_first_outside(&g->rs, pe, h->count)
+  if (g) g->writers++;
+  pthread_mutex_unlock(&tt->g_lock);
+  uint32_t bad = !g ? h->count : pe ? kvf__tcp_pat_first_outside_ix(&g->ix, pe, h->count)
                                     : first_outside(&g->rs, e, h->count);
+  pthread_mutex_lock(&tt->g_lock);
   if (bad < h->count) {
     kvf__warn("peer %s wrote outside grant %016llx (pool %u offset %llu%s): refused", tp->p->cfg.name,
               (unsigned long long)h->handle, pe ? pe[bad].pool : e[bad].pool,
               (unsigned long long)(pe ? pe[bad].off : e[bad].offset), pe ? ", a pattern" : "");
     kvf__tcp_post_event(tt, EV_DATA_ERROR, NULL, h->handle, KVF_EPERM, tp);
+    if (g && --g->writers == 0 && g->closed) pthread_cond_broadcast(&tt->g_cond);
     g = NULL;
   }
-  if (g) g->writers++;
   if (g && !h->sealed) g->unsealed = true;
   if (g && !g->first_ns) g->first_ns = kvf__now_ns();
   pthread_mutex_unlock(&tt->g_lock);
