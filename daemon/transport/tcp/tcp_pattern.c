@@ -402,6 +402,37 @@ void kvf__tcp_pshare_free(kvf__tcp_pshare *s) {
   *s = (kvf__tcp_pshare){0};
 }
 
+void kvf__tcp_pspare_init(kvf__tcp_pspare *sp) {
+  *sp = (kvf__tcp_pspare){.n = 0};
+  pthread_mutex_init(&sp->lock, NULL);
+}
+
+void kvf__tcp_pspare_destroy(kvf__tcp_pspare *sp) {
+  for (unsigned i = 0; i < sp->n; i++) kvf__tcp_pshare_free(&sp->v[i]);
+  sp->n = 0;
+  pthread_mutex_destroy(&sp->lock);
+}
+
+void kvf__tcp_pspare_take(kvf__tcp_pspare *sp, kvf__tcp_pshare *s) {
+  *s = (kvf__tcp_pshare){0};
+  pthread_mutex_lock(&sp->lock);
+  if (sp->n) *s = sp->v[--sp->n];
+  pthread_mutex_unlock(&sp->lock);
+}
+
+void kvf__tcp_pspare_give(kvf__tcp_pspare *sp, kvf__tcp_pshare *s) {
+  uint64_t bytes = s->cap * (sizeof(*s->p) + sizeof(*s->iov_end)) + s->cap_iov * sizeof(*s->iov);
+  s->n = s->n_iov = 0;
+  bool kept = false;
+  if (bytes <= KVF__TCP_PSPARE_BIG && s->cap) {
+    pthread_mutex_lock(&sp->lock);
+    if (sp->n < KVF__TCP_PSPARES) sp->v[sp->n++] = *s, kept = true;
+    pthread_mutex_unlock(&sp->lock);
+  }
+  if (!kept) kvf__tcp_pshare_free(s);
+  *s = (kvf__tcp_pshare){0};
+}
+
 int kvf__tcp_pat_batch(const kvf__tcp_pshare *s, size_t *next, uint64_t handle, uint8_t *hdr, uint8_t *ents,
                        struct iovec *iov, uint64_t *bytes) {
   int n = 2;
