@@ -75,18 +75,39 @@ bench_once() { # ARGS...
     --requests "$REQUESTS" "$@"
 }
 
+# Both daemons' CPU time so far (user + system, every thread), in clock ticks.
+daemon_ticks() {
+  t=0
+  for pid in $PIDS; do
+    # fields 14 and 15 of /proc/PID/stat, counted after the ")" that ends the name
+    set -- $(sed 's/.*) //' "/proc/$pid/stat")
+    t=$((t + ${12} + ${13}))
+  done
+  echo "$t"
+}
+
+# One run's JSON line with "daemon_cpu_s" added: both daemons' CPU seconds
+# over it, steadier on a shared machine than the wall clock (other
+# sessions' load stretches the wall clock, less the CPU the run itself used).
 run() { # TAG ARGS...
   tag=$1
   shift
-  [ -n "${PERF:-}" ] || { bench_once "$@"; return; }
-  mkdir -p "$PERF"
-  perf record -q -F 4000 -g -p "$(echo $PIDS | tr ' ' ,)" -o "$PERF/$tag.data" >/dev/null 2>&1 &
-  perf_pid=$!
-  sleep 0.5 # perf attaches before the run starts (a measurement aid only)
+  perf_pid=""
+  if [ -n "${PERF:-}" ]; then
+    mkdir -p "$PERF"
+    perf record -q -F 4000 -g -p "$(echo $PIDS | tr ' ' ,)" -o "$PERF/$tag.data" >/dev/null 2>&1 &
+    perf_pid=$!
+    sleep 0.5 # perf attaches before the run starts (a measurement aid only)
+  fi
+  t0=$(daemon_ticks)
   out=$(bench_once "$@")
-  kill -INT "$perf_pid"
-  wait "$perf_pid" || true
-  echo "$out"
+  t1=$(daemon_ticks)
+  if [ -n "$perf_pid" ]; then
+    kill -INT "$perf_pid"
+    wait "$perf_pid" || true
+  fi
+  python3 -c 'import json, sys; d = json.loads(sys.argv[1]); d["daemon_cpu_s"] = round(int(sys.argv[2]) / int(sys.argv[3]), 3); print(json.dumps(d))' \
+    "$out" "$((t1 - t0))" "$(getconf CLK_TCK)"
 }
 
 r=0
@@ -105,7 +126,9 @@ while [ "$r" -lt "$ROUNDS" ]; do
 import json, sys
 s, h = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 assert s["bytes"] == h["bytes"] and s["verified"] and h["verified"]
-print("round %s  %-70s %6.2f GB/s vs same layout %6.2f GB/s: %.2fx" % (sys.argv[3], sys.argv[4], h["gbps"], s["gbps"], h["gbps"] / s["gbps"]))' \
+print("round %s  %-70s %6.2f GB/s vs same layout %6.2f GB/s: %.2fx  (daemon CPU %.2f s vs %.2f s: %.2fx)" % (
+    sys.argv[3], sys.argv[4], h["gbps"], s["gbps"], h["gbps"] / s["gbps"], h["daemon_cpu_s"], s["daemon_cpu_s"],
+    h["daemon_cpu_s"] / s["daemon_cpu_s"]))' \
       "$same" "$het" "$r" "$c" >&2
   done
 done
