@@ -128,7 +128,23 @@ s, h = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 assert s["bytes"] == h["bytes"] and s["verified"] and h["verified"]
 print("round %s  %-70s %6.2f GB/s vs same layout %6.2f GB/s: %.2fx  (daemon CPU %.2f s vs %.2f s: %.2fx)" % (
     sys.argv[3], sys.argv[4], h["gbps"], s["gbps"], h["gbps"] / s["gbps"], h["daemon_cpu_s"], s["daemon_cpu_s"],
-    h["daemon_cpu_s"] / s["daemon_cpu_s"]))' \
-      "$same" "$het" "$r" "$c" >&2
+    h["daemon_cpu_s"] / s["daemon_cpu_s"]))
+with open(sys.argv[5], "a") as f:
+    f.write("%s\t%.4f\t%.4f\n" % (sys.argv[4], h["gbps"] / s["gbps"], h["daemon_cpu_s"] / s["daemon_cpu_s"]))' \
+      "$same" "$het" "$r" "$c" "$TMP/ratios" >&2
   done
 done
+
+# Several rounds: each case's ratios over them (median, range, rounds >= 0.8x).
+[ "$ROUNDS" -gt 1 ] && python3 -c '
+import collections, statistics, sys
+by = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    c, w, u = line.rstrip("\n").split("\t")
+    by[c].append((float(w), float(u)))
+for c, v in by.items():
+    w, u = [x[0] for x in v], [x[1] for x in v]
+    print("%-70s wall %.2fx median (%.2f-%.2f, %d of %d rounds >= 0.8x), daemon CPU %.2fx median" % (
+        c, statistics.median(w), min(w), max(w), sum(x >= 0.8 for x in w), len(w), statistics.median(u)))' \
+  "$TMP/ratios" >&2
+exit 0
