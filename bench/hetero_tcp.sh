@@ -23,6 +23,10 @@ POOL=${POOL:-2G}
 TOKENS=${TOKENS:-4096}
 REQUESTS=${REQUESTS:-3}
 ROUNDS=${ROUNDS:-1}
+# The default 700 ms took a peer for dead when other sessions' VMs held both
+# cores of the dev machine (KVF_EPEERLOST mid-run, either build): the
+# loop's heartbeats wait behind them. Not a throughput setting.
+PEER_TIMEOUT_MS=${PEER_TIMEOUT_MS:-5000}
 # the cases, words joined by _
 CASES=${CASES:-"--prefill-tp_8_--decode-tp_4 --prefill-tp_8_--decode-tp_4_--prefill-order_nhd_--decode-order_hnd
 --prefill-order_nhd_--decode-order_hnd"}
@@ -53,6 +57,7 @@ peer-listen 127.0.0.1:$2
 peer $3 127.0.0.1:$4
 pool kv host $POOL
 tcp-streams 4
+peer-timeout-ms $PEER_TIMEOUT_MS
 EOF2
 }
 write_conf a "$PORT_A" b "$PORT_B"
