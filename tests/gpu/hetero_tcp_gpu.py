@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Heterogeneous KV layouts over tcp into a cuda pool (issue 17, make
-check-gpu): two daemons on loopback, the decode side's layouts in a cuda:0
+"""Heterogeneous KV layouts over tcp into a cuda pool (issue 17; run by
+tests/gpu/run.sh, section 5b, so not named test_*.py: check-gpu's Python
+pass would run it twice): two daemons on loopback, the decode side's layouts in a cuda:0
 pool, the prefill side's in a host pool (the sender's pattern batches,
 read by the receiver into GPU staging: tcp_recv.c receive_pattern_gpu) or
 in a cuda:0 pool of its own (GPU -> GPU, staged on both sides). Every
