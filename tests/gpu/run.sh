@@ -17,6 +17,9 @@
 #   5. tcp-bounce handoffs between the two daemons, GPU->GPU, GPU->host,
 #      host->GPU, odd geometries (RECV_DONE's path is the receiving side's:
 #      tcp-bounce into a GPU pool, tcp into a host pool)
+#   5b. heterogeneous layouts (TP, order, tokens per block) over tcp into a
+#      cuda pool, every byte against a numpy reference (hetero_tcp_gpu.py;
+#      needs numpy and torch)
 #   6. kvferryctl status/pools/doctor; start failures that must be clear
 #
 # Needs at least one GPU; the GPU->GPU cases need two (skipped, and said,
@@ -208,6 +211,22 @@ bench t_tiny gpua gpub g0 b0 tcp-bounce --layers 4 --kv-heads 1 --head-dim 32 --
 bench t_d2h gpua gpub g0 bh tcp --model deepseek-v3 --tokens 1024 --layerwise
 bench t_h2d gpub gpua bh g1 tcp-bounce --layers 3 --kv-heads 5 --head-dim 33 --block-tokens 3 --dtype-bytes 1 --tokens 2000 --concurrency 2 --requests 4
 bench t_back gpub gpua b0 g0 tcp-bounce --model llama3-8b --tokens 2048 --send-first
+
+# ---------------------------------------------------------------- 5b. heterogeneous layouts over tcp
+# Issue 17 into a cuda pool (tests/gpu/hetero_tcp_gpu.py, two daemons of
+# its own): TP 8 -> 4 (a fan-in), 4 -> 8, NHD <-> HND, 16 <-> 64 tokens per
+# block, from a host pool (pattern batches read into GPU staging) and from
+# a cuda pool; every byte of every decode rank read back with torch and
+# compared with a numpy reference.
+if python3 -c 'import numpy, torch' 2>/dev/null; then
+  if BUILD=$BUILD timeout 300 python3 tests/gpu/hetero_tcp_gpu.py >"$TMP/hetero_tcp_gpu.log" 2>&1; then
+    ok "heterogeneous layouts over tcp into cuda:0: $(grep -c '^ok [0-9]* - ' "$TMP/hetero_tcp_gpu.log") tests, $(grep -c '# SKIP' "$TMP/hetero_tcp_gpu.log") skipped"
+  else
+    bad hetero_tcp_gpu "heterogeneous layouts over tcp into cuda:0"; grep -v '^ok' "$TMP/hetero_tcp_gpu.log" | tail -n 30
+  fi
+else
+  skipped "heterogeneous layouts over tcp into cuda:0: no numpy or torch"
+fi
 
 # ---------------------------------------------------------------- 4b. block transfers
 # KV layouts in cuda pools, granted and sent by block ids between two

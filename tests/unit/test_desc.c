@@ -741,6 +741,48 @@ static void test_rangeset_build(void **state) {
   kvf__descs_free(&d);
 }
 
+/* Many ranges of one pool in a random order (the radix path: at least 64,
+ * starts differing in several bytes), overlapping, touching and apart,
+ * against a map of which bytes were granted: the set is sorted, merged
+ * (no two touch) and holds exactly the granted bytes. */
+static void test_rangeset_radix_random(void **state) {
+  enum { N = 3000, SPAN = 1 << 18 };
+  static uint8_t granted[SPAN];
+  uint32_t *p = malloc(N * sizeof(*p));
+  uint64_t *o = malloc(N * sizeof(*o)), *l = malloc(N * sizeof(*l));
+  assert_non_null(p && o && l);
+  uint64_t x = 0x9e3779b97f4a7c15ull;
+  for (int round = 0; round < 4; round++) {
+    memset(granted, 0, sizeof(granted));
+    for (int i = 0; i < N; i++) {
+      x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+      p[i] = 7;
+      l[i] = 1 + (x >> 40) % (round == 3 ? 64 : 40);
+      o[i] = (x % (SPAN - 64)) & (round == 2 ? ~63ull : ~0ull);
+      memset(granted + o[i], 1, l[i]);
+    }
+    kvf__descs d;
+    mk(&d, p, o, l, N);
+    kvf__rangeset rs;
+    assert_int_equal(kvf__rangeset_build(&rs, &d), 0);
+    static uint8_t got[SPAN];
+    memset(got, 0, sizeof(got));
+    for (size_t i = 0; i < rs.n; i++) {
+      assert_int_equal(rs.v[i].pool, 7);
+      assert_true(rs.v[i].start < rs.v[i].end && rs.v[i].end <= SPAN);
+      if (i > 0) assert_true(rs.v[i - 1].end < rs.v[i].start);
+      memset(got + rs.v[i].start, 1, rs.v[i].end - rs.v[i].start);
+    }
+    assert_memory_equal(got, granted, SPAN);
+    for (uint64_t b = 0; b < SPAN; b += 97) assert_int_equal(kvf__rangeset_contains(&rs, 7, b, 1), granted[b]);
+    kvf__rangeset_free(&rs);
+    kvf__descs_free(&d);
+  }
+  free(p);
+  free(o);
+  free(l);
+}
+
 /* Two ranges in different pools that would be adjacent in offsets stay apart. */
 static void test_rangeset_no_cross_pool_merge(void **state) {
   uint32_t p[] = {0, 1};
@@ -830,6 +872,7 @@ int main(void) {
       cmocka_unit_test(test_coalesce_scattered),
       cmocka_unit_test(test_coalesce_mixed),
       cmocka_unit_test(test_rangeset_build),
+      cmocka_unit_test(test_rangeset_radix_random),
       cmocka_unit_test(test_rangeset_no_cross_pool_merge),
       cmocka_unit_test(test_rangeset_nested),
       cmocka_unit_test(test_rangeset_empty_and_many),

@@ -142,6 +142,65 @@ static void test_first_outside_many(void **state) {
   kvf__rangeset_free(&rs);
 }
 
+/* The receiver's granule table (kvf__tcp_rindex) answers as the binary
+ * search does: ranges of one pool at random places and lengths, clustered
+ * (many in a granule: the lookup's bounded steps, then the search) and
+ * apart, looked up at, near and across their edges; then boxes of whole
+ * batches through both. */
+static void test_rindex_agrees(void **state) {
+  (void)state;
+  enum { N = 4000 };
+  uint32_t *pool = malloc(N * sizeof(*pool));
+  uint64_t *off = malloc(N * sizeof(*off)), *len = malloc(N * sizeof(*len)), total = 0;
+  assert_true(pool && off && len);
+  uint64_t seed = 99;
+  for (int i = 0; i < N; i++) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    uint64_t r = seed >> 16;
+    pool[i] = 3;
+    off[i] = i % 5 == 0 ? 1000000 + (r % 4096) : (r % (1ull << 30)) + 4096;
+    len[i] = 1 + (r >> 33) % 9000;
+    total += len[i];
+  }
+  kvf__descs d = {pool, off, len, N, total};
+  kvf__rangeset rs;
+  assert_int_equal(kvf__rangeset_build(&rs, &d), 0);
+  kvf__tcp_rindex ix;
+  kvf__tcp_rindex_build(&ix, &rs);
+  assert_non_null(ix.first);
+  int held = 0;
+  for (int k = 0; k < 200000; k++) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    uint64_t r = seed >> 16;
+    const kvf__range *at = &rs.v[r % rs.n];
+    uint64_t o = (r >> 20) % 3 == 0 ? at->start + (r >> 24) % 64 - 8 : (r >> 22) % 3 == 0 ? at->end - (r >> 26) % 16
+                                                                                  : (r >> 12) % (1ull << 31);
+    uint64_t l = 1 + (r >> 40) % 64;
+    uint32_t p = (r >> 30) % 17 == 0 ? 4 : 3;
+    long want = kvf__ranges_find(rs.v, rs.n, p, o, l);
+    assert_int_equal(kvf__tcp_rindex_find(&ix, p, o, l), want);
+    held += want >= 0;
+  }
+  assert_true(held > 20000); /* both outcomes drawn often */
+  for (int round = 0; round < 5000; round++) {
+    kvf__tcp_pat e[8];
+    for (int i = 0; i < 8; i++) {
+      seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+      uint64_t r = seed >> 16;
+      const kvf__range *at = &rs.v[r % rs.n];
+      e[i] = (kvf__tcp_pat){.pool = 3, .len = 1 + (uint32_t)(r >> 20) % 32, .n1 = 1 + (uint32_t)(r >> 26) % 3,
+                            .n2 = 1 + (uint32_t)(r >> 28) % 3, .off = at->start + (r >> 30) % 64,
+                            .s1 = (r >> 36) % 64, .s2 = (r >> 42) % 256};
+    }
+    assert_int_equal(kvf__tcp_pat_first_outside_ix(&ix, e, 8), kvf__tcp_pat_first_outside(&rs, e, 8));
+  }
+  kvf__tcp_rindex_free(&ix);
+  kvf__rangeset_free(&rs);
+  free(pool);
+  free(off);
+  free(len);
+}
+
 static void test_check_malformed(void **state) {
   (void)state;
   kvf__rangeset rs;
@@ -348,6 +407,7 @@ int main(void) {
       cmocka_unit_test(test_check_edges),
       cmocka_unit_test(test_check_malformed),
       cmocka_unit_test(test_first_outside_many),
+      cmocka_unit_test(test_rindex_agrees),
       cmocka_unit_test(test_place),
       cmocka_unit_test(test_take),
       cmocka_unit_test(test_read_plan),

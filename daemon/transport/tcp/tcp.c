@@ -87,6 +87,7 @@ static int tcp_grant_open(kvf__transport *t, kvf__xfer *x) {
     free(g);
     return rc;
   }
+  kvf__tcp_rindex_build(&g->ix, &g->rs);
   g->x = x;
   g->peer = x->peer;
   g->total = x->dst.total;
@@ -102,6 +103,7 @@ static int tcp_grant_open(kvf__transport *t, kvf__xfer *x) {
   rc = kvf__map_put(&tt->grants, key, g);
   pthread_mutex_unlock(&tt->g_lock);
   if (rc) {
+    kvf__tcp_rindex_free(&g->ix);
     kvf__rangeset_free(&g->rs);
     free(g);
   }
@@ -151,6 +153,7 @@ static void tcp_grant_close(kvf__transport *t, kvf__xfer *x) {
   }
   kvf__map_del(&tt->grants, key);
   pthread_mutex_unlock(&tt->g_lock);
+  kvf__tcp_rindex_free(&g->ix);
   kvf__rangeset_free(&g->rs);
   free(g->marks);
   free(g);
@@ -221,7 +224,7 @@ static void drain_queues(tcp_peer *tp) {
     while (it) {
       item *next = it->next;
       if (it->tk) kvf__tcp_ticket_part_done(it->tk, KVF_EPEERLOST); /* a layer marker has none */
-      kvf__tcp_item_free(it);
+      kvf__tcp_item_free(tp->tt, it);
       it = next;
     }
   }
@@ -379,6 +382,7 @@ static void tcp_inspect(kvf__transport *t, char *buf, size_t len) {
 static void tcp_free(kvf__mailbox *mb) {
   tcp_transport *tt = kvf__container_of(mb, tcp_transport, mb);
   kvf__map_free(&tt->grants);
+  kvf__tcp_pspare_destroy(&tt->spare);
   pthread_mutex_destroy(&tt->g_lock);
   pthread_cond_destroy(&tt->g_cond);
   free(tt);
@@ -426,6 +430,7 @@ int kvf__tcp_create(uv_loop_t *loop, unsigned slot, kvf__transport **out, char *
   }
   pthread_mutex_init(&tt->g_lock, NULL);
   pthread_cond_init(&tt->g_cond, NULL);
+  kvf__tcp_pspare_init(&tt->spare);
   tt->n_workers = kvf__tcp_workers();
   rc = kvf__tcp_senders_start(tt);
   if (rc == 0) rc = kvf__tcp_receivers_start(tt);

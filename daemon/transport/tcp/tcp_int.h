@@ -129,6 +129,7 @@ typedef struct rgrant {
   kvf__xfer *x;
   kvf__peer *peer;
   kvf__rangeset rs;
+  kvf__tcp_rindex ix;    /* over rs, for pattern boxes */
   uint64_t total;
   uint64_t landed;
   int writers;
@@ -221,6 +222,7 @@ struct tcp_transport {
   kvf__map grants;         /* handle -> rgrant */
   uint64_t gen;
   _Atomic uint64_t pat_batches, pat_pieces, pat_sent; /* pattern batches read, their pieces; patterns sent */
+  kvf__tcp_pspare spare;   /* items' pattern arrays, for the next deal */
   /* The workers (tcp-threads a side): sending, a run queue of outbound
    * streams with items; receiving, an epoll set each. */
   unsigned n_workers;
@@ -253,7 +255,7 @@ void kvf__tcp_post_event(tcp_transport *tt, int kind, ticket *tk, uint64_t handl
 void kvf__tcp_ticket_part_done(ticket *tk, int status);
 
 /* tcp_send.c */
-void kvf__tcp_item_free(item *it);
+void kvf__tcp_item_free(tcp_transport *tt, item *it);
 void kvf__tcp_stage_free(gstage *g);
 gstage *kvf__tcp_stage_get(stream *s);
 /* The sender workers; the run queue (an outbound stream queued for its

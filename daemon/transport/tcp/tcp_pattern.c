@@ -4,6 +4,7 @@
 #include "tcp_pattern.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -28,7 +29,19 @@ static uint64_t get64(const uint8_t *p) {
   return v;
 }
 
+/* On a little-endian host the struct is the wire entry (the fields in
+ * wire order, no padding): one copy instead of 40 byte stores, which cost
+ * the sender 1.5% of a TP 8 -> 4 handoff's CPU (an entry a 4 KiB chunk). */
+#define PAT_AS_WIRE (__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__)
+_Static_assert(sizeof(kvf__tcp_pat) == KVF__TCP_PAT_ENT && offsetof(kvf__tcp_pat, off) == 16 &&
+                   offsetof(kvf__tcp_pat, s2) == 32,
+               "kvf__tcp_pat is laid out as its wire entry");
+
 void kvf__tcp_pat_encode(uint8_t out[KVF__TCP_PAT_ENT], const kvf__tcp_pat *p) {
+  if (PAT_AS_WIRE) {
+    memcpy(out, p, KVF__TCP_PAT_ENT);
+    return;
+  }
   kvf__frame_put_header(out, p->pool);
   kvf__frame_put_header(out + 4, p->len);
   kvf__frame_put_header(out + 8, p->n1);
@@ -42,7 +55,8 @@ int kvf__tcp_pat_decode(const uint8_t *raw, uint32_t count, kvf__tcp_pat *e, uin
   *bytes = 0;
   for (uint32_t i = 0; i < count; i++, raw += KVF__TCP_PAT_ENT) {
     kvf__tcp_pat *p = &e[i];
-    *p = (kvf__tcp_pat){kvf__frame_get_u32(raw), kvf__frame_get_u32(raw + 4), kvf__frame_get_u32(raw + 8),
+    if (PAT_AS_WIRE) memcpy(p, raw, KVF__TCP_PAT_ENT);
+    else *p = (kvf__tcp_pat){kvf__frame_get_u32(raw), kvf__frame_get_u32(raw + 4), kvf__frame_get_u32(raw + 8),
                         kvf__frame_get_u32(raw + 12), get64(raw + 16), get64(raw + 24), get64(raw + 32)};
     /* each factor is below 2^32: the product of two fits, then the bound */
     uint64_t pieces = (uint64_t)p->n1 * p->n2;
@@ -61,16 +75,66 @@ static bool box_end(const kvf__tcp_pat *p, uint64_t *end) {
          !__builtin_add_overflow(a, (uint64_t)p->len, &a) && !__builtin_add_overflow(a, p->off, end);
 }
 
-uint32_t kvf__tcp_pat_first_outside(const kvf__rangeset *rs, const kvf__tcp_pat *e, uint32_t count) {
-  long at = -1; /* the range that held the last box: a batch's boxes are mostly in a few (its blocks) */
+/* Granules per range at most: a table of 4 bytes a granule stays within
+ * 8 bytes a range, the set's own size is 24. */
+#define RINDEX_SPREAD 2u
+/* Ranges a lookup steps over before it searches instead. */
+#define RINDEX_STEPS 8u
+
+void kvf__tcp_rindex_build(kvf__tcp_rindex *ix, const kvf__rangeset *rs) {
+  *ix = (kvf__tcp_rindex){.rs = rs};
+  const kvf__range *v = rs->v;
+  size_t n = rs->n;
+  if (n < 64 || n > UINT32_MAX || v[0].pool != v[n - 1].pool) return; /* sorted by pool: one pool */
+  uint64_t span = v[n - 1].end - v[0].start;
+  unsigned shift = 0;
+  while ((span >> shift) > RINDEX_SPREAD * n) shift++;
+  uint64_t granules = (span >> shift) + 1;
+  uint32_t *first = malloc(granules * sizeof(*first));
+  if (!first) return;
+  size_t i = 0;
+  for (uint64_t g = 0; g < granules; g++) {
+    uint64_t base = v[0].start + (g << shift);
+    while (i + 1 < n && v[i + 1].start <= base) i++;
+    first[g] = (uint32_t)i;
+  }
+  *ix = (kvf__tcp_rindex){.rs = rs, .pool = v[0].pool, .lo = v[0].start, .shift = shift, .first = first,
+                          .n = granules};
+}
+
+void kvf__tcp_rindex_free(kvf__tcp_rindex *ix) {
+  free(ix->first);
+  *ix = (kvf__tcp_rindex){0};
+}
+
+long kvf__tcp_rindex_find(const kvf__tcp_rindex *ix, uint32_t pool, uint64_t off, uint64_t len) {
+  const kvf__range *v = ix->rs->v;
+  size_t n = ix->rs->n;
+  if (ix->first && pool == ix->pool && off >= ix->lo && (off - ix->lo) >> ix->shift < ix->n) {
+    size_t i = ix->first[(off - ix->lo) >> ix->shift]; /* v[i].start <= the granule's start <= off */
+    for (unsigned k = 0; k < RINDEX_STEPS && i + 1 < n && v[i + 1].start <= off; k++) i++;
+    if (i + 1 == n || v[i + 1].start > off) /* v[i]: the last range starting at or before off */
+      return kvf__range_holds(&v[i], pool, off, len) ? (long)i : -1;
+  }
+  return kvf__ranges_find(v, n, pool, off, len);
+}
+
+uint32_t kvf__tcp_pat_first_outside_ix(const kvf__tcp_rindex *ix, const kvf__tcp_pat *e, uint32_t count) {
+  const kvf__range *v = ix->rs->v;
+  long at = -1; /* the range that held the last box: a batch's boxes are often in a few (its blocks) */
   for (uint32_t i = 0; i < count; i++) {
     uint64_t end;
     if (e[i].len == 0 || !box_end(&e[i], &end)) return i;
-    if (at >= 0 && kvf__range_holds(&rs->v[at], e[i].pool, e[i].off, end - e[i].off)) continue;
-    at = kvf__ranges_find(rs->v, rs->n, e[i].pool, e[i].off, end - e[i].off);
+    if (at >= 0 && kvf__range_holds(&v[at], e[i].pool, e[i].off, end - e[i].off)) continue;
+    at = kvf__tcp_rindex_find(ix, e[i].pool, e[i].off, end - e[i].off);
     if (at < 0) return i;
   }
   return count;
+}
+
+uint32_t kvf__tcp_pat_first_outside(const kvf__rangeset *rs, const kvf__tcp_pat *e, uint32_t count) {
+  kvf__tcp_rindex ix = {.rs = rs}; /* no table: a binary search a box */
+  return kvf__tcp_pat_first_outside_ix(&ix, e, count);
 }
 
 int kvf__tcp_pattern_check(const uint8_t *buf, size_t len, const kvf__rangeset *rs, uint64_t *handle,
@@ -335,6 +399,37 @@ void kvf__tcp_pshare_free(kvf__tcp_pshare *s) {
   free(s->p);
   free(s->iov_end);
   free(s->iov);
+  *s = (kvf__tcp_pshare){0};
+}
+
+void kvf__tcp_pspare_init(kvf__tcp_pspare *sp) {
+  *sp = (kvf__tcp_pspare){.n = 0};
+  pthread_mutex_init(&sp->lock, NULL);
+}
+
+void kvf__tcp_pspare_destroy(kvf__tcp_pspare *sp) {
+  for (unsigned i = 0; i < sp->n; i++) kvf__tcp_pshare_free(&sp->v[i]);
+  sp->n = 0;
+  pthread_mutex_destroy(&sp->lock);
+}
+
+void kvf__tcp_pspare_take(kvf__tcp_pspare *sp, kvf__tcp_pshare *s) {
+  *s = (kvf__tcp_pshare){0};
+  pthread_mutex_lock(&sp->lock);
+  if (sp->n) *s = sp->v[--sp->n];
+  pthread_mutex_unlock(&sp->lock);
+}
+
+void kvf__tcp_pspare_give(kvf__tcp_pspare *sp, kvf__tcp_pshare *s) {
+  uint64_t bytes = s->cap * (sizeof(*s->p) + sizeof(*s->iov_end)) + s->cap_iov * sizeof(*s->iov);
+  s->n = s->n_iov = 0;
+  bool kept = false;
+  if (bytes <= KVF__TCP_PSPARE_BIG && s->cap) {
+    pthread_mutex_lock(&sp->lock);
+    if (sp->n < KVF__TCP_PSPARES) sp->v[sp->n++] = *s, kept = true;
+    pthread_mutex_unlock(&sp->lock);
+  }
+  if (!kept) kvf__tcp_pshare_free(s);
   *s = (kvf__tcp_pshare){0};
 }
 

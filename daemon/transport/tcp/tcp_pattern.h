@@ -28,6 +28,7 @@
 #ifndef KVF_TCP_PATTERN_H
 #define KVF_TCP_PATTERN_H
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -56,6 +57,33 @@ int kvf__tcp_pat_decode(const uint8_t *raw, uint32_t count, kvf__tcp_pat *e, uin
 /* The first entry with a piece outside rs (its box, above), count when
  * none. */
 uint32_t kvf__tcp_pat_first_outside(const kvf__rangeset *rs, const kvf__tcp_pat *e, uint32_t count);
+
+/* A receiver's lookup table over a grant's range set, for the boxes of
+ * pattern entries: a grant of blocks in an engine's order has ranges at
+ * random places (16,384 for a llama3-8b rank of 4,096 tokens), and a
+ * batch's 4 KiB chunks land in as many different blocks, so each box was
+ * a binary search through a few hundred KiB of ranges (3% of a TP 8 -> 4
+ * handoff's CPU, perf). The table maps a granule of the ranges' span to
+ * the last range starting at or before it; a lookup then steps over the
+ * few ranges starting within the granule. Without a table (small sets,
+ * several pools, out of memory) it is the binary search. */
+typedef struct kvf__tcp_rindex {
+  const kvf__rangeset *rs;
+  uint32_t pool;           /* of every range, with a table */
+  uint64_t lo;             /* the first range's start */
+  unsigned shift;          /* granule = 1 << shift bytes */
+  uint32_t *first;         /* per granule; NULL: no table */
+  uint64_t n;              /* granules */
+} kvf__tcp_rindex;
+
+/* ix over rs (which must outlive it); never fails: without memory for the
+ * table, lookups search. */
+void kvf__tcp_rindex_build(kvf__tcp_rindex *ix, const kvf__rangeset *rs);
+void kvf__tcp_rindex_free(kvf__tcp_rindex *ix);
+/* As kvf__ranges_find over ix->rs. */
+long kvf__tcp_rindex_find(const kvf__tcp_rindex *ix, uint32_t pool, uint64_t off, uint64_t len);
+/* kvf__tcp_pat_first_outside through ix. */
+uint32_t kvf__tcp_pat_first_outside_ix(const kvf__tcp_rindex *ix, const kvf__tcp_pat *e, uint32_t count);
 
 /* The checks a receiver makes of a pattern batch (buf: header and entries)
  * before it reads a payload byte, pure (tests, fuzz): 0 with *handle,
@@ -125,6 +153,27 @@ typedef struct kvf__tcp_pshare {
  * tcp.c's deal_frames does frames. 0 or -ENOMEM. */
 int kvf__tcp_pat_deal(const kvf__run *v, size_t n, kvf__tcp_pshare *sh, uint32_t n_sh, uint32_t *rr, bool small);
 void kvf__tcp_pshare_free(kvf__tcp_pshare *s);
+
+/* Spare pshare arrays, kept when an item is done and handed to the next
+ * deal: a TP 8 -> 4 request deals 131,072 patterns (8 MiB of entries and
+ * iovecs), and arrays grown afresh for every post cost the sending
+ * daemon's main thread a page fault (and a page cleared) every 4 KiB of
+ * them, 5% of the handoff's CPU on the dev machine (perf). At most
+ * KVF__TCP_PSPARES sets, none over KVF__TCP_PSPARE_BIG bytes, are kept. */
+#define KVF__TCP_PSPARES 32u
+#define KVF__TCP_PSPARE_BIG (4u << 20)
+typedef struct kvf__tcp_pspare {
+  pthread_mutex_t lock;
+  kvf__tcp_pshare v[KVF__TCP_PSPARES];
+  unsigned n;
+} kvf__tcp_pspare;
+
+void kvf__tcp_pspare_init(kvf__tcp_pspare *sp);
+void kvf__tcp_pspare_destroy(kvf__tcp_pspare *sp);
+/* *s becomes an empty share, with a spare's arrays when there is one. */
+void kvf__tcp_pspare_take(kvf__tcp_pspare *sp, kvf__tcp_pshare *s);
+/* s's arrays go back to the spares (or are freed); s is emptied. */
+void kvf__tcp_pspare_give(kvf__tcp_pspare *sp, kvf__tcp_pshare *s);
 
 /* The same for a part of blocks with a transform (b->xf), straight from
  * the plan: each chunk of kv_xform's walk (g tokens of one region in one

@@ -219,21 +219,27 @@ static rgrant *open_grant_of(tcp_peer *tp, uint64_t handle) {
 
 /* Looks up and pins the grant a batch writes into; NULL when the batch must
  * be discarded. A batch with any entry outside its grant fails that grant.
- * The entries are e, or for a pattern batch pe. */
+ * The entries are e, or for a pattern batch pe. The check runs after the
+ * pin, outside g_lock: the grant's ranges do not change while it is open,
+ * and the pin keeps it (tcp_grant_close waits for its writers), so the
+ * receivers of a fan-in do not queue behind each other's checks. */
 static rgrant *pin_grant(tcp_peer *tp, const batch_hdr *h, batch_ent *e, kvf__tcp_pat *pe) {
   tcp_transport *tt = tp->tt;
   pthread_mutex_lock(&tt->g_lock);
   rgrant *g = open_grant_of(tp, h->handle);
-  uint32_t bad = !g ? h->count : pe ? kvf__tcp_pat_first_outside(&g->rs, pe, h->count)
+  if (g) g->writers++;
+  pthread_mutex_unlock(&tt->g_lock);
+  uint32_t bad = !g ? h->count : pe ? kvf__tcp_pat_first_outside_ix(&g->ix, pe, h->count)
                                     : first_outside(&g->rs, e, h->count);
+  pthread_mutex_lock(&tt->g_lock);
   if (bad < h->count) {
     kvf__warn("peer %s wrote outside grant %016llx (pool %u offset %llu%s): refused", tp->p->cfg.name,
               (unsigned long long)h->handle, pe ? pe[bad].pool : e[bad].pool,
               (unsigned long long)(pe ? pe[bad].off : e[bad].offset), pe ? ", a pattern" : "");
     kvf__tcp_post_event(tt, EV_DATA_ERROR, NULL, h->handle, KVF_EPERM, tp);
+    if (g && --g->writers == 0 && g->closed) pthread_cond_broadcast(&tt->g_cond);
     g = NULL;
   }
-  if (g) g->writers++;
   if (g && !h->sealed) g->unsealed = true;
   if (g && !g->first_ns) g->first_ns = kvf__now_ns();
   pthread_mutex_unlock(&tt->g_lock);
@@ -245,7 +251,9 @@ static void unpin_grant(rgrant *g, tcp_peer *tp, uint64_t handle, uint64_t len) 
   pthread_mutex_lock(&tt->g_lock);
   g->writers--;
   g->landed += len;
-  if (!g->closed && g->landed == g->total) post_landed(tp, handle, g->first_ns, !g->unsealed);
+  /* len 0 (a failed batch, a guard's pin) lands nothing: the grant landed
+   * with the batch that brought its last byte, and is not posted twice */
+  if (len && !g->closed && g->landed == g->total) post_landed(tp, handle, g->first_ns, !g->unsealed);
   if (g->closed && g->writers == 0) pthread_cond_broadcast(&tt->g_cond);
   pthread_mutex_unlock(&tt->g_lock);
 }
@@ -378,30 +386,39 @@ static int receive_batch(stream *s, const batch_hdr *h, uint8_t *ahead, uint32_t
   return sunk ? discard(s->fd, rest, ahead, have) : rc;
 }
 
+static void pin_again(tcp_transport *tt, rgrant *g) {
+  pthread_mutex_lock(&tt->g_lock);
+  g->writers++; /* the grant waits for its writers */
+  pthread_mutex_unlock(&tt->g_lock);
+}
+
 /* A pattern batch into GPU pools: its pieces go through receive_batch_gpu
- * as plain entries, BATCH_FRAMES at a time, each share pinning g once more
- * (receive_batch_gpu unpins it). */
+ * as plain entries, BATCH_FRAMES at a time. Each share unpins g once (when
+ * its staged copies are done, which may be before the next share is
+ * read), so each after the first pins it again, and this holds a pin of
+ * its own meanwhile: without it the grant could close (cancel, deadline)
+ * and be freed between one share's unpin and the next one's pin. */
 static int receive_pattern_gpu(stream *s, const batch_hdr *h, const kvf__tcp_pat *pe, rgrant *g,
                                uint8_t *ahead, uint32_t *have) {
   batch_ent e[BATCH_FRAMES];
   uint32_t k = 0, i = 0;
   uint64_t piece = 0, bytes = 0;
   int rc = 0;
+  bool first = true;
+  pin_again(s->tp->tt, g); /* the guard */
   while (rc == 0 && i < h->count) {
     const kvf__tcp_pat *p = &pe[i];
     e[k++] = (batch_ent){p->pool, p->len, p->off + piece / p->n1 * p->s2 + piece % p->n1 * p->s1};
     bytes += p->len;
     if (++piece == (uint64_t)p->n1 * p->n2) piece = 0, i++;
     if (k < BATCH_FRAMES && i < h->count) continue;
+    if (!first) pin_again(s->tp->tt, g); /* the first share has pin_grant's */
+    first = false;
     batch_hdr sub = {DATA_MAGIC, k, h->handle, false};
     rc = receive_batch_gpu(s, &sub, e, g, bytes, i == h->count ? ahead : NULL, have);
     k = 0, bytes = 0;
-    if (rc == 0 && i < h->count) {
-      pthread_mutex_lock(&s->tp->tt->g_lock);
-      g->writers++; /* pinned: the grant waits for its writers */
-      pthread_mutex_unlock(&s->tp->tt->g_lock);
-    }
   }
+  unpin_grant(g, s->tp, h->handle, 0);
   return rc;
 }
 

@@ -22,9 +22,9 @@
 #include "tcp_io.h"
 #include "spin.h"
 
-void kvf__tcp_item_free(item *it) {
+void kvf__tcp_item_free(tcp_transport *tt, item *it) {
   free(it->w);
-  if (it->ps) kvf__tcp_pshare_free(it->ps);
+  if (it->ps) kvf__tcp_pspare_give(&tt->spare, it->ps);
   free(it->ps);
   free(it);
 }
@@ -429,7 +429,7 @@ static void serve_stream(stream *s) {
   while (budget > 0 && (it = stream_item(s)) != NULL) {
     bool done = send_item(s, it, &budget);
     s->cur = done ? NULL : it;
-    if (done) kvf__tcp_item_free(it);
+    if (done) kvf__tcp_item_free(s->tp->tt, it);
   }
   thread_last_ns = kvf__now_ns();
 }
@@ -538,9 +538,10 @@ static bool patterns_for(const tcp_peer *tp) { return offers(tp, KVF__TCP_PAT_CA
 
 /* deal_frames as patterns (kvf__tcp_pat_deal). */
 static int deal_patterns(tcp_peer *tp, const kvf__runs *runs, item **items) {
-  kvf__tcp_pshare sh[MAX_STREAMS] = {0};
+  kvf__tcp_pshare sh[MAX_STREAMS];
   for (uint32_t i = 0; i < tp->n_out; i++)
     if (!(items[i]->ps = calloc(1, sizeof(kvf__tcp_pshare)))) return -ENOMEM;
+  for (uint32_t i = 0; i < tp->n_out; i++) kvf__tcp_pspare_take(&tp->tt->spare, &sh[i]);
   int rc = kvf__tcp_pat_deal(runs->v, runs->n, sh, tp->n_out, &tp->rr, runs->bytes <= SMALL_POST);
   for (uint32_t i = 0; i < tp->n_out; i++) {
     *items[i]->ps = sh[i];
@@ -569,9 +570,10 @@ typedef struct dealing {
 
 static int deal(tcp_peer *tp, const dealing *d, item **items) {
   if (d->runs) return d->grouped ? deal_patterns(tp, d->runs, items) : deal_frames(tp, d->runs, items);
-  kvf__tcp_pshare sh[MAX_STREAMS] = {0};
+  kvf__tcp_pshare sh[MAX_STREAMS];
   for (uint32_t i = 0; i < tp->n_out; i++)
     if (!(items[i]->ps = calloc(1, sizeof(kvf__tcp_pshare)))) return -ENOMEM;
+  for (uint32_t i = 0; i < tp->n_out; i++) kvf__tcp_pspare_take(&tp->tt->spare, &sh[i]);
   const kvf__bpart *b = d->part; /* a small part on one stream, as deal_frames */
   bool small = kvf__xplan_bytes(&b->xf, b->n_layers, b->src->n_kv) <= SMALL_POST;
   int rc = kvf__tcp_pat_deal_plan(b, sh, tp->n_out, &tp->rr, small);
@@ -607,7 +609,7 @@ static int post_dealt(kvf__transport *t, kvf__xfer *x, const dealing *d, bool la
   if (rc == 0) rc = deal(tp, d, items);
   if (rc) {
     for (uint32_t i = 0; i < tp->n_out; i++)
-      if (items[i]) kvf__tcp_item_free(items[i]);
+      if (items[i]) kvf__tcp_item_free(tt, items[i]);
     free(tk);
     return rc;
   }
@@ -626,7 +628,7 @@ static int post_dealt(kvf__transport *t, kvf__xfer *x, const dealing *d, bool la
   for (uint32_t i = 0; i < tp->n_out; i++) {
     item *it = items[i];
     if (it->n == 0 && !(it->ps && it->ps->n)) {
-      kvf__tcp_item_free(it);
+      kvf__tcp_item_free(tt, it);
       continue;
     }
     it->tk = tk;
