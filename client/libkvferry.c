@@ -673,6 +673,7 @@ static int start_reader(kvf_client *c) {
   int rc = pthread_create(&c->reader, NULL, reader_main, c);
   pthread_sigmask(SIG_SETMASK, &old, NULL);
   if (rc) return -rc;
+  pthread_setname_np(c->reader, "kvf-client"); /* for ps, top, perf; failing is harmless */
   c->reader_started = true;
   return 0;
 }
