@@ -14,7 +14,9 @@
  * lay on every handoff's path (a tcp receiver's landing, a sender's
  * completion). A loop that stops spinning says so before it blocks, and
  * looks at the mailboxes once more (both sides sequentially consistent: a
- * post either sees the loop blocking and wakes it, or is seen).
+ * post either sees the loop blocking and wakes it, or is seen). The list
+ * of open mailboxes is the process's: one loop (the daemon's) inits and
+ * closes them.
  *
  * The mail's owner finds itself from the mail with kvf__container_of. */
 #ifndef KVF_MAILBOX_H
