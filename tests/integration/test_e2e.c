@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "harness.h"
 
@@ -267,6 +268,76 @@ static void test_event_fd(void **state) {
   H_OK(h_verify_dst(&E.dec, &x));
 }
 
+/* A client connected with KVFERRY_SPIN_US (read at connect). */
+static void spinning_client(h_client *hc, const h_daemon *d) {
+  setenv("KVFERRY_SPIN_US", "10000", 1);
+  int rc = h_client_open(hc, d);
+  unsetenv("KVFERRY_SPIN_US");
+  H_OK(rc);
+}
+
+/* This thread's sleeps so far (voluntary context switches). */
+static long thread_sleeps(void) {
+  struct rusage ru;
+  assert_int_equal(getrusage(RUSAGE_THREAD, &ru), 0);
+  return ru.ru_nvcsw;
+}
+
+/* With KVFERRY_SPIN_US a call that waits for the daemon's answer spins
+ * for it: the calling thread is not put to sleep and woken per call (it
+ * was, on the condition variable, once per call). Sleeps are counted
+ * (voluntary switches), which a loaded machine does not add: it preempts
+ * a spinning thread, it does not make it sleep. A few are allowed (the
+ * client's lock, contended by its reader). */
+static void test_spinning_call_does_not_sleep(void **state) {
+  enum { CALLS = 50 };
+  h_client sc = {0};
+  spinning_client(&sc, &E.p.decode);
+  kvf_pool_info pools[8];
+  for (int i = 0; i < 5; i++) assert_true(kvf_pools(sc.c, pools, 8) > 0);
+  long before = thread_sleeps();
+  for (int i = 0; i < CALLS; i++) assert_true(kvf_pools(sc.c, pools, 8) > 0);
+  long slept = thread_sleeps() - before;
+  h_client_close(&sc);
+  assert_true(slept < CALLS / 5);
+}
+
+/* With KVFERRY_SPIN_US the event fd is the set of the daemon's socket and
+ * the event eventfd: still quiet with nothing to take, readable when an
+ * event comes, quiet again once it was taken. */
+static void test_event_fd_spinning(void **state) {
+  enum { N = 4 };
+  kvf_desc src[N], dst[N];
+  kvf_event ev;
+  char id[64];
+  h_client sc = {0};
+  spinning_client(&sc, &E.p.decode);
+  int fd = kvf_event_fd(sc.c);
+  assert_true(fd >= 0);
+  struct pollfd p = {.fd = fd, .events = POLLIN};
+  assert_int_equal(poll(&p, 1, 0), 0);
+  h_id(id, sizeof id, "evfd-spin");
+  h_layout(src, N, E.pre.pool, 0, 4 * KIB, true, 560);
+  h_layout(dst, N, sc.pool, 0, 4 * KIB, true, 561);
+  h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N, .seed = 562};
+  H_OK(h_prepare(&E.pre, &sc, &x));
+  H_OK(h_post_grant(&sc, &x, "prefill"));
+  assert_int_equal(poll(&p, 1, 0), 0); /* the grant's answer was taken by the call */
+  H_OK(h_post_send(&E.pre, &x, "decode"));
+  int got = 0;
+  while (got == 0) { /* readable may come before the event is queued: take when there */
+    assert_int_equal(poll(&p, 1, 10000), 1);
+    got = kvf_wait_events(sc.c, &ev, 1, 0);
+    assert_true(got >= 0);
+  }
+  assert_string_equal(ev.xfer_id, id);
+  H_OK(h_check_event(&ev, KVF_EV_RECV_DONE, "tcp", "prefill", N * 4 * KIB, N));
+  assert_int_equal(poll(&p, 1, 0), 0);
+  H_OK(h_wait_event(&E.pre, id, KVF_EV_SEND_DONE, 10000, &ev));
+  H_OK(h_verify_dst(&sc, &x));
+  h_client_close(&sc);
+}
+
 /* The longest id the API allows travels whole, in both events. */
 static void test_longest_id(void **state) {
   enum { N = 4 };
@@ -417,6 +488,8 @@ int main(void) {
       cmocka_unit_test(test_grant_between_parts),
       cmocka_unit_test(test_many_outstanding),
       cmocka_unit_test(test_event_fd),
+      cmocka_unit_test(test_spinning_call_does_not_sleep),
+      cmocka_unit_test(test_event_fd_spinning),
       cmocka_unit_test(test_longest_id),
       cmocka_unit_test(test_concurrent_clients),
       cmocka_unit_test(test_local_grant_first),
