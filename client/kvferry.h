@@ -449,7 +449,12 @@ typedef struct kvf_event {
 } kvf_event;
 
 /* A file descriptor that polls readable while events are waiting; for an
- * engine's own event loop. Do not read or close it. */
+ * engine's own event loop. Do not read or close it. With $KVFERRY_SPIN_US
+ * (below) it also polls readable while the daemon's bytes wait to be read
+ * (an epoll set of both), so that the engine's thread wakes as an event
+ * arrives, while the library reads it, not after: kvf_wait_events then
+ * waits the few microseconds until it is queued, and may return 0 when
+ * the bytes were an answer to a call. */
 int kvf_event_fd(kvf_client *c);
 /* Takes up to cap waiting events. timeout_ms: 0 returns at once, -1 waits
  * without bound. Returns the number taken (0 on timeout) or an error.
@@ -462,7 +467,9 @@ int kvf_event_fd(kvf_client *c);
  * reader thread also polls the daemon socket for that long after each read
  * and each request written (a request written while it sleeps wakes it),
  * so that an event is not held behind the reader's own wake-up: a second
- * busy CPU while a transfer of this client is in flight. */
+ * busy CPU while a transfer of this client is in flight. Calls that wait
+ * for the daemon's answer (a send without KVF_NOWAIT, kvf_pools, ...)
+ * spin for it as long before they sleep. */
 #define KVF_SPIN_US_DEFAULT 0
 int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeout_ms);
 
