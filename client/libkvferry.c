@@ -25,6 +25,7 @@
 #include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -551,11 +552,11 @@ static void spin_reader_for_answer(kvf_client *c) {
 }
 
 /* A response arrived or the connection ended (mu held): wakes the
- * callers waiting for theirs, sleeping or spinning. */
-static void answered_locked(kvf_client *c) {
-  atomic_fetch_add_explicit(&c->answers, 1, memory_order_release);
-  pthread_cond_broadcast(&c->responded);
-}
+ * callers sleeping for theirs. The spinning ones are told by
+ * answered_unlocked, once mu is free: told earlier, they would block on
+ * it (a sleep, what they spin to avoid). */
+static void answered_locked(kvf_client *c) { pthread_cond_broadcast(&c->responded); }
+static void answered_unlocked(kvf_client *c) { atomic_fetch_add_explicit(&c->answers, 1, memory_order_release); }
 
 /* Polls the socket while the spin window is open; true once readable. */
 static bool spin_until_readable(kvf_client *c) {
@@ -617,6 +618,7 @@ static void deliver_response(kvf_client *c, Kvf__ApiMessage *msg, int fd) {
       p->done = true;
       answered_locked(c);
       pthread_mutex_unlock(&c->mu);
+      answered_unlocked(c);
       return;
     }
   }
@@ -690,6 +692,7 @@ static bool connection_lost(kvf_client *c) {
   pthread_cond_broadcast(&c->state_cv);
   bool again = c->conn == CONN_DOWN;
   pthread_mutex_unlock(&c->mu);
+  answered_unlocked(c);
   return again;
 }
 
@@ -874,7 +877,10 @@ static void spin_for_answer(kvf_client *c, const struct pending *p) {
       if (over) return;
       seen = now;
     }
-    if (i % 64 == 0 && mono_ns() >= end) return;
+    if (i % 64 == 0) {
+      if (mono_ns() >= end) return;
+      sched_yield(); /* where cores are short, the reader and the daemon run */
+    }
     cpu_relax();
   }
 }
@@ -2378,6 +2384,7 @@ static void next_gen(kvf_client *c) {
   c->gen++;
   answered_locked(c);
   pthread_mutex_unlock(&c->mu);
+  answered_unlocked(c);
 }
 
 static void mark_up(kvf_client *c) {

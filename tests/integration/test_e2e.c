@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <time.h>
 
 #include "harness.h"
 
@@ -286,20 +287,35 @@ static long thread_sleeps(void) {
 /* With KVFERRY_SPIN_US a call that waits for the daemon's answer spins
  * for it: the calling thread is not put to sleep and woken per call (it
  * was, on the condition variable, once per call). Sleeps are counted
- * (voluntary switches), which a loaded machine does not add: it preempts
- * a spinning thread, it does not make it sleep. A few are allowed (the
- * client's lock, contended by its reader). */
+ * (voluntary switches), which a loaded machine does not add to a call
+ * answered within the spin window: it preempts a spinning thread, it does
+ * not make it sleep. Calls slower than half the window (a daemon that did
+ * not get a CPU for milliseconds) are left out: their spin may have run
+ * out. A few sleeps are allowed (the client's lock, contended). */
 static void test_spinning_call_does_not_sleep(void **state) {
-  enum { CALLS = 50 };
+  enum { CALLS = 100, FAST_NS = 5000000 };
   h_client sc = {0};
   spinning_client(&sc, &E.p.decode);
   kvf_pool_info pools[8];
   for (int i = 0; i < 5; i++) assert_true(kvf_pools(sc.c, pools, 8) > 0);
-  long before = thread_sleeps();
-  for (int i = 0; i < CALLS; i++) assert_true(kvf_pools(sc.c, pools, 8) > 0);
-  long slept = thread_sleeps() - before;
+  long slept = 0, fast = 0;
+  for (int i = 0; i < CALLS; i++) {
+    struct timespec t0, t1;
+    long before = thread_sleeps();
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    assert_true(kvf_pools(sc.c, pools, 8) > 0);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    long ns = (t1.tv_sec - t0.tv_sec) * 1000000000L + (t1.tv_nsec - t0.tv_nsec);
+    if (ns >= FAST_NS) continue;
+    fast++;
+    slept += thread_sleeps() - before;
+  }
   h_client_close(&sc);
-  assert_true(slept < CALLS / 5);
+  if (fast < CALLS / 4) { /* three busy threads on a machine too busy to say */
+    fprintf(stderr, "# only %ld of %d calls within %d ms: not judged\n", fast, CALLS, FAST_NS / 1000000);
+    skip();
+  }
+  assert_in_range(slept, 0, fast / 5);
 }
 
 /* With KVFERRY_SPIN_US the event fd is the set of the daemon's socket and
