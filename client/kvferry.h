@@ -449,12 +449,7 @@ typedef struct kvf_event {
 } kvf_event;
 
 /* A file descriptor that polls readable while events are waiting; for an
- * engine's own event loop. Do not read or close it. With $KVFERRY_SPIN_US
- * (below) it also polls readable while the daemon's bytes wait to be read
- * (an epoll set of both), so that the engine's thread wakes as an event
- * arrives, while the library reads it, not after: kvf_wait_events then
- * waits the few microseconds until it is queued, and may return 0 when
- * the bytes were an answer to a call. */
+ * engine's own event loop. Do not read or close it. */
 int kvf_event_fd(kvf_client *c);
 /* Takes up to cap waiting events. timeout_ms: 0 returns at once, -1 waits
  * without bound. Returns the number taken (0 on timeout) or an error.

@@ -32,7 +32,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <poll.h>
@@ -150,10 +149,7 @@ struct kvf_client {
    * only by the reader while it reconnects (sock under write_mu and mu). */
   int sock;
   uint64_t sock_gen;  /* under write_mu: the connection sock belongs to */
-  int event_fd;       /* eventfd: raised while events wait (sync_event_fd) */
-  /* What kvf_event_fd hands out: event_fd itself, or with KVFERRY_SPIN_US
-   * an epoll set of event_fd and the daemon socket (while up). */
-  int poll_fd;
+  int event_fd;
   char *socket_path;
   int reconnect_ms;   /* 0: never */
   char node[KVF_NAME_MAX + 1];
@@ -203,7 +199,6 @@ struct kvf_client {
    * without the reader being woken first (0: never spins). */
   atomic_uint_fast64_t spin_until;
   atomic_bool reader_asleep; /* in poll, past its spin window */
-  atomic_bool reader_busy;   /* reading and dispatching what arrived */
   /* Counts `responded` broadcasts, so that a caller spinning for its
    * response sees one come without taking mu. */
   atomic_uint_fast64_t answers;
@@ -374,29 +369,6 @@ static void inflight_done(kvf_client *c, int type, const char *xfer_id) {
 }
 
 /* ------------------------------------------------------------ events */
-
-/* With KVFERRY_SPIN_US, kvf_event_fd is an epoll set of event_fd and the
- * daemon socket: an engine polling it wakes when the daemon's bytes
- * arrive, while the reader thread reads and queues them, rather than once
- * the reader has queued the event and raised event_fd (a wake-up after
- * the reader's work, on the handoff's path). kvf_wait_events then waits
- * for the reader's turn to end (reader_busy) before it takes the events.
- * The set may so poll readable for a response or briefly before the event
- * is queued: kvf_wait_events(0) returns 0 then, as the header says. */
-static int poll_set_new(kvf_client *c) {
-  c->poll_fd = epoll_create1(EPOLL_CLOEXEC);
-  if (c->poll_fd < 0) return -errno;
-  struct epoll_event ev = {.events = EPOLLIN, .data.fd = c->event_fd};
-  return epoll_ctl(c->poll_fd, EPOLL_CTL_ADD, c->event_fd, &ev) == 0 ? 0 : -errno;
-}
-
-/* The socket in the set while the connection is up (c->sock set). */
-static void poll_set_sock(kvf_client *c, bool in) {
-  if (c->poll_fd < 0 || c->sock < 0) return;
-  struct epoll_event ev = {.events = EPOLLIN, .data.fd = c->sock};
-  /* Failing leaves the engine woken by event_fd alone, as without spin. */
-  (void)epoll_ctl(c->poll_fd, in ? EPOLL_CTL_ADD : EPOLL_CTL_DEL, c->sock, &ev);
-}
 
 /* Keeps event_fd readable while events are queued or the connection is
  * gone for good (so that an engine polling only the fd still learns of
@@ -653,7 +625,8 @@ static int dispatch_frame(kvf_client *c, const uint8_t *payload, uint32_t len, u
 
 /* Reads once and dispatches every whole frame now held. Any error means the
  * stream can no longer be trusted. */
-static int pump_frames(kvf_client *c) {
+static int pump_inbound(kvf_client *c) {
+  if (c->spin_us) await_readable(c);
   int rc = read_inbound(c->sock, &c->in);
   if (rc) return rc;
   spin_window_open(c);
@@ -668,21 +641,11 @@ static int pump_frames(kvf_client *c) {
   return rc == 0 ? 0 : KVF_EPROTO; /* -EMSGSIZE: a frame over max_frame */
 }
 
-static int pump_inbound(kvf_client *c) {
-  if (!c->spin_us) return pump_frames(c);
-  await_readable(c);
-  atomic_store(&c->reader_busy, true); /* kvf_wait_events waits for this turn */
-  int rc = pump_frames(c);
-  atomic_store(&c->reader_busy, false);
-  return rc;
-}
-
 /* The connection broke: callers waiting for a response wake with
  * KVF_EDAEMON, transfers in flight get their events, and a new connection
  * number starts. Returns whether to reconnect. */
 static bool connection_lost(kvf_client *c) {
   pthread_mutex_lock(&c->mu);
-  poll_set_sock(c, false); /* a dead socket polls readable for ever */
   c->gen++;
   c->conn = c->closing || c->reconnect_ms == 0 ? CONN_GONE : CONN_DOWN;
   fail_inflight(c);
@@ -1031,7 +994,6 @@ static kvf_client *client_new(void) {
   kvf_client *c = calloc(1, sizeof(*c));
   if (!c) return NULL;
   c->sock = -1;
-  c->poll_fd = -1;
   c->event_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   c->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (c->event_fd < 0 || c->wake_fd < 0) {
@@ -1078,7 +1040,6 @@ static void client_free(kvf_client *c) {
   free_ids(c);
   free(c->socket_path);
   close(c->event_fd);
-  if (c->poll_fd >= 0) close(c->poll_fd);
   close(c->wake_fd);
   pthread_cond_destroy(&c->evented);
   pthread_cond_destroy(&c->state_cv);
@@ -1154,18 +1115,12 @@ KVF_API int kvf_connect_ex(const char *socket_path, const kvf_connect_opts *o, k
   c->reconnect_ms = reconnect_ms;
   c->spin_us = (unsigned)env_ms("KVFERRY_SPIN_US", KVF_SPIN_US_DEFAULT);
   if (c->spin_us > KVF__SPIN_US_MAX) c->spin_us = KVF__SPIN_US_MAX;
-  int rc = c->spin_us ? poll_set_new(c) : 0;
-  if (rc) {
-    client_free(c);
-    return rc;
-  }
   c->socket_path = strdup(resolve_socket_path(socket_path));
-  rc = c->socket_path ? connect_waiting(c, wait_ms, &c->sock) : -ENOMEM;
+  int rc = c->socket_path ? connect_waiting(c, wait_ms, &c->sock) : -ENOMEM;
   if (!rc) rc = exchange_hello(c);
   if (!rc) {
     set_socket_timeouts(c->sock, 0); /* from now on a slow daemon is waited for */
     c->conn = CONN_UP;
-    poll_set_sock(c, true);
     rc = start_reader(c);
   }
   if (rc) {
@@ -2391,7 +2346,6 @@ static void mark_up(kvf_client *c) {
   set_socket_timeouts(c->sock, 0);
   pthread_mutex_lock(&c->mu);
   c->conn = CONN_UP;
-  poll_set_sock(c, true);
   sync_event_fd(c);
   pthread_cond_broadcast(&c->state_cv);
   pthread_mutex_unlock(&c->mu);
@@ -2426,7 +2380,7 @@ static int reconnect(kvf_client *c) {
 
 /* ------------------------------------------------------------ events API */
 
-KVF_API int kvf_event_fd(kvf_client *c) { return c ? (c->poll_fd >= 0 ? c->poll_fd : c->event_fd) : KVF_EINVAL; }
+KVF_API int kvf_event_fd(kvf_client *c) { return c ? c->event_fd : KVF_EINVAL; }
 
 
 /* Sleeps once on `evented`; returns ETIMEDOUT when the wait is over. */
@@ -2448,33 +2402,11 @@ static void spin_for_event(kvf_client *c, uint64_t seen, uint64_t us) {
   }
 }
 
-/* Bytes from the daemon have arrived (kvf_event_fd's set woke the engine)
- * or the reader is reading them: waits up to READ_TURN_US for the
- * reader's turn to end, or an event to be queued (mu not held). */
-#define READ_TURN_US 50
-static void wait_reader_turn(kvf_client *c, int sock, uint64_t seen) {
-  struct pollfd p = {.fd = sock, .events = POLLIN};
-  if (!atomic_load(&c->reader_busy) && poll(&p, 1, 0) <= 0) return;
-  uint64_t end = mono_ns() + READ_TURN_US * 1000;
-  for (unsigned i = 1;; i++) {
-    if (atomic_load_explicit(&c->ev_count, memory_order_acquire) != seen) return;
-    if (i % 16 == 0 && (mono_ns() >= end || (!atomic_load(&c->reader_busy) && poll(&p, 1, 0) <= 0))) return;
-    cpu_relax();
-  }
-}
-
 KVF_API int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeout_ms) {
   if (!c || !out || cap == 0 || timeout_ms < -1) return KVF_EINVAL;
   struct timespec deadline = {0};
   if (timeout_ms > 0) deadline = deadline_after_ms(timeout_ms);
   pthread_mutex_lock(&c->mu);
-  if (!c->ev_head && c->conn == CONN_UP && c->poll_fd >= 0) {
-    uint64_t seen = atomic_load_explicit(&c->ev_count, memory_order_relaxed);
-    int sock = c->sock; /* changes only with conn, under mu; a stale one polls harmlessly */
-    pthread_mutex_unlock(&c->mu);
-    wait_reader_turn(c, sock, seen);
-    pthread_mutex_lock(&c->mu);
-  }
   if (!c->ev_head && c->conn == CONN_UP && timeout_ms != 0 && c->spin_us) {
     uint64_t seen = atomic_load_explicit(&c->ev_count, memory_order_relaxed);
     uint64_t us = timeout_ms > 0 && (uint64_t)timeout_ms * 1000 < c->spin_us ? (uint64_t)timeout_ms * 1000 : c->spin_us;
