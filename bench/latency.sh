@@ -19,7 +19,13 @@
 #                  (145 us a layer) ends: exposed time after the last layer
 #                  against one layer's wire time (goal <= 1.2x)
 # The kvferry cases print, with kvferry-bench --latency, where the p50
-# handoff's time went on each daemon (kvferryctl transfers --trace).
+# handoff's time went on each daemon (kvferryctl transfers --trace), and
+# which threads slept: sleeps_per_request gives, per daemon (a: prefill,
+# b: decode) and thread name (kvferryd = the loop, kvf-tcp-send,
+# kvf-tcp-recv), [voluntary, involuntary] context switches per request
+# over the case (a spinning thread is preempted, it does not sleep);
+# bench_sleeps_per_request the same for the bench process (kvferry-bench =
+# the engine thread, kvf-client = the library's reader threads).
 #
 # Output: one JSON line per case on stdout, each with "goal_us" (raw p50 +
 # 20 us) and the ratios against the raw baseline; progress on stderr.
