@@ -155,6 +155,9 @@ e2e e2e_tiny_blocks --layers 32 --kv-heads 1 --head-dim 2 --block-tokens 16 --dt
 e2e e2e_blocks_from_send --model llama3-8b --tokens 4096 --requests 16 --time-from-send --blocks
 e2e e2e_blocks_layerwise --model llama3-8b --tokens 4096 --requests 8 --layerwise --nowait --time-from-send --blocks
 e2e e2e_blocks_conc4 --model llama3-8b --tokens 4096 --requests 24 --concurrency 4 --time-from-send --blocks
+# the same with send calls that do not wait for the daemon (KVF_NOWAIT)
+e2e e2e_blocks_from_send_nowait --model llama3-8b --tokens 4096 --requests 16 --time-from-send --blocks --nowait
+e2e e2e_blocks_conc4_nowait --model llama3-8b --tokens 4096 --requests 24 --concurrency 4 --time-from-send --blocks --nowait
 # other chain shapes (KVFERRY_SEND_CHAIN=FIRST:MAX descriptors per frame)
 for ch in ${CHAINS:-}; do KVFERRY_SEND_CHAIN=$ch e2e "e2e_chain_$ch" --model llama3-8b --tokens 4096 --requests 16 --time-from-send; done
 E2E=$(python3 -c 'import json; print("%.1f" % json.load(open("'"$TMP"'/e2e_from_send.json"))["gbps"])' 2>/dev/null)

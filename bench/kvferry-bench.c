@@ -96,7 +96,7 @@ typedef struct opts {
   bool layer_events;      /* grants ask for KVF_EV_LAYER_DONE (with --blocks) */
   bool whole;             /* with compute: one send after the last layer */
   bool compute;           /* --compute-us-per-layer given: emulate prefill */
-  bool nowait;            /* parts after the first with KVF_SEND_NOWAIT */
+  bool nowait;            /* every send call (each part) with KVF_NOWAIT */
   kvfb_het het;           /* --prefill-tp and the rest: heterogeneous layouts (bench_hetero.c) */
   uint64_t compute_us;    /* per layer */
   bool latency;           /* --latency: the p50 handoff's hops from the daemons' traces */
@@ -541,7 +541,7 @@ static int post_grant(bench *b, req *r) {
  * blocks, the first part names the ids and later ones continue with them. */
 static int send_part(bench *b, req *r, uint64_t l, uint64_t parts) {
   unsigned flags = l + 1 < parts ? KVF_SEND_MORE : 0;
-  if (l && b->o.nowait) flags |= KVF_SEND_NOWAIT; /* refusals come in SEND_DONE */
+  if (b->o.nowait) flags |= KVF_NOWAIT; /* refusals come in SEND_DONE */
   int64_t t0 = now_ns();
   if (!(flags & KVF_SEND_MORE)) r->t_last_send = t0;
   int rc;
@@ -1150,8 +1150,9 @@ static void usage(FILE *f) {
     "                       the compute to RECV_DONE) and last_send_late_p50_us\n"
     "                       (end of the compute to the last send call)\n"
     "  --whole              with --compute-us-per-layer: one send after all layers\n"
-    "  --nowait             with --layerwise: parts after the first are not awaited\n"
-    "                       (KVF_SEND_NOWAIT); a refused part fails the send\n"
+    "  --nowait             send calls (every part) do not wait for the daemon's\n"
+    "                       answer (KVF_NOWAIT); a refusal comes as the SEND_DONE\n"
+    "                       and fails the run\n"
     "  --send-first         post the send before the grant\n"
     "  --time-from-send     post the grant first, untimed; latency runs from the\n"
     "                       send to RECV_DONE\n"
@@ -1296,7 +1297,6 @@ static int check_opts(const opts *o) {
   else if (o->compute && !o->whole && !o->layerwise)
     bad = "--compute-us-per-layer needs --layerwise or --whole";
   else if (o->compute && o->send_first) bad = "--send-first and --compute-us-per-layer exclude each other";
-  else if (o->nowait && !o->layerwise) bad = "--nowait needs --layerwise (only a later part can go unawaited)";
   if (bad) {
     fprintf(stderr, "kvferry-bench: %s\n", bad);
     return -1;

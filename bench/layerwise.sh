@@ -151,6 +151,16 @@ for t in $TOKENS; do
       fi
       tail -n 1 "$TMP/one.json" >>"$TMP/all.json"
     done
+    # One layer's transfer, measured: the same bytes as one layer's part,
+    # sent alone as a request of one layer (send call to RECV_DONE, with the
+    # grant in place), what the last layer's part has left to do at best.
+    say "$t tokens, $api, one layer alone, $n requests"
+    if ! "$BUILD/kvferry-bench" "${BENCH_ARGS[@]}" --model llama3-8b --layers 1 --tokens "$t" --requests "$n" \
+        --time-from-send "${extra[@]}" --json >"$TMP/one.json" 2>"$TMP/one.err"; then
+      cat "$TMP/one.json" "$TMP/one.err" >&2
+      die "kvferry-bench failed ($t tokens, $api, one layer alone)"
+    fi
+    tail -n 1 "$TMP/one.json" | python3 -c 'import json,sys; d=json.loads(sys.stdin.read()); d["mode"]="alone"; d["tokens"]=int(sys.argv[1]); print(json.dumps(d))' "$t" >>"$TMP/all.json"
   done
 done
 [ -z "$JSON_OUT" ] || cp "$TMP/all.json" "$JSON_OUT"
@@ -188,24 +198,29 @@ out.append("Exposed time: from the end of the last layer's compute, when its sen
 out.append("last layer's part, or the whole request) is due, to RECV_DONE, p50 / p99 over")
 out.append("the requests, in ms; layer-wise parts after the first go with KVF_SEND_NOWAIT.")
 out.append("\"Late\": how long after the compute the last send call was made (p50),")
-out.append("layer-wise. \"One layer\" is the whole request's exposed p50 / %d: what one" % layers)
-out.append("layer's transfer takes.")
+out.append("layer-wise. \"One layer\": what one layer's transfer takes, measured as a")
+out.append("request of that one layer's bytes sent alone (send call to RECV_DONE, p50),")
+out.append("and, for comparison, the whole request's exposed p50 / %d (its share of a" % layers)
+out.append("pipelined transfer, without a transfer's fixed cost). The goal is checked")
+out.append("against the measured one where the run has it.")
 out.append("")
-out.append("| tokens | MiB | api | compute/layer | whole p50 / p99 | layer-wise p50 / p99 | layer-wise / whole | late | one layer | req |")
-out.append("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+out.append("| tokens | MiB | api | compute/layer | whole p50 / p99 | layer-wise p50 / p99 | layer-wise / whole | late | one layer alone | whole / %d | req |" % layers)
+out.append("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 def measured():
     """(tokens, api, whole, layer-wise, one layer's transfer) of each length and API both modes ran."""
     for t in tokens:
         for a in apis:
-            w, l = by.get((t, a, "whole")), by.get((t, a, "layerwise"))
+            w, l, one = by.get((t, a, "whole")), by.get((t, a, "layerwise")), by.get((t, a, "alone"))
             if w and l:
-                yield t, a, w, l, w["exposed_p50_us"] / layers
+                yield t, a, w, l, one["p50_us"] if one else w["exposed_p50_us"] / layers
 for t, a, w, l, one in measured():
-    out.append("| %d | %.0f | %s | %.2f ms | %.2f / %.2f | %.2f / %.2f | %.2fx | %.2f ms | %.2f ms | %d |" % (
+    alone = by.get((t, a, "alone"))
+    out.append("| %d | %.0f | %s | %.2f ms | %.2f / %.2f | %.2f / %.2f | %.2fx | %.2f ms | %s | %.2f ms | %d |" % (
         t, w["bytes"] / w["requests"] / 2**20, a, w["compute_us_per_layer"] / 1e3,
         w["exposed_p50_us"] / 1e3, w["exposed_p99_us"] / 1e3, l["exposed_p50_us"] / 1e3,
         l["exposed_p99_us"] / 1e3, l["exposed_p50_us"] / w["exposed_p50_us"],
-        l.get("last_send_late_p50_us", 0) / 1e3, one / 1e3, w["requests"]))
+        l.get("last_send_late_p50_us", 0) / 1e3, "%.3f ms" % (alone["p50_us"] / 1e3) if alone else "-",
+        w["exposed_p50_us"] / layers / 1e3, w["requests"]))
 out.append("")
 # The issue's goal, checked where it applies.
 notes = []

@@ -2050,6 +2050,7 @@ static void mem_request(const struct engine_mem *em, const char *name, Kvf__MemR
     /* the VMM fd; or, with the IPC handle, the allocation's dmabuf */
     *fd_out = em->fd;
     if (!em->vmm) body->cuda_ipc_handle = (ProtobufCBinaryData){sizeof(em->ex.ipc), (uint8_t *)em->ex.ipc};
+    body->cuda_pci_bus_id = (char *)em->ex.bus_id;
   }
   body->kind = kind;
   body->has_fd = *fd_out >= 0;

@@ -265,6 +265,10 @@ static int export_in_context(CUdeviceptr p, uint64_t size, kvf__cuda_export *ex)
   }
   if (rc == 0) {
     ex->dev = ord;
+    CUdevice od;
+    if (cu.DeviceGet(&od, ord) != KVF_CU_SUCCESS ||
+        cu.DeviceGetPCIBusId(ex->bus_id, (int)sizeof(ex->bus_id), od) != KVF_CU_SUCCESS)
+      ex->bus_id[0] = 0; /* the daemon then goes by the ordinal alone */
     ex->alloc_base = base;
     ex->alloc_size = asz;
     rc = export_handle(base, ex);

@@ -33,6 +33,7 @@ typedef struct kvf__cuda_export {
   uint64_t alloc_size;
   int fd;                  /* VMM allocation exported as a POSIX fd, or -1 */
   uint8_t ipc[64];         /* else its CUipcMemHandle */
+  char bus_id[32];         /* dev's PCI bus id ("0000:19:00.0"), or "" */
 } kvf__cuda_export;
 /* Fills *ex for the allocation holding [dptr, dptr + size): the VMM fd when
  * the allocation allows it (cuMemRetainAllocationHandle +

@@ -163,8 +163,9 @@ static int import_cuda(int fd, const Kvf__MemRegisterReq *q, kvf__pool *p, engin
     snprintf(err, errlen, "kind %s needs CUDA, which is unavailable to kvferryd: %s", q->kind, kvf__gpu_why());
     return -ENODEV;
   }
-  /* the engine's device number is a first guess (see below) */
-  if (p->cuda_dev >= kvf__gpu_count()) p->cuda_dev = 0;
+  /* the engine's device number is a first guess (see below); its GPU's
+   * bus id, when it sent one, says where the allocation is */
+  p->cuda_dev = kvf__gpu_resolve_dev(p->cuda_dev, q->cuda_pci_bus_id);
   if (q->offset > q->alloc_size || q->size > q->alloc_size - q->offset) {
     snprintf(err, errlen, "offset %llu + size %llu passes the end of the allocation (%llu bytes)",
              (unsigned long long)q->offset, (unsigned long long)q->size, (unsigned long long)q->alloc_size);

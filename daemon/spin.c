@@ -32,6 +32,14 @@ void kvf__spin_expect(bool recv) {
   extend(recv ? KVF__SPIN_RECV : KVF__SPIN_SEND, until);
 }
 
+void kvf__spin_expect_gpu(void) {
+  uint64_t win = atomic_load_explicit(&grant_ns, memory_order_relaxed);
+  if (!win) return;
+  uint64_t until = kvf__now_ns() + win;
+  extend(KVF__SPIN_LOOP, until);
+  extend(KVF__SPIN_GPU, until);
+}
+
 bool kvf__spin_open(int what, uint64_t last_ns) {
   if (atomic_load_explicit(&always, memory_order_relaxed)) return true;
   uint64_t own = atomic_load_explicit(&own_ns, memory_order_relaxed);

@@ -23,11 +23,16 @@
 #include <stdint.h>
 #include <uv.h>
 
-enum { KVF__SPIN_LOOP, KVF__SPIN_SEND, KVF__SPIN_RECV, KVF__SPIN_N };
+enum { KVF__SPIN_LOOP, KVF__SPIN_SEND, KVF__SPIN_RECV, KVF__SPIN_GPU, KVF__SPIN_N };
 
 /* A grant was opened here (recv) or a peer's grant came ahead of our send
  * (!recv): the loop and that side's threads poll for spin-grant-us. */
 void kvf__spin_expect(bool recv);
+/* A GPU copy was launched from the loop: its completion thread (gpu.c's
+ * reaper) and the loop poll for spin-grant-us, so that the copy's end
+ * reaches the client without two wake-ups (a kernel of a layer part takes
+ * microseconds; a thread that slept takes tens to wake). */
+void kvf__spin_expect_gpu(void);
 /* Whether a waiting point of kind `what` whose last activity was at
  * last_ns (0: none) keeps polling now. */
 bool kvf__spin_open(int what, uint64_t last_ns);

@@ -18,8 +18,10 @@
 #include "gpu_int.h"
 #include "kernel_image.h"
 #include "kv_xform.h"
+#include "kvferryd.h"
 #include "layout.h"
 #include "log.h"
+#include "spin.h"
 
 #define STAGE_BYTES (64u << 20)     /* copy_all's staging, two halves */
 #define DEFAULT_THREADS 256u
@@ -1031,10 +1033,25 @@ static struct {
   job *head, **tail;
 } R = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
+/* Waits for the next job: polls while the spin window is open (spin.h:
+ * a launch opened it, or a job just finished), else sleeps. R.mu held. */
+static void reaper_wait(uint64_t last_done) {
+  while (!R.head && !R.stop) {
+    if (!kvf__spin_open(KVF__SPIN_GPU, last_done)) {
+      pthread_cond_wait(&R.cv, &R.mu);
+      continue;
+    }
+    pthread_mutex_unlock(&R.mu);
+    kvf__spin_relax();
+    pthread_mutex_lock(&R.mu);
+  }
+}
+
 static void *reaper_main(void *unused) {
+  uint64_t last_done = 0;
   pthread_mutex_lock(&R.mu);
   for (;;) {
-    while (!R.head && !R.stop) pthread_cond_wait(&R.cv, &R.mu);
+    reaper_wait(last_done);
     job *j = R.head;
     if (!j) break;
     R.head = j->next;
@@ -1044,6 +1061,7 @@ static void *reaper_main(void *unused) {
     int rc = finish_copier(j->c, 0, &ms);
     j->done(j->arg, rc, ms);
     free(j);
+    last_done = kvf__now_ns();
     pthread_mutex_lock(&R.mu);
   }
   pthread_mutex_unlock(&R.mu);

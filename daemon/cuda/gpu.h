@@ -95,6 +95,11 @@ typedef struct kvf__gpu_import {
  * shares the first open; each import is released on its own. */
 int kvf__gpu_import_ipc(int dev, const uint8_t handle[64], uint64_t alloc_size, kvf__gpu_import *im, char *err,
                         size_t errlen);
+/* The daemon's device for an engine's allocation: the GPU whose PCI bus id
+ * is bus_id (any case) when there is one, else the engine's ordinal guess
+ * (0 when out of range). An IPC handle cannot tell its GPU after the open
+ * (the mapping reports the opener's), so the bus id is what finds it. */
+int kvf__gpu_resolve_dev(int guess, const char *bus_id);
 /* A VMM allocation by its POSIX fd (cuMemImportFromShareableHandle, then
  * mapped at a fresh address, read-write for its GPU and that GPU's peers).
  * The caller keeps fd. */

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
+#include <strings.h>
 
 #include "gpu.h"
 #include "gpu_int.h"
@@ -39,6 +40,14 @@ static int ready_driver(const kvf_cu **cu, char *err, size_t errlen) {
   if (*cu) return 0;
   snprintf(err, errlen, "no CUDA in the daemon: %s", kvf__gpu_why());
   return -ENODEV;
+}
+
+int kvf__gpu_resolve_dev(int guess, const char *bus_id) {
+  int n = kvf__gpu_count();
+  kvf__gpu_info info;
+  for (int i = 0; bus_id && *bus_id && i < n; i++)
+    if (kvf__gpu_info_get(i, &info) == 0 && strcasecmp(info.bdf, bus_id) == 0) return i;
+  return guess >= 0 && guess < n ? guess : 0;
 }
 
 /* ------------------------------------------------------------ CUDA IPC */

@@ -184,11 +184,13 @@ static int wait_n(kvf_client *c, int type, int count, const char *path) {
 }
 
 /* w transfers of src's sids to dst's dids at once, parts layer parts
- * each (1: whole; later parts with later_flags, e.g. KVF_SEND_NOWAIT); the
- * grants go first. *send_us: the send calls' time,
+ * each (1: whole; later parts with later_flags, e.g. KVF_NOWAIT; with
+ * all_nowait every part, the first too, goes with KVF_NOWAIT: the call
+ * returns once the request is written); the grants go first. *send_us: the send calls' time,
  * *done_us: from the first send call to the last RECV_DONE. */
 static int wave(cache *src, cache *dst, const uint32_t *sids, const uint32_t *dids, size_t n, int w, uint32_t parts,
-                unsigned later_flags, const char *node, const char *path, double *send_us, double *done_us) {
+                unsigned later_flags, bool all_nowait, const char *node, const char *path, double *send_us,
+                double *done_us) {
   static unsigned seq;
   char x[4][48];
   kvf_blocks g = {.layout = dst->id, .ids = dids, .n = n};
@@ -202,7 +204,8 @@ static int wave(cache *src, cache *dst, const uint32_t *sids, const uint32_t *di
   for (int i = 0; i < w; i++)
     for (uint32_t l = 0; l < 32; l += per) {
       kvf_blocks b = {.layout = src->id, .ids = l ? NULL : sids, .n = l ? 0 : n, .first_layer = l, .n_layers = per};
-      int rc = kvf_send_blocks(src->s->c, x[i], node, &b, (l + per < 32 ? KVF_SEND_MORE : 0) | (l ? later_flags : 0), 0);
+      unsigned flags = (l + per < 32 ? KVF_SEND_MORE : 0) | (l ? later_flags : 0) | (all_nowait ? KVF_NOWAIT : 0);
+      int rc = kvf_send_blocks(src->s->c, x[i], node, &b, flags, 0);
       if (rc) return fail("kvf_send_blocks: %s", kvf_strerror(rc));
     }
   *send_us = gt_now_us() - t0;
@@ -216,9 +219,11 @@ static int bench(cache *src, cache *dst, const char *node, const char *path, int
   uint64_t bytes = n * 64 * src->l.block_bytes;
   uint8_t *hs = malloc(src->span), *want = malloc(dst->span), *got = malloc(dst->span);
   uint32_t sids[256], dids[256];
-  double *v[6];
-  for (int k = 0; k < 6; k++) v[k] = calloc((size_t)reps, sizeof(double));
-  if (!hs || !want || !got || !v[0] || !v[1] || !v[2] || !v[3] || !v[4] || !v[5]) return fail("out of memory");
+  enum { NV = 10 };
+  double *v[NV];
+  bool have = hs && want && got;
+  for (int k = 0; k < NV; k++) have = (v[k] = calloc((size_t)reps, sizeof(double))) != NULL && have;
+  if (!have) return fail("out of memory");
   for (uint64_t i = 0; i + 8 <= src->span; i += 8) {
     uint64_t r = rnd();
     memcpy(hs + i, &r, 8);
@@ -241,13 +246,17 @@ static int bench(cache *src, cache *dst, const char *node, const char *path, int
   if (cu.MemcpyHtoD(src->s->base + src->off, hs, src->span) || cu.MemsetD8(dst->s->base + dst->off, 0x5a, dst->span))
     rc = fail("bench: writing the caches");
   double s, d;
-  if (rc == 0) rc = wave(src, dst, sids, dids, n, 1, 1, 0, node, path, &s, &d); /* warm-up */
+  if (rc == 0) rc = wave(src, dst, sids, dids, n, 1, 1, 0, false, node, path, &s, &d); /* warm-up */
   for (int r = 0; r < reps && rc == 0; r++) {
-    rc = wave(src, dst, sids, dids, n, 1, 1, 0, node, path, &v[0][r], &v[1][r]);
-    if (rc == 0) rc = wave(src, dst, sids, dids, n, 1, 32, 0, node, path, &s, &v[2][r]);
-    if (rc == 0) rc = wave(src, dst, sids, dids, n, 1, 32, KVF_SEND_NOWAIT, node, path, &s, &v[5][r]);
-    if (rc == 0) rc = wave(src, dst, sids, dids, n, 4, 1, 0, node, path, &s, &v[3][r]);
+    rc = wave(src, dst, sids, dids, n, 1, 1, 0, false, node, path, &v[0][r], &v[1][r]);
+    if (rc == 0) rc = wave(src, dst, sids, dids, n, 1, 32, 0, false, node, path, &s, &v[2][r]);
+    if (rc == 0) rc = wave(src, dst, sids, dids, n, 1, 32, KVF_NOWAIT, false, node, path, &s, &v[5][r]);
+    if (rc == 0) rc = wave(src, dst, sids, dids, n, 4, 1, 0, false, node, path, &s, &v[3][r]);
     v[4][r] = s;
+    /* the same with every call not waiting (issue 16's submission) */
+    if (rc == 0) rc = wave(src, dst, sids, dids, n, 1, 1, 0, true, node, path, &v[6][r], &v[7][r]);
+    if (rc == 0) rc = wave(src, dst, sids, dids, n, 1, 32, 0, true, node, path, &s, &v[8][r]);
+    if (rc == 0) rc = wave(src, dst, sids, dids, n, 4, 1, 0, true, node, path, &s, &v[9][r]);
   }
   if (rc == 0 && cu.MemcpyDtoH(got, dst->s->base + dst->off, dst->span)) rc = fail("bench: reading back");
   if (rc == 0 && memcmp(got, want, dst->span) != 0) rc = fail("bench: the receiver's cache differs");
@@ -261,11 +270,17 @@ static int bench(cache *src, cache *dst, const char *node, const char *path, int
            "\"inflight4_send_calls_us_p50\": %.1f, \"verified\": true}\n",
            path, bytes, n, send, whole, (double)bytes / whole / 1e3, p32, whole / p32, p32nw, whole / p32nw, w4,
            4.0 * (double)bytes / w4 / 1e3, gt_median(v[4], reps));
+    double nw_whole = gt_median(v[7], reps), nw_p32 = gt_median(v[8], reps), nw_w4 = gt_median(v[9], reps);
+    printf("{\"what\": \"blocks_daemon_nowait\", \"path\": \"%s\", \"bytes\": %" PRIu64 ", \"blocks\": %zu, "
+           "\"send_call_us_p50\": %.1f, \"whole_us_p50\": %.1f, \"whole_gbps\": %.1f, \"parts32_us_p50\": %.1f, "
+           "\"parts32_vs_whole\": %.3f, \"inflight4_us_p50\": %.1f, \"inflight4_gbps\": %.1f, \"verified\": true}\n",
+           path, bytes, n, gt_median(v[6], reps), nw_whole, (double)bytes / nw_whole / 1e3, nw_p32, nw_whole / nw_p32,
+           nw_w4, 4.0 * (double)bytes / nw_w4 / 1e3);
   }
   free(hs);
   free(want);
   free(got);
-  for (int k = 0; k < 6; k++) free(v[k]);
+  for (int k = 0; k < NV; k++) free(v[k]);
   return rc;
 }
 

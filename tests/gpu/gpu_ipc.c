@@ -69,6 +69,7 @@ typedef struct msg {
   int dev;
   uint64_t alloc_size, off, len, seed;
   uint8_t ipc[64];
+  char bus_id[32];         /* the allocation's GPU, as the engine's export found it */
   double alloc_us, export_us;
 } msg;
 
@@ -352,6 +353,7 @@ static int engine_route(int s, int route, uint64_t want, bool bench) {
     m.rc = -1;
   }
   m.dev = ex.dev;
+  memcpy(m.bus_id, ex.bus_id, sizeof(m.bus_id));
   m.alloc_size = ex.alloc_size;
   memcpy(m.ipc, ex.ipc, sizeof(m.ipc));
   rc = send_msg(s, &m, m.rc == 0 ? ex.fd : -1);
@@ -462,13 +464,23 @@ static int daemon_copy(const kvf__gpu_import *im, const msg *m, uint64_t seed2) 
   return 0;
 }
 
-/* Imports with a wrong guess of the device (two GPUs or more): the import
- * must still find the allocation's own GPU. */
+/* Imports with a wrong guess of the device (two GPUs or more, as under an
+ * engine's CUDA_VISIBLE_DEVICES): the import must still find the
+ * allocation's own GPU. A VMM handle says where it lives; an IPC handle
+ * does not (opened in another GPU's context, its mapping reports that
+ * GPU), so there the engine's bus id decides, as kvf_mem_register sends it. */
 static int daemon_wrong_guess(const msg *m, int fd) {
   if (kvf__gpu_count() < 2) return 0;
   kvf__gpu_import im;
   char err[300] = "";
-  int rc = do_import(m, fd, (m->dev + 1) % kvf__gpu_count(), &im, err, sizeof(err));
+  int wrong = (m->dev + 1) % kvf__gpu_count(), guess = wrong;
+  CHECK(m->bus_id[0], "%s: the engine's export names no PCI bus id", route_name[m->route]);
+  if (m->route == ROUTE_IPC) {
+    CHECK(kvf__gpu_resolve_dev(wrong, "") == wrong && kvf__gpu_resolve_dev(wrong, "0000:ff:1f.7") == wrong,
+          "%s: without a known bus id the guess must stand", route_name[m->route]);
+    guess = kvf__gpu_resolve_dev(wrong, m->bus_id);
+  }
+  int rc = do_import(m, fd, guess, &im, err, sizeof(err));
   CHECK(rc == 0, "%s: import with a wrong device guess: %d %s", route_name[m->route], rc, err);
   int got = im.dev;
   kvf__gpu_import_release(&im);

@@ -26,6 +26,7 @@
 #include "cuda/gpu.h"
 #include "pool.h"
 #include "pool_engine.h"
+#include "spin.h"
 #include "xfer.h"
 
 typedef struct local_transport local_transport;
@@ -191,6 +192,7 @@ static int start_on_loop(copy_job *j) {
   if (lt->closing) return -EAGAIN;
   int rc = kvf__gpu_copy_start(j->v, j->runs.n, on_gpu_done, j);
   if (rc) return rc;
+  kvf__spin_expect_gpu();
   if (lt->in_flight++ == 0) kvf__mailbox_hold(&lt->mb, true);
   return 0;
 }
@@ -273,6 +275,7 @@ static int start_blocks(local_transport *lt, kvf__xfer *x, const kvf__bpart *b, 
     free(j);
     return rc == -EINVAL ? -EAGAIN : rc; /* sizes the kernel does not take: runs */
   }
+  kvf__spin_expect_gpu();
   if (lt->in_flight++ == 0) kvf__mailbox_hold(&lt->mb, true);
   const char *path = link_path(kvf__gpu_link(g.src.dev, g.dst.dev));
   x->path = path;
