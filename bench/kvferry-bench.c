@@ -35,6 +35,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE 1
 #endif
+#include <dirent.h>
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
@@ -864,6 +865,7 @@ static struct {
   int64_t *t_post, *t_recv; /* per request: the timed send call, RECV_DONE taken (CLOCK_MONOTONIC) */
   uint64_t n_t;
   int64_t p50_post, p50_recv;
+  uint64_t requests; /* done in the run (lat_threads_json) */
 } LT;
 
 /* Called per finished request (run_wave): the client's own times, to set
@@ -945,6 +947,65 @@ static void latency_collect(bench *b) {
   LT.done = true;
 }
 
+/* --latency: the bench process's own sleeps (voluntary context switches)
+ * and preemptions per thread name over the run, from /proc/self/task: the
+ * engine thread and the library's reader threads ("kvf-client"). */
+#define LAT_THREADS 16
+typedef struct lat_thr {
+  char comm[24];
+  uint64_t vol, inv;
+} lat_thr;
+static lat_thr lat_thr0[LAT_THREADS], lat_thr1[LAT_THREADS];
+
+static uint64_t lat_status_num(const char *text, const char *key) {
+  const char *p = strstr(text, key);
+  return p ? strtoull(p + strlen(key), NULL, 10) : 0;
+}
+
+/* Per thread name (summed), up to LAT_THREADS names. */
+static void lat_threads(lat_thr *t) {
+  memset(t, 0, LAT_THREADS * sizeof *t);
+  DIR *d = opendir("/proc/self/task");
+  if (!d) return;
+  for (struct dirent *e; (e = readdir(d)) != NULL;) {
+    if (e->d_name[0] == '.') continue;
+    char path[300], comm[24] = "", st[4096];
+    snprintf(path, sizeof path, "/proc/self/task/%s/comm", e->d_name);
+    FILE *f = fopen(path, "r");
+    if (!f) continue;
+    if (!fgets(comm, sizeof comm, f)) comm[0] = 0;
+    fclose(f);
+    comm[strcspn(comm, "\n")] = 0;
+    snprintf(path, sizeof path, "/proc/self/task/%s/status", e->d_name);
+    if (!(f = fopen(path, "r"))) continue;
+    size_t n = fread(st, 1, sizeof st - 1, f);
+    fclose(f);
+    st[n] = 0;
+    for (int i = 0; i < LAT_THREADS; i++) {
+      if (t[i].comm[0] && strcmp(t[i].comm, comm) != 0) continue;
+      snprintf(t[i].comm, sizeof t[i].comm, "%s", comm);
+      t[i].vol += lat_status_num(st, "voluntary_ctxt_switches:");
+      t[i].inv += lat_status_num(st, "nonvoluntary_ctxt_switches:");
+      break;
+    }
+  }
+  closedir(d);
+}
+
+static void lat_threads_json(uint64_t requests) {
+  printf(", \"sleeps\": {");
+  for (int i = 0, k = 0; i < LAT_THREADS && lat_thr1[i].comm[0]; i++) {
+    uint64_t v0 = 0, i0 = 0;
+    for (int j = 0; j < LAT_THREADS; j++)
+      if (strcmp(lat_thr0[j].comm, lat_thr1[i].comm) == 0) v0 = lat_thr0[j].vol, i0 = lat_thr0[j].inv;
+    double n = requests ? (double)requests : 1;
+    printf("%s", k++ ? ", " : "");
+    json_str(stdout, lat_thr1[i].comm);
+    printf(": [%.2f, %.2f]", (double)(lat_thr1[i].vol - v0) / n, (double)(lat_thr1[i].inv - i0) / n);
+  }
+  printf("}");
+}
+
 static void latency_side_json(const char *name, lat_side *ls) {
   printf(", \"%s\": {\"found\": %s", name, ls->found ? "true" : "false");
   for (int k = 0; k < LAT_HOPS; k++) printf(", \"%s\": %.1f", lat_hop[k], ls->hop[k]);
@@ -978,6 +1039,7 @@ static void latency_report_json(void) {
   latency_side_json("send", &LT.send);
   latency_side_json("recv", &LT.recv);
   printf("}");
+  lat_threads_json(LT.requests);
   free(LT.t_post);
   free(LT.t_recv);
 }
@@ -1321,7 +1383,12 @@ int main(int argc, char **argv) {
   if (rc) return rc > 0 ? 0 : 2;
   if (b.o.het.on) return het_run(&b.o);
   bool ready = setup(&b) == 0;
-  if (ready && run(&b) == 0 && b.o.latency) latency_collect(&b);
+  if (ready && b.o.latency) lat_threads(lat_thr0);
+  if (ready && run(&b) == 0 && b.o.latency) {
+    lat_threads(lat_thr1);
+    LT.requests = b.done;
+    latency_collect(&b);
+  }
   summary s = summarize(&b);
   if (!s.ok) fprintf(stderr, "kvferry-bench: %s\n", b.err);
   if (b.o.json) report_json(&b, &s);

@@ -19,7 +19,13 @@
 #                  (145 us a layer) ends: exposed time after the last layer
 #                  against one layer's wire time (goal <= 1.2x)
 # The kvferry cases print, with kvferry-bench --latency, where the p50
-# handoff's time went on each daemon (kvferryctl transfers --trace).
+# handoff's time went on each daemon (kvferryctl transfers --trace), and
+# which threads slept: sleeps_per_request gives, per daemon (a: prefill,
+# b: decode) and thread name (kvferryd = the loop, kvf-tcp-send,
+# kvf-tcp-recv), [voluntary, involuntary] context switches per request
+# over the case (a spinning thread is preempted, it does not sleep);
+# bench_sleeps_per_request the same for the bench process (kvferry-bench =
+# the engine thread, kvf-client = the library's reader threads).
 #
 # Output: one JSON line per case on stdout, each with "goal_us" (raw p50 +
 # 20 us) and the ratios against the raw baseline; progress on stderr.
@@ -65,9 +71,31 @@ say "raw tcp: 64 KiB + 1-byte ack, back to back and after 5 ms idle; 512 KiB"
 bench_pair a b "pool kv host 256M
 $LAT_CONF"
 
+# Sleeps per thread (voluntary context switches, by thread name) of both
+# daemons over one case: which threads of the handoff's path slept.
+set -- $PIDS
+PID_A=$1 PID_B=$2
+threads_snap() { # FILE
+  python3 - "$1" "$PID_A" "$PID_B" <<'PY'
+import json, os, sys
+out = {}
+for side, pid in (("a", sys.argv[2]), ("b", sys.argv[3])):
+    d = out[side] = {}
+    for tid in os.listdir("/proc/%s/task" % pid):
+        try:
+            comm = open("/proc/%s/task/%s/comm" % (pid, tid)).read().strip()
+            st = dict(l.split(":", 1) for l in open("/proc/%s/task/%s/status" % (pid, tid)) if ":" in l)
+        except OSError:
+            continue
+        d[tid] = [comm, int(st["voluntary_ctxt_switches"]), int(st["nonvoluntary_ctxt_switches"])]
+json.dump(out, open(sys.argv[1], "w"))
+PY
+}
+
 kvbench() { # NAME ARGS...
   name=$1
   shift
+  threads_snap "$TMP/$name.thr0"
   say "kvferry-bench $*"
   # shellcheck disable=SC2086 # LAT_BENCH_ARGS: words
   "$BUILD/kvferry-bench" --from "$TMP/a.sock" --to "$TMP/b.sock" --model llama3-8b --json --latency $LAT_BENCH_ARGS "$@" \
@@ -75,6 +103,7 @@ kvbench() { # NAME ARGS...
     cat "$TMP/$name.json" "$TMP/$name.err" >&2
     die "kvferry-bench $* failed: $(tail -n 5 "$TMP/a.log" "$TMP/b.log")"
   }
+  threads_snap "$TMP/$name.thr1"
 }
 kvbench back_to_back --layers 1 --tokens 16 --time-from-send --requests "$REQUESTS"
 kvbench grant_lead_5ms --layers 1 --tokens 16 --grant-lead-ms 5 --requests "$LEAD_REQUESTS"
@@ -110,6 +139,24 @@ common = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "nproc": n
           "raw_p50_us": raw["p50_us"], "raw_p99_us": raw["p99_us"], "goal_us": round(goal, 1)}
 print(json.dumps(dict(case="raw", **common, raw_gap_5ms_p50_us=gap["p50_us"], raw_gap_5ms_p99_us=gap["p99_us"],
                       raw_512k_p50_us=layer["p50_us"], daemons_idle_cpu_pct=idle)))
+def sleeps(name, requests):
+    """Per daemon, per thread name: voluntary (sleeps) and involuntary
+    (preempted) context switches per request over the case."""
+    try:
+        a = json.load(open(os.path.join(tmp, name + ".thr0")))
+        b = json.load(open(os.path.join(tmp, name + ".thr1")))
+    except (OSError, ValueError):
+        return None
+    out = {}
+    for side in ("a", "b"):
+        per = {}
+        for tid, (comm, vol, inv) in b[side].items():
+            v0, i0 = a[side].get(tid, [comm, 0, 0])[1:]
+            s = per.setdefault(comm, [0, 0])
+            s[0] += vol - v0
+            s[1] += inv - i0
+        out[side] = {c: [round(v / requests, 2), round(i / requests, 2)] for c, (v, i) in sorted(per.items()) if v or i}
+    return out
 for name in ("back_to_back", "grant_lead_5ms"):
     k = load(name)
     t = k.get("trace", {})
@@ -119,7 +166,8 @@ for name in ("back_to_back", "grant_lead_5ms"):
                           p50_over_raw_us=round(k["p50_us"] - raw["p50_us"], 1),
                           meets_goal=k["p50_us"] <= goal, p50_send_hops=t.get("send"), p50_recv_hops=t.get("recv"),
                           p50_client_to_daemon_us=t.get("client_to_daemon_us"),
-                          p50_daemon_to_client_us=t.get("daemon_to_client_us"))))
+                          p50_daemon_to_client_us=t.get("daemon_to_client_us"),
+                          sleeps_per_request=sleeps(name, k["requests"]), bench_sleeps_per_request=k.get("sleeps"))))
 k = load("layerwise")
 t = k.get("trace", {})
 wire = layer["p50_us"]

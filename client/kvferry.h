@@ -462,7 +462,9 @@ int kvf_event_fd(kvf_client *c);
  * reader thread also polls the daemon socket for that long after each read
  * and each request written (a request written while it sleeps wakes it),
  * so that an event is not held behind the reader's own wake-up: a second
- * busy CPU while a transfer of this client is in flight. */
+ * busy CPU while a transfer of this client is in flight. Calls that wait
+ * for the daemon's answer (a send without KVF_NOWAIT, kvf_pools, ...)
+ * spin for it as long before they sleep. */
 #define KVF_SPIN_US_DEFAULT 0
 int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeout_ms);
 

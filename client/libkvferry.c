@@ -25,6 +25,7 @@
 #include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -198,6 +199,9 @@ struct kvf_client {
    * without the reader being woken first (0: never spins). */
   atomic_uint_fast64_t spin_until;
   atomic_bool reader_asleep; /* in poll, past its spin window */
+  /* Counts `responded` broadcasts, so that a caller spinning for its
+   * response sees one come without taking mu. */
+  atomic_uint_fast64_t answers;
   int wake_fd;               /* eventfd: a request written wakes it to spin */
 };
 
@@ -519,6 +523,13 @@ static void spin_reader_for_answer(kvf_client *c) {
   if (atomic_load(&c->reader_asleep)) (void)!eventfd_write(c->wake_fd, 1);
 }
 
+/* A response arrived or the connection ended (mu held): wakes the
+ * callers sleeping for theirs. The spinning ones are told by
+ * answered_unlocked, once mu is free: told earlier, they would block on
+ * it (a sleep, what they spin to avoid). */
+static void answered_locked(kvf_client *c) { pthread_cond_broadcast(&c->responded); }
+static void answered_unlocked(kvf_client *c) { atomic_fetch_add_explicit(&c->answers, 1, memory_order_release); }
+
 /* Polls the socket while the spin window is open; true once readable. */
 static bool spin_until_readable(kvf_client *c) {
   struct pollfd p = {.fd = c->sock, .events = POLLIN};
@@ -577,8 +588,9 @@ static void deliver_response(kvf_client *c, Kvf__ApiMessage *msg, int fd) {
       p->msg = msg;
       p->fd = fd;
       p->done = true;
-      pthread_cond_broadcast(&c->responded);
+      answered_locked(c);
       pthread_mutex_unlock(&c->mu);
+      answered_unlocked(c);
       return;
     }
   }
@@ -638,11 +650,12 @@ static bool connection_lost(kvf_client *c) {
   c->conn = c->closing || c->reconnect_ms == 0 ? CONN_GONE : CONN_DOWN;
   fail_inflight(c);
   sync_event_fd(c);
-  pthread_cond_broadcast(&c->responded);
+  answered_locked(c);
   pthread_cond_broadcast(&c->evented);
   pthread_cond_broadcast(&c->state_cv);
   bool again = c->conn == CONN_DOWN;
   pthread_mutex_unlock(&c->mu);
+  answered_unlocked(c);
   return again;
 }
 
@@ -673,6 +686,7 @@ static int start_reader(kvf_client *c) {
   int rc = pthread_create(&c->reader, NULL, reader_main, c);
   pthread_sigmask(SIG_SETMASK, &old, NULL);
   if (rc) return -rc;
+  pthread_setname_np(c->reader, "kvf-client"); /* for ps, top, perf; failing is harmless */
   c->reader_started = true;
   return 0;
 }
@@ -809,8 +823,34 @@ static int end_call(kvf_client *c, struct pending *p, int rc, int expect, Kvf__A
   return rc;
 }
 
+/* With KVFERRY_SPIN_US, a caller spins up to that long for its response
+ * (mu not held) before it sleeps on `responded`: a response within it is
+ * taken without this thread being put to sleep and woken (a futex round,
+ * and on an idle machine the CPU's wake-up from a deeper sleep state). */
+static void spin_for_answer(kvf_client *c, const struct pending *p) {
+  if (!c->spin_us) return;
+  uint64_t end = mono_ns() + (uint64_t)c->spin_us * 1000;
+  uint64_t seen = atomic_load_explicit(&c->answers, memory_order_acquire);
+  for (unsigned i = 1;; i++) {
+    uint64_t now = atomic_load_explicit(&c->answers, memory_order_acquire);
+    if (now != seen) { /* someone's answer, or the connection's end */
+      pthread_mutex_lock(&c->mu);
+      bool over = p->done || p->gen != c->gen;
+      pthread_mutex_unlock(&c->mu);
+      if (over) return;
+      seen = now;
+    }
+    if (i % 64 == 0) {
+      if (mono_ns() >= end) return;
+      sched_yield(); /* where cores are short, the reader and the daemon run */
+    }
+    cpu_relax();
+  }
+}
+
 /* Waits for the response to p (registered) after its request went out. */
 static int finish_call(kvf_client *c, struct pending *p, int rc, int expect, Kvf__ApiMessage **out, int *fd) {
+  if (rc == 0) spin_for_answer(c, p);
   pthread_mutex_lock(&c->mu);
   while (rc == 0 && !p->done && p->gen == c->gen) pthread_cond_wait(&c->responded, &c->mu);
   pthread_mutex_unlock(&c->mu);
@@ -2298,8 +2338,9 @@ static int install_socket(kvf_client *c, int sock) {
 static void next_gen(kvf_client *c) {
   pthread_mutex_lock(&c->mu);
   c->gen++;
-  pthread_cond_broadcast(&c->responded);
+  answered_locked(c);
   pthread_mutex_unlock(&c->mu);
+  answered_unlocked(c);
 }
 
 static void mark_up(kvf_client *c) {

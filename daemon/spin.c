@@ -5,6 +5,7 @@
 #include <stdatomic.h>
 
 #include "kvferryd.h"
+#include "mailbox.h"
 
 /* Per kind, until when (CLOCK_MONOTONIC ns) a grant keeps it polling. */
 static _Atomic uint64_t expect_until[KVF__SPIN_N];
@@ -57,16 +58,28 @@ static uv_prepare_t prepare;
 static uv_check_t check;
 static bool spinning;
 
-static void spin_once(uv_idle_t *h) {}
+/* Each pass while spinning: the threads' mail, without their wake-ups
+ * (mailbox.h). */
+static void spin_once(uv_idle_t *h) {
+  if (kvf__mailbox_poll()) kvf__spin_loop_active();
+}
 
 /* Before each wait for events: poll (an active idle handle makes libuv's
  * wait non-blocking) while the window is open, else block. */
 static void on_prepare(uv_prepare_t *h) {
   bool want = kvf__spin_open(KVF__SPIN_LOOP, loop_last);
   if (want == spinning) return;
+  if (!want && kvf__mailbox_polling(false)) { /* mail came as the window closed */
+    kvf__mailbox_polling(true);
+    return; /* spin_once takes it on the next pass */
+  }
   spinning = want;
-  if (want) uv_idle_start(&idle, spin_once);
-  else uv_idle_stop(&idle);
+  if (want) {
+    kvf__mailbox_polling(true);
+    uv_idle_start(&idle, spin_once);
+  } else {
+    uv_idle_stop(&idle);
+  }
 }
 
 /* After the wait: a blocking wait that returned means something happened

@@ -345,11 +345,17 @@ static void emit(kvf__xfer *x, int status, const char *error) {
   kvf__xfer_emit(x->owner, &ev);
 }
 
-static void succeed(kvf__xfer *x) {
+static void send_recv_result(kvf__xfer *x, int status, const char *why);
+
+/* tell_sender: a receive's RecvResult goes to its sender after the
+ * engine's event, so that the peer write (a loopback TCP send runs the
+ * peer's receive path inline) is off the handoff's path. */
+static void succeed_then(kvf__xfer *x, bool tell_sender) {
   if (x->role == KVF__RECV) kvf__xrecv_flush_layers(x); /* every layer is in */
   kvf__xoutcome_record(x, 0, NULL);
   kvf__xfer_set_state(x, KVF__XS_DONE);
   emit(x, 0, NULL);
+  if (tell_sender) send_recv_result(x, 0, NULL);
   kvf__xtrace_finish(x, 0);
   kvf__metrics_transfer(x, 0);
   kvfd.stats.transfers_done++;
@@ -357,6 +363,8 @@ static void succeed(kvf__xfer *x) {
   else kvfd.stats.bytes_sent += kvf__xfer_bytes(x);
   xfer_destroy(x);
 }
+
+static void succeed(kvf__xfer *x) { succeed_then(x, false); }
 
 /* ---------------------------------------------------------- peer messages */
 
@@ -1084,8 +1092,7 @@ static void complete_recv(kvf__xfer *x) {
     return;
   }
 #endif
-  send_recv_result(x, 0, NULL);
-  succeed(x);
+  succeed_then(x, true);
 }
 
 /* Every granted byte was placed; the receive still waits for the sender's

@@ -15,6 +15,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <time.h>
 
 #include "harness.h"
 
@@ -267,6 +269,87 @@ static void test_event_fd(void **state) {
   H_OK(h_verify_dst(&E.dec, &x));
 }
 
+/* A client connected with KVFERRY_SPIN_US (read at connect). */
+static void spinning_client(h_client *hc, const h_daemon *d) {
+  setenv("KVFERRY_SPIN_US", "10000", 1);
+  int rc = h_client_open(hc, d);
+  unsetenv("KVFERRY_SPIN_US");
+  H_OK(rc);
+}
+
+/* This thread's sleeps so far (voluntary context switches). */
+static long thread_sleeps(void) {
+  struct rusage ru;
+  assert_int_equal(getrusage(RUSAGE_THREAD, &ru), 0);
+  return ru.ru_nvcsw;
+}
+
+/* With KVFERRY_SPIN_US a call that waits for the daemon's answer spins
+ * for it: the calling thread is not put to sleep and woken per call (it
+ * was, on the condition variable, once per call). Sleeps are counted
+ * (voluntary switches), which a loaded machine does not add to a call
+ * answered within the spin window: it preempts a spinning thread, it does
+ * not make it sleep. Calls slower than half the window (a daemon that did
+ * not get a CPU for milliseconds) are left out: their spin may have run
+ * out. A few sleeps are allowed (the client's lock, contended). */
+static void test_spinning_call_does_not_sleep(void **state) {
+  enum { CALLS = 100, FAST_NS = 5000000 };
+  h_client sc = {0};
+  spinning_client(&sc, &E.p.decode);
+  kvf_pool_info pools[8];
+  for (int i = 0; i < 5; i++) assert_true(kvf_pools(sc.c, pools, 8) > 0);
+  long slept = 0, fast = 0;
+  for (int i = 0; i < CALLS; i++) {
+    struct timespec t0, t1;
+    long before = thread_sleeps();
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    assert_true(kvf_pools(sc.c, pools, 8) > 0);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    long ns = (t1.tv_sec - t0.tv_sec) * 1000000000L + (t1.tv_nsec - t0.tv_nsec);
+    if (ns >= FAST_NS) continue;
+    fast++;
+    slept += thread_sleeps() - before;
+  }
+  h_client_close(&sc);
+  if (fast < CALLS / 4) { /* three busy threads on a machine too busy to say */
+    fprintf(stderr, "# only %ld of %d calls within %d ms: not judged\n", fast, CALLS, FAST_NS / 1000000);
+    skip();
+  }
+  assert_in_range(slept, 0, fast / 5);
+}
+
+/* With KVFERRY_SPIN_US (the reader spinning on the socket, callers on
+ * their answers) the event fd keeps its contract: quiet with nothing to
+ * take, readable once an event can be taken, quiet again once it was. */
+static void test_event_fd_spinning(void **state) {
+  enum { N = 4 };
+  kvf_desc src[N], dst[N];
+  kvf_event ev;
+  char id[64];
+  h_client sc = {0};
+  spinning_client(&sc, &E.p.decode);
+  int fd = kvf_event_fd(sc.c);
+  assert_true(fd >= 0);
+  struct pollfd p = {.fd = fd, .events = POLLIN};
+  assert_int_equal(poll(&p, 1, 0), 0);
+  h_id(id, sizeof id, "evfd-spin");
+  h_layout(src, N, E.pre.pool, 0, 4 * KIB, true, 560);
+  h_layout(dst, N, sc.pool, 0, 4 * KIB, true, 561);
+  h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N, .seed = 562};
+  H_OK(h_prepare(&E.pre, &sc, &x));
+  H_OK(h_post_grant(&sc, &x, "prefill"));
+  assert_int_equal(poll(&p, 1, 0), 0); /* the grant's answer was taken by the call */
+  H_OK(h_post_send(&E.pre, &x, "decode"));
+  assert_int_equal(poll(&p, 1, 10000), 1);
+  assert_int_equal(kvf_wait_events(sc.c, &ev, 1, 0), 1); /* readable: there is one to take */
+  assert_string_equal(ev.xfer_id, id);
+  H_OK(h_check_event(&ev, KVF_EV_RECV_DONE, "tcp", "prefill", N * 4 * KIB, N));
+  assert_int_equal(poll(&p, 1, 0), 0);
+  H_OK(h_wait_event(&E.pre, id, KVF_EV_SEND_DONE, 10000, &ev));
+  H_OK(h_verify_dst(&sc, &x));
+  h_client_close(&sc);
+}
+
 /* The longest id the API allows travels whole, in both events. */
 static void test_longest_id(void **state) {
   enum { N = 4 };
@@ -417,6 +500,8 @@ int main(void) {
       cmocka_unit_test(test_grant_between_parts),
       cmocka_unit_test(test_many_outstanding),
       cmocka_unit_test(test_event_fd),
+      cmocka_unit_test(test_spinning_call_does_not_sleep),
+      cmocka_unit_test(test_event_fd_spinning),
       cmocka_unit_test(test_longest_id),
       cmocka_unit_test(test_concurrent_clients),
       cmocka_unit_test(test_local_grant_first),
