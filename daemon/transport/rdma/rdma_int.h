@@ -46,6 +46,11 @@
 #define MAX_DEVS 8
 #define MAX_QPS 128             /* per link: dialed and accepted */
 #define CHAIN_MAX 32            /* work requests per ibv_post_send (one doorbell) */
+#define GATHER_MAX 32           /* scatter/gather entries per work request at most (the
+                                   device's max_sge below that): runs that land back to
+                                   back go as one write gathering their sources */
+#define CHAIN_BYTES (1u << 20)  /* a chain grows by gathering only up to this many bytes:
+                                   several chains stay in flight within QP_WINDOW */
 #define QP_WINDOW (4u << 20)    /* bytes in flight per QP before it claims more: a
                                    transfer spreads over every QP and device
                                    instead of filling the first send queue */
@@ -193,6 +198,7 @@ struct rqp {
   /* progress thread only, once published */
   bool dead;
   uint32_t max_inline;
+  uint32_t max_sge;             /* per work request (GATHER_MAX at most; 1: no gathering) */
   uint32_t sq_cap, sq_used;
   uint64_t bytes_out;           /* in flight */
   uint32_t rq_cap, rq_posted;
@@ -200,7 +206,7 @@ struct rqp {
   inflight *ring;
   uint32_t ring_head, ring_n;
   struct ibv_send_wr wr[CHAIN_MAX];
-  struct ibv_sge sge[CHAIN_MAX];
+  struct ibv_sge sge[CHAIN_MAX][GATHER_MAX]; /* wr[i]'s list is sge[i] */
 };
 
 /* A peer on one of our devices: its CQ and QPs. */
@@ -276,7 +282,7 @@ struct rdev {
   char ip[INET6_ADDRSTRLEN];
   uint16_t cm_port;
   struct rdma_cm_id *listener;
-  uint32_t max_cqe, max_qp_wr;
+  uint32_t max_cqe, max_qp_wr, max_sge;
   bool mw2;                     /* type 2 memory windows */
   int mw_bounds;                /* enum kvf__mw_bounds, from the start check */
   char mw_check[160];           /* what the check saw */
@@ -503,10 +509,21 @@ void kvf__rdma_wake(rdev *d);
 size_t kvf__rdma_take_back(rpeer *rp, ticket *tk);
 int kvf__rdma_post_recvs(rqp *q, uint32_t n);
 /* The send chain template of a dialed QP, and filling it (post_bench
- * times these two without a device). */
+ * times these without a device). Runs runs[order[first..first + n)] (or
+ * without order, runs[first..first + n)) go as work requests of up to
+ * q->max_sge entries: a run whose bytes land right after the one before it
+ * (same remote memory and key) joins its request, as one more entry or, when
+ * its source follows too, a longer one; a request stays within rdma-slice
+ * bytes and a chain grows by joining within CHAIN_BYTES. kvf__rdma_span
+ * says how many runs from first make at most max_wrs requests (what a
+ * thread claims for the room in its send queue); kvf__rdma_build_chain
+ * builds them, the same requests, into q->wr and returns their bytes, the
+ * number of requests in *wrs. */
 void kvf__rdma_init_chain(rqp *q);
+size_t kvf__rdma_span(const rqp *q, const kvf__run *runs, const uint32_t *order, const uint32_t *rkeys,
+                      size_t first, size_t avail, size_t max_wrs);
 uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const uint32_t *order, size_t first,
-                               size_t n, const uint32_t *rkeys);
+                               size_t n, const uint32_t *rkeys, size_t *wrs);
 void kvf__rdma_restore_chain(rqp *q, size_t n);
 void *kvf__rdma_progress_main(void *arg);
 void kvf__rdma_send_cmd(rdev *d, int kind, rlink *lk);

@@ -343,8 +343,8 @@ static ticket *claim_body(rpeer *rp, rqp *q, uint32_t room, size_t *first, size_
       }
       if (tk->xb) atomic_fetch_sub(&tk->xb->credits, 1);
       *cnt = kvf__rdma_bounce_fit(q->lk->dev, tk, *next, end - *next);
-    } else {
-      *cnt = end - *next < room ? end - *next : room;
+    } else { /* room counts work requests; gathered, they may take more runs */
+      *cnt = kvf__rdma_span(q, tk->runs, tk->order, tk->rkeys, *next, end - *next, room);
     }
     *next += *cnt;
     bool drained = l ? (tk->left -= *cnt) == 0 : *next == end;
@@ -370,28 +370,84 @@ static ticket *claim(rpeer *rp, rqp *q, uint32_t room, size_t *first, size_t *cn
 }
 
 /* The QP's chain of work requests is linked and typed once (RDMA WRITE,
- * one SGE each); building a chain then writes only what differs per run. */
+ * its own list of entries each); building a chain then writes only what
+ * differs per run. */
 void kvf__rdma_init_chain(rqp *q) {
   for (size_t i = 0; i < CHAIN_MAX; i++)
     q->wr[i] = (struct ibv_send_wr){.next = i + 1 < CHAIN_MAX ? &q->wr[i + 1] : NULL,
-                                    .sg_list = &q->sge[i],
+                                    .sg_list = q->sge[i],
                                     .num_sge = 1,
                                     .opcode = IBV_WR_RDMA_WRITE};
 }
 
-/* The chain of runs[first..first + n), or with order of runs[order[first..
- * first + n)]. rkeys: per run, when the grant has memory windows; else
- * the pools'. */
+/* The work request being gathered: its last run (and that run's key), its
+ * entries and bytes, and the chain's bytes so far. */
+typedef struct gather {
+  const kvf__run *last;
+  uint32_t rkey, sges;
+  uint64_t wr_bytes, chain_bytes;
+} gather;
+
+/* Whether r (key rkey) joins g's request: its bytes land right after the
+ * last run's, in the same memory through the same key (so the request is
+ * one contiguous write inside the window both runs were checked against),
+ * within the request's and the chain's bytes, and with an entry to spare
+ * unless its source follows the last run's too (*same: then it extends
+ * that entry). */
+static inline bool gather_joins(const gather *g, const kvf__run *r, uint32_t rkey, uint32_t max_sge, bool *same) {
+  const kvf__run *p = g->last;
+  if (r->dst_pool != p->dst_pool || rkey != g->rkey || r->dst_off != p->dst_off + p->len ||
+      g->wr_bytes + r->len > kvfd.cfg.rdma_slice || g->chain_bytes + r->len > CHAIN_BYTES)
+    return false;
+  *same = r->src_pool == p->src_pool && r->src_off == p->src_off + p->len;
+  return *same || g->sges < max_sge;
+}
+
+static inline void gather_add(gather *g, const kvf__run *r, uint32_t rkey, bool join, bool same) {
+  if (!join) {
+    g->sges = 0;
+    g->wr_bytes = 0;
+  }
+  g->sges += !same;
+  g->wr_bytes += r->len;
+  g->chain_bytes += r->len;
+  g->last = r;
+  g->rkey = rkey;
+}
+
+size_t kvf__rdma_span(const rqp *q, const kvf__run *runs, const uint32_t *order, const uint32_t *rkeys,
+                      size_t first, size_t avail, size_t max_wrs) {
+  gather g = {0};
+  size_t i = 0, wrs = 0;
+  for (; i < avail; i++) {
+    size_t j = order ? order[first + i] : first + i;
+    uint32_t rkey = rkeys ? rkeys[j] : 0;
+    bool same = false, join = i > 0 && gather_joins(&g, &runs[j], rkey, q->max_sge, &same);
+    if (!join && ++wrs > max_wrs) break;
+    gather_add(&g, &runs[j], rkey, join, same);
+  }
+  return i;
+}
+
+/* Ends request w of the chain: its entries, and inline when small. */
+static inline void wr_close(struct ibv_send_wr *w, const gather *g, uint32_t max_inline) {
+  w->num_sge = (int)g->sges;
+  w->send_flags = g->wr_bytes <= max_inline ? IBV_SEND_INLINE : 0;
+}
+
 uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const uint32_t *order, size_t first, size_t n,
-                            const uint32_t *rkeys) {
+                               const uint32_t *rkeys, size_t *wrs) {
   /* Runs of a chain nearly always share their pools: keep the last pool's
    * keys and bases at hand instead of looking them up per run. */
   const kvf__run *r = &runs[order ? order[first] : first];
   uint32_t sp = r->src_pool, dp = r->dst_pool, lkey = lk->dev->lkey[sp], rkey = lk->rkey[dp];
   uint8_t *const *pool_base = lk->rp->rt->pool_base;
   uintptr_t base = (uintptr_t)pool_base[sp];
-  uint64_t raddr = lk->raddr[dp], bytes = 0;
+  uint64_t raddr = lk->raddr[dp];
   uint32_t max_inline = q->max_inline;
+  gather g = {0};
+  struct ibv_send_wr *w = NULL;
+  struct ibv_sge *s = NULL;
   for (size_t i = 0; i < n; i++) {
     size_t j = order ? order[first + i] : first + i;
     r = &runs[j];
@@ -400,23 +456,35 @@ uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const ui
       lkey = lk->dev->lkey[sp];
       base = (uintptr_t)pool_base[sp];
     }
-    if (r->dst_pool != dp) {
-      dp = r->dst_pool;
-      rkey = lk->rkey[dp];
-      raddr = lk->raddr[dp];
+    uint32_t key = rkeys ? rkeys[j] : 0;
+    bool same = false, join = i > 0 && gather_joins(&g, r, key, q->max_sge, &same);
+    if (same) {
+      s->length += (uint32_t)r->len;
+    } else {
+      if (!join) {
+        if (w) wr_close(w, &g, max_inline);
+        w = w ? w + 1 : &q->wr[0];
+        s = w->sg_list;
+        if (r->dst_pool != dp) {
+          dp = r->dst_pool;
+          rkey = lk->rkey[dp];
+          raddr = lk->raddr[dp];
+        }
+        w->wr.rdma.remote_addr = raddr + r->dst_off;
+        w->wr.rdma.rkey = rkeys ? key : rkey;
+      } else {
+        s++;
+      }
+      s->addr = base + r->src_off;
+      s->length = (uint32_t)r->len;
+      s->lkey = lkey;
     }
-    struct ibv_sge *s = &q->sge[i];
-    struct ibv_send_wr *w = &q->wr[i];
-    s->addr = base + r->src_off;
-    s->length = (uint32_t)r->len;
-    s->lkey = lkey;
-    w->send_flags = r->len <= max_inline ? IBV_SEND_INLINE : 0;
-    w->wr.rdma.remote_addr = raddr + r->dst_off;
-    w->wr.rdma.rkey = rkeys ? rkeys[j] : rkey;
-    bytes += r->len;
+    gather_add(&g, r, key, join, same);
   }
-  q->wr[n - 1].next = NULL;
-  return bytes;
+  wr_close(w, &g, max_inline);
+  w->next = NULL;
+  *wrs = (size_t)(w - q->wr) + 1;
+  return g.chain_bytes;
 }
 
 /* Puts back what a posted chain changed in the template. */
@@ -463,8 +531,9 @@ int kvf__rdma_doorbell(rlink *lk, rqp *q, ticket *tk, size_t n, uint32_t runs, b
 
 static int post_chunk(rlink *lk, rqp *q, ticket *tk, size_t first, size_t cnt) {
   uint64_t t0 = fast_ns();
-  uint64_t bytes = kvf__rdma_build_chain(lk, q, tk->runs, tk->order, first, cnt, tk->rkeys);
-  return kvf__rdma_doorbell(lk, q, tk, cnt, (uint32_t)cnt, false, t0, bytes, -1);
+  size_t wrs = 0;
+  uint64_t bytes = kvf__rdma_build_chain(lk, q, tk->runs, tk->order, first, cnt, tk->rkeys, &wrs);
+  return kvf__rdma_doorbell(lk, q, tk, wrs, (uint32_t)cnt, false, t0, bytes, -1);
 }
 
 /* The transfer's last write, with the token of the receiver's grant. */
@@ -472,7 +541,8 @@ static int post_tail(rlink *lk, rqp *q, ticket *tk) {
   uint64_t t0 = fast_ns();
   struct ibv_send_wr *w = &q->wr[0];
   if (tk->tail.len) {
-    kvf__rdma_build_chain(lk, q, &tk->tail, NULL, 0, 1, tk->rkeys ? &tk->tail_rkey : NULL);
+    size_t one;
+    kvf__rdma_build_chain(lk, q, &tk->tail, NULL, 0, 1, tk->rkeys ? &tk->tail_rkey : NULL, &one);
   } else { /* nothing left to write: a zero-length write carries the notice */
     w->next = NULL;
     w->num_sge = 0;
