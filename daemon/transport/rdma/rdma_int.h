@@ -42,6 +42,8 @@
 #include "rdma_mw.h"
 #include "sbuf.h"
 #include "xfer.h"
+#include "cuda/gpu.h"
+#include "kv_xform.h"
 
 #define MAX_DEVS 8
 #define MAX_QPS 128             /* per link: dialed and accepted */
@@ -339,6 +341,7 @@ typedef struct rgrant {
   uint32_t st_done;             /* granted layers the staging pass placed */
   uint64_t st_landed_ns;        /* the last write's notice came while passes ran */
   struct spass *passes;         /* transform passes running (rdma_stage.c) */
+  struct kvf__sgpu *st_gpu;     /* a cuda pool's: what its GPU passes share (from the first note) */
   struct bgrant *bg;            /* the bounce path: its staging slots (receiver) */
   struct xbounce *credit_of;    /* not a grant: the token of a send's credits (sender) */
 } rgrant;
@@ -423,10 +426,12 @@ struct rdma_transport {
   struct {
     uint8_t *mem;
     size_t len;
+    uint64_t alias;             /* its device address when CUDA maps it (GPU passes); 0: not */
     struct { uint64_t off, len; } *used;
     size_t n_used, cap_used;
     uint64_t grants, refused, staged_parts, chunks, passes, pass_ns, bytes;
     uint64_t tail_ns;           /* passes still running after the last write landed, summed */
+    uint64_t gpu_passes;        /* ... of them by the transform kernel, into cuda pools */
   } stage;
   /* memory windows (rdma_mw.c) */
   char protection[400];         /* one line for status, doctor and the log */
@@ -711,6 +716,28 @@ void kvf__rdma_stage_landed(rgrant *g);
 /* Receiver: the sender's note that layers of a staged part landed. */
 int kvf__rdma_unstage(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n, const kvf__xstaged *st,
                       char *why, size_t len);
+
+/* Receiver, a grant of a cuda pool: its passes run the transform kernel
+ * (kvf_xblocks) on the pool's GPU, reading the slice in the staging arena,
+ * which CUDA maps (kvf__gpu_xblocks_from_host), one launch per noted chunk.
+ * What they share, made at the grant's first note (the sender's staged
+ * heads set the slice's layout): the plan slice -> grant, the slice's view
+ * and its offsets, also on the GPU. kvf__rdma_sgpu_job: the launch's job
+ * for layers [first, first + n) of the slice at device address slice into
+ * dst, the grant's side from layer first (kvf__gpu_bside). The GPU test
+ * (tests/gpu/gpu_stage.c) runs these as the daemon does. */
+typedef struct kvf__sgpu {
+  kvf__xstaged st;
+  kvf__xplan p;
+  kvf__lview sv;
+  uint64_t *offs;               /* sv's offsets (owned) */
+  uint32_t *ids;                /* the slice's block ids, 0..nd-1 (owned) */
+  void *table;                  /* offs on the GPU (kvf__gpu_layout_upload) */
+} kvf__sgpu;
+int kvf__rdma_sgpu_make(const kvf__lview *gv, size_t nd, const kvf__xstaged *st, int dev, kvf__sgpu *s);
+void kvf__rdma_sgpu_free(kvf__sgpu *s);
+void kvf__rdma_sgpu_job(const kvf__sgpu *s, uint64_t slice, const kvf__gpu_bside *dst, uint32_t first, uint32_t n,
+                        kvf__gpu_blocks *j);
 
 /* ------------------------------------------------------------ rdma_status.c */
 
