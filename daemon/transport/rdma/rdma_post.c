@@ -12,7 +12,9 @@
  * Progress threads (one per device). Each claims chunks of runs from the
  * peers' queues for each of its QPs that has room (QP_WINDOW bytes in
  * flight), builds a linked chain of RDMA_WRITE work requests of which only
- * the last is signalled, and rings the doorbell once per chain: QPs and
+ * the last is signalled (runs that land back to back share one request,
+ * its scatter/gather list gathering their sources: a staged part's rows,
+ * rdma_stage.c), and rings the doorbell once per chain: QPs and
  * devices take chunks as fast as they finish theirs, which stripes a
  * transfer over all of them. They poll their CQs, keep zero-length receives
  * posted on accepted QPs (a WRITE_WITH_IMM consumes one) and, after
