@@ -95,8 +95,9 @@ static uint64_t slice_addr(const scase *c, uint32_t r, uint64_t t, uint32_t h) {
   return (uint64_t)r * c->nd * bbs + (t / tpb) * bbs + in * UNIT;
 }
 
-/* Starts j by the receiver's GPU pass function, waits for its callback. */
-static int run_job(const kvf__gpu_blocks *j, const char *name) {
+/* Starts j by the receiver's GPU pass function, waits for its callback;
+ * adds the kernel's time to *ms. */
+static int run_job(const kvf__gpu_blocks *j, const char *name, double *ms) {
   pthread_mutex_lock(&gt_W.mu);
   int before = gt_W.calls;
   pthread_mutex_unlock(&gt_W.mu);
@@ -106,6 +107,7 @@ static int run_job(const kvf__gpu_blocks *j, const char *name) {
   while (gt_W.calls == before) pthread_cond_wait(&gt_W.cv, &gt_W.mu);
   int calls = gt_W.calls - before;
   rc = gt_W.rc;
+  if (gt_W.ms > 0) *ms += gt_W.ms;
   pthread_mutex_unlock(&gt_W.mu);
   CHECK(calls == 1 && rc == 0, "%s: %d callbacks, rc %d", name, calls, rc);
   return 0;
@@ -132,6 +134,7 @@ static int check_case(scase *c, uint8_t *arena, uint64_t alias, gt_pool *pd) {
   int rc = kvf__rdma_sgpu_make(&g->v, c->nd, &c->st, 0, &sg);
   CHECK(rc == 0, "%s: kvf__rdma_sgpu_make: %d", c->name, rc);
   unsigned launches = 0;
+  double ms = 0;
   for (uint32_t first = 0; first < LAYERS && rc == 0; first += c->chunk, launches++) {
     uint32_t n = LAYERS - first < c->chunk ? LAYERS - first : c->chunk;
     kvf__gpu_bside dst = {.dev = 0, .base = pd->mem.dptr,
@@ -139,12 +142,13 @@ static int check_case(scase *c, uint8_t *arena, uint64_t alias, gt_pool *pd) {
                           .offsets = g->offsets + (size_t)first * NKV, .stride = g->bb, .ids = g->ids};
     kvf__gpu_blocks j;
     kvf__rdma_sgpu_job(&sg, alias + SLICE_AT, &dst, first, n, &j);
-    rc = run_job(&j, c->name);
+    rc = run_job(&j, c->name, &ms);
   }
   kvf__rdma_sgpu_free(&sg);
   if (rc || gt_pool_verify(pd, c->name)) return -1;
-  printf("ok   %s: %" PRIu64 " tokens, %zu blocks, %u launches, %" PRIu64 " staged bytes\n", c->name, tokens, c->nd,
-         launches, slice_bytes);
+  printf("ok   %s: %" PRIu64 " tokens, %zu blocks, %u launches, %" PRIu64 " staged bytes, kernels %.3f ms (%.1f GB/s "
+         "from mapped host memory)\n", c->name, tokens, c->nd, launches, slice_bytes, ms,
+         ms > 0 ? (double)slice_bytes / ms / 1e6 : 0.0);
   return 0;
 }
 
