@@ -51,7 +51,7 @@
 #define GATHER_MAX 32           /* scatter/gather entries per work request at most (the
                                    device's max_sge below that): runs that land back to
                                    back go as one write gathering their sources */
-#define CHAIN_BYTES (1u << 20)  /* a chain grows by gathering only up to this many bytes:
+#define CHAIN_BYTES (1u << 20)  /* a chain that gathers ends at this many bytes:
                                    several chains stay in flight within QP_WINDOW */
 #define QP_WINDOW (4u << 20)    /* bytes in flight per QP before it claims more: a
                                    transfer spreads over every QP and device
@@ -519,7 +519,7 @@ int kvf__rdma_post_recvs(rqp *q, uint32_t n);
  * q->max_sge entries: a run whose bytes land right after the one before it
  * (same remote memory and key) joins its request, as one more entry or, when
  * its source follows too, a longer one; a request stays within rdma-slice
- * bytes and a chain grows by joining within CHAIN_BYTES. kvf__rdma_span
+ * bytes, and a chain that gathers ends at CHAIN_BYTES. kvf__rdma_span
  * says how many runs from first make at most max_wrs requests (what a
  * thread claims for the room in its send queue); kvf__rdma_build_chain
  * builds them, the same requests, into q->wr and returns their bytes, the

@@ -388,6 +388,7 @@ typedef struct gather {
   const kvf__run *last;
   uint32_t rkey, sges;
   uint64_t wr_bytes, chain_bytes;
+  bool gathered;                /* some request of the chain holds more than one run */
 } gather;
 
 /* Whether r (key rkey) joins g's request: its bytes land right after the
@@ -411,6 +412,7 @@ static inline void gather_add(gather *g, const kvf__run *r, uint32_t rkey, bool 
     g->wr_bytes = 0;
   }
   g->sges += !same;
+  g->gathered |= join;
   g->wr_bytes += r->len;
   g->chain_bytes += r->len;
   g->last = r;
@@ -425,6 +427,9 @@ size_t kvf__rdma_span(const rqp *q, const kvf__run *runs, const uint32_t *order,
     size_t j = order ? order[first + i] : first + i;
     uint32_t rkey = rkeys ? rkeys[j] : 0;
     bool same = false, join = i > 0 && gather_joins(&g, &runs[j], rkey, q->max_sge, &same);
+    /* a chain that gathers ends at CHAIN_BYTES (else its requests of one
+     * run each after it; one that does not keeps its old length) */
+    if (!join && i > 0 && g.gathered && g.chain_bytes + runs[j].len > CHAIN_BYTES) break;
     if (!join && ++wrs > max_wrs) break;
     gather_add(&g, &runs[j], rkey, join, same);
   }
