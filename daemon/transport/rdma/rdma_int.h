@@ -725,7 +725,8 @@ int kvf__rdma_unstage(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t 
  * and its offsets, also on the GPU. kvf__rdma_sgpu_job: the launch's job
  * for layers [first, first + n) of the slice at device address slice into
  * dst, the grant's side from layer first (kvf__gpu_bside). The GPU test
- * (tests/gpu/gpu_stage.c) runs these as the daemon does. */
+ * (tests/gpu/gpu_stage.c) runs these as the daemon does;
+ * tests/unit/test_rdma_stage_job.c runs the jobs' plans on the CPU. */
 typedef struct kvf__sgpu {
   kvf__xstaged st;
   kvf__xplan p;
@@ -735,6 +736,9 @@ typedef struct kvf__sgpu {
   void *table;                  /* offs on the GPU (kvf__gpu_layout_upload) */
 } kvf__sgpu;
 int kvf__rdma_sgpu_make(const kvf__lview *gv, size_t nd, const kvf__xstaged *st, int dev, kvf__sgpu *s);
+/* The same without the GPU's copy of the offsets (table NULL): for tests
+ * that run a job's plan on the CPU. */
+int kvf__rdma_sgpu_plan(const kvf__lview *gv, size_t nd, const kvf__xstaged *st, kvf__sgpu *s);
 void kvf__rdma_sgpu_free(kvf__sgpu *s);
 void kvf__rdma_sgpu_job(const kvf__sgpu *s, uint64_t slice, const kvf__gpu_bside *dst, uint32_t first, uint32_t n,
                         kvf__gpu_blocks *j);

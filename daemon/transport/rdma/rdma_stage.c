@@ -599,15 +599,21 @@ static int pass_start(rdma_transport *rt, rgrant *g, kvf__xfer *x, const kvf__xs
 
 /* ------------------------------------------------------------ receiver: GPU passes */
 
-int kvf__rdma_sgpu_make(const kvf__lview *gv, size_t nd, const kvf__xstaged *st, int dev, kvf__sgpu *s) {
+int kvf__rdma_sgpu_plan(const kvf__lview *gv, size_t nd, const kvf__xstaged *st, kvf__sgpu *s) {
   memset(s, 0, sizeof(*s));
   uint64_t bytes = 0;
   s->st = *st;
   s->p = stage_plan(gv, nd, st);
   s->ids = identity(nd);
   int rc = s->ids ? stage_view(gv, nd, st, &s->sv, &s->offs, &bytes) : -ENOMEM;
-  if (rc == 0) rc = kvf__gpu_layout_upload(dev, s->offs, (size_t)gv->n_layers * gv->n_kv, &s->table);
   if (rc) kvf__rdma_sgpu_free(s);
+  return rc;
+}
+
+int kvf__rdma_sgpu_make(const kvf__lview *gv, size_t nd, const kvf__xstaged *st, int dev, kvf__sgpu *s) {
+  int rc = kvf__rdma_sgpu_plan(gv, nd, st, s);
+  if (rc == 0 && (rc = kvf__gpu_layout_upload(dev, s->offs, (size_t)gv->n_layers * gv->n_kv, &s->table)) != 0)
+    kvf__rdma_sgpu_free(s);
   return rc;
 }
 
