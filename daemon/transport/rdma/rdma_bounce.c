@@ -554,9 +554,10 @@ int kvf__rdma_bounce_post(rlink *lk, rqp *q, ticket *tk, size_t first, size_t cn
       put32(h + 4, (uint32_t)r->len);
       put64(h + 8, r->dst_off);
     } else {
-      struct ibv_sge *s = q->sge[i];
+      struct ibv_sge *s = &q->sge[i];
       struct ibv_send_wr *w = &q->wr[i];
-      w->num_sge = 1; /* a gathered chain before may have left more */
+      w->sg_list = s; /* a gathered chain before may have left others */
+      w->num_sge = 1;
       s->addr = (uintptr_t)(mem + pos);
       s->length = (uint32_t)r->len;
       s->lkey = d->bb.mr->lkey;
@@ -573,7 +574,8 @@ int kvf__rdma_bounce_post(rlink *lk, rqp *q, ticket *tk, size_t first, size_t cn
     put32(mem + 8, xb->credit);
     put32(mem + 12, (uint32_t)(pos - BOUNCE_HDR));
     struct ibv_send_wr *w = &q->wr[0];
-    q->sge[0][0] = (struct ibv_sge){.addr = (uintptr_t)mem, .length = (uint32_t)pos, .lkey = d->bb.mr->lkey};
+    q->sge[0] = (struct ibv_sge){.addr = (uintptr_t)mem, .length = (uint32_t)pos, .lkey = d->bb.mr->lkey};
+    w->sg_list = &q->sge[0];
     w->num_sge = 1;
     w->send_flags = 0;
     w->opcode = IBV_WR_RDMA_WRITE_WITH_IMM;

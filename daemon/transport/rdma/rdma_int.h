@@ -208,7 +208,9 @@ struct rqp {
   inflight *ring;
   uint32_t ring_head, ring_n;
   struct ibv_send_wr wr[CHAIN_MAX];
-  struct ibv_sge sge[CHAIN_MAX][GATHER_MAX]; /* wr[i]'s list is sge[i] */
+  /* the chain's entries, each request's after the one before it (one
+   * entry each, as most chains have, share the cache lines they had) */
+  struct ibv_sge sge[CHAIN_MAX * GATHER_MAX];
 };
 
 /* A peer on one of our devices: its CQ and QPs. */

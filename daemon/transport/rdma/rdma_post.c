@@ -371,13 +371,12 @@ static ticket *claim(rpeer *rp, rqp *q, uint32_t room, size_t *first, size_t *cn
   return tk;
 }
 
-/* The QP's chain of work requests is linked and typed once (RDMA WRITE,
- * its own list of entries each); building a chain then writes only what
- * differs per run. */
+/* The QP's chain of work requests is linked and typed once (RDMA WRITE);
+ * building a chain then writes only what differs per run. */
 void kvf__rdma_init_chain(rqp *q) {
   for (size_t i = 0; i < CHAIN_MAX; i++)
     q->wr[i] = (struct ibv_send_wr){.next = i + 1 < CHAIN_MAX ? &q->wr[i + 1] : NULL,
-                                    .sg_list = q->sge[i],
+                                    .sg_list = &q->sge[i],
                                     .num_sge = 1,
                                     .opcode = IBV_WR_RDMA_WRITE};
 }
@@ -471,7 +470,8 @@ uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const ui
       if (!join) {
         if (w) wr_close(w, &g, max_inline);
         w = w ? w + 1 : &q->wr[0];
-        s = w->sg_list;
+        s = s ? s + 1 : &q->sge[0];
+        w->sg_list = s;
         if (r->dst_pool != dp) {
           dp = r->dst_pool;
           rkey = lk->rkey[dp];
