@@ -6,7 +6,8 @@
  * and each byte's remote address are the runs', in order, nothing more or
  * less; a request gathers only runs that land back to back through one
  * key, within its entries (max_sge) and rdma-slice bytes, and the span
- * claims exactly the runs that many requests hold. */
+ * claims exactly the runs that many requests hold; a plain chain after
+ * gathered ones finds the template as it was. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -58,7 +59,7 @@ static rig *rig_new(uint32_t max_sge) {
 static size_t check_chain(rig *g, const kvf__run *runs, const uint32_t *order, const uint32_t *rkeys, size_t first,
                           size_t n) {
   size_t wrs = 0;
-  uint64_t bytes = kvf__rdma_build_chain(&g->lk, &g->q, runs, order, first, n, rkeys, &wrs);
+  uint64_t bytes = kvf__rdma_build_chain(&g->lk, &g->q, runs, order, first, n, rkeys, true, &wrs);
   assert_true(wrs >= 1 && wrs <= CHAIN_MAX && wrs <= n);
   size_t k = 0; /* the run being matched, and how far */
   uint64_t at = 0, total = 0;
@@ -151,6 +152,18 @@ static void test_staged_rows_gather(void **state) {
   }
   assert_int_equal(chains, 4);
   assert_int_equal(wrs, 32); /* 8 requests per 256 rows; the last 232 rows: 8 */
+  /* a plain chain after gathered ones: a request a run, each its own entry */
+  size_t plain = 0;
+  kvf__rdma_build_chain(&g->lk, &g->q, runs, NULL, 0, 8, NULL, false, &plain);
+  assert_int_equal(plain, 8);
+  for (size_t i = 0; i < 8; i++) {
+    assert_ptr_equal(g->q.wr[i].sg_list, &g->q.sge[i]);
+    assert_int_equal(g->q.wr[i].num_sge, 1);
+    assert_int_equal(g->q.sge[i].addr, SRC_BASE + runs[i].src_off);
+    assert_int_equal(g->q.wr[i].wr.rdma.remote_addr, RADDR + runs[i].dst_off);
+  }
+  assert_null(g->q.wr[7].next);
+  kvf__rdma_restore_chain(&g->q, plain);
   free(runs);
   free(perm);
   free(g);

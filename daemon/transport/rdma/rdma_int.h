@@ -149,6 +149,7 @@ typedef struct ticket {
    * receiver once written; the part is called back once all its chunks are */
   struct sgroup *grp;           /* NULL: the ticket is the whole post */
   uint32_t grp_first, grp_n;
+  bool gather;                  /* some body runs land back to back: requests gather them */
 } ticket;
 
 #define MAX_LANES 256
@@ -201,6 +202,7 @@ struct rqp {
   bool dead;
   uint32_t max_inline;
   uint32_t max_sge;             /* per work request (GATHER_MAX at most; 1: no gathering) */
+  bool gathered;                /* the last chain changed the template's lists */
   uint32_t sq_cap, sq_used;
   uint64_t bytes_out;           /* in flight */
   uint32_t rq_cap, rq_posted;
@@ -525,12 +527,13 @@ int kvf__rdma_post_recvs(rqp *q, uint32_t n);
  * says how many runs from first make at most max_wrs requests (what a
  * thread claims for the room in its send queue); kvf__rdma_build_chain
  * builds them, the same requests, into q->wr and returns their bytes, the
- * number of requests in *wrs. */
+ * number of requests in *wrs; without gathering (the ticket has no runs back
+ * to back: ticket.gather), a request a run, n of them. */
 void kvf__rdma_init_chain(rqp *q);
 size_t kvf__rdma_span(const rqp *q, const kvf__run *runs, const uint32_t *order, const uint32_t *rkeys,
                       size_t first, size_t avail, size_t max_wrs);
 uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const uint32_t *order, size_t first,
-                               size_t n, const uint32_t *rkeys, size_t *wrs);
+                               size_t n, const uint32_t *rkeys, bool gathering, size_t *wrs);
 void kvf__rdma_restore_chain(rqp *q, size_t n);
 void *kvf__rdma_progress_main(void *arg);
 void kvf__rdma_send_cmd(rdev *d, int kind, rlink *lk);

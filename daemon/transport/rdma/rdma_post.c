@@ -345,8 +345,10 @@ static ticket *claim_body(rpeer *rp, rqp *q, uint32_t room, size_t *first, size_
       }
       if (tk->xb) atomic_fetch_sub(&tk->xb->credits, 1);
       *cnt = kvf__rdma_bounce_fit(q->lk->dev, tk, *next, end - *next);
-    } else { /* room counts work requests; gathered, they may take more runs */
+    } else if (tk->gather) { /* room counts work requests; gathered, they may take more runs */
       *cnt = kvf__rdma_span(q, tk->runs, tk->order, tk->rkeys, *next, end - *next, room);
+    } else {
+      *cnt = end - *next < room ? end - *next : room;
     }
     *next += *cnt;
     bool drained = l ? (tk->left -= *cnt) == 0 : *next == end;
@@ -441,10 +443,52 @@ static inline void wr_close(struct ibv_send_wr *w, const gather *g, uint32_t max
   w->send_flags = g->wr_bytes <= max_inline ? IBV_SEND_INLINE : 0;
 }
 
-uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const uint32_t *order, size_t first, size_t n,
-                               const uint32_t *rkeys, size_t *wrs) {
+/* A request a run: what a ticket without runs back to back posts, at the
+ * cost it had before requests gathered. */
+static uint64_t build_plain(rlink *lk, rqp *q, const kvf__run *runs, const uint32_t *order, size_t first, size_t n,
+                            const uint32_t *rkeys) {
   /* Runs of a chain nearly always share their pools: keep the last pool's
    * keys and bases at hand instead of looking them up per run. */
+  const kvf__run *r = &runs[order ? order[first] : first];
+  uint32_t sp = r->src_pool, dp = r->dst_pool, lkey = lk->dev->lkey[sp], rkey = lk->rkey[dp];
+  uint8_t *const *pool_base = lk->rp->rt->pool_base;
+  uintptr_t base = (uintptr_t)pool_base[sp];
+  uint64_t raddr = lk->raddr[dp], bytes = 0;
+  uint32_t max_inline = q->max_inline;
+  for (size_t i = 0; i < n; i++) {
+    size_t j = order ? order[first + i] : first + i;
+    r = &runs[j];
+    if (r->src_pool != sp) {
+      sp = r->src_pool;
+      lkey = lk->dev->lkey[sp];
+      base = (uintptr_t)pool_base[sp];
+    }
+    if (r->dst_pool != dp) {
+      dp = r->dst_pool;
+      rkey = lk->rkey[dp];
+      raddr = lk->raddr[dp];
+    }
+    struct ibv_sge *s = &q->sge[i];
+    struct ibv_send_wr *w = &q->wr[i];
+    s->addr = base + r->src_off;
+    s->length = (uint32_t)r->len;
+    s->lkey = lkey;
+    w->send_flags = r->len <= max_inline ? IBV_SEND_INLINE : 0;
+    w->wr.rdma.remote_addr = raddr + r->dst_off;
+    w->wr.rdma.rkey = rkeys ? rkeys[j] : rkey;
+    bytes += r->len;
+  }
+  q->wr[n - 1].next = NULL;
+  return bytes;
+}
+
+uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const uint32_t *order, size_t first, size_t n,
+                               const uint32_t *rkeys, bool gathering, size_t *wrs) {
+  if (!gathering) {
+    *wrs = n;
+    return build_plain(lk, q, runs, order, first, n, rkeys);
+  }
+  q->gathered = true; /* the template's lists change: restored after the post */
   const kvf__run *r = &runs[order ? order[first] : first];
   uint32_t sp = r->src_pool, dp = r->dst_pool, lkey = lk->dev->lkey[sp], rkey = lk->rkey[dp];
   uint8_t *const *pool_base = lk->rp->rt->pool_base;
@@ -496,6 +540,11 @@ uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const ui
 
 /* Puts back what a posted chain changed in the template. */
 void kvf__rdma_restore_chain(rqp *q, size_t n) {
+  for (size_t i = 0; q->gathered && i < n; i++) {
+    q->wr[i].sg_list = &q->sge[i];
+    q->wr[i].num_sge = 1;
+  }
+  q->gathered = false;
   struct ibv_send_wr *last = &q->wr[n - 1];
   last->next = n < CHAIN_MAX ? last + 1 : NULL;
   last->wr_id = 0;
@@ -539,7 +588,7 @@ int kvf__rdma_doorbell(rlink *lk, rqp *q, ticket *tk, size_t n, uint32_t runs, b
 static int post_chunk(rlink *lk, rqp *q, ticket *tk, size_t first, size_t cnt) {
   uint64_t t0 = fast_ns();
   size_t wrs = 0;
-  uint64_t bytes = kvf__rdma_build_chain(lk, q, tk->runs, tk->order, first, cnt, tk->rkeys, &wrs);
+  uint64_t bytes = kvf__rdma_build_chain(lk, q, tk->runs, tk->order, first, cnt, tk->rkeys, tk->gather, &wrs);
   return kvf__rdma_doorbell(lk, q, tk, wrs, (uint32_t)cnt, false, t0, bytes, -1);
 }
 
@@ -549,7 +598,7 @@ static int post_tail(rlink *lk, rqp *q, ticket *tk) {
   struct ibv_send_wr *w = &q->wr[0];
   if (tk->tail.len) {
     size_t one;
-    kvf__rdma_build_chain(lk, q, &tk->tail, NULL, 0, 1, tk->rkeys ? &tk->tail_rkey : NULL, &one);
+    kvf__rdma_build_chain(lk, q, &tk->tail, NULL, 0, 1, tk->rkeys ? &tk->tail_rkey : NULL, false, &one);
   } else { /* nothing left to write: a zero-length write carries the notice */
     w->next = NULL;
     w->num_sge = 0;
@@ -750,6 +799,15 @@ static int take_runs(ticket *tk, kvf__runs *runs, uint64_t slice, size_t extra) 
   return 0;
 }
 
+/* Whether some run lands right after the one before it: then the threads
+ * gather (kvf__rdma_span); else they post a request a run, as cheaply as
+ * before. Runs back to back only in a lane's order go ungathered. */
+static bool may_gather(const kvf__run *v, size_t n) {
+  for (size_t i = 1; i < n; i++)
+    if (v[i].dst_off == v[i - 1].dst_off + v[i - 1].len && v[i].dst_pool == v[i - 1].dst_pool) return true;
+  return false;
+}
+
 ticket *kvf__rdma_ticket_new(rdma_transport *rt, kvf__xfer *x, kvf__runs *runs, uint64_t slice, size_t extra,
                              bool last) {
   ticket *tk = calloc(1, sizeof(*tk));
@@ -768,6 +826,7 @@ ticket *kvf__rdma_ticket_new(rdma_transport *rt, kvf__xfer *x, kvf__runs *runs, 
     if (tk->n_runs) tk->tail = tk->runs[--tk->n_body];
   }
   tk->total = tk->n_body + tk->has_tail;
+  tk->gather = may_gather(tk->runs, tk->n_body);
   return tk;
 }
 
