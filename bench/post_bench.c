@@ -6,8 +6,9 @@
  *          and, with memory windows, each run's window from the Grant's
  *          window_of (decoding the Grant's windows once per transfer) and
  *          the lanes (one per QP the windows are bound on);
- *   build  what the progress threads do per run: build the work-request
- *          chains, CHAIN_MAX at a time, lane by lane.
+ *   build  what the progress threads do per run: claim (kvf__rdma_span)
+ *          and build the work-request chains, CHAIN_MAX requests at a
+ *          time, lane by lane (scattered descriptors gather nothing).
  *
  * The chains are built and not posted: ibv_post_send is the provider's and
  * the NIC's work (rxe does the NIC's in it), which bench-rdma measures in
@@ -81,7 +82,8 @@ static int rig_init(rig *g, rdma_transport *rt, unsigned nq) {
   if (!(g->qs = calloc(nq, sizeof(*g->qs)))) return -1;
   for (unsigned j = 0; j < nq; j++) {
     rqp *q = &g->qs[j];
-    *q = (rqp){.lk = &g->lk, .qp = (struct ibv_qp *)&g->fake_qp, .qp_num = 100 + j, .outbound = true};
+    *q = (rqp){.lk = &g->lk, .qp = (struct ibv_qp *)&g->fake_qp, .qp_num = 100 + j, .outbound = true,
+               .max_sge = GATHER_MAX};
     kvf__rdma_init_chain(q);
     g->lk.all[g->lk.n_all++] = q;
   }
@@ -119,17 +121,20 @@ static uint64_t build_all(rig *g, ticket *tk, unsigned nq) {
   size_t nl = tk->lanes ? tk->n_lanes : 1;
   for (size_t l = 0; l < nl; l++) {
     size_t first = tk->lanes ? tk->lanes[l].next : 0, end = tk->lanes ? tk->lanes[l].end : tk->n_body;
-    for (unsigned k = 0; first < end; first += CHAIN_MAX, k++) {
+    for (unsigned k = 0; first < end; k++) {
       rqp *q = tk->lanes ? tk->lanes[l].q : &g->qs[k % nq];
-      size_t cnt = end - first < CHAIN_MAX ? end - first : CHAIN_MAX;
-      bytes += kvf__rdma_build_chain(&g->lk, q, tk->runs, tk->order, first, cnt, tk->rkeys);
-      kvf__rdma_restore_chain(q, cnt);
+      size_t wrs, cnt = end - first < CHAIN_MAX ? end - first : CHAIN_MAX;
+      if (tk->gather) cnt = kvf__rdma_span(q, tk->runs, tk->order, tk->rkeys, first, end - first, CHAIN_MAX);
+      bytes += kvf__rdma_build_chain(&g->lk, q, tk->runs, tk->order, first, cnt, tk->rkeys, tk->gather, &wrs);
+      kvf__rdma_restore_chain(q, wrs);
+      first += cnt;
     }
   }
   if (tk->has_tail) {
     rqp *q = tk->tail_q ? tk->tail_q : &g->qs[0];
-    bytes += kvf__rdma_build_chain(&g->lk, q, &tk->tail, NULL, 0, 1, tk->rkeys ? &tk->tail_rkey : NULL);
-    kvf__rdma_restore_chain(q, 1);
+    size_t wrs;
+    bytes += kvf__rdma_build_chain(&g->lk, q, &tk->tail, NULL, 0, 1, tk->rkeys ? &tk->tail_rkey : NULL, false, &wrs);
+    kvf__rdma_restore_chain(q, wrs);
   }
   return bytes;
 }

@@ -11,12 +11,15 @@
 #     nhd2hnd     --decode-order hnd (TP 1 -> TP 1)
 #
 # The VM is emulated (TCG): compare figures only within one run.
-# Prints one line per case and mode, then (last line) one JSON line.
+# Prints one line per case and mode (with the sending daemon's rdma runs
+# and work requests in it), then (last line) one JSON line.
 # Usage (as root, on the host): make all && bench/rdma_hetero.sh.
 # Environment: BUILD (build), TOKENS (4096), REQUESTS (2), POOL (1G per
 # daemon), STAGING (rdma-staging-size when on, 640M), VM_MEM (8G), RDMA_VM,
 # VM_TIMEOUT (1500 s), DEADLINE_MS (each transfer's, 600000), CASES (same tp8to4 nhd2hnd), MODES (direct staged),
-# ROUNDS (1), and
+# ROUNDS (1), PAIRED (0; 1: each transform case right after a same-layout
+# run of its own, its ratio against that one: on a busy host the load
+# drifts within a round), and
 # BUILDS (BUILD): several build directories (each with kvferryd, kvferryctl
 # and kvferry-bench; e.g. "build/base build" for before and after) take
 # turns, round by round, in the same VM run; keys then start with the
@@ -48,7 +51,7 @@ done
 
 if [ -z "${RDMA_VM_NODES:-}" ]; then
   [ -x "$RDMA_VM" ] || die "no VM runner at $RDMA_VM (set RDMA_VM)"
-  export BUILD BUILDS ROUNDS DEADLINE_MS TOKENS REQUESTS POOL STAGING CASES MODES
+  export BUILD BUILDS ROUNDS PAIRED DEADLINE_MS TOKENS REQUESTS POOL STAGING CASES MODES
   exec "$RDMA_VM" --nodes 2 --mem "$VM_MEM" --timeout "${VM_TIMEOUT:-1500}" -- bench/rdma_hetero.sh
 fi
 
@@ -87,8 +90,25 @@ stop_daemons() {
 declare -A ARGS=([same]="" [tp8to4]="--prefill-tp 8 --decode-tp 4" [nhd2hnd]="--decode-order hnd")
 CASES=${CASES:-same tp8to4 nhd2hnd}
 MODES=${MODES:-direct staged}
+PAIRED=${PAIRED:-0}
 RUNS=""
 FAILS=0 # a case that fails is reported and left out; the exit status says so
+
+# one_case RUN KEY CASE: kvferry-bench's JSON in $TMP/RUN-KEY.json, and the
+# sending daemon's status (its rdma posting counters) before and after
+one_case() {
+  local run=$1 key=$2 c=$3
+  bench_ctl prefill status --json >"$TMP/$run-$key.post0" 2>/dev/null || true
+  say "$run: $key: $BUILD/kvferry-bench --blocks --model llama3-8b --tokens $TOKENS --requests $REQUESTS ${ARGS[$c]}"
+  # shellcheck disable=SC2086
+  "$BUILD/kvferry-bench" --from "$TMP/prefill.sock" --to "$TMP/decode.sock" --json --blocks --model llama3-8b \
+    --tokens "$TOKENS" --requests "$REQUESTS" --deadline-ms "$DEADLINE_MS" ${ARGS[$c]} >"$TMP/$run-$key.json" 2>"$TMP/$run-$key.err" ||
+    { cat "$TMP/$run-$key.err" >&2; tail -n 20 "$TMP"/*.log >&2; say "$run: $key: FAILED (left out)"
+      rm -f "$TMP/$run-$key.json"; FAILS=$((FAILS + 1)); return 0; }
+  bench_ctl prefill status --json >"$TMP/$run-$key.post1" 2>/dev/null || true
+  say "$run: $key: $(tail -n 1 "$TMP/$run-$key.json")"
+}
+
 for round in $(seq 1 "$ROUNDS"); do
   for BUILD in $BUILDS; do
     tag=""
@@ -100,13 +120,9 @@ for round in $(seq 1 "$ROUNDS"); do
       [ $mode = staged ] && staging=$STAGING
       start_daemons "$staging"
       for c in $CASES; do
-        say "$run: $c: $BUILD/kvferry-bench --blocks --model llama3-8b --tokens $TOKENS --requests $REQUESTS ${ARGS[$c]}"
-        # shellcheck disable=SC2086
-        "$BUILD/kvferry-bench" --from "$TMP/prefill.sock" --to "$TMP/decode.sock" --json --blocks --model llama3-8b \
-          --tokens "$TOKENS" --requests "$REQUESTS" --deadline-ms "$DEADLINE_MS" ${ARGS[$c]} >"$TMP/$run-$c.json" 2>"$TMP/$run-$c.err" ||
-          { cat "$TMP/$run-$c.err" >&2; tail -n 20 "$TMP"/*.log >&2; say "$run: $c: FAILED (left out)"
-            rm -f "$TMP/$run-$c.json"; FAILS=$((FAILS + 1)); continue; }
-        say "$run: $c: $(tail -n 1 "$TMP/$run-$c.json")"
+        # PAIRED=1: each transform right after a same-layout run of its own
+        if [ "$PAIRED" = 1 ] && [ "$c" != same ]; then one_case "$run" "same4$c" same; fi
+        one_case "$run" "$c" "$c"
       done
       bench_ctl decode status --json >"$TMP/$run-status.json"
       stop_daemons
@@ -114,31 +130,44 @@ for round in $(seq 1 "$ROUNDS"); do
   done
 done
 
-python3 - "$TMP" "$CASES" "$RUNS" <<'EOF'
+python3 - "$TMP" "$CASES" "$RUNS" "$PAIRED" <<'EOF'
 import json, os, sys
-tmp, cases, runs = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
+tmp, cases, runs, paired = sys.argv[1], sys.argv[2].split(), sys.argv[3].split(), sys.argv[4] == "1"
 def last_json(path):
     return json.loads([l for l in open(path).read().splitlines() if l.strip()][-1])
+def posted(run, key):
+    """The sender's runs and work requests in one case (status deltas)."""
+    try:
+        a, b = [json.load(open(os.path.join(tmp, "%s-%s.post%d" % (run, key, i))))["rdma"]["post"] for i in (0, 1)]
+    except (OSError, ValueError, KeyError):
+        return None
+    return b["runs"] - a["runs"], b["work_requests"] - a["work_requests"]
+keys = [k for c in cases for k in ((["same4" + c] if paired and c != "same" else []) + [c])]
 out = {}
 for run in runs:
     st = json.load(open(os.path.join(tmp, run + "-status.json")))["rdma"]["staging"]
-    for c in cases:
+    for c in keys:
         path = os.path.join(tmp, "%s-%s.json" % (run, c))
         if not os.path.exists(path):
-            print("%-18s %-8s FAILED" % (run, c))
+            print("%-18s %-13s FAILED" % (run, c))
             continue
         r = last_json(path)
         assert r["verified"], r
         out["%s_%s_mbps" % (run, c)] = r["bytes"] / r["seconds"] / 1e6  # gbps has 3 decimals only
-        print("%-18s %-8s %9.1f MB/s  %d bytes, path %s" % (run, c, out["%s_%s_mbps" % (run, c)], r["bytes"], r["path"]))
+        p = posted(run, c)
+        if p:
+            out["%s_%s_runs" % (run, c)], out["%s_%s_wrs" % (run, c)] = p
+        print("%-18s %-13s %9.1f MB/s  %d bytes, path %s%s" % (run, c, out["%s_%s_mbps" % (run, c)], r["bytes"],
+              r["path"], ", sender: %d runs in %d work requests" % p if p else ""))
     out[run + "_staging"] = st
     print("%-18s staging: %s" % (run, json.dumps(st)))
 for run in runs:
     for c in cases:
-        if c != "same" and out.get("%s_same_mbps" % run) and "%s_%s_mbps" % (run, c) in out:
+        base = "same4" + c if paired else "same"
+        if c != "same" and out.get("%s_%s_mbps" % (run, base)) and "%s_%s_mbps" % (run, c) in out:
             k = "%s_%s_mbps" % (run, c)
-            out["%s_%s_ratio" % (run, c)] = out[k] / out["%s_same_mbps" % run]
-            print("%-18s %-8s / same: %.3f" % (run, c, out["%s_%s_ratio" % (run, c)]))
+            out["%s_%s_ratio" % (run, c)] = out[k] / out["%s_%s_mbps" % (run, base)]
+            print("%-18s %-8s / %s: %.3f" % (run, c, base, out["%s_%s_ratio" % (run, c)]))
 print(json.dumps(out))
 EOF
 [ "$FAILS" = 0 ] || die "$FAILS case(s) failed (left out above)"

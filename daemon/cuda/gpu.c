@@ -1321,6 +1321,30 @@ int kvf__gpu_blocks_start(const kvf__gpu_blocks *j, kvf__gpu_done_fn done, void 
   return 0;
 }
 
+int kvf__gpu_xblocks_from_host(const kvf__gpu_blocks *j, kvf__gpu_done_fn done, void *arg) {
+  if (!G.ready) return -ENODEV;
+  if (!G.blocks || !G.xblocks) return -EAGAIN; /* cuMemcpy per run would cross the bus per 256 bytes */
+  const struct kvf__xplan *x = j->xf;
+  uint64_t regions = (uint64_t)j->n_layers * j->n_kv;
+  if (!x || j->src.dev >= 0 || j->dst.dev < 0 || j->dst.dev >= G.n || !j->src.table || !j->dst.table ||
+      x->unit > UINT32_MAX || x->ns + x->nd > UINT32_MAX || regions == 0 || blocks_pieces(j) > UINT32_MAX ||
+      (uint64_t)x->s.tpb * x->s.heads * x->unit > UINT32_MAX || (uint64_t)x->d.tpb * x->d.heads * x->unit > UINT32_MAX)
+    return -EINVAL;
+  job *jb = job_new(done, arg);
+  if (!jb) return -ENOMEM;
+  copier *c = copier_get();
+  int rc = c ? blocks_launch(c, j, &j->dst.dev, 1) : -ENOMEM; /* the pool's GPU reads the mapped memory */
+  if (rc) {
+    float ms;
+    if (c) finish_copier(c, rc, &ms);
+    free(jb);
+    return rc;
+  }
+  jb->c = c;
+  job_queue(jb);
+  return 0;
+}
+
 static void reaper_stop(void) {
   pthread_mutex_lock(&R.mu);
   bool was = R.running;

@@ -221,6 +221,16 @@ typedef struct kvf__gpu_blocks {
  * block of 4 GiB or more, more than 2^32 pieces); other errors: nothing
  * runs, no callback. */
 int kvf__gpu_blocks_start(const kvf__gpu_blocks *job, kvf__gpu_done_fn done, void *arg);
+/* A transform (j->xf set) out of host memory that CUDA maps
+ * (kvf__gpu_host_register) into a cuda pool: j->src.dev is -1, src.base
+ * the host memory's device alias, src.table its regions' offsets on the
+ * destination's GPU; one launch of the transform kernel (kvf_xblocks) on
+ * the destination pool's GPU, which reads the host memory over the bus
+ * (rdma staging: the receiver's pass from its staging slice into a grant
+ * of a cuda pool). done(arg, rc, kernel_ms) as for kvf__gpu_blocks_start.
+ * -EAGAIN: no transform kernel in this build (nothing runs); -EINVAL:
+ * sizes the kernel cannot take, or not such a job. */
+int kvf__gpu_xblocks_from_host(const kvf__gpu_blocks *j, kvf__gpu_done_fn done, void *arg);
 /* Whether block copies run in the kernel (else cuMemcpy per run). */
 bool kvf__gpu_blocks_kernel(void);
 

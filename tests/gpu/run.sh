@@ -6,8 +6,9 @@
 #      between KV layouts by the block kernel and by its fallback
 #      (gpu_blocks); transforms between layouts of other heads, order and
 #      tokens per block (gpu_xform; XFORM_BENCH=REPS times them against
-#      same-layout block copies); engine GPU memory exported and imported
-#      (gpu_ipc)
+#      same-layout block copies); the rdma receiver's GPU pass from a
+#      staged slice in mapped host memory (gpu_stage); engine GPU memory
+#      exported and imported (gpu_ipc)
 #   2. two kvferryd on loopback with cuda:N and host pools
 #   3. two engine processes mapping one cuda pool at once (gpu_map_client)
 #   4. local handoffs GPU->GPU (and GPU<->host, same pool), odd geometries,
@@ -97,6 +98,16 @@ for mode in kernel memcpy; do
     bad "gpu_xform_$mode" "gpu_xform ($mode)"; tail -n 20 "$TMP/gpu_xform_$mode.log"
   fi
 done
+
+# the rdma receiver's GPU pass (issue 17): a staged slice in host memory
+# mapped for CUDA into a cuda pool's grant by the transform kernel, chunk
+# by chunk, every byte against a host reference (no NIC needed)
+timeout 300 "$BUILD/tests/gpu/gpu_stage" >"$TMP/gpu_stage.log" 2>&1
+case $? in
+  0) ok "gpu_stage: $(grep -c '^ok' "$TMP/gpu_stage.log") cases"; grep '^ok' "$TMP/gpu_stage.log" | sed 's/^/    /' ;;
+  77) skipped "gpu_stage: $(tail -n 1 "$TMP/gpu_stage.log")" ;;
+  *) bad gpu_stage "gpu_stage"; tail -n 20 "$TMP/gpu_stage.log" ;;
+esac
 
 # engine GPU memory: exported by a forked engine (IPC handle, VMM fd),
 # imported by the daemon's CUDA module, every byte checked on both sides

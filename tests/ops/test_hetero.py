@@ -407,6 +407,25 @@ class HeteroRdma(Base, unittest.TestCase):
         self.handoff("rdma", 2, 4, "NHD", "NHD", 16, 16, mla=True)
         self.assertEqual(self.events["recv", 3].transform, "whole blocks")
 
+    def test_staged_writes_gather(self):
+        """A staged part's rows land back to back in the receiver's slice
+        while their sources are scattered blocks (a prefill rank's block
+        of its one head): the sender gathers many rows into each RDMA
+        WRITE, one scatter/gather entry a row (rdma_post.c), so it posts
+        far fewer work requests than runs (one a run before)."""
+        post = lambda: self.client(self.pre).inspect("status", json=True)["rdma"]["post"]  # noqa: E731
+        before = post()
+        self.handoff("rdma", 8, 4, "NHD", "HND", 16, 16)
+        after = post()
+        runs, wrs = after["runs"] - before["runs"], after["work_requests"] - before["work_requests"]
+        self.assertEqual(self.events["send", 3].transform, "heads 3-3, NHD 16/1h -> HND 16/2h, staged")
+        # 8 ranks x 2 layers x K, V x 8 blocks of 256 bytes (fewer where two
+        # source blocks happen to adjoin: one run then); each part goes in
+        # two chunks of one layer, whose K and V rows are back to back in the
+        # slice: one request a chunk, and the tail, so 3 a rank
+        self.assertGreater(runs, 8 * 2 * 2 * 8 // 2, after)
+        self.assertLessEqual(wrs, 8 * 3, after)
+
     def test_staging_no_room(self):
         """A grant larger than the receiver's staging arena: it goes without
         a slice (the log says so, no_room counts it) and the sender writes

@@ -201,7 +201,7 @@ static void link_down_case(const char *link, size_t ndev, const char *tag) {
 /* ---------------------------------------------------------------- cases */
 
 /* One transfer of 100,000 scattered 1 KiB descriptors; prints the posting
- * cost per descriptor the daemon measured. */
+ * cost per work request the daemon measured. */
 static void test_100k_descriptors(void **state) {
   verified("100k", 100000, 1 * KIB, 301);
   double loop = rdma_number(&E.pre, "post", "last_loop_ns_per_wr");
@@ -211,7 +211,9 @@ static void test_100k_descriptors(void **state) {
   fprintf(stderr, "note: 100k descriptors: %.0f work requests; posting cost %.1f ns/descriptor "
                   "(loop %.1f + build %.1f); ibv_post_send %.1f ns/descriptor\n",
           wrs, loop + build, loop, build, bell);
-  assert_true(wrs >= 100000);
+  /* a request a descriptor, but for the few whose destination slot happens
+   * to follow the one before (the sender gathers those: rdma_post.c) */
+  assert_true(wrs > 99000 && wrs <= 100000);
 }
 
 /* Memory windows: a grant of 16384 separate 4 KiB ranges (every other

@@ -556,6 +556,8 @@ int kvf__rdma_bounce_post(rlink *lk, rqp *q, ticket *tk, size_t first, size_t cn
     } else {
       struct ibv_sge *s = &q->sge[i];
       struct ibv_send_wr *w = &q->wr[i];
+      w->sg_list = s; /* a gathered chain before may have left others */
+      w->num_sge = 1;
       s->addr = (uintptr_t)(mem + pos);
       s->length = (uint32_t)r->len;
       s->lkey = d->bb.mr->lkey;
@@ -573,6 +575,8 @@ int kvf__rdma_bounce_post(rlink *lk, rqp *q, ticket *tk, size_t first, size_t cn
     put32(mem + 12, (uint32_t)(pos - BOUNCE_HDR));
     struct ibv_send_wr *w = &q->wr[0];
     q->sge[0] = (struct ibv_sge){.addr = (uintptr_t)mem, .length = (uint32_t)pos, .lkey = d->bb.mr->lkey};
+    w->sg_list = &q->sge[0];
+    w->num_sge = 1;
     w->send_flags = 0;
     w->opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
     w->imm_data = htonl(xb->token);

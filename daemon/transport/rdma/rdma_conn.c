@@ -110,6 +110,26 @@ static void publish(rlink *lk, rqp *q) {
   atomic_store(&lk->n_qps, n + 1);
 }
 
+/* rdma_create_qp with *a; a device that refuses it may not inline, or not
+ * take that many entries per request with inline data: without inline
+ * data, then with one entry (no gathering), then without both. */
+static int create_qp_fallback(rqp *q, rdev *d, struct ibv_qp_init_attr *a) {
+  struct ibv_qp_init_attr want = *a;
+  for (int k = 0; k < 4; k++) {
+    *a = want;
+    if (k & 1) {
+      if (!want.cap.max_inline_data) continue;
+      a->cap.max_inline_data = 0;
+    }
+    if (k & 2) {
+      if (want.cap.max_send_sge <= 1) continue;
+      a->cap.max_send_sge = 1;
+    }
+    if (rdma_create_qp(q->id, d->pd, a) == 0) return 0;
+  }
+  return -errno;
+}
+
 static int create_qp(rlink *lk, rqp *q) {
   rdev *d = lk->dev;
   if (q->id->verbs != d->ctx) return -EXDEV;
@@ -127,16 +147,15 @@ static int create_qp(rlink *lk, rqp *q) {
               .max_recv_sge = 1,
               .max_inline_data = q->outbound ? kvfd.cfg.rdma_inline : 0},
   };
-  struct ibv_qp_init_attr want = a;
-  if (rdma_create_qp(q->id, d->pd, &a) != 0) {
-    if (want.cap.max_inline_data == 0) return -errno;
-    a = want; /* the device may not inline: go without */
-    a.cap.max_inline_data = 0;
-    if (rdma_create_qp(q->id, d->pd, &a) != 0) return -errno;
-  }
+  /* Our writes gather runs that land back to back (rdma_post.c): as many
+   * entries per request as the device takes, up to GATHER_MAX */
+  if (q->outbound) a.cap.max_send_sge = d->max_sge < GATHER_MAX ? (d->max_sge ? d->max_sge : 1) : GATHER_MAX;
+  int rc = create_qp_fallback(q, d, &a);
+  if (rc) return rc;
   q->qp = q->id->qp;
   q->qp_num = q->qp->qp_num;
   q->max_inline = a.cap.max_inline_data;
+  q->max_sge = a.cap.max_send_sge < GATHER_MAX ? a.cap.max_send_sge : GATHER_MAX;
   q->bind_cap = binds ? lk->depth : 0;
   if (q->outbound) {
     kvf__rdma_init_chain(q);
@@ -145,8 +164,7 @@ static int create_qp(rlink *lk, rqp *q) {
     if (!q->ring) return -ENOMEM;
   } else {
     q->rq_cap = lk->depth;
-    int rc = kvf__rdma_post_recvs(q, q->rq_cap);
-    if (rc) return rc;
+    if ((rc = kvf__rdma_post_recvs(q, q->rq_cap)) != 0) return rc;
   }
   publish(lk, q);
   return 0;

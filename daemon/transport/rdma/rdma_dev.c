@@ -131,6 +131,7 @@ static int add_device(rdma_transport *rt, struct ibv_context *ctx, uint8_t port,
   gid_to_addr(d);
   d->max_cqe = (uint32_t)da.max_cqe;
   d->max_qp_wr = (uint32_t)da.max_qp_wr;
+  d->max_sge = (uint32_t)da.max_sge;
   d->index = rt->n_devs++;
   return 0;
 }

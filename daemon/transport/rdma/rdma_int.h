@@ -42,10 +42,17 @@
 #include "rdma_mw.h"
 #include "sbuf.h"
 #include "xfer.h"
+#include "cuda/gpu.h"
+#include "kv_xform.h"
 
 #define MAX_DEVS 8
 #define MAX_QPS 128             /* per link: dialed and accepted */
 #define CHAIN_MAX 32            /* work requests per ibv_post_send (one doorbell) */
+#define GATHER_MAX 32           /* scatter/gather entries per work request at most (the
+                                   device's max_sge below that): runs that land back to
+                                   back go as one write gathering their sources */
+#define CHAIN_BYTES (1u << 20)  /* a chain that gathers ends at this many bytes:
+                                   several chains stay in flight within QP_WINDOW */
 #define QP_WINDOW (4u << 20)    /* bytes in flight per QP before it claims more: a
                                    transfer spreads over every QP and device
                                    instead of filling the first send queue */
@@ -142,6 +149,7 @@ typedef struct ticket {
    * receiver once written; the part is called back once all its chunks are */
   struct sgroup *grp;           /* NULL: the ticket is the whole post */
   uint32_t grp_first, grp_n;
+  bool gather;                  /* some body runs land back to back: requests gather them */
 } ticket;
 
 #define MAX_LANES 256
@@ -193,6 +201,8 @@ struct rqp {
   /* progress thread only, once published */
   bool dead;
   uint32_t max_inline;
+  uint32_t max_sge;             /* per work request (GATHER_MAX at most; 1: no gathering) */
+  bool gathered;                /* the last chain changed the template's lists */
   uint32_t sq_cap, sq_used;
   uint64_t bytes_out;           /* in flight */
   uint32_t rq_cap, rq_posted;
@@ -200,7 +210,9 @@ struct rqp {
   inflight *ring;
   uint32_t ring_head, ring_n;
   struct ibv_send_wr wr[CHAIN_MAX];
-  struct ibv_sge sge[CHAIN_MAX];
+  /* the chain's entries, each request's after the one before it (one
+   * entry each, as most chains have, share the cache lines they had) */
+  struct ibv_sge sge[CHAIN_MAX * GATHER_MAX];
 };
 
 /* A peer on one of our devices: its CQ and QPs. */
@@ -276,7 +288,7 @@ struct rdev {
   char ip[INET6_ADDRSTRLEN];
   uint16_t cm_port;
   struct rdma_cm_id *listener;
-  uint32_t max_cqe, max_qp_wr;
+  uint32_t max_cqe, max_qp_wr, max_sge;
   bool mw2;                     /* type 2 memory windows */
   int mw_bounds;                /* enum kvf__mw_bounds, from the start check */
   char mw_check[160];           /* what the check saw */
@@ -333,6 +345,7 @@ typedef struct rgrant {
   uint32_t st_done;             /* granted layers the staging pass placed */
   uint64_t st_landed_ns;        /* the last write's notice came while passes ran */
   struct spass *passes;         /* transform passes running (rdma_stage.c) */
+  struct kvf__sgpu *st_gpu;     /* a cuda pool's: what its GPU passes share (from the first note) */
   struct bgrant *bg;            /* the bounce path: its staging slots (receiver) */
   struct xbounce *credit_of;    /* not a grant: the token of a send's credits (sender) */
 } rgrant;
@@ -417,10 +430,12 @@ struct rdma_transport {
   struct {
     uint8_t *mem;
     size_t len;
+    uint64_t alias;             /* its device address when CUDA maps it (GPU passes); 0: not */
     struct { uint64_t off, len; } *used;
     size_t n_used, cap_used;
     uint64_t grants, refused, staged_parts, chunks, passes, pass_ns, bytes;
     uint64_t tail_ns;           /* passes still running after the last write landed, summed */
+    uint64_t gpu_passes;        /* ... of them by the transform kernel, into cuda pools */
   } stage;
   /* memory windows (rdma_mw.c) */
   char protection[400];         /* one line for status, doctor and the log */
@@ -503,10 +518,22 @@ void kvf__rdma_wake(rdev *d);
 size_t kvf__rdma_take_back(rpeer *rp, ticket *tk);
 int kvf__rdma_post_recvs(rqp *q, uint32_t n);
 /* The send chain template of a dialed QP, and filling it (post_bench
- * times these two without a device). */
+ * times these without a device). Runs runs[order[first..first + n)] (or
+ * without order, runs[first..first + n)) go as work requests of up to
+ * q->max_sge entries: a run whose bytes land right after the one before it
+ * (same remote memory and key) joins its request, as one more entry or, when
+ * its source follows too, a longer one; a request stays within rdma-slice
+ * bytes, and a chain that gathers ends at CHAIN_BYTES. kvf__rdma_span
+ * says how many runs from first make at most max_wrs requests (what a
+ * thread claims for the room in its send queue); kvf__rdma_build_chain
+ * builds them, the same requests, into q->wr and returns their bytes, the
+ * number of requests in *wrs; without gathering (the ticket has no runs back
+ * to back: ticket.gather), a request a run, n of them. */
 void kvf__rdma_init_chain(rqp *q);
+size_t kvf__rdma_span(const rqp *q, const kvf__run *runs, const uint32_t *order, const uint32_t *rkeys,
+                      size_t first, size_t avail, size_t max_wrs);
 uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const uint32_t *order, size_t first,
-                               size_t n, const uint32_t *rkeys);
+                               size_t n, const uint32_t *rkeys, bool gathering, size_t *wrs);
 void kvf__rdma_restore_chain(rqp *q, size_t n);
 void *kvf__rdma_progress_main(void *arg);
 void kvf__rdma_send_cmd(rdev *d, int kind, rlink *lk);
@@ -694,6 +721,32 @@ void kvf__rdma_stage_landed(rgrant *g);
 /* Receiver: the sender's note that layers of a staged part landed. */
 int kvf__rdma_unstage(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n, const kvf__xstaged *st,
                       char *why, size_t len);
+
+/* Receiver, a grant of a cuda pool: its passes run the transform kernel
+ * (kvf_xblocks) on the pool's GPU, reading the slice in the staging arena,
+ * which CUDA maps (kvf__gpu_xblocks_from_host), one launch per noted chunk.
+ * What they share, made at the grant's first note (the sender's staged
+ * heads set the slice's layout): the plan slice -> grant, the slice's view
+ * and its offsets, also on the GPU. kvf__rdma_sgpu_job: the launch's job
+ * for layers [first, first + n) of the slice at device address slice into
+ * dst, the grant's side from layer first (kvf__gpu_bside). The GPU test
+ * (tests/gpu/gpu_stage.c) runs these as the daemon does;
+ * tests/unit/test_rdma_stage_job.c runs the jobs' plans on the CPU. */
+typedef struct kvf__sgpu {
+  kvf__xstaged st;
+  kvf__xplan p;
+  kvf__lview sv;
+  uint64_t *offs;               /* sv's offsets (owned) */
+  uint32_t *ids;                /* the slice's block ids, 0..nd-1 (owned) */
+  void *table;                  /* offs on the GPU (kvf__gpu_layout_upload) */
+} kvf__sgpu;
+int kvf__rdma_sgpu_make(const kvf__lview *gv, size_t nd, const kvf__xstaged *st, int dev, kvf__sgpu *s);
+/* The same without the GPU's copy of the offsets (table NULL): for tests
+ * that run a job's plan on the CPU. */
+int kvf__rdma_sgpu_plan(const kvf__lview *gv, size_t nd, const kvf__xstaged *st, kvf__sgpu *s);
+void kvf__rdma_sgpu_free(kvf__sgpu *s);
+void kvf__rdma_sgpu_job(const kvf__sgpu *s, uint64_t slice, const kvf__gpu_bside *dst, uint32_t first, uint32_t n,
+                        kvf__gpu_blocks *j);
 
 /* ------------------------------------------------------------ rdma_status.c */
 

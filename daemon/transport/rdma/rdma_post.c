@@ -12,7 +12,9 @@
  * Progress threads (one per device). Each claims chunks of runs from the
  * peers' queues for each of its QPs that has room (QP_WINDOW bytes in
  * flight), builds a linked chain of RDMA_WRITE work requests of which only
- * the last is signalled, and rings the doorbell once per chain: QPs and
+ * the last is signalled (runs that land back to back share one request,
+ * its scatter/gather list gathering their sources: a staged part's rows,
+ * rdma_stage.c), and rings the doorbell once per chain: QPs and
  * devices take chunks as fast as they finish theirs, which stripes a
  * transfer over all of them. They poll their CQs, keep zero-length receives
  * posted on accepted QPs (a WRITE_WITH_IMM consumes one) and, after
@@ -343,6 +345,8 @@ static ticket *claim_body(rpeer *rp, rqp *q, uint32_t room, size_t *first, size_
       }
       if (tk->xb) atomic_fetch_sub(&tk->xb->credits, 1);
       *cnt = kvf__rdma_bounce_fit(q->lk->dev, tk, *next, end - *next);
+    } else if (tk->gather) { /* room counts work requests; gathered, they may take more runs */
+      *cnt = kvf__rdma_span(q, tk->runs, tk->order, tk->rkeys, *next, end - *next, room);
     } else {
       *cnt = end - *next < room ? end - *next : room;
     }
@@ -369,8 +373,8 @@ static ticket *claim(rpeer *rp, rqp *q, uint32_t room, size_t *first, size_t *cn
   return tk;
 }
 
-/* The QP's chain of work requests is linked and typed once (RDMA WRITE,
- * one SGE each); building a chain then writes only what differs per run. */
+/* The QP's chain of work requests is linked and typed once (RDMA WRITE);
+ * building a chain then writes only what differs per run. */
 void kvf__rdma_init_chain(rqp *q) {
   for (size_t i = 0; i < CHAIN_MAX; i++)
     q->wr[i] = (struct ibv_send_wr){.next = i + 1 < CHAIN_MAX ? &q->wr[i + 1] : NULL,
@@ -379,10 +383,69 @@ void kvf__rdma_init_chain(rqp *q) {
                                     .opcode = IBV_WR_RDMA_WRITE};
 }
 
-/* The chain of runs[first..first + n), or with order of runs[order[first..
- * first + n)]. rkeys: per run, when the grant has memory windows; else
- * the pools'. */
-uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const uint32_t *order, size_t first, size_t n,
+/* The work request being gathered: its last run (and that run's key), its
+ * entries and bytes, and the chain's bytes so far. */
+typedef struct gather {
+  const kvf__run *last;
+  uint32_t rkey, sges;
+  uint64_t wr_bytes, chain_bytes;
+  bool gathered;                /* some request of the chain holds more than one run */
+} gather;
+
+/* Whether r (key rkey) joins g's request: its bytes land right after the
+ * last run's, in the same memory through the same key (so the request is
+ * one contiguous write inside the window both runs were checked against),
+ * within the request's and the chain's bytes, and with an entry to spare
+ * unless its source follows the last run's too (*same: then it extends
+ * that entry). */
+static inline bool gather_joins(const gather *g, const kvf__run *r, uint32_t rkey, uint32_t max_sge, bool *same) {
+  const kvf__run *p = g->last;
+  if (r->dst_pool != p->dst_pool || rkey != g->rkey || r->dst_off != p->dst_off + p->len ||
+      g->wr_bytes + r->len > kvfd.cfg.rdma_slice || g->chain_bytes + r->len > CHAIN_BYTES)
+    return false;
+  *same = r->src_pool == p->src_pool && r->src_off == p->src_off + p->len;
+  return *same || g->sges < max_sge;
+}
+
+static inline void gather_add(gather *g, const kvf__run *r, uint32_t rkey, bool join, bool same) {
+  if (!join) {
+    g->sges = 0;
+    g->wr_bytes = 0;
+  }
+  g->sges += !same;
+  g->gathered |= join;
+  g->wr_bytes += r->len;
+  g->chain_bytes += r->len;
+  g->last = r;
+  g->rkey = rkey;
+}
+
+size_t kvf__rdma_span(const rqp *q, const kvf__run *runs, const uint32_t *order, const uint32_t *rkeys,
+                      size_t first, size_t avail, size_t max_wrs) {
+  gather g = {0};
+  size_t i = 0, wrs = 0;
+  for (; i < avail; i++) {
+    size_t j = order ? order[first + i] : first + i;
+    uint32_t rkey = rkeys ? rkeys[j] : 0;
+    bool same = false, join = i > 0 && gather_joins(&g, &runs[j], rkey, q->max_sge, &same);
+    /* a chain that gathers ends at CHAIN_BYTES (else its requests of one
+     * run each after it; one that does not keeps its old length) */
+    if (!join && i > 0 && g.gathered && g.chain_bytes + runs[j].len > CHAIN_BYTES) break;
+    if (!join && ++wrs > max_wrs) break;
+    gather_add(&g, &runs[j], rkey, join, same);
+  }
+  return i;
+}
+
+/* Ends request w of the chain: its entries, and inline when small. */
+static inline void wr_close(struct ibv_send_wr *w, const gather *g, uint32_t max_inline) {
+  w->num_sge = (int)g->sges;
+  w->send_flags = g->wr_bytes <= max_inline ? IBV_SEND_INLINE : 0;
+}
+
+/* A request a run: what a ticket without runs back to back posts, at the
+ * cost it had before requests gathered. */
+static uint64_t build_plain(rlink *lk, rqp *q, const kvf__run *runs, const uint32_t *order, size_t first, size_t n,
                             const uint32_t *rkeys) {
   /* Runs of a chain nearly always share their pools: keep the last pool's
    * keys and bases at hand instead of looking them up per run. */
@@ -419,8 +482,69 @@ uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const ui
   return bytes;
 }
 
+uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const uint32_t *order, size_t first, size_t n,
+                               const uint32_t *rkeys, bool gathering, size_t *wrs) {
+  if (!gathering) {
+    *wrs = n;
+    return build_plain(lk, q, runs, order, first, n, rkeys);
+  }
+  q->gathered = true; /* the template's lists change: restored after the post */
+  const kvf__run *r = &runs[order ? order[first] : first];
+  uint32_t sp = r->src_pool, dp = r->dst_pool, lkey = lk->dev->lkey[sp], rkey = lk->rkey[dp];
+  uint8_t *const *pool_base = lk->rp->rt->pool_base;
+  uintptr_t base = (uintptr_t)pool_base[sp];
+  uint64_t raddr = lk->raddr[dp];
+  uint32_t max_inline = q->max_inline;
+  gather g = {0};
+  struct ibv_send_wr *w = NULL;
+  struct ibv_sge *s = NULL;
+  for (size_t i = 0; i < n; i++) {
+    size_t j = order ? order[first + i] : first + i;
+    r = &runs[j];
+    if (r->src_pool != sp) {
+      sp = r->src_pool;
+      lkey = lk->dev->lkey[sp];
+      base = (uintptr_t)pool_base[sp];
+    }
+    uint32_t key = rkeys ? rkeys[j] : 0;
+    bool same = false, join = i > 0 && gather_joins(&g, r, key, q->max_sge, &same);
+    if (same) {
+      s->length += (uint32_t)r->len;
+    } else {
+      if (!join) {
+        if (w) wr_close(w, &g, max_inline);
+        w = w ? w + 1 : &q->wr[0];
+        s = s ? s + 1 : &q->sge[0];
+        w->sg_list = s;
+        if (r->dst_pool != dp) {
+          dp = r->dst_pool;
+          rkey = lk->rkey[dp];
+          raddr = lk->raddr[dp];
+        }
+        w->wr.rdma.remote_addr = raddr + r->dst_off;
+        w->wr.rdma.rkey = rkeys ? key : rkey;
+      } else {
+        s++;
+      }
+      s->addr = base + r->src_off;
+      s->length = (uint32_t)r->len;
+      s->lkey = lkey;
+    }
+    gather_add(&g, r, key, join, same);
+  }
+  wr_close(w, &g, max_inline);
+  w->next = NULL;
+  *wrs = (size_t)(w - q->wr) + 1;
+  return g.chain_bytes;
+}
+
 /* Puts back what a posted chain changed in the template. */
 void kvf__rdma_restore_chain(rqp *q, size_t n) {
+  for (size_t i = 0; q->gathered && i < n; i++) {
+    q->wr[i].sg_list = &q->sge[i];
+    q->wr[i].num_sge = 1;
+  }
+  q->gathered = false;
   struct ibv_send_wr *last = &q->wr[n - 1];
   last->next = n < CHAIN_MAX ? last + 1 : NULL;
   last->wr_id = 0;
@@ -463,8 +587,9 @@ int kvf__rdma_doorbell(rlink *lk, rqp *q, ticket *tk, size_t n, uint32_t runs, b
 
 static int post_chunk(rlink *lk, rqp *q, ticket *tk, size_t first, size_t cnt) {
   uint64_t t0 = fast_ns();
-  uint64_t bytes = kvf__rdma_build_chain(lk, q, tk->runs, tk->order, first, cnt, tk->rkeys);
-  return kvf__rdma_doorbell(lk, q, tk, cnt, (uint32_t)cnt, false, t0, bytes, -1);
+  size_t wrs = 0;
+  uint64_t bytes = kvf__rdma_build_chain(lk, q, tk->runs, tk->order, first, cnt, tk->rkeys, tk->gather, &wrs);
+  return kvf__rdma_doorbell(lk, q, tk, wrs, (uint32_t)cnt, false, t0, bytes, -1);
 }
 
 /* The transfer's last write, with the token of the receiver's grant. */
@@ -472,7 +597,8 @@ static int post_tail(rlink *lk, rqp *q, ticket *tk) {
   uint64_t t0 = fast_ns();
   struct ibv_send_wr *w = &q->wr[0];
   if (tk->tail.len) {
-    kvf__rdma_build_chain(lk, q, &tk->tail, NULL, 0, 1, tk->rkeys ? &tk->tail_rkey : NULL);
+    size_t one;
+    kvf__rdma_build_chain(lk, q, &tk->tail, NULL, 0, 1, tk->rkeys ? &tk->tail_rkey : NULL, false, &one);
   } else { /* nothing left to write: a zero-length write carries the notice */
     w->next = NULL;
     w->num_sge = 0;
@@ -673,6 +799,15 @@ static int take_runs(ticket *tk, kvf__runs *runs, uint64_t slice, size_t extra) 
   return 0;
 }
 
+/* Whether some run lands right after the one before it: then the threads
+ * gather (kvf__rdma_span); else they post a request a run, as cheaply as
+ * before. Runs back to back only in a lane's order go ungathered. */
+static bool may_gather(const kvf__run *v, size_t n) {
+  for (size_t i = 1; i < n; i++)
+    if (v[i].dst_off == v[i - 1].dst_off + v[i - 1].len && v[i].dst_pool == v[i - 1].dst_pool) return true;
+  return false;
+}
+
 ticket *kvf__rdma_ticket_new(rdma_transport *rt, kvf__xfer *x, kvf__runs *runs, uint64_t slice, size_t extra,
                              bool last) {
   ticket *tk = calloc(1, sizeof(*tk));
@@ -691,6 +826,7 @@ ticket *kvf__rdma_ticket_new(rdma_transport *rt, kvf__xfer *x, kvf__runs *runs, 
     if (tk->n_runs) tk->tail = tk->runs[--tk->n_body];
   }
   tk->total = tk->n_body + tk->has_tail;
+  tk->gather = may_gather(tk->runs, tk->n_body);
   return tk;
 }
 

@@ -38,8 +38,12 @@
  * before the SendDone on the peer's link, and the SendDone waits for the
  * passes still running.
  *
- * CUDA pools take direct writes still: a pass with the transform kernel
- * (kvf_xblocks) from the slice is not written yet. */
+ * CUDA pools: the arena is also mapped for the GPUs (cuMemHostRegister, at
+ * start, on hosts with CUDA), and a grant into a cuda pool whose layout's
+ * offsets are on its GPU gets a slice too; its pass is one launch of the
+ * transform kernel (kvf_xblocks) per noted chunk on the pool's GPU,
+ * reading the slice over the bus (kvf__gpu_xblocks_from_host), completed
+ * on the loop through the transport's mailbox like the CPU jobs. */
 #include "rdma_int.h"
 
 #include <errno.h>
@@ -85,11 +89,18 @@ int kvf__rdma_stage_setup(rdma_transport *rt, char *err, size_t errlen) {
     }
     d->lkey[KVF__RDMA_STAGE_POOL] = d->mrs[KVF__RDMA_STAGE_POOL]->lkey;
   }
+  /* the passes into cuda pools read the slices on the GPU */
+  if (kvf__gpu_ready() && kvf__gpu_host_register(m, len, &rt->stage.alias) != 0) {
+    rt->stage.alias = 0;
+    kvf__warn("rdma: the staging arena (rdma-staging-size %zu) could not be mapped for CUDA: transforms into "
+              "cuda pools are written directly, run by run", len);
+  }
   return 0;
 }
 
 /* After the devices' MRs went (kvf__rdma_free_device). */
 void kvf__rdma_stage_free(rdma_transport *rt) {
+  if (rt->stage.alias) kvf__gpu_host_unregister(rt->stage.mem);
   if (rt->stage.mem) munmap(rt->stage.mem, rt->stage.len);
   free(rt->stage.used);
   memset(&rt->stage, 0, sizeof(rt->stage));
@@ -132,10 +143,18 @@ static bool geometry_stated(const kvf__lgeom *g) {
   return g->tokens_per_block && g->kv_heads && g->head_dim && g->dtype_bytes;
 }
 
+/* A cuda pool's pass runs on its GPU: the arena mapped there, the
+ * transform kernel built in, the layout's offsets on that GPU. */
+static bool gpu_passes(const rdma_transport *rt, const kvf__xfer *x) {
+  return rt->stage.alias && kvf__gpu_blocks_kernel() && x->mine.layout && x->mine.layout->gpu;
+}
+
 void kvf__rdma_stage_reserve(rgrant *g, kvf__xfer *x) {
   rdma_transport *rt = g->rt;
   const kvf__pool *p = x->blocks ? kvf__pool_get(x->mine.view.pool) : NULL;
-  if (!rt->stage.mem || g->bg || !p || kvf__pool_gpu(p) || !geometry_stated(&x->mine.view.geom)) return;
+  if (!rt->stage.mem || g->bg || !p || (kvf__pool_gpu(p) && !gpu_passes(rt, x)) ||
+      !geometry_stated(&x->mine.view.geom))
+    return;
   uint64_t need = (x->dst.total + STAGE_ALIGN - 1) / STAGE_ALIGN * STAGE_ALIGN;
   if (need == 0) return;
   if (arena_take(rt, need, &g->st_off) != 0) {
@@ -389,6 +408,8 @@ struct spass {
   int rc;
   uint64_t ns;
   atomic_bool done;             /* the work is over (close_grant waits for it) */
+  kvf__mail mail;               /* a GPU pass: its completion, to the loop */
+  rdma_transport *rt;
 };
 
 static void pass_run(void *ctx, uint64_t so, uint64_t dof, uint64_t len, uint32_t piece) {
@@ -502,13 +523,18 @@ void kvf__rdma_stage_landed(rgrant *g) {
 
 void kvf__rdma_stage_detach(rgrant *g) {
   for (spass *p = g->passes; p; p = p->next) {
-    while (!atomic_load(&p->done)) {
+    while (!atomic_load(&p->done)) { /* a CPU job, or a kernel: both end by themselves */
       struct timespec nap = {0, 50000};
       nanosleep(&nap, NULL);
     }
     p->g = NULL;
   }
   g->passes = NULL;
+  if (g->st_gpu) {
+    kvf__rdma_sgpu_free(g->st_gpu);
+    free(g->st_gpu);
+    g->st_gpu = NULL;
+  }
 }
 
 static int check_note(const kvf__xfer *x, const rgrant *g, const kvf__xstaged *st, char *why, size_t len) {
@@ -523,13 +549,23 @@ static int check_note(const kvf__xfer *x, const rgrant *g, const kvf__xstaged *s
   return 0;
 }
 
+/* The plan of a pass: the slice (staged as st, nd blocks of grant view
+ * gv's geometry) into the grant's blocks. */
+static kvf__xplan stage_plan(const kvf__lview *gv, size_t nd, const kvf__xstaged *st) {
+  const kvf__lgeom *ge = &gv->geom;
+  return (kvf__xplan){.transform = true,
+                      .s = {ge->tokens_per_block, st->nh, st->h0, st->order},
+                      .d = {ge->tokens_per_block, ge->kv_heads, ge->first_head, ge->order},
+                      .h0 = st->h0, .nh = st->nh, .unit = (uint64_t)ge->head_dim * ge->dtype_bytes,
+                      .tokens = (uint64_t)nd * ge->tokens_per_block, .ns = nd, .nd = nd};
+}
+
 /* One job over layers [first, first + n): its own copy of the views. */
 static int pass_start(rdma_transport *rt, rgrant *g, kvf__xfer *x, const kvf__xstaged *st, const kvf__pool *pool,
                       uint32_t first, uint32_t n) {
   spass *p = calloc(1, sizeof(*p));
   if (!p) return -ENOMEM;
   const kvf__lview *gv = &x->mine.view;
-  const kvf__lgeom *ge = &gv->geom;
   uint64_t bytes = 0;
   p->ids = identity(x->mine.n);
   int rc = p->ids ? stage_view(gv, x->mine.n, st, &p->sv, &p->offs, &bytes) : -ENOMEM;
@@ -538,14 +574,11 @@ static int pass_start(rdma_transport *rt, rgrant *g, kvf__xfer *x, const kvf__xs
     pass_free(p);
     return rc;
   }
-  p->p = (kvf__xplan){.transform = true,
-                      .s = {ge->tokens_per_block, st->nh, st->h0, st->order},
-                      .d = {ge->tokens_per_block, ge->kv_heads, ge->first_head, ge->order},
-                      .h0 = st->h0, .nh = st->nh, .unit = (uint64_t)ge->head_dim * ge->dtype_bytes,
-                      .tokens = (uint64_t)x->mine.n * ge->tokens_per_block, .ns = x->mine.n, .nd = x->mine.n};
+  p->p = stage_plan(gv, x->mine.n, st);
   p->gv = *gv;
   p->g = g;
   p->x = x;
+  p->rt = rt;
   p->first = first;
   p->n = n;
   p->src = rt->stage.mem + g->st_off;
@@ -564,6 +597,104 @@ static int pass_start(rdma_transport *rt, rgrant *g, kvf__xfer *x, const kvf__xs
   return 0;
 }
 
+/* ------------------------------------------------------------ receiver: GPU passes */
+
+int kvf__rdma_sgpu_plan(const kvf__lview *gv, size_t nd, const kvf__xstaged *st, kvf__sgpu *s) {
+  memset(s, 0, sizeof(*s));
+  uint64_t bytes = 0;
+  s->st = *st;
+  s->p = stage_plan(gv, nd, st);
+  s->ids = identity(nd);
+  int rc = s->ids ? stage_view(gv, nd, st, &s->sv, &s->offs, &bytes) : -ENOMEM;
+  if (rc) kvf__rdma_sgpu_free(s);
+  return rc;
+}
+
+int kvf__rdma_sgpu_make(const kvf__lview *gv, size_t nd, const kvf__xstaged *st, int dev, kvf__sgpu *s) {
+  int rc = kvf__rdma_sgpu_plan(gv, nd, st, s);
+  if (rc == 0 && (rc = kvf__gpu_layout_upload(dev, s->offs, (size_t)gv->n_layers * gv->n_kv, &s->table)) != 0)
+    kvf__rdma_sgpu_free(s);
+  return rc;
+}
+
+void kvf__rdma_sgpu_free(kvf__sgpu *s) {
+  kvf__gpu_layout_free(s->table);
+  free(s->offs);
+  free(s->ids);
+  memset(s, 0, sizeof(*s));
+}
+
+void kvf__rdma_sgpu_job(const kvf__sgpu *s, uint64_t slice, const kvf__gpu_bside *dst, uint32_t first, uint32_t n,
+                        kvf__gpu_blocks *j) {
+  size_t skip = (size_t)(first - s->sv.first_layer) * s->sv.n_kv; /* the slice's regions from layer first */
+  *j = (kvf__gpu_blocks){.src = {.dev = -1, .base = slice, .table = kvf__gpu_layout_table(s->table) + skip * 8,
+                                 .offsets = s->offs + skip, .stride = s->sv.block_stride, .ids = s->ids},
+                         .dst = *dst, .block_bytes = s->sv.block_bytes, .n_layers = n, .n_kv = s->sv.n_kv,
+                         .n = s->p.nd, .xf = &s->p};
+}
+
+/* On the loop: a GPU pass ended (its mail). */
+static void gpu_pass_mail(kvf__mail *m) {
+  spass *p = kvf__container_of(m, spass, mail);
+  pass_after(&p->req, 0);
+}
+
+/* On CUDA's completion thread: hands the result on, nothing else. */
+static void gpu_pass_done(void *arg, int rc, float kernel_ms) {
+  spass *p = arg;
+  p->rc = rc;
+  p->ns = kernel_ms > 0 ? (uint64_t)((double)kernel_ms * 1e6) : 0;
+  rdma_transport *rt = p->rt;
+  atomic_store(&p->done, true);
+  kvf__mailbox_post(&rt->mb, &p->mail, gpu_pass_mail);
+}
+
+/* Layers [first, first + n) by one launch of the transform kernel from
+ * the slice into the grant's blocks of a cuda pool. */
+static int gpu_pass_start(rdma_transport *rt, rgrant *g, kvf__xfer *x, const kvf__xstaged *st, const kvf__pool *pool,
+                          uint32_t first, uint32_t n) {
+  const kvf__lview *gv = &x->mine.view;
+  if (!g->st_gpu) {
+    kvf__sgpu *sg = calloc(1, sizeof(*sg));
+    int rc = sg ? kvf__rdma_sgpu_make(gv, x->mine.n, st, pool->cuda_dev, sg) : -ENOMEM;
+    if (rc) {
+      free(sg);
+      return rc;
+    }
+    g->st_gpu = sg;
+  }
+  const kvf__sgpu *sg = g->st_gpu;
+  if (memcmp(&sg->st, st, sizeof(*st)) != 0) return KVF_EPROTO; /* one slice layout per grant */
+  uint64_t bytes = (uint64_t)n * gv->n_kv * x->mine.n * sg->sv.block_bytes;
+  if ((uint64_t)gv->n_layers * gv->n_kv * x->mine.n * sg->sv.block_bytes > g->st_len) return KVF_ESIZE;
+  spass *p = calloc(1, sizeof(*p));
+  if (!p) return -ENOMEM;
+  p->g = g;
+  p->x = x;
+  p->rt = rt;
+  p->first = first;
+  p->n = n;
+  kvf__gpu_end e;
+  kvf__pool_gpu_end(pool, 0, &e);
+  size_t skip = (size_t)first * gv->n_kv; /* the layout's table holds every layer of it */
+  kvf__gpu_bside dst = {.dev = pool->cuda_dev, .base = e.addr,
+                        .table = kvf__gpu_layout_table(x->mine.layout->gpu) + skip * 8,
+                        .offsets = gv->offsets + (size_t)(first - gv->first_layer) * gv->n_kv,
+                        .stride = gv->block_stride, .ids = x->mine.ids};
+  kvf__gpu_blocks j;
+  kvf__rdma_sgpu_job(sg, rt->stage.alias + g->st_off, &dst, first, n, &j);
+  int rc = kvf__gpu_xblocks_from_host(&j, gpu_pass_done, p);
+  if (rc) {
+    free(p);
+    return rc;
+  }
+  rt->stage.bytes += bytes;
+  rt->stage.gpu_passes++;
+  p->next = g->passes;
+  g->passes = p;
+  return 0;
+}
+
 int kvf__rdma_unstage(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t n, const kvf__xstaged *st,
                       char *why, size_t len) {
   rdma_transport *rt = to_rdma(t);
@@ -575,10 +706,18 @@ int kvf__rdma_unstage(kvf__transport *t, kvf__xfer *x, uint32_t first, uint32_t 
   if (rc) return rc;
   const kvf__lview *gv = &x->mine.view;
   const kvf__pool *pool = kvf__pool_get(gv->pool);
-  if (!pool || kvf__pool_gpu(pool) || first < gv->first_layer || n > gv->n_layers ||
+  bool gpu = pool && kvf__pool_gpu(pool);
+  if (!pool || (gpu && !gpu_passes(rt, x)) || first < gv->first_layer || n > gv->n_layers ||
       first - gv->first_layer > gv->n_layers - n)
-    return snprintf(why, len, "staged layers %u-%u are not the grant's (or not in host memory)", first,
-                    first + n - 1), KVF_ERANGE;
+    return snprintf(why, len, "staged layers %u-%u are not the grant's (or in a pool no pass here reaches)",
+                    first, first + n - 1), KVF_ERANGE;
+  if (gpu) { /* one launch for the chunk */
+    if ((rc = gpu_pass_start(rt, g, x, st, pool, first, n)) != 0)
+      return snprintf(why, len, "the GPU transform pass could not start (%d)", rc), rc;
+    g->st_done += n;
+    rt->stage.passes++;
+    return 1;
+  }
   uint32_t jobs = n < PASS_JOBS ? n : PASS_JOBS, per = (n + jobs - 1) / jobs, started = 0;
   for (uint32_t l = first; l < first + n && rc == 0; l += per, started++)
     rc = pass_start(rt, g, x, st, pool, l, first + n - l < per ? first + n - l : per);

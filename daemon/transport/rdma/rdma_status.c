@@ -191,11 +191,11 @@ void kvf__rdma_inspect(kvf__transport *t, char *buf, size_t len) {
   jb(&b, "]}");
   jb(&b, ", \"staging\": {\"bytes\": %zu, \"slices\": %zu, \"grants\": %llu, \"no_room\": %llu, "
          "\"staged_parts\": %llu, \"chunks\": %llu, \"passes\": %llu, \"pass_bytes\": %llu, \"pass_ms\": %.3f, "
-         "\"tail_ms\": %.3f}",
+         "\"tail_ms\": %.3f, \"gpu_passes\": %llu, \"cuda_mapped\": %s}",
      rt->stage.len, rt->stage.n_used, (unsigned long long)rt->stage.grants, (unsigned long long)rt->stage.refused,
      (unsigned long long)rt->stage.staged_parts, (unsigned long long)rt->stage.chunks,
      (unsigned long long)rt->stage.passes, (unsigned long long)rt->stage.bytes, rt->stage.pass_ns / 1e6,
-     rt->stage.tail_ns / 1e6);
+     rt->stage.tail_ns / 1e6, (unsigned long long)rt->stage.gpu_passes, rt->stage.alias ? "true" : "false");
   inspect_windows(&b, rt);
 }
 
