@@ -175,7 +175,7 @@ class TestRestart(RestartableDaemon):
         addr = pool.address
         n = 2 * MIB
         stop = threading.Event()
-        log = {"ok": [], "edaemon_events": 0, "refused": [], "errors": [], "written_before_restart": 0}
+        log = {"ok": [], "edaemon_events": 0, "refused": [], "errors": [], "done": []}
 
         def load():
             i = 0
@@ -186,6 +186,7 @@ class TestRestart(RestartableDaemon):
                 try:
                     self_transfer(c, xid, pool.id, mem, (i % 4) * n, 8 * n + (i % 4) * n, n, i)
                     log["ok"].append(time.monotonic())
+                    log["done"].append((time.monotonic(), None))
                 except kvferry.KvferryError as e:
                     if e.code != EDAEMON:
                         log["errors"].append(repr(e))
@@ -197,15 +198,7 @@ class TestRestart(RestartableDaemon):
                         # A refused call took nothing: poll again (not a sync).
                         time.sleep(0.001)
                 except AssertionError as e:
-                    # The daemon restarted between our writing the source and
-                    # the grant: the send moved the new daemon's (empty) pool,
-                    # as kvferry.h says daemon pools start empty. Not an error
-                    # of the transfer; anything else is.
-                    if any(t > t_write for t in self.notify.ready_at):
-                        log["written_before_restart"] += 1
-                        continue
-                    log["errors"].append(str(e))
-                    return
+                    log["done"].append((time.monotonic(), str(e)))  # judged below
         # One grant always in flight when the daemon dies (nobody sends to it).
         c.grant("parked", None, [(pool.id, 30 * MIB, 4096)])
         t = threading.Thread(target=load)
@@ -220,6 +213,15 @@ class TestRestart(RestartableDaemon):
             stop.set()
             t.join(30)
         self.assertEqual(log["errors"], [])
+        # Bytes that differ are an error, but for the first transfer to end
+        # after the kill: its source may have been written before the library
+        # remapped the pool onto the new daemon's memory (which starts
+        # empty, kvferry.h), and the send moved that. Every later one was
+        # written after a call the new daemon answered, so after the remap.
+        # (Not judged by READY=1's time: the notify thread notes it late,
+        # and the library remaps only once it reconnects, later still.)
+        after = [d for d in log["done"] if d[0] > t_kill]
+        self.assertEqual([e for t, e in log["done"] if e and (t <= t_kill or (t, e) != after[0])], [])
         self.assertEqual(wait_event(c, "parked", 5, kvferry.RECV_DONE).status, EDAEMON)
         first = min(x for x in log["ok"] if x > t_ready)
         ms = (first - t_ready) * 1000
