@@ -654,6 +654,7 @@ static void send_intent(kvf__xfer *x) {
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_SEND_INTENT;
   m.send_intent = &si;
+  x->send.intent_sent = true;
   kvf__xfer_peer_send(x->peer, &m);
 }
 
@@ -1029,6 +1030,7 @@ static void send_done(kvf__xfer *x) {
   d.descriptors = x->send.descs_taken;
   char tf[sizeof(x->transform)];
   d.transform = (char *)kvf__xfer_event_transform(x, tf, sizeof(tf));
+  if (x->send.intent_sent) d.xfer_id = x->id;
   Kvf__PeerMsg m = KVF__PEER_MSG__INIT;
   m.body_case = KVF__PEER_MSG__BODY_SEND_DONE;
   m.send_done = &d;
@@ -1298,6 +1300,10 @@ static void on_grant(kvf__peer *p, const Kvf__Grant *g) {
 }
 
 static void on_send_done(kvf__peer *p, const Kvf__SendDone *d) {
+  /* the sender's intent crossed our pushed grant and came after the grant
+   * ended (proto: SendDone.xfer_id): it waits for nothing */
+  intent *in = d->xfer_id && d->xfer_id[0] ? kvf__map_get(&X.intents, d->xfer_id) : NULL;
+  if (in && in->peer == p) intent_drop(d->xfer_id);
   kvf__xfer *x = by_handle(p, KVF__RECV, d->handle);
   if (x && d->transform) snprintf(x->transform, sizeof(x->transform), "%s", d->transform);
   if (x) kvf__xrecv_sender_done(x, d->bytes);

@@ -230,6 +230,7 @@ typedef struct kvf__xsend {
   size_t n_unannounced;
   kvf__xstaged staged;        /* the transport staged its parts: each is announced */
   uint8_t wait_peer;          /* XW_* (xfer_int.h): waits for its peer's link */
+  bool intent_sent;           /* a SendIntent went: our SendDone names the id (on_send_done) */
 } kvf__xsend;
 
 /* A transfer's timeline (xfer_trace.h): CLOCK_MONOTONIC ns, 0 = not yet. */

@@ -562,25 +562,15 @@ class Suite:
         for d in self.daemons():
             kvftest.wait_for(lambda: (d.snapshot() or {}).get("clients") == 1, 10,
                              "%s to close the engines' API sessions" % d.name)
-            snap = self.settle(d, None, 5)
-            # A send still waiting for its grant with nothing active (seen
-            # once in a CI rehearsal, 2026-11-26: decode, one waiting send
-            # after calibration, gone by the first trial's end; not yet
-            # explained) would make every trial look leaked: it gets the
-            # deadline to go, and the log says so.
-            t_wait = time.monotonic()
-            while snap and snap.get("waiting_sends") and time.monotonic() - t_wait < (
-                    self.deadline_ms + self.margin_ms) / 1000.0:
-                time.sleep(0.2)
-                snap = self.settle(d, None, 5)
-            if time.monotonic() - t_wait > 0.1:
-                log("baseline: %s had a waiting send with nothing active; %s after %.1f s" % (
-                    d.name, "still there" if snap.get("waiting_sends") else "gone", time.monotonic() - t_wait))
-            self.baseline[d.name] = snap
+            self.baseline[d.name] = snap = self.settle(d, None, 5)
             # With one peer up: tcp-streams (4) data streams each way, and
             # both daemons alike (a stream left over from a flap is a leak).
             tcp_ok = snap["tcp.streams_out"] == 4 and snap["tcp.streams_in"] == 4
-            if (self.args.transport == "tcp" and not tcp_ok) or snap["granted_bytes"]:
+            # Nothing may wait once every transfer ended: a send intent or a
+            # pushed grant left here would wait for its deadline (a crossed
+            # intent read after its grant ended, 2026-11-26, proto SendDone).
+            waiting = snap["waiting_sends"] or snap["pregrants"]
+            if (self.args.transport == "tcp" and not tcp_ok) or snap["granted_bytes"] or waiting:
                 self.tally.leaked += 1
                 self.tally.problem("leaked", "%s's baseline: %s" % (d.name, json.dumps(snap, sort_keys=True)))
         log("baseline: %s" % json.dumps(self.baseline, sort_keys=True))
