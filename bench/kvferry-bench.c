@@ -597,11 +597,13 @@ static int post_send(bench *b, req *r, size_t n) {
   return 0;
 }
 
-static int post_request(bench *b, req *r, size_t n) {
+/* granted: run_wave posted r's grant already (--time-from-send with
+ * several in flight). */
+static int post_request(bench *b, req *r, size_t n, bool granted) {
   r->t_post = now_ns();
   int rc;
   if (b->o.time_from_send || b->o.compute) { /* decode posted its grant ahead, as engines do */
-    if (post_grant(b, r) < 0) return -1;
+    if (!granted && post_grant(b, r) < 0) return -1;
     /* An engine grants when it admits the request, a whole prefill before
      * the send: the grant is in place (windows bound, pushed to the
      * sender) and only the handoff is timed. Meanwhile the prefill engine
@@ -763,8 +765,15 @@ static int gpu_sync(bench *b, side *s, bool to_dev) {
 static int run_wave(bench *b, uint64_t first, size_t n) {
   prepare_wave(b, first, n);
   if (gpu_sync(b, &b->src, true) < 0 || (!b->shared && gpu_sync(b, &b->dst, true) < 0)) return -1;
+  /* Timed from the sends, a wave's grants go first, all of them, as the
+   * decode engine admitted those requests before their prefill: the timed
+   * window then holds the sends alone, not a grant's round trip between
+   * two sends. */
+  bool grants_first = b->o.time_from_send && !b->o.compute && !b->o.grant_lead_ms && n > 1;
+  for (size_t i = 0; grants_first && i < n; i++)
+    if (post_grant(b, &b->slots[i]) < 0) return -1;
   for (size_t i = 0; i < n; i++) {
-    if (post_request(b, &b->slots[i], n) < 0) return -1;
+    if (post_request(b, &b->slots[i], n, grants_first) < 0) return -1;
     /* Completions of earlier requests must not wait for the posting loop. */
     if (drain_both(b, n) < 0) return -1;
   }
@@ -1155,7 +1164,8 @@ static void usage(FILE *f) {
     "                       and fails the run\n"
     "  --send-first         post the send before the grant\n"
     "  --time-from-send     post the grant first, untimed; latency runs from the\n"
-    "                       send to RECV_DONE\n"
+    "                       send to RECV_DONE (with --concurrency, every grant\n"
+    "                       of a wave goes before its first send)\n"
     "  --grant-lead-ms N    with --time-from-send: post each grant N ms before\n"
     "                       its send (as an engine grants a prefill ahead)\n"
     "  --busy-poll          wait for events without blocking (spin a core); pair\n"

@@ -1292,7 +1292,9 @@ static int blocks_devs(const kvf__gpu_blocks *j, int *devs) {
   return 1;
 }
 
-int kvf__gpu_blocks_start(const kvf__gpu_blocks *j, kvf__gpu_done_fn done, void *arg) {
+/* What kvf__gpu_blocks_start refuses before anything runs; the GPUs that
+ * run j in devs. */
+static int blocks_take(const kvf__gpu_blocks *j, int *devs) {
   if (!G.ready) return -ENODEV;
   uint64_t regions = (uint64_t)j->n_layers * j->n_kv;
   if (j->xf && (G.blocks && !G.xblocks)) return -EAGAIN; /* an image without the transform kernel: runs */
@@ -1303,8 +1305,18 @@ int kvf__gpu_blocks_start(const kvf__gpu_blocks *j, kvf__gpu_done_fn done, void 
   if (!j->xf && (j->block_bytes == 0 || j->block_bytes > UINT32_MAX || regions == 0 || j->n > UINT32_MAX ||
                  regions * j->n > UINT32_MAX))
     return -EINVAL;
+  return blocks_devs(j, devs);
+}
+
+int kvf__gpu_blocks_check(const kvf__gpu_blocks *j) {
   int devs[2];
-  int nd = blocks_devs(j, devs);
+  int nd = blocks_take(j, devs);
+  return nd < 0 ? nd : 0;
+}
+
+int kvf__gpu_blocks_start(const kvf__gpu_blocks *j, kvf__gpu_done_fn done, void *arg) {
+  int devs[2];
+  int nd = blocks_take(j, devs);
   if (nd < 0) return nd;
   job *jb = job_new(done, arg);
   if (!jb) return -ENOMEM;

@@ -221,6 +221,10 @@ typedef struct kvf__gpu_blocks {
  * block of 4 GiB or more, more than 2^32 pieces); other errors: nothing
  * runs, no callback. */
 int kvf__gpu_blocks_start(const kvf__gpu_blocks *job, kvf__gpu_done_fn done, void *arg);
+/* What kvf__gpu_blocks_start would refuse before running anything
+ * (-ENODEV, -EAGAIN, -EINVAL as there), without starting: 0 when it takes
+ * job's shape and pools. */
+int kvf__gpu_blocks_check(const kvf__gpu_blocks *job);
 /* A transform (j->xf set) out of host memory that CUDA maps
  * (kvf__gpu_host_register) into a cuda pool: j->src.dev is -1, src.base
  * the host memory's device alias, src.table its regions' offsets on the

@@ -40,6 +40,17 @@ class TestBench(kvftest.PairTestCase):
         self.assertEqual((blocks["path"], descs["path"]), ("tcp", "tcp"))
         self.assertNotIn("exposed_p50_us", blocks)
 
+    def test_time_from_send_in_waves(self):
+        """--time-from-send with several in flight: a wave's grants go first,
+        then its sends, over tcp and the local path, by blocks and by
+        descriptors, and every byte lands."""
+        for to in (None, self.pre.sock):
+            for api in ([], ["--blocks"], ["--blocks", "--nowait"]):
+                d = self.bench("--tokens", "64", "--requests", "7", "--concurrency", "3", "--time-from-send",
+                               *api, to=to)
+                self.assertEqual((d["requests"], d["concurrency"]), (7, 3))
+                self.assertEqual(d["path"], "local" if to else "tcp")
+
     def test_layer_events_local_and_mla(self):
         d = self.bench("--blocks", "--layer-events", "--tokens", "64", "--requests", "2", "--layerwise",
                        to=self.pre.sock)

@@ -14,7 +14,12 @@
  * Blocks (KV layouts) between two cuda pools that a GPU reaches go to the
  * block kernel (kvf__gpu_blocks_start) with the two layouts' offset tables,
  * uploaded at registration, and the block ids: the GPU computes every
- * address, so posting does not grow with the number of layers. Other
+ * address, so posting does not grow with the number of layers. Such a
+ * copy launches at the end of the loop turn that posted it, so that the
+ * following parts of the same transfer that the turn read (an engine
+ * sending layer by layer faster than one launch a layer) go in the same
+ * launch: a layer's kernel takes about as long as a launch's host work,
+ * and one launch per part would leave the GPU waiting for the host. Other
  * blocks (host pools, GPUs without peer access) are walked into runs. */
 #include "local.h"
 
@@ -44,6 +49,8 @@ typedef struct copy_job {
   kvf__gpu_copy *v;       /* gpu: the runs as copies, built once on the loop */
   bool xform;             /* host pools, a transform: walked on the thread pool, no run list */
   kvf__bpart part;        /* ... its part (views and ids: the transfer's, alive until the callback) */
+  kvf__gpu_blocks g;      /* blocks: the launch, held until the end of the loop turn */
+  unsigned parts;         /* blocks: the transfer's parts it moves (consecutive layers) */
   int rc;
   uint64_t t_post, t_start, t_built, t_copied; /* for the debug trace */
   float kernel_ms;
@@ -54,6 +61,9 @@ struct local_transport {
   kvf__mailbox mb;        /* posts launched on the loop, finished by the GPU */
   size_t in_flight;       /* launched, not yet back on the loop */
   bool closing;           /* destroy came: close the mailbox once idle */
+  uv_check_t turn_end;    /* launches held: */
+  copy_job *held;         /* a block copy waiting for the end of the loop turn */
+  bool mb_closed, turn_closed; /* destroy: freed once both handles closed */
 };
 
 static local_transport *to_local(kvf__transport *t) { return kvf__container_of(t, local_transport, base); }
@@ -155,7 +165,9 @@ static void finish_job(copy_job *j, int status) {
                (unsigned long long)(j->blocks ? j->bytes : j->runs.bytes), (double)(j->t_start - j->t_post) / 1e3,
                (double)(j->t_built - j->t_start) / 1e3, (double)(j->t_copied - j->t_built) / 1e3,
                (double)j->kernel_ms * 1e3, (double)(kvf__now_ns() - j->t_copied) / 1e3);
-  kvf__xfer_on_posted(j->x, status ? KVF_ECANCELED : j->rc, j->last);
+  int st = status ? KVF_ECANCELED : j->rc;
+  for (unsigned k = 1; k < j->parts; k++) kvf__xfer_on_posted(j->x, st, false); /* x lives until the last */
+  kvf__xfer_on_posted(j->x, st, j->last);
   kvf__runs_free(&j->runs);
   free(j->v);
   free(j);
@@ -163,7 +175,21 @@ static void finish_job(copy_job *j, int status) {
 
 static void after_copy(uv_work_t *req, int status) { finish_job(req->data, status); }
 
-static void local_free(kvf__mailbox *mb) { free(kvf__container_of(mb, local_transport, mb)); }
+static void local_free_if_closed(local_transport *lt) {
+  if (lt->mb_closed && lt->turn_closed) free(lt);
+}
+
+static void local_free(kvf__mailbox *mb) {
+  local_transport *lt = kvf__container_of(mb, local_transport, mb);
+  lt->mb_closed = true;
+  local_free_if_closed(lt);
+}
+
+static void on_turn_end_closed(uv_handle_t *h) {
+  local_transport *lt = kvf__container_of((uv_check_t *)h, local_transport, turn_end);
+  lt->turn_closed = true;
+  local_free_if_closed(lt);
+}
 
 /* Back on the loop from the GPU. The mailbox keeps the loop running only
  * while launches are in flight. */
@@ -244,6 +270,72 @@ static void block_side(const kvf__lview *v, const kvf__layout *l, const uint32_t
                           .stride = v->block_stride, .ids = ids};
 }
 
+/* The held copy launches: at the end of the loop turn, or when another
+ * transfer's copy is to be held. A transfer that failed meanwhile waits
+ * for it as for any copy in flight (its memory stays until the callback). */
+static void launch_held(local_transport *lt) {
+  copy_job *j = lt->held;
+  if (!j) return;
+  lt->held = NULL;
+  uv_check_stop(&lt->turn_end);
+  j->t_start = j->t_built = kvf__now_ns();
+  int rc = kvf__gpu_blocks_start(&j->g, on_gpu_done, j);
+  if (rc) { /* its parts were taken: they end here, failed */
+    j->rc = rc;
+    j->gpu = false; /* nothing ran: no kernel figures */
+    finish_job(j, 0);
+    return;
+  }
+  kvf__spin_expect_gpu();
+  if (lt->in_flight++ == 0) kvf__mailbox_hold(&lt->mb, true);
+}
+
+static void on_turn_end(uv_check_t *h) { launch_held(kvf__container_of(h, local_transport, turn_end)); }
+
+/* Part b of x joins the held copy when it continues it: the same
+ * transfer, blocks and layouts, the next layers, whole blocks, and the
+ * kernel still takes the sum. */
+static bool join_held(local_transport *lt, kvf__xfer *x, const kvf__bpart *b, bool last) {
+  copy_job *j = lt->held;
+  if (!j || j->x != x || j->last || b->xf.transform || j->part.xf.transform || b->src != j->part.src ||
+      b->dst != j->part.dst || b->src_layout != j->part.src_layout || b->dst_layout != j->part.dst_layout ||
+      b->sids != j->part.sids || b->dids != j->part.dids || b->n != j->part.n ||
+      b->first != j->part.first + j->part.n_layers)
+    return false;
+  kvf__gpu_blocks g = j->g;
+  g.n_layers += b->n_layers;
+  if (kvf__gpu_blocks_check(&g) != 0) return false;
+  j->g = g;
+  j->part.n_layers += b->n_layers;
+  j->parts++;
+  j->last = last;
+  j->pieces += (uint64_t)b->n * b->n_layers * b->src->n_kv;
+  j->bytes += (uint64_t)b->n * b->n_layers * b->src->n_kv * b->src->block_bytes;
+  return true;
+}
+
+/* Holds g (part b of x) for the end of the loop turn; a copy held for
+ * another transfer launches now. */
+static int hold_blocks(local_transport *lt, kvf__xfer *x, const kvf__bpart *b, const kvf__gpu_blocks *g, bool last) {
+  copy_job *j = calloc(1, sizeof(*j));
+  if (!j) return -ENOMEM;
+  launch_held(lt);
+  j->lt = lt;
+  j->x = x;
+  j->last = last;
+  j->gpu = j->blocks = true;
+  j->part = *b;
+  j->g = *g;
+  if (j->g.xf) j->g.xf = &j->part.xf; /* b is the caller's */
+  j->parts = 1;
+  j->pieces = (uint64_t)b->n * b->n_layers * b->src->n_kv;
+  j->bytes = g->xf ? kvf__xplan_bytes(g->xf, b->n_layers, b->src->n_kv) : j->pieces * b->src->block_bytes;
+  j->t_post = kvf__now_ns();
+  lt->held = j;
+  uv_check_start(&lt->turn_end, on_turn_end);
+  return 0;
+}
+
 /* b by the block kernel when both layouts sit in cuda pools with their
  * tables on the GPU; -EAGAIN when it cannot take them (the caller walks
  * runs). Completes as local_post's launches do. */
@@ -261,22 +353,11 @@ static int start_blocks(local_transport *lt, kvf__xfer *x, const kvf__bpart *b, 
                        .xf = b->xf.transform ? &b->xf : NULL};
   block_side(s, b->src_layout, b->sids, b->first, &g.src);
   block_side(d, b->dst_layout, b->dids, b->first, &g.dst);
-  copy_job *j = calloc(1, sizeof(*j));
-  if (!j) return -ENOMEM;
-  j->lt = lt;
-  j->x = x;
-  j->last = last;
-  j->gpu = j->blocks = true;
-  j->pieces = (uint64_t)b->n * b->n_layers * s->n_kv;
-  j->bytes = g.xf ? kvf__xplan_bytes(g.xf, b->n_layers, s->n_kv) : j->pieces * s->block_bytes;
-  j->t_post = j->t_start = j->t_built = kvf__now_ns();
-  int rc = kvf__gpu_blocks_start(&g, on_gpu_done, j);
-  if (rc) {
-    free(j);
-    return rc == -EINVAL ? -EAGAIN : rc; /* sizes the kernel does not take: runs */
+  if (!join_held(lt, x, b, last)) {
+    int rc = kvf__gpu_blocks_check(&g);
+    if (rc) return rc == -EINVAL ? -EAGAIN : rc; /* sizes the kernel does not take: runs */
+    if ((rc = hold_blocks(lt, x, b, &g, last)) != 0) return rc;
   }
-  kvf__spin_expect_gpu();
-  if (lt->in_flight++ == 0) kvf__mailbox_hold(&lt->mb, true);
   const char *path = link_path(kvf__gpu_link(g.src.dev, g.dst.dev));
   x->path = path;
   if (x->twin) x->twin->path = path;
@@ -320,6 +401,8 @@ static void local_inspect(kvf__transport *t, char *buf, size_t len) {
 /* Launches still in flight close the mailbox when the last one is back. */
 static void local_destroy(kvf__transport *t) {
   local_transport *lt = to_local(t);
+  launch_held(lt);
+  uv_close((uv_handle_t *)&lt->turn_end, on_turn_end_closed);
   lt->closing = true;
   if (lt->in_flight == 0) kvf__mailbox_close(&lt->mb, local_free);
 }
@@ -344,6 +427,7 @@ int kvf__local_create(uv_loop_t *loop, unsigned slot, kvf__transport **out, char
     return rc;
   }
   kvf__mailbox_hold(&lt->mb, false); /* only while launches are out */
+  uv_check_init(loop, &lt->turn_end);
   *out = &lt->base;
   return 0;
 }
