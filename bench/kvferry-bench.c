@@ -685,11 +685,12 @@ static int handle_event(bench *b, side *s, size_t n, const kvf_event *ev, int64_
   return 0;
 }
 
-/* Takes every waiting event of one client without blocking. */
-static int drain(bench *b, side *s, size_t n) {
+/* Takes every waiting event of one client; the first call may wait up to
+ * ms for one (kvf_wait_events: with $KVFERRY_SPIN_US it spins first). */
+static int take_events(bench *b, side *s, size_t n, int ms) {
   kvf_event ev[EV_BATCH];
-  for (;;) {
-    int got = kvf_wait_events(s->c, ev, EV_BATCH, 0);
+  for (;; ms = 0) {
+    int got = kvf_wait_events(s->c, ev, EV_BATCH, ms);
     int64_t t = now_ns();
     if (got < 0) return fail_api(b, s == &b->dst ? "kvf_wait_events (decode)" : "kvf_wait_events (prefill)", got);
     for (int i = 0; i < got; i++)
@@ -697,6 +698,8 @@ static int drain(bench *b, side *s, size_t n) {
     if (got < EV_BATCH) return 0;
   }
 }
+
+static int drain(bench *b, side *s, size_t n) { return take_events(b, s, n, 0); }
 
 static bool wave_done(const bench *b, size_t n) {
   for (size_t i = 0; i < n; i++)
@@ -719,16 +722,25 @@ static int drain_both(bench *b, size_t n) {
   return drain(b, &b->dst, n) < 0 || drain(b, &b->src, n) < 0 ? -1 : 0;
 }
 
+static bool recv_pending(const bench *b, size_t n) {
+  for (size_t i = 0; i < n; i++)
+    if (!b->slots[i].got_recv) return true;
+  return false;
+}
+
+/* Waits as the engines do, each in the library's own wait: the decode
+ * side for its RECV_DONEs (which end the timed window), then the prefill
+ * side for its SEND_DONEs; the other side's events are taken after each
+ * wait. With $KVFERRY_SPIN_US the library spins before it sleeps. */
 static int wait_wave(bench *b, size_t n, int64_t limit) {
   while (!wave_done(b, n)) {
     int64_t left = limit - now_ns();
     if (left <= 0) return wave_timeout(b, n);
-    struct pollfd pf[2] = {{.fd = b->dst.fd, .events = POLLIN}, {.fd = b->src.fd, .events = POLLIN}};
-    /* Capped so a missed wakeup costs latency, never a hang. */
+    /* Capped so that the other side's failure is seen within it. */
     int ms = left / 1000000 + 1 > 100 ? 100 : (int)(left / 1000000 + 1);
     if (b->o.busy_poll) ms = 0; /* as an engine whose event wait spins */
-    if (poll(pf, 2, ms) < 0 && errno != EINTR) return fail(b, "poll: %s", strerror(errno));
-    if (drain_both(b, n) < 0) return -1;
+    side *s = recv_pending(b, n) ? &b->dst : &b->src;
+    if (take_events(b, s, n, ms) < 0 || drain_both(b, n) < 0) return -1;
   }
   return 0;
 }
