@@ -399,16 +399,20 @@ static void event_from_wire(kvf_event *ev, const Kvf__Event *w) {
   copy_string(ev->transform, sizeof(ev->transform), w->transform);
 }
 
-/* Called with mu held. */
+/* Called with mu held. Waiters spinning in kvf_wait_events are told by
+ * events_told, once mu is free: told earlier, they would block on it (a
+ * sleep, what they spin to avoid; the eventfd write here holds mu for a
+ * system call). */
 static void enqueue_locked(kvf_client *c, struct queued_event *q) {
   q->next = NULL;
   *c->ev_tail = q;
   c->ev_tail = &q->next;
   if (q->ev.type == KVF_EV_RECV_DONE || q->ev.type == KVF_EV_SEND_DONE) inflight_done(c, q->ev.type, q->ev.xfer_id);
-  atomic_fetch_add_explicit(&c->ev_count, 1, memory_order_release);
   sync_event_fd(c);
   pthread_cond_broadcast(&c->evented);
 }
+
+static void events_told(kvf_client *c) { atomic_fetch_add_explicit(&c->ev_count, 1, memory_order_release); }
 
 static int queue_event(kvf_client *c, const Kvf__Event *w) {
   struct queued_event *q = malloc(sizeof(*q));
@@ -417,6 +421,7 @@ static int queue_event(kvf_client *c, const Kvf__Event *w) {
   pthread_mutex_lock(&c->mu);
   enqueue_locked(c, q);
   pthread_mutex_unlock(&c->mu);
+  events_told(c);
   return 0;
 }
 
@@ -436,6 +441,7 @@ static void fail_inflight(kvf_client *c) {
         copy_string(q->ev.path, sizeof(q->ev.path), "daemon");
         copy_string(q->ev.error, sizeof(q->ev.error), "the connection to kvferryd broke");
         enqueue_locked(c, q);
+        events_told(c); /* mu held: a broken connection may cost a spinner a sleep */
       }
       free(o);
     }

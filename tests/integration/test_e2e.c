@@ -318,6 +318,51 @@ static void test_spinning_call_does_not_sleep(void **state) {
   assert_in_range(slept, 0, fast / 5);
 }
 
+/* With KVFERRY_SPIN_US kvf_wait_events spins for an event: the waiting
+ * thread is not put to sleep and woken per event. It slept once per
+ * event on the client's lock, which the reader held (writing the event
+ * fd) when it told spinners an event had come. Counted as
+ * test_spinning_call_does_not_sleep counts, over the waits alone. */
+static void test_spinning_wait_does_not_sleep(void **state) {
+  enum { ROUNDS = 40, N = 2, FAST_NS = 5000000 };
+  kvf_desc src[N], dst[N];
+  kvf_event ev;
+  char id[64];
+  h_client sc = {0};
+  spinning_client(&sc, &E.p.decode);
+  long slept = 0, fast = 0;
+  for (int i = 0; i < ROUNDS; i++) {
+    h_id(id, sizeof id, "wait-spin");
+    h_layout(src, N, E.pre.pool, 0, 4 * KIB, true, 570 + i);
+    h_layout(dst, N, sc.pool, 0, 4 * KIB, true, 620 + i);
+    h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N, .seed = 670 + i};
+    H_OK(h_prepare(&E.pre, &sc, &x));
+    H_OK(h_post_grant(&sc, &x, "prefill"));
+    H_OK(h_post_send(&E.pre, &x, "decode"));
+    struct timespec t0, t1;
+    long before = thread_sleeps();
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    assert_int_equal(kvf_wait_events(sc.c, &ev, 1, 10000), 1);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    long ns = (t1.tv_sec - t0.tv_sec) * 1000000000L + (t1.tv_nsec - t0.tv_nsec);
+    if (ns < FAST_NS) {
+      fast++;
+      slept += thread_sleeps() - before;
+    }
+    assert_string_equal(ev.xfer_id, id);
+    H_OK(h_check_event(&ev, KVF_EV_RECV_DONE, "tcp", "prefill", N * 4 * KIB, N));
+    H_OK(h_wait_event(&E.pre, id, KVF_EV_SEND_DONE, 10000, &ev));
+    H_OK(h_verify_dst(&sc, &x));
+  }
+  h_client_close(&sc);
+  if (fast < ROUNDS / 4) {
+    fprintf(stderr, "# only %ld of %d waits within %d ms: not judged\n", fast, ROUNDS, FAST_NS / 1000000);
+    skip();
+  }
+  fprintf(stderr, "# %ld sleeps in %ld waits\n", slept, fast);
+  assert_in_range(slept, 0, fast / 5);
+}
+
 /* With KVFERRY_SPIN_US (the reader spinning on the socket, callers on
  * their answers) the event fd keeps its contract: quiet with nothing to
  * take, readable once an event can be taken, quiet again once it was. */
@@ -501,6 +546,7 @@ int main(void) {
       cmocka_unit_test(test_many_outstanding),
       cmocka_unit_test(test_event_fd),
       cmocka_unit_test(test_spinning_call_does_not_sleep),
+      cmocka_unit_test(test_spinning_wait_does_not_sleep),
       cmocka_unit_test(test_event_fd_spinning),
       cmocka_unit_test(test_longest_id),
       cmocka_unit_test(test_concurrent_clients),
