@@ -37,6 +37,7 @@ typedef struct gdev {
   CUfunction fn;
   CUfunction bfn;            /* kvf_blocks */
   CUfunction xfn;            /* kvf_xblocks */
+  CUstream bst;              /* block copies, in order (block_stream) */
 } gdev;
 
 static struct {
@@ -52,6 +53,7 @@ static struct {
   bool kernel;               /* the copy kernel is loaded on every device */
   bool blocks;               /* ... and the block kernel */
   bool xblocks;              /* ... and the transform kernel */
+  bool block_own_streams;    /* KVF_CUDA_BLOCK_STREAM=own: each block copy on its copier's stream */
   char kernel_name[32];
   unsigned threads, ctas_per_sm;
   bool pull;
@@ -181,6 +183,8 @@ static int load_kernels(char *err, size_t errlen) {
    * takes that path on purpose (tests of the fallback). */
   const char *bk = getenv("KVF_CUDA_BLOCKS");
   G.blocks = !(bk && strcmp(bk, "memcpy") == 0);
+  const char *bs = getenv("KVF_CUDA_BLOCK_STREAM"); /* own: as before 2026-11-26, for comparisons */
+  G.block_own_streams = bs && strcmp(bs, "own") == 0;
   for (int i = 0; i < G.n && G.blocks; i++)
     G.blocks = G.cu.CtxSetCurrent(G.dev[i].ctx) == KVF_CU_SUCCESS &&
                G.cu.ModuleGetFunction(&G.dev[i].bfn, G.dev[i].mod, "kvf_blocks") == KVF_CU_SUCCESS;
@@ -555,7 +559,8 @@ typedef struct per_dev {
   size_t n, cap;
   CUdeviceptr d;           /* device copy, d_cap chunks */
   size_t d_cap;
-  CUstream st;
+  CUstream own;            /* its own stream */
+  CUstream st;             /* the one its launch uses: own, or the device's block stream */
   CUevent ev0, ev1;
   bool launched;
   uint64_t bytes;
@@ -581,11 +586,11 @@ void kvf__gpu_batch_free(kvf__gpu_batch *b) {
   if (!b) return;
   for (int i = 0; i < G.n; i++) {
     per_dev *p = &b->per[i];
-    if (!p->h && !p->st) continue;
+    if (!p->h && !p->own) continue;
     G.cu.CtxSetCurrent(G.dev[i].ctx);
-    if (p->st) {
-      G.cu.StreamSynchronize(p->st);
-      G.cu.StreamDestroy(p->st);
+    if (p->own) {
+      G.cu.StreamSynchronize(p->own);
+      G.cu.StreamDestroy(p->own);
     }
     if (p->ev0) G.cu.EventDestroy(p->ev0);
     if (p->ev1) G.cu.EventDestroy(p->ev1);
@@ -611,9 +616,11 @@ size_t kvf__gpu_batch_chunks(const kvf__gpu_batch *b) {
 }
 
 static int per_dev_setup(per_dev *p, int dev) {
-  if (p->st) return 0;
+  p->st = p->own;
+  if (p->own) return 0;
   if (use_dev(dev)) return -EIO;
-  CU_TRY("cuStreamCreate", G.cu.StreamCreate(&p->st, KVF_CU_STREAM_NON_BLOCKING));
+  CU_TRY("cuStreamCreate", G.cu.StreamCreate(&p->own, KVF_CU_STREAM_NON_BLOCKING));
+  p->st = p->own;
   CU_TRY("cuEventCreate", G.cu.EventCreate(&p->ev0, KVF_CU_EVENT_DEFAULT));
   CU_TRY("cuEventCreate", G.cu.EventCreate(&p->ev1, KVF_CU_EVENT_DEFAULT));
   return 0;
@@ -652,7 +659,7 @@ int kvf__gpu_batch_add(kvf__gpu_batch *b, int exec, uint64_t src, uint64_t dst, 
 static int dev_list_cap(per_dev *p, size_t need) {
   if (need <= p->d_cap) return 0;
   if (p->d) {
-    G.cu.StreamSynchronize(p->st);
+    G.cu.StreamSynchronize(p->own); /* a block copy on the shared stream that used the list was reaped before its copier came back */
     G.cu.MemFree(p->d);
     p->d = 0;
     p->d_cap = 0;
@@ -722,14 +729,18 @@ int kvf__gpu_batch_launch(kvf__gpu_batch *b) {
   return 0;
 }
 
-int kvf__gpu_batch_wait(kvf__gpu_batch *b) {
+/* Waits for b's launches. On a shared block stream, for b's end event
+ * only (later copies queued behind it are not b's), unless whole_stream:
+ * after a failed launch, whatever of b did start is behind that event's
+ * last recording, anywhere on the stream. */
+static int batch_wait(kvf__gpu_batch *b, bool whole_stream) {
   int rc = 0;
   b->last_ms = -1;
   for (int i = 0; i < G.n; i++) {
     per_dev *p = &b->per[i];
     if (!p->launched) continue;
     if (use_dev(i)) return -EIO;
-    CUresult r = G.cu.StreamSynchronize(p->st);
+    CUresult r = p->st == p->own || whole_stream ? G.cu.StreamSynchronize(p->st) : G.cu.EventSynchronize(p->ev1);
     if (r != KVF_CU_SUCCESS) rc = cu_fail("copy (cuStreamSynchronize)", r);
     p->launched = false;
   }
@@ -741,6 +752,8 @@ int kvf__gpu_batch_wait(kvf__gpu_batch *b) {
   b->lead = -1;
   return rc;
 }
+
+int kvf__gpu_batch_wait(kvf__gpu_batch *b) { return batch_wait(b, false); }
 
 float kvf__gpu_batch_ms(kvf__gpu_batch *b) { return b->last_ms; }
 
@@ -936,7 +949,7 @@ static bool uniform_direct(const kvf__gpu_copy *v, size_t n, int *exec, int *exe
 /* Waits for what a copier launched and gives it back; returns rc, or the
  * copies' own failure, and in *ms the kernels' span. */
 static int finish_copier(copier *c, int rc, float *ms) {
-  int r2 = kvf__gpu_batch_wait(c->main);
+  int r2 = batch_wait(c->main, rc != 0);
   if (rc == 0) rc = r2;
   *ms = kvf__gpu_batch_ms(c->main);
   kvf__gpu_batch_reset(c->main);
@@ -1243,6 +1256,23 @@ static uint64_t blocks_pieces(const kvf__gpu_blocks *j) {
   return regions * (j->xf->tokens / g);
 }
 
+/* Block copies on a device run in order on one stream (created on first
+ * use, the device current): each saturates the GPU's memory alone, so
+ * requests in flight at once finish one after the other, the first after
+ * its own copy's time, instead of all at the end of the lot as on a
+ * stream each, sharing the GPU (and its caches) among them. */
+static int block_stream(int dev, CUstream *out) {
+  int rc = 0;
+  pthread_mutex_lock(&G.mu);
+  if (!G.dev[dev].bst) {
+    CUresult r = G.cu.StreamCreate(&G.dev[dev].bst, KVF_CU_STREAM_NON_BLOCKING);
+    if (r != KVF_CU_SUCCESS) rc = cu_fail("cuStreamCreate (block copies)", r);
+  }
+  if (rc == 0) *out = G.dev[dev].bst;
+  pthread_mutex_unlock(&G.mu);
+  return rc;
+}
+
 /* Launches j on devs[0..nd) (pieces split evenly), timed by the first
  * one's events over all of them, as kvf__gpu_batch_launch does. */
 static int blocks_launch(copier *c, const kvf__gpu_blocks *j, const int *devs, int nd) {
@@ -1250,6 +1280,7 @@ static int blocks_launch(copier *c, const kvf__gpu_blocks *j, const int *devs, i
   const uint64_t pieces = blocks_pieces(j);
   for (int k = 0; k < nd; k++) {
     int rc = per_dev_setup(&b->per[devs[k]], devs[k]);
+    if (rc == 0 && !G.block_own_streams) rc = use_dev(devs[k]) ? -EIO : block_stream(devs[k], &b->per[devs[k]].st);
     if (rc) return rc;
     b->per[devs[k]].launched = true; /* from here on, waited for */
   }
@@ -1389,5 +1420,12 @@ void kvf__gpu_shutdown(void) {
     copier *next = c->next;
     copier_free(c);
     c = next;
+  }
+  for (int i = 0; i < G.n; i++) {
+    if (!G.dev[i].bst) continue;
+    G.cu.CtxSetCurrent(G.dev[i].ctx);
+    G.cu.StreamSynchronize(G.dev[i].bst);
+    G.cu.StreamDestroy(G.dev[i].bst);
+    G.dev[i].bst = NULL;
   }
 }
