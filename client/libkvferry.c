@@ -193,6 +193,13 @@ struct kvf_client {
    * so that a spinning waiter sees one come without taking mu. */
   unsigned spin_us;
   atomic_uint_fast64_t ev_count;
+  /* Events queued (counted under mu, before the event fd is raised) and
+   * taken, and conn as seen without mu: kvf_wait_events with no timeout
+   * returns 0 without taking mu when nothing is queued (an engine polling
+   * it in a busy loop would fight the reader thread for mu and sleep on
+   * it). */
+  atomic_uint_fast64_t ev_queued, ev_taken;
+  atomic_int conn_seen;
   /* The reader thread polls the socket instead of sleeping in recv until
    * this time (CLOCK_MONOTONIC ns): spin_us after each read and after each
    * request written, so that the events a request leads to reach a waiter
@@ -370,6 +377,12 @@ static void inflight_done(kvf_client *c, int type, const char *xfer_id) {
 
 /* ------------------------------------------------------------ events */
 
+/* Called with mu held (or before the reader runs). */
+static void set_conn(kvf_client *c, enum conn_state s) {
+  c->conn = s;
+  atomic_store_explicit(&c->conn_seen, (int)s, memory_order_release);
+}
+
 /* Keeps event_fd readable while events are queued or the connection is
  * gone for good (so that an engine polling only the fd still learns of
  * it). While the library reconnects it is not raised without events: an
@@ -408,6 +421,7 @@ static void enqueue_locked(kvf_client *c, struct queued_event *q) {
   *c->ev_tail = q;
   c->ev_tail = &q->next;
   if (q->ev.type == KVF_EV_RECV_DONE || q->ev.type == KVF_EV_SEND_DONE) inflight_done(c, q->ev.type, q->ev.xfer_id);
+  atomic_fetch_add_explicit(&c->ev_queued, 1, memory_order_release);
   sync_event_fd(c);
   pthread_cond_broadcast(&c->evented);
 }
@@ -459,6 +473,7 @@ static int take_events(kvf_client *c, kvf_event *out, size_t cap) {
     c->ev_head = q->next;
     free(q);
   }
+  atomic_fetch_add_explicit(&c->ev_taken, (uint64_t)n, memory_order_relaxed);
   if (!c->ev_head) c->ev_tail = &c->ev_head;
   sync_event_fd(c);
   return n;
@@ -653,7 +668,7 @@ static int pump_inbound(kvf_client *c) {
 static bool connection_lost(kvf_client *c) {
   pthread_mutex_lock(&c->mu);
   c->gen++;
-  c->conn = c->closing || c->reconnect_ms == 0 ? CONN_GONE : CONN_DOWN;
+  set_conn(c, c->closing || c->reconnect_ms == 0 ? CONN_GONE : CONN_DOWN);
   fail_inflight(c);
   sync_event_fd(c);
   answered_locked(c);
@@ -675,7 +690,7 @@ static void *reader_main(void *arg) {
     if (!connection_lost(c) || reconnect(c) != 0) break;
   }
   pthread_mutex_lock(&c->mu);
-  c->conn = CONN_GONE;
+  set_conn(c, CONN_GONE);
   sync_event_fd(c);
   pthread_cond_broadcast(&c->evented);
   pthread_cond_broadcast(&c->state_cv);
@@ -1020,7 +1035,7 @@ static kvf_client *client_new(void) {
   pthread_cond_init(&c->evented, &attr);
   pthread_cond_init(&c->state_cv, &attr);
   pthread_condattr_destroy(&attr);
-  c->conn = CONN_DOWN; /* until the hello is answered */
+  set_conn(c, CONN_DOWN); /* until the hello is answered */
   c->gen = c->sock_gen = 1;
   return c;
 }
@@ -1126,7 +1141,7 @@ KVF_API int kvf_connect_ex(const char *socket_path, const kvf_connect_opts *o, k
   if (!rc) rc = exchange_hello(c);
   if (!rc) {
     set_socket_timeouts(c->sock, 0); /* from now on a slow daemon is waited for */
-    c->conn = CONN_UP;
+    set_conn(c, CONN_UP);
     rc = start_reader(c);
   }
   if (rc) {
@@ -2352,7 +2367,7 @@ static void next_gen(kvf_client *c) {
 static void mark_up(kvf_client *c) {
   set_socket_timeouts(c->sock, 0);
   pthread_mutex_lock(&c->mu);
-  c->conn = CONN_UP;
+  set_conn(c, CONN_UP);
   sync_event_fd(c);
   pthread_cond_broadcast(&c->state_cv);
   pthread_mutex_unlock(&c->mu);
@@ -2409,17 +2424,33 @@ static void spin_for_event(kvf_client *c, uint64_t seen, uint64_t us) {
   }
 }
 
+/* Takes mu for a waiter that wants an event now: the reader holds mu
+ * briefly while it queues one (and writes the event fd), and a waiter
+ * blocking on mu then would sleep and be woken, the cost it polls or
+ * spins to avoid. Tries for a bounded time (about 100 us), then blocks. */
+static void lock_for_event(kvf_client *c) {
+  for (unsigned i = 0; i < 1024; i++) {
+    if (pthread_mutex_trylock(&c->mu) == 0) return;
+    cpu_relax();
+  }
+  pthread_mutex_lock(&c->mu);
+}
+
 KVF_API int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeout_ms) {
   if (!c || !out || cap == 0 || timeout_ms < -1) return KVF_EINVAL;
+  if (timeout_ms == 0 && atomic_load_explicit(&c->conn_seen, memory_order_acquire) == CONN_UP &&
+      atomic_load_explicit(&c->ev_queued, memory_order_acquire) ==
+          atomic_load_explicit(&c->ev_taken, memory_order_relaxed))
+    return 0; /* nothing queued: no lock (both move only under mu, with ev_head) */
   struct timespec deadline = {0};
   if (timeout_ms > 0) deadline = deadline_after_ms(timeout_ms);
-  pthread_mutex_lock(&c->mu);
+  lock_for_event(c);
   if (!c->ev_head && c->conn == CONN_UP && timeout_ms != 0 && c->spin_us) {
     uint64_t seen = atomic_load_explicit(&c->ev_count, memory_order_relaxed);
     uint64_t us = timeout_ms > 0 && (uint64_t)timeout_ms * 1000 < c->spin_us ? (uint64_t)timeout_ms * 1000 : c->spin_us;
     pthread_mutex_unlock(&c->mu);
     spin_for_event(c, seen, us);
-    pthread_mutex_lock(&c->mu);
+    lock_for_event(c);
   }
   int waited = 0;
   while (!c->ev_head && c->conn == CONN_UP && waited != ETIMEDOUT)
