@@ -34,6 +34,7 @@ extern "C" {
 #define KVF_API_VERSION 2
 #define KVF_XFER_ID_MAX 127   /* bytes, without the terminating NUL */
 #define KVF_NAME_MAX 63       /* node and pool names */
+#define KVF_DST_NODES_MAX 16  /* kvf_send_blocks: node names in one dst_node list */
 
 /* kvferry's own error codes: XX(name, code, message). Everything else is a
  * negative errno. This list is the one source: the enum below, the names and
@@ -353,8 +354,9 @@ typedef struct kvf_layout {
  * ("<id>#h<head>", reported as one): every decode rank grants the
  * request's id with its layout, every prefill rank sends it with its own,
  * wherever they run (fan-in: TP 8 -> 4; fan-out: TP 2 -> 8, dst_node
- * "a,b,c,d" names several nodes that take the send's heads in order, in
- * equal shares); RECV_DONE comes once every head landed, and a failure
+ * "a,b,c,d" names several nodes, up to KVF_DST_NODES_MAX names of up to
+ * KVF_NAME_MAX bytes each, that take the send's heads in order, in equal
+ * shares); RECV_DONE comes once every head landed, and a failure
  * names the heads missing (e.g. "heads 1 missing: ..." at the deadline).
  * Both sides state model_kv_heads, or neither. Layouts that cannot be
  * reconciled (regions per layer, layer counts, head dims, dtypes, tokens

@@ -241,6 +241,19 @@ static int check_node_name(const char *node, bool required) {
   return 0;
 }
 
+/* A block send's destination: one node name, or up to KVF_DST_NODES_MAX
+ * comma-separated (a fan-out over nodes, kvferry.h), each a node name. */
+static int check_dst_nodes(const char *list) {
+  if (!list) return KVF_EINVAL;
+  for (unsigned k = 0;; k++) {
+    const char *comma = strchr(list, ',');
+    size_t n = comma ? (size_t)(comma - list) : strnlen(list, KVF_NAME_MAX + 1);
+    if (k == KVF_DST_NODES_MAX || n == 0 || n > KVF_NAME_MAX) return KVF_EINVAL;
+    if (!comma) return 0;
+    list = comma + 1;
+  }
+}
+
 static int check_descs(const kvf_client *c, const kvf_desc *descs, size_t n) {
   if (!descs || n == 0) return KVF_EINVAL;
   if (c->max_descs && n > c->max_descs) return KVF_ELIMIT;
@@ -1754,7 +1767,7 @@ KVF_API int kvf_send_blocks(kvf_client *c, const char *xfer_id, const char *dst_
   }
   if (!c) return KVF_EINVAL;
   int rc = check_xfer_id(xfer_id);
-  if (!rc) rc = check_node_name(dst_node, true);
+  if (!rc) rc = check_dst_nodes(dst_node);
   if (!rc) rc = check_blocks(c, blocks, true);
   if (!rc && (flags & ~KVF_SEND_MORE)) rc = KVF_EINVAL;
   if (rc) return rc;
@@ -1812,7 +1825,7 @@ static int sub_check_args(const kvf_client *c, const kvf_sub *s) {
     break;
   case KVF_SUB_SEND_BLOCKS:
     if (!rc) rc = check_blocks(c, s->blocks, true);
-    if (!rc) rc = check_node_name(s->node, true);
+    if (!rc) rc = check_dst_nodes(s->node);
     allowed = KVF_SEND_MORE;
     break;
   case KVF_SUB_CANCEL:

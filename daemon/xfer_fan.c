@@ -176,13 +176,14 @@ int kvf__xfan_grant_blocks(kvf__session *s, const char *id, const char *src_node
 /* dst_node: one node, or several comma-separated that take f's heads in
  * order, in equal shares. */
 static int split_nodes(fan *f, const char *dst_node, char *err, size_t errlen) {
-  char names[16][KVF_NAME_MAX + 1];
+  char names[KVF_DST_NODES_MAX][KVF_NAME_MAX + 1];
   uint32_t k = 0;
   for (const char *p = dst_node;; k++) {
     const char *c = strchr(p, ',');
     size_t n = c ? (size_t)(c - p) : strlen(p);
-    if (k == 16 || n == 0 || n > KVF_NAME_MAX) {
-      snprintf(err, errlen, "dst_node '%s': up to 16 comma-separated node names", dst_node);
+    if (k == KVF_DST_NODES_MAX || n == 0 || n > KVF_NAME_MAX) {
+      snprintf(err, errlen, "dst_node '%.200s': up to %d comma-separated node names of up to %d bytes", dst_node,
+               KVF_DST_NODES_MAX, KVF_NAME_MAX);
       return KVF_EINVAL;
     }
     memcpy(names[k], p, n);

@@ -361,6 +361,79 @@ class Hetero(Base, kvftest.PairTestCase):
 IPS = os.environ.get("KVF_TEST_RDMA_IPS", "").split()
 
 
+class FanOutNodes(unittest.TestCase):
+    """Fan-out over nodes: one prefill rank (TP 1, all 8 heads) sends once
+    with dst_node "A,B", and decode TP 4 runs on two daemons, ranks 0-1
+    (heads 0-3) on A and ranks 2-3 (heads 4-7) on B: A takes the first
+    half of the heads, B the second. The node names are 55 bytes, so the
+    list (111) is longer than one node name: it was refused at 63 bytes.
+    Every byte of every decode rank against the reference."""
+
+    setUp, tearDown, client = Base.setUp, Base.tearDown, Base.client
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = kvftest.tempdir()
+        cls.pre = kvftest.Daemon(cls.dir, "prefill", "32M")
+        cls.decs = [kvftest.Daemon(cls.dir, "decode-" + c * 48, "32M") for c in "ab"]
+        for d in cls.decs:
+            cls.pre.add_peer(d)
+            d.add_peer(cls.pre)
+        for d in [cls.pre] + cls.decs:
+            d.start()
+        for d in [cls.pre] + cls.decs:
+            d.wait_peers_up()
+
+    @classmethod
+    def tearDownClass(cls):
+        for d in [cls.pre] + cls.decs:
+            assert d.stop() == 0
+
+    def test_one_send_to_two_nodes(self):
+        cp = self.client(self.pre)
+        pp = cp.pool_find("kv")
+        p = Rank(cp, pp, 0, 1, 0, "NHD", 16)
+        cds = [self.client(self.decs[r // 2]) for r in range(4)]
+        dec = [Rank(cds[r], cds[r].pool_find("kv"), (r % 2) * RANK_SLICE, 4, r, "HND", 16) for r in range(4)]
+        sids = self.rng.sample(range(NB), TOKENS // 16)
+        dids = [self.rng.sample(range(NB), TOKENS // 16) for _ in dec]
+        src = pp.memory
+        src[0:p.size] = os.urandom(p.size)
+        for r, d in enumerate(dec):
+            cds[r].pool_find("kv").memory[d.base:d.base + RANK_SLICE] = bytes([POISON]) * RANK_SLICE
+        for r, d in enumerate(dec):
+            cds[r].grant_blocks("fan-nodes", "prefill", d.id, dids[r])
+        nodes = ",".join(d.name for d in self.decs)
+        self.assertGreater(len(nodes), 63)
+        cp.send_blocks("fan-nodes", nodes, p.id, sids)
+        for r, d in enumerate(dec):
+            ev = wait_event(cds[r], "fan-nodes", type=kvferry.RECV_DONE)
+            self.assertEqual((ev.status, ev.error), (0, ""), r)
+        sev = wait_event(cp, "fan-nodes", type=kvferry.SEND_DONE)
+        self.assertEqual((sev.status, sev.error), (0, ""))
+        for r, d in enumerate(dec):
+            mem = cds[r].pool_find("kv").memory
+            want = bytearray(mem[d.base:d.base + RANK_SLICE])  # what the transfer does not touch stays
+            for layer in range(L):
+                for kv in range(d.n_kv):
+                    for h in range(d.h0, d.h0 + d.heads):
+                        for t in range(TOKENS):
+                            s, o = p.addr(layer, kv, sids, t, h), d.addr(layer, kv, dids[r], t, h) - d.base
+                            want[o:o + d.unit] = src[s:s + p.unit]
+            for i in range(d.size):  # the layout's bytes: written or still poison where no token goes
+                if mem[d.base + i] != want[i]:
+                    self.fail("decode rank %d byte %d is 0x%02x, expected 0x%02x" % (r, i, mem[d.base + i], want[i]))
+
+    def test_node_lists_refused(self):
+        cp = self.client(self.pre)
+        p = Rank(cp, cp.pool_find("kv"), 0, 1, 0, "NHD", 16)
+        for nodes in (",".join(["n%d" % i for i in range(17)]), "a" * 64, "a,,b", "a,", ""):
+            with self.subTest(nodes=nodes[:20]):
+                with self.assertRaises(kvferry.KvferryError) as e:
+                    cp.send_blocks("bad-nodes", nodes, p.id, [0])
+                self.assertEqual(e.exception.name, "KVF_EINVAL")
+
+
 @unittest.skipUnless(len(IPS) == 2, "KVF_TEST_RDMA_IPS not set (run in the VM: tests/rdma/run.sh)")
 class HeteroRdma(Base, unittest.TestCase):
     """rdma in the soft-RoCE VM, fewer combinations (the VM is slow). Every
