@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "cuda/cudrv.h"
 #include "kvferry.h"
 
 #define MAX_TP 64u
@@ -18,7 +19,11 @@ typedef struct rank {
   kvf_client *c;
   const char *node;
   kvf_pool_info pool;
-  uint8_t *base;               /* the pool, mapped */
+  uint8_t *base;               /* a host pool, mapped */
+  int gpu;                     /* a cuda:N pool: N (else -1), at dptr; the bench */
+  CUdeviceptr dptr;            /* fills and checks a host shadow of the rank's */
+  uint8_t *shadow;             /* slice, copied to the GPU and back around */
+  uint64_t extent;             /* each request, untimed (mem, sync_rank) */
   uint64_t slice;              /* this rank's part of it starts here */
   uint32_t tpb, heads, h0, order, n_kv;
   uint64_t unit, bb, nb;       /* unit: one token of one head; nb: blocks per region */
@@ -39,6 +44,7 @@ typedef struct het {
   double *lat_us;
   uint64_t done;
   char path[32];
+  char transform[sizeof(((kvf_event *)0)->transform)]; /* the last RECV_DONE's */
 } het;
 
 static int64_t now_ns(void) {
@@ -97,12 +103,53 @@ static int open_rank(het *t, rank *k, const char *sock, const char *pool_name) {
   for (int i = 0; i < n && i < 32 && !k->pool.name[0]; i++)
     if (pool_name ? strcmp(pools[i].name, pool_name) == 0 : strcmp(pools[i].kind, "host") == 0) k->pool = pools[i];
   if (!k->pool.name[0]) return fail(t, "%s node %s has no %s pool", k->role, k->node, pool_name ? pool_name : "host");
-  if (strcmp(k->pool.kind, "host") != 0) return fail(t, "the heterogeneous mode takes host pools (%s)", k->pool.kind);
+  bool cuda = strncmp(k->pool.kind, "cuda:", 5) == 0;
+  if (strcmp(k->pool.kind, "host") != 0 && !cuda)
+    return fail(t, "the heterogeneous mode takes host and cuda:N pools (%s)", k->pool.kind);
   void *addr;
   uint64_t size;
   rc = kvf_pool_map(k->c, k->pool.id, &addr, &size);
   if (rc < 0) return fail(t, "map pool '%s': %s", k->pool.name, kvf_err_name(rc));
-  k->base = addr;
+  k->gpu = cuda ? atoi(k->pool.kind + 5) : -1;
+  if (cuda) k->dptr = (CUdeviceptr)(uintptr_t)addr; /* a device pointer: the shadow comes with the layout */
+  else k->base = addr;
+  return 0;
+}
+
+/* Where pool offset off of k's slice is, for the bench to write or read. */
+static uint8_t *mem(const rank *k, uint64_t off) { return k->gpu < 0 ? k->base + off : k->shadow + (off - k->slice); }
+
+/* A cuda pool's slice: the shadow to the GPU (to_dev) or back. */
+static int sync_rank(het *t, rank *k, bool to_dev) {
+  static kvf_cu cu;
+  static bool loaded;
+  char err[256];
+  if (k->gpu < 0) return 0;
+  if (!loaded && kvf__cu_load(&cu, err, sizeof(err)) != 0) return fail(t, "CUDA for the %s pool: %s", k->role, err);
+  loaded = true;
+  CUdevice d;
+  CUcontext ctx, old = NULL;
+  cu.CtxGetCurrent(&old);
+  CUresult r = cu.DeviceGet(&d, k->gpu);
+  if (r == 0) r = cu.DevicePrimaryCtxRetain(&ctx, d);
+  if (r == 0) {
+    cu.CtxSetCurrent(ctx);
+    r = to_dev ? cu.MemcpyHtoD(k->dptr + k->slice, k->shadow, k->extent)
+               : cu.MemcpyDtoH(k->shadow, k->dptr + k->slice, k->extent);
+    /* From pageable memory cuMemcpyHtoD may return before its DMA landed:
+     * the daemon (another process) must not copy ahead of it. */
+    if (r == 0) r = cu.StreamSynchronize(NULL);
+    cu.CtxSetCurrent(old);
+    cu.DevicePrimaryCtxRelease(d);
+  }
+  if (r) return fail(t, "copying a %s rank's slice %s the GPU: %s", k->role, to_dev ? "to" : "from",
+                     kvf__cu_errstr(&cu, r, err, sizeof(err)));
+  return 0;
+}
+
+static int sync_all(het *t, rank *ks, uint32_t n, bool to_dev) {
+  for (uint32_t i = 0; i < n; i++)
+    if (sync_rank(t, &ks[i], to_dev)) return -1;
   return 0;
 }
 
@@ -127,7 +174,9 @@ static int layout_rank(het *t, rank *k, uint32_t tp, uint32_t i, uint32_t tpb, u
   uint64_t n = r->layers * k->n_kv;
   k->offsets = malloc(n * sizeof(uint64_t));
   k->ids = malloc(k->nb * sizeof(uint32_t));
-  if (!k->offsets || !k->ids) return fail(t, "out of memory");
+  k->extent = n * k->nb * k->bb;
+  if (k->gpu >= 0) k->shadow = calloc(1, k->extent);
+  if (!k->offsets || !k->ids || (k->gpu >= 0 && !k->shadow)) return fail(t, "out of memory");
   for (uint64_t j = 0; j < n; j++) k->offsets[j] = slice + j * k->nb * k->bb;
   for (uint64_t j = 0; j < k->nb; j++) k->ids[j] = (uint32_t)j;
   kvf_layout l = {.pool = k->pool.id, .n_layers = (uint32_t)r->layers, .n_kv = k->n_kv, .n_blocks = (uint32_t)k->nb,
@@ -221,14 +270,23 @@ static void prepare(het *t, uint64_t req) {
       for (uint32_t kv = 0; kv < k->n_kv; kv++)
         for (uint64_t tok = 0; tok < t->tokens; tok++)
           for (uint32_t hd = k->h0; hd < k->h0 + k->heads; hd++)
-            fill_unit(k->base + unit_off(k, l, kv, tok, hd), k->unit, unit_key(t, req, l, kv, tok, hd));
+            fill_unit(mem(k, unit_off(k, l, kv, tok, hd)), k->unit, unit_key(t, req, l, kv, tok, hd));
   }
   for (uint32_t i = 0; i < t->h.dtp; i++) {
     rank *k = &t->dec[i];
     pick_ids(t, k, t->tokens / k->tpb);
     for (size_t b = 0; b < k->n; b++) /* poison what is granted */
-      for (uint64_t j = 0; j < t->r->layers * k->n_kv; j++) memset(k->base + k->offsets[j] + k->ids[b] * k->bb, 0xa5, k->bb);
+      for (uint64_t j = 0; j < t->r->layers * k->n_kv; j++) memset(mem(k, k->offsets[j] + k->ids[b] * k->bb), 0xa5, k->bb);
   }
+}
+
+/* Where in k's slice the unit want landed instead (a failure's detail):
+ * its pool offset, or UINT64_MAX when nowhere. */
+static uint64_t find_unit(const rank *k, const uint8_t *want) {
+  uint64_t len = k->unit < 16 ? k->unit : 16;
+  for (uint64_t o = 0; o + len <= k->extent; o++)
+    if (memcmp(mem(k, k->slice + o), want, len) == 0) return k->slice + o;
+  return UINT64_MAX;
 }
 
 static int verify(het *t, uint64_t req) {
@@ -241,9 +299,15 @@ static int verify(het *t, uint64_t req) {
         for (uint64_t tok = 0; tok < t->tokens; tok++)
           for (uint32_t hd = k->h0; hd < k->h0 + k->heads; hd++) {
             fill_unit(want, k->unit, unit_key(t, req, l, kv, tok, hd));
-            if (memcmp(k->base + unit_off(k, l, kv, tok, hd), want, k->unit) != 0)
+            const uint8_t *got = mem(k, unit_off(k, l, kv, tok, hd));
+            if (memcmp(got, want, k->unit) != 0) {
+              uint64_t at = k->extent ? find_unit(k, want) : UINT64_MAX;
               return fail(t, "request %" PRIu64 ": decode rank %u layer %" PRIu64 " %s token %" PRIu64
-                             " head %u differs from what prefill wrote", req, i, l, kv ? "V" : "K", tok, hd);
+                             " head %u differs from what prefill wrote (%s there; it is at pool offset %" PRId64
+                             ", expected at %" PRIu64 "; transform: %s)", req, i, l, kv ? "V" : "K", tok, hd,
+                          got[0] == 0xa5 && got[1] == 0xa5 ? "poison" : "other bytes",
+                          at == UINT64_MAX ? (int64_t)-1 : (int64_t)at, unit_off(k, l, kv, tok, hd), t->transform);
+            }
           }
   }
   return 0;
@@ -260,6 +324,7 @@ static int wait_for(het *t, rank *k, const char *id, int type) {
     if (strcmp(ev.xfer_id, id) != 0 || ev.type != type) continue;
     if (ev.status) return fail(t, "%s %s: %s (%s)", k->role, id, kvf_err_name(ev.status), ev.error);
     if (type == KVF_EV_RECV_DONE) snprintf(t->path, sizeof(t->path), "%s", ev.path);
+    if (type == KVF_EV_RECV_DONE) snprintf(t->transform, sizeof(t->transform), "%s", ev.transform);
     return 0;
   }
 }
@@ -333,6 +398,9 @@ static void report(het *t, double seconds) {
          t->path[0] ? t->path : "none", bytes, t->done, seconds, gbps, gbps * 8, p50, p99,
          t->err[0] ? "false" : "true", r->model, t->dec ? t->dec[0].bb : 0, t->tokens, h->ptp, h->dtp, on[h->porder],
          on[h->dorder], h->pts, h->dts, t->fan ? "true" : "false");
+  printf(", \"transform\": \"");
+  for (const char *c = t->transform; *c; c++) printf(*c == '"' || *c == '\\' ? "\\%c" : "%c", *c);
+  printf("\"");
   if (t->err[0]) {
     printf(", \"error\": \"");
     for (const char *c = t->err; *c; c++) printf(*c == '"' || *c == '\\' ? "\\%c" : "%c", *c);
@@ -346,11 +414,13 @@ static void teardown(het *t) {
     if (t->pre[i].c) kvf_close(t->pre[i].c);
     free(t->pre[i].offsets);
     free(t->pre[i].ids);
+    free(t->pre[i].shadow);
   }
   for (uint32_t i = 0; t->dec && i < t->h.dtp; i++) {
     if (t->dec[i].c) kvf_close(t->dec[i].c);
     free(t->dec[i].offsets);
     free(t->dec[i].ids);
+    free(t->dec[i].shadow);
   }
   free(t->pre);
   free(t->dec);
@@ -363,9 +433,10 @@ int kvfb_het_main(const kvfb_het_run *r, const kvfb_het *h) {
   if (setup(&t) == 0)
     for (uint64_t q = 0; q < r->requests; q++) {
       prepare(&t, q);
-      if (one(&t, q)) break;
+      /* t.h: the options as setup completed them (a TP not given is 1) */
+      if (sync_all(&t, t.pre, t.h.ptp, true) || sync_all(&t, t.dec, t.h.dtp, true) || one(&t, q)) break;
       timed += (int64_t)(t.lat_us[t.done] * 1e3);
-      if (verify(&t, q)) break;
+      if (sync_all(&t, t.dec, t.h.dtp, false) || verify(&t, q)) break;
       t.done++;
     }
   if (t.err[0]) fprintf(stderr, "kvferry-bench: %s\n", t.err);

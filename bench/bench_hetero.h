@@ -8,7 +8,9 @@
  * with equal TPs, rank r hands to rank r one to one (the layouts then do
  * not state their heads: a same-layout handoff is the plain one). Every
  * byte of every decode rank is checked against the pattern the prefill
- * ranks wrote. */
+ * ranks wrote. Host pools are written and read in place; in a cuda:N pool
+ * each rank keeps a host shadow of its slice, copied to the GPU before
+ * each request and back after it, outside the timed window. */
 #ifndef KVF_BENCH_HETERO_H
 #define KVF_BENCH_HETERO_H
 

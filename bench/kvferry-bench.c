@@ -766,6 +766,9 @@ static int gpu_sync(bench *b, side *s, bool to_dev) {
   if (r == 0) {
     cu.CtxSetCurrent(ctx);
     r = to_dev ? cu.MemcpyHtoD(s->dptr, s->base, s->size) : cu.MemcpyDtoH(s->base, s->dptr, s->size);
+    /* From pageable memory cuMemcpyHtoD may return before its DMA landed:
+     * the daemon (another process) must not copy ahead of it. */
+    if (r == 0) r = cu.StreamSynchronize(NULL);
     cu.CtxSetCurrent(old);
     cu.DevicePrimaryCtxRelease(d);
   }
@@ -1160,7 +1163,9 @@ static void usage(FILE *f) {
     "  --prefill-order nhd|hnd --decode-order nhd|hnd\n"
     "  --prefill-block-tokens N --decode-block-tokens M\n"
     "                       with --blocks: heterogeneous layouts, one request at\n"
-    "                       a time, every byte of every decode rank checked\n"
+    "                       a time, every byte of every decode rank checked (host\n"
+    "                       or cuda:N pools: a rank's slice of a cuda pool is\n"
+    "                       copied to the GPU and back around each request)\n"
     "  --layer-events       with --blocks: grants ask for one LAYER_DONE per\n"
     "                       layer; the bench checks each comes once, before RECV_DONE\n"
     "  --compute-us-per-layer N\n"

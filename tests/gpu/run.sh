@@ -12,7 +12,9 @@
 #   2. two kvferryd on loopback with cuda:N and host pools
 #   3. two engine processes mapping one cuda pool at once (gpu_map_client)
 #   4. local handoffs GPU->GPU (and GPU<->host, same pool), odd geometries,
-#      every byte verified by kvferry-bench, path checked
+#      heterogeneous layouts between cuda pools (TP 8 -> 4, NHD -> HND with
+#      16 -> 64 tokens per block), every byte verified by kvferry-bench,
+#      path checked
 #   4b. block transfers by KV layout and block ids between two clients
 #      (gpu_blocks_client), by the block kernel
 #   5. tcp-bounce handoffs between the two daemons, GPU->GPU, GPU->host,
@@ -216,6 +218,12 @@ bench l_conc gpua gpua g0 g1 "$LINK" --model llama3-8b --tokens 1024 --requests 
 bench l_same gpua gpua g0 g0 local-same-gpu --model llama3-8b --tokens 1024 --requests 2
 bench l_d2h gpua gpua g0 h local-d2h --layers 3 --kv-heads 5 --head-dim 33 --block-tokens 3 --dtype-bytes 1 --tokens 2000
 bench l_h2d gpua gpua h g1 local-h2d --model llama3-8b --tokens 1024
+# heterogeneous layouts between cuda pools (issue 17), by the transform
+# kernel: a fan-in (TP 8 -> 4, one transfer per KV head) and NHD -> HND
+# with 16 -> 64 tokens per block, every byte of every decode rank checked
+bench h_fanin gpua gpua g0 g1 "$LINK" --model llama3-8b --tokens 1024 --blocks --prefill-tp 8 --decode-tp 4 --requests 2
+bench h_order gpua gpua g0 g1 "$LINK" --model llama3-8b --tokens 1024 --blocks --prefill-order nhd --decode-order hnd \
+  --prefill-block-tokens 16 --decode-block-tokens 64 --requests 2
 bench t_llama gpua gpub g0 b0 tcp-bounce --model llama3-8b --tokens 4096 --requests 2
 bench t_odd gpua gpub g0 b0 tcp-bounce --layers 5 --kv-heads 3 --head-dim 37 --block-tokens 7 --dtype-bytes 1 --tokens 3000
 bench t_tiny gpua gpub g0 b0 tcp-bounce --layers 4 --kv-heads 1 --head-dim 32 --block-tokens 1 --dtype-bytes 2 --tokens 5000
