@@ -63,7 +63,7 @@ ERR_SRC := client/errors.c
 DAEMON_SRC := $(filter-out daemon/main.c,$(wildcard daemon/*.c daemon/transport/*.c daemon/transport/*/*.c daemon/cuda/*.c))
 LIB_SRC := $(wildcard client/lib*.c) client/errors.c
 CTL_SRC := $(wildcard client/ctl/*.c)
-BENCH_SRC := bench/kvferry-bench.c bench/bench_hetero.c
+BENCH_SRC := bench/kvferry-bench.c bench/bench_hetero.c bench/bench_gpu.c
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 pic = $(patsubst %.c,$(BUILD)/pic/%.o,$(1))

@@ -9,7 +9,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "cuda/cudrv.h"
+#include "bench_gpu.h"
 #include "kvferry.h"
 
 #define MAX_TP 64u
@@ -21,7 +21,7 @@ typedef struct rank {
   kvf_pool_info pool;
   uint8_t *base;               /* a host pool, mapped */
   int gpu;                     /* a cuda:N pool: N (else -1), at dptr; the bench */
-  CUdeviceptr dptr;            /* fills and checks a host shadow of the rank's */
+  uint64_t dptr;               /* fills and checks a host shadow of the rank's */
   uint8_t *shadow;             /* slice, copied to the GPU and back around */
   uint64_t extent;             /* each request, untimed (mem, sync_rank) */
   uint64_t slice;              /* this rank's part of it starts here */
@@ -111,7 +111,7 @@ static int open_rank(het *t, rank *k, const char *sock, const char *pool_name) {
   rc = kvf_pool_map(k->c, k->pool.id, &addr, &size);
   if (rc < 0) return fail(t, "map pool '%s': %s", k->pool.name, kvf_err_name(rc));
   k->gpu = cuda ? atoi(k->pool.kind + 5) : -1;
-  if (cuda) k->dptr = (CUdeviceptr)(uintptr_t)addr; /* a device pointer: the shadow comes with the layout */
+  if (cuda) k->dptr = (uint64_t)(uintptr_t)addr; /* a device pointer: the shadow comes with the layout */
   else k->base = addr;
   return 0;
 }
@@ -121,30 +121,10 @@ static uint8_t *mem(const rank *k, uint64_t off) { return k->gpu < 0 ? k->base +
 
 /* A cuda pool's slice: the shadow to the GPU (to_dev) or back. */
 static int sync_rank(het *t, rank *k, bool to_dev) {
-  static kvf_cu cu;
-  static bool loaded;
   char err[256];
-  if (k->gpu < 0) return 0;
-  if (!loaded && kvf__cu_load(&cu, err, sizeof(err)) != 0) return fail(t, "CUDA for the %s pool: %s", k->role, err);
-  loaded = true;
-  CUdevice d;
-  CUcontext ctx, old = NULL;
-  cu.CtxGetCurrent(&old);
-  CUresult r = cu.DeviceGet(&d, k->gpu);
-  if (r == 0) r = cu.DevicePrimaryCtxRetain(&ctx, d);
-  if (r == 0) {
-    cu.CtxSetCurrent(ctx);
-    r = to_dev ? cu.MemcpyHtoD(k->dptr + k->slice, k->shadow, k->extent)
-               : cu.MemcpyDtoH(k->shadow, k->dptr + k->slice, k->extent);
-    /* From pageable memory cuMemcpyHtoD may return before its DMA landed:
-     * the daemon (another process) must not copy ahead of it. */
-    if (r == 0) r = cu.StreamSynchronize(NULL);
-    cu.CtxSetCurrent(old);
-    cu.DevicePrimaryCtxRelease(d);
-  }
-  if (r) return fail(t, "copying a %s rank's slice %s the GPU: %s", k->role, to_dev ? "to" : "from",
-                     kvf__cu_errstr(&cu, r, err, sizeof(err)));
-  return 0;
+  if (k->gpu < 0 || kvfb_gpu_copy(k->gpu, k->dptr + k->slice, k->shadow, k->extent, to_dev, err, sizeof(err)) == 0)
+    return 0;
+  return fail(t, "copying a %s rank's slice %s the GPU: %s", k->role, to_dev ? "to" : "from", err);
 }
 
 static int sync_all(het *t, rank *ks, uint32_t n, bool to_dev) {

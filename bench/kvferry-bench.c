@@ -52,8 +52,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_gpu.h"
 #include "bench_hetero.h"
-#include "cuda/cudrv.h"
 #include "json.h"
 #include "kvferry.h"
 
@@ -113,7 +113,7 @@ typedef struct side {
   uint8_t *base;         /* this process's mapping of the pool (the shadow for GPU pools) */
   uint64_t size;
   int gpu;               /* cuda:N pool: N, else -1 */
-  CUdeviceptr dptr;      /* its device pointer */
+  uint64_t dptr;         /* its device pointer */
   uint64_t num_blocks;   /* per (layer, K/V) array */
   uint32_t layout;       /* --blocks: the pool's paged layout, registered by this side's client */
   uint32_t *ids;         /* the free list, reshuffled each wave */
@@ -385,7 +385,7 @@ static int open_side(bench *b, side *s, const char *pool_name) {
   s->gpu = -1;
   if (strncmp(s->pool.kind, "cuda:", 5) == 0) {
     s->gpu = atoi(s->pool.kind + 5);
-    s->dptr = (CUdeviceptr)(uintptr_t)addr;
+    s->dptr = (uint64_t)(uintptr_t)addr;
     addr = calloc(1, s->size);
     if (!addr) return fail(b, "out of memory for the host shadow of pool '%s'", s->pool.name);
   }
@@ -747,34 +747,11 @@ static int wait_wave(bench *b, size_t n, int64_t limit) {
 
 /* ------------------------------------------------------------ GPU pools */
 
-static kvf_cu cu;
-
 /* Copies a GPU pool's shadow to the GPU (to_dev) or back. */
 static int gpu_sync(bench *b, side *s, bool to_dev) {
-  if (s->gpu < 0) return 0;
-  static int loaded;
   char err[256];
-  if (!loaded) {
-    if (kvf__cu_load(&cu, err, sizeof(err)) != 0) return fail(b, "CUDA for the %s pool: %s", s->role, err);
-    loaded = 1;
-  }
-  CUdevice d;
-  CUcontext ctx, old = NULL;
-  cu.CtxGetCurrent(&old);
-  CUresult r = cu.DeviceGet(&d, s->gpu);
-  if (r == 0) r = cu.DevicePrimaryCtxRetain(&ctx, d);
-  if (r == 0) {
-    cu.CtxSetCurrent(ctx);
-    r = to_dev ? cu.MemcpyHtoD(s->dptr, s->base, s->size) : cu.MemcpyDtoH(s->base, s->dptr, s->size);
-    /* From pageable memory cuMemcpyHtoD may return before its DMA landed:
-     * the daemon (another process) must not copy ahead of it. */
-    if (r == 0) r = cu.StreamSynchronize(NULL);
-    cu.CtxSetCurrent(old);
-    cu.DevicePrimaryCtxRelease(d);
-  }
-  if (r) return fail(b, "copying the %s pool %s the GPU: %s", s->role, to_dev ? "to" : "from",
-                     kvf__cu_errstr(&cu, r, err, sizeof(err)));
-  return 0;
+  if (s->gpu < 0 || kvfb_gpu_copy(s->gpu, s->dptr, s->base, s->size, to_dev, err, sizeof(err)) == 0) return 0;
+  return fail(b, "copying the %s pool %s the GPU: %s", s->role, to_dev ? "to" : "from", err);
 }
 
 static int run_wave(bench *b, uint64_t first, size_t n) {
