@@ -443,39 +443,57 @@ static inline void wr_close(struct ibv_send_wr *w, const gather *g, uint32_t max
   w->send_flags = g->wr_bytes <= max_inline ? IBV_SEND_INLINE : 0;
 }
 
+/* Runs of a chain nearly always share their pools: the last pools' keys
+ * and bases, kept at hand instead of looked up per run. */
+typedef struct at_hand {
+  const rlink *lk;
+  uint8_t *const *pool_base;
+  uint32_t sp, dp, lkey, rkey;
+  uintptr_t base;
+  uint64_t raddr;
+} at_hand;
+
+static inline void hand_init(at_hand *h, const rlink *lk, const kvf__run *r) {
+  *h = (at_hand){.lk = lk, .pool_base = lk->rp->rt->pool_base, .sp = r->src_pool, .dp = r->dst_pool,
+                 .lkey = lk->dev->lkey[r->src_pool], .rkey = lk->rkey[r->dst_pool],
+                 .base = (uintptr_t)lk->rp->rt->pool_base[r->src_pool], .raddr = lk->raddr[r->dst_pool]};
+}
+
+static inline void hand_src(at_hand *h, const kvf__run *r) {
+  if (r->src_pool == h->sp) return;
+  h->sp = r->src_pool;
+  h->lkey = h->lk->dev->lkey[h->sp];
+  h->base = (uintptr_t)h->pool_base[h->sp];
+}
+
+static inline void hand_dst(at_hand *h, const kvf__run *r) {
+  if (r->dst_pool == h->dp) return;
+  h->dp = r->dst_pool;
+  h->rkey = h->lk->rkey[h->dp];
+  h->raddr = h->lk->raddr[h->dp];
+}
+
 /* A request a run: what a ticket without runs back to back posts, at the
  * cost it had before requests gathered. */
 static uint64_t build_plain(rlink *lk, rqp *q, const kvf__run *runs, const uint32_t *order, size_t first, size_t n,
                             const uint32_t *rkeys) {
-  /* Runs of a chain nearly always share their pools: keep the last pool's
-   * keys and bases at hand instead of looking them up per run. */
-  const kvf__run *r = &runs[order ? order[first] : first];
-  uint32_t sp = r->src_pool, dp = r->dst_pool, lkey = lk->dev->lkey[sp], rkey = lk->rkey[dp];
-  uint8_t *const *pool_base = lk->rp->rt->pool_base;
-  uintptr_t base = (uintptr_t)pool_base[sp];
-  uint64_t raddr = lk->raddr[dp], bytes = 0;
+  at_hand h;
+  hand_init(&h, lk, &runs[order ? order[first] : first]);
+  uint64_t bytes = 0;
   uint32_t max_inline = q->max_inline;
   for (size_t i = 0; i < n; i++) {
     size_t j = order ? order[first + i] : first + i;
-    r = &runs[j];
-    if (r->src_pool != sp) {
-      sp = r->src_pool;
-      lkey = lk->dev->lkey[sp];
-      base = (uintptr_t)pool_base[sp];
-    }
-    if (r->dst_pool != dp) {
-      dp = r->dst_pool;
-      rkey = lk->rkey[dp];
-      raddr = lk->raddr[dp];
-    }
+    const kvf__run *r = &runs[j];
+    hand_src(&h, r);
+    hand_dst(&h, r);
     struct ibv_sge *s = &q->sge[i];
     struct ibv_send_wr *w = &q->wr[i];
-    s->addr = base + r->src_off;
+    s->addr = h.base + r->src_off;
     s->length = (uint32_t)r->len;
-    s->lkey = lkey;
+    s->lkey = h.lkey;
     w->send_flags = r->len <= max_inline ? IBV_SEND_INLINE : 0;
-    w->wr.rdma.remote_addr = raddr + r->dst_off;
-    w->wr.rdma.rkey = rkeys ? rkeys[j] : rkey;
+    w->wr.rdma.remote_addr = h.raddr + r->dst_off;
+    w->wr.rdma.rkey = rkeys ? rkeys[j] : h.rkey;
     bytes += r->len;
   }
   q->wr[n - 1].next = NULL;
@@ -489,23 +507,16 @@ uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const ui
     return build_plain(lk, q, runs, order, first, n, rkeys);
   }
   q->gathered = true; /* the template's lists change: restored after the post */
-  const kvf__run *r = &runs[order ? order[first] : first];
-  uint32_t sp = r->src_pool, dp = r->dst_pool, lkey = lk->dev->lkey[sp], rkey = lk->rkey[dp];
-  uint8_t *const *pool_base = lk->rp->rt->pool_base;
-  uintptr_t base = (uintptr_t)pool_base[sp];
-  uint64_t raddr = lk->raddr[dp];
+  at_hand h;
+  hand_init(&h, lk, &runs[order ? order[first] : first]);
   uint32_t max_inline = q->max_inline;
   gather g = {0};
   struct ibv_send_wr *w = NULL;
   struct ibv_sge *s = NULL;
   for (size_t i = 0; i < n; i++) {
     size_t j = order ? order[first + i] : first + i;
-    r = &runs[j];
-    if (r->src_pool != sp) {
-      sp = r->src_pool;
-      lkey = lk->dev->lkey[sp];
-      base = (uintptr_t)pool_base[sp];
-    }
+    const kvf__run *r = &runs[j];
+    hand_src(&h, r);
     uint32_t key = rkeys ? rkeys[j] : 0;
     bool same = false, join = i > 0 && gather_joins(&g, r, key, q->max_sge, &same);
     if (same) {
@@ -516,19 +527,15 @@ uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const ui
         w = w ? w + 1 : &q->wr[0];
         s = s ? s + 1 : &q->sge[0];
         w->sg_list = s;
-        if (r->dst_pool != dp) {
-          dp = r->dst_pool;
-          rkey = lk->rkey[dp];
-          raddr = lk->raddr[dp];
-        }
-        w->wr.rdma.remote_addr = raddr + r->dst_off;
-        w->wr.rdma.rkey = rkeys ? key : rkey;
+        hand_dst(&h, r);
+        w->wr.rdma.remote_addr = h.raddr + r->dst_off;
+        w->wr.rdma.rkey = rkeys ? key : h.rkey;
       } else {
         s++;
       }
-      s->addr = base + r->src_off;
+      s->addr = h.base + r->src_off;
       s->length = (uint32_t)r->len;
-      s->lkey = lkey;
+      s->lkey = h.lkey;
     }
     gather_add(&g, r, key, join, same);
   }
