@@ -6,7 +6,9 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "cuda/gpu.h"
 #include "local/local.h"
+#include "pool.h"
 #include "rdma/rdma.h"
 #include "tcp/tcp.h"
 
@@ -26,6 +28,17 @@ int kvf__transport_post_block_runs(kvf__transport *t, kvf__xfer *x, const kvf__b
   if (rc == 0) rc = t->ops->post(t, x, &runs, last);
   kvf__runs_free(&runs);
   return rc;
+}
+
+void kvf__transport_block_side(const kvf__lview *v, const kvf__layout *l, const uint32_t *ids, uint32_t first,
+                               kvf__gpu_bside *out) {
+  const kvf__pool *p = kvfd.pools[v->pool];
+  kvf__gpu_end e;
+  kvf__pool_gpu_end(p, 0, &e);
+  size_t skip = (size_t)first * v->n_kv; /* the table holds every layer of l */
+  *out = (kvf__gpu_bside){.dev = p->cuda_dev, .base = e.addr, .table = kvf__gpu_layout_table(l->gpu) + skip * 8,
+                          .offsets = v->offsets + (size_t)(first - v->first_layer) * v->n_kv,
+                          .stride = v->block_stride, .ids = ids};
 }
 
 static int def_grant_open(kvf__transport *t, kvf__xfer *x) { return 0; }

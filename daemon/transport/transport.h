@@ -139,6 +139,13 @@ void kvf__transport_init(kvf__transport *t, const kvf__transport_ops *ops, uv_lo
  * its own way hands it the others. */
 int kvf__transport_post_block_runs(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last);
 
+/* One side of a block copy as the block kernels see it (cuda/gpu.h): the
+ * table of l (view v's layout, its offsets on the GPU) and v's offsets
+ * from layer first, v's cuda pool's device address, the block ids. */
+struct kvf__gpu_bside;
+void kvf__transport_block_side(const kvf__lview *v, const kvf__layout *l, const uint32_t *ids, uint32_t first,
+                               struct kvf__gpu_bside *out);
+
 /* pool_added for a transport that reaches every pool through the daemon's
  * own mapping (tcp, local): nothing to register. */
 int kvf__transport_pool_mapped(kvf__transport *t, kvf__pool *p, char *err, size_t errlen);

@@ -257,19 +257,6 @@ static int local_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool las
   return rc;
 }
 
-/* One side of a block part as the block kernel sees it: the layout's
- * table and offsets from layer `first`, the pool's device address. */
-static void block_side(const kvf__lview *v, const kvf__layout *l, const uint32_t *ids, uint32_t first,
-                       kvf__gpu_bside *out) {
-  const kvf__pool *p = kvfd.pools[v->pool];
-  kvf__gpu_end e;
-  kvf__pool_gpu_end(p, 0, &e);
-  size_t skip = (size_t)first * v->n_kv; /* the table holds every layer of l */
-  *out = (kvf__gpu_bside){.dev = p->cuda_dev, .base = e.addr, .table = kvf__gpu_layout_table(l->gpu) + skip * 8,
-                          .offsets = v->offsets + (size_t)(first - v->first_layer) * v->n_kv,
-                          .stride = v->block_stride, .ids = ids};
-}
-
 /* The held copy launches: at the end of the loop turn, or when another
  * transfer's copy is to be held. A transfer that failed meanwhile waits
  * for it as for any copy in flight (its memory stays until the callback). */
@@ -351,8 +338,8 @@ static int start_blocks(local_transport *lt, kvf__xfer *x, const kvf__bpart *b, 
   /* a transform: one launch of the transform kernel, addresses on the GPU */
   kvf__gpu_blocks g = {.block_bytes = s->block_bytes, .n_layers = b->n_layers, .n_kv = s->n_kv, .n = b->n,
                        .xf = b->xf.transform ? &b->xf : NULL};
-  block_side(s, b->src_layout, b->sids, b->first, &g.src);
-  block_side(d, b->dst_layout, b->dids, b->first, &g.dst);
+  kvf__transport_block_side(s, b->src_layout, b->sids, b->first, &g.src);
+  kvf__transport_block_side(d, b->dst_layout, b->dids, b->first, &g.dst);
   if (!join_held(lt, x, b, last)) {
     int rc = kvf__gpu_blocks_check(&g);
     if (rc) return rc == -EINVAL ? -EAGAIN : rc; /* sizes the kernel does not take: runs */

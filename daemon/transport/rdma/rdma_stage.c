@@ -674,13 +674,8 @@ static int gpu_pass_start(rdma_transport *rt, rgrant *g, kvf__xfer *x, const kvf
   p->rt = rt;
   p->first = first;
   p->n = n;
-  kvf__gpu_end e;
-  kvf__pool_gpu_end(pool, 0, &e);
-  size_t skip = (size_t)first * gv->n_kv; /* the layout's table holds every layer of it */
-  kvf__gpu_bside dst = {.dev = pool->cuda_dev, .base = e.addr,
-                        .table = kvf__gpu_layout_table(x->mine.layout->gpu) + skip * 8,
-                        .offsets = gv->offsets + (size_t)(first - gv->first_layer) * gv->n_kv,
-                        .stride = gv->block_stride, .ids = x->mine.ids};
+  kvf__gpu_bside dst;
+  kvf__transport_block_side(gv, x->mine.layout, x->mine.ids, first, &dst);
   kvf__gpu_blocks j;
   kvf__rdma_sgpu_job(sg, rt->stage.alias + g->st_off, &dst, first, n, &j);
   int rc = kvf__gpu_xblocks_from_host(&j, gpu_pass_done, p);
