@@ -659,7 +659,9 @@ int kvf__gpu_batch_add(kvf__gpu_batch *b, int exec, uint64_t src, uint64_t dst, 
 static int dev_list_cap(per_dev *p, size_t need) {
   if (need <= p->d_cap) return 0;
   if (p->d) {
-    G.cu.StreamSynchronize(p->own); /* a block copy on the shared stream that used the list was reaped before its copier came back */
+    /* its own stream: a block copy on the shared stream that used the
+     * list was reaped before its copier came back */
+    G.cu.StreamSynchronize(p->own);
     G.cu.MemFree(p->d);
     p->d = 0;
     p->d_cap = 0;
@@ -1323,16 +1325,23 @@ static int blocks_devs(const kvf__gpu_blocks *j, int *devs) {
   return 1;
 }
 
+/* Whether the transform kernel takes plan j->xf over j's regions: its
+ * counts and a block's bytes on either side fit its 32-bit arguments. */
+static bool xf_fits(const kvf__gpu_blocks *j) {
+  const struct kvf__xplan *x = j->xf;
+  uint64_t regions = (uint64_t)j->n_layers * j->n_kv;
+  return x->unit <= UINT32_MAX && x->ns + x->nd <= UINT32_MAX && regions != 0 && blocks_pieces(j) <= UINT32_MAX &&
+         (uint64_t)x->s.tpb * x->s.heads * x->unit <= UINT32_MAX &&
+         (uint64_t)x->d.tpb * x->d.heads * x->unit <= UINT32_MAX;
+}
+
 /* What kvf__gpu_blocks_start refuses before anything runs; the GPUs that
  * run j in devs. */
 static int blocks_take(const kvf__gpu_blocks *j, int *devs) {
   if (!G.ready) return -ENODEV;
   uint64_t regions = (uint64_t)j->n_layers * j->n_kv;
   if (j->xf && (G.blocks && !G.xblocks)) return -EAGAIN; /* an image without the transform kernel: runs */
-  if (j->xf && (j->xf->unit > UINT32_MAX || j->xf->ns + j->xf->nd > UINT32_MAX || regions == 0 ||
-                blocks_pieces(j) > UINT32_MAX || (uint64_t)j->xf->s.tpb * j->xf->s.heads * j->xf->unit > UINT32_MAX ||
-                (uint64_t)j->xf->d.tpb * j->xf->d.heads * j->xf->unit > UINT32_MAX))
-    return -EINVAL;
+  if (j->xf && !xf_fits(j)) return -EINVAL;
   if (!j->xf && (j->block_bytes == 0 || j->block_bytes > UINT32_MAX || regions == 0 || j->n > UINT32_MAX ||
                  regions * j->n > UINT32_MAX))
     return -EINVAL;
@@ -1345,10 +1354,9 @@ int kvf__gpu_blocks_check(const kvf__gpu_blocks *j) {
   return nd < 0 ? nd : 0;
 }
 
-int kvf__gpu_blocks_start(const kvf__gpu_blocks *j, kvf__gpu_done_fn done, void *arg) {
-  int devs[2];
-  int nd = blocks_take(j, devs);
-  if (nd < 0) return nd;
+/* j launched on devs[0..nd) on a copier of its own, and queued for the
+ * reaper (done follows once); an error: nothing queued, no callback. */
+static int blocks_run(const kvf__gpu_blocks *j, const int *devs, int nd, kvf__gpu_done_fn done, void *arg) {
   job *jb = job_new(done, arg);
   if (!jb) return -ENOMEM;
   copier *c = copier_get();
@@ -1364,28 +1372,19 @@ int kvf__gpu_blocks_start(const kvf__gpu_blocks *j, kvf__gpu_done_fn done, void 
   return 0;
 }
 
+int kvf__gpu_blocks_start(const kvf__gpu_blocks *j, kvf__gpu_done_fn done, void *arg) {
+  int devs[2];
+  int nd = blocks_take(j, devs);
+  return nd < 0 ? nd : blocks_run(j, devs, nd, done, arg);
+}
+
 int kvf__gpu_xblocks_from_host(const kvf__gpu_blocks *j, kvf__gpu_done_fn done, void *arg) {
   if (!G.ready) return -ENODEV;
   if (!G.blocks || !G.xblocks) return -EAGAIN; /* cuMemcpy per run would cross the bus per 256 bytes */
-  const struct kvf__xplan *x = j->xf;
-  uint64_t regions = (uint64_t)j->n_layers * j->n_kv;
-  if (!x || j->src.dev >= 0 || j->dst.dev < 0 || j->dst.dev >= G.n || !j->src.table || !j->dst.table ||
-      x->unit > UINT32_MAX || x->ns + x->nd > UINT32_MAX || regions == 0 || blocks_pieces(j) > UINT32_MAX ||
-      (uint64_t)x->s.tpb * x->s.heads * x->unit > UINT32_MAX || (uint64_t)x->d.tpb * x->d.heads * x->unit > UINT32_MAX)
+  if (!j->xf || j->src.dev >= 0 || j->dst.dev < 0 || j->dst.dev >= G.n || !j->src.table || !j->dst.table ||
+      !xf_fits(j))
     return -EINVAL;
-  job *jb = job_new(done, arg);
-  if (!jb) return -ENOMEM;
-  copier *c = copier_get();
-  int rc = c ? blocks_launch(c, j, &j->dst.dev, 1) : -ENOMEM; /* the pool's GPU reads the mapped memory */
-  if (rc) {
-    float ms;
-    if (c) finish_copier(c, rc, &ms);
-    free(jb);
-    return rc;
-  }
-  jb->c = c;
-  job_queue(jb);
-  return 0;
+  return blocks_run(j, &j->dst.dev, 1, done, arg); /* the pool's GPU reads the mapped memory */
 }
 
 static void reaper_stop(void) {
