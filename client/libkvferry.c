@@ -189,8 +189,9 @@ struct kvf_client {
   kvf__ids layouts;          /* data: struct layout_copy */
   uint32_t mem_seq;          /* default names of engine memory */
   /* kvf_wait_events spins this long for an event before it sleeps
-   * ($KVFERRY_SPIN_US, read at connect); ev_count counts events queued,
-   * so that a spinning waiter sees one come without taking mu. */
+   * ($KVFERRY_SPIN_US, read at connect); ev_count counts events told to
+   * spinners once queued and mu released (events_told), so that a
+   * spinning waiter sees one come without blocking on mu. */
   unsigned spin_us;
   atomic_uint_fast64_t ev_count;
   /* Events queued (counted under mu, before the event fd is raised) and
