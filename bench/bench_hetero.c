@@ -318,12 +318,13 @@ static void xid(char *buf, size_t len, uint64_t req, int rank_i) {
 static int one(het *t, uint64_t req) {
   const kvfb_het *h = &t->h;
   char id[64];
+  unsigned flags = t->r->nowait ? KVF_NOWAIT : 0; /* a refusal then comes as the DONE event wait_for reads */
   int64_t t0 = now_ns();
   for (uint32_t i = 0; i < h->dtp; i++) {
     rank *k = &t->dec[i];
     xid(id, sizeof(id), req, t->fan ? -1 : (int)i);
     kvf_blocks b = {.layout = k->layout, .ids = k->ids, .n = k->n};
-    int rc = kvf_grant_blocks(k->c, id, t->pre[0].node, &b, 0, t->r->deadline_ms);
+    int rc = kvf_grant_blocks(k->c, id, t->pre[0].node, &b, flags, t->r->deadline_ms);
     if (rc < 0) return fail(t, "kvf_grant_blocks(%s): %s", id, kvf_err_name(rc));
   }
   /* one to one: decode rank i from prefill rank i % ptp (MLA: any one source) */
@@ -332,7 +333,7 @@ static int one(het *t, uint64_t req) {
     rank *k = &t->pre[t->fan ? i : i % h->ptp];
     xid(id, sizeof(id), req, t->fan ? -1 : (int)i);
     kvf_blocks b = {.layout = k->layout, .ids = k->ids, .n = k->n};
-    int rc = kvf_send_blocks(k->c, id, t->dec[0].node, &b, 0, t->r->deadline_ms);
+    int rc = kvf_send_blocks(k->c, id, t->dec[0].node, &b, flags, t->r->deadline_ms);
     if (rc < 0) return fail(t, "kvf_send_blocks(%s): %s", id, kvf_err_name(rc));
   }
   for (uint32_t i = 0; i < h->dtp; i++) {
@@ -378,6 +379,7 @@ static void report(het *t, double seconds) {
          t->path[0] ? t->path : "none", bytes, t->done, seconds, gbps, gbps * 8, p50, p99,
          t->err[0] ? "false" : "true", r->model, t->dec ? t->dec[0].bb : 0, t->tokens, h->ptp, h->dtp, on[h->porder],
          on[h->dorder], h->pts, h->dts, t->fan ? "true" : "false");
+  if (r->nowait) printf(", \"nowait\": true");
   printf(", \"transform\": \"");
   for (const char *c = t->transform; *c; c++) printf(*c == '"' || *c == '\\' ? "\\%c" : "%c", *c);
   printf("\"");

@@ -10,7 +10,9 @@
  * byte of every decode rank is checked against the pattern the prefill
  * ranks wrote. Host pools are written and read in place; in a cuda:N pool
  * each rank keeps a host shadow of its slice, copied to the GPU before
- * each request and back after it, outside the timed window. */
+ * each request and back after it, outside the timed window. With --nowait
+ * the grants and sends are queued (KVF_NOWAIT), as many engines' ranks
+ * would post them at once, and a refusal fails the run from its event. */
 #ifndef KVF_BENCH_HETERO_H
 #define KVF_BENCH_HETERO_H
 
@@ -30,6 +32,7 @@ typedef struct kvfb_het_run {
   uint64_t layers, kv_heads, head_dim, dtype_bytes, block_tokens, kv_count;
   uint64_t tokens, requests, seed;
   uint32_t deadline_ms;
+  bool nowait;                  /* every grant and send with KVF_NOWAIT, as engines that do not wait */
   bool json, quiet;
 } kvfb_het_run;
 

@@ -1155,7 +1155,8 @@ static void usage(FILE *f) {
     "  --whole              with --compute-us-per-layer: one send after all layers\n"
     "  --nowait             send calls (every part) do not wait for the daemon's\n"
     "                       answer (KVF_NOWAIT); a refusal comes as the SEND_DONE\n"
-    "                       and fails the run\n"
+    "                       and fails the run; with --prefill-tp and the other\n"
+    "                       layout options, every rank's grant and send\n"
     "  --send-first         post the send before the grant\n"
     "  --time-from-send     post the grant first, untimed; latency runs from the\n"
     "                       send to RECV_DONE (with --concurrency, every grant\n"
@@ -1334,7 +1335,7 @@ static int het_run(const opts *o) {
                     .model = g->model, .layers = g->layers, .kv_heads = g->kv_heads, .head_dim = g->head_dim,
                     .dtype_bytes = g->dtype_bytes, .block_tokens = g->block_tokens, .kv_count = g->kv_count,
                     .tokens = o->tokens, .requests = o->requests, .seed = o->seed, .deadline_ms = o->deadline_ms,
-                    .json = o->json, .quiet = o->quiet};
+                    .nowait = o->nowait, .json = o->json, .quiet = o->quiet};
   return kvfb_het_main(&r, &o->het);
 }
 

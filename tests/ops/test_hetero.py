@@ -338,20 +338,25 @@ class Hetero(Base, kvftest.PairTestCase):
 
     def test_bench(self):
         """kvferry-bench --blocks with heterogeneous layouts: every rank a
-        client, every byte of every decode rank verified, the JSON line."""
+        client, every byte of every decode rank verified, the JSON line;
+        with --nowait every rank's grant and send is queued."""
         import json
         import subprocess
         bench = os.path.join(kvftest.BUILD, "kvferry-bench")
         cases = [(self.dec, "tcp", "--tokens 256 --prefill-tp 8 --decode-tp 4 --prefill-order hnd "
-                                   "--decode-block-tokens 64"),
-                 (self.pre, "local", "--tokens 32 --prefill-tp 2 --decode-tp 8 --decode-order hnd"),
-                 (self.dec, "tcp", "--tokens 256 --prefill-tp 2 --decode-tp 2 --prefill-block-tokens 64")]
-        for to, path, args in cases:
+                                   "--decode-block-tokens 64", []),
+                 (self.pre, "local", "--tokens 32 --prefill-tp 2 --decode-tp 8 --decode-order hnd", []),
+                 (self.dec, "tcp", "--tokens 256 --prefill-tp 2 --decode-tp 2 --prefill-block-tokens 64", []),
+                 (self.dec, "tcp", "--tokens 64 --prefill-tp 8 --decode-tp 4 --decode-order hnd", ["--nowait"]),
+                 (self.pre, "local", "--tokens 64 --prefill-tp 1 --decode-tp 1", ["--nowait"])]
+        for to, path, args, flags in cases:
             out = subprocess.run([bench, "--from", self.pre.sock, "--to", to.sock, "--blocks", "--json",
-                                  "--requests", "2"] + args.split(), capture_output=True, text=True, timeout=300)
+                                  "--requests", "2"] + args.split() + flags, capture_output=True, text=True,
+                                 timeout=300)
             self.assertEqual(out.returncode, 0, out.stderr)
             d = json.loads(out.stdout)
             self.assertEqual((d["path"], d["verified"], d["requests"], d["api"]), (path, True, 2, "blocks"), d)
+            self.assertEqual(d.get("nowait", False), "--nowait" in flags, d)
             tp = dict(zip(args.split()[::2], args.split()[1::2]))
             self.assertEqual((d["prefill_tp"], d["decode_tp"]), (int(tp["--prefill-tp"]), int(tp["--decode-tp"])))
             self.assertEqual(d["fan"], tp["--prefill-tp"] != tp["--decode-tp"])
