@@ -372,14 +372,198 @@ static void say_clash(const kvf__xfer *x, const kvf__gi_clash *c, int rc, char *
            c->b_end, other->id);
 }
 
+/* ------------------------------------------------------------ block sets
+ *
+ * A grant of blocks as ranges is one range per piece (layers x K/V x
+ * blocks: 16,384 for 4,096 tokens of llama3-8b), tens of ns each to claim
+ * and again to release, on the loop, for every request. But a registered
+ * layout's pieces never overlap (kvf__layout_validate) and neither do a
+ * grant's ids (ids_unique), so grants of the same layout and layers only
+ * need to know which block ids are taken: a set of counts per id, one step
+ * per block. A set stands for every byte of its span (from its lowest
+ * piece to the end of its highest), so it is used only where nothing else
+ * open could reach into that span: a set is made only while the pool holds
+ * no ranges and no other set's span meets its own; a grant that claims
+ * ranges (descriptors, or blocks that found no set) first turns every set
+ * whose span its ranges meet into ranges (spills it). Counts, not bits:
+ * under grant-overlap allow open grants may share blocks. */
+typedef struct kvf__bset {
+  struct kvf__bset *next;
+  const kvf__layout *layout;
+  uint32_t pool, first_layer, n_layers, n_blocks;
+  uint64_t lo, hi;              /* its span: [lo, hi) */
+  uint16_t *count;              /* per block id: the open grants that hold it */
+  kvf__xfer **owner;            /* those grants */
+  size_t n_owner, cap_owner;
+} kvf__bset;
+
+static kvf__bset *bsets;
+
+static void view_span(const kvf__lview *v, uint64_t *lo, uint64_t *hi) {
+  uint64_t tail = (uint64_t)(v->n_blocks - 1) * v->block_stride + v->block_bytes;
+  *lo = UINT64_MAX;
+  *hi = 0;
+  for (size_t r = 0; r < (size_t)v->n_layers * v->n_kv; r++) {
+    if (v->offsets[r] < *lo) *lo = v->offsets[r];
+    if (v->offsets[r] + tail > *hi) *hi = v->offsets[r] + tail;
+  }
+}
+
+static kvf__bset *bset_find(const kvf__lview *v, const kvf__layout *l) {
+  for (kvf__bset *b = bsets; b; b = b->next)
+    if (b->layout == l && b->first_layer == v->first_layer && b->n_layers == v->n_layers) return b;
+  return NULL;
+}
+
+/* Whether a new set of span [lo, hi) in pool may be made (see above). */
+static bool bset_may_start(uint32_t pool, uint64_t lo, uint64_t hi) {
+  const kvf__gi_pool *p = pool_find(&open_grants, pool);
+  if (p && p->held > 0) return false;
+  for (const kvf__bset *b = bsets; b; b = b->next)
+    if (b->pool == pool && b->lo < hi && lo < b->hi) return false;
+  return true;
+}
+
+static kvf__bset *bset_new(const kvf__lview *v, const kvf__layout *l, uint64_t lo, uint64_t hi) {
+  kvf__bset *b = calloc(1, sizeof(*b));
+  if (!b || !(b->count = calloc(v->n_blocks, sizeof(*b->count)))) {
+    free(b);
+    return NULL;
+  }
+  *b = (kvf__bset){.next = bsets, .layout = l, .pool = v->pool, .first_layer = v->first_layer,
+                   .n_layers = v->n_layers, .n_blocks = v->n_blocks, .lo = lo, .hi = hi, .count = b->count};
+  bsets = b;
+  return b;
+}
+
+static void bset_free_if_empty(kvf__bset *b) {
+  if (b->n_owner) return;
+  for (kvf__bset **p = &bsets; *p; p = &(*p)->next)
+    if (*p == b) {
+      *p = b->next;
+      break;
+    }
+  free(b->count);
+  free(b->owner);
+  free(b);
+}
+
+/* The refusal when block id of x is held already: by which grant, where. */
+static void bset_clash(const kvf__bset *b, const kvf__xfer *x, uint32_t id, char *err, size_t errlen) {
+  const kvf__xfer *other = NULL;
+  for (size_t k = 0; k < b->n_owner && !other; k++)
+    for (size_t i = 0; i < b->owner[k]->mine.n && !other; i++)
+      if (b->owner[k]->mine.ids[i] == id) other = b->owner[k];
+  const kvf__lview *v = &x->mine.view;
+  uint64_t at = kvf__lview_addr(v, v->first_layer, 0, id);
+  snprintf(err, errlen, "block id %" PRIu32 " of layer %" PRIu32 " (pool %" PRIu32 " [%" PRIu64 ", %" PRIu64
+           ")) overlaps block id %" PRIu32 " of layer %" PRIu32 " ([%" PRIu64 ", %" PRIu64 ")) of the open grant "
+           "'%.40s' (grant-overlap refuse)", id, v->first_layer, v->pool, at, at + v->block_bytes, id,
+           v->first_layer, at, at + v->block_bytes, other ? other->id : "?");
+}
+
+#define BSET_NONE 1 /* bset_claim: no set can take it; claim ranges */
+
+/* Claims x's ids in its layout's set (made if it may be): 0, KVF_EBUSY
+ * (refuse: an id is held), KVF_ELIMIT (an id held by 65,535 grants),
+ * -ENOMEM, or BSET_NONE. */
+static int bset_claim(kvf__xfer *x, bool refuse, char *err, size_t errlen) {
+  const kvf__lview *v = &x->mine.view;
+  kvf__bset *b = bset_find(v, x->mine.layout);
+  if (!b) {
+    uint64_t lo, hi;
+    view_span(v, &lo, &hi);
+    if (!bset_may_start(v->pool, lo, hi)) return BSET_NONE;
+    if (!(b = bset_new(v, x->mine.layout, lo, hi))) return -ENOMEM;
+  }
+  int rc = 0;
+  for (size_t i = 0; i < x->mine.n && rc == 0; i++) {
+    uint32_t id = x->mine.ids[i];
+    if (b->count[id] && refuse) rc = KVF_EBUSY, bset_clash(b, x, id, err, errlen);
+    else if (b->count[id] == UINT16_MAX) rc = KVF_ELIMIT, snprintf(err, errlen, "block id %" PRIu32 " is held "
+                                                                    "by too many open grants", id);
+  }
+  if (rc == 0 && b->n_owner == b->cap_owner) {
+    size_t cap = b->cap_owner ? 2 * b->cap_owner : 8;
+    kvf__xfer **no = realloc(b->owner, cap * sizeof(*no));
+    if (no) b->owner = no, b->cap_owner = cap;
+    else rc = -ENOMEM;
+  }
+  if (rc) {
+    bset_free_if_empty(b);
+    return rc;
+  }
+  b->owner[b->n_owner++] = x;
+  for (size_t i = 0; i < x->mine.n; i++) b->count[x->mine.ids[i]]++;
+  x->bset = b;
+  return 0;
+}
+
+static void bset_unclaim(kvf__xfer *x) {
+  kvf__bset *b = x->bset;
+  for (size_t i = 0; i < x->mine.n; i++) b->count[x->mine.ids[i]]--;
+  for (size_t k = 0; k < b->n_owner; k++)
+    if (b->owner[k] == x) {
+      b->owner[k] = b->owner[--b->n_owner];
+      break;
+    }
+  x->bset = NULL;
+  bset_free_if_empty(b);
+}
+
+/* Turns set b into ranges, grant by grant: each then holds its pieces in
+ * the index as if it had claimed them so. On an error none is turned. */
+static int bset_spill(kvf__bset *b) {
+  size_t k = 0;
+  int rc = 0;
+  for (; k < b->n_owner && rc == 0; k++) {
+    kvf__gi_item *v;
+    size_t n;
+    kvf__gi_clash c;
+    rc = items_of_blocks(&b->owner[k]->mine, &v, &n);
+    if (rc == 0 && (rc = kvf__gi_claim(&open_grants, v, n, b->owner[k], false, &c)) != 0) free(v);
+  }
+  if (rc) {
+    for (size_t j = 0; j + 1 < k; j++) kvf__gi_release(&open_grants, b->owner[j]);
+    return rc;
+  }
+  for (k = 0; k < b->n_owner; k++) b->owner[k]->bset = NULL;
+  b->n_owner = 0;
+  bset_free_if_empty(b);
+  return 0;
+}
+
+/* Before ranges v[0..n) are claimed: spills each set they could meet. */
+static int spill_sets_meeting(const kvf__gi_item *v, size_t n) {
+  for (kvf__bset *b = bsets, *next; b; b = next) {
+    next = b->next;
+    bool meets = false;
+    for (size_t i = 0; i < n && !meets; i++)
+      meets = v[i].pool == b->pool && v[i].start < b->hi && b->lo < v[i].end && v[i].start < v[i].end;
+    int rc = meets ? bset_spill(b) : 0;
+    if (rc) return rc;
+  }
+  return 0;
+}
+
 int kvf__xfer_claim(kvf__xfer *x, char *err, size_t errlen) {
   kvf__gi_item *v = NULL;
   size_t n = x->dst.n;
+  bool refuse = kvfd.cfg.grant_overlap == KVF__GRANT_OVERLAP_REFUSE;
   int rc = x->blocks ? ids_unique(&x->mine, err, errlen) : 0;
-  if (rc == 0) rc = x->blocks ? items_of_blocks(&x->mine, &v, &n) : kvf__gi_items_of_descs(&x->dst, &v);
   if (rc) return rc;
+  if (x->blocks && x->mine.layout && (rc = bset_claim(x, refuse, err, errlen)) != BSET_NONE) {
+    if (rc == KVF_EBUSY) kvf__debug("grant '%s' refused: %s", x->id, err);
+    return rc;
+  }
+  rc = x->blocks ? items_of_blocks(&x->mine, &v, &n) : kvf__gi_items_of_descs(&x->dst, &v);
+  if (rc == 0 && bsets) rc = spill_sets_meeting(v, n);
+  if (rc) {
+    free(v);
+    return rc;
+  }
   kvf__gi_clash c;
-  rc = kvf__gi_claim(&open_grants, v, n, x, kvfd.cfg.grant_overlap == KVF__GRANT_OVERLAP_REFUSE, &c);
+  rc = kvf__gi_claim(&open_grants, v, n, x, refuse, &c);
   if (rc == KVF_EINVAL || rc == KVF_EBUSY) {
     say_clash(x, &c, rc, err, errlen);
     kvf__debug("grant '%s' refused: %s", x->id, err);
@@ -389,5 +573,7 @@ int kvf__xfer_claim(kvf__xfer *x, char *err, size_t errlen) {
 }
 
 void kvf__xfer_unclaim(kvf__xfer *x) {
-  if (x->role == KVF__RECV && open_grants.owners.n > 0) kvf__gi_release(&open_grants, x);
+  if (x->role != KVF__RECV) return;
+  if (x->bset) bset_unclaim(x);
+  else if (open_grants.owners.n > 0) kvf__gi_release(&open_grants, x);
 }

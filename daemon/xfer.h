@@ -271,6 +271,7 @@ struct kvf__xfer {
   kvf__xblocks mine;          /* where they land (receiver) or come from (sender);
                                  a remote grant of blocks also has them as descriptors
                                  in dst, for its transport's checks */
+  struct kvf__bset *bset;     /* a grant whose block ids a set holds (grant_index.c); NULL: ranges, or none */
   union {                     /* by role */
     kvf__xrecv recv;
     kvf__xsend send;

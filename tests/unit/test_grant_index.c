@@ -2,7 +2,8 @@
  * one grant's ranges (touching, overlapping by a byte, unsorted, empty,
  * several pools), the open grants (adjacent, released, per pool, allow),
  * granule edges, failures that leave nothing held, and a brute-force model
- * of random grants. */
+ * of random grants; grants of blocks (sets of block ids per layout, spilled
+ * into ranges when ranges meet them) against a model of their bytes. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -16,6 +17,8 @@
 
 #include "grant_index.h"
 #include "kvferry.h"
+#include "kvferryd.h"
+#include "layout.h"
 #include "xfer.h"
 
 #define POOL_SIZE (1ull << 22) /* 4 MiB: 4 KiB granules */
@@ -357,25 +360,34 @@ static void test_dense_grant(void **state) {
 
 /* The daemon's glue (kvf__xfer_claim): what a refused grant of blocks
  * says, and that an unclaimed grant's blocks are free again. */
-static kvf__xfer *blocks_grant(const char *id, const uint64_t *offsets, const uint32_t *ids, size_t n,
-                               uint32_t first, uint32_t n_layers) {
+static kvf__xfer *layout_grant(const char *id, const kvf__layout *l, const uint64_t *offsets, uint64_t stride,
+                               const uint32_t *ids, size_t n, uint32_t first, uint32_t n_layers) {
   kvf__xfer *x = calloc(1, sizeof(*x));
   assert_non_null(x);
   snprintf(x->id, sizeof(x->id), "%s", id);
   x->role = KVF__RECV;
   x->blocks = true;
+  x->mine.layout = (kvf__layout *)l;
   x->mine.view = (kvf__lview){.pool = 0, .n_kv = 2, .n_blocks = 16, .first_layer = first, .n_layers = n_layers,
-                              .block_bytes = 4096, .block_stride = 4096, .offsets = offsets + 2 * first};
-  x->mine.ids = malloc(n * sizeof(*ids));
+                              .block_bytes = 4096, .block_stride = stride, .offsets = offsets + 2 * first};
+  x->mine.ids = malloc((n ? n : 1) * sizeof(*ids));
   assert_non_null(x->mine.ids);
   memcpy(x->mine.ids, ids, n * sizeof(*ids));
   x->mine.n = n;
   return x;
 }
 
+static kvf__xfer *blocks_grant(const char *id, const uint64_t *offsets, const uint32_t *ids, size_t n,
+                               uint32_t first, uint32_t n_layers) {
+  return layout_grant(id, NULL, offsets, 4096, ids, n, first, n_layers);
+}
+
 static void drop_grant(kvf__xfer *x) {
   kvf__xfer_unclaim(x);
   free(x->mine.ids);
+  free(x->dst.pool);
+  free(x->dst.offset);
+  free(x->dst.length);
   free(x);
 }
 
@@ -406,12 +418,158 @@ static void test_xfer_blocks_messages(void **state) {
   drop_grant(c);
 }
 
+/* A grant of one descriptor: [start, start + len) of pool 0. */
+static kvf__xfer *range_grant(const char *id, uint64_t start, uint64_t len) {
+  kvf__xfer *x = calloc(1, sizeof(*x));
+  assert_non_null(x);
+  snprintf(x->id, sizeof(x->id), "%s", id);
+  x->role = KVF__RECV;
+  x->dst.pool = calloc(1, sizeof(uint32_t));
+  x->dst.offset = malloc(sizeof(uint64_t));
+  x->dst.length = malloc(sizeof(uint64_t));
+  assert_true(x->dst.pool && x->dst.offset && x->dst.length);
+  x->dst.offset[0] = start;
+  x->dst.length[0] = len;
+  x->dst.n = 1;
+  x->dst.total = len;
+  return x;
+}
+
+/* The pieces of a grant, from first principles (not items_of_blocks). */
+static size_t pieces_of(const kvf__xfer *x, kvf__gi_item *out) {
+  if (!x->blocks) {
+    out[0] = it(0, x->dst.offset[0], x->dst.offset[0] + x->dst.length[0], 0);
+    return 1;
+  }
+  const kvf__lview *v = &x->mine.view;
+  size_t k = 0;
+  for (uint32_t r = 0; r < v->n_layers * 2; r++)
+    for (size_t i = 0; i < x->mine.n; i++) {
+      uint64_t at = v->offsets[r] + x->mine.ids[i] * v->block_stride;
+      out[k++] = it(0, at, at + v->block_bytes, 0);
+    }
+  return k;
+}
+
+/* Random grants of blocks of three layouts (B apart from A, C over A's
+ * bytes in another order) and of single ranges, some released, with
+ * grant-overlap switching between refuse and allow, against a model of
+ * their pieces: each answer exact (a set made, joined, refused or spilled
+ * into ranges when a range or an overlapping layout meets it), and once
+ * every grant ended the whole pool can be granted again. */
+static void test_xfer_block_sets_model(void **state) {
+  enum { GRANTS = 700, MAXP = 8 * 5 };
+  uint64_t off_a[8], off_b[8], off_c[8];
+  for (int r = 0; r < 8; r++) {
+    off_a[r] = (uint64_t)r * 16 * 4096;               /* layer-major: [0, 512 KiB) */
+    off_b[r] = (1u << 20) + (uint64_t)r * 16 * 4096;  /* [1 MiB, 1.5 MiB) */
+    off_c[r] = (uint64_t)r * 4096;                    /* block-major over A's bytes */
+  }
+  static const kvf__layout la, lb, lc;
+  const kvf__layout *lays[] = {&la, &lb, &lc};
+  const uint64_t *offs[] = {off_a, off_b, off_c};
+  const uint64_t strides[] = {4096, 4096, 8 * 4096};
+  static kvf__xfer *open[GRANTS];
+  static kvf__gi_item mine[MAXP], theirs[MAXP];
+  uint64_t seed = 23;
+  int held_before = 0, refused = 0;
+  for (int t = 0; t < GRANTS; t++) {
+    bool refuse = lcg(&seed) % 4 != 0;
+    kvfd.cfg.grant_overlap = refuse ? KVF__GRANT_OVERLAP_REFUSE : KVF__GRANT_OVERLAP_ALLOW;
+    char id[16];
+    snprintf(id, sizeof(id), "g%d", t);
+    kvf__xfer *x;
+    if (lcg(&seed) % 5 == 0) {
+      uint64_t s = lcg(&seed) % (1600u << 10), len = 1 + lcg(&seed) % 20000;
+      x = range_grant(id, s, len);
+    } else {
+      int w = (int)(lcg(&seed) % 3);
+      uint32_t first = (uint32_t)(lcg(&seed) % 4), nl = 1 + (uint32_t)(lcg(&seed) % (4 - first)), ids[5];
+      size_t n = 1 + lcg(&seed) % 5;
+      for (size_t i = 0; i < n; i++) { /* distinct ids */
+        ids[i] = (uint32_t)(lcg(&seed) % 16);
+        for (size_t j = 0; j < i; j++)
+          if (ids[j] == ids[i]) ids[i] = (ids[i] + 1) % 16, j = (size_t)-1;
+      }
+      x = layout_grant(id, lays[w], offs[w], strides[w], ids, n, first, nl);
+    }
+    size_t np = pieces_of(x, mine);
+    bool clash = false;
+    for (int o = 0; o < t && !clash; o++) {
+      if (!open[o]) continue;
+      size_t nt = pieces_of(open[o], theirs);
+      for (size_t i = 0; i < np && !clash; i++)
+        for (size_t j = 0; j < nt && !clash; j++) clash = share(&mine[i], &theirs[j]);
+    }
+    char err[256];
+    int rc = kvf__xfer_claim(x, err, sizeof(err));
+    if (refuse && clash) {
+      assert_int_equal(rc, KVF_EBUSY);
+      assert_non_null(strstr(err, "of the open grant 'g"));
+      drop_grant(x);
+      refused++;
+    } else {
+      assert_int_equal(rc, 0);
+      open[t] = x;
+      held_before++;
+    }
+    if (lcg(&seed) % 3 == 0) { /* one ends */
+      int o = (int)(lcg(&seed) % (t + 1));
+      if (open[o]) drop_grant(open[o]), open[o] = NULL;
+    }
+  }
+  assert_true(held_before > GRANTS / 4 && refused > GRANTS / 4); /* the model saw both answers */
+  for (int t = 0; t < GRANTS; t++)
+    if (open[t]) drop_grant(open[t]), open[t] = NULL;
+  kvfd.cfg.grant_overlap = KVF__GRANT_OVERLAP_REFUSE;
+  kvf__xfer *whole = range_grant("whole", 0, 2u << 20); /* nothing left behind, in ranges or sets */
+  assert_int_equal(kvf__xfer_claim(whole, NULL, 0), 0);
+  drop_grant(whole);
+  uint32_t all[16];
+  for (uint32_t i = 0; i < 16; i++) all[i] = i;
+  kvf__xfer *a = layout_grant("a", &la, off_a, 4096, all, 16, 0, 4), *c = layout_grant("c", &lc, off_c, 8 * 4096,
+                                                                                          all, 1, 0, 1);
+  assert_int_equal(kvf__xfer_claim(a, NULL, 0), 0);
+  char err[256];
+  assert_int_equal(kvf__xfer_claim(c, err, sizeof(err)), KVF_EBUSY); /* C's block 0 is A's blocks 0-7 of layer 0 */
+  assert_non_null(strstr(err, "of the open grant 'a'"));
+  drop_grant(c);
+  drop_grant(a);
+}
+
+/* A set answers as ranges do: the same message for a block id taken. */
+static void test_xfer_block_set_messages(void **state) {
+  uint64_t offsets[8];
+  for (int r = 0; r < 8; r++) offsets[r] = (uint64_t)r * 16 * 4096;
+  static const kvf__layout l;
+  char err[256];
+  kvfd.cfg.grant_overlap = KVF__GRANT_OVERLAP_REFUSE;
+  uint32_t a_ids[] = {1, 2, 3}, b_ids[] = {7, 3};
+  kvf__xfer *a = layout_grant("a", &l, offsets, 4096, a_ids, 3, 1, 2);
+  assert_int_equal(kvf__xfer_claim(a, err, sizeof(err)), 0);
+  kvf__xfer *b = layout_grant("b", &l, offsets, 4096, b_ids, 2, 1, 2);
+  assert_int_equal(kvf__xfer_claim(b, err, sizeof(err)), KVF_EBUSY);
+  assert_string_equal(err, "block id 3 of layer 1 (pool 0 [143360, 147456)) overlaps block id 3 of layer 1 "
+                           "([143360, 147456)) of the open grant 'a' (grant-overlap refuse)");
+  drop_grant(b);
+  kvf__xfer *r = range_grant("r", 2 * 16 * 4096 + 2 * 4096, 1); /* layer 1 K, block 2: the set is spilled */
+  assert_int_equal(kvf__xfer_claim(r, err, sizeof(err)), KVF_EBUSY);
+  assert_non_null(strstr(err, "overlaps block id 2 of layer 1 ("));
+  assert_non_null(strstr(err, "of the open grant 'a' (grant-overlap refuse)"));
+  drop_grant(r);
+  kvf__xfer *b2 = layout_grant("b2", &l, offsets, 4096, b_ids, 1, 1, 2); /* block 7 alone: free */
+  assert_int_equal(kvf__xfer_claim(b2, err, sizeof(err)), 0);
+  drop_grant(a);
+  drop_grant(b2);
+}
+
 int main(void) {
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
   const struct CMUnitTest tests[] = {
       T(test_touching_and_overlap), T(test_unsorted), T(test_zero_length), T(test_pools),
       T(test_adjacent_and_release), T(test_granule_edges), T(test_granule_remade), T(test_allow), T(test_random_model),
       T(test_random_mixed), T(test_dense_grant), cmocka_unit_test(test_xfer_blocks_messages),
+      cmocka_unit_test(test_xfer_block_set_messages), cmocka_unit_test(test_xfer_block_sets_model),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
