@@ -187,6 +187,39 @@ class Blocks(Clients):
             self.cd.cancel(xid)
             self.assertNotEqual(wait_event(self.cd, xid).status, 0)
 
+    def test_same_layers_then_a_range(self):
+        """Grants of one layout and the same layers share a set of block
+        ids: a shared id is refused, others are fine; a descriptor grant
+        over one of their blocks' bytes is refused too (the set becomes
+        ranges), one beside them is fine, and every id is free again once
+        the grants ended."""
+        self.cd.grant_blocks("s1", "prefill", self.dst, [0, 1, 2])
+        self.cd.grant_blocks("s2", "prefill", self.dst, [5, 6])
+        self.assert_code(KVF_EBUSY, lambda: self.cd.grant_blocks("s3", "prefill", self.dst, [4, 6]))
+        layer3_v = 7 * self.NB * BLK  # region of layer 3's V: s2's block 5 is [5 BLK, 6 BLK) of it
+        self.assert_code(KVF_EBUSY, lambda: self.cd.grant("r1", "prefill", [self.pd.desc(layer3_v + 5 * BLK + 9, 1)]))
+        self.cd.grant("r2", "prefill", [self.pd.desc(layer3_v + 7 * BLK, BLK)])  # block 7: nobody's
+        self.assert_code(KVF_EBUSY, lambda: self.cd.grant_blocks("s4", "prefill", self.dst, [7]))
+        self.cd.grant_blocks("s5", "prefill", self.dst, [3, 4])
+        used = 2 * self.L * self.NB * BLK
+        data = pattern(11, used)
+        self.pp.memory[0:used] = data
+        self.cp.send_blocks("s5", "decode", self.src, [12, 13])
+        self.assertEqual(wait_event(self.cp, "s5").status, 0)
+        self.assertEqual(wait_event(self.cd, "s5").status, 0)
+        mem = self.pd.memory
+        for r in range(2 * self.L):
+            region = r * self.NB * BLK
+            for s, d in ((12, 3), (13, 4)):
+                self.assertEqual(bytes(mem[region + d * BLK:region + (d + 1) * BLK]),
+                                 data[region + s * BLK:region + (s + 1) * BLK], (r, d))
+        for xid in ("s1", "s2", "r2"):
+            self.cd.cancel(xid)
+            self.assertNotEqual(wait_event(self.cd, xid).status, 0)
+        self.cd.grant_blocks("s6", "prefill", self.dst, list(range(self.NB)))  # all free again
+        self.cd.cancel("s6")
+        self.assertNotEqual(wait_event(self.cd, "s6").status, 0)
+
 
     def test_failed_recv_done_bytes(self):
         """Issue 15, item 12: a receive that fails after some layers landed
