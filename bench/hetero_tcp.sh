@@ -12,6 +12,8 @@
 #       kvferryctl and kvferry-bench: alternate it with build/ round by round
 #       for a before/after in one session; the ratios vary by about 0.2x
 #       between rounds on the loaded 2-core dev machine)
+#   BENCH_ARGS=--nowait bench/hetero_tcp.sh   (extra kvferry-bench options for
+#       both runs of a pair: --nowait queues every rank's grant and send)
 #   PERF=/tmp/p ROUNDS=1 bench/hetero_tcp.sh   (perf record -F 4000 of both
 #       daemons around each run: /tmp/p/ROUND-N-same.data, ROUND-N-het.data
 #       for the N-th case; compare with perf report --sort dso,sym)
@@ -76,8 +78,9 @@ done
 gbps() { python3 -c 'import json,sys; print(json.loads(sys.argv[1])["gbps"])' "$1"; }
 
 bench_once() { # ARGS...
+  # shellcheck disable=SC2086
   "$BUILD/kvferry-bench" --from "$TMP/a.sock" --to "$TMP/b.sock" --blocks --json --tokens "$TOKENS" \
-    --requests "$REQUESTS" "$@"
+    --requests "$REQUESTS" ${BENCH_ARGS:-} "$@"
 }
 
 # Both daemons' CPU time so far (user + system, every thread), in clock ticks.
