@@ -14,6 +14,11 @@
 #                  the send, timed from the send call to RECV_DONE
 #   grant_lead_5ms the same with the grant posted 5 ms before the send, as an
 #                  engine grants ahead
+#   layer_part     one layer's part of that request alone (llama3-8b, 128
+#                  tokens, one layer by block ids: 512 KiB over the striped
+#                  streams), back to back, from the send call to RECV_DONE,
+#                  against raw TCP's 512 KiB: what the layer-wise case's last
+#                  part costs, with its hops
 #   layerwise      llama3-8b, 128 tokens (16 MiB, 512 layer-blocks), by block
 #                  ids, each layer's part sent as its emulated compute
 #                  (145 us a layer) ends: exposed time after the last layer
@@ -107,6 +112,7 @@ kvbench() { # NAME ARGS...
 }
 kvbench back_to_back --layers 1 --tokens 16 --time-from-send --requests "$REQUESTS"
 kvbench grant_lead_5ms --layers 1 --tokens 16 --grant-lead-ms 5 --requests "$LEAD_REQUESTS"
+kvbench layer_part --layers 1 --tokens 128 --blocks --time-from-send --nowait --requests "$LEAD_REQUESTS"
 kvbench layerwise --tokens 128 --blocks --layerwise --nowait --compute-us-per-layer 145 --requests 60
 
 # Idle CPU of the daemons once traffic stopped (% of one core over 2 s).
@@ -168,6 +174,14 @@ for name in ("back_to_back", "grant_lead_5ms"):
                           p50_client_to_daemon_us=t.get("client_to_daemon_us"),
                           p50_daemon_to_client_us=t.get("daemon_to_client_us"),
                           sleeps_per_request=sleeps(name, k["requests"]), bench_sleeps_per_request=k.get("sleeps"))))
+k = load("layer_part")
+t = k.get("trace", {})
+print(json.dumps(dict(case="layer_part", **common, p50_us=k["p50_us"], p99_us=k["p99_us"], requests=k["requests"],
+                      verified=k["verified"], path=k["path"], raw_512k_p50_us=layer["p50_us"],
+                      p50_vs_raw_512k=round(k["p50_us"] / layer["p50_us"], 2), p50_send_hops=t.get("send"),
+                      p50_recv_hops=t.get("recv"), p50_client_to_daemon_us=t.get("client_to_daemon_us"),
+                      p50_daemon_to_client_us=t.get("daemon_to_client_us"),
+                      sleeps_per_request=sleeps("layer_part", k["requests"]))))
 k = load("layerwise")
 t = k.get("trace", {})
 wire = layer["p50_us"]
