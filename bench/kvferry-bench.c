@@ -87,6 +87,7 @@ typedef struct opts {
   const char *from, *to, *pool_from, *pool_to;
   geom g;
   uint64_t tokens, requests, concurrency, seed;
+  uint64_t waves_per_check; /* waves sent back to back before the bench verifies them (default 1) */
   uint32_t deadline_ms;
   bool layerwise, send_first, grant_any, json, quiet;
   bool time_from_send;   /* latency starts at the send (the grant is posted before, untimed) */
@@ -141,7 +142,9 @@ typedef struct bench {
   side src, dst;
   bool shared;           /* one daemon, one pool: keep src and dst apart */
   uint64_t block_bytes, blocks, ndesc, req_bytes;
-  req *slots;            /* one per request in flight */
+  req *slots;            /* one per request of a check (--waves-per-check waves of --concurrency) */
+  size_t n_slots;
+  req *wave;             /* the wave in flight: slots [wave, wave + n) */
   double *lat_us;        /* per completed request */
   double *post_us;       /* time in the grant and send calls, per request */
   double *exposed_us;    /* compute mode: compute ended -> RECV_DONE */
@@ -293,7 +296,7 @@ static void build_descs(const bench *b, const side *s, const uint32_t *ids, kvf_
 /* Assigns blocks to the n requests of a wave and writes their data: pattern
  * in the sources, poison in the destinations. Outside the timed window. */
 static void prepare_wave(bench *b, uint64_t first, size_t n) {
-  size_t w = (size_t)b->o.concurrency;
+  size_t w = b->n_slots;
   shuffle_ids(&b->src, (b->shared ? 2 * w : w) * b->blocks);
   if (!b->shared) shuffle_ids(&b->dst, w * b->blocks);
   for (size_t i = 0; i < n; i++) {
@@ -430,10 +433,10 @@ static int size_side(bench *b, side *s, uint64_t need_blocks) {
     char have[32], need[32];
     return fail(b,
                 "pool '%s' of %s node %s is too small: %s holds %" PRIu64 " blocks of %" PRIu64
-                " layers x %" PRIu64 " x %" PRIu64 " B; %" PRIu64 " requests in flight%s x %" PRIu64
-                " blocks need a pool of at least %s (or lower --tokens / --concurrency)",
+                " layers x %" PRIu64 " x %" PRIu64 " B; %zu requests of a check%s x %" PRIu64
+                " blocks need a pool of at least %s (or lower --tokens / --concurrency / --waves-per-check)",
                 s->pool.name, s->role, s->node, fmt_size((double)s->size, have), s->num_blocks,
-                b->o.g.layers, b->o.g.kv_count, b->block_bytes, b->o.concurrency,
+                b->o.g.layers, b->o.g.kv_count, b->block_bytes, b->n_slots,
                 b->shared ? " x 2 (same pool sends and receives)" : "", b->blocks,
                 fmt_size((double)need_blocks * (double)per_id, need));
   }
@@ -462,12 +465,13 @@ static int setup(bench *b) {
     free(b->dst.base);
     b->dst.base = b->src.base;
   }
-  uint64_t need = b->o.concurrency * b->blocks;
+  b->n_slots = (size_t)(b->o.concurrency * b->o.waves_per_check);
+  uint64_t need = b->n_slots * b->blocks;
   if (size_side(b, &b->src, b->shared ? 2 * need : need) < 0) return -1;
   if (!b->shared && size_side(b, &b->dst, need) < 0) return -1;
   if (b->shared) b->dst.num_blocks = b->src.num_blocks;
   if (b->o.blocks && (register_layout(b, &b->src) < 0 || register_layout(b, &b->dst) < 0)) return -1;
-  size_t w = (size_t)b->o.concurrency;
+  size_t w = b->n_slots;
   b->slots = calloc(w, sizeof *b->slots);
   b->lat_us = calloc((size_t)b->o.requests, sizeof *b->lat_us);
   b->post_us = calloc((size_t)b->o.requests, sizeof *b->post_us);
@@ -489,7 +493,7 @@ static int setup(bench *b) {
 
 static void teardown(bench *b) {
   if (b->slots)
-    for (uint64_t i = 0; i < b->o.concurrency; i++) {
+    for (size_t i = 0; i < b->n_slots; i++) {
       free(b->slots[i].src);
       free(b->slots[i].dst);
       free(b->slots[i].layer_seen);
@@ -623,7 +627,7 @@ static int post_request(bench *b, req *r, size_t n, bool granted) {
 
 static req *find_req(bench *b, size_t n, const char *id) {
   for (size_t i = 0; i < n; i++)
-    if (strcmp(b->slots[i].id, id) == 0) return &b->slots[i];
+    if (strcmp(b->wave[i].id, id) == 0) return &b->wave[i];
   return NULL;
 }
 
@@ -703,13 +707,13 @@ static int drain(bench *b, side *s, size_t n) { return take_events(b, s, n, 0); 
 
 static bool wave_done(const bench *b, size_t n) {
   for (size_t i = 0; i < n; i++)
-    if (!b->slots[i].got_recv || !b->slots[i].got_send) return false;
+    if (!b->wave[i].got_recv || !b->wave[i].got_send) return false;
   return true;
 }
 
 static int wave_timeout(bench *b, size_t n) {
   for (size_t i = 0; i < n; i++) {
-    const req *r = &b->slots[i];
+    const req *r = &b->wave[i];
     if (!r->got_recv || !r->got_send)
       return fail(b, "%s: no %s after the deadline (%u ms) plus %d ms; the daemon never reported it",
                   r->id, r->got_recv ? "SEND_DONE" : "RECV_DONE", b->o.deadline_ms, WAIT_MARGIN_MS);
@@ -724,7 +728,7 @@ static int drain_both(bench *b, size_t n) {
 
 static bool recv_pending(const bench *b, size_t n) {
   for (size_t i = 0; i < n; i++)
-    if (!b->slots[i].got_recv) return true;
+    if (!b->wave[i].got_recv) return true;
   return false;
 }
 
@@ -754,26 +758,26 @@ static int gpu_sync(bench *b, side *s, bool to_dev) {
   return fail(b, "copying the %s pool %s the GPU: %s", s->role, to_dev ? "to" : "from", err);
 }
 
-static int run_wave(bench *b, uint64_t first, size_t n) {
-  prepare_wave(b, first, n);
-  if (gpu_sync(b, &b->src, true) < 0 || (!b->shared && gpu_sync(b, &b->dst, true) < 0)) return -1;
+/* One wave: the n requests at b->wave sent and waited for; *ns: its
+ * timed window (first send to last RECV_DONE). */
+static int run_wave(bench *b, size_t n, int64_t *ns) {
   /* Timed from the sends, a wave's grants go first, all of them, as the
    * decode engine admitted those requests before their prefill: the timed
    * window then holds the sends alone, not a grant's round trip between
    * two sends. */
   bool grants_first = b->o.time_from_send && !b->o.compute && !b->o.grant_lead_ms && n > 1;
   for (size_t i = 0; grants_first && i < n; i++)
-    if (post_grant(b, &b->slots[i]) < 0) return -1;
+    if (post_grant(b, &b->wave[i]) < 0) return -1;
   for (size_t i = 0; i < n; i++) {
-    if (post_request(b, &b->slots[i], n, grants_first) < 0) return -1;
+    if (post_request(b, &b->wave[i], n, grants_first) < 0) return -1;
     /* Completions of earlier requests must not wait for the posting loop. */
     if (drain_both(b, n) < 0) return -1;
   }
   int64_t bound = b->o.deadline_ms ? b->o.deadline_ms : WAIT_DEFAULT_MS;
   if (wait_wave(b, n, now_ns() + (bound + WAIT_MARGIN_MS) * 1000000) < 0) return -1;
-  int64_t t0 = b->slots[0].t_post, t1 = 0;
+  int64_t t0 = b->wave[0].t_post, t1 = 0;
   for (size_t i = 0; i < n; i++) {
-    const req *r = &b->slots[i];
+    const req *r = &b->wave[i];
     if (r->t_recv > t1) t1 = r->t_recv;
     b->lat_us[r->index] = (double)(r->t_recv - r->t_post) / 1e3;
     b->post_us[r->index] = (double)r->post_ns / 1e3;
@@ -782,20 +786,40 @@ static int run_wave(bench *b, uint64_t first, size_t n) {
     b->late_us[r->index] = (double)(r->t_last_send - due) / 1e3;
     latency_note(b, r);
   }
+  *ns = t1 - t0;
+  return 0;
+}
+
+/* Requests [first, first + n): prepared (and copied to the GPU) together,
+ * sent in waves of --concurrency back to back, then every byte of all of
+ * them checked. With --waves-per-check 1 (the default) that is one wave,
+ * and the host and the GPU idle between waves while the bench checks;
+ * with more, the waves of a check follow each other as an engine's
+ * steady traffic does. */
+static int run_check(bench *b, uint64_t first, size_t n) {
+  prepare_wave(b, first, n);
+  if (gpu_sync(b, &b->src, true) < 0 || (!b->shared && gpu_sync(b, &b->dst, true) < 0)) return -1;
+  size_t per = (size_t)b->o.concurrency;
+  int64_t timed = 0;
+  for (size_t k = 0; k < n; k += per) {
+    int64_t ns;
+    b->wave = b->slots + k;
+    if (run_wave(b, n - k < per ? n - k : per, &ns) < 0) return -1;
+    timed += ns;
+  }
   if (gpu_sync(b, &b->dst, false) < 0) return -1;
   for (size_t i = 0; i < n; i++)
     if (verify_request(b, &b->slots[i]) < 0) return -1;
   /* Counted only once verified, so seconds and bytes cover the same waves. */
-  b->timed_ns += t1 - t0;
+  b->timed_ns += timed;
   b->done += n;
   return 0;
 }
 
 static int run(bench *b) {
-  for (uint64_t first = 0; first < b->o.requests; first += b->o.concurrency) {
+  for (uint64_t first = 0; first < b->o.requests; first += b->n_slots) {
     uint64_t left = b->o.requests - first;
-    size_t n = (size_t)(left < b->o.concurrency ? left : b->o.concurrency);
-    if (run_wave(b, first, n) < 0) return -1;
+    if (run_check(b, first, (size_t)(left < b->n_slots ? left : b->n_slots)) < 0) return -1;
   }
   return 0;
 }
@@ -1074,6 +1098,7 @@ static void report_json(const bench *b, const summary *s) {
   printf(", \"block_bytes\": %" PRIu64 ", \"concurrency\": %" PRIu64 ", \"tokens\": %" PRIu64
          ", \"api\": \"%s\"", b->block_bytes, b->o.concurrency, b->o.tokens, b->o.blocks ? "blocks" : "descs");
   if (b->o.nowait) printf(", \"nowait\": true");
+  if (b->o.waves_per_check > 1) printf(", \"waves_per_check\": %" PRIu64, b->o.waves_per_check);
   if (b->o.compute)
     printf(", \"mode\": \"%s\", \"compute_us_per_layer\": %" PRIu64
            ", \"exposed_p50_us\": %.1f, \"exposed_p99_us\": %.1f, \"last_send_late_p50_us\": %.1f",
@@ -1128,7 +1153,11 @@ static void usage(FILE *f) {
     "                       kv-heads 1 and head-dim 576 unless given\n"
     "  --tokens N           tokens per request (default 4096)\n"
     "  --requests N         requests in the run (default 1)\n"
-    "  --concurrency N      requests in flight at once (default 1)\n"
+    "  --concurrency N      requests in flight at once (default 1): a wave\n"
+    "  --waves-per-check K  send K waves back to back, then check every byte of\n"
+    "                       all of them (default 1: each wave is checked before\n"
+    "                       the next, and the host and GPU idle meanwhile); the\n"
+    "                       pools hold K x --concurrency requests\n"
     "  --pool-from NAME     prefill pool (default: first host pool; cuda:N pools\n"
     "                       are filled and checked through a host shadow)\n"
     "  --pool-to NAME       decode pool (default: first host pool)\n"
@@ -1194,7 +1223,7 @@ static int parse_u64(const char *name, const char *s, uint64_t min, uint64_t max
 enum { O_FROM = 256, O_TO, O_MODEL, O_LAYERS, O_KVH, O_HDIM, O_BTOK, O_DTYPE, O_MLA, O_TOKENS,
        O_REQS, O_CONC, O_PFROM, O_PTO, O_LAYERWISE, O_SENDFIRST, O_GRANTANY, O_DEADLINE, O_SEED,
        O_JSON, O_QUIET, O_HELP, O_TFS, O_LEAD, O_BUSY, O_BLOCKS, O_LAYEREV, O_COMPUTE, O_WHOLE,
-       O_NOWAIT, O_HET_PTP, O_HET_DTP, O_HET_PORD, O_HET_DORD, O_HET_PBT, O_HET_DBT, O_LATENCY };
+       O_NOWAIT, O_HET_PTP, O_HET_DTP, O_HET_PORD, O_HET_DORD, O_HET_PBT, O_HET_DBT, O_LATENCY, O_WAVES };
 
 static const struct option long_opts[] = {
   {"from", required_argument, 0, O_FROM}, {"to", required_argument, 0, O_TO},
@@ -1203,6 +1232,7 @@ static const struct option long_opts[] = {
   {"block-tokens", required_argument, 0, O_BTOK}, {"dtype-bytes", required_argument, 0, O_DTYPE},
   {"mla", no_argument, 0, O_MLA}, {"tokens", required_argument, 0, O_TOKENS},
   {"requests", required_argument, 0, O_REQS}, {"concurrency", required_argument, 0, O_CONC},
+  {"waves-per-check", required_argument, 0, O_WAVES},
   {"pool-from", required_argument, 0, O_PFROM}, {"pool-to", required_argument, 0, O_PTO},
   {"layerwise", no_argument, 0, O_LAYERWISE}, {"send-first", no_argument, 0, O_SENDFIRST},
   {"grant-any", no_argument, 0, O_GRANTANY}, {"deadline-ms", required_argument, 0, O_DEADLINE},
@@ -1243,6 +1273,7 @@ static int parse_run_opt(int c, const char *arg, opts *o) {
   case O_TOKENS: return parse_u64("tokens", arg, 1, 1u << 24, &o->tokens);
   case O_REQS: return parse_u64("requests", arg, 1, 1u << 24, &o->requests);
   case O_CONC: return parse_u64("concurrency", arg, 1, 1u << 16, &o->concurrency);
+  case O_WAVES: return parse_u64("waves-per-check", arg, 1, 1024, &o->waves_per_check);
   case O_SEED: return parse_u64("seed", arg, 0, UINT64_MAX, &o->seed);
   case O_DEADLINE:
     if (parse_u64("deadline-ms", arg, 0, UINT32_MAX, &v) < 0) return -1;
@@ -1325,9 +1356,11 @@ static int het_opt(int c, const char *arg, opts *o) {
 
 /* --blocks with heterogeneous layouts: its own run (bench_hetero.c). */
 static int het_run(const opts *o) {
-  if (!o->blocks || o->layerwise || o->compute || o->send_first || o->concurrency > 1 || o->layer_events) {
+  if (!o->blocks || o->layerwise || o->compute || o->send_first || o->concurrency > 1 || o->layer_events ||
+      o->waves_per_check > 1) {
     fprintf(stderr, "kvferry-bench: --prefill-tp and the other layout options need --blocks, and take none of "
-                    "--layerwise, --compute-us-per-layer, --send-first, --concurrency, --layer-events\n");
+                    "--layerwise, --compute-us-per-layer, --send-first, --concurrency, --waves-per-check, "
+                    "--layer-events\n");
     return 2;
   }
   const geom *g = &o->g;
@@ -1342,7 +1375,7 @@ static int het_run(const opts *o) {
 /* Returns 0 to run, 1 after --help, -1 on a usage error. */
 static int parse_args(int argc, char **argv, opts *o) {
   geom_over ov = {0};
-  *o = (opts){.g = presets[0], .tokens = 4096, .requests = 1, .concurrency = 1, .seed = 1,
+  *o = (opts){.g = presets[0], .tokens = 4096, .requests = 1, .concurrency = 1, .waves_per_check = 1, .seed = 1,
               .deadline_ms = 30000};
   int c;
   while ((c = getopt_long(argc, argv, "", long_opts, NULL)) != -1) {
@@ -1354,7 +1387,8 @@ static int parse_args(int argc, char **argv, opts *o) {
     else if (c == O_MODEL) rc = set_model(optarg, o);
     else if (c >= O_LAYERS && c <= O_MLA) rc = parse_geom_opt(c, optarg, &ov);
     else if (c >= O_TOKENS && c <= O_CONC) rc = parse_run_opt(c, optarg, o);
-    else if (c == O_DEADLINE || c == O_SEED || c == O_LEAD || c == O_COMPUTE) rc = parse_run_opt(c, optarg, o);
+    else if (c == O_DEADLINE || c == O_SEED || c == O_LEAD || c == O_COMPUTE || c == O_WAVES)
+      rc = parse_run_opt(c, optarg, o);
     else if (c == O_LAYERWISE) o->layerwise = true;
     else if (c == O_SENDFIRST) o->send_first = true;
     else if (c == O_GRANTANY) o->grant_any = true;
@@ -1379,6 +1413,8 @@ static int parse_args(int argc, char **argv, opts *o) {
   apply_geom(o, &ov);
   /* A wave never holds more requests than the run has. */
   if (o->concurrency > o->requests) o->concurrency = o->requests;
+  if (o->concurrency * o->waves_per_check > o->requests)
+    o->waves_per_check = (o->requests + o->concurrency - 1) / o->concurrency;
   return check_opts(o);
 }
 

@@ -51,6 +51,28 @@ class TestBench(kvftest.PairTestCase):
                 self.assertEqual((d["requests"], d["concurrency"]), (7, 3))
                 self.assertEqual(d["path"], "local" if to else "tcp")
 
+    def test_waves_per_check(self):
+        """--waves-per-check: waves of --concurrency sent back to back, then
+        every request of them checked (distinct blocks each, the pools sized
+        for all), over tcp and the local path; a check past the run's end is
+        cut to what is left (5 requests in waves of 2: one check of 2, 2
+        and 1); the heterogeneous mode refuses it."""
+        for to in (None, self.pre.sock):
+            for api in (["--blocks", "--nowait"], []):
+                d = self.bench("--tokens", "32", "--requests", "5", "--concurrency", "2", "--waves-per-check", "4",
+                               "--time-from-send", *api, to=to)
+                self.assertEqual((d["requests"], d["concurrency"], d["waves_per_check"]), (5, 2, 3), d)
+                self.assertEqual(d["bytes"], 5 * 2 * 32 * 2 * 32768)
+        out = self.bench("--tokens", "64", "--requests", "12", "--concurrency", "4", "--waves-per-check", "3",
+                         ok=False)  # 12 x 4 blocks of 2 MiB: past the 64 MiB pools
+        self.assertEqual(out.returncode, 1, out.stdout + out.stderr)
+        self.assertIn("12 requests of a check x 4 blocks", out.stderr)
+        d = self.bench("--tokens", "64", "--requests", "3")
+        self.assertNotIn("waves_per_check", d)
+        out = self.bench("--blocks", "--prefill-tp", "2", "--waves-per-check", "2", "--requests", "4", ok=False)
+        self.assertEqual(out.returncode, 2, out.stdout + out.stderr)
+        self.assertIn("--waves-per-check", out.stderr)
+
     def test_layer_events_local_and_mla(self):
         d = self.bench("--blocks", "--layer-events", "--tokens", "64", "--requests", "2", "--layerwise",
                        to=self.pre.sock)
