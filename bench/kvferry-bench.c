@@ -145,6 +145,7 @@ typedef struct bench {
   req *slots;            /* one per request of a check (--waves-per-check waves of --concurrency) */
   size_t n_slots;
   req *wave;             /* the wave in flight: slots [wave, wave + n) */
+  double kernel_us[2];   /* the decode daemon's GPU time in block copies before and after the run; -1: none */
   double *lat_us;        /* per completed request */
   double *post_us;       /* time in the grant and send calls, per request */
   double *exposed_us;    /* compute mode: compute ended -> RECV_DONE */
@@ -816,11 +817,27 @@ static int run_check(bench *b, uint64_t first, size_t n) {
   return 0;
 }
 
+/* The decode daemon's GPU time in block copies so far (status:
+ * cuda.block_kernel_us), or -1 where its status has none. */
+static double daemon_kernel_us(side *s) {
+  char *text = NULL;
+  double v = -1;
+  if (kvf_inspect(s->c, KVF_INSPECT_STATUS, 1, &text) == 0 && text) {
+    const char *cu = kvf__json_get(text, "cuda");
+    const char *k = cu ? kvf__json_get(cu, "block_kernel_us") : NULL;
+    if (k) v = strtod(k, NULL);
+  }
+  free(text);
+  return v;
+}
+
 static int run(bench *b) {
+  b->kernel_us[0] = b->o.blocks && b->dst.gpu >= 0 ? daemon_kernel_us(&b->dst) : -1;
   for (uint64_t first = 0; first < b->o.requests; first += b->n_slots) {
     uint64_t left = b->o.requests - first;
     if (run_check(b, first, (size_t)(left < b->n_slots ? left : b->n_slots)) < 0) return -1;
   }
+  b->kernel_us[1] = b->kernel_us[0] >= 0 ? daemon_kernel_us(&b->dst) : -1;
   return 0;
 }
 
@@ -1099,6 +1116,13 @@ static void report_json(const bench *b, const summary *s) {
          ", \"api\": \"%s\"", b->block_bytes, b->o.concurrency, b->o.tokens, b->o.blocks ? "blocks" : "descs");
   if (b->o.nowait) printf(", \"nowait\": true");
   if (b->o.waves_per_check > 1) printf(", \"waves_per_check\": %" PRIu64, b->o.waves_per_check);
+  /* The GPU's own time in this run's block copies (the daemon's events
+   * around each): the copy kernel alone on the same blocks, and the share
+   * of the timed windows it fills. Only this run's copies may run meanwhile. */
+  double kus = b->kernel_us[1] - b->kernel_us[0];
+  if (b->kernel_us[0] >= 0 && b->kernel_us[1] >= 0 && kus > 0 && s->seconds > 0)
+    printf(", \"gpu_kernel_us\": %.1f, \"gpu_kernel_gbps\": %.3f, \"vs_gpu_kernel\": %.3f", kus,
+           (double)s->bytes / kus / 1e3, s->gbps / ((double)s->bytes / kus / 1e3));
   if (b->o.compute)
     printf(", \"mode\": \"%s\", \"compute_us_per_layer\": %" PRIu64
            ", \"exposed_p50_us\": %.1f, \"exposed_p99_us\": %.1f, \"last_send_late_p50_us\": %.1f",
@@ -1145,7 +1169,10 @@ static void usage(FILE *f) {
   fprintf(f,
     "usage: kvferry-bench --from SOCKET --to SOCKET [options]\n"
     "Hands KV caches from a prefill client (--from daemon) to a decode client\n"
-    "(--to daemon; may be the same) and verifies every byte.\n\n"
+    "(--to daemon; may be the same) and verifies every byte. With --blocks into a\n"
+    "cuda:N pool, the JSON line adds gpu_kernel_us (the decode daemon's GPU time\n"
+    "in this run's block copies), gpu_kernel_gbps and vs_gpu_kernel (gbps\n"
+    "against it: the copy kernel alone on the same blocks).\n\n"
     "  --model NAME         llama3-8b (default), llama3-70b-tp8, deepseek-v3\n"
     "  --layers N --kv-heads N --head-dim N --block-tokens N --dtype-bytes N\n"
     "                       custom geometry, overriding the model's\n"

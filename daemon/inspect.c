@@ -152,12 +152,12 @@ static void render_status(kvf__sbuf *b, int json) {
   kvf__sb_printf(b, ", \"kernel_launches\": %llu, \"kernel_chunks\": %llu, \"kernel_bytes\": %llu, "
                     "\"staged_bytes\": %llu, \"fallback_bytes\": %llu, \"errors\": %llu, "
                     "\"block_copy\": \"%s\", \"block_launches\": %llu, \"block_pieces\": %llu, "
-                    "\"block_bytes\": %llu}",
+                    "\"block_bytes\": %llu, \"block_kernel_us\": %.1f}",
                  (unsigned long long)gs.launches, (unsigned long long)gs.chunks, (unsigned long long)gs.bytes_kernel,
                  (unsigned long long)gs.bytes_staged, (unsigned long long)gs.bytes_fallback,
                  (unsigned long long)gs.errors, kvf__gpu_blocks_kernel() ? "kernel" : "cuMemcpy per run (no kernel)",
                  (unsigned long long)gs.block_launches, (unsigned long long)gs.block_pieces,
-                 (unsigned long long)gs.block_bytes);
+                 (unsigned long long)gs.block_bytes, (double)gs.block_kernel_ns / 1e3);
   rdma_status(b, json);
   kvf__sb_printf(b, ", \"granted_bytes\": %llu", granted_bytes());
   kvf__sb_printf(b, ", \"api_output_bytes\": %zu, \"api_output_drops\": %llu", kvf__api_output_bytes(),

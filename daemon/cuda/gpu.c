@@ -61,6 +61,7 @@ static struct {
   unsigned split_pct;        /* ... this percentage pushed by the source GPU */
   atomic_uint_fast64_t launches, chunks, bytes_kernel, bytes_staged, bytes_fallback, errors;
   atomic_uint_fast64_t block_launches, block_pieces, block_bytes;
+  atomic_uint_fast64_t block_kernel_ns; /* the GPU's time in block copies, from their events */
   struct copier *free_copiers;
 } G = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
@@ -1035,6 +1036,7 @@ int kvf__gpu_copy_all(const kvf__gpu_copy *v, size_t n, const char **route) {
  * (the daemon's loop) never does. */
 typedef struct job {
   struct job *next;
+  bool blocks;             /* a block copy: its time counts in block_kernel_ns */
   copier *c;
   kvf__gpu_done_fn done;
   void *arg;
@@ -1074,6 +1076,7 @@ static void *reaper_main(void *unused) {
     pthread_mutex_unlock(&R.mu);
     float ms = -1;
     int rc = finish_copier(j->c, 0, &ms);
+    if (j->blocks && rc == 0 && ms > 0) atomic_fetch_add(&G.block_kernel_ns, (uint64_t)((double)ms * 1e6));
     j->done(j->arg, rc, ms);
     free(j);
     last_done = kvf__now_ns();
@@ -1368,6 +1371,7 @@ static int blocks_run(const kvf__gpu_blocks *j, const int *devs, int nd, kvf__gp
     return rc;
   }
   jb->c = c;
+  jb->blocks = true;
   job_queue(jb);
   return 0;
 }
@@ -1407,6 +1411,7 @@ void kvf__gpu_stats_get(kvf__gpu_stats *s) {
   s->block_launches = atomic_load(&G.block_launches);
   s->block_pieces = atomic_load(&G.block_pieces);
   s->block_bytes = atomic_load(&G.block_bytes);
+  s->block_kernel_ns = atomic_load(&G.block_kernel_ns);
 }
 
 void kvf__gpu_shutdown(void) {

@@ -253,6 +253,7 @@ typedef struct kvf__gpu_stats {
   uint64_t block_launches;   /* block copies started (kvf__gpu_blocks_start) */
   uint64_t block_pieces;     /* ... their pieces (blocks x regions) */
   uint64_t block_bytes;      /* ... their bytes, by the kernel or (without it) cuMemcpy */
+  uint64_t block_kernel_ns;  /* ... the GPU's time in them, between the events around each (lead GPU) */
 } kvf__gpu_stats;
 void kvf__gpu_stats_get(kvf__gpu_stats *s);
 

@@ -216,6 +216,13 @@ bench l_tiny gpua gpua g0 g1 "$LINK" --layers 4 --kv-heads 1 --head-dim 32 --blo
 bench l_dsv3 gpua gpua g0 g1 "$LINK" --model deepseek-v3 --tokens 2048 --layerwise
 bench l_conc gpua gpua g0 g1 "$LINK" --model llama3-8b --tokens 1024 --requests 8 --concurrency 4 --send-first
 bench l_same gpua gpua g0 g0 local-same-gpu --model llama3-8b --tokens 1024 --requests 2
+# by block ids, waves back to back: the JSON line's GPU time in the run's
+# block copies (the daemon's events) fills at most the timed windows
+bench l_kernel gpua gpua g0 g1 "$LINK" --model llama3-8b --tokens 1024 --blocks --requests 8 --concurrency 4 \
+  --waves-per-check 2 --time-from-send --nowait
+if python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); assert d["gpu_kernel_us"] > 0 and 0 < d["vs_gpu_kernel"] <= 1.02, d; print("    gpu_kernel_us %.1f, vs_gpu_kernel %.3f" % (d["gpu_kernel_us"], d["vs_gpu_kernel"]))' "$TMP/bench_l_kernel.json"; then
+  ok "l_kernel: the run's GPU time in block copies, from the daemon's status"
+else bad l_kernel_time "l_kernel: no gpu_kernel_us, or more than the timed windows"; fi
 bench l_d2h gpua gpua g0 h local-d2h --layers 3 --kv-heads 5 --head-dim 33 --block-tokens 3 --dtype-bytes 1 --tokens 2000
 bench l_h2d gpua gpua h g1 local-h2d --model llama3-8b --tokens 1024
 # heterogeneous layouts between cuda pools (issue 17), by the transform
@@ -257,7 +264,7 @@ if timeout 300 "$BUILD/tests/gpu/gpu_blocks_client" "$TMP/gpua.sock" gpua g0 g1 
 else
   bad blocks_client "block transfers g0 -> g1"; cat "$TMP/blocks_client.log" | tail -n 20
 fi
-if "$BUILD/kvferryctl" -s "$TMP/gpua.sock" --json status | python3 -c 'import json,sys; c=json.load(sys.stdin)["cuda"]; assert c["block_copy"] == "kernel" and c["block_launches"] > 0, c; print("    blocks:", c["block_copy"], c["block_launches"], "launches,", c["block_bytes"], "bytes")'; then
+if "$BUILD/kvferryctl" -s "$TMP/gpua.sock" --json status | python3 -c 'import json,sys; c=json.load(sys.stdin)["cuda"]; assert c["block_copy"] == "kernel" and c["block_launches"] > 0 and c["block_kernel_us"] > 0, c; print("    blocks:", c["block_copy"], c["block_launches"], "launches,", c["block_bytes"], "bytes")'; then
   ok "status JSON: block copies by the kernel"
 else bad ctlblocks "block copies not counted as the kernel's"; fi
 
