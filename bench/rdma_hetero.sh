@@ -17,6 +17,7 @@
 # Environment: BUILD (build), TOKENS (4096), REQUESTS (2), POOL (1G per
 # daemon), STAGING (rdma-staging-size when on, 640M), VM_MEM (8G), RDMA_VM,
 # VM_TIMEOUT (1500 s), DEADLINE_MS (each transfer's, 600000), CASES (same tp8to4 nhd2hnd), MODES (direct staged),
+# CONF (extra kvferryd.conf lines for both daemons, e.g. "rdma-slice 128K"),
 # ROUNDS (1), PAIRED (0; 1: each transform case right after a same-layout
 # run of its own, its ratio against that one: on a busy host the load
 # drifts within a round), and
@@ -51,7 +52,7 @@ done
 
 if [ -z "${RDMA_VM_NODES:-}" ]; then
   [ -x "$RDMA_VM" ] || die "no VM runner at $RDMA_VM (set RDMA_VM)"
-  export BUILD BUILDS ROUNDS PAIRED DEADLINE_MS TOKENS REQUESTS POOL STAGING CASES MODES
+  export BUILD BUILDS ROUNDS PAIRED DEADLINE_MS TOKENS REQUESTS POOL STAGING CASES MODES CONF
   exec "$RDMA_VM" --nodes 2 --mem "$VM_MEM" --timeout "${VM_TIMEOUT:-1500}" -- bench/rdma_hetero.sh
 fi
 
@@ -72,6 +73,7 @@ rdma-staging-size $7
 heartbeat-ms 500
 peer-timeout-ms 5000
 log-level info
+${CONF:-}
 EOF
 }
 
