@@ -448,18 +448,24 @@ static void bset_free_if_empty(kvf__bset *b) {
   free(b);
 }
 
-/* The refusal when block id of x is held already: by which grant, where. */
-static void bset_clash(const kvf__bset *b, const kvf__xfer *x, uint32_t id, char *err, size_t errlen) {
+/* The refusal when x's i-th block id is held already, in say_clash's
+ * words: that id's first piece in x and in the grant that holds it (a
+ * count above 0 is always an owner's id). */
+static void bset_clash(const kvf__bset *b, const kvf__xfer *x, size_t i, char *err, size_t errlen) {
+  uint32_t id = x->mine.ids[i];
   const kvf__xfer *other = NULL;
+  size_t j = 0;
   for (size_t k = 0; k < b->n_owner && !other; k++)
-    for (size_t i = 0; i < b->owner[k]->mine.n && !other; i++)
-      if (b->owner[k]->mine.ids[i] == id) other = b->owner[k];
+    for (j = 0; j < b->owner[k]->mine.n; j++)
+      if (b->owner[k]->mine.ids[j] == id) {
+        other = b->owner[k];
+        break;
+      }
   const kvf__lview *v = &x->mine.view;
   uint64_t at = kvf__lview_addr(v, v->first_layer, 0, id);
-  snprintf(err, errlen, "block id %" PRIu32 " of layer %" PRIu32 " (pool %" PRIu32 " [%" PRIu64 ", %" PRIu64
-           ")) overlaps block id %" PRIu32 " of layer %" PRIu32 " ([%" PRIu64 ", %" PRIu64 ")) of the open grant "
-           "'%.40s' (grant-overlap refuse)", id, v->first_layer, v->pool, at, at + v->block_bytes, id,
-           v->first_layer, at, at + v->block_bytes, other ? other->id : "?");
+  kvf__gi_clash c = {.pool = v->pool, .a = (uint32_t)i, .b = (uint32_t)j, .a_start = at,
+                     .a_end = at + v->block_bytes, .b_start = at, .b_end = at + v->block_bytes, .owner = other};
+  say_clash(x, &c, KVF_EBUSY, err, errlen);
 }
 
 #define BSET_NONE 1 /* bset_claim: no set can take it; claim ranges */
@@ -479,7 +485,7 @@ static int bset_claim(kvf__xfer *x, bool refuse, char *err, size_t errlen) {
   int rc = 0;
   for (size_t i = 0; i < x->mine.n && rc == 0; i++) {
     uint32_t id = x->mine.ids[i];
-    if (b->count[id] && refuse) rc = KVF_EBUSY, bset_clash(b, x, id, err, errlen);
+    if (b->count[id] && refuse) rc = KVF_EBUSY, bset_clash(b, x, i, err, errlen);
     else if (b->count[id] == UINT16_MAX) rc = KVF_ELIMIT, snprintf(err, errlen, "block id %" PRIu32 " is held "
                                                                     "by too many open grants", id);
   }
