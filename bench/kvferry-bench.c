@@ -294,9 +294,10 @@ static void build_descs(const bench *b, const side *s, const uint32_t *ids, kvf_
       }
 }
 
-/* Assigns blocks to the n requests of a wave and writes their data: pattern
- * in the sources, poison in the destinations. Outside the timed window. */
-static void prepare_wave(bench *b, uint64_t first, size_t n) {
+/* Assigns blocks to the n requests of a check (its waves) and writes their
+ * data: pattern in the sources, poison in the destinations. Outside the
+ * timed window. */
+static void prepare_check(bench *b, uint64_t first, size_t n) {
   size_t w = b->n_slots;
   shuffle_ids(&b->src, (b->shared ? 2 * w : w) * b->blocks);
   if (!b->shared) shuffle_ids(&b->dst, w * b->blocks);
@@ -798,7 +799,7 @@ static int run_wave(bench *b, size_t n, int64_t *ns) {
  * with more, the waves of a check follow each other as an engine's
  * steady traffic does. */
 static int run_check(bench *b, uint64_t first, size_t n) {
-  prepare_wave(b, first, n);
+  prepare_check(b, first, n);
   if (gpu_sync(b, &b->src, true) < 0 || (!b->shared && gpu_sync(b, &b->dst, true) < 0)) return -1;
   size_t per = (size_t)b->o.concurrency;
   int64_t timed = 0;
