@@ -163,25 +163,22 @@ def sleeps(name, requests):
             s[1] += inv - i0
         out[side] = {c: [round(v / requests, 2), round(i / requests, 2)] for c, (v, i) in sorted(per.items()) if v or i}
     return out
-for name in ("back_to_back", "grant_lead_5ms"):
+def handoff(name):
+    """A handoff case's figures: its p50, the p50 request's hops on both
+    daemons and in the clients, and which threads slept."""
     k = load(name)
     t = k.get("trace", {})
-    print(json.dumps(dict(case=name, **common, p50_us=k["p50_us"], p99_us=k["p99_us"], requests=k["requests"],
-                          verified=k["verified"], path=k["path"],
-                          p50_vs_raw=round(k["p50_us"] / raw["p50_us"], 2),
-                          p50_over_raw_us=round(k["p50_us"] - raw["p50_us"], 1),
-                          meets_goal=k["p50_us"] <= goal, p50_send_hops=t.get("send"), p50_recv_hops=t.get("recv"),
-                          p50_client_to_daemon_us=t.get("client_to_daemon_us"),
-                          p50_daemon_to_client_us=t.get("daemon_to_client_us"),
-                          sleeps_per_request=sleeps(name, k["requests"]), bench_sleeps_per_request=k.get("sleeps"))))
-k = load("layer_part")
-t = k.get("trace", {})
-print(json.dumps(dict(case="layer_part", **common, p50_us=k["p50_us"], p99_us=k["p99_us"], requests=k["requests"],
-                      verified=k["verified"], path=k["path"], raw_512k_p50_us=layer["p50_us"],
-                      p50_vs_raw_512k=round(k["p50_us"] / layer["p50_us"], 2), p50_send_hops=t.get("send"),
-                      p50_recv_hops=t.get("recv"), p50_client_to_daemon_us=t.get("client_to_daemon_us"),
-                      p50_daemon_to_client_us=t.get("daemon_to_client_us"),
-                      sleeps_per_request=sleeps("layer_part", k["requests"]))))
+    return dict(case=name, **common, p50_us=k["p50_us"], p99_us=k["p99_us"], requests=k["requests"],
+                verified=k["verified"], path=k["path"], p50_send_hops=t.get("send"), p50_recv_hops=t.get("recv"),
+                p50_client_to_daemon_us=t.get("client_to_daemon_us"),
+                p50_daemon_to_client_us=t.get("daemon_to_client_us"),
+                sleeps_per_request=sleeps(name, k["requests"]), bench_sleeps_per_request=k.get("sleeps"))
+for name in ("back_to_back", "grant_lead_5ms"):
+    h = handoff(name)
+    print(json.dumps(dict(h, p50_vs_raw=round(h["p50_us"] / raw["p50_us"], 2),
+                          p50_over_raw_us=round(h["p50_us"] - raw["p50_us"], 1), meets_goal=h["p50_us"] <= goal)))
+h = handoff("layer_part")
+print(json.dumps(dict(h, raw_512k_p50_us=layer["p50_us"], p50_vs_raw_512k=round(h["p50_us"] / layer["p50_us"], 2))))
 k = load("layerwise")
 t = k.get("trace", {})
 wire = layer["p50_us"]
