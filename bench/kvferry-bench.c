@@ -98,6 +98,7 @@ typedef struct opts {
   bool whole;             /* with compute: one send after the last layer */
   bool compute;           /* --compute-us-per-layer given: emulate prefill */
   bool nowait;            /* every send call (each part) with KVF_NOWAIT */
+  bool window;            /* a check's requests go through a sliding window of --concurrency */
   kvfb_het het;           /* --prefill-tp and the rest: heterogeneous layouts (bench_hetero.c) */
   uint64_t compute_us;    /* per layer */
   bool latency;           /* --latency: the p50 handoff's hops from the daemons' traces */
@@ -760,6 +761,23 @@ static int gpu_sync(bench *b, side *s, bool to_dev) {
   return fail(b, "copying the %s pool %s the GPU: %s", s->role, to_dev ? "to" : "from", err);
 }
 
+/* Records the n requests at b->wave (latency, exposed and late times) and
+ * returns their timed window: the first send to the last RECV_DONE. */
+static int64_t note_times(bench *b, size_t n) {
+  int64_t t0 = b->wave[0].t_post, t1 = 0;
+  for (size_t i = 0; i < n; i++) {
+    const req *r = &b->wave[i];
+    if (r->t_recv > t1) t1 = r->t_recv;
+    b->lat_us[r->index] = (double)(r->t_recv - r->t_post) / 1e3;
+    b->post_us[r->index] = (double)r->post_ns / 1e3;
+    int64_t due = b->o.compute ? r->t_due : r->t_last_send;
+    b->exposed_us[r->index] = (double)(r->t_recv - due) / 1e3;
+    b->late_us[r->index] = (double)(r->t_last_send - due) / 1e3;
+    latency_note(b, r);
+  }
+  return t1 - t0;
+}
+
 /* One wave: the n requests at b->wave sent and waited for; *ns: its
  * timed window (first send to last RECV_DONE). */
 static int run_wave(bench *b, size_t n, int64_t *ns) {
@@ -777,18 +795,48 @@ static int run_wave(bench *b, size_t n, int64_t *ns) {
   }
   int64_t bound = b->o.deadline_ms ? b->o.deadline_ms : WAIT_DEFAULT_MS;
   if (wait_wave(b, n, now_ns() + (bound + WAIT_MARGIN_MS) * 1000000) < 0) return -1;
-  int64_t t0 = b->wave[0].t_post, t1 = 0;
-  for (size_t i = 0; i < n; i++) {
-    const req *r = &b->wave[i];
-    if (r->t_recv > t1) t1 = r->t_recv;
-    b->lat_us[r->index] = (double)(r->t_recv - r->t_post) / 1e3;
-    b->post_us[r->index] = (double)r->post_ns / 1e3;
-    int64_t due = b->o.compute ? r->t_due : r->t_last_send;
-    b->exposed_us[r->index] = (double)(r->t_recv - due) / 1e3;
-    b->late_us[r->index] = (double)(r->t_last_send - due) / 1e3;
-    latency_note(b, r);
+  *ns = note_times(b, n);
+  return 0;
+}
+
+static size_t count_received(const bench *b, size_t n) {
+  size_t got = 0;
+  for (size_t i = 0; i < n; i++) got += b->wave[i].got_recv;
+  return got;
+}
+
+/* Waits until a RECV_DONE beyond the `had` already counted, or every event
+ * of the n requests, came (the window's next request may go). */
+static int wait_progress(bench *b, size_t n, size_t had, int64_t limit) {
+  while (!wave_done(b, n) && count_received(b, n) == had) {
+    int64_t left = limit - now_ns();
+    if (left <= 0) return wave_timeout(b, n);
+    int ms = left / 1000000 + 1 > 100 ? 100 : (int)(left / 1000000 + 1);
+    if (b->o.busy_poll) ms = 0;
+    side *s = recv_pending(b, n) ? &b->dst : &b->src;
+    if (take_events(b, s, n, ms) < 0 || drain_both(b, n) < 0) return -1;
   }
-  *ns = t1 - t0;
+  return 0;
+}
+
+/* --window: the n requests of a check go through a sliding window of
+ * --concurrency: each RECV_DONE lets the next request's send go, so that
+ * as many are in flight all along, not only at a wave's start. Every grant
+ * goes first (the decode engine admitted the requests before their
+ * prefill). *ns: the check's first send to its last RECV_DONE. */
+static int run_window(bench *b, size_t n, int64_t *ns) {
+  size_t per = (size_t)b->o.concurrency, next = 0;
+  int64_t bound = (b->o.deadline_ms ? b->o.deadline_ms : WAIT_DEFAULT_MS) + WAIT_MARGIN_MS;
+  b->wave = b->slots;
+  for (size_t i = 0; i < n; i++)
+    if (post_grant(b, &b->wave[i]) < 0) return -1;
+  while (!wave_done(b, n)) {
+    size_t got = count_received(b, n);
+    for (; next < n && next - got < per; next++)
+      if (post_request(b, &b->wave[next], n, true) < 0 || drain_both(b, n) < 0) return -1;
+    if (wait_progress(b, n, got, now_ns() + bound * 1000000) < 0) return -1;
+  }
+  *ns = note_times(b, n);
   return 0;
 }
 
@@ -803,7 +851,8 @@ static int run_check(bench *b, uint64_t first, size_t n) {
   if (gpu_sync(b, &b->src, true) < 0 || (!b->shared && gpu_sync(b, &b->dst, true) < 0)) return -1;
   size_t per = (size_t)b->o.concurrency;
   int64_t timed = 0;
-  for (size_t k = 0; k < n; k += per) {
+  if (b->o.window && run_window(b, n, &timed) < 0) return -1;
+  for (size_t k = 0; !b->o.window && k < n; k += per) {
     int64_t ns;
     b->wave = b->slots + k;
     if (run_wave(b, n - k < per ? n - k : per, &ns) < 0) return -1;
@@ -1117,6 +1166,7 @@ static void report_json(const bench *b, const summary *s) {
          ", \"api\": \"%s\"", b->block_bytes, b->o.concurrency, b->o.tokens, b->o.blocks ? "blocks" : "descs");
   if (b->o.nowait) printf(", \"nowait\": true");
   if (b->o.waves_per_check > 1) printf(", \"waves_per_check\": %" PRIu64, b->o.waves_per_check);
+  if (b->o.window) printf(", \"window\": true");
   /* The GPU's own time in this run's block copies (the daemon's events
    * around each): the copy kernel alone on the same blocks, and the share
    * of the timed windows it fills. Only this run's copies may run meanwhile. */
@@ -1145,10 +1195,10 @@ static void report_human(const bench *b, const summary *s) {
          PRIu64 " of %" PRIu64 " B = %s per request\n",
          b->o.g.model, b->o.tokens, b->blocks, b->o.g.layers, b->o.g.kv_count, b->block_bytes,
          fmt_size((double)b->req_bytes, rb));
-  printf("  %s (%s) -> %s (%s), path %s, %" PRIu64 " requests, %" PRIu64 " in flight%s%s\n",
+  printf("  %s (%s) -> %s (%s), path %s, %" PRIu64 " requests, %" PRIu64 " in flight%s%s%s\n",
          b->src.node, b->src.pool.name, b->dst.node, b->dst.pool.name, b->path[0] ? b->path : "-",
          b->done, b->o.concurrency, b->o.layerwise ? ", layerwise" : "",
-         b->o.send_first ? ", send first" : "");
+         b->o.send_first ? ", send first" : "", b->o.window ? ", a sliding window" : "");
   printf("  moved %s (%" PRIu64 " descriptors) in %.3f s: %.3f GB/s (%.2f Gbit/s)\n",
          fmt_size((double)s->bytes, tb), s->descs, s->seconds, s->gbps, s->gbps * 8);
   printf("  latency p50 %.1f us, p99 %.1f us (api %s)\n", s->p50, s->p99, b->o.blocks ? "blocks" : "descs");
@@ -1186,6 +1236,10 @@ static void usage(FILE *f) {
     "                       all of them (default 1: each wave is checked before\n"
     "                       the next, and the host and GPU idle meanwhile); the\n"
     "                       pools hold K x --concurrency requests\n"
+    "  --window             with --time-from-send: a check's requests go through a\n"
+    "                       sliding window of --concurrency (each RECV_DONE lets\n"
+    "                       the next send go) instead of waves, timed from the\n"
+    "                       check's first send to its last RECV_DONE\n"
     "  --pool-from NAME     prefill pool (default: first host pool; cuda:N pools\n"
     "                       are filled and checked through a host shadow)\n"
     "  --pool-to NAME       decode pool (default: first host pool)\n"
@@ -1251,7 +1305,8 @@ static int parse_u64(const char *name, const char *s, uint64_t min, uint64_t max
 enum { O_FROM = 256, O_TO, O_MODEL, O_LAYERS, O_KVH, O_HDIM, O_BTOK, O_DTYPE, O_MLA, O_TOKENS,
        O_REQS, O_CONC, O_PFROM, O_PTO, O_LAYERWISE, O_SENDFIRST, O_GRANTANY, O_DEADLINE, O_SEED,
        O_JSON, O_QUIET, O_HELP, O_TFS, O_LEAD, O_BUSY, O_BLOCKS, O_LAYEREV, O_COMPUTE, O_WHOLE,
-       O_NOWAIT, O_HET_PTP, O_HET_DTP, O_HET_PORD, O_HET_DORD, O_HET_PBT, O_HET_DBT, O_LATENCY, O_WAVES };
+       O_NOWAIT, O_HET_PTP, O_HET_DTP, O_HET_PORD, O_HET_DORD, O_HET_PBT, O_HET_DBT, O_LATENCY, O_WAVES,
+       O_WINDOW };
 
 static const struct option long_opts[] = {
   {"from", required_argument, 0, O_FROM}, {"to", required_argument, 0, O_TO},
@@ -1260,7 +1315,7 @@ static const struct option long_opts[] = {
   {"block-tokens", required_argument, 0, O_BTOK}, {"dtype-bytes", required_argument, 0, O_DTYPE},
   {"mla", no_argument, 0, O_MLA}, {"tokens", required_argument, 0, O_TOKENS},
   {"requests", required_argument, 0, O_REQS}, {"concurrency", required_argument, 0, O_CONC},
-  {"waves-per-check", required_argument, 0, O_WAVES},
+  {"waves-per-check", required_argument, 0, O_WAVES}, {"window", no_argument, 0, O_WINDOW},
   {"pool-from", required_argument, 0, O_PFROM}, {"pool-to", required_argument, 0, O_PTO},
   {"layerwise", no_argument, 0, O_LAYERWISE}, {"send-first", no_argument, 0, O_SENDFIRST},
   {"grant-any", no_argument, 0, O_GRANTANY}, {"deadline-ms", required_argument, 0, O_DEADLINE},
@@ -1361,6 +1416,8 @@ static int check_opts(const opts *o) {
   else if (o->compute && !o->whole && !o->layerwise)
     bad = "--compute-us-per-layer needs --layerwise or --whole";
   else if (o->compute && o->send_first) bad = "--send-first and --compute-us-per-layer exclude each other";
+  else if (o->window && (!o->time_from_send || o->compute || o->grant_lead_ms))
+    bad = "--window needs --time-from-send, and takes neither --compute-us-per-layer nor --grant-lead-ms";
   if (bad) {
     fprintf(stderr, "kvferry-bench: %s\n", bad);
     return -1;
@@ -1385,10 +1442,10 @@ static int het_opt(int c, const char *arg, opts *o) {
 /* --blocks with heterogeneous layouts: its own run (bench_hetero.c). */
 static int het_run(const opts *o) {
   if (!o->blocks || o->layerwise || o->compute || o->send_first || o->concurrency > 1 || o->layer_events ||
-      o->waves_per_check > 1) {
+      o->waves_per_check > 1 || o->window) {
     fprintf(stderr, "kvferry-bench: --prefill-tp and the other layout options need --blocks, and take none of "
                     "--layerwise, --compute-us-per-layer, --send-first, --concurrency, --waves-per-check, "
-                    "--layer-events\n");
+                    "--window, --layer-events\n");
     return 2;
   }
   const geom *g = &o->g;
@@ -1428,6 +1485,7 @@ static int parse_args(int argc, char **argv, opts *o) {
     else if (c == O_LAYEREV) o->layer_events = true;
     else if (c == O_WHOLE) o->whole = true;
     else if (c == O_NOWAIT) o->nowait = true;
+    else if (c == O_WINDOW) o->window = true;
     else if (c >= O_HET_PTP && c <= O_HET_DBT) rc = het_opt(c, optarg, o);
     else if (c == O_LATENCY) o->latency = true;
     else if (c == O_HELP) { usage(stdout); return 1; }

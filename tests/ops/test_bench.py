@@ -73,6 +73,26 @@ class TestBench(kvftest.PairTestCase):
         self.assertEqual(out.returncode, 2, out.stdout + out.stderr)
         self.assertIn("--waves-per-check", out.stderr)
 
+    def test_window(self):
+        """--window: a check's requests go through a sliding window of
+        --concurrency (the next send as a RECV_DONE comes), over tcp and the
+        local path, by blocks and by descriptors, layer by layer too, and
+        every byte lands; it needs --time-from-send, and the heterogeneous
+        mode refuses it."""
+        for to in (None, self.pre.sock):
+            for api in (["--blocks", "--nowait"], [], ["--blocks", "--layerwise"]):
+                d = self.bench("--tokens", "32", "--requests", "7", "--concurrency", "2", "--waves-per-check", "3",
+                               "--window", "--time-from-send", *api, to=to)
+                self.assertEqual((d["requests"], d["concurrency"], d["window"]), (7, 2, True), d)
+                self.assertEqual(d["bytes"], 7 * 2 * 32 * 2 * 32768)
+                self.assertEqual(d["path"], "local" if to else "tcp")
+        out = self.bench("--tokens", "32", "--requests", "4", "--concurrency", "2", "--window", ok=False)
+        self.assertNotEqual(out.returncode, 0, out.stdout + out.stderr)
+        self.assertIn("--window needs --time-from-send", out.stderr)
+        out = self.bench("--blocks", "--prefill-tp", "2", "--window", "--time-from-send", "--requests", "4", ok=False)
+        self.assertEqual(out.returncode, 2, out.stdout + out.stderr)
+        self.assertIn("--window", out.stderr)
+
     def test_layer_events_local_and_mla(self):
         d = self.bench("--blocks", "--layer-events", "--tokens", "64", "--requests", "2", "--layerwise",
                        to=self.pre.sock)
