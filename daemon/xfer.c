@@ -555,6 +555,16 @@ void kvf__xfer_fail(kvf__xfer *x, int status, const char *why, bool notify, int 
 
 static const kvf__descs *grant_of(const kvf__xfer *x) { return x->twin ? &x->twin->dst : &x->dst; }
 
+/* A grant's rdma windows are bound on the queue pairs of the moment: once
+ * those are reset (a peer's data-path error) the grant cannot take the
+ * data, and the engine must grant again. */
+const char *kvf__xfer_post_why(int rc) {
+  if (rc == KVF_EPEERLOST)
+    return "the data path to the peer went away after the grant (its queue pairs were reset, or the peer is "
+           "down); grant again";
+  return "the transport refused the data";
+}
+
 /* Pairs part against the grant and hands it to the transport; a failure
  * fails x. */
 static int post_part(kvf__xfer *x, const kvf__descs *part, bool last) {
@@ -571,7 +581,7 @@ static int post_part(kvf__xfer *x, const kvf__descs *part, bool last) {
   kvf__runs_free(&runs);
   if (rc) {
     const char *why = rc == KVF_ESIZE ? "send and grant descriptors differ in size or count"
-                                      : "the transport refused the data";
+                                      : kvf__xfer_post_why(rc);
     kvf__xfer_fail(x, rc, why, true, rc);
     return rc;
   }

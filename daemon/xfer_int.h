@@ -10,6 +10,8 @@
 
 /* xfer.c: the core. */
 void kvf__xfer_fail(kvf__xfer *x, int status, const char *why, bool notify, int remote_status);
+/* Why the transport refused a send part with rc, for both sides' events. */
+const char *kvf__xfer_post_why(int rc);
 void kvf__xfer_set_state(kvf__xfer *x, int to);
 bool kvf__xfer_live(const kvf__xfer *x);
 int kvf__xfer_peer_send(kvf__peer *p, Kvf__PeerMsg *m);

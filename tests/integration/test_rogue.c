@@ -21,6 +21,10 @@
  *     receiver invalidated it when the transfer ended, so the write must
  *     fail (the sender's QPs reset) and the bytes stay as the client left
  *     them; no window stays allocated.
+ *   grant_across_reset (rdma, memory windows)  a grant made (its windows
+ *     bound and sent) before the late write of an earlier transfer resets
+ *     the QPs, and sent after: it lands, or both sides fail it at once with
+ *     KVF_EPEERLOST saying to grant again; it never waits for its deadline.
  *   window_of_another_qp (rdma, memory windows)  the last write goes on
  *     another QP than its window's: refused (KVF_EPERM on both sides), the
  *     block unchanged, the sender's QPs rebuilt.
@@ -266,6 +270,52 @@ static void test_late_write(void **state) {
   H_OK(rig_down());
 }
 
+/* A grant whose Grant (with its windows) already went to the sender when
+ * the QPs those windows are bound on go (here the late write of an earlier
+ * transfer resets them): the send that comes after the QPs were rebuilt
+ * must not hang. Either it lands, every byte checked, or both sides fail
+ * it at once with KVF_EPEERLOST and a word that the grant must be made
+ * again (its windows are gone), well inside its deadline. */
+static void test_grant_across_reset(void **state) {
+  kvf_desc src[N], dst[N], src2[N], dst2[N];
+  char id[64], id2[64];
+  windows w;
+  kvf_event rev, sev;
+  uint64_t before, after = 0;
+  rig_up_windows(ROGUE, "late-write", NULL, &w);
+  H_OK(h_rdma_resets(&E.pre, &before));
+  h_id(id, sizeof id, "reset-first");
+  h_layout(src, N, E.pre.pool, 0, LEN, true, 41);
+  h_layout(dst, N, E.dec.pool, BASE, LEN, true, 42);
+  h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N, .seed = 43, .path = "rdma"};
+  H_OK(h_transfer(&E.pre, &E.dec, &x));
+  /* Granted now, on the QPs the late write (1 s after x) resets. */
+  h_id(id2, sizeof id2, "reset-then");
+  h_layout(src2, N, E.pre.pool, 2 * BASE, LEN, true, 44);
+  h_layout(dst2, N, E.dec.pool, 3 * BASE, LEN, true, 45);
+  h_xfer y = {.id = id2, .src = src2, .nsrc = N, .dst = dst2, .ndst = N, .seed = 46, .deadline_ms = 8000};
+  H_OK(h_prepare(&E.pre, &E.dec, &y));
+  H_OK(h_post_grant(&E.dec, &y, "prefill"));
+  uint64_t end = h_now_ms() + 10000;
+  while (h_now_ms() < end && after <= before) {
+    h_sleep_ms(50);
+    H_OK(h_rdma_resets(&E.pre, &after));
+  }
+  if (after <= before) fail_msg("the late write did not reset the QPs within 10 s");
+  h_sleep_ms(300); /* the QPs rebuilt */
+  H_OK(h_post_send(&E.pre, &y, "decode"));
+  H_OK(h_wait_event(&E.dec, id2, KVF_EV_RECV_DONE, 5000, &rev));
+  H_OK(h_wait_event(&E.pre, id2, KVF_EV_SEND_DONE, 5000, &sev));
+  fprintf(stderr, "note: a grant across a QP reset: recv %s (%s), send %s (%s)\n", kvf_err_name(rev.status),
+          rev.error, kvf_err_name(sev.status), sev.error);
+  if ((rev.status == 0) != (sev.status == 0)) fail_msg("sides disagree");
+  if (rev.status == 0) H_OK(h_verify_dst(&E.dec, &y));
+  else if (rev.status != KVF_EPEERLOST || !strstr(rev.error, "grant again") || !strstr(sev.error, "grant again"))
+    fail_msg("a grant whose windows went with a QP reset should fail with KVF_EPEERLOST and say to grant again");
+  H_OK(wait_no_windows(&E.dec));
+  H_OK(rig_down());
+}
+
 /* The last write goes through its window but on another QP than the one
  * the window is bound on: the receiver refuses it (rxe checks this), the
  * transfer fails with KVF_EPERM on both sides, the block stays as it was,
@@ -391,6 +441,7 @@ int main(void) {
       cmocka_unit_test_teardown(test_windows_merged, teardown),
       cmocka_unit_test_teardown(test_write_outside_grant, teardown),
       cmocka_unit_test_teardown(test_late_write, teardown),
+      cmocka_unit_test_teardown(test_grant_across_reset, teardown),
       cmocka_unit_test_teardown(test_window_of_another_qp, teardown),
       cmocka_unit_test_teardown(test_windows_off, teardown),
   };
