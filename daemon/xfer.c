@@ -240,15 +240,6 @@ static kvf__xfer *xfer_new(kvf__session *s, const char *id, int role, uint32_t d
   return x;
 }
 
-/* What a transport's failed post means, for the event. */
-static const char *post_failure(int status) {
-  switch (status) {
-  case KVF_EPERM: return "the receiver refused a write (outside its memory windows, or after they were invalidated)";
-  case -EFAULT: return "the memory of a pool went away under the copy (an engine's memory file shrank)";
-  default: return "the transport failed";
-  }
-}
-
 /* Engine memory a transfer names stays registered until the transfer is
  * gone (kvf_mem_unregister meanwhile: KVF_EBUSY). Only our own pools. */
 static int hold_pool(kvf__xfer *x, uint32_t pool) {
@@ -555,16 +546,6 @@ void kvf__xfer_fail(kvf__xfer *x, int status, const char *why, bool notify, int 
 
 static const kvf__descs *grant_of(const kvf__xfer *x) { return x->twin ? &x->twin->dst : &x->dst; }
 
-/* A grant's rdma windows are bound on the queue pairs of the moment: once
- * those are reset (a peer's data-path error) the grant cannot take the
- * data, and the engine must grant again. */
-const char *kvf__xfer_post_why(int rc) {
-  if (rc == KVF_EPEERLOST)
-    return "the data path to the peer went away after the grant (its queue pairs were reset, or the peer is "
-           "down); grant again";
-  return "the transport refused the data";
-}
-
 /* Pairs part against the grant and hands it to the transport; a failure
  * fails x. */
 static int post_part(kvf__xfer *x, const kvf__descs *part, bool last) {
@@ -581,7 +562,7 @@ static int post_part(kvf__xfer *x, const kvf__descs *part, bool last) {
   kvf__runs_free(&runs);
   if (rc) {
     const char *why = rc == KVF_ESIZE ? "send and grant descriptors differ in size or count"
-                                      : kvf__xfer_post_why(rc);
+                                      : kvf__xfer_post_failure(rc, "the transport refused the data");
     kvf__xfer_fail(x, rc, why, true, rc);
     return rc;
   }
@@ -1084,7 +1065,7 @@ void kvf__xfer_on_posted(kvf__xfer *x, int status, bool last) {
   if (status == KVF_EUNKNOWN && s->state == KVF__SEND_FLUSH && (s->wait_peer || kvf__xwait_hold(x))) status = 0;
   else if (status == KVF_EUNKNOWN) status = KVF_EPEERLOST;
   if (status) {
-    kvf__xfer_fail(x, status, post_failure(status), true, status);
+    kvf__xfer_fail(x, status, kvf__xfer_post_failure(status, "the transport failed"), true, status);
     return;
   }
   if (s->parts_out > 0) return;
@@ -1142,6 +1123,14 @@ void kvf__xfer_on_vouched(kvf__xfer *x) {
 
 void kvf__xfer_on_data_error(kvf__xfer *x, int status, const char *why) {
   kvf__xfer_fail(x, status, why, true, status);
+}
+
+/* Landed: every byte is in, and the sender's word comes over the control
+ * connection, which a data-path reset leaves alone. */
+void kvf__xfer_on_grant_lost(kvf__xfer *x, const char *why) {
+  int s = x->recv.state;
+  if (kvf__xfer_live(x) && (s == KVF__RECV_OPEN || s == KVF__RECV_SENDER_DONE))
+    kvf__xfer_fail(x, KVF_EPEERLOST, why, true, KVF_EPEERLOST);
 }
 
 void kvf__xfer_on_grant_ready(kvf__xfer *x, int status, const char *why) {

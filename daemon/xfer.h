@@ -360,6 +360,10 @@ void kvf__xfer_on_delivered(kvf__xfer *x);
  * the SendDone that would have said so. */
 void kvf__xfer_on_vouched(kvf__xfer *x);
 void kvf__xfer_on_data_error(kvf__xfer *x, int status, const char *why);
+/* The transport lost the means to take the grant's data (rdma: the queue
+ * pairs its memory windows were bound on were reset): x fails with
+ * KVF_EPEERLOST, both sides, unless every byte landed already. */
+void kvf__xfer_on_grant_lost(kvf__xfer *x, const char *why);
 /* Receiver, blocks: every byte of layers [first, first + n) landed (a
  * transport that marks layers, or the sender's word). */
 void kvf__xfer_on_layers_landed(kvf__xfer *x, uint32_t first, uint32_t n);

@@ -200,7 +200,7 @@ static int post_block_part(kvf__xfer *x, uint32_t first, uint32_t n, bool last) 
   const kvf__xblocks *g = grant_blocks(x);
   char why[160];
   int rc = 0;
-  snprintf(why, sizeof(why), "%s", kvf__xfer_post_why(0));
+  snprintf(why, sizeof(why), "the transport refused the data");
   if (last && layers_sent(x) != g->view.n_layers) {
     snprintf(why, sizeof(why), "the send's parts cover %u layers and the grant %u", layers_sent(x),
              g->view.n_layers);
@@ -213,7 +213,7 @@ static int post_block_part(kvf__xfer *x, uint32_t first, uint32_t n, bool last) 
   s->last_post_ns = kvf__now_ns();
   if (!s->first_post_ns) s->first_post_ns = s->last_post_ns;
   if (rc == 0) rc = x->tp->ops->post_blocks(x->tp, x, &bp, last);
-  if (rc == KVF_EPEERLOST) snprintf(why, sizeof(why), "%s", kvf__xfer_post_why(rc));
+  if (rc == KVF_EPEERLOST) snprintf(why, sizeof(why), "%s", kvf__xfer_post_failure(rc, ""));
   if (rc == KVF_ERANGE) snprintf(why, sizeof(why), "layers %u-%u are not in the grant (layers %u-%u)", first,
                                  first + n - 1, g->view.first_layer, g->view.first_layer + g->view.n_layers - 1);
   /* a staged part is announced with or without layer events: the receiver transforms it then */

@@ -10,8 +10,9 @@
 
 /* xfer.c: the core. */
 void kvf__xfer_fail(kvf__xfer *x, int status, const char *why, bool notify, int remote_status);
-/* Why the transport refused a send part with rc, for both sides' events. */
-const char *kvf__xfer_post_why(int rc);
+/* What a transport's failed or refused post (status) means, for both
+ * sides' events; `otherwise` where the status says nothing more. */
+const char *kvf__xfer_post_failure(int status, const char *otherwise);
 void kvf__xfer_set_state(kvf__xfer *x, int to);
 bool kvf__xfer_live(const kvf__xfer *x);
 int kvf__xfer_peer_send(kvf__peer *p, Kvf__PeerMsg *m);

@@ -830,39 +830,60 @@ static void abandon(h_client *snd, h_client *rcv, const char *id) {
   memcpy(lasterr, keep, sizeof keep);
 }
 
-int h_transfer(h_client *snd, h_client *rcv, const h_xfer *x) {
-  kvf_event rev, sev;
-  int local = !strcmp(snd->node, rcv->node);
-  const char *path = x->any_path ? NULL : x->path ? x->path : local ? "local" : "tcp";
-  uint64_t bytes = h_desc_bytes(x->dst, x->ndst);
+/* x granted and sent, and both its events taken (whatever their status). */
+static int transfer_events(h_client *snd, h_client *rcv, const h_xfer *x, kvf_event *rev, kvf_event *sev) {
   uint64_t end = h_now_ms() + (uint64_t)(x->timeout_ms ? x->timeout_ms : H_XFER_MS);
   if (h_prepare(snd, rcv, x)) return -1;
-  if (post_both(snd, rcv, x) || h_wait_event(rcv, x->id, KVF_EV_RECV_DONE, h_left_ms(end), &rev) ||
-      h_wait_event(snd, x->id, KVF_EV_SEND_DONE, h_left_ms(end), &sev)) {
+  if (post_both(snd, rcv, x) || h_wait_event(rcv, x->id, KVF_EV_RECV_DONE, h_left_ms(end), rev) ||
+      h_wait_event(snd, x->id, KVF_EV_SEND_DONE, h_left_ms(end), sev)) {
     abandon(snd, rcv, x->id);
     return -1;
   }
-  if (h_check_event(&rev, KVF_EV_RECV_DONE, path, snd->node, bytes, x->ndst) ||
-      h_check_event(&sev, KVF_EV_SEND_DONE, path, rcv->node, bytes, x->nsrc))
+  return 0;
+}
+
+static int transfer_checked(h_client *snd, h_client *rcv, const h_xfer *x, const kvf_event *rev,
+                            const kvf_event *sev) {
+  int local = !strcmp(snd->node, rcv->node);
+  const char *path = x->any_path ? NULL : x->path ? x->path : local ? "local" : "tcp";
+  uint64_t bytes = h_desc_bytes(x->dst, x->ndst);
+  if (h_check_event(rev, KVF_EV_RECV_DONE, path, snd->node, bytes, x->ndst) ||
+      h_check_event(sev, KVF_EV_SEND_DONE, path, rcv->node, bytes, x->nsrc))
     return -1;
   return h_verify_dst(rcv, x);
 }
 
-static int quick(h_client *snd, h_client *rcv, bool any_path) {
+int h_transfer(h_client *snd, h_client *rcv, const h_xfer *x) {
+  kvf_event rev, sev;
+  return transfer_events(snd, rcv, x, &rev, &sev) || transfer_checked(snd, rcv, x, &rev, &sev) ? -1 : 0;
+}
+
+/* tries: how many times a transfer that both sides fail with KVF_EPEERLOST
+ * (its grant's data path was reset) is granted again under a new id. */
+static int quick(h_client *snd, h_client *rcv, bool any_path, int tries) {
   enum { N = 16, LEN = 4096 };
   kvf_desc src[N], dst[N];
   char id[64];
   static atomic_ulong seed = 1000;
-  h_id(id, sizeof id, "quick");
-  h_layout(src, N, snd->pool, snd->size - (2u << 20), LEN, true, 7);
-  h_layout(dst, N, rcv->pool, rcv->size - (1u << 20), LEN, true, 11);
-  h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N,
-              .seed = atomic_fetch_add(&seed, 1), .timeout_ms = 10000, .any_path = any_path};
-  return h_transfer(snd, rcv, &x);
+  for (int t = 1;; t++) {
+    kvf_event rev, sev;
+    h_id(id, sizeof id, "quick");
+    h_layout(src, N, snd->pool, snd->size - (2u << 20), LEN, true, 7);
+    h_layout(dst, N, rcv->pool, rcv->size - (1u << 20), LEN, true, 11);
+    h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N,
+                .seed = atomic_fetch_add(&seed, 1), .timeout_ms = 10000, .any_path = any_path};
+    if (transfer_events(snd, rcv, &x, &rev, &sev)) return -1;
+    if (t < tries && rev.status == KVF_EPEERLOST && sev.status == KVF_EPEERLOST) {
+      fprintf(stderr, "kvf-harness: %s: KVF_EPEERLOST (%s); granting again\n", id, rev.error);
+      continue;
+    }
+    return transfer_checked(snd, rcv, &x, &rev, &sev);
+  }
 }
 
-int h_quick(h_client *snd, h_client *rcv) { return quick(snd, rcv, false); }
-int h_quick_any_path(h_client *snd, h_client *rcv) { return quick(snd, rcv, true); }
+int h_quick(h_client *snd, h_client *rcv) { return quick(snd, rcv, false, 1); }
+int h_quick_any_path(h_client *snd, h_client *rcv) { return quick(snd, rcv, true, 1); }
+int h_quick_settled(h_client *snd, h_client *rcv) { return quick(snd, rcv, false, 3); }
 
 /* ------------------------------------------------------------ raw sockets */
 

@@ -240,6 +240,11 @@ int h_transfer(h_client *snd, h_client *rcv, const h_xfer *x);
 int h_quick(h_client *snd, h_client *rcv);
 /* The same, whatever path the daemons chose. */
 int h_quick_any_path(h_client *snd, h_client *rcv);
+/* h_quick right after a data-path reset (rdma: a QP failed): a reset may
+ * still be under way, and a grant whose memory windows it takes fails at
+ * once on both sides with KVF_EPEERLOST, saying to grant again; so does
+ * this, up to 3 times, each under a new id. Any other outcome counts. */
+int h_quick_settled(h_client *snd, h_client *rcv);
 
 /* Raw connections for abuse tests: a connected fd, or -1 (said). */
 int h_raw_unix(const char *path);

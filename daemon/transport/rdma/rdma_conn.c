@@ -12,7 +12,9 @@
  *
  * Failure. A work completion in error, a QP async error or a CM disconnect
  * on a dialed QP resets the peer's data path (kvf__rdma_reset_peer): every
- * transfer in flight to it ends with KVF_EPEERLOST at once, its QPs are
+ * transfer in flight to it ends with KVF_EPEERLOST at once (so does each
+ * grant whose memory windows were bound on the dropped QPs: its Grant named
+ * them, kvf__rdma_mw_forget_link), its QPs are
  * rebuilt and later transfers flow again, while the control connection
  * stays (a daemon that is gone is noticed there, and peer_down follows).
  * Dialing is retried with backoff; posts wait at most UNREADY_MS for a QP,
@@ -695,7 +697,9 @@ int kvf__rdma_peer_up(kvf__transport *t, kvf__peer *p) {
 void kvf__rdma_reset_peer(rpeer *rp, const char *why) {
   kvf__warn("peer %s: %s; failing its rdma transfers and reconnecting", peer_name(rp), why);
   rp->resets++;
+  rp->resetting = true; /* grants bound on these links fail (kvf__rdma_mw_forget_link) */
   drop_links(rp);
+  rp->resetting = false;
   rp->gen = ++rp->rt->gen; /* what the old QPs still report is stale */
   if (make_links(rp) != 0) kvf__peer_fail(rp->p, "rdma: cannot rebuild the queue pairs");
 }

@@ -262,6 +262,7 @@ struct rpeer {
   uint64_t up_ns;               /* the current set of QPs was dialed */
   bool said_ready;
   bool degraded;                /* said that some links stay down */
+  bool resetting;               /* kvf__rdma_reset_peer is dropping its links */
   unsigned resets;
 };
 
@@ -338,6 +339,7 @@ typedef struct rgrant {
   int status;
   bool binding, closed;
   bool restart;                 /* a QP failed under the binds: start over */
+  bool lost;                    /* bound windows that went with a reset: the grant fails */
   unsigned tries;
   uint64_t since_ns;
   struct rgrant *next_b;        /* rt->mw.binding, or rt->mw.zombies once closed */
@@ -444,6 +446,7 @@ struct rdma_transport {
     char why[200];              /* why not, when not */
     rgrant *binding;            /* grants whose windows are being bound */
     rgrant *zombies;            /* closed grants with binds still in flight */
+    bool lost_pending;          /* grants lost their windows in a reset: fail them */
     uv_timer_t timer;
     bool timer_on;
     uint64_t live, bound, grants, merged, failed, bind_ns;

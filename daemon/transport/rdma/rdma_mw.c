@@ -409,7 +409,7 @@ static void on_mw_timer(uv_timer_t *tm);
 /* The first pass runs at once (the loop's next turn), not a tick later: a
  * Grant waits for its windows, and a send may be waiting for the Grant. */
 static void mw_timer_arm(rdma_transport *rt) {
-  if (rt->mw.timer_on || (!rt->mw.binding && !rt->mw.zombies)) return;
+  if (rt->mw.timer_on || (!rt->mw.binding && !rt->mw.zombies && !rt->mw.lost_pending)) return;
   uv_timer_start(&rt->mw.timer, on_mw_timer, 0, 1);
   rt->mw.timer_on = true;
 }
@@ -680,10 +680,39 @@ static void reap_zombies(rdma_transport *rt) {
   }
 }
 
+/* The grants that lost their bound windows in a reset fail, each looked
+ * up again by its key, since failing one closes it (and may close others). */
+static void fail_lost(rdma_transport *rt) {
+  size_t n = 0, cap = 0;
+  char (*keys)[16] = NULL;
+  rt->mw.lost_pending = false;
+  for (size_t i = 0; i < rt->grants.nb; i++)
+    for (kvf__map_ent *e = rt->grants.b[i]; e; e = e->next) {
+      const rgrant *g = e->val;
+      if (!g->lost || g->closed || g->credit_of) continue;
+      if (n == cap) {
+        size_t c = cap ? 2 * cap : 16;
+        void *k = realloc(keys, c * sizeof(*keys));
+        if (!k) break; /* out of memory: these wait for their deadline */
+        keys = k;
+        cap = c;
+      }
+      snprintf(keys[n++], sizeof(keys[0]), "%s", e->key);
+    }
+  for (size_t i = 0; i < n; i++) {
+    rgrant *g = kvf__map_get(&rt->grants, keys[i]);
+    if (g && g->lost && !g->closed && !g->credit_of)
+      kvf__xfer_on_grant_lost(g->x, "the rdma queue pairs its memory windows were bound on were reset (a data-path "
+                                    "error with the peer); grant again");
+  }
+  free(keys);
+}
+
 /* Every millisecond while binds are in flight. A grant's callback may
  * close any grant (the peer may fail), so after each the scan restarts. */
 static void on_mw_timer(uv_timer_t *tm) {
   rdma_transport *rt = kvf__container_of(tm, rdma_transport, mw.timer);
+  if (rt->mw.lost_pending) fail_lost(rt);
   poll_all_binds(rt);
   reap_zombies(rt);
   bool pumped = false;
@@ -703,7 +732,7 @@ static void on_mw_timer(uv_timer_t *tm) {
     bind_done(g);
     kvf__xfer_on_grant_ready(g->x, g->status, g->status ? "binding the grant's memory windows failed" : NULL);
   }
-  if (!rt->mw.binding && !rt->mw.zombies) {
+  if (!rt->mw.binding && !rt->mw.zombies && !rt->mw.lost_pending) {
     uv_timer_stop(&rt->mw.timer);
     rt->mw.timer_on = false;
   }
@@ -781,9 +810,12 @@ static bool mw_release(rgrant *g) {
 }
 
 /* The windows of g bound on lk's QPs: binds in flight never complete, a
- * grant still binding fails, and the windows go at once. They can take no
- * write any more, and a type 2 window holds its QP: rxe's destroy_qp waits
- * (up to 50 s) for the windows bound on it to go. */
+ * grant still binding binds again, and the windows go at once. They can
+ * take no write any more, and a type 2 window holds its QP: rxe's
+ * destroy_qp waits (up to 50 s) for the windows bound on it to go. A bound
+ * grant whose windows go with a reset (the control connection stays) is
+ * failed from the timer (fail_lost): its Grant named these windows, and a
+ * write or completion notice of its sender's may have gone with them. */
 static void forget_windows(rgrant *g, rlink *lk) {
   for (bchain *c = g->chains, *next; c; c = next) {
     next = c->next;
@@ -793,6 +825,11 @@ static void forget_windows(rgrant *g, rlink *lk) {
     if (!g->qs[j] || g->qs[j]->lk != lk) continue;
     g->qs[j] = NULL;
     if (g->binding) bind_retry(g, "a queue pair of the peer went away");
+    else if (!g->closed && lk->rp->resetting && !g->lost) {
+      g->lost = true;
+      g->rt->mw.lost_pending = true;
+      mw_timer_arm(g->rt);
+    }
     for (size_t i = j; g->mw && i < g->n_win; i += g->nq)
       if (g->mw[i]) {
         ibv_dealloc_mw(g->mw[i]);
