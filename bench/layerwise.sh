@@ -42,14 +42,16 @@
 # kept (e.g. from a GPU machine without gnuplot; the machine line is then
 # this one's, so keep that run's own section).
 # Environment: BUILD (default build), REQUESTS (per length; default 20, 12,
-# 8 and 3 from the shortest), TFLOPS, COMPUTE_US.
+# 8 and 3 from the shortest), TFLOPS, COMPUTE_US, LW_CONF (kvferryd.conf
+# lines for the daemons, e.g. "busy-poll yes"), LW_BENCH_ARGS (more
+# kvferry-bench options for every run, e.g. --busy-poll).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The command as given, with the environment that changes what it measures.
 COMMAND=bench/layerwise.sh
 [ $# -eq 0 ] || COMMAND="$COMMAND$(printf ' %q' "$@")"
-for v in GPU_TO COMPUTE_US TFLOPS REQUESTS; do
-  [ -z "${!v:-}" ] || COMMAND="$v=${!v} $COMMAND"
+for v in GPU_TO COMPUTE_US TFLOPS REQUESTS LW_CONF LW_BENCH_ARGS; do
+  [ -z "${!v:-}" ] || COMMAND="$v=$(printf %q "${!v}") $COMMAND"
 done
 BUILD=${BUILD:-build}
 TFLOPS=${TFLOPS:-400}
@@ -117,7 +119,8 @@ elif [ "$MODE" = tcp ]; then
   [ "$AVAIL_MB" -gt $((2 * POOL_MB + 1024)) ] ||
     die "two pools of $POOL_MB MiB need more memory than the $AVAIL_MB MiB available (fewer --tokens)"
   bench_pair a b "pool kv host ${POOL_MB}M
-tcp-streams 4"
+tcp-streams 4
+${LW_CONF:-}"
   BENCH_ARGS=(--from "$TMP/a.sock" --to "$TMP/b.sock")
   PATH_DESC="tcp: two kvferryd on loopback (tcp-streams 4), host pools"
 else
@@ -126,11 +129,15 @@ else
 pool g0 cuda:0 ${POOL_MB}M
 pool g1 cuda:$GPU_TO ${POOL_MB}M
 cuda on
+${LW_CONF:-}
 EOF
   bench_start g
   BENCH_ARGS=(--from "$TMP/g.sock" --to "$TMP/g.sock" --pool-from g0 --pool-to g1)
   PATH_DESC="local GPU path: one kvferryd, pools on cuda:0 and cuda:$GPU_TO"
 fi
+
+# shellcheck disable=SC2206 # words on purpose: several options
+[ -z "${LW_BENCH_ARGS:-}" ] || BENCH_ARGS+=(${LW_BENCH_ARGS})
 
 # ---------------------------------------------------------------- runs
 LOAD_START=$(cut -d' ' -f1-3 /proc/loadavg)
