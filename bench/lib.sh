@@ -8,6 +8,9 @@
 #
 # bench_ctl NAME ARGS...: kvferryctl against the daemon NAME of $TMP.
 # bench_rdma_ready NAME: true once every rdma QP of daemon NAME is connected.
+# bench_rdma_conf NAME IP PORT PEER PEER_IP PEER_PORT: writes NAME's config
+#   for one node of the soft-RoCE VM: node, API socket, peer-listen IP:PORT,
+#   the peer, transports rdma, then the lines read from stdin.
 # bench_rdma_start A B: starts daemons A and B from $TMP/A.conf and B.conf
 #   (the soft-RoCE VM's two nodes; added to $PIDS, stderr to $TMP/NAME.log)
 #   and waits up to 60 s until every rdma QP of both is connected.
@@ -97,6 +100,14 @@ for _ in range(int(sys.argv[1])):
     s.bind(("127.0.0.1", 0))
     socks.append(s)
 print(" ".join(str(s.getsockname()[1]) for s in socks))' "$1"
+}
+
+bench_rdma_conf() {
+  {
+    printf 'node %s\napi-socket %s\npeer-listen %s:%s\npeer %s %s:%s\ntransports rdma\n' \
+      "$1" "$TMP/$1.sock" "$2" "$3" "$4" "$5" "$6"
+    cat
+  } >"$TMP/$1.conf"
 }
 
 bench_conf() {

@@ -42,7 +42,7 @@ fi
 # ---------------------------------------------------------------- in the VM
 TMP=$(mktemp -d /tmp/kvferry-small.XXXXXX)
 PIDS=""
-. bench/lib.sh # bench_rdma_start, bench_die, bench_cleanup
+. bench/lib.sh # bench_rdma_conf, bench_rdma_start, bench_die, bench_cleanup
 BENCH_NAME=rdma_small_blocks
 trap bench_cleanup EXIT
 
@@ -70,18 +70,6 @@ ib_4k() {
   return 1
 }
 
-write_conf() { # NAME IP PORT PEER PEER_IP PEER_PORT
-  cat >"$TMP/$1.conf" <<EOF
-node $1
-api-socket $TMP/$1.sock
-peer-listen $2:$3
-peer $4 $5:$6
-pool kv host $POOL
-transports rdma
-max-descs 200000
-$CONF
-EOF
-}
 
 # kvferry-bench's MB/s for one case (verified, over rdma, or the run fails).
 kv_case() {
@@ -97,8 +85,8 @@ print("%.1f" % (d["gbps"] * 1e3))
 EOF
 }
 
-write_conf prefill "$NODE0_IP" 7471 decode "$NODE1_IP" 7472
-write_conf decode "$NODE1_IP" 7472 prefill "$NODE0_IP" 7471
+printf 'pool kv host %s\nmax-descs 200000\n%s\n' "$POOL" "$CONF" | bench_rdma_conf prefill "$NODE0_IP" 7471 decode "$NODE1_IP" 7472
+printf 'pool kv host %s\nmax-descs 200000\n%s\n' "$POOL" "$CONF" | bench_rdma_conf decode "$NODE1_IP" 7472 prefill "$NODE0_IP" 7471
 bench_rdma_start prefill decode
 
 echo "kvferry rdma at 4 KiB blocks vs ib_write_bw 4 KiB, soft-RoCE VM ($NODE0_DEV -> $NODE1_DEV), $(date -u +%Y-%m-%dT%H:%M:%SZ)"
