@@ -198,9 +198,8 @@ static uint32_t layers_sent(const kvf__xfer *x) {
 static int post_block_part(kvf__xfer *x, uint32_t first, uint32_t n, bool last) {
   kvf__xsend *s = &x->send;
   const kvf__xblocks *g = grant_blocks(x);
-  char why[160];
+  char why[160] = "the transport refused the data";
   int rc = 0;
-  snprintf(why, sizeof(why), "the transport refused the data");
   if (last && layers_sent(x) != g->view.n_layers) {
     snprintf(why, sizeof(why), "the send's parts cover %u layers and the grant %u", layers_sent(x),
              g->view.n_layers);
@@ -212,10 +211,14 @@ static int post_block_part(kvf__xfer *x, uint32_t first, uint32_t n, bool last) 
   if (send_plan(x, g, &bp.xf, why, sizeof(why)) != 0) rc = KVF_ESIZE;
   s->last_post_ns = kvf__now_ns();
   if (!s->first_post_ns) s->first_post_ns = s->last_post_ns;
-  if (rc == 0) rc = x->tp->ops->post_blocks(x->tp, x, &bp, last);
-  if (rc == KVF_EPEERLOST) snprintf(why, sizeof(why), "%s", kvf__xfer_post_failure(rc, ""));
-  if (rc == KVF_ERANGE) snprintf(why, sizeof(why), "layers %u-%u are not in the grant (layers %u-%u)", first,
-                                 first + n - 1, g->view.first_layer, g->view.first_layer + g->view.n_layers - 1);
+  if (rc == 0) {
+    rc = x->tp->ops->post_blocks(x->tp, x, &bp, last);
+    if (rc == KVF_ERANGE)
+      snprintf(why, sizeof(why), "layers %u-%u are not in the grant (layers %u-%u)", first, first + n - 1,
+               g->view.first_layer, g->view.first_layer + g->view.n_layers - 1);
+    else if (rc)
+      snprintf(why, sizeof(why), "%s", kvf__xfer_post_failure(rc, "the transport refused the data"));
+  }
   /* a staged part is announced with or without layer events: the receiver transforms it then */
   if (rc == 0 && (s->layer_events || s->staged.nh) && !x->tp->ops->mark_layers(x->tp, x, first, n))
     rc = append_range(&s->unannounced, &s->n_unannounced, first, n);
