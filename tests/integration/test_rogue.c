@@ -239,6 +239,18 @@ static void test_write_outside_grant(void **state) {
   H_OK(rig_down());
 }
 
+/* Waits up to ms for the sending daemon's rdma resets to pass `before`;
+ * *after: its count then (the caller judges whether it did). */
+static int wait_resets(uint64_t before, uint64_t *after, int ms) {
+  uint64_t end = h_now_ms() + (uint64_t)ms;
+  *after = before;
+  while (h_now_ms() < end && *after <= before) {
+    h_sleep_ms(50);
+    if (h_rdma_resets(&E.pre, after)) return -1;
+  }
+  return 0;
+}
+
 static void test_late_write(void **state) {
   kvf_desc src[N], dst[N];
   char id[64];
@@ -254,11 +266,7 @@ static void test_late_write(void **state) {
   /* The client reuses the blocks; the late write (1 s after the end) must
    * not reach them. */
   for (size_t i = 0; i < N; i++) h_poison(E.dec.base + dst[i].offset, dst[i].len);
-  uint64_t end = h_now_ms() + 10000;
-  while (h_now_ms() < end && after <= before) {
-    h_sleep_ms(100);
-    H_OK(h_rdma_resets(&E.pre, &after));
-  }
+  H_OK(wait_resets(before, &after, 10000));
   for (size_t i = 0; i < N; i++) {
     int64_t bad = h_verify_poison(E.dec.base + dst[i].offset, dst[i].len);
     if (bad >= 0) fail_msg("a write through the window of a finished transfer changed block %zu", i);
@@ -298,11 +306,7 @@ static void test_grant_across_reset(void **state) {
   h_xfer y = {.id = id2, .src = src2, .nsrc = N, .dst = dst2, .ndst = N, .seed = 46, .deadline_ms = 2000};
   H_OK(h_prepare(&E.pre, &E.dec, &y));
   H_OK(h_post_grant(&E.dec, &y, "prefill"));
-  uint64_t end = h_now_ms() + 10000;
-  while (h_now_ms() < end && after <= before) {
-    h_sleep_ms(50);
-    H_OK(h_rdma_resets(&E.pre, &after));
-  }
+  H_OK(wait_resets(before, &after, 10000));
   if (after <= before) fail_msg("the late write did not reset the QPs within 10 s");
   H_OK(h_wait_event(&E.dec, id2, KVF_EV_RECV_DONE, 3000, &rev));
   fprintf(stderr, "note: a grant across a QP reset: %s (%s)\n", kvf_err_name(rev.status), rev.error);
@@ -343,8 +347,7 @@ static void test_window_of_another_qp(void **state) {
   H_OK(expect_failed(&E.dec, id, KVF_EV_RECV_DONE, KVF_EPERM, NULL));
   int64_t bad = h_verify_poison(E.dec.base + dst[N - 1].offset, LEN);
   if (bad >= 0) fail_msg("the refused last write changed byte %lld of its block", (long long)bad);
-  for (uint64_t end = h_now_ms() + 5000; after <= before && h_now_ms() < end; h_sleep_ms(50))
-    H_OK(h_rdma_resets(&E.pre, &after));
+  H_OK(wait_resets(before, &after, 5000));
   if (after <= before) fail_msg("the sender did not rebuild its QPs after the refused write");
   H_OK(wait_no_windows(&E.dec));
   H_OK(rig_down());
