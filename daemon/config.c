@@ -330,6 +330,12 @@ static const struct opt opts[] = {
              "opening (the loop and the tcp receivers), on the sender from the peer's grant "
              "reaching it ahead of the send (the loop and the tcp senders), so that a send posted "
              "a prefill after its grant is not slower than one posted back to back; 0 = off."},
+    {.name = "spin-cadence-us", .type = OPT_U32, .off = F(spin_cadence_us), .min = 0, .max = 1000000,
+     .def = "500",
+     .help = "How long before the next part of a layer-wise send is due (one gap after its last, "
+             "at the cadence of its earlier parts) the loop starts polling, and how long after it "
+             "keeps polling if the part is late, so that a part posted after a long layer's compute "
+             "finds the loop awake instead of asleep since the last part; 0 = off."},
     {.name = "rdma-memory-windows", .type = OPT_ENUM, .off = F(rdma_memory_windows),
      .words = tristate_words, .def = "auto",
      .help = "Limit a peer's RDMA writes to the ranges of its open grants: pools are "

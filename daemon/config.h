@@ -97,6 +97,7 @@ typedef struct kvf__config {
   bool busy_poll;                  /* the loop, tcp and rdma threads never sleep */
   uint32_t spin_us;                /* spin.h: poll this long after activity */
   uint32_t spin_grant_us;          /* spin.h: and this long after a grant ahead */
+  uint32_t spin_cadence_us;        /* spin.h: and this long around a layer part's due time */
   int rdma_memory_windows;         /* enum kvf__tristate: a type 2 memory window per grant range */
   uint32_t rdma_mw_max_windows;    /* windows per grant; more ranges are merged across gaps */
   int gpu_direct;                  /* enum kvf__gdr: off = every pool bounces */

@@ -258,6 +258,7 @@ int main(int argc, char **argv) {
   uv_walk(kvfd.loop, close_walk, NULL);
   uv_run(kvfd.loop, UV_RUN_DEFAULT);
   uv_loop_close(kvfd.loop);
+  kvf__spin_loop_stop();
   kvf__pool_engine_shutdown();
   for (size_t i = 0; i < kvfd.n_pools; i++) kvf__pool_destroy(kvfd.pools[i]);
   free(kvfd.pools);

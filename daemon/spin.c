@@ -1,11 +1,17 @@
 /* spin.c - bounded adaptive spinning (spin.h). */
 #include "spin.h"
 
+#include <errno.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <string.h>
+#include <sys/timerfd.h>
+#include <unistd.h>
 
 #include "kvferryd.h"
+#include "log.h"
 #include "mailbox.h"
+#include "metrics.h"
 
 /* Per kind, until when (CLOCK_MONOTONIC ns) a grant keeps it polling. */
 static _Atomic uint64_t expect_until[KVF__SPIN_N];
@@ -13,8 +19,9 @@ static _Atomic uint64_t expect_until[KVF__SPIN_N];
  * SIGHUP rewriting kvfd.cfg under them is no race. */
 static _Atomic uint64_t own_ns, grant_ns;
 static atomic_bool always;
-/* The loop's last activity (loop thread only). */
+/* The loop's last activity, and whether it polls now (loop thread only). */
 static uint64_t loop_last;
+static bool spinning;
 
 static void extend(int what, uint64_t until) {
   uint64_t cur = atomic_load_explicit(&expect_until[what], memory_order_relaxed);
@@ -53,10 +60,111 @@ void kvf__spin_relax(void) { sched_yield(); }
 
 void kvf__spin_loop_active(void) { loop_last = kvf__now_ns(); }
 
+/* Layer-wise sends' next parts: windows [start, end] around the moment
+ * each is due, in which the loop should poll (loop thread). At most
+ * CADENCE_SLOTS wait for their start; a send beyond them goes without (its
+ * parts still come, a wake-up later). A timerfd, not a libuv timer (whole
+ * milliseconds), wakes the loop at the earliest start. */
+enum { CADENCE_SLOTS = 64 };
+/* A longer gap is an engine that stalled, not a layer's compute. */
+#define CADENCE_MAX_GAP_NS (10ull * 1000000000ull)
+static struct { uint64_t start, end; } pending[CADENCE_SLOTS];
+static unsigned n_pending;
+static uint64_t cadence_ns;   /* spin-cadence-us; 0: off */
+static uint64_t armed_ns;     /* the timerfd's expiry; 0: disarmed */
+static int cadence_fd = -1;
+static uv_poll_t cadence_poll;
+/* kvferry_spin_cadence_*: windows opened, and the parts that a cadence
+ * announced, by how they found the loop. */
+static uint64_t n_windows, n_polled, n_woken;
+
+static void cadence_arm(void) {
+  uint64_t first = n_pending ? UINT64_MAX : 0;
+  for (unsigned i = 0; i < n_pending; i++)
+    if (pending[i].start < first) first = pending[i].start;
+  if (first == armed_ns) return;
+  struct itimerspec its = {0}; /* all zero disarms it */
+  its.it_value.tv_sec = (time_t)(first / 1000000000ull);
+  its.it_value.tv_nsec = (long)(first % 1000000000ull);
+  if (timerfd_settime(cadence_fd, TFD_TIMER_ABSTIME, &its, NULL) == 0) armed_ns = first;
+}
+
+/* The timerfd fired: the windows that started open the loop's. */
+static void cadence_fired(uv_poll_t *h, int status, int events) {
+  uint64_t expirations;
+  (void)!read(cadence_fd, &expirations, sizeof expirations);
+  uint64_t now = kvf__now_ns();
+  for (unsigned i = 0; i < n_pending;) {
+    if (pending[i].start > now) {
+      i++;
+      continue;
+    }
+    extend(KVF__SPIN_LOOP, pending[i].end);
+    pending[i] = pending[--n_pending];
+  }
+  armed_ns = 0;
+  cadence_arm();
+}
+
+static void cadence_expect(uint64_t start, uint64_t end) {
+  if (start <= kvf__now_ns()) {
+    extend(KVF__SPIN_LOOP, end);
+    n_windows++;
+    return;
+  }
+  if (n_pending == CADENCE_SLOTS || cadence_fd < 0) return;
+  n_windows++;
+  pending[n_pending].start = start;
+  pending[n_pending++].end = end;
+  cadence_arm();
+}
+
+static void cadence_metrics(kvf__sbuf *b) {
+  kvf__metrics_family(b, "kvferry_spin_cadence_windows_total", "counter",
+                      "Polling windows opened ahead of the next part of a layer-wise send (spin-cadence-us).");
+  kvf__sb_printf(b, "kvferry_spin_cadence_windows_total %llu\n", (unsigned long long)n_windows);
+  kvf__metrics_family(b, "kvferry_spin_cadence_parts_total", "counter",
+                      "Parts of layer-wise sends that came at a known cadence (the third part on), by whether "
+                      "the loop was polling or had to be woken.");
+  kvf__sb_printf(b, "kvferry_spin_cadence_parts_total{loop=\"polling\"} %llu\n", (unsigned long long)n_polled);
+  kvf__sb_printf(b, "kvferry_spin_cadence_parts_total{loop=\"woken\"} %llu\n", (unsigned long long)n_woken);
+}
+
+void kvf__spin_part(kvf__cadence *c, bool last) {
+  uint64_t now = kvf__now_ns();
+  if (c->gap_ns) ++*(spinning ? &n_polled : &n_woken);
+  c->gap_ns = c->last_ns ? now - c->last_ns : 0;
+  c->last_ns = last ? 0 : now;
+  if (last || !c->gap_ns || c->gap_ns > CADENCE_MAX_GAP_NS || !cadence_ns ||
+      atomic_load_explicit(&always, memory_order_relaxed))
+    return;
+  uint64_t due = now + c->gap_ns;
+  cadence_expect(due - (cadence_ns < c->gap_ns ? cadence_ns : c->gap_ns), due + cadence_ns);
+}
+
+static void cadence_start(uv_loop_t *loop) {
+  kvf__metrics_add_collector(cadence_metrics);
+  cadence_ns = (uint64_t)kvfd.cfg.spin_cadence_us * 1000;
+  if (!cadence_ns || kvfd.cfg.busy_poll) return;
+  cadence_fd = timerfd_create(CLOCK_MONOTONIC, TFD_NONBLOCK | TFD_CLOEXEC);
+  if (cadence_fd < 0 || uv_poll_init(loop, &cadence_poll, cadence_fd) != 0) {
+    kvf__warn("spin-cadence-us: no timerfd (%s): layer-wise parts find the loop asleep", strerror(errno));
+    if (cadence_fd >= 0) close(cadence_fd);
+    cadence_fd = -1;
+    return;
+  }
+  uv_unref((uv_handle_t *)&cadence_poll);
+  uv_poll_start(&cadence_poll, UV_READABLE, cadence_fired);
+}
+
+void kvf__spin_loop_stop(void) {
+  if (cadence_fd >= 0) close(cadence_fd);
+  cadence_fd = -1;
+}
+
 static uv_idle_t idle;
 static uv_prepare_t prepare;
 static uv_check_t check;
-static bool spinning;
 
 /* Each pass while spinning: the threads' mail, without their wake-ups
  * (mailbox.h). */
@@ -101,5 +209,6 @@ void kvf__spin_loop_start(uv_loop_t *loop) {
   uv_unref((uv_handle_t *)&check);
   uv_prepare_start(&prepare, on_prepare);
   uv_check_start(&check, on_check);
+  cadence_start(loop);
   if (kvfd.cfg.busy_poll) kvf__info("busy-poll: the loop, the tcp threads and the rdma progress threads spin");
 }

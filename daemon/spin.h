@@ -11,6 +11,10 @@
  *     receivers) or a peer's grant reached us ahead of our send (the loop
  *     and the tcp senders): an engine grants a whole prefill before the
  *     send, and the data then finds every hop of its path awake;
+ *   - spin-cadence-us either side of the moment the next part of a
+ *     layer-wise send is due, at the cadence of its earlier parts (a
+ *     prefill posts one per layer, a layer's compute apart: tens of ms at
+ *     long prompts, when every thread slept since the last part);
  *   - always with busy-poll yes.
  * Once nothing happens for those windows, every waiting point blocks
  * again: an idle daemon uses no CPU. Spinning yields the CPU on each turn
@@ -25,6 +29,12 @@
 
 enum { KVF__SPIN_LOOP, KVF__SPIN_SEND, KVF__SPIN_RECV, KVF__SPIN_GPU, KVF__SPIN_N };
 
+/* The parts of one send, as they came (loop thread; zeroed = none yet). */
+typedef struct kvf__cadence {
+  uint64_t last_ns; /* the last part; 0: none, or it was the last */
+  uint64_t gap_ns;  /* between the last two parts; 0: one part so far */
+} kvf__cadence;
+
 /* A grant was opened here (recv) or a peer's grant came ahead of our send
  * (!recv): the loop and that side's threads poll for spin-grant-us. */
 void kvf__spin_expect(bool recv);
@@ -33,16 +43,24 @@ void kvf__spin_expect(bool recv);
  * reaches the client without two wake-ups (a kernel of a layer part takes
  * microseconds; a thread that slept takes tens to wake). */
 void kvf__spin_expect_gpu(void);
+/* Loop thread: a part of the send whose cadence c is came, and more follow
+ * unless `last`. Once two parts gave a gap, the loop polls from
+ * spin-cadence-us before the next part is due (one gap after this one)
+ * until as long after, so that a part posted after a layer's compute finds
+ * it awake. A part that does not come by then costs nothing more. */
+void kvf__spin_part(kvf__cadence *c, bool last);
 /* Whether a waiting point of kind `what` whose last activity was at
  * last_ns (0: none) keeps polling now. */
 bool kvf__spin_open(int what, uint64_t last_ns);
 /* One turn of a polling wait. */
 void kvf__spin_relax(void);
 /* Loop thread, at start: takes the settings (busy-poll, spin-us,
- * spin-grant-us; none reloads) and makes the loop spin adaptively (a
+ * spin-grant-us, spin-cadence-us; none reloads) and makes the loop spin adaptively (a
  * uv_idle handle while its window is open). Handles are unreferenced: they
  * do not keep it alive. Before it, nothing spins. */
 void kvf__spin_loop_start(uv_loop_t *loop);
+/* After the loop closed its handles: the cadence's timerfd. */
+void kvf__spin_loop_stop(void);
 /* Loop thread: it took mail from a thread (mailbox.c). */
 void kvf__spin_loop_active(void);
 

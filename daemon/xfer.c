@@ -799,6 +799,7 @@ int kvf__xfer_send(kvf__session *s, const char *id, const char *dst_node,
     return KVF_EINVAL;
   }
   if (x && (rc = hold_descs(x, descs)) != 0) return rc;
+  if (x) kvf__xtrace_part(x, !more);
   if (x) return continue_send(x, descs, !more);
   if ((rc = send_new(s, id, dst_node, p, deadline_ms, &x, err, errlen)) != 0) return rc;
   rc = hold_descs(x, descs);
@@ -807,6 +808,7 @@ int kvf__xfer_send(kvf__session *s, const char *id, const char *dst_node,
     xfer_destroy(x); /* unseen: no event follows an error */
     return rc;
   }
+  kvf__xtrace_part(x, !more);
   rendezvous_send(x);
   return 0;
 }

@@ -87,6 +87,7 @@
 #include "desc.h"
 #include "kvferryd.h"
 #include "layout.h"
+#include "spin.h"
 #include "transport/transport.h"
 
 enum kvf__role { KVF__RECV = 1, KVF__SEND = 2 };
@@ -230,11 +231,12 @@ typedef struct kvf__xsend {
   size_t n_unannounced;
   kvf__xstaged staged;        /* the transport staged its parts: each is announced */
   uint8_t wait_peer;          /* XW_* (xfer_int.h): waits for its peer's link */
+  kvf__cadence cadence;       /* when its parts came (spin.h) */
   bool intent_sent;           /* a SendIntent went: our SendDone names the id (on_send_done) */
 } kvf__xsend;
 
 /* A transfer's timeline (xfer_trace.h): CLOCK_MONOTONIC ns, 0 = not yet. */
-enum { KVF__XT_POST, KVF__XT_PAIR, KVF__XT_FIRST, KVF__XT_LAST, KVF__XT_RESULT, KVF__XT_EVENT, KVF__XT_N };
+enum { KVF__XT_POST, KVF__XT_PAIR, KVF__XT_FIRST, KVF__XT_LAST, KVF__XT_RESULT, KVF__XT_EVENT, KVF__XT_PART, KVF__XT_N };
 typedef struct kvf__xtrace {
   uint64_t t[KVF__XT_N];
 } kvf__xtrace;

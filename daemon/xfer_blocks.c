@@ -315,6 +315,7 @@ int kvf__xsend_part_take(kvf__xfer *x, const kvf__lview *v, bool last) {
     return -ENOMEM;
   memset(s->layers_sent + v->first_layer, 1, v->n_layers);
   s->descs_taken += kvf__blocks_pieces(v, x->mine.n, v->n_layers);
+  kvf__xtrace_part(x, last);
   if (s->state == KVF__SEND_WAIT) {
     if (last) kvf__xfer_set_state(x, KVF__SEND_QUEUED);
     return 0;

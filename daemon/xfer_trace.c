@@ -24,6 +24,7 @@ typedef struct trec {
   uint64_t bytes;
   uint64_t t[KVF__XT_N];       /* monotone, EVENT the end */
   uint64_t result;             /* the other side's word; 0 = none */
+  uint64_t part;               /* a send's last part came; 0 = not a send */
 } trec;
 
 typedef struct hist {
@@ -44,6 +45,12 @@ void kvf__xtrace_stamp(kvf__xfer *x, int which, uint64_t ns) {
   if (which == KVF__XT_FIRST) *t = *t && *t < ns ? *t : ns;
   else if (which == KVF__XT_LAST) *t = *t > ns ? *t : ns;
   else if (!*t) *t = ns;
+}
+
+void kvf__xtrace_part(kvf__xfer *x, bool last) {
+  uint64_t now = kvf__now_ns();
+  x->tr.t[KVF__XT_PART] = now;
+  kvf__spin_part(&x->send.cadence, last);
 }
 
 void kvf__xtrace_twin(kvf__xfer *recv, const kvf__xfer *send) {
@@ -81,6 +88,7 @@ static void fill(trec *r, const kvf__xfer *x) {
   r->t[KVF__XT_EVENT] = end > prev ? end : prev;
   r->t[KVF__XT_RESULT] = 0;
   r->result = x->tr.t[KVF__XT_RESULT];
+  r->part = x->tr.t[KVF__XT_PART];
 }
 
 static uint64_t hop_ns(const trec *r, int hop) {
@@ -128,6 +136,11 @@ static void render_one(kvf__sbuf *b, const trec *r, int json, int first) {
   for (int k = 0; k < N_HOPS; k++) kvf__sb_printf(b, ", \"%s_us\": %.3f", hop_name[k], us(hop_ns(r, k)));
   if (r->result) kvf__sb_printf(b, ", \"result_us\": %.3f", us(r->result - r->t[KVF__XT_POST]));
   else kvf__sb_printf(b, ", \"result_us\": null");
+  /* A layer-wise send's last part to its event: what the decode side waits
+   * for once the prefill is over (bench/layerwise.sh). */
+  if (r->part && r->part <= r->t[KVF__XT_EVENT])
+    kvf__sb_printf(b, ", \"last_part_to_event_us\": %.3f", us(r->t[KVF__XT_EVENT] - r->part));
+  else kvf__sb_printf(b, ", \"last_part_to_event_us\": null");
   kvf__sb_printf(b, "}");
 }
 

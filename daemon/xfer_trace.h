@@ -29,6 +29,10 @@
 /* Sets stamp `which` of x to ns (0: now). FIRST keeps the earliest, LAST
  * the latest, the others the first one set. */
 void kvf__xtrace_stamp(kvf__xfer *x, int which, uint64_t ns);
+/* A part of send x came (the first too); more follow unless last. Stamps
+ * it (the last part's arrival: "last_part_to_event" in the trace) and
+ * tells spin.h its cadence. */
+void kvf__xtrace_part(kvf__xfer *x, bool last);
 /* A local receive: its bytes moved when its sender's did. */
 void kvf__xtrace_twin(kvf__xfer *recv, const kvf__xfer *send);
 /* x ended with status (its event was queued, or it failed): its timeline

@@ -156,6 +156,40 @@ class TestTrace(unittest.TestCase):
         self.assertNotIn("tr-table", plain.stdout)
         self.assertEqual(ctl(self.dec, "status", "--trace").returncode, 2)
 
+    def cadence(self, daemon):
+        fams = parse_exposition(scrape(daemon.metrics_url())[2])
+        return (value(fams, "kvferry_spin_cadence_windows_total", "kvferry_spin_cadence_windows_total"),
+                value(fams, "kvferry_spin_cadence_parts_total", "kvferry_spin_cadence_parts_total", loop="polling"),
+                value(fams, "kvferry_spin_cadence_parts_total", "kvferry_spin_cadence_parts_total", loop="woken"))
+
+    def test_layer_parts_find_the_loop_polling(self):
+        """spin-cadence-us (default 500): six parts of a send, 40 ms apart
+        (far past spin-us and spin-grant-us: each would find the loop asleep),
+        on a fixed schedule as a prefill's layers come: parts 2 to 5 each
+        open a window around the next one's due time, and parts 3 to 6 come
+        at a known cadence, most of them to a polling loop. Every byte
+        checked."""
+        n, gap = 6, 0.040
+        before = self.cadence(self.pre)
+        off = 4 << 20
+        data = os.urandom(n * BLK)
+        self.pp.memory[off:off + len(data)] = data
+        dst = off + (8 << 20)
+        self.pd.memory[dst:dst + len(data)] = bytes(len(data))
+        self.cd.grant("tr-cad", "prefill", [self.pd.desc(dst + i * BLK, BLK) for i in range(n)])
+        t0 = time.monotonic()
+        for i in range(n):
+            time.sleep(max(0.0, t0 + i * gap - time.monotonic()))
+            self.cp.send("tr-cad", "decode", [self.pp.desc(off + i * BLK, BLK)], more=i < n - 1)
+        self.assertTrue(wait_event(self.cd, "tr-cad").ok)
+        self.assertTrue(wait_event(self.cp, "tr-cad").ok)
+        self.assertEqual(bytes(self.pd.memory[dst:dst + len(data)]), data)
+        after = self.cadence(self.pre)
+        windows, polled, woken = (a - b for a, b in zip(after, before))
+        self.assertEqual(windows, n - 2)
+        self.assertEqual(polled + woken, n - 2)
+        self.assertGreaterEqual(polled, 2, "parts 3-6: %d found the loop polling, %d woke it" % (polled, woken))
+
     def test_idle_daemon_sleeps(self):
         """spin-us and spin-grant-us are windows: once transfers stop, the
         daemons use under 5% of a core (measured over 2 s, after the

@@ -30,7 +30,7 @@ static const char *const all_keys[] = {
     "peer-handshake-timeout-ms", "peer-address-check", "max-peer-waiting", "grant-overlap", "hugepages",
     "mlock", "cuda", "log-level", "transports", "metrics-listen", "stop-timeout-ms",
     "rdma-devices", "rdma-gid-index", "rdma-listen", "rdma-qps-per-peer", "rdma-queue-depth",
-    "rdma-inline", "rdma-slice", "rdma-poll-us", "busy-poll", "spin-us", "spin-grant-us", "rdma-memory-windows", "rdma-mw-max-windows",
+    "rdma-inline", "rdma-slice", "rdma-poll-us", "busy-poll", "spin-us", "spin-grant-us", "spin-cadence-us", "rdma-memory-windows", "rdma-mw-max-windows",
     "gpu-direct", "rdma-bounce-size", "rdma-staging-size",
 };
 #define N_KEYS (sizeof all_keys / sizeof all_keys[0])
