@@ -461,8 +461,8 @@ int kvf_event_fd(kvf_client *c);
  * within them is taken without a sleep and a wake-up, at the price of one
  * busy CPU while it spins (worth it where cores are spare; never on a
  * machine with fewer cores than busy threads). With it, the library's own
- * reader thread also polls the daemon socket for that long after each read
- * and each request written (a request written while it sleeps wakes it),
+ * reader thread also polls the daemon socket for that long after each read,
+ * each request written and each wait that spins (one that sleeps is woken),
  * so that an event is not held behind the reader's own wake-up: a second
  * busy CPU while a transfer of this client is in flight. Calls that wait
  * for the daemon's answer (a send without KVF_NOWAIT, kvf_pools, ...)

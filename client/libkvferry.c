@@ -2463,6 +2463,9 @@ KVF_API int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeo
     uint64_t seen = atomic_load_explicit(&c->ev_count, memory_order_relaxed);
     uint64_t us = timeout_ms > 0 && (uint64_t)timeout_ms * 1000 < c->spin_us ? (uint64_t)timeout_ms * 1000 : c->spin_us;
     pthread_mutex_unlock(&c->mu);
+    /* The event comes through the reader: one asleep since its last read
+     * would cost this spin a wake-up anyway, so it spins as long. */
+    spin_reader_for_answer(c);
     spin_for_event(c, seen, us);
     lock_for_event(c);
   }
