@@ -425,6 +425,57 @@ static void test_event_fd_spinning(void **state) {
   h_client_close(&sc);
 }
 
+/* Another thread of the engine making calls on the same client. */
+static void *pools_caller(void *arg) {
+  kvf_pool_info pools[8];
+  for (int i = 0; i < 200; i++)
+    if (kvf_pools((kvf_client *)arg, pools, 8) <= 0) return arg;
+  return NULL;
+}
+
+static long ms_since(const struct timespec *t0) {
+  struct timespec t1;
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  return (t1.tv_sec - t0->tv_sec) * 1000L + (t1.tv_nsec - t0->tv_nsec) / 1000000L;
+}
+
+/* A blocking kvf_wait_events watches the daemon's socket beside the event
+ * fd (it wakes with the reader thread, not after it): the answers to
+ * another thread's calls wake it without an event, and it keeps its
+ * timeout (200 calls meanwhile: 0 events after 300 ms, not sooner); an
+ * event that comes while those calls go on is taken, bytes verified. */
+static void test_wait_beside_calls(void **state) {
+  enum { N = 4 };
+  pthread_t th;
+  void *failed;
+  kvf_event ev;
+  struct timespec t0;
+  assert_int_equal(pthread_create(&th, NULL, pools_caller, E.dec.c), 0);
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  assert_int_equal(kvf_wait_events(E.dec.c, &ev, 1, 300), 0);
+  long ms = ms_since(&t0);
+  assert_int_equal(pthread_join(th, &failed), 0);
+  assert_null(failed);
+  assert_in_range(ms, 299, 5000);
+  kvf_desc src[N], dst[N];
+  char id[64];
+  h_id(id, sizeof id, "watch");
+  h_layout(src, N, E.pre.pool, 0, 4 * KIB, true, 590);
+  h_layout(dst, N, E.dec.pool, 0, 4 * KIB, true, 591);
+  h_xfer x = {.id = id, .src = src, .nsrc = N, .dst = dst, .ndst = N, .seed = 592};
+  H_OK(h_prepare(&E.pre, &E.dec, &x));
+  H_OK(h_post_grant(&E.dec, &x, "prefill"));
+  assert_int_equal(pthread_create(&th, NULL, pools_caller, E.dec.c), 0);
+  H_OK(h_post_send(&E.pre, &x, "decode"));
+  assert_int_equal(kvf_wait_events(E.dec.c, &ev, 1, 10000), 1);
+  assert_int_equal(pthread_join(th, &failed), 0);
+  assert_null(failed);
+  assert_string_equal(ev.xfer_id, id);
+  H_OK(h_check_event(&ev, KVF_EV_RECV_DONE, "tcp", "prefill", N * 4 * KIB, N));
+  H_OK(h_wait_event(&E.pre, id, KVF_EV_SEND_DONE, 10000, &ev));
+  H_OK(h_verify_dst(&E.dec, &x));
+}
+
 /* The longest id the API allows travels whole, in both events. */
 static void test_longest_id(void **state) {
   enum { N = 4 };
@@ -579,6 +630,7 @@ int main(void) {
       cmocka_unit_test(test_spinning_wait_does_not_sleep),
       cmocka_unit_test(test_busy_poll_does_not_sleep),
       cmocka_unit_test(test_event_fd_spinning),
+      cmocka_unit_test(test_wait_beside_calls),
       cmocka_unit_test(test_longest_id),
       cmocka_unit_test(test_concurrent_clients),
       cmocka_unit_test(test_local_grant_first),
