@@ -565,6 +565,18 @@ static void spin_reader_for_answer(kvf_client *c) {
 static void answered_locked(kvf_client *c) { pthread_cond_broadcast(&c->responded); }
 static void answered_unlocked(kvf_client *c) { atomic_fetch_add_explicit(&c->answers, 1, memory_order_release); }
 
+/* A Soon from the daemon: an event is expected within about within_us.
+ * The reader polls the socket until then (and a little after), whatever
+ * KVFERRY_SPIN_US says: the wait is known to be short, and bounded here.
+ * A waiter that the Soon's own bytes woke spins as long (watch_for_event). */
+#define SOON_SLACK_US 200
+#define SOON_MAX_US 3000
+static void expect_soon(kvf_client *c, uint32_t within_us) {
+  uint64_t us = (uint64_t)within_us + SOON_SLACK_US;
+  uint64_t until = mono_ns() + (us < SOON_MAX_US ? us : SOON_MAX_US) * 1000;
+  if (until > atomic_load(&c->spin_until)) atomic_store(&c->spin_until, until);
+}
+
 /* Polls the socket while the spin window is open; true once readable. */
 static bool spin_until_readable(kvf_client *c) {
   struct pollfd p = {.fd = c->sock, .events = POLLIN};
@@ -651,6 +663,9 @@ static int dispatch_frame(kvf_client *c, const uint8_t *payload, uint32_t len, u
   case KVF__API_MESSAGE__BODY_EVENT:
     rc = queue_event(c, msg->event);
     break;
+  case KVF__API_MESSAGE__BODY_SOON:
+    expect_soon(c, msg->soon->within_us);
+    break;
   default: /* a kind of message this version does not know: skip it */
     break;
   }
@@ -661,7 +676,7 @@ static int dispatch_frame(kvf_client *c, const uint8_t *payload, uint32_t len, u
 /* Reads once and dispatches every whole frame now held. Any error means the
  * stream can no longer be trusted. */
 static int pump_inbound(kvf_client *c) {
-  if (c->spin_us) await_readable(c);
+  if (c->spin_us || mono_ns() < atomic_load(&c->spin_until)) await_readable(c);
   int rc = read_inbound(c->sock, &c->in);
   if (rc) return rc;
   spin_window_open(c);
@@ -2483,6 +2498,9 @@ static int watch_for_event(kvf_client *c, int timeout_ms, const struct timespec 
   else if ((n < 0 && errno != EINTR) || (p[0].revents & (POLLERR | POLLHUP | POLLNVAL))) rc = WATCH_OFF;
   else if (n > 0 && !(p[1].revents & POLLIN)) { /* the socket: the reader is about to queue what came */
     spin_for_event(c, seen, WATCH_SPIN_US);
+    uint64_t until = atomic_load(&c->spin_until), now = mono_ns(); /* a Soon read meanwhile: its window */
+    if (until > now && atomic_load_explicit(&c->ev_count, memory_order_acquire) == seen)
+      spin_for_event(c, seen, (until - now) / 1000);
     if (atomic_load_explicit(&c->ev_count, memory_order_acquire) == seen && ++*idle_wakes >= 2) rc = WATCH_OFF;
   }
   lock_for_event(c);

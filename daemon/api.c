@@ -290,6 +290,17 @@ void kvf__api_emit(kvf__session *s, const Kvf__Event *ev) {
   session_write(s, &m, -1);
 }
 
+void kvf__api_soon(kvf__session *s, const char *xfer_id, uint32_t within_us) {
+  Kvf__Soon soon = KVF__SOON__INIT;
+  soon.xfer_id = (char *)xfer_id;
+  soon.within_us = within_us;
+  Kvf__ApiMessage m = KVF__API_MESSAGE__INIT;
+  m.body_case = KVF__API_MESSAGE__BODY_SOON;
+  m.soon = &soon;
+  kvfd.stats.api_soon++;
+  session_write(s, &m, -1);
+}
+
 /* ------------------------------------------------------------- requests */
 
 static bool uid_allowed(uid_t uid, gid_t gid) {

@@ -160,8 +160,9 @@ static void render_status(kvf__sbuf *b, int json) {
                  (unsigned long long)gs.block_bytes, (double)gs.block_kernel_ns / 1e3);
   rdma_status(b, json);
   kvf__sb_printf(b, ", \"granted_bytes\": %llu", granted_bytes());
-  kvf__sb_printf(b, ", \"api_output_bytes\": %zu, \"api_output_drops\": %llu", kvf__api_output_bytes(),
-                 (unsigned long long)st->api_output_drops);
+  kvf__sb_printf(b, ", \"api_output_bytes\": %zu, \"api_output_drops\": %llu, \"api_soon\": %llu",
+                 kvf__api_output_bytes(), (unsigned long long)st->api_output_drops,
+                 (unsigned long long)st->api_soon);
   tcp_status(b);
   kvf__registry_render(b, true);
   kvf__sb_printf(b, "}\n");

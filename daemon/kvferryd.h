@@ -34,6 +34,7 @@ typedef struct kvf__stats {
   uint64_t peer_errors;
   uint64_t auth_failures;   /* peers refused by the cluster key check (auth.h) */
   uint64_t api_output_drops; /* clients dropped for api-output-budget (api.c) */
+  uint64_t api_soon;        /* Soon hints told to clients (api.c) */
 } kvf__stats;
 
 typedef struct kvf__daemon {

@@ -75,6 +75,33 @@ class EngineGpuLocal(unittest.TestCase):
             c.unregister(ps)
             c.unregister(pd)
 
+    def test_last_part_tells_the_receiver_soon(self):
+        """Once a copy's rate is known, the launch of a local GPU send's
+        last part tells the receiving client that its event is near (an
+        API Soon, counted as api_soon in status; its library polls for the
+        event instead of sleeping): one per transfer, none for the parts
+        before; the library takes it without an event. Every byte compared."""
+        src, dst = filled(8 * MIB, 5), torch.zeros(8 * MIB, dtype=torch.uint8, device="cuda")
+        with self.d.client() as c, self.d.client() as r:
+            ps, pd = c.register(src, name="soon-src"), r.register(dst, name="soon-dst")
+            told = []
+            for k in range(2):  # the first transfer gives the rate
+                xid = "eg-soon-%d" % k
+                before = c.inspect("status", json=True)["api_soon"]
+                r.grant(xid, None, [pd.desc(i * MIB, MIB) for i in range(8)])
+                for i in range(8):
+                    c.send(xid, c.node, [ps.desc(i * MIB, MIB)], more=i < 7)
+                finish(self, [(r, kvferry.RECV_DONE), (c, kvferry.SEND_DONE)], xid, "local")
+                torch.cuda.synchronize()
+                self.assertTrue(torch.equal(dst, src))
+                self.assertEqual(r.wait_events(16, 0), [])  # no event of its own
+                told.append(c.inspect("status", json=True)["api_soon"] - before)
+                dst.zero_()
+                torch.cuda.synchronize()
+            self.assertEqual(told[1], 1, told)
+            c.unregister(ps)
+            r.unregister(pd)
+
     def test_view_inside_a_larger_allocation(self):
         """The caching allocator hands out slices of one cudaMalloc: the
         registered range starts inside the allocation."""

@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "api.h"
 #include "cuda/gpu.h"
 #include "pool.h"
 #include "pool_engine.h"
@@ -64,7 +65,12 @@ struct local_transport {
   uv_check_t turn_end;    /* launches held: */
   copy_job *held;         /* a block copy waiting for the end of the loop turn */
   bool mb_closed, turn_closed; /* destroy: freed once both handles closed */
+  double kernel_ns_per_byte; /* the last GPU copy measured; 0: none yet */
 };
+
+/* The longest copy a receiver's library is told to poll through (Soon):
+ * beyond it, two of its threads would spin longer than a sleep costs. */
+#define SOON_MAX_US 2000
 
 static local_transport *to_local(kvf__transport *t) { return kvf__container_of(t, local_transport, base); }
 
@@ -196,6 +202,8 @@ static void on_turn_end_closed(uv_handle_t *h) {
 static void on_launch_done(kvf__mail *m) {
   copy_job *j = kvf__container_of(m, copy_job, mail);
   local_transport *lt = j->lt;
+  uint64_t bytes = j->blocks ? j->bytes : j->runs.bytes;
+  if (j->rc == 0 && j->kernel_ms > 0 && bytes) lt->kernel_ns_per_byte = (double)j->kernel_ms * 1e6 / (double)bytes;
   finish_job(j, 0);
   if (--lt->in_flight == 0) kvf__mailbox_hold(&lt->mb, false);
   if (lt->closing && lt->in_flight == 0) kvf__mailbox_close(&lt->mb, local_free);
@@ -211,6 +219,18 @@ static void on_gpu_done(void *arg, int rc, float kernel_ms) {
   kvf__mailbox_post(&j->lt->mb, &j->mail, on_launch_done);
 }
 
+/* j, the copy of a send's last part, was launched: a local receiver's
+ * engine is told its event is near when the copy should take at most
+ * SOON_MAX_US (at the rate of the last copy measured), so that its
+ * library polls for the event instead of sleeping: after a long layer's
+ * compute its threads slept, and the event would pay their wake-up. */
+static void tell_soon(local_transport *lt, const copy_job *j) {
+  const kvf__xfer *r = j->x->twin;
+  if (!j->last || !r || !r->owner || lt->kernel_ns_per_byte <= 0) return;
+  double us = (double)(j->blocks ? j->bytes : j->runs.bytes) * lt->kernel_ns_per_byte / 1e3;
+  if (us <= SOON_MAX_US) kvf__api_soon(r->owner, r->id, (uint32_t)us);
+}
+
 /* Launches j's copies from the loop when one launch moves them all; else
  * (or on any failure to launch) the caller runs j on the thread pool. */
 static int start_on_loop(copy_job *j) {
@@ -218,6 +238,7 @@ static int start_on_loop(copy_job *j) {
   if (lt->closing) return -EAGAIN;
   int rc = kvf__gpu_copy_start(j->v, j->runs.n, on_gpu_done, j);
   if (rc) return rc;
+  tell_soon(lt, j);
   kvf__spin_expect_gpu();
   if (lt->in_flight++ == 0) kvf__mailbox_hold(&lt->mb, true);
   return 0;
@@ -273,6 +294,7 @@ static void launch_held(local_transport *lt) {
     finish_job(j, 0);
     return;
   }
+  tell_soon(lt, j);
   kvf__spin_expect_gpu();
   if (lt->in_flight++ == 0) kvf__mailbox_hold(&lt->mb, true);
 }
