@@ -570,10 +570,10 @@ static void answered_unlocked(kvf_client *c) { atomic_fetch_add_explicit(&c->ans
  * KVFERRY_SPIN_US says: the wait is known to be short, and bounded here.
  * A waiter that the Soon's own bytes woke spins as long (watch_for_event). */
 #define SOON_SLACK_US 200
-#define SOON_MAX_US 3000
+#define SOON_POLL_MAX_US 3000
 static void expect_soon(kvf_client *c, uint32_t within_us) {
   uint64_t us = (uint64_t)within_us + SOON_SLACK_US;
-  uint64_t until = mono_ns() + (us < SOON_MAX_US ? us : SOON_MAX_US) * 1000;
+  uint64_t until = mono_ns() + (us < SOON_POLL_MAX_US ? us : SOON_POLL_MAX_US) * 1000;
   if (until > atomic_load(&c->spin_until)) atomic_store(&c->spin_until, until);
 }
 

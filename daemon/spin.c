@@ -130,8 +130,7 @@ static void cadence_metrics(kvf__sbuf *b) {
   kvf__sb_printf(b, "kvferry_spin_cadence_parts_total{loop=\"woken\"} %llu\n", (unsigned long long)n_woken);
 }
 
-void kvf__spin_part(kvf__cadence *c, bool last) {
-  uint64_t now = kvf__now_ns();
+void kvf__spin_part(kvf__cadence *c, bool last, uint64_t now) {
   if (c->gap_ns) ++*(spinning ? &n_polled : &n_woken);
   c->gap_ns = c->last_ns ? now - c->last_ns : 0;
   c->last_ns = last ? 0 : now;

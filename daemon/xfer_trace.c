@@ -48,9 +48,8 @@ void kvf__xtrace_stamp(kvf__xfer *x, int which, uint64_t ns) {
 }
 
 void kvf__xtrace_part(kvf__xfer *x, bool last) {
-  uint64_t now = kvf__now_ns();
-  x->tr.t[KVF__XT_PART] = now;
-  kvf__spin_part(&x->send.cadence, last);
+  x->tr.t[KVF__XT_PART] = kvf__now_ns();
+  kvf__spin_part(&x->send.cadence, last, x->tr.t[KVF__XT_PART]);
 }
 
 void kvf__xtrace_twin(kvf__xfer *recv, const kvf__xfer *send) {

@@ -162,13 +162,16 @@ static const char *gpu_path(const kvf__runs *runs) {
   return link_path(link);
 }
 
+/* The bytes j moves (blocks or runs). */
+static uint64_t job_bytes(const copy_job *j) { return j->blocks ? j->bytes : j->runs.bytes; }
+
 /* Back on the loop: the post is done (status: the thread pool's own). */
 static void finish_job(copy_job *j, int status) {
   if (j->gpu)
     kvf__debug("local %s: %llu %s, %llu bytes: queued %.0f us, built %.0f us, copied %.0f us (kernel %.0f us), "
                "back on the loop %.0f us", j->x->path ? j->x->path : "local",
                (unsigned long long)(j->blocks ? j->pieces : j->runs.n), j->blocks ? "block pieces" : "runs",
-               (unsigned long long)(j->blocks ? j->bytes : j->runs.bytes), (double)(j->t_start - j->t_post) / 1e3,
+               (unsigned long long)job_bytes(j), (double)(j->t_start - j->t_post) / 1e3,
                (double)(j->t_built - j->t_start) / 1e3, (double)(j->t_copied - j->t_built) / 1e3,
                (double)j->kernel_ms * 1e3, (double)(kvf__now_ns() - j->t_copied) / 1e3);
   int st = status ? KVF_ECANCELED : j->rc;
@@ -202,8 +205,8 @@ static void on_turn_end_closed(uv_handle_t *h) {
 static void on_launch_done(kvf__mail *m) {
   copy_job *j = kvf__container_of(m, copy_job, mail);
   local_transport *lt = j->lt;
-  uint64_t bytes = j->blocks ? j->bytes : j->runs.bytes;
-  if (j->rc == 0 && j->kernel_ms > 0 && bytes) lt->kernel_ns_per_byte = (double)j->kernel_ms * 1e6 / (double)bytes;
+  if (j->rc == 0 && j->kernel_ms > 0 && job_bytes(j))
+    lt->kernel_ns_per_byte = (double)j->kernel_ms * 1e6 / (double)job_bytes(j);
   finish_job(j, 0);
   if (--lt->in_flight == 0) kvf__mailbox_hold(&lt->mb, false);
   if (lt->closing && lt->in_flight == 0) kvf__mailbox_close(&lt->mb, local_free);
@@ -227,7 +230,7 @@ static void on_gpu_done(void *arg, int rc, float kernel_ms) {
 static void tell_soon(local_transport *lt, const copy_job *j) {
   const kvf__xfer *r = j->x->twin;
   if (!j->last || !r || !r->owner || lt->kernel_ns_per_byte <= 0) return;
-  double us = (double)(j->blocks ? j->bytes : j->runs.bytes) * lt->kernel_ns_per_byte / 1e3;
+  double us = (double)job_bytes(j) * lt->kernel_ns_per_byte / 1e3;
   if (us <= SOON_MAX_US) kvf__api_soon(r->owner, r->id, (uint32_t)us);
 }
 
