@@ -68,7 +68,11 @@ void kvf__spin_loop_active(void) { loop_last = kvf__now_ns(); }
 enum { CADENCE_SLOTS = 64 };
 /* A longer gap is an engine that stalled, not a layer's compute. */
 #define CADENCE_MAX_GAP_NS (10ull * 1000000000ull)
-static struct { uint64_t start, end; } pending[CADENCE_SLOTS];
+static struct {
+  uint64_t start, end;
+  kvf__spin_ahead_fn ahead;
+  uint64_t arg;
+} pending[CADENCE_SLOTS];
 static unsigned n_pending;
 static uint64_t cadence_ns;   /* spin-cadence-us; 0: off */
 static uint64_t armed_ns;     /* the timerfd's expiry; 0: disarmed */
@@ -99,23 +103,30 @@ static void cadence_fired(uv_poll_t *h, int status, int events) {
       i++;
       continue;
     }
-    extend(KVF__SPIN_LOOP, pending[i].end);
+    kvf__spin_ahead_fn ahead = pending[i].ahead;
+    uint64_t arg = pending[i].arg, end = pending[i].end;
+    extend(KVF__SPIN_LOOP, end);
     pending[i] = pending[--n_pending];
+    if (ahead) ahead(arg, (uint32_t)((end - now) / 1000));
   }
   armed_ns = 0;
   cadence_arm();
 }
 
-static void cadence_expect(uint64_t start, uint64_t end) {
-  if (start <= kvf__now_ns()) {
+static void cadence_expect(uint64_t start, uint64_t end, kvf__spin_ahead_fn ahead, uint64_t arg) {
+  uint64_t now = kvf__now_ns();
+  if (start <= now) {
     extend(KVF__SPIN_LOOP, end);
     n_windows++;
+    if (ahead) ahead(arg, (uint32_t)((end - now) / 1000));
     return;
   }
   if (n_pending == CADENCE_SLOTS || cadence_fd < 0) return;
   n_windows++;
   pending[n_pending].start = start;
-  pending[n_pending++].end = end;
+  pending[n_pending].end = end;
+  pending[n_pending].ahead = ahead;
+  pending[n_pending++].arg = arg;
   cadence_arm();
 }
 
@@ -130,7 +141,7 @@ static void cadence_metrics(kvf__sbuf *b) {
   kvf__sb_printf(b, "kvferry_spin_cadence_parts_total{loop=\"woken\"} %llu\n", (unsigned long long)n_woken);
 }
 
-void kvf__spin_part(kvf__cadence *c, bool last, uint64_t now) {
+void kvf__spin_part(kvf__cadence *c, bool last, uint64_t now, kvf__spin_ahead_fn ahead, uint64_t arg) {
   if (c->gap_ns) ++*(spinning ? &n_polled : &n_woken);
   c->gap_ns = c->last_ns ? now - c->last_ns : 0;
   c->last_ns = last ? 0 : now;
@@ -138,7 +149,7 @@ void kvf__spin_part(kvf__cadence *c, bool last, uint64_t now) {
       atomic_load_explicit(&always, memory_order_relaxed))
     return;
   uint64_t due = now + c->gap_ns;
-  cadence_expect(due - (cadence_ns < c->gap_ns ? cadence_ns : c->gap_ns), due + cadence_ns);
+  cadence_expect(due - (cadence_ns < c->gap_ns ? cadence_ns : c->gap_ns), due + cadence_ns, ahead, arg);
 }
 
 static void cadence_start(uv_loop_t *loop) {

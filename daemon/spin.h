@@ -43,12 +43,19 @@ void kvf__spin_expect(bool recv);
  * reaches the client without two wake-ups (a kernel of a layer part takes
  * microseconds; a thread that slept takes tens to wake). */
 void kvf__spin_expect_gpu(void);
+/* Called on the loop as the polling window before a send's next part
+ * opens (kvf__spin_part), with its arg and the window's length. */
+typedef void (*kvf__spin_ahead_fn)(uint64_t arg, uint32_t window_us);
+
 /* Loop thread: a part of the send whose cadence c is came at now_ns, and
  * more follow unless `last`. Once two parts gave a gap, the loop polls from
  * spin-cadence-us before the next part is due (one gap after this one)
  * until as long after, so that a part posted after a layer's compute finds
- * it awake. A part that does not come by then costs nothing more. */
-void kvf__spin_part(kvf__cadence *c, bool last, uint64_t now_ns);
+ * it awake. A part that does not come by then costs nothing more. `ahead`
+ * (NULL: none) is called with arg when that window opens; not at all
+ * without one (the first two parts, spin-cadence-us 0, busy-poll, a
+ * stalled engine, CADENCE_SLOTS windows waiting already). */
+void kvf__spin_part(kvf__cadence *c, bool last, uint64_t now_ns, kvf__spin_ahead_fn ahead, uint64_t arg);
 /* Whether a waiting point of kind `what` whose last activity was at
  * last_ns (0: none) keeps polling now. */
 bool kvf__spin_open(int what, uint64_t last_ns);

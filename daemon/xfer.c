@@ -799,7 +799,7 @@ int kvf__xfer_send(kvf__session *s, const char *id, const char *dst_node,
     return KVF_EINVAL;
   }
   if (x && (rc = hold_descs(x, descs)) != 0) return rc;
-  if (x) kvf__xtrace_part(x, !more);
+  if (x) kvf__xtrace_part(x, !more, false);
   if (x) return continue_send(x, descs, !more);
   if ((rc = send_new(s, id, dst_node, p, deadline_ms, &x, err, errlen)) != 0) return rc;
   rc = hold_descs(x, descs);
@@ -808,7 +808,7 @@ int kvf__xfer_send(kvf__session *s, const char *id, const char *dst_node,
     xfer_destroy(x); /* unseen: no event follows an error */
     return rc;
   }
-  kvf__xtrace_part(x, !more);
+  kvf__xtrace_part(x, !more, false);
   rendezvous_send(x);
   return 0;
 }
@@ -1153,8 +1153,8 @@ void kvf__xfer_on_grant_ready(kvf__xfer *x, int status, const char *why) {
 /* -------------------------------------------------------- peer messages */
 
 static kvf__xfer *by_handle(kvf__peer *p, int role, uint64_t handle) {
-  kvf__xfer probe = {.role = role};
-  snprintf(probe.peer_name, sizeof(probe.peer_name), "%s", X.env.peer_name(p));
+  kvf__xfer probe = {.role = role}; /* a grant's key names no peer: p may be NULL (a local one) */
+  if (role == KVF__SEND) snprintf(probe.peer_name, sizeof(probe.peer_name), "%s", X.env.peer_name(p));
   char key[KVF__NAME_MAX + 64];
   handle_key(key, sizeof(key), &probe, handle);
   kvf__xfer *x = kvf__map_get(&X.by_handle, key);

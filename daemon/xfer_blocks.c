@@ -315,7 +315,8 @@ int kvf__xsend_part_take(kvf__xfer *x, const kvf__lview *v, bool last) {
     return -ENOMEM;
   memset(s->layers_sent + v->first_layer, 1, v->n_layers);
   s->descs_taken += kvf__blocks_pieces(v, x->mine.n, v->n_layers);
-  kvf__xtrace_part(x, last);
+  uint32_t left = x->mine.view.n_layers - layers_sent(x);
+  kvf__xtrace_part(x, last, !last && left && left <= v->n_layers); /* parts of equal layers: the next is the last */
   if (s->state == KVF__SEND_WAIT) {
     if (last) kvf__xfer_set_state(x, KVF__SEND_QUEUED);
     return 0;

@@ -3,7 +3,9 @@
 
 #include <string.h>
 
+#include "api.h"
 #include "metrics.h"
+#include "xfer_int.h"
 
 #define TRACE_RING 1024
 
@@ -47,9 +49,20 @@ void kvf__xtrace_stamp(kvf__xfer *x, int which, uint64_t ns) {
   else if (!*t) *t = ns;
 }
 
-void kvf__xtrace_part(kvf__xfer *x, bool last) {
-  x->tr.t[KVF__XT_PART] = kvf__now_ns();
-  kvf__spin_part(&x->send.cadence, last, x->tr.t[KVF__XT_PART]);
+/* The window before a local send's last part opened: its receiver's
+ * engine hears Soon, as for the copy's launch (local.c), a window ahead,
+ * so that its threads, asleep through a layer's compute, are awake when
+ * the event comes. A grant gone meanwhile is told nothing. */
+static void soon_ahead(uint64_t recv_handle, uint32_t window_us) {
+  kvf__xfer *r = kvf__xfer_by_handle(NULL, KVF__RECV, recv_handle);
+  if (r && r->owner && r->twin) kvf__api_soon(r->owner, r->id, window_us);
+}
+
+void kvf__xtrace_part(kvf__xfer *x, bool last, bool next_last) {
+  uint64_t now = x->tr.t[KVF__XT_PART] = kvf__now_ns();
+  const kvf__xfer *r = x->twin;
+  bool tell = next_last && r && r->owner && r->handle && !r->peer;
+  kvf__spin_part(&x->send.cadence, last, now, tell ? soon_ahead : NULL, tell ? r->handle : 0);
 }
 
 void kvf__xtrace_twin(kvf__xfer *recv, const kvf__xfer *send) {

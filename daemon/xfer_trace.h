@@ -29,10 +29,13 @@
 /* Sets stamp `which` of x to ns (0: now). FIRST keeps the earliest, LAST
  * the latest, the others the first one set. */
 void kvf__xtrace_stamp(kvf__xfer *x, int which, uint64_t ns);
-/* A part of send x came (the first too); more follow unless last. Stamps
- * it (the last part's arrival: "last_part_to_event" in the trace) and
- * tells spin.h its cadence. */
-void kvf__xtrace_part(kvf__xfer *x, bool last);
+/* A part of send x came (the first too); more follow unless last, and
+ * next_last says the next one should be the last (its layers are all that
+ * is left). Stamps it (the last part's arrival: "last_part_to_event" in
+ * the trace) and tells spin.h its cadence; before a local receiver's last
+ * part, the window that opens ahead of it tells that receiver's engine
+ * Soon (its threads poll while the part comes and is copied). */
+void kvf__xtrace_part(kvf__xfer *x, bool last, bool next_last);
 /* A local receive: its bytes moved when its sender's did. */
 void kvf__xtrace_twin(kvf__xfer *recv, const kvf__xfer *send);
 /* x ended with status (its event was queued, or it failed): its timeline

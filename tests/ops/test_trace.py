@@ -13,6 +13,7 @@ import time
 import unittest
 
 import kvftest  # first: puts the binding from the source tree on sys.path
+import kvferry
 from kvftest import KVFERRYCTL, wait_event
 
 from test_metrics import check_histograms, parse_exposition, scrape, value
@@ -191,6 +192,37 @@ class TestTrace(unittest.TestCase):
         self.assertEqual(windows, n - 2)
         self.assertEqual(polled + woken, n - 2)
         self.assertGreaterEqual(polled, 2, "parts 3-6: %d found the loop polling, %d woke it" % (polled, woken))
+
+    def test_last_layer_told_soon_ahead(self):
+        """A local layer-wise send of blocks at a steady cadence (60 ms,
+        spin-cadence-us 10 ms): the window the daemon opens ahead of the
+        last part also tells the receiving client Soon (api_soon), once:
+        not ahead of earlier parts, and not for a send to another node
+        (the tcp case before it in this class sends descriptors). Host
+        pools: no copy launch tells one. Every byte checked."""
+        n_layers, nb, bb, gap = 6, 4, 16 << 10, 0.060
+        base = 16 << 20
+        src = kvferry.Layout(self.pd2, [base + r * nb * bb for r in range(2 * n_layers)], nb, bb)
+        dst = kvferry.Layout(self.pd, [base + (4 << 20) + r * nb * bb for r in range(2 * n_layers)], nb, bb)
+        ls, ld = self.cd2.register_layout(src), self.cd.register_layout(dst)
+        data = os.urandom(2 * n_layers * nb * bb)
+        self.pd2.memory[base:base + len(data)] = data
+        self.pd.memory[base + (4 << 20):base + (4 << 20) + len(data)] = bytes(len(data))
+        ids = list(range(nb))
+        before = self.dec.status()["api_soon"]
+        self.cd.grant_blocks("tr-soon", "decode", ld, ids)
+        t0 = time.monotonic()
+        for layer in range(n_layers):
+            time.sleep(max(0.0, t0 + layer * gap - time.monotonic()))
+            self.cd2.send_blocks("tr-soon", "decode", ls, ids if layer == 0 else None, first_layer=layer,
+                                 n_layers=1, more=layer < n_layers - 1)
+        self.assertTrue(wait_event(self.cd, "tr-soon").ok)
+        self.assertTrue(wait_event(self.cd2, "tr-soon").ok)
+        self.assertEqual(bytes(self.pd.memory[base + (4 << 20):base + (4 << 20) + len(data)]), data)
+        self.assertEqual(self.dec.status()["api_soon"] - before, 1)
+        self.assertEqual(self.cd.wait_events(16, 0), [])  # the Soon is no event
+        self.cd.free_layout(ld)
+        self.cd2.free_layout(ls)
 
     def test_idle_daemon_sleeps(self):
         """spin-us and spin-grant-us are windows: once transfers stop, the
