@@ -328,8 +328,9 @@ static const struct opt opts[] = {
      .def = "10000",
      .help = "How long a grant keeps the data path polling: on the receiver from the grant's "
              "opening (the loop and the tcp receivers), on the sender from the peer's grant "
-             "reaching it ahead of the send (the loop and the tcp senders), so that a send posted "
-             "a prefill after its grant is not slower than one posted back to back; 0 = off."},
+             "reaching it ahead of the send (the loop and the tcp senders; the rdma progress "
+             "threads on both), so that a send posted a prefill after its grant is not slower than "
+             "one posted back to back; threads asleep when the window opens are woken then; 0 = off."},
     {.name = "spin-cadence-us", .type = OPT_U32, .off = F(spin_cadence_us), .min = 0, .max = 1000000,
      .def = "500",
      .help = "How long before the next part of a layer-wise send is due (one gap after its last, "

@@ -31,12 +31,38 @@ static void extend(int what, uint64_t until) {
   }
 }
 
+static struct {
+  int what;
+  kvf__spin_wake_fn wake;
+  void *arg;
+} wakers[KVF__SPIN_WAKERS];
+static unsigned n_wakers;
+
+int kvf__spin_wakers_add(int what, kvf__spin_wake_fn wake, void *arg) {
+  if (n_wakers == KVF__SPIN_WAKERS) return -ENOSPC;
+  wakers[n_wakers].what = what;
+  wakers[n_wakers].wake = wake;
+  wakers[n_wakers++].arg = arg;
+  return 0;
+}
+
+void kvf__spin_wakers_remove(void *arg) {
+  for (unsigned i = 0; i < n_wakers;)
+    if (wakers[i].arg == arg) wakers[i] = wakers[--n_wakers];
+    else i++;
+}
+
 void kvf__spin_expect(bool recv) {
   uint64_t win = atomic_load_explicit(&grant_ns, memory_order_relaxed);
   if (!win) return;
-  uint64_t until = kvf__now_ns() + win;
+  int what = recv ? KVF__SPIN_RECV : KVF__SPIN_SEND;
+  uint64_t now = kvf__now_ns(), until = now + win;
+  bool was_open = atomic_load_explicit(&expect_until[what], memory_order_relaxed) > now;
   extend(KVF__SPIN_LOOP, until);
-  extend(recv ? KVF__SPIN_RECV : KVF__SPIN_SEND, until);
+  extend(what, until);
+  if (was_open || atomic_load_explicit(&always, memory_order_relaxed)) return;
+  for (unsigned i = 0; i < n_wakers; i++)
+    if (wakers[i].what == what) wakers[i].wake(wakers[i].arg);
 }
 
 void kvf__spin_expect_gpu(void) {

@@ -38,6 +38,17 @@ typedef struct kvf__cadence {
 /* A grant was opened here (recv) or a peer's grant came ahead of our send
  * (!recv): the loop and that side's threads poll for spin-grant-us. */
 void kvf__spin_expect(bool recv);
+/* Threads of a transport that sleep while their kind's window is closed
+ * (KVF__SPIN_SEND or KVF__SPIN_RECV): each time kvf__spin_expect opens
+ * that window from closed, wake(arg) is called on the loop thread, so
+ * that they poll through it instead of sleeping until the data itself
+ * wakes them (a grant posted ahead of its send: the wake-up is paid then,
+ * off the handoff's path). Loop thread; at most KVF__SPIN_WAKERS. */
+enum { KVF__SPIN_WAKERS = 8 };
+typedef void (*kvf__spin_wake_fn)(void *arg);
+int kvf__spin_wakers_add(int what, kvf__spin_wake_fn wake, void *arg);
+/* Before the threads stop: every waker of arg goes. */
+void kvf__spin_wakers_remove(void *arg);
 /* A GPU copy was launched from the loop: its completion thread (gpu.c's
  * reaper) and the loop poll for spin-grant-us, so that the copy's end
  * reaches the client without two wake-ups (a kernel of a layer part takes

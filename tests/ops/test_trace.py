@@ -239,5 +239,76 @@ class TestTrace(unittest.TestCase):
             self.assertLess(share, 0.05, "%s used %.1f%% of a core while idle" % (d.name, share * 100))
 
 
+def thread_cpu(pid, name):
+    """CPU seconds of pid's threads called name, together."""
+    total = 0.0
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/comm" % (pid, tid)) as f:
+                if f.read().strip() != name:
+                    continue
+            with open("/proc/%d/task/%s/stat" % (pid, tid)) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue  # gone meanwhile
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+class TestGrantWakesThreads(unittest.TestCase):
+    """spin-grant-us promises that a grant keeps the data path polling
+    until its data comes: the receiving daemon's tcp receivers from the
+    grant's opening, the sending daemon's tcp senders from the grant
+    reaching it. Threads asleep when the window opens are woken to poll
+    (spin.h's wakers), instead of sleeping until the data wakes them. Here
+    the window is 600 ms, the grant's send never comes: over 400 ms of it
+    each side's threads use CPU time (they poll); after it, none (the
+    kernel counts in 10 ms ticks)."""
+    WINDOW_US = 600000
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = kvftest.tempdir()
+        cls.pre, cls.dec = kvftest.pair(cls.dir, pool="32M", extra="spin-grant-us %d\n" % cls.WINDOW_US)
+        cls.cp, cls.cd = cls.pre.client(), cls.dec.client()
+        cls.pp, cls.pd = cls.cp.pool_find("kv"), cls.cd.pool_find("kv")
+
+    @classmethod
+    def tearDownClass(cls):
+        for c in (cls.cp, cls.cd):
+            c.close()
+        for d in (cls.pre, cls.dec):
+            rc = d.stop()
+            assert rc == 0, "%s exited %s" % (d.name, rc)
+
+    def polled(self):
+        """CPU seconds over 400 ms: prefill's senders, decode's receivers."""
+        t0 = (thread_cpu(self.pre.proc.pid, "kvf-tcp-send"), thread_cpu(self.dec.proc.pid, "kvf-tcp-recv"))
+        time.sleep(0.4)
+        t1 = (thread_cpu(self.pre.proc.pid, "kvf-tcp-send"), thread_cpu(self.dec.proc.pid, "kvf-tcp-recv"))
+        return t1[0] - t0[0], t1[1] - t0[1]
+
+    def test_a_grant_wakes_the_data_path(self):
+        # one handoff first: the data streams connect and join the receivers
+        data = os.urandom(BLK)
+        self.pp.memory[0:BLK] = data
+        self.cd.grant("gw-0", "prefill", [self.pd.desc(BLK, BLK)])
+        self.cp.send("gw-0", "decode", [self.pp.desc(0, BLK)])
+        self.assertTrue(wait_event(self.cd, "gw-0").ok)
+        self.assertTrue(wait_event(self.cp, "gw-0").ok)
+        self.assertEqual(bytes(self.pd.memory[BLK:2 * BLK]), data)
+        time.sleep(self.WINDOW_US / 1e6 + 0.2)  # every window closed: the threads sleep
+        idle = self.polled()
+        self.cd.grant("gw-1", "prefill", [self.pd.desc(BLK, BLK)])
+        time.sleep(0.02)  # the grant reaches prefill
+        busy = self.polled()
+        self.cd.cancel("gw-1")
+        wait_event(self.cd, "gw-1")
+        msg = "prefill's senders, decode's receivers: %.3f, %.3f s idle; %.3f, %.3f s in the window" % (idle + busy)
+        self.assertLessEqual(max(idle), 0.01, msg)
+        self.assertGreater(busy[0], 0.03, msg)
+        self.assertGreater(busy[1], 0.03, msg)
+
+
 if __name__ == "__main__":
     kvftest.main()

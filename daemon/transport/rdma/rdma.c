@@ -115,6 +115,8 @@ static int start(rdma_transport *rt, char *err, size_t errlen) {
     rc = -EAGAIN;
   }
   rt->reaper.on = rc == 0;
+  if (rc == 0) rc = kvf__spin_wakers_add(KVF__SPIN_SEND, kvf__rdma_threads_wake, rt);
+  if (rc == 0) rc = kvf__spin_wakers_add(KVF__SPIN_RECV, kvf__rdma_threads_wake, rt);
   if (rc == 0) kvf__metrics_add_collector(kvf__rdma_metrics);
   return rc;
 }
@@ -164,6 +166,7 @@ static void stop_device(rdev *d) {
 /* Everything, in the order the libraries need: threads off the QPs, QPs and
  * ids before the event channel, MRs before the PD. */
 static void teardown(rdma_transport *rt) {
+  kvf__spin_wakers_remove(rt);
   while (rt->n_peers) kvf__rdma_peer_down(&rt->base, rt->peers[0]->p);
   stop_reaper(rt);
   kvf__rdma_sweep_parked(rt, NULL, true);

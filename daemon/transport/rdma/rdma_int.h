@@ -516,6 +516,7 @@ void kvf__rdma_fail_peer_soon(rpeer *rp, const char *fmt, ...) __attribute__((fo
  * callback. Any thread. */
 void kvf__rdma_credit(ticket *tk, size_t k, int status);
 void kvf__rdma_wake(rdev *d);
+void kvf__rdma_threads_wake(void *rt); /* spin.h's windows: every started device's thread */
 /* Takes back what of tk no thread has claimed; returns how many parts.
  * qlock held (or no thread left on rp). */
 size_t kvf__rdma_take_back(rpeer *rp, ticket *tk);

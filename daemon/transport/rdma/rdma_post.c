@@ -711,6 +711,15 @@ static void sleep_until_work(rdev *d) {
   (void)r; /* EAGAIN: it was the completion channel */
 }
 
+/* spin.h opened a window (a grant here, or a peer's ahead of its send):
+ * each device's progress thread, asleep on its channel, wakes to poll
+ * through it (kvf__rdma_progress_main), so the data finds it awake. */
+void kvf__rdma_threads_wake(void *arg) {
+  rdma_transport *rt = arg;
+  for (int i = 0; i < rt->n_devs; i++)
+    if (rt->devs[i].started) kvf__rdma_wake(&rt->devs[i]);
+}
+
 void *kvf__rdma_progress_main(void *arg) {
   rdev *d = arg;
   uint64_t spin_ns = (uint64_t)kvfd.cfg.rdma_poll_us * 1000, idle = fast_ns();

@@ -390,6 +390,7 @@ static void tcp_free(kvf__mailbox *mb) {
 
 /* Every peer is down by now (peers stop first): no thread posts any more. */
 static void tcp_destroy(kvf__transport *t) {
+  kvf__spin_wakers_remove(to_tcp(t));
   kvf__tcp_senders_stop(to_tcp(t));
   kvf__tcp_receivers_stop(to_tcp(t));
   kvf__mailbox_close(&to_tcp(t)->mb, tcp_free); /* delivers what is left first */
@@ -434,6 +435,8 @@ int kvf__tcp_create(uv_loop_t *loop, unsigned slot, kvf__transport **out, char *
   tt->n_workers = kvf__tcp_workers();
   rc = kvf__tcp_senders_start(tt);
   if (rc == 0) rc = kvf__tcp_receivers_start(tt);
+  if (rc == 0) rc = kvf__spin_wakers_add(KVF__SPIN_SEND, kvf__tcp_senders_wake, tt);
+  if (rc == 0) rc = kvf__spin_wakers_add(KVF__SPIN_RECV, kvf__tcp_receivers_wake, tt);
   if (rc) {
     snprintf(err, errlen, "cannot start the tcp transport's %u worker threads: %s", tt->n_workers, strerror(-rc));
     return rc; /* the daemon exits */

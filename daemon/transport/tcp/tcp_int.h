@@ -263,6 +263,7 @@ gstage *kvf__tcp_stage_get(stream *s);
  * it, waiting for those running (tp->stop set and their fds shut down). */
 int kvf__tcp_senders_start(tcp_transport *tt);
 void kvf__tcp_senders_stop(tcp_transport *tt);
+void kvf__tcp_senders_wake(void *tt);   /* spin.h's send window opened */
 void kvf__tcp_stream_schedule(stream *s); /* the caller holds tp->lock */
 void kvf__tcp_streams_unschedule(tcp_peer *tp);
 int kvf__tcp_post(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool last);
@@ -276,6 +277,7 @@ void kvf__tcp_abort(kvf__transport *t, kvf__xfer *x);
  * go of it. */
 int kvf__tcp_receivers_start(tcp_transport *tt);
 void kvf__tcp_receivers_stop(tcp_transport *tt);
+void kvf__tcp_receivers_wake(void *tt); /* spin.h's receive window opened */
 int kvf__tcp_stream_hand(tcp_transport *tt, stream *s);
 void kvf__tcp_stream_wait_done(tcp_peer *tp, stream *s);
 unsigned kvf__tcp_workers(void); /* tcp-threads, 0 resolved (tcp_send.c) */

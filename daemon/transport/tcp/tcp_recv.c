@@ -707,6 +707,17 @@ int kvf__tcp_receivers_start(tcp_transport *tt) {
   return 0;
 }
 
+/* spin.h opened the receive window (a grant opened here): every worker
+ * asleep in epoll wakes (its eventfd, as for new streams) and, holding
+ * streams, polls them through the window, so the data finds it awake. */
+void kvf__tcp_receivers_wake(void *arg) {
+  tcp_transport *tt = arg;
+  uint64_t one = 1;
+  for (unsigned i = 0; i < tt->n_receivers; i++)
+    if (write(tt->receivers[i].efd, &one, sizeof(one)) < 0) { /* full (EAGAIN): it is awake anyway */
+    }
+}
+
 /* Every peer is down: every stream was let go of. */
 void kvf__tcp_receivers_stop(tcp_transport *tt) {
   for (unsigned i = 0; i < tt->n_receivers; i++) {

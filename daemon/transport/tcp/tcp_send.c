@@ -341,6 +341,16 @@ static stream *rq_take(tcp_transport *tt) {
   return s;
 }
 
+/* spin.h opened the send window (a peer's grant came ahead of its send):
+ * a worker asleep wakes to poll the queue through it, unless one polls
+ * already, so the send finds it awake. */
+void kvf__tcp_senders_wake(void *arg) {
+  tcp_transport *tt = arg;
+  pthread_mutex_lock(&tt->rq_lock);
+  if (!tt->rq_spinner) pthread_cond_signal(&tt->rq_cond);
+  pthread_mutex_unlock(&tt->rq_lock);
+}
+
 /* s's quantum is over: back in the queue when it has more to do. */
 static void rq_release(stream *s) {
   tcp_peer *tp = s->tp;
