@@ -336,7 +336,8 @@ static const struct opt opts[] = {
      .help = "How long before the next part of a layer-wise send is due (one gap after its last, "
              "at the cadence of its earlier parts) the loop starts polling, and how long after it "
              "keeps polling if the part is late, so that a part posted after a long layer's compute "
-             "finds the loop awake instead of asleep since the last part; 0 = off."},
+             "finds the loop awake instead of asleep since the last part; before a local send's "
+             "last part, the window's start also tells the receiving engine Soon; 0 = off."},
     {.name = "rdma-memory-windows", .type = OPT_ENUM, .off = F(rdma_memory_windows),
      .words = tristate_words, .def = "auto",
      .help = "Limit a peer's RDMA writes to the ranges of its open grants: pools are "
