@@ -124,8 +124,10 @@ static uint64_t build_all(rig *g, ticket *tk, unsigned nq) {
     for (unsigned k = 0; first < end; k++) {
       rqp *q = tk->lanes ? tk->lanes[l].q : &g->qs[k % nq];
       size_t wrs, cnt = end - first < CHAIN_MAX ? end - first : CHAIN_MAX;
-      if (tk->gather) cnt = kvf__rdma_span(q, tk->runs, tk->order, tk->rkeys, first, end - first, CHAIN_MAX);
-      bytes += kvf__rdma_build_chain(&g->lk, q, tk->runs, tk->order, first, cnt, tk->rkeys, tk->gather, &wrs);
+      if (tk->gather)
+        cnt = kvf__rdma_span(q, tk->runs, tk->order, tk->rkeys, &tk->stride, first, end - first, CHAIN_MAX);
+      bytes += kvf__rdma_build_chain(&g->lk, q, tk->runs, tk->order, first, cnt, tk->rkeys, &tk->stride, tk->gather,
+                                     &wrs);
       kvf__rdma_restore_chain(q, wrs);
       first += cnt;
     }
@@ -133,7 +135,8 @@ static uint64_t build_all(rig *g, ticket *tk, unsigned nq) {
   if (tk->has_tail) {
     rqp *q = tk->tail_q ? tk->tail_q : &g->qs[0];
     size_t wrs;
-    bytes += kvf__rdma_build_chain(&g->lk, q, &tk->tail, NULL, 0, 1, tk->rkeys ? &tk->tail_rkey : NULL, false, &wrs);
+    bytes += kvf__rdma_build_chain(&g->lk, q, &tk->tail, NULL, 0, 1, tk->rkeys ? &tk->tail_rkey : NULL, NULL, false,
+                                   &wrs);
     kvf__rdma_restore_chain(q, wrs);
   }
   return bytes;

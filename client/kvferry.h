@@ -446,7 +446,8 @@ typedef struct kvf_event {
    * tokens per block and heads: "heads 0-1, NHD 16/1h -> HND 64/2h"), then
    * how the transport placed it when it says (rdma: ", staged" through the
    * receiver's staging and a transform pass there, ", direct" written run
-   * by run, with why). Empty: descriptors, or not known. */
+   * by run, or ", direct, gathered" a destination head slice a write
+   * gathering its tokens, with why). Empty: descriptors, or not known. */
   char transform[112];
 } kvf_event;
 

@@ -34,6 +34,10 @@ typedef struct kvf__runs {
   kvf__run *v;
   size_t n, cap;
   uint64_t bytes;
+  /* Strided runs (rdma only, kvf__xform_runs_strided; 0: plain): each run
+   * is len / unit pieces of unit bytes, back to back at dst_off, piece i
+   * read from src_off + i * step. */
+  uint64_t unit, step;
 } kvf__runs;
 
 /* A range the receiver accepts writes into. */

@@ -172,6 +172,7 @@ uint64_t kvf__xplan_bytes(const kvf__xplan *p, uint32_t n_layers, uint32_t n_kv)
 typedef struct walker {
   kvf__xrun_fn fn;
   void *ctx;
+  bool pieces;                  /* each piece on its own (strided runs coalesce them their way) */
   bool on;
   uint64_t so, dof, len;
   uint32_t piece;
@@ -180,12 +181,12 @@ typedef struct walker {
 /* One piece; coalesced with the pending run when back to back on both
  * sides. */
 static void emit(walker *w, uint64_t so, uint64_t dof, uint64_t len, uint32_t piece) {
-  if (w->on && w->so + w->len == so && w->dof + w->len == dof) {
+  if (w->on && w->so + w->len == so && w->dof + w->len == dof && !w->pieces) {
     w->len += len;
     return;
   }
   if (w->on) w->fn(w->ctx, w->so, w->dof, w->len, w->piece);
-  *w = (walker){w->fn, w->ctx, true, so, dof, len, piece};
+  *w = (walker){w->fn, w->ctx, w->pieces, true, so, dof, len, piece};
 }
 
 static void flush(walker *w) {
@@ -245,29 +246,53 @@ static void walk_region(walker *w, const kvf__xplan *p, const kvf__lview *s, con
   }
 }
 
-int kvf__xform_walk(const kvf__xplan *p, const kvf__lview *s, const uint32_t *sids, const kvf__lview *d,
-                    const uint32_t *dids, uint32_t first, uint32_t n_layers, kvf__xrun_fn fn, void *ctx) {
+static int walk(const kvf__xplan *p, const kvf__lview *s, const uint32_t *sids, const kvf__lview *d,
+                const uint32_t *dids, uint32_t first, uint32_t n_layers, kvf__xrun_fn fn, void *ctx, bool pieces) {
   if (n_layers == 0 || first < s->first_layer || first < d->first_layer ||
       first + n_layers > s->first_layer + s->n_layers || first + n_layers > d->first_layer + d->n_layers)
     return KVF_ERANGE;
   if (s->n_kv != d->n_kv) return KVF_ESIZE;
-  walker w = {fn, ctx, false, 0, 0, 0, 0};
+  walker w = {fn, ctx, pieces, false, 0, 0, 0, 0};
   for (uint32_t l = first; l < first + n_layers; l++)
     for (uint32_t kv = 0; kv < s->n_kv; kv++) walk_region(&w, p, s, sids, d, dids, l, kv);
   flush(&w);
   return 0;
 }
 
+int kvf__xform_walk(const kvf__xplan *p, const kvf__lview *s, const uint32_t *sids, const kvf__lview *d,
+                    const uint32_t *dids, uint32_t first, uint32_t n_layers, kvf__xrun_fn fn, void *ctx) {
+  return walk(p, s, sids, d, dids, first, n_layers, fn, ctx, false);
+}
+
 typedef struct run_sink {
   kvf__runs *out;
   uint32_t src_pool, dst_pool;
+  uint64_t max_len;             /* strided: a run's pieces at most, in bytes */
   int rc;
 } run_sink;
+
+/* Strided: piece (so, dof) continues the last run, a step further on the
+ * source and right after it on the destination, with room to spare. */
+static bool continues(const run_sink *k, uint64_t so, uint64_t dof, uint64_t len) {
+  const kvf__runs *o = k->out;
+  if (!o->step || !o->n || len != o->unit) return false;
+  const kvf__run *r = &o->v[o->n - 1];
+  return r->dst_off + r->len == dof && r->src_off + r->len / o->unit * o->step == so && r->len + len <= k->max_len;
+}
 
 static void to_run(void *ctx, uint64_t so, uint64_t dof, uint64_t len, uint32_t piece) {
   run_sink *k = ctx;
   kvf__runs *o = k->out;
   if (k->rc) return;
+  if (continues(k, so, dof, len)) {
+    o->v[o->n - 1].len += len;
+    o->bytes += len;
+    return;
+  }
+  if (o->step && len != o->unit) { /* a piece of other length: kvf__xplan_strides rules it out */
+    k->rc = -EINVAL;
+    return;
+  }
   if (o->n == o->cap) {
     size_t cap = o->cap ? 2 * o->cap : 64;
     kvf__run *nv = realloc(o->v, cap * sizeof(*nv));
@@ -296,7 +321,7 @@ static size_t runs_bound(const kvf__xplan *p, uint32_t n_layers, uint32_t n_kv) 
 
 int kvf__xform_runs(const kvf__xplan *p, const kvf__lview *s, const uint32_t *sids, const kvf__lview *d,
                     const uint32_t *dids, uint32_t first, uint32_t n_layers, kvf__runs *out) {
-  run_sink k = {out, s->pool, d->pool, 0};
+  run_sink k = {out, s->pool, d->pool, 0, 0};
   size_t want = out->n + runs_bound(p, n_layers, s->n_kv);
   if (want > out->cap) {
     kvf__run *nv = realloc(out->v, want * sizeof(*nv));
@@ -305,6 +330,29 @@ int kvf__xform_runs(const kvf__xplan *p, const kvf__lview *s, const uint32_t *si
     out->cap = want;
   }
   int rc = kvf__xform_walk(p, s, sids, d, dids, first, n_layers, to_run, &k);
+  return rc ? rc : k.rc;
+}
+
+bool kvf__xplan_strides(const kvf__xplan *p) {
+  /* one head or one token a block reads the same in either order: no
+   * transform of order, and its pieces may be longer than a unit */
+  return p->transform && p->unit && p->s.order == KVF_LAYOUT_NHD && p->d.order == KVF_LAYOUT_HND && p->s.heads > 1 &&
+         p->s.tpb > 1 && p->d.tpb > 1;
+}
+
+int kvf__xform_runs_strided(const kvf__xplan *p, const kvf__lview *s, const uint32_t *sids, const kvf__lview *d,
+                            const uint32_t *dids, uint32_t first, uint32_t n_layers, uint32_t max_pieces,
+                            kvf__runs *out) {
+  if (!kvf__xplan_strides(p) || max_pieces == 0) return -EINVAL;
+  uint64_t step = (uint64_t)p->s.heads * p->unit;
+  if ((out->step || out->n) && (out->unit != p->unit || out->step != step)) return -EINVAL;
+  out->unit = p->unit;
+  out->step = step;
+  run_sink k = {out, s->pool, d->pool, (uint64_t)max_pieces * p->unit, 0};
+  /* piece by piece (the walk's own coalescing could join the last piece of
+   * a block to the first of the next: no fixed step); the list grows as it
+   * goes, far fewer runs than pieces */
+  int rc = walk(p, s, sids, d, dids, first, n_layers, to_run, &k, true);
   return rc ? rc : k.rc;
 }
 

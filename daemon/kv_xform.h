@@ -94,6 +94,18 @@ int kvf__xform_walk(const kvf__xplan *p, const kvf__lview *s, const uint32_t *si
 int kvf__xform_runs(const kvf__xplan *p, const kvf__lview *s, const uint32_t *sids, const kvf__lview *d,
                     const uint32_t *dids, uint32_t first, uint32_t n_layers, kvf__runs *out);
 
+/* Whether every piece of p's walk is one head's token (unit bytes) read
+ * at a fixed step (the source's heads x unit) into a destination head
+ * slice that is contiguous: NHD (more than one head) into HND. Then its
+ * runs can be strided (desc.h), a destination head slice's pieces in one
+ * run, as a gathered RDMA WRITE reads them. */
+bool kvf__xplan_strides(const kvf__xplan *p);
+/* The walk appended to out as strided runs of at most max_pieces pieces
+ * (out->unit, out->step set; out must hold none or the same stride). */
+int kvf__xform_runs_strided(const kvf__xplan *p, const kvf__lview *s, const uint32_t *sids, const kvf__lview *d,
+                            const uint32_t *dids, uint32_t first, uint32_t n_layers, uint32_t max_pieces,
+                            kvf__runs *out);
+
 /* The transform kernel's geometry for p (cuda/copy_args.h: unit, sides,
  * heads, chunks, ids per side); the caller sets addresses, ids and pieces. */
 struct kvf_xblocks_args;

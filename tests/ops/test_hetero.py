@@ -77,22 +77,25 @@ class Base:
         self.clients.append(c)
         return c
 
-    def handoff(self, path, ptp, dtp, porder, dorder, pts, dts, mla=False, head_dim=D):
+    def handoff(self, path, ptp, dtp, porder, dorder, pts, dts, mla=False, head_dim=D, model=H):
         """Every rank of prefill TP ptp and decode TP dtp is a client with
         its own layout. KV heads: one transfer id for the request, each
         decode rank grants it, each prefill rank sends it (fan-in and
         fan-out: the daemons move each head from the rank that holds it).
         MLA: decode rank r takes the latent from prefill rank r % ptp (any
         one source), one id each. Then every byte of every decode rank is
-        checked. head_dim: the pieces' size (head_dim * 2 bytes)."""
-        tag = "%s-%d-%d-%s-%s-%d-%d-%s-%d" % (path, ptp, dtp, porder, dorder, pts, dts, mla, head_dim)
+        checked. head_dim: the pieces' size (head_dim * 2 bytes); model 0:
+        the layouts do not say which of the model's heads they hold (TP 1
+        only: no fan, the heads move together)."""
+        tag = "%s-%d-%d-%s-%s-%d-%d-%s-%d-%d" % (path, ptp, dtp, porder, dorder, pts, dts, mla, head_dim, model)
         ddaemon = self.dec if path != "local" else self.pre
         cps = [self.client(self.pre) for _ in range(ptp)]
         cds = [self.client(ddaemon) for _ in range(dtp)]
         pp, pd = cps[0].pool_find("kv"), cds[0].pool_find("kv")
-        pre = [Rank(cps[i], pp, i * RANK_SLICE, ptp, i, porder, pts, mla, head_dim=head_dim) for i in range(ptp)]
+        pre = [Rank(cps[i], pp, i * RANK_SLICE, ptp, i, porder, pts, mla, head_dim=head_dim, model=model)
+               for i in range(ptp)]
         dbase = 8 * RANK_SLICE  # local: one pool for both sides
-        dec = [Rank(cds[i], pd, dbase + i * RANK_SLICE, dtp, i, dorder, dts, mla, head_dim=head_dim)
+        dec = [Rank(cds[i], pd, dbase + i * RANK_SLICE, dtp, i, dorder, dts, mla, head_dim=head_dim, model=model)
                for i in range(dtp)]
         nd, ns = TOKENS // dts, -(-TOKENS // pts)
         sids = [self.rng.sample(range(NB), ns) for _ in pre]
@@ -503,6 +506,33 @@ class HeteroRdma(Base, unittest.TestCase):
         # slice: one request a chunk, and the tail, so 3 a rank
         self.assertGreater(runs, 8 * 2 * 2 * 8 // 2, after)
         self.assertLessEqual(wrs, 8 * 3, after)
+
+    def test_head_slices_written_directly(self):
+        """NHD into HND with heads of 128 bytes, the layouts not saying
+        which of the model's heads they hold (no fan: the heads move
+        together), a grant larger than the receiver's staging arena: a
+        decode head slice (16 tokens, 2 KiB) is contiguous, its tokens a
+        row apart in the prefill block, and the next head's slice follows
+        it. The sender writes the slices directly, one strided run each
+        (one scatter/gather entry a token), two a gathered request: no
+        staging, no transform pass on the receiver (both counters still),
+        half as many requests as runs; the events say so. Every byte
+        checked."""
+        post = lambda: self.client(self.pre).inspect("status", json=True)["rdma"]["post"]  # noqa: E731
+        s0, r0, p0 = self.staging(self.pre), self.staging(self.dec), post()
+        self.handoff("rdma", 1, 1, "NHD", "HND", 16, 16, head_dim=64, model=0)
+        self.assertGreater(L * 2 * (TOKENS // 16) * 16 * H * 128, self.STAGING)
+        said = "heads 0-7, NHD 16/8h -> HND 16/8h, direct, gathered (the receiver lent no staging)"
+        self.assertEqual((self.events["send", 0].transform, self.events["recv", 0].transform), (said, said))
+        s1, r1, p1 = self.staging(self.pre), self.staging(self.dec), post()
+        self.assertGreaterEqual(s1["strided_parts"] - s0["strided_parts"], 1, s1)  # the sender posts in parts
+        self.assertEqual((s1["staged_parts"], r1["passes"]), (s0["staged_parts"], r0["passes"]), (s1, r1))
+        self.assertEqual(r1["no_room"] - r0["no_room"], 1, r1)
+        # 2 layers x K, V x 8 blocks x 8 heads: 256 head slices; 32 entries
+        # a request (rxe): two slices each, and the tail alone
+        runs, wrs = p1["runs"] - p0["runs"], p1["work_requests"] - p0["work_requests"]
+        self.assertEqual(runs, 256, p1)
+        self.assertLessEqual(wrs, 256 // 2 + 8, p1)
 
     def test_staging_no_room(self):
         """A grant larger than the receiver's staging arena: it goes without

@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -217,6 +218,49 @@ static void kernel_on_cpu(const kvf__xplan *plan, const side *s, const side *d, 
   free(out);
 }
 
+/* Strided runs (kvf__xform_runs_strided, for rdma's gathered writes),
+ * cut at max_pieces, applied piece by piece: the same bytes as the walk
+ * (want); each run's pieces land back to back and are read a step apart.
+ * Where the plan has no fixed step they are refused. Returns the runs. */
+static size_t check_strided(const kvf__xplan *plan, const side *s, const side *d, const uint8_t *want,
+                            uint32_t max_pieces) {
+  kvf__runs runs = {0};
+  if (!kvf__xplan_strides(plan)) {
+    assert_int_equal(kvf__xform_runs_strided(plan, &s->v, s->ids, &d->v, d->ids, 0, L, max_pieces, &runs), -EINVAL);
+    assert_int_equal(runs.n, 0);
+    return 0;
+  }
+  assert_true(plan->s.order == KVF_LAYOUT_NHD && plan->d.order == KVF_LAYOUT_HND);
+  assert_int_equal(kvf__xform_runs_strided(plan, &s->v, s->ids, &d->v, d->ids, 0, L, max_pieces, &runs), 0);
+  assert_int_equal(runs.unit, UNIT);
+  assert_int_equal(runs.step, (uint64_t)s->heads * UNIT); /* a token's row of the source's heads */
+  uint8_t *out = malloc(d->size);
+  assert_non_null(out);
+  memcpy(out, d->mem, d->size);
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < runs.n; i++) {
+    const kvf__run *r = &runs.v[i];
+    assert_true(r->len % UNIT == 0 && r->len >= UNIT && r->len <= (uint64_t)max_pieces * UNIT);
+    for (uint64_t k = 0; k < r->len / UNIT; k++) {
+      uint64_t so = r->src_off + k * runs.step, dof = r->dst_off + k * UNIT;
+      assert_true(so + UNIT <= s->size && dof + UNIT <= d->size);
+      memcpy(out + dof, s->mem + so, UNIT);
+    }
+    bytes += r->len;
+  }
+  assert_int_equal(bytes, runs.bytes);
+  assert_int_equal(bytes, kvf__xplan_bytes(plan, L, d->n_kv));
+  assert_memory_equal(out, want, d->size);
+  size_t n = runs.n;
+  kvf__runs more = {.unit = UNIT, .step = runs.step + 1}; /* a list of another stride is not extended */
+  assert_int_equal(kvf__xform_runs_strided(plan, &s->v, s->ids, &d->v, d->ids, 0, L, max_pieces, &more), -EINVAL);
+  kvf__runs_free(&runs);
+  free(out);
+  return n;
+}
+
+static size_t strided_cases, strided_runs, strided_pieces;
+
 typedef struct combo {
   uint32_t n_kv, model;
   uint32_t s_tpb, s_heads, s_h0, s_order;
@@ -245,6 +289,12 @@ static size_t check_combo(const combo *c, kvf__xplan *plan) {
   assert_memory_equal(a.out, want, d.size);
   assert_false(a.bad_piece);
   if (plan->transform) kernel_on_cpu(plan, &s, &d, want);
+  size_t sr = check_strided(plan, &s, &d, want, 3);
+  if (sr) {
+    strided_cases++;
+    strided_runs += sr;
+    strided_pieces += kvf__xplan_bytes(plan, L, c->n_kv) / UNIT;
+  }
   /* a run list says the same as the walk */
   kvf__runs runs = {0};
   assert_int_equal(kvf__xform_runs(plan, &s.v, s.ids, &d.v, d.ids, 0, L, &runs), 0);
@@ -293,6 +343,10 @@ static void test_every_combination(void **state) {
           n++;
         }
   assert_int_equal(n, 8 * 4 * 6 * 2);
+  /* NHD -> HND with more than one source head and token a block: 7 of the
+   * 8 head cases x 5 of the 6 token pairs x 2; a run gathers up to 3 pieces */
+  assert_int_equal(strided_cases, 7 * 5 * 2);
+  assert_true(strided_runs * 2 < strided_pieces);
 }
 
 /* MLA: one latent region per layer, replicated; any order and tokens. */

@@ -54,12 +54,23 @@ static rig *rig_new(uint32_t max_sge) {
   return g;
 }
 
-/* Builds runs[first .. first + n) (through order when given) and checks the
- * chain against them; returns its work requests. */
-static size_t check_chain(rig *g, const kvf__run *runs, const uint32_t *order, const uint32_t *rkeys, size_t first,
-                          size_t n) {
+/* Where byte `at` of run r is read: a strided run's pieces a step apart. */
+static uint64_t source_of(const kvf__run *r, const rstride *st, uint64_t at) {
+  return st && st->unit ? r->src_off + at / st->unit * st->step + at % st->unit : r->src_off + at;
+}
+
+/* The bytes an entry may read on from byte `at` of r: a strided run's
+ * entry never crosses a piece. */
+static uint64_t readable(const kvf__run *r, const rstride *st, uint64_t at) {
+  return st && st->unit ? st->unit - at % st->unit : r->len - at;
+}
+
+/* Builds runs[first .. first + n) (through order when given; st: strided)
+ * and checks the chain against them; returns its work requests. */
+static size_t check_strided_chain(rig *g, const kvf__run *runs, const uint32_t *order, const uint32_t *rkeys,
+                                  const rstride *st, size_t first, size_t n) {
   size_t wrs = 0;
-  uint64_t bytes = kvf__rdma_build_chain(&g->lk, &g->q, runs, order, first, n, rkeys, true, &wrs);
+  uint64_t bytes = kvf__rdma_build_chain(&g->lk, &g->q, runs, order, first, n, rkeys, st, true, &wrs);
   assert_true(wrs >= 1 && wrs <= CHAIN_MAX && wrs <= n);
   size_t k = 0; /* the run being matched, and how far */
   uint64_t at = 0, total = 0;
@@ -82,9 +93,9 @@ static size_t check_chain(rig *g, const kvf__run *runs, const uint32_t *order, c
         size_t j = order ? order[first + k] : first + k;
         const kvf__run *r = &runs[j];
         if (rkeys) assert_int_equal(rkeys[j], wr->wr.rdma.rkey);
-        assert_int_equal(src, r->src_off + at); /* the entry reads the run's source */
-        assert_int_equal(dst, r->dst_off + at); /* which lands where the run says */
-        uint64_t take = r->len - at < left ? r->len - at : left;
+        assert_int_equal(src, source_of(r, st, at)); /* the entry reads the run's source */
+        assert_int_equal(dst, r->dst_off + at);        /* which lands where the run says */
+        uint64_t take = readable(r, st, at) < left ? readable(r, st, at) : left;
         src += take;
         dst += take;
         left -= take;
@@ -107,6 +118,11 @@ static size_t check_chain(rig *g, const kvf__run *runs, const uint32_t *order, c
   first_len = g->q.wr[0].sg_list[0].length;
   kvf__rdma_restore_chain(&g->q, wrs);
   return wrs;
+}
+
+static size_t check_chain(rig *g, const kvf__run *runs, const uint32_t *order, const uint32_t *rkeys, size_t first,
+                          size_t n) {
+  return check_strided_chain(g, runs, order, rkeys, NULL, first, n);
 }
 
 /* n runs of len bytes landing back to back from dst0, their sources the
@@ -142,7 +158,7 @@ static void test_staged_rows_gather(void **state) {
   kvf__run *runs = rows(n, 4096, 0, perm);
   size_t first = 0, chains = 0, wrs = 0;
   while (first < n) {
-    size_t cnt = kvf__rdma_span(&g->q, runs, NULL, NULL, first, n - first, CHAIN_MAX);
+    size_t cnt = kvf__rdma_span(&g->q, runs, NULL, NULL, NULL, first, n - first, CHAIN_MAX);
     assert_true(cnt >= 1);
     /* 1 MiB a chain: 256 rows, 8 requests of 32 */
     assert_int_equal(cnt, n - first < 256 ? n - first : 256);
@@ -154,7 +170,7 @@ static void test_staged_rows_gather(void **state) {
   assert_int_equal(wrs, 32); /* 8 requests per 256 rows; the last 232 rows: 8 */
   /* a plain chain after gathered ones: a request a run, each its own entry */
   size_t plain = 0;
-  kvf__rdma_build_chain(&g->lk, &g->q, runs, NULL, 0, 8, NULL, false, &plain);
+  kvf__rdma_build_chain(&g->lk, &g->q, runs, NULL, 0, 8, NULL, NULL, false, &plain);
   assert_int_equal(plain, 8);
   for (size_t i = 0; i < 8; i++) {
     assert_ptr_equal(g->q.wr[i].sg_list, &g->q.sge[i]);
@@ -175,7 +191,7 @@ static void test_adjacent_sources_share_an_entry(void **state) {
   rig *g = rig_new(2);
   uint32_t perm[] = {10, 11, 12, 40, 41, 7};
   kvf__run *runs = rows(6, 256, 4096, perm);
-  size_t cnt = kvf__rdma_span(&g->q, runs, NULL, NULL, 0, 6, CHAIN_MAX);
+  size_t cnt = kvf__rdma_span(&g->q, runs, NULL, NULL, NULL, 0, 6, CHAIN_MAX);
   assert_int_equal(cnt, 6);
   /* [10 11 12][40 41] in one request of two entries, [7] in the next */
   assert_int_equal(check_chain(g, runs, NULL, NULL, 0, 6), 2);
@@ -193,22 +209,22 @@ static void test_no_gather(void **state) {
   uint32_t *perm = shuffled(64, 3);
   kvf__run *runs = rows(64, 4096, 0, perm);
   for (size_t i = 0; i < 64; i += 2) runs[i].dst_off += 1u << 30; /* every other one elsewhere */
-  assert_int_equal(kvf__rdma_span(&g->q, runs, NULL, NULL, 0, 64, CHAIN_MAX), CHAIN_MAX);
+  assert_int_equal(kvf__rdma_span(&g->q, runs, NULL, NULL, NULL, 0, 64, CHAIN_MAX), CHAIN_MAX);
   assert_int_equal(check_chain(g, runs, NULL, NULL, 0, CHAIN_MAX), CHAIN_MAX);
   free(runs);
 
   runs = rows(64, 4096, 0, perm);
   uint32_t rkeys[64];
   for (size_t i = 0; i < 64; i++) rkeys[i] = 500 + (uint32_t)(i / 8); /* a window per 8 rows */
-  assert_int_equal(kvf__rdma_span(&g->q, runs, NULL, rkeys, 0, 64, 3), 24);
+  assert_int_equal(kvf__rdma_span(&g->q, runs, NULL, rkeys, NULL, 0, 64, 3), 24);
   assert_int_equal(check_chain(g, runs, NULL, rkeys, 0, 24), 3);
 
   kvfd.cfg.rdma_slice = 16384; /* 4 rows a request */
-  assert_int_equal(kvf__rdma_span(&g->q, runs, NULL, NULL, 0, 64, 5), 20);
+  assert_int_equal(kvf__rdma_span(&g->q, runs, NULL, NULL, NULL, 0, 64, 5), 20);
   assert_int_equal(check_chain(g, runs, NULL, NULL, 0, 20), 5);
 
   rig *one = rig_new(1);
-  assert_int_equal(kvf__rdma_span(&one->q, runs, NULL, NULL, 0, 64, 7), 7);
+  assert_int_equal(kvf__rdma_span(&one->q, runs, NULL, NULL, NULL, 0, 64, 7), 7);
   assert_int_equal(check_chain(one, runs, NULL, NULL, 0, 7), 7);
   free(one);
   free(runs);
@@ -224,12 +240,67 @@ static void test_order(void **state) {
   kvf__run *runs = rows(40, 1024, 0, perm);
   uint32_t order[20];
   for (size_t i = 0; i < 20; i++) order[i] = (uint32_t)(i < 10 ? i : 30 + (i - 10)); /* two stretches */
-  size_t cnt = kvf__rdma_span(&g->q, runs, order, NULL, 2, 18, CHAIN_MAX);
+  size_t cnt = kvf__rdma_span(&g->q, runs, order, NULL, NULL, 2, 18, CHAIN_MAX);
   assert_int_equal(cnt, 18);
   /* rows 2-5, 6-9, then 30-33, 34-37, 38-39 */
   assert_int_equal(check_chain(g, runs, order, NULL, 2, 18), 5);
   free(runs);
   free(perm);
+  free(g);
+}
+
+/* Strided runs (an NHD source's tokens of one head into an HND head
+ * slice, kv_xform.h): an entry a piece, read a step apart; requests gather
+ * whole runs back to back within max_sge entries (two head slices of 16
+ * pieces at 32), never a run's pieces over two requests; a run of one piece
+ * after one of one piece whose source follows shares its entry. */
+static void test_strided_runs(void **state) {
+  rig *g = rig_new(32);
+  rstride st = {.unit = 256, .step = 8 * 256}; /* 8 heads of 128 x 2 bytes */
+  size_t n = 64;                               /* 4 blocks x 8 heads x 2 regions */
+  kvf__run *runs = calloc(n, sizeof(*runs));
+  assert_non_null(runs);
+  for (size_t i = 0; i < n; i++) { /* head slice i: 16 tokens, back to back at the receiver */
+    uint64_t block = i / 8, head = i % 8;
+    runs[i] = (kvf__run){.src_off = (block * 3 + 1) * 32768 + head * 256, .dst_off = i * 4096, .len = 4096,
+                         .dst_desc = UINT32_MAX};
+  }
+  size_t first = 0, wrs = 0;
+  while (first < n) {
+    size_t cnt = kvf__rdma_span(&g->q, runs, NULL, NULL, &st, first, n - first, CHAIN_MAX);
+    assert_int_equal(cnt, n - first < 64 ? n - first : 64); /* 32 requests of 2 runs, 256 KiB: one chain */
+    size_t w = check_strided_chain(g, runs, NULL, NULL, &st, first, cnt);
+    assert_int_equal(first_sges, 32);
+    assert_int_equal(first_len, 256);
+    wrs += w;
+    first += cnt;
+  }
+  assert_int_equal(wrs, 32);
+  /* 20 entries at most: one run a request (16 + 16 > 20) */
+  rig *small = rig_new(20);
+  assert_int_equal(kvf__rdma_span(&small->q, runs, NULL, NULL, &st, 0, 10, CHAIN_MAX), 10);
+  assert_int_equal(check_strided_chain(small, runs, NULL, NULL, &st, 0, 10), 10);
+  assert_int_equal(first_sges, 16);
+  free(small);
+  /* runs of one piece whose sources follow: one entry, as plain runs */
+  kvf__run one[3] = {{.src_off = 0, .dst_off = 0, .len = 256}, {.src_off = 256, .dst_off = 256, .len = 256},
+                     {.src_off = 4096, .dst_off = 512, .len = 512}};
+  assert_int_equal(check_strided_chain(g, one, NULL, NULL, &st, 0, 3), 1);
+  assert_int_equal(first_sges, 3); /* [0, 512) from 0; then 4096 and 4096 + step */
+  assert_int_equal(first_len, 512);
+  free(runs);
+  /* heads of 128 bytes through memory windows: 2 KiB slices, a key a block */
+  rstride small_st = {.unit = 128, .step = 8 * 128};
+  runs = calloc(64, sizeof(*runs));
+  uint32_t keys[64];
+  for (size_t i = 0; i < 64; i++) {
+    runs[i] = (kvf__run){.src_off = (i / 8) * 16384 + (i % 8) * 128, .dst_off = (i / 8) * 3 * 16384 + (i % 8) * 2048,
+                         .len = 2048, .dst_desc = UINT32_MAX};
+    keys[i] = 700 + (uint32_t)(i / 8);
+  }
+  assert_int_equal(kvf__rdma_span(&g->q, runs, NULL, keys, &small_st, 0, 64, CHAIN_MAX), 64);
+  assert_int_equal(check_strided_chain(g, runs, NULL, keys, &small_st, 0, 64), 32);
+  free(runs);
   free(g);
 }
 
@@ -239,6 +310,7 @@ int main(void) {
       cmocka_unit_test(test_adjacent_sources_share_an_entry),
       cmocka_unit_test(test_no_gather),
       cmocka_unit_test(test_order),
+      cmocka_unit_test(test_strided_runs),
   };
   return cmocka_run_group_tests_name("rdma gathered work requests", tests, NULL, NULL);
 }

@@ -158,6 +158,7 @@ static int create_qp(rlink *lk, rqp *q) {
   q->qp_num = q->qp->qp_num;
   q->max_inline = a.cap.max_inline_data;
   q->max_sge = a.cap.max_send_sge < GATHER_MAX ? a.cap.max_send_sge : GATHER_MAX;
+  if (q->outbound && q->max_sge < d->write_sge) d->write_sge = q->max_sge ? q->max_sge : 1;
   q->bind_cap = binds ? lk->depth : 0;
   if (q->outbound) {
     kvf__rdma_init_chain(q);

@@ -132,6 +132,7 @@ static int add_device(rdma_transport *rt, struct ibv_context *ctx, uint8_t port,
   d->max_cqe = (uint32_t)da.max_cqe;
   d->max_qp_wr = (uint32_t)da.max_qp_wr;
   d->max_sge = (uint32_t)da.max_sge;
+  d->write_sge = GATHER_MAX; /* lowered by each dialed QP's own (rdma_conn.c) */
   d->index = rt->n_devs++;
   return 0;
 }

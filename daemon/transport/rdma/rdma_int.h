@@ -108,6 +108,12 @@ typedef struct lane {
 
 /* One ops->post call. Its parts: n_body plain writes and, for the last post
  * of a transfer, the tail. It is called back once every part is done. */
+/* Runs that are strided (desc.h: kvf__runs' unit and step): a run reads
+ * len / unit pieces, one scatter/gather entry each. unit 0: plain runs. */
+typedef struct rstride {
+  uint64_t unit, step;
+} rstride;
+
 typedef struct ticket {
   tevent ev;                    /* EV_TICKET; first member */
   struct ticket *next_q;        /* the peer's body or tail queue (qlock) */
@@ -150,6 +156,7 @@ typedef struct ticket {
   struct sgroup *grp;           /* NULL: the ticket is the whole post */
   uint32_t grp_first, grp_n;
   bool gather;                  /* some body runs land back to back: requests gather them */
+  rstride stride;               /* strided runs (kvf__runs' unit, step); unit 0: plain */
 } ticket;
 
 #define MAX_LANES 256
@@ -290,6 +297,7 @@ struct rdev {
   uint16_t cm_port;
   struct rdma_cm_id *listener;
   uint32_t max_cqe, max_qp_wr, max_sge;
+  uint32_t write_sge;           /* entries a write takes on every dialed QP so far (loop; GATHER_MAX at most) */
   bool mw2;                     /* type 2 memory windows */
   int mw_bounds;                /* enum kvf__mw_bounds, from the start check */
   char mw_check[160];           /* what the check saw */
@@ -436,6 +444,7 @@ struct rdma_transport {
     struct { uint64_t off, len; } *used;
     size_t n_used, cap_used;
     uint64_t grants, refused, staged_parts, chunks, passes, pass_ns, bytes;
+    uint64_t strided_parts;     /* transforms written directly in strided runs instead */
     uint64_t tail_ns;           /* passes still running after the last write landed, summed */
     uint64_t gpu_passes;        /* ... of them by the transform kernel, into cuda pools */
   } stage;
@@ -532,12 +541,13 @@ int kvf__rdma_post_recvs(rqp *q, uint32_t n);
  * thread claims for the room in its send queue); kvf__rdma_build_chain
  * builds them, the same requests, into q->wr and returns their bytes, the
  * number of requests in *wrs; without gathering (the ticket has no runs back
- * to back: ticket.gather), a request a run, n of them. */
+ * to back: ticket.gather), a request a run, n of them. Strided runs (st
+ * not NULL, unit set) take an entry a piece, never extended, and gather. */
 void kvf__rdma_init_chain(rqp *q);
 size_t kvf__rdma_span(const rqp *q, const kvf__run *runs, const uint32_t *order, const uint32_t *rkeys,
-                      size_t first, size_t avail, size_t max_wrs);
+                      const rstride *st, size_t first, size_t avail, size_t max_wrs);
 uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const uint32_t *order, size_t first,
-                               size_t n, const uint32_t *rkeys, bool gathering, size_t *wrs);
+                               size_t n, const uint32_t *rkeys, const rstride *st, bool gathering, size_t *wrs);
 void kvf__rdma_restore_chain(rqp *q, size_t n);
 void *kvf__rdma_progress_main(void *arg);
 void kvf__rdma_send_cmd(rdev *d, int kind, rlink *lk);

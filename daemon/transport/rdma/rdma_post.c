@@ -346,7 +346,7 @@ static ticket *claim_body(rpeer *rp, rqp *q, uint32_t room, size_t *first, size_
       if (tk->xb) atomic_fetch_sub(&tk->xb->credits, 1);
       *cnt = kvf__rdma_bounce_fit(q->lk->dev, tk, *next, end - *next);
     } else if (tk->gather) { /* room counts work requests; gathered, they may take more runs */
-      *cnt = kvf__rdma_span(q, tk->runs, tk->order, tk->rkeys, *next, end - *next, room);
+      *cnt = kvf__rdma_span(q, tk->runs, tk->order, tk->rkeys, &tk->stride, *next, end - *next, room);
     } else {
       *cnt = end - *next < room ? end - *next : room;
     }
@@ -387,32 +387,40 @@ void kvf__rdma_init_chain(rqp *q) {
  * entries and bytes, and the chain's bytes so far. */
 typedef struct gather {
   const kvf__run *last;
-  uint32_t rkey, sges;
+  uint32_t rkey, sges, last_need;
   uint64_t wr_bytes, chain_bytes;
   bool gathered;                /* some request of the chain holds more than one run */
 } gather;
+
+/* The entries run r takes: a strided run's pieces, else one. */
+static inline uint32_t entries(const rstride *st, const kvf__run *r) {
+  return st && st->unit ? (uint32_t)(r->len / st->unit) : 1;
+}
 
 /* Whether r (key rkey) joins g's request: its bytes land right after the
  * last run's, in the same memory through the same key (so the request is
  * one contiguous write inside the window both runs were checked against),
  * within the request's and the chain's bytes, and with an entry to spare
  * unless its source follows the last run's too (*same: then it extends
- * that entry). */
-static inline bool gather_joins(const gather *g, const kvf__run *r, uint32_t rkey, uint32_t max_sge, bool *same) {
+ * that entry). A strided run (need entries, one a piece) joins with room
+ * for all of them, and extends no entry. */
+static inline bool gather_joins(const gather *g, const kvf__run *r, uint32_t rkey, uint32_t max_sge, uint32_t need,
+                                bool *same) {
   const kvf__run *p = g->last;
   if (r->dst_pool != p->dst_pool || rkey != g->rkey || r->dst_off != p->dst_off + p->len ||
       g->wr_bytes + r->len > kvfd.cfg.rdma_slice || g->chain_bytes + r->len > CHAIN_BYTES)
     return false;
-  *same = r->src_pool == p->src_pool && r->src_off == p->src_off + p->len;
-  return *same || g->sges < max_sge;
+  *same = need == 1 && r->src_pool == p->src_pool && r->src_off == p->src_off + p->len && g->last_need == 1;
+  return *same || g->sges + need <= max_sge;
 }
 
-static inline void gather_add(gather *g, const kvf__run *r, uint32_t rkey, bool join, bool same) {
+static inline void gather_add(gather *g, const kvf__run *r, uint32_t rkey, bool join, bool same, uint32_t need) {
   if (!join) {
     g->sges = 0;
     g->wr_bytes = 0;
   }
-  g->sges += !same;
+  g->sges += same ? 0 : need;
+  g->last_need = need;
   g->gathered |= join;
   g->wr_bytes += r->len;
   g->chain_bytes += r->len;
@@ -421,18 +429,18 @@ static inline void gather_add(gather *g, const kvf__run *r, uint32_t rkey, bool 
 }
 
 size_t kvf__rdma_span(const rqp *q, const kvf__run *runs, const uint32_t *order, const uint32_t *rkeys,
-                      size_t first, size_t avail, size_t max_wrs) {
+                      const rstride *st, size_t first, size_t avail, size_t max_wrs) {
   gather g = {0};
   size_t i = 0, wrs = 0;
   for (; i < avail; i++) {
     size_t j = order ? order[first + i] : first + i;
-    uint32_t rkey = rkeys ? rkeys[j] : 0;
-    bool same = false, join = i > 0 && gather_joins(&g, &runs[j], rkey, q->max_sge, &same);
+    uint32_t rkey = rkeys ? rkeys[j] : 0, need = entries(st, &runs[j]);
+    bool same = false, join = i > 0 && gather_joins(&g, &runs[j], rkey, q->max_sge, need, &same);
     /* a chain that gathers ends at CHAIN_BYTES (else its requests of one
      * run each after it; one that does not keeps its old length) */
     if (!join && i > 0 && g.gathered && g.chain_bytes + runs[j].len > CHAIN_BYTES) break;
     if (!join && ++wrs > max_wrs) break;
-    gather_add(&g, &runs[j], rkey, join, same);
+    gather_add(&g, &runs[j], rkey, join, same, need);
   }
   return i;
 }
@@ -500,8 +508,16 @@ static uint64_t build_plain(rlink *lk, rqp *q, const kvf__run *runs, const uint3
   return bytes;
 }
 
+/* The entries of strided run r from s on: a piece each; the last written. */
+static inline struct ibv_sge *fill_pieces(struct ibv_sge *s, const kvf__run *r, const rstride *st, uintptr_t base,
+                                          uint32_t lkey, uint32_t n) {
+  for (uint32_t i = 0; i < n; i++)
+    s[i] = (struct ibv_sge){.addr = base + r->src_off + i * st->step, .length = (uint32_t)st->unit, .lkey = lkey};
+  return s + n - 1;
+}
+
 uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const uint32_t *order, size_t first, size_t n,
-                               const uint32_t *rkeys, bool gathering, size_t *wrs) {
+                               const uint32_t *rkeys, const rstride *st, bool gathering, size_t *wrs) {
   if (!gathering) {
     *wrs = n;
     return build_plain(lk, q, runs, order, first, n, rkeys);
@@ -517,8 +533,8 @@ uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const ui
     size_t j = order ? order[first + i] : first + i;
     const kvf__run *r = &runs[j];
     hand_src(&h, r);
-    uint32_t key = rkeys ? rkeys[j] : 0;
-    bool same = false, join = i > 0 && gather_joins(&g, r, key, q->max_sge, &same);
+    uint32_t key = rkeys ? rkeys[j] : 0, need = entries(st, r);
+    bool same = false, join = i > 0 && gather_joins(&g, r, key, q->max_sge, need, &same);
     if (same) {
       s->length += (uint32_t)r->len;
     } else {
@@ -533,11 +549,15 @@ uint64_t kvf__rdma_build_chain(rlink *lk, rqp *q, const kvf__run *runs, const ui
       } else {
         s++;
       }
-      s->addr = h.base + r->src_off;
-      s->length = (uint32_t)r->len;
-      s->lkey = h.lkey;
+      if (need > 1) {
+        s = fill_pieces(s, r, st, h.base, h.lkey, need);
+      } else {
+        s->addr = h.base + r->src_off;
+        s->length = (uint32_t)r->len;
+        s->lkey = h.lkey;
+      }
     }
-    gather_add(&g, r, key, join, same);
+    gather_add(&g, r, key, join, same, need);
   }
   wr_close(w, &g, max_inline);
   w->next = NULL;
@@ -595,7 +615,8 @@ int kvf__rdma_doorbell(rlink *lk, rqp *q, ticket *tk, size_t n, uint32_t runs, b
 static int post_chunk(rlink *lk, rqp *q, ticket *tk, size_t first, size_t cnt) {
   uint64_t t0 = fast_ns();
   size_t wrs = 0;
-  uint64_t bytes = kvf__rdma_build_chain(lk, q, tk->runs, tk->order, first, cnt, tk->rkeys, tk->gather, &wrs);
+  uint64_t bytes =
+      kvf__rdma_build_chain(lk, q, tk->runs, tk->order, first, cnt, tk->rkeys, &tk->stride, tk->gather, &wrs);
   return kvf__rdma_doorbell(lk, q, tk, wrs, (uint32_t)cnt, false, t0, bytes, -1);
 }
 
@@ -605,7 +626,8 @@ static int post_tail(rlink *lk, rqp *q, ticket *tk) {
   struct ibv_send_wr *w = &q->wr[0];
   if (tk->tail.len) {
     size_t one;
-    kvf__rdma_build_chain(lk, q, &tk->tail, NULL, 0, 1, tk->rkeys ? &tk->tail_rkey : NULL, false, &one);
+    kvf__rdma_build_chain(lk, q, &tk->tail, NULL, 0, 1, tk->rkeys ? &tk->tail_rkey : NULL, &tk->stride,
+                          tk->stride.unit != 0, &one);
   } else { /* nothing left to write: a zero-length write carries the notice */
     w->next = NULL;
     w->num_sge = 0;
@@ -827,6 +849,11 @@ static bool may_gather(const kvf__run *v, size_t n) {
 ticket *kvf__rdma_ticket_new(rdma_transport *rt, kvf__xfer *x, kvf__runs *runs, uint64_t slice, size_t extra,
                              bool last) {
   ticket *tk = calloc(1, sizeof(*tk));
+  rstride st = {runs->unit, runs->step}; /* taking the runs clears the list */
+  if (tk && st.unit && extra) { /* strided runs are cut at pieces, never at rdma-slice (rdma_stage.c) */
+    free(tk);
+    return NULL;
+  }
   if (!tk || take_runs(tk, runs, slice, extra) != 0) {
     free(tk);
     return NULL;
@@ -842,7 +869,8 @@ ticket *kvf__rdma_ticket_new(rdma_transport *rt, kvf__xfer *x, kvf__runs *runs, 
     if (tk->n_runs) tk->tail = tk->runs[--tk->n_body];
   }
   tk->total = tk->n_body + tk->has_tail;
-  tk->gather = may_gather(tk->runs, tk->n_body);
+  tk->stride = st;
+  tk->gather = st.unit || may_gather(tk->runs, tk->n_body); /* a strided run is a request of entries */
   return tk;
 }
 
@@ -912,6 +940,7 @@ int kvf__rdma_post_chunk(kvf__transport *t, kvf__xfer *x, kvf__runs *runs, bool 
   int rc = x->tp_grant.win_len ? kvf__rdma_learn_mrs(rp, x) : 0; /* engine memory of the peer's */
   if (rc) return rc;
   bool bounce = kvf__rdma_bounce_wanted(rp, x, runs, &cap), windows = kvf__rdma_window_records(&x->tp_grant) != 0;
+  if (bounce && runs->unit) return -ENOTSUP; /* pieces copied one by one: rdma_stage.c stages instead */
   if (bounce && cap < slice) slice = cap;
   /* Through the receiver's staging, its own check of every run is what counts */
   rc = kvf__rdma_check_runs(rp, runs, slice, bounce && kvf__rdma_bounce_staged(x), &extra);

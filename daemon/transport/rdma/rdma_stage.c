@@ -350,24 +350,75 @@ bool kvf__rdma_mark_layers(kvf__transport *t, kvf__xfer *x, uint32_t first, uint
   return x->send.staged.nh != 0;
 }
 
+/* Pieces a strided run may take (kv_xform.h), or 0 where b does not go
+ * strided: its plan reads no fixed step (NHD into HND), or a request
+ * would carry under STAGE_MIN_RUN bytes. A run is a chunk's tokens of one
+ * head (g pieces), at most the scatter/gather entries of a request on
+ * every dialed QP and within rdma-slice, which never cuts one; a request
+ * gathers the runs of a block's next heads (they follow in the HND
+ * destination), as many as fit: of one head (a fan's sub-transfer), one. */
+static uint32_t strided_pieces(const rdma_transport *rt, const kvf__bpart *b) {
+  const kvf__xplan *p = &b->xf;
+  if (!kvf__xplan_strides(p)) return 0;
+  uint32_t sge = GATHER_MAX, g = p->s.tpb < p->d.tpb ? p->s.tpb : p->d.tpb;
+  for (int i = 0; i < rt->n_devs; i++) /* what every dialed QP so far takes: a run never exceeds a request */
+    if (rt->devs[i].write_sge < sge) sge = rt->devs[i].write_sge;
+  uint64_t in_slice = kvfd.cfg.rdma_slice / p->unit, max = sge < in_slice ? sge : in_slice;
+  if (g > max) return 0;
+  uint64_t runs = max / g < p->nh ? max / g : p->nh;
+  return runs * g * p->unit < STAGE_MIN_RUN ? 0 : (uint32_t)max;
+}
+
+/* b written directly: in strided runs where they serve (a destination
+ * head slice's pieces, scattered over an NHD source's tokens, in one
+ * gathered write: as many requests as the runs a token each would gather
+ * into, a sixteenth of the runs to check and claim), else run by run.
+ * Strided runs do not go through bounce buffers (their pieces would be
+ * copied one by one): -ENOTSUP there, and run by run. */
+typedef struct direct_why {
+  const char *runs, *strided; /* the events' note either way */
+} direct_why;
+
+static const direct_why NO_STAGING = {"direct (the receiver lent no staging)",
+                                      "direct, gathered (the receiver lent no staging)"};
+static const direct_why STAGING_SMALL = {"direct (the receiver's staging is too small)",
+                                         "direct, gathered (the receiver's staging is too small)"};
+static const direct_why LARGE_RUNS = {"direct (runs of 4 KiB or more)", "direct (runs of 4 KiB or more)"};
+
+static int post_direct(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last, const direct_why *why) {
+  uint32_t pieces = strided_pieces(to_rdma(t), b);
+  x->stage_note = pieces ? why->strided : why->runs;
+  if (pieces) {
+    kvf__runs runs = {0};
+    int rc = kvf__xform_runs_strided(&b->xf, b->src, b->sids, b->dst, b->dids, b->first, b->n_layers, pieces, &runs);
+    if (rc == 0) rc = kvf__rdma_post(t, x, &runs, last);
+    kvf__runs_free(&runs);
+    if (rc == 0) to_rdma(t)->stage.strided_parts++;
+    if (rc != -ENOTSUP) return rc;
+    x->stage_note = why->runs;
+  }
+  return kvf__transport_post_block_runs(t, x, b, last);
+}
+
+/* A transform: staged where the receiver lent a slice and the direct
+ * writes would be small (in the soft-RoCE VM, gathering a head's 256-byte
+ * tokens into each write costs rxe more than the receiver's pass: bench/
+ * RESULTS.md), else direct. */
 int kvf__rdma_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
   kvf__mw_rec w;
   kvf__xstaged st = {b->xf.s.order, b->xf.h0, b->xf.nh};
   if (!b->xf.transform) return kvf__transport_post_block_runs(t, x, b, last);
   bool offered = stage_record(x, &w);
-  if (!offered || (!x->send.staged.nh && !runs_small(b))) {
-    x->stage_note = offered ? "direct (runs of 4 KiB or more)" : "direct (the receiver lent no staging)";
-    return kvf__transport_post_block_runs(t, x, b, last);
-  }
+  if (!offered || (!x->send.staged.nh && !runs_small(b)))
+    return post_direct(t, x, b, last, offered ? &LARGE_RUNS : &NO_STAGING);
   kvf__runs runs = {0};
   uint32_t step = chunk_layers(b);
   kvf__bpart c = *b;
   c.n_layers = step;
   int rc = staged_runs(&c, &w, &st, &runs);
   if (rc == KVF_ESIZE && !x->send.staged.nh) {
-    x->stage_note = "direct (the receiver's staging is too small)";
     kvf__runs_free(&runs);
-    return kvf__transport_post_block_runs(t, x, b, last);
+    return post_direct(t, x, b, last, &STAGING_SMALL);
   }
   x->send.staged = st; /* every later part of x goes the same way */
   x->stage_note = "staged";

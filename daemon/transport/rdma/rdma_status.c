@@ -113,11 +113,13 @@ static void inspect_devices(jbuf *b, const rdma_transport *rt) {
     inet_ntop(AF_INET6, d->gid.raw, gid, sizeof(gid));
     jb(b, "%s{\"name\": \"%s\", \"port\": %u, \"state\": \"%s\", \"gid\": \"%s\", \"gid_index\": %u, "
           "\"cm\": \"%s:%u\", \"pools_registered\": %zu, \"work_requests\": %llu, \"bytes\": %llu, "
-          "\"doorbells\": %llu, \"completions\": %llu, \"notices\": %llu, \"sleeps\": %llu",
+          "\"doorbells\": %llu, \"completions\": %llu, \"notices\": %llu, \"sleeps\": %llu, "
+          "\"max_sge\": %u, \"write_sge\": %u",
        i ? ", " : "", d->name, d->port, state, gid, d->gid_index, d->ip, d->cm_port, kvfd.n_pools,
        (unsigned long long)atomic_load(&d->wrs), (unsigned long long)atomic_load(&d->bytes),
        (unsigned long long)atomic_load(&d->chains), (unsigned long long)atomic_load(&d->cqes),
-       (unsigned long long)atomic_load(&d->imms), (unsigned long long)atomic_load(&d->sleeps));
+       (unsigned long long)atomic_load(&d->imms), (unsigned long long)atomic_load(&d->sleeps), d->max_sge,
+       d->write_sge);
     inspect_device_windows(b, d);
     jb(b, ", \"bounce\": {\"staging_bytes\": %zu, \"chunk\": %zu, \"send_chunks\": %u, \"recv_slots\": %u, "
           "\"sent_bytes\": %llu, \"sent_chunks\": %llu, \"received_bytes\": %llu, \"received_chunks\": %llu, "
@@ -191,11 +193,12 @@ void kvf__rdma_inspect(kvf__transport *t, char *buf, size_t len) {
   jb(&b, "]}");
   jb(&b, ", \"staging\": {\"bytes\": %zu, \"slices\": %zu, \"grants\": %llu, \"no_room\": %llu, "
          "\"staged_parts\": %llu, \"chunks\": %llu, \"passes\": %llu, \"pass_bytes\": %llu, \"pass_ms\": %.3f, "
-         "\"tail_ms\": %.3f, \"gpu_passes\": %llu, \"cuda_mapped\": %s}",
+         "\"tail_ms\": %.3f, \"gpu_passes\": %llu, \"cuda_mapped\": %s, \"strided_parts\": %llu}",
      rt->stage.len, rt->stage.n_used, (unsigned long long)rt->stage.grants, (unsigned long long)rt->stage.refused,
      (unsigned long long)rt->stage.staged_parts, (unsigned long long)rt->stage.chunks,
      (unsigned long long)rt->stage.passes, (unsigned long long)rt->stage.bytes, rt->stage.pass_ns / 1e6,
-     rt->stage.tail_ns / 1e6, (unsigned long long)rt->stage.gpu_passes, rt->stage.alias ? "true" : "false");
+     rt->stage.tail_ns / 1e6, (unsigned long long)rt->stage.gpu_passes, rt->stage.alias ? "true" : "false",
+     (unsigned long long)rt->stage.strided_parts);
   inspect_windows(&b, rt);
 }
 
