@@ -207,6 +207,9 @@ struct kvf_client {
    * without the reader being woken first (0: never spins). */
   atomic_uint_fast64_t spin_until;
   atomic_bool reader_asleep; /* in poll, past its spin window */
+  /* The transfer whose Soon opened the window (reader thread; "": none):
+   * its RECV_DONE or SEND_DONE ends the window (end_soon). */
+  char soon_id[KVF_XFER_ID_MAX + 1];
   /* Counts `responded` broadcasts, so that a caller spinning for its
    * response sees one come without taking mu. */
   atomic_uint_fast64_t answers;
@@ -571,10 +574,22 @@ static void answered_unlocked(kvf_client *c) { atomic_fetch_add_explicit(&c->ans
  * A waiter that the Soon's own bytes woke spins as long (watch_for_event). */
 #define SOON_SLACK_US 200
 #define SOON_POLL_MAX_US 3000
-static void expect_soon(kvf_client *c, uint32_t within_us) {
+static void expect_soon(kvf_client *c, const char *xfer_id, uint32_t within_us) {
   uint64_t us = (uint64_t)within_us + SOON_SLACK_US;
   uint64_t until = mono_ns() + (us < SOON_POLL_MAX_US ? us : SOON_POLL_MAX_US) * 1000;
   if (until > atomic_load(&c->spin_until)) atomic_store(&c->spin_until, until);
+  copy_string(c->soon_id, sizeof(c->soon_id), xfer_id);
+}
+
+/* The event a Soon announced came: the window it opened closes (back to
+ * KVFERRY_SPIN_US's, which the read just opened), so that the reader does
+ * not poll on for a bound that estimated when the event would come. */
+static void end_soon(kvf_client *c, const Kvf__Event *ev) {
+  bool done = ev->type == KVF__EVENT_TYPE__EVENT_RECV_DONE || ev->type == KVF__EVENT_TYPE__EVENT_SEND_DONE;
+  if (!c->soon_id[0] || !done || strcmp(ev->xfer_id, c->soon_id) != 0) return;
+  c->soon_id[0] = 0;
+  uint64_t normal = c->spin_us ? mono_ns() + (uint64_t)c->spin_us * 1000 : 0;
+  if (atomic_load(&c->spin_until) > normal) atomic_store(&c->spin_until, normal);
 }
 
 /* Polls the socket while the spin window is open; true once readable. */
@@ -662,9 +677,10 @@ static int dispatch_frame(kvf_client *c, const uint8_t *payload, uint32_t len, u
     return 0;
   case KVF__API_MESSAGE__BODY_EVENT:
     rc = queue_event(c, msg->event);
+    end_soon(c, msg->event);
     break;
   case KVF__API_MESSAGE__BODY_SOON:
-    expect_soon(c, msg->soon->within_us);
+    expect_soon(c, msg->soon->xfer_id, msg->soon->within_us);
     break;
   default: /* a kind of message this version does not know: skip it */
     break;

@@ -224,6 +224,22 @@ class TestTrace(unittest.TestCase):
         self.cd.free_layout(ld)
         self.cd2.free_layout(ls)
 
+    def test_tcp_grant_told_soon_at_its_first_bytes(self):
+        """Over tcp the receiving daemon learns a grant's data began with its
+        first batch: once a grant landed (the rate is known), each grant's
+        engine hears Soon then (api_soon), one per grant, no event; where
+        the rest would take longer than 2 ms at that rate, nothing. Every
+        byte checked."""
+        self.handoff("tr-soon-0", self.cp, self.pp, "prefill", "decode", 1, 3 << 20)  # the rate
+        for i in range(1, 4):
+            before = self.dec.status()["api_soon"]
+            self.handoff("tr-soon-%d" % i, self.cp, self.pp, "prefill", "decode", 1, 3 << 20)
+            self.assertEqual(self.dec.status()["api_soon"] - before, 1, i)
+            self.assertEqual(self.cd.wait_events(16, 0), [])  # a Soon is no event
+        before = self.dec.status()["api_soon"]
+        self.handoff("tr-soon-big", self.cp, self.pp, "prefill", "decode", 350, 0)  # 22 MiB: past 2 ms
+        self.assertEqual(self.dec.status()["api_soon"] - before, 0)
+
     def test_idle_daemon_sleeps(self):
         """spin-us and spin-grant-us are windows: once transfers stop, the
         daemons use under 5% of a core (measured over 2 s, after the

@@ -70,7 +70,6 @@ struct local_transport {
 
 /* The longest copy a receiver's library is told to poll through (Soon):
  * beyond it, two of its threads would spin longer than a sleep costs. */
-#define SOON_MAX_US 2000
 
 static local_transport *to_local(kvf__transport *t) { return kvf__container_of(t, local_transport, base); }
 
@@ -224,14 +223,14 @@ static void on_gpu_done(void *arg, int rc, float kernel_ms) {
 
 /* j, the copy of a send's last part, was launched: a local receiver's
  * engine is told its event is near when the copy should take at most
- * SOON_MAX_US (at the rate of the last copy measured), so that its
+ * KVF__SOON_MAX_US (at the rate of the last copy measured), so that its
  * library polls for the event instead of sleeping: after a long layer's
  * compute its threads slept, and the event would pay their wake-up. */
 static void tell_soon(local_transport *lt, const copy_job *j) {
   const kvf__xfer *r = j->x->twin;
   if (!j->last || !r || !r->owner || lt->kernel_ns_per_byte <= 0) return;
   double us = (double)job_bytes(j) * lt->kernel_ns_per_byte / 1e3;
-  if (us <= SOON_MAX_US) kvf__api_soon(r->owner, r->id, (uint32_t)us);
+  if (us <= KVF__SOON_MAX_US) kvf__api_soon(r->owner, r->id, (uint32_t)us);
 }
 
 /* Launches j's copies from the loop when one launch moves them all; else

@@ -44,6 +44,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "api.h"
 #include "pool.h"
 #include "xfer_trace.h"
 #include "spin.h"
@@ -304,6 +305,19 @@ static void stream_broke(const tevent *e) {
   kvf__peer_fail(e->peer, why);
 }
 
+/* A grant's data began to come: its receiving engine hears Soon when the
+ * rest should land within KVF__SOON_MAX_US at the rate of the last grant
+ * that landed here, so that its library polls for RECV_DONE instead of
+ * sleeping (a grant posted ahead of its send: the engine's threads slept
+ * since). SOON_HOPS_US: the last byte's way to the event, past the wire. */
+#define SOON_HOPS_US 100
+static void tell_soon(tcp_transport *tt, const rgrant *g) {
+  const kvf__xfer *x = g->x;
+  if (!x || !x->owner || tt->recv_ns_per_byte <= 0) return;
+  double us = (double)g->total * tt->recv_ns_per_byte / 1e3 + SOON_HOPS_US;
+  if (us <= KVF__SOON_MAX_US) kvf__api_soon(x->owner, x->id, (uint32_t)us);
+}
+
 static void handle_event(tevent *e) {
   rgrant *g;
   switch (e->kind) {
@@ -316,8 +330,12 @@ static void handle_event(tevent *e) {
     free(tk);
     break;
   }
+  case EV_STARTED:
+    if ((g = grant_for_event(e->tt, e->handle)) != NULL) tell_soon(e->tt, g);
+    break;
   case EV_LANDED:
     if ((g = grant_for_event(e->tt, e->handle)) == NULL) break;
+    if (g->total && e->t_last > e->t_first) e->tt->recv_ns_per_byte = (double)(e->t_last - e->t_first) / g->total;
     kvf__xtrace_stamp(g->x, KVF__XT_FIRST, e->t_first);
     kvf__xtrace_stamp(g->x, KVF__XT_LAST, e->t_last);
     if (e->sealed) kvf__xfer_on_vouched(g->x); /* the bytes vouch (tcp_wire.h) */

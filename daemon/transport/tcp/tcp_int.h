@@ -102,7 +102,10 @@ typedef struct item {    /* a stream's share of one post */
   uint32_t first, n_layers, streams;
 } item;
 
-enum ev_kind { EV_TICKET, EV_LANDED, EV_DATA_ERROR, EV_STREAM_ERROR, EV_COPY_ERROR, EV_STREAM_GONE, EV_LAYERS };
+enum ev_kind {
+  EV_TICKET, EV_LANDED, EV_DATA_ERROR, EV_STREAM_ERROR, EV_COPY_ERROR, EV_STREAM_GONE, EV_LAYERS,
+  EV_STARTED /* a grant's first batch was read */
+};
 
 typedef struct tevent {
   kvf__mail mail;
@@ -239,6 +242,7 @@ struct tcp_transport {
   struct rworker *receivers;
   unsigned n_receivers;    /* started */
   atomic_uint rw_next;     /* round robin of new inbound streams */
+  double recv_ns_per_byte; /* the last grant that landed: first batch read to last byte (loop); 0: none yet */
 };
 
 static inline tcp_transport *to_tcp(kvf__transport *t) { return kvf__container_of(t, tcp_transport, base); }
