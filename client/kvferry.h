@@ -469,9 +469,11 @@ int kvf_event_fd(kvf_client *c);
  * for the daemon's answer (a send without KVF_NOWAIT, kvf_pools, ...)
  * spin for it as long before they sleep. A wait that sleeps sleeps on the
  * daemon's socket and the event fd together, waking with the reader thread.
- * When the daemon says an event is near (the local GPU path's last copy,
- * expected within 2 ms), the reader and such a wait poll for it until then
- * (at most 3 ms), whatever $KVFERRY_SPIN_US says. */
+ * When the daemon says an event is near (a local layer-wise send's last
+ * part due, the local GPU path's last copy or the rest of a tcp grant's
+ * data expected within 2 ms), the reader and such a wait poll for it
+ * until then (at most 3 ms; the transfer's RECV_DONE or SEND_DONE ends
+ * it), whatever $KVFERRY_SPIN_US says. */
 #define KVF_SPIN_US_DEFAULT 0
 int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeout_ms);
 
