@@ -464,23 +464,27 @@ class Raw:
 
     def next(self, timeout=5.0):
         """('response', seq, status, fields) or ('event', id, status, fields);
-        None when nothing comes within timeout."""
+        None when nothing comes within timeout. A Soon (the daemon's hint
+        that an event is near) is skipped, as a client may."""
         self.s.settimeout(timeout)
-        while len(self.buf) < 4 or len(self.buf) < 4 + struct.unpack("<I", self.buf[:4])[0]:
-            try:
-                chunk = self.s.recv(65536)
-            except socket.timeout:
-                return None
-            if not chunk:
-                raise AssertionError("the daemon closed the connection")
-            self.buf += chunk
-        n = struct.unpack("<I", self.buf[:4])[0]
-        msg, self.buf = pb_decode(self.buf[4:4 + n]), self.buf[4 + n:]
-        if 1 in msg:
-            r = pb_decode(msg[1][0])
-            return ("response", r.get(1, [0])[0], zigzag(r.get(2, [0])[0]), r)
-        e = pb_decode(msg[2][0])
-        return ("event", e.get(2, [b""])[0], zigzag(e.get(3, [0])[0]), e)
+        while True:
+            while len(self.buf) < 4 or len(self.buf) < 4 + struct.unpack("<I", self.buf[:4])[0]:
+                try:
+                    chunk = self.s.recv(65536)
+                except socket.timeout:
+                    return None
+                if not chunk:
+                    raise AssertionError("the daemon closed the connection")
+                self.buf += chunk
+            n = struct.unpack("<I", self.buf[:4])[0]
+            msg, self.buf = pb_decode(self.buf[4:4 + n]), self.buf[4 + n:]
+            if 1 in msg:
+                r = pb_decode(msg[1][0])
+                return ("response", r.get(1, [0])[0], zigzag(r.get(2, [0])[0]), r)
+            if 2 in msg:
+                e = pb_decode(msg[2][0])
+                return ("event", e.get(2, [b""])[0], zigzag(e.get(3, [0])[0]), e)
+            # else a Soon (3) or a kind this client does not know: the next
 
     def close(self):
         self.s.close()
