@@ -15,10 +15,13 @@ void kvf__api_stop(void);
 void kvf__api_stop_accepting(void);
 void kvf__api_emit(kvf__session *s, const Kvf__Event *ev);
 /* Tells s that xfer_id's event is expected within about within_us (an API
- * Soon: a hint its library may poll for the event on). Transports say so
- * only of events expected within KVF__SOON_MAX_US. */
-#define KVF__SOON_MAX_US 2000
+ * Soon: a hint its library may poll for the event on). */
 void kvf__api_soon(kvf__session *s, const char *xfer_id, uint32_t within_us);
+/* The same where a transport estimated the time to the event (est_us):
+ * told only within KVF__SOON_MAX_US; beyond it, two of the engine's threads
+ * would poll longer than their wake-up costs. */
+#define KVF__SOON_MAX_US 2000
+void kvf__api_soon_estimated(kvf__session *s, const char *xfer_id, double est_us);
 void kvf__api_session_xfers(kvf__session *s, int delta);
 size_t kvf__api_sessions(void);
 /* Bytes of replies and events written to clients and not yet taken by

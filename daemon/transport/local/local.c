@@ -68,9 +68,6 @@ struct local_transport {
   double kernel_ns_per_byte; /* the last GPU copy measured; 0: none yet */
 };
 
-/* The longest copy a receiver's library is told to poll through (Soon):
- * beyond it, two of its threads would spin longer than a sleep costs. */
-
 static local_transport *to_local(kvf__transport *t) { return kvf__container_of(t, local_transport, base); }
 
 /* The copies of a post's runs, built once, whichever way they then go
@@ -229,8 +226,7 @@ static void on_gpu_done(void *arg, int rc, float kernel_ms) {
 static void tell_soon(local_transport *lt, const copy_job *j) {
   const kvf__xfer *r = j->x->twin;
   if (!j->last || !r || !r->owner || lt->kernel_ns_per_byte <= 0) return;
-  double us = (double)job_bytes(j) * lt->kernel_ns_per_byte / 1e3;
-  if (us <= KVF__SOON_MAX_US) kvf__api_soon(r->owner, r->id, (uint32_t)us);
+  kvf__api_soon_estimated(r->owner, r->id, (double)job_bytes(j) * lt->kernel_ns_per_byte / 1e3);
 }
 
 /* Launches j's copies from the loop when one launch moves them all; else

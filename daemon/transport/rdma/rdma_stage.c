@@ -369,14 +369,9 @@ static uint32_t strided_pieces(const rdma_transport *rt, const kvf__bpart *b) {
   return runs * g * p->unit < STAGE_MIN_RUN ? 0 : (uint32_t)max;
 }
 
-/* b written directly: in strided runs where they serve (a destination
- * head slice's pieces, scattered over an NHD source's tokens, in one
- * gathered write: as many requests as the runs a token each would gather
- * into, a sixteenth of the runs to check and claim), else run by run.
- * Strided runs do not go through bounce buffers (their pieces would be
- * copied one by one): -ENOTSUP there, and run by run. */
+/* Why a transform went direct, the events' note either way. */
 typedef struct direct_why {
-  const char *runs, *strided; /* the events' note either way */
+  const char *runs, *strided;
 } direct_why;
 
 static const direct_why NO_STAGING = {"direct (the receiver lent no staging)",
@@ -385,6 +380,12 @@ static const direct_why STAGING_SMALL = {"direct (the receiver's staging is too 
                                          "direct, gathered (the receiver's staging is too small)"};
 static const direct_why LARGE_RUNS = {"direct (runs of 4 KiB or more)", "direct (runs of 4 KiB or more)"};
 
+/* b written directly: in strided runs where they serve (a destination
+ * head slice's pieces, scattered over an NHD source's tokens, in one
+ * gathered write: as many requests as the runs a token each would gather
+ * into, a sixteenth of the runs to check and claim), else run by run.
+ * Strided runs do not go through bounce buffers (their pieces would be
+ * copied one by one): -ENOTSUP there, and run by run. */
 static int post_direct(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last, const direct_why *why) {
   uint32_t pieces = strided_pieces(to_rdma(t), b);
   x->stage_note = pieces ? why->strided : why->runs;

@@ -314,8 +314,7 @@ static void stream_broke(const tevent *e) {
 static void tell_soon(tcp_transport *tt, const rgrant *g) {
   const kvf__xfer *x = g->x;
   if (!x || !x->owner || tt->recv_ns_per_byte <= 0) return;
-  double us = (double)g->total * tt->recv_ns_per_byte / 1e3 + SOON_HOPS_US;
-  if (us <= KVF__SOON_MAX_US) kvf__api_soon(x->owner, x->id, (uint32_t)us);
+  kvf__api_soon_estimated(x->owner, x->id, (double)g->total * tt->recv_ns_per_byte / 1e3 + SOON_HOPS_US);
 }
 
 static void handle_event(tevent *e) {
