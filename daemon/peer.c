@@ -52,6 +52,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "auth.h"
@@ -1343,7 +1344,10 @@ static int start_listener(char *err, size_t errlen) {
   uv_tcp_init(P.loop, &P.listener);
   P.listening = true;
   int rc = uv_tcp_bind(&P.listener, (struct sockaddr *)&ss, 0);
-  if (rc == 0) rc = uv_listen((uv_stream_t *)&P.listener, 128, on_accept);
+  /* the kernel's queue must hold a flood's worth of connects: what overflows it is
+   * dropped before admit_pending can prefer a configured peer (a dropped SYN costs
+   * the peer a 1 s retransmit); the kernel caps this at net.core.somaxconn */
+  if (rc == 0) rc = uv_listen((uv_stream_t *)&P.listener, SOMAXCONN, on_accept);
   if (rc) {
     snprintf(err, errlen, "peer-listen %s:%u: %s", kvfd.cfg.listen_host, kvfd.cfg.listen_port, uv_strerror(rc));
     return rc;
