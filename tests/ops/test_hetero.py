@@ -507,6 +507,26 @@ class HeteroRdma(Base, unittest.TestCase):
         self.assertGreater(runs, 8 * 2 * 2 * 8 // 2, after)
         self.assertLessEqual(wrs, 8 * 3, after)
 
+    def test_staged_writes_spread_over_qps(self):
+        """A staging slice gets a memory window per QP the peer dialed (two
+        here, rdma-qps-per-peer's default): a type 2 window takes writes
+        only through its QP, and over one window every staged write went
+        through one QP (one rxe pipeline: half the VM's CPUs idle). One
+        grant, one send (grants of several ranks had their slices on
+        different QPs already); each chunk here is a layer, and the two
+        layers sit in two windows: the prefill daemon's two QPs each carry
+        a fair share of the bytes."""
+        def sent():
+            peers = self.client(self.pre).inspect("status", json=True)["rdma"]["peers"]
+            return {q["qp"]: q["bytes"] for p in peers for q in p["qps"] if q["dir"] == "out"}
+        before = sent()
+        self.handoff("rdma", 1, 1, "NHD", "HND", 16, 16)
+        after = sent()
+        self.assertEqual(self.events["send", 0].transform, "heads 0-7, NHD 16/8h -> HND 16/8h, staged")
+        moved = sorted((after[q] - before.get(q, 0) for q in after), reverse=True)
+        self.assertGreaterEqual(len(moved), 2, after)
+        self.assertGreater(moved[1], 0.3 * sum(moved), (before, after))
+
     def test_head_slices_written_directly(self):
         """NHD into HND with heads of 128 bytes, the layouts not saying
         which of the model's heads they hold (no fan: the heads move

@@ -7,7 +7,9 @@
  * less; a request gathers only runs that land back to back through one
  * key, within its entries (max_sge) and rdma-slice bytes, and the span
  * claims exactly the runs that many requests hold; a plain chain after
- * gathered ones finds the template as it was. */
+ * gathered ones finds the template as it was. Also kvf__rdma_cut_runs
+ * (rdma_stage.c): a staged part's runs cut where the receiver's windows
+ * over its slice meet. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -304,6 +306,63 @@ static void test_strided_runs(void **state) {
   free(g);
 }
 
+/* kvf__rdma_cut_runs: the runs of a staged part cut where the receiver's
+ * windows over its slice meet. Random runs (some crossing several cuts,
+ * some ending or starting on one) against random cuts: the pieces map the
+ * same bytes, in the same order, and none crosses a cut. */
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static uint64_t rnd(uint64_t n) {
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 7;
+  rng_state ^= rng_state << 17;
+  return rng_state % n;
+}
+
+static void test_runs_cut_at_windows(void **state) {
+  (void)state;
+  for (int trial = 0; trial < 200; trial++) {
+    uint64_t cuts[8];
+    size_t nc = rnd(8);
+    for (size_t c = 0; c < nc; c++) cuts[c] = (c ? cuts[c - 1] : 0) + 1 + rnd(64 << 10);
+    kvf__runs runs = {0};
+    size_t n = 1 + rnd(12);
+    runs.v = calloc(n, sizeof(*runs.v));
+    assert_non_null(runs.v);
+    uint64_t dst = rnd(4096);
+    for (size_t i = 0; i < n; i++) {
+      uint64_t len = 1 + rnd(nc ? cuts[nc - 1] / 2 + 2 : 8192);
+      if (nc && rnd(4) == 0) dst = cuts[rnd(nc)]; /* starts on a cut */
+      runs.v[i] = (kvf__run){.src_pool = 1, .dst_pool = 2, .src_off = rnd(1 << 20), .dst_off = dst, .len = len,
+                             .dst_desc = UINT32_MAX};
+      dst += len + rnd(3) * 512;
+    }
+    runs.n = runs.cap = n;
+    kvf__run *orig = malloc(n * sizeof(*orig));
+    assert_non_null(orig);
+    memcpy(orig, runs.v, n * sizeof(*orig));
+    assert_int_equal(kvf__rdma_cut_runs(&runs, cuts, nc), 0);
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) { /* orig[i] is pieces k.. laid end to end */
+      uint64_t at = 0;
+      while (at < orig[i].len) {
+        assert_true(k < runs.n);
+        const kvf__run *r = &runs.v[k++];
+        assert_int_equal(r->src_off, orig[i].src_off + at);
+        assert_int_equal(r->dst_off, orig[i].dst_off + at);
+        assert_int_equal(r->src_pool, 1);
+        assert_int_equal(r->dst_pool, 2);
+        assert_true(r->len > 0);
+        for (size_t c = 0; c < nc; c++) assert_false(r->dst_off < cuts[c] && cuts[c] < r->dst_off + r->len);
+        at += r->len;
+      }
+      assert_int_equal(at, orig[i].len);
+    }
+    assert_int_equal(k, runs.n);
+    free(orig);
+    kvf__runs_free(&runs);
+  }
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_staged_rows_gather),
@@ -311,6 +370,7 @@ int main(void) {
       cmocka_unit_test(test_no_gather),
       cmocka_unit_test(test_order),
       cmocka_unit_test(test_strided_runs),
+      cmocka_unit_test(test_runs_cut_at_windows),
   };
   return cmocka_run_group_tests_name("rdma gathered work requests", tests, NULL, NULL);
 }

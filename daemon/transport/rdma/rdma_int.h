@@ -212,6 +212,7 @@ struct rqp {
   bool gathered;                /* the last chain changed the template's lists */
   uint32_t sq_cap, sq_used;
   uint64_t bytes_out;           /* in flight */
+  _Atomic uint64_t wrs, bytes;  /* posted on it, all told (status: how a transfer spread) */
   uint32_t rq_cap, rq_posted;
   uint64_t seq;
   inflight *ring;
@@ -720,8 +721,10 @@ void kvf__rdma_stage_release(rdma_transport *rt, uint64_t off, uint64_t len);
 typedef struct spass spass;
 typedef struct sgroup sgroup;
 void kvf__rdma_stage_detach(rgrant *g);
-/* Receiver: appends g's slice to its planned windows. */
-int kvf__rdma_stage_window(rgrant *g);
+/* Receiver: appends g's slice to its planned windows, one per lane (the peer's QPs) at least. */
+int kvf__rdma_stage_window(rgrant *g, size_t lanes);
+/* Sender: cuts the runs that cross one of cuts (ascending) there, in order. */
+int kvf__rdma_cut_runs(kvf__runs *runs, const uint64_t *cuts, size_t n_cuts);
 /* Sender: post_blocks, staging what would be small writes. */
 int kvf__rdma_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last);
 /* Sender, a staged part: say the transform owes nothing more (each chunk

@@ -754,7 +754,9 @@ static int mw_grant_open(rgrant *g, kvf__xfer *x) {
   size_t merged = 0;
   int rc = kvf__rangeset_build(&rs, &x->dst);
   if (rc == 0) rc = kvf__mw_plan(&rs, kvfd.cfg.rdma_mw_max_windows, &g->win, &g->n_win, &merged);
-  if (rc == 0) rc = kvf__rdma_stage_window(g); /* its slice of the staging arena, last (highest pool) */
+  rpeer *rp = rpeer_of(g->rt, g->peer);
+  /* its slice of the staging arena, last (highest pool), a window per QP at least */
+  if (rc == 0) rc = kvf__rdma_stage_window(g, rp ? accepted_expected(rp) : 1);
   size_t ranges = rs.n;
   kvf__rangeset_free(&rs);
   if (rc == 0 && g->n_win == 0) rc = KVF_EINVAL;

@@ -580,7 +580,9 @@ void kvf__rdma_restore_chain(rqp *q, size_t n) {
   q->wr[0].imm_data = 0;
 }
 
-static void account(rdev *d, ticket *tk, uint64_t wrs, uint64_t bytes, uint64_t build, uint64_t bell) {
+static void account(rdev *d, rqp *q, ticket *tk, uint64_t wrs, uint64_t bytes, uint64_t build, uint64_t bell) {
+  atomic_fetch_add_explicit(&q->wrs, wrs, memory_order_relaxed);
+  atomic_fetch_add_explicit(&q->bytes, bytes, memory_order_relaxed);
   atomic_fetch_add_explicit(&d->wrs, wrs, memory_order_relaxed);
   atomic_fetch_add_explicit(&d->bytes, bytes, memory_order_relaxed);
   atomic_fetch_add_explicit(&d->chains, 1, memory_order_relaxed);
@@ -600,7 +602,7 @@ int kvf__rdma_doorbell(rlink *lk, rqp *q, ticket *tk, size_t n, uint32_t runs, b
   last->wr_id = ++q->seq;
   uint64_t t1 = fast_ns();
   int rc = ibv_post_send(q->qp, q->wr, &bad);
-  account(lk->dev, tk, n, bytes, t1 - t0, fast_ns() - t1);
+  account(lk->dev, q, tk, n, bytes, t1 - t0, fast_ns() - t1);
   kvf__rdma_restore_chain(q, n);
   if (rc) {
     kvf__rdma_bounce_chunk_free(lk->dev, chunk);

@@ -11,9 +11,10 @@
  * memory windows, gets a slice of the staging arena (rdma-staging-size of
  * host memory, registered with every device at start, its slot in the
  * per-pool tables KVF__RDMA_STAGE_POOL) as large as the grant's bytes, and
- * one more memory window over that slice, bound like the grant's others: a
- * sender can write nothing of the arena but its grant's slice, and only
- * while the grant is open. No room: the grant goes without (the sender then
+ * memory windows over that slice (one per QP of the peer's at least, so the
+ * writes spread over its QPs), bound like the grant's others: a sender can
+ * write nothing of the arena but its grant's slice, and only while the
+ * grant is open. No room: the grant goes without (the sender then
  * writes directly; the log and kvferryctl say so).
  *
  * Sender. A part of a transform whose direct runs average under
@@ -68,6 +69,10 @@
  * of one decode rank of TP 4, 4 MiB); large enough that a note and a pass
  * job per chunk cost nothing next to its writes. */
 #define STAGE_CHUNK (4u << 20)
+/* Most memory windows over one grant's slice (kvf__rdma_stage_window); a
+ * sender takes at most STAGE_WINDOWS_SEEN of them. */
+#define STAGE_WINDOWS 32u
+#define STAGE_WINDOWS_SEEN 256u
 
 /* ------------------------------------------------------------ the arena */
 
@@ -168,13 +173,27 @@ void kvf__rdma_stage_reserve(rgrant *g, kvf__xfer *x) {
   rt->stage.grants++;
 }
 
-int kvf__rdma_stage_window(rgrant *g) {
+/* The slice's windows: at least one per QP of the peer's that takes
+ * windows (lanes), about one per STAGE_CHUNK beyond that, at most
+ * STAGE_WINDOWS. Windows go round-robin on those QPs, and a type 2 window
+ * takes writes only through its own: over one window every staged write
+ * went through one QP, whose rxe tasks kept one of the VM's two CPUs busy
+ * (bench/RESULTS.md). Consecutive windows on different QPs let neighbouring
+ * chunks travel at once. */
+int kvf__rdma_stage_window(rgrant *g, size_t lanes) {
   if (!g->st_len) return 0;
-  kvf__range *nv = realloc(g->win, (g->n_win + 1) * sizeof(*nv));
+  uint64_t pages = g->st_len / STAGE_ALIGN, k = (g->st_len + STAGE_CHUNK - 1) / STAGE_CHUNK;
+  if (k < lanes) k = lanes;
+  if (k > STAGE_WINDOWS) k = STAGE_WINDOWS;
+  if (k > pages) k = pages;
+  if (k == 0) k = 1;
+  kvf__range *nv = realloc(g->win, (g->n_win + k) * sizeof(*nv));
   if (!nv) return -ENOMEM;
-  uint64_t a = (uint64_t)(uintptr_t)g->rt->stage.mem + g->st_off; /* the slot's base is 0 */
-  nv[g->n_win++] = (kvf__range){.pool = KVF__RDMA_STAGE_POOL, .start = a, .end = a + g->st_len};
   g->win = nv;
+  uint64_t a = (uint64_t)(uintptr_t)g->rt->stage.mem + g->st_off; /* the slot's base is 0 */
+  uint64_t each = pages / k * STAGE_ALIGN, end = a + g->st_len;
+  for (uint64_t i = 0; i < k; i++, a += each)
+    nv[g->n_win++] = (kvf__range){.pool = KVF__RDMA_STAGE_POOL, .start = a, .end = i + 1 < k ? a + each : end};
   return 0;
 }
 
@@ -222,14 +241,67 @@ static void count_run(void *ctx, uint64_t so, uint64_t dof, uint64_t len, uint32
   c->bytes += len;
 }
 
-/* The Grant's window over the receiver's staging slice, if it gave one. */
-static bool stage_record(const kvf__xfer *x, kvf__mw_rec *r) {
-  for (size_t i = kvf__rdma_window_records(&x->tp_grant); i-- > 0;) {
-    kvf__mw_rec_get(x->tp_grant.win + i * KVF__MW_REC, r);
-    if (r->pool == KVF__RDMA_STAGE_POOL) return true;
-    if (r->pool < KVF__RDMA_STAGE_POOL) break;
+/* The receiver's staging slice, if its Grant gave one: its windows, back
+ * to back (kvf__rdma_stage_window), as one record (w) and where each after
+ * the first starts (cuts, n_cuts). A receiver that gave them otherwise gave
+ * none that this sender can use. */
+typedef struct stage_slice {
+  kvf__mw_rec w;
+  uint64_t cuts[STAGE_WINDOWS_SEEN];
+  size_t n_cuts;
+} stage_slice;
+
+static bool stage_record(const kvf__xfer *x, stage_slice *s) {
+  size_t n = kvf__rdma_window_records(&x->tp_grant), i = n;
+  while (i > 0) { /* they come last, after the grant's own */
+    kvf__mw_rec r;
+    kvf__mw_rec_get(x->tp_grant.win + (i - 1) * KVF__MW_REC, &r);
+    if (r.pool != KVF__RDMA_STAGE_POOL) break;
+    i--;
   }
-  return false;
+  if (i == n || n - i > STAGE_WINDOWS_SEEN + 1) return false;
+  s->n_cuts = 0;
+  for (size_t j = i; j < n; j++) {
+    kvf__mw_rec r;
+    kvf__mw_rec_get(x->tp_grant.win + j * KVF__MW_REC, &r);
+    if (j == i) s->w = r;
+    else if (r.off != s->w.off + s->w.len) return false;
+    else {
+      s->cuts[s->n_cuts++] = r.off;
+      s->w.len += r.len;
+    }
+  }
+  return true;
+}
+
+/* Cuts each run that crosses one of cuts (sorted, ascending) there: a
+ * write must lie in one window. Pieces keep the run's order. */
+int kvf__rdma_cut_runs(kvf__runs *runs, const uint64_t *cuts, size_t n_cuts) {
+  size_t extra = 0;
+  for (size_t i = 0; i < runs->n; i++)
+    for (size_t c = 0; c < n_cuts; c++)
+      extra += runs->v[i].dst_off < cuts[c] && cuts[c] < runs->v[i].dst_off + runs->v[i].len;
+  if (!extra) return 0;
+  kvf__run *nv = malloc((runs->n + extra) * sizeof(*nv));
+  if (!nv) return -ENOMEM;
+  size_t k = 0;
+  for (size_t i = 0; i < runs->n; i++) {
+    kvf__run r = runs->v[i];
+    for (size_t c = 0; c < n_cuts; c++) {
+      if (!(r.dst_off < cuts[c] && cuts[c] < r.dst_off + r.len)) continue;
+      uint64_t head = cuts[c] - r.dst_off;
+      nv[k] = r;
+      nv[k++].len = head;
+      r.src_off += head;
+      r.dst_off += head;
+      r.len -= head;
+    }
+    nv[k++] = r;
+  }
+  free(runs->v);
+  runs->v = nv;
+  runs->n = runs->cap = k;
+  return 0;
 }
 
 /* Whether b's direct runs would be small: their average under STAGE_MIN_RUN,
@@ -241,8 +313,9 @@ static bool runs_small(const kvf__bpart *b) {
   return c.runs && c.bytes / c.runs < STAGE_MIN_RUN;
 }
 
-/* b's runs into the staging slice of record w, staged as st. */
-static int staged_runs(const kvf__bpart *b, const kvf__mw_rec *w, const kvf__xstaged *st, kvf__runs *runs) {
+/* b's runs into the staging slice sl, staged as st. */
+static int staged_runs(const kvf__bpart *b, const stage_slice *sl, const kvf__xstaged *st, kvf__runs *runs) {
+  const kvf__mw_rec *w = &sl->w;
   kvf__lview sv;
   uint64_t *offs = NULL, bytes = 0;
   uint32_t *ids = identity(b->xf.nd);
@@ -256,6 +329,7 @@ static int staged_runs(const kvf__bpart *b, const kvf__mw_rec *w, const kvf__xst
     runs->v[i].dst_off += w->off;
     runs->v[i].dst_desc = UINT32_MAX; /* not a grant descriptor: its window is found by pool */
   }
+  if (rc == 0) rc = kvf__rdma_cut_runs(runs, sl->cuts, sl->n_cuts);
   free(ids);
   free(offs);
   return rc;
@@ -290,7 +364,7 @@ static void group_end(sgroup *g, kvf__xfer *x) {
 /* Posts b chunk by chunk (runs: its first chunk's, made by the caller).
  * A chunk that cannot be posted once others are out fails the part through
  * its callback (those out still complete first). */
-static int post_chunks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, uint32_t step, const kvf__mw_rec *w,
+static int post_chunks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, uint32_t step, const stage_slice *w,
                        const kvf__xstaged *st, kvf__runs *runs, bool last) {
   sgroup *g = calloc(1, sizeof(*g));
   if (!g) return -ENOMEM;
@@ -406,7 +480,7 @@ static int post_direct(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, boo
  * tokens into each write costs rxe more than the receiver's pass: bench/
  * RESULTS.md), else direct. */
 int kvf__rdma_post_blocks(kvf__transport *t, kvf__xfer *x, const kvf__bpart *b, bool last) {
-  kvf__mw_rec w;
+  stage_slice w;
   kvf__xstaged st = {b->xf.s.order, b->xf.h0, b->xf.nh};
   if (!b->xf.transform) return kvf__transport_post_block_runs(t, x, b, last);
   bool offered = stage_record(x, &w);

@@ -143,9 +143,11 @@ static void inspect_peers(jbuf *b, const rdma_transport *rt) {
       for (unsigned j = 0; j < lk->n_all; j++) {
         rqp *q = lk->all[j];
         if (q->gone) continue;
-        jb(b, "%s{\"device\": \"%s\", \"peer_device\": \"%s\", \"qp\": %u, \"dir\": \"%s\", \"state\": \"%s\"}",
+        jb(b, "%s{\"device\": \"%s\", \"peer_device\": \"%s\", \"qp\": %u, \"dir\": \"%s\", \"state\": \"%s\", "
+              "\"work_requests\": %llu, \"bytes\": %llu}",
            k++ ? ", " : "", lk->dev->name, lk->peer_dev, q->qp_num, q->outbound ? "out" : "in",
-           q->established ? "connected" : "connecting");
+           q->established ? "connected" : "connecting", (unsigned long long)atomic_load(&q->wrs),
+           (unsigned long long)atomic_load(&q->bytes));
       }
     }
     jb(b, "]}");
