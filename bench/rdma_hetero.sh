@@ -27,6 +27,12 @@
 # build's name (its last path component) and the round. The daemons' peer
 # timeout is 5 s: under emulation on a busy host a peer can go quiet for
 # more than the default 700 ms (a pool is locked in for tens of seconds).
+# PERF_DIR (unset): a folder under the repository where each case leaves a
+# system-wide profile of the VM (RUN-CASE.data and, by command and symbol,
+# .txt: perf record -a -g), `vmstat 1` over it (.vmstat: how busy the two
+# CPUs were) and the sending daemon's status before and after (.post0,
+# .post1: work requests and bytes per QP). Profiling costs throughput:
+# compare such runs only with each other.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -52,7 +58,7 @@ done
 
 if [ -z "${RDMA_VM_NODES:-}" ]; then
   [ -x "$RDMA_VM" ] || die "no VM runner at $RDMA_VM (set RDMA_VM)"
-  export BUILD BUILDS ROUNDS PAIRED DEADLINE_MS TOKENS REQUESTS POOL STAGING CASES MODES CONF
+  export PERF_DIR BUILD BUILDS ROUNDS PAIRED DEADLINE_MS TOKENS REQUESTS POOL STAGING CASES MODES CONF
   exec "$RDMA_VM" --nodes 2 --mem "$VM_MEM" --timeout "${VM_TIMEOUT:-1500}" -- bench/rdma_hetero.sh
 fi
 
@@ -103,11 +109,17 @@ one_case() {
   bench_ctl prefill status --json >"$TMP/$run-$key.post0" 2>/dev/null || true
   say "$run: $key: $BUILD/kvferry-bench --blocks --model llama3-8b --tokens $TOKENS --requests $REQUESTS ${ARGS[$c]}"
   # shellcheck disable=SC2086
+  [ -z "${PERF_DIR:-}" ] || { perf record -a -g -F 499 -o "$PERF_DIR/$run-$key.data" 2>/dev/null & PERF_PID=$!
+    vmstat -t 1 >"$PERF_DIR/$run-$key.vmstat" & VMSTAT_PID=$!; }
   "$BUILD/kvferry-bench" --from "$TMP/prefill.sock" --to "$TMP/decode.sock" --json --blocks --model llama3-8b \
     --tokens "$TOKENS" --requests "$REQUESTS" --deadline-ms "$DEADLINE_MS" ${ARGS[$c]} >"$TMP/$run-$key.json" 2>"$TMP/$run-$key.err" ||
     { cat "$TMP/$run-$key.err" >&2; tail -n 20 "$TMP"/*.log >&2; say "$run: $key: FAILED (left out)"
       rm -f "$TMP/$run-$key.json"; FAILS=$((FAILS + 1)); return 0; }
+  [ -z "${PERF_DIR:-}" ] || { kill -INT "$PERF_PID"; wait "$PERF_PID" || true
+    perf report -i "$PERF_DIR/$run-$key.data" --stdio --no-children -g none --sort comm,sym >"$PERF_DIR/$run-$key.txt" 2>/dev/null || true
+    kill "$VMSTAT_PID" || true; }
   bench_ctl prefill status --json >"$TMP/$run-$key.post1" 2>/dev/null || true
+  [ -z "${PERF_DIR:-}" ] || cp "$TMP/$run-$key.post0" "$TMP/$run-$key.post1" "$PERF_DIR/" 2>/dev/null || true
   say "$run: $key: $(tail -n 1 "$TMP/$run-$key.json")"
 }
 
