@@ -473,7 +473,11 @@ int kvf_event_fd(kvf_client *c);
  * part due, the local GPU path's last copy or the rest of a tcp grant's
  * data expected within 2 ms), the reader and such a wait poll for it
  * until then (at most 3 ms; the transfer's RECV_DONE or SEND_DONE ends
- * it), whatever $KVFERRY_SPIN_US says. */
+ * it), whatever $KVFERRY_SPIN_US says; but only where the client may run
+ * on 4 CPUs or more, or $KVFERRY_SPIN_US is set: on fewer, that polling
+ * starves the threads that move the data (the daemon's, on this host too),
+ * and the client tells the daemon at connect to send no such hint.
+ * $KVFERRY_SOON_POLL=1 or 0 at connect decides instead. */
 #define KVF_SPIN_US_DEFAULT 0
 int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeout_ms);
 

@@ -193,6 +193,7 @@ struct kvf_client {
    * spinners once queued and mu released (events_told), so that a
    * spinning waiter sees one come without blocking on mu. */
   unsigned spin_us;
+  bool soon_polls;              /* a Soon makes the reader and a waiter poll (soon_polls_here) */
   atomic_uint_fast64_t ev_count;
   /* Events queued (counted under mu, before the event fd is raised) and
    * taken, and conn as seen without mu: kvf_wait_events with no timeout
@@ -574,7 +575,24 @@ static void answered_unlocked(kvf_client *c) { atomic_fetch_add_explicit(&c->ans
  * A waiter that the Soon's own bytes woke spins as long (watch_for_event). */
 #define SOON_SLACK_US 200
 #define SOON_POLL_MAX_US 3000
+/* Polling on a Soon takes a CPU (two: the reader and a waiter) while the
+ * data still moves, on this host too (a tcp receiver's threads, the
+ * daemon's loop): on a machine of 2 CPUs that starved the transfer it
+ * awaited (a 64 KiB tcp handoff went from 130-220 us to 500-1,450 us,
+ * bench/RESULTS.md). So only where this process may run on SOON_MIN_CPUS or
+ * more, or where KVFERRY_SPIN_US asks for spinning anyway;
+ * $KVFERRY_SOON_POLL (1 or 0) decides instead where set. */
+#define SOON_MIN_CPUS 4
+static bool soon_polls_here(unsigned spin_us) {
+  const char *v = getenv("KVFERRY_SOON_POLL");
+  if (v && (!strcmp(v, "0") || !strcmp(v, "1"))) return v[0] == '1';
+  cpu_set_t set;
+  int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : (int)sysconf(_SC_NPROCESSORS_ONLN);
+  return spin_us > 0 || cpus >= SOON_MIN_CPUS;
+}
+
 static void expect_soon(kvf_client *c, const char *xfer_id, uint32_t within_us) {
+  if (!c->soon_polls) return;
   uint64_t us = (uint64_t)within_us + SOON_SLACK_US;
   uint64_t until = mono_ns() + (us < SOON_POLL_MAX_US ? us : SOON_POLL_MAX_US) * 1000;
   if (until > atomic_load(&c->spin_until)) atomic_store(&c->spin_until, until);
@@ -1029,6 +1047,7 @@ static int exchange_hello(kvf_client *c) {
   Kvf__HelloReq hello = KVF__HELLO_REQ__INIT;
   hello.version = KVF_API_VERSION;
   hello.client_name = name;
+  hello.no_soon = !c->soon_polls; /* the daemon spares the Soon and the reader's wake-up for it */
   Kvf__ApiRequest req = KVF__API_REQUEST__INIT;
   req.body_case = KVF__API_REQUEST__BODY_HELLO;
   req.hello = &hello;
@@ -1181,6 +1200,7 @@ KVF_API int kvf_connect_ex(const char *socket_path, const kvf_connect_opts *o, k
   c->reconnect_ms = reconnect_ms;
   c->spin_us = (unsigned)env_ms("KVFERRY_SPIN_US", KVF_SPIN_US_DEFAULT);
   if (c->spin_us > KVF__SPIN_US_MAX) c->spin_us = KVF__SPIN_US_MAX;
+  c->soon_polls = soon_polls_here(c->spin_us);
   c->socket_path = strdup(resolve_socket_path(socket_path));
   int rc = c->socket_path ? connect_waiting(c, wait_ms, &c->sock) : -ENOMEM;
   if (!rc) rc = exchange_hello(c);

@@ -81,6 +81,7 @@ struct kvf__session {
   uint32_t n_xfers;
   send_chain chain;
   char name[64];
+  bool no_soon;           /* HelloReq.no_soon: no Soon for this client */
   kvf__api_sink *sink;    /* detached session (tests, fuzzing): no socket */
   void *sink_arg;
   kvf__session *prev, *next;
@@ -290,7 +291,10 @@ void kvf__api_emit(kvf__session *s, const Kvf__Event *ev) {
   session_write(s, &m, -1);
 }
 
+bool kvf__api_wants_soon(const kvf__session *s) { return s && !s->no_soon; }
+
 void kvf__api_soon(kvf__session *s, const char *xfer_id, uint32_t within_us) {
+  if (!kvf__api_wants_soon(s)) return;
   Kvf__Soon soon = KVF__SOON__INIT;
   soon.xfer_id = (char *)xfer_id;
   soon.within_us = within_us;
@@ -346,6 +350,7 @@ static void on_hello(kvf__session *s, uint64_t seq, const Kvf__HelloReq *h) {
     return;
   }
   snprintf(s->name, sizeof(s->name), "%s", h->client_name ? h->client_name : "");
+  s->no_soon = h->no_soon;
   s->hello_done = true;
   if (!s->sink) uv_timer_stop(&s->hello_timer);
   Kvf__HelloResp hr = KVF__HELLO_RESP__INIT;

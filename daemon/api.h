@@ -17,6 +17,9 @@ void kvf__api_emit(kvf__session *s, const Kvf__Event *ev);
 /* Tells s that xfer_id's event is expected within about within_us (an API
  * Soon: a hint its library may poll for the event on). */
 void kvf__api_soon(kvf__session *s, const char *xfer_id, uint32_t within_us);
+/* Whether s takes a Soon (its Hello did not say no_soon): where it does
+ * not, a transport skips the work of finding one. */
+bool kvf__api_wants_soon(const kvf__session *s);
 /* The same where a transport estimated the time to the event (est_us):
  * told only within KVF__SOON_MAX_US; beyond it, two of the engine's threads
  * would poll longer than their wake-up costs. */

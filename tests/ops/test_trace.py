@@ -53,7 +53,13 @@ class TestTrace(unittest.TestCase):
         # spin-cadence-us 10 ms: test_layer_parts_find_the_loop_polling's
         # windows, wide enough for a loaded 2-core machine's scheduling.
         cls.pre, cls.dec = kvftest.pair(cls.dir, pool="32M", metrics=True, extra="spin-cadence-us 10000\n")
-        cls.cp, cls.cd, cls.cd2 = cls.pre.client(), cls.dec.client(), cls.dec.client()
+        # KVFERRY_SOON_POLL=1: these clients take a Soon on any machine (a
+        # library on fewer than 4 CPUs says no_soon: test_no_soon_...)
+        os.environ["KVFERRY_SOON_POLL"] = "1"
+        try:
+            cls.cp, cls.cd, cls.cd2 = cls.pre.client(), cls.dec.client(), cls.dec.client()
+        finally:
+            del os.environ["KVFERRY_SOON_POLL"]
         cls.pp, cls.pd = cls.cp.pool_find("kv"), cls.cd.pool_find("kv")
         cls.pd2 = cls.cd2.pool_find("kv")
 
@@ -65,17 +71,19 @@ class TestTrace(unittest.TestCase):
             rc = d.stop()
             assert rc == 0, "%s exited %s" % (d.name, rc)
 
-    def handoff(self, xid, src_client, src_pool, src_node, dst_node, n, off):
-        """n x 64 KiB of fresh random bytes at off, granted on decode and
-        sent from src_client; every byte checked."""
+    def handoff(self, xid, src_client, src_pool, src_node, dst_node, n, off, dst=None):
+        """n x 64 KiB of fresh random bytes at off, granted on decode (by
+        self.cd, or dst: a client and its pool) and sent from src_client;
+        every byte checked."""
+        cd, pd = dst or (self.cd, self.pd)
         data = os.urandom(n * BLK)
         src_pool.memory[off:off + len(data)] = data
-        self.pd.memory[off + (8 << 20):off + (8 << 20) + len(data)] = bytes(len(data))
-        self.cd.grant(xid, src_node, [self.pd.desc(off + (8 << 20) + i * BLK, BLK) for i in range(n)])
+        pd.memory[off + (8 << 20):off + (8 << 20) + len(data)] = bytes(len(data))
+        cd.grant(xid, src_node, [pd.desc(off + (8 << 20) + i * BLK, BLK) for i in range(n)])
         src_client.send(xid, dst_node, [src_pool.desc(off + i * BLK, BLK) for i in range(n)])
-        self.assertTrue(wait_event(self.cd, xid).ok)
+        self.assertTrue(wait_event(cd, xid).ok)
         self.assertTrue(wait_event(src_client, xid).ok)
-        self.assertEqual(bytes(self.pd.memory[off + (8 << 20):off + (8 << 20) + len(data)]), data)
+        self.assertEqual(bytes(pd.memory[off + (8 << 20):off + (8 << 20) + len(data)]), data)
 
     def check_record(self, rec, role, path, nbytes):
         self.assertEqual(rec["role"], role)
@@ -239,6 +247,46 @@ class TestTrace(unittest.TestCase):
         before = self.dec.status()["api_soon"]
         self.handoff("tr-soon-big", self.cp, self.pp, "prefill", "decode", 350, 0)  # 22 MiB: past 2 ms
         self.assertEqual(self.dec.status()["api_soon"] - before, 0)
+
+    def decode_client(self, soon_poll):
+        """A decode client connected with KVFERRY_SOON_POLL=soon_poll, or
+        (None) without it and without KVFERRY_SPIN_US, from this thread
+        pinned to one CPU meanwhile (the library counts the CPUs it may run
+        on at connect)."""
+        saved = {k: os.environ.pop(k, None) for k in ("KVFERRY_SOON_POLL", "KVFERRY_SPIN_US")}
+        cpus = os.sched_getaffinity(0)
+        try:
+            if soon_poll is None:
+                os.sched_setaffinity(0, {min(cpus)})
+            else:
+                os.environ["KVFERRY_SOON_POLL"] = soon_poll
+            return self.dec.client()
+        finally:
+            os.sched_setaffinity(0, cpus)
+            os.environ.pop("KVFERRY_SOON_POLL", None)
+            os.environ.update({k: v for k, v in saved.items() if v is not None})
+
+    def test_no_soon_where_no_cpu_is_spare(self):
+        """Polling on a Soon takes a CPU while the data still moves through
+        this host's threads: on 2 CPUs it starved the handoff it waited for
+        (bench/RESULTS.md). A library that may run on fewer than 4 CPUs
+        (connected from a thread pinned to one), or told KVFERRY_SOON_POLL=0,
+        says no_soon in its Hello: its tcp grants hear no Soon (api_soon
+        still) and move as before; KVFERRY_SOON_POLL=1 (self.cd) takes one
+        on any machine. Every byte checked."""
+        self.handoff("tr-nosoon-rate", self.cp, self.pp, "prefill", "decode", 1, 3 << 20)  # the rate
+        for how in (None, "0"):
+            c = self.decode_client(how)
+            try:
+                before = self.dec.status()["api_soon"]
+                self.handoff("tr-nosoon-%s" % how, self.cp, self.pp, "prefill", "decode", 1, 3 << 20,
+                             dst=(c, c.pool_find("kv")))
+                self.assertEqual(self.dec.status()["api_soon"] - before, 0, how)
+            finally:
+                c.close()
+        before = self.dec.status()["api_soon"]
+        self.handoff("tr-nosoon-told", self.cp, self.pp, "prefill", "decode", 1, 3 << 20)
+        self.assertEqual(self.dec.status()["api_soon"] - before, 1)
 
     def test_idle_daemon_sleeps(self):
         """spin-us and spin-grant-us are windows: once transfers stop, the

@@ -92,6 +92,7 @@ static int tcp_grant_open(kvf__transport *t, kvf__xfer *x) {
   g->x = x;
   g->peer = x->peer;
   g->total = x->dst.total;
+  g->soon = kvf__api_wants_soon(x->owner);
   for (size_t i = 0; i < x->dst.n; i++)
     if (x->dst.pool[i] < kvfd.n_pools && kvf__pool_gpu(kvfd.pools[x->dst.pool[i]])) {
       x->path = "tcp-bounce";

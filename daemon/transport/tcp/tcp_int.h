@@ -141,6 +141,7 @@ typedef struct rgrant {
   size_t n_marks;
   uint64_t first_ns;     /* the first batch for it read (g_lock) */
   bool unsealed;         /* some batch for it came without BATCH_SEALED (g_lock) */
+  bool soon;             /* its engine takes a Soon: the first batch read says so (EV_STARTED) */
 } rgrant;
 
 /* Receiver: a batch with payloads staged for a GPU; it lands (unpins its

@@ -243,7 +243,7 @@ static rgrant *pin_grant(tcp_peer *tp, const batch_hdr *h, batch_ent *e, kvf__tc
   if (g && !h->sealed) g->unsealed = true;
   if (g && !g->first_ns) {
     g->first_ns = kvf__now_ns();
-    kvf__tcp_post_event(tt, EV_STARTED, NULL, h->handle, 0, tp); /* its engine may hear Soon (tcp.c) */
+    if (g->soon) kvf__tcp_post_event(tt, EV_STARTED, NULL, h->handle, 0, tp); /* its engine may hear Soon (tcp.c) */
   }
   pthread_mutex_unlock(&tt->g_lock);
   return g;
