@@ -280,10 +280,11 @@ class ChaosDaemon(kvftest.Daemon):
 
     def snapshot(self):
         """The counters that must return to baseline, and open fds. The fds
-        are counted before kvferryctl connects: the daemon closes the
-        session of the kvferryctl before it on its next loop turn, and a
-        count taken right after a status read found it open or not
-        (a baseline of 32 fds, then 31 in every trial: CI, 2026-11-27)."""
+        are counted before kvferryctl connects: right after a status read
+        the daemon may not yet have closed that kvferryctl's session (it
+        does so on a later loop turn), and the count would race with it.
+        (This did not explain CI's baseline of one fd more on 2026-11-27:
+        counted either way, the dev machine's was 31.)"""
         try:
             fds = len(os.listdir("/proc/%d/fd" % self.proc.pid))
         except OSError:
