@@ -8,7 +8,10 @@
 #                  (TCP_NODELAY, default buffers: as the tcp transport's data
 #                  streams), p50/p99 over 2,000 round trips; the same after
 #                  5 ms of idle before each (raw_gap); 512 KiB (one layer of
-#                  llama3-8b at 128 tokens: its wire time)
+#                  llama3-8b at 128 tokens: its wire time); and 64 KiB
+#                  with no thread asleep (--spin: both sides poll, the gap
+#                  waited out busy), back to back and after 5 ms
+#                  (raw_spin_gap): what the gap costs apart from wake-ups
 #   back_to_back   kvferry-bench: one layer-block (llama3-8b, 16 tokens, one
 #                  layer: K and V, 2 x 32 KiB), the grant posted just before
 #                  the send, timed from the send call to RECV_DONE
@@ -35,7 +38,9 @@
 # Output: one JSON line per case on stdout, each with "goal_us" (raw p50 +
 # 20 us) and the ratios against the raw baseline; progress on stderr.
 # Usage: bench/latency.sh [BUILD]   (BUILD: the build folder, default build)
-# Environment: KVFERRY_SPIN_US: the clients' spin (libkvferry: their reader
+# Environment: LAT_EXTRA_LEADS: more grant leads in ms (e.g. "1 2"), each
+# one more case grant_lead_<N>ms, to see how the lead's cost grows with the
+# idle time; KVFERRY_SPIN_US: the clients' spin (libkvferry: their reader
 # thread and kvf_wait_events poll instead of sleeping that long after each
 # request and event; 10000 covers the 5 ms grant lead); LAT_CONF: extra
 # kvferryd.conf lines for both daemons (e.g. "spin-us 0" or "busy-poll
@@ -51,6 +56,7 @@ REQUESTS=${REQUESTS:-2000}
 LEAD_REQUESTS=$((REQUESTS / 4))
 LAT_CONF=${LAT_CONF:-}
 LAT_BENCH_ARGS=${LAT_BENCH_ARGS:-}
+LAT_EXTRA_LEADS=${LAT_EXTRA_LEADS:-}
 
 say() { echo "latency: $*" >&2; }
 die() {
@@ -71,6 +77,10 @@ say "raw tcp: 64 KiB + 1-byte ack, back to back and after 5 ms idle; 512 KiB"
 "$BUILD/tcp-pingpong" --rounds 2000 >"$TMP/raw.json"
 "$BUILD/tcp-pingpong" --rounds 300 --warmup 20 --gap-us 5000 >"$TMP/raw_gap.json"
 "$BUILD/tcp-pingpong" --bytes 524288 --rounds 500 >"$TMP/raw_layer.json"
+# The same with no thread asleep (both sides poll, the gap busy): what the
+# gap costs an awake machine, apart from its wake-ups.
+"$BUILD/tcp-pingpong" --spin --rounds 2000 >"$TMP/raw_spin.json"
+"$BUILD/tcp-pingpong" --spin --rounds 300 --warmup 20 --gap-us 5000 >"$TMP/raw_spin_gap.json"
 
 # ---------------------------------------------------------------- daemons
 bench_pair a b "pool kv host 256M
@@ -112,6 +122,9 @@ kvbench() { # NAME ARGS...
 }
 kvbench back_to_back --layers 1 --tokens 16 --time-from-send --requests "$REQUESTS"
 kvbench grant_lead_5ms --layers 1 --tokens 16 --grant-lead-ms 5 --requests "$LEAD_REQUESTS"
+for ms in $LAT_EXTRA_LEADS; do
+  kvbench "grant_lead_${ms}ms" --layers 1 --tokens 16 --grant-lead-ms "$ms" --requests "$LEAD_REQUESTS"
+done
 kvbench layer_part --layers 1 --tokens 128 --blocks --time-from-send --nowait --requests "$LEAD_REQUESTS"
 kvbench layerwise --tokens 128 --blocks --layerwise --nowait --compute-us-per-layer 145 --requests 60
 
@@ -131,20 +144,23 @@ T1=$(cpu_ticks)
 IDLE_PCT=$(python3 -c "import os; print(round(($T1 - $T0) * 100.0 / os.sysconf('SC_CLK_TCK') / 2, 1))")
 
 # ---------------------------------------------------------------- report
-python3 - "$TMP" "$(nproc)" "$LAT_CONF" "$IDLE_PCT" <<'PY'
+python3 - "$TMP" "$(nproc)" "$LAT_CONF" "$IDLE_PCT" "$LAT_EXTRA_LEADS" <<'PY'
 import json, os, sys, time
 tmp, nproc, conf, idle = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+extra_leads = ["grant_lead_%sms" % ms for ms in sys.argv[5].split()]
 def load(name):
     lines = [l for l in open(os.path.join(tmp, name + ".json")).read().splitlines() if l.strip()]
     return json.loads(lines[-1])
 raw, gap, layer = load("raw"), load("raw_gap"), load("raw_layer")
+spin, spin_gap = load("raw_spin"), load("raw_spin_gap")
 goal = raw["p50_us"] + 20
 common = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "nproc": nproc, "conf": conf,
           "client_spin_us": int(os.environ.get("KVFERRY_SPIN_US", "0") or 0),
           "bench_args": os.environ.get("LAT_BENCH_ARGS", ""),
           "raw_p50_us": raw["p50_us"], "raw_p99_us": raw["p99_us"], "goal_us": round(goal, 1)}
 print(json.dumps(dict(case="raw", **common, raw_gap_5ms_p50_us=gap["p50_us"], raw_gap_5ms_p99_us=gap["p99_us"],
-                      raw_512k_p50_us=layer["p50_us"], daemons_idle_cpu_pct=idle)))
+                      raw_512k_p50_us=layer["p50_us"], raw_spin_p50_us=spin["p50_us"],
+                      raw_spin_gap_5ms_p50_us=spin_gap["p50_us"], daemons_idle_cpu_pct=idle)))
 def sleeps(name, requests):
     """Per daemon, per thread name: voluntary (sleeps) and involuntary
     (preempted) context switches per request over the case."""
@@ -173,7 +189,7 @@ def handoff(name):
                 p50_client_to_daemon_us=t.get("client_to_daemon_us"),
                 p50_daemon_to_client_us=t.get("daemon_to_client_us"),
                 sleeps_per_request=sleeps(name, k["requests"]), bench_sleeps_per_request=k.get("sleeps"))
-for name in ("back_to_back", "grant_lead_5ms"):
+for name in ["back_to_back", "grant_lead_5ms"] + extra_leads:
     h = handoff(name)
     print(json.dumps(dict(h, p50_vs_raw=round(h["p50_us"] / raw["p50_us"], 2),
                           p50_over_raw_us=round(h["p50_us"] - raw["p50_us"], 1), meets_goal=h["p50_us"] <= goal)))

@@ -5,6 +5,9 @@
  * streams: TCP_NODELAY, the kernel's default buffer sizes, blocking I/O,
  * one thread per side. --gap-us N idles N us between rounds (both sides
  * blocked in recv), as a handoff whose grant was posted ahead idles.
+ * --spin: no thread sleeps: both sides poll their socket (MSG_DONTWAIT)
+ * and the gap is waited out busy, so that a gap's cost with every thread
+ * awake (caches, the machine) shows apart from its wake-ups.
  *
  * Prints one JSON line: {"bytes", "rounds", "gap_us", "p50_us", "p99_us",
  * "min_us"}. Exit status 1 on any error. */
@@ -23,6 +26,7 @@
 
 static size_t msg_bytes = 64 << 10;
 static long rounds = 2000, warmup = 200, gap_us = 0;
+static int spin; /* --spin: poll instead of blocking, busy through the gap */
 
 static int64_t now_ns(void) {
   struct timespec ts;
@@ -37,8 +41,9 @@ static int die(const char *what) {
 
 static void io_all(int fd, uint8_t *buf, size_t len, int out) {
   for (size_t done = 0; done < len;) {
-    ssize_t r = out ? send(fd, buf + done, len - done, MSG_NOSIGNAL) : recv(fd, buf + done, len - done, 0);
-    if (r < 0 && errno == EINTR) continue;
+    int flags = spin ? MSG_DONTWAIT : 0;
+    ssize_t r = out ? send(fd, buf + done, len - done, MSG_NOSIGNAL | flags) : recv(fd, buf + done, len - done, flags);
+    if (r < 0 && (errno == EINTR || (spin && (errno == EAGAIN || errno == EWOULDBLOCK)))) continue;
     if (r <= 0) die(out ? "send" : "recv");
     done += (size_t)r;
   }
@@ -60,6 +65,15 @@ static void *server(void *arg) {
   }
   free(buf);
   return NULL;
+}
+
+static void idle(long us) {
+  if (!spin) {
+    nanosleep(&(struct timespec){us / 1000000, (us % 1000000) * 1000}, NULL);
+    return;
+  }
+  for (int64_t end = now_ns() + (int64_t)us * 1000; now_ns() < end;)
+    ;
 }
 
 static int cmp(const void *a, const void *b) {
@@ -88,8 +102,9 @@ int main(int argc, char **argv) {
     else if (i + 1 < argc && strcmp(argv[i], "--rounds") == 0) rounds = arg_num(argv[++i]);
     else if (i + 1 < argc && strcmp(argv[i], "--gap-us") == 0) gap_us = arg_num(argv[++i]);
     else if (i + 1 < argc && strcmp(argv[i], "--warmup") == 0) warmup = arg_num(argv[++i]);
+    else if (strcmp(argv[i], "--spin") == 0) spin = 1;
     else {
-      fprintf(stderr, "usage: tcp-pingpong [--bytes N] [--rounds N] [--gap-us N] [--warmup N]\n");
+      fprintf(stderr, "usage: tcp-pingpong [--bytes N] [--rounds N] [--gap-us N] [--warmup N] [--spin]\n");
       return 2;
     }
   }
@@ -113,7 +128,7 @@ int main(int argc, char **argv) {
   if (!buf || !lat) die("malloc");
   memset(buf, 0x5a, msg_bytes);
   for (long i = 0; i < warmup + rounds; i++) {
-    if (gap_us) nanosleep(&(struct timespec){gap_us / 1000000, (gap_us % 1000000) * 1000}, NULL);
+    if (gap_us) idle(gap_us);
     int64_t t0 = now_ns();
     io_all(c, buf, msg_bytes, 1);
     io_all(c, &ack, 1, 0);
@@ -121,8 +136,8 @@ int main(int argc, char **argv) {
   }
   pthread_join(thr, NULL);
   qsort(lat, (size_t)rounds, sizeof(double), cmp);
-  printf("{\"bytes\": %zu, \"rounds\": %ld, \"gap_us\": %ld, \"p50_us\": %.1f, \"p99_us\": %.1f, \"min_us\": %.1f}\n",
-         msg_bytes, rounds, gap_us, pct(lat, rounds, 50), pct(lat, rounds, 99), lat[0]);
+  printf("{\"bytes\": %zu, \"rounds\": %ld, \"gap_us\": %ld, \"spin\": %s, \"p50_us\": %.1f, \"p99_us\": %.1f, \"min_us\": %.1f}\n",
+         msg_bytes, rounds, gap_us, spin ? "true" : "false", pct(lat, rounds, 50), pct(lat, rounds, 99), lat[0]);
   free(buf);
   free(lat);
   return 0;
