@@ -174,6 +174,12 @@ static const struct opt opts[] = {
      .help = "Worker threads of the tcp transport on each side (sending, receiving): they "
              "multiplex every peer's data streams, so a daemon's thread count does not grow "
              "with its peers. 0 = from the core count: half the cores, at least 4 and at most 16."},
+    {.name = "tcp-pollers", .type = OPT_U32, .off = F(tcp_pollers), .min = 0, .max = 256, .def = "0",
+     .help = "How many of the tcp transport's sending workers may poll for work at once while "
+             "spin-us, spin-grant-us or busy-poll keep them awake (the rest sleep): with as many as "
+             "a peer has tcp-streams, a striped part starts on every stream at once instead of "
+             "waiting for a sleeping worker's wake-up on all but one. 0 = a quarter of the CPUs the "
+             "daemon may run on, at least 1, at most tcp-streams and tcp-threads."},
     {.name = "max-frame", .type = OPT_SIZE32, .off = F(max_frame),
      .min = 4096, .max = 1u << 30, .def = "64M",
      .help = "Largest control message accepted (checked before unpacking); must hold "

@@ -62,6 +62,7 @@ typedef struct kvf__config {
   uint32_t reconnect_max_ms;
   uint32_t tcp_streams;
   uint32_t tcp_threads;             /* 0: from the core count (tcp_int.h) */
+  uint32_t tcp_pollers;            /* tcp: sender workers that may poll at once; 0: from the cores */
   uint32_t max_frame;
   uint32_t max_descs;
   uint32_t max_clients;

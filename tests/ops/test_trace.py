@@ -374,5 +374,84 @@ class TestGrantWakesThreads(unittest.TestCase):
         self.assertGreater(busy[1], 0.03, msg)
 
 
+def threads_cpu(pid, name):
+    """CPU seconds of each of pid's threads called name, by thread id."""
+    out = {}
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/comm" % (pid, tid)) as f:
+                if f.read().strip() != name:
+                    continue
+            with open("/proc/%d/task/%s/stat" % (pid, tid)) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        out[tid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+class TestSendersPollTogether(unittest.TestCase):
+    """tcp-pollers: while a peer's grant waits for our send, up to that
+    many of the tcp sending workers poll the run queue (so that a part
+    striped over a peer's streams starts on all of them at once), and the
+    others sleep. Here 4 may poll on prefill (tcp-threads 6) and 1 on a
+    second pair, each against a 600 ms window; then striped and small parts
+    move with every byte checked while several poll."""
+    WINDOW_US = 600000
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = kvftest.tempdir()
+        conf = "spin-grant-us %d\ntcp-threads 6\ntcp-streams 4\n" % cls.WINDOW_US
+        cls.pre, cls.dec = kvftest.pair(cls.dir, pool="32M", extra=conf, extra_of={
+            "prefill": "tcp-pollers 4", "decode": "tcp-pollers 8"})
+        cls.cp, cls.cd = cls.pre.client(), cls.dec.client()
+        cls.pp, cls.pd = cls.cp.pool_find("kv"), cls.cd.pool_find("kv")
+
+    @classmethod
+    def tearDownClass(cls):
+        for c in (cls.cp, cls.cd):
+            c.close()
+        for d in (cls.pre, cls.dec):
+            rc = d.stop()
+            assert rc == 0, "%s exited %s" % (d.name, rc)
+
+    def handoff(self, xid, size, off):
+        data = os.urandom(size)
+        self.pp.memory[off:off + size] = data
+        self.cd.grant(xid, "prefill", [self.pd.desc(off, size)])
+        self.cp.send(xid, "decode", [self.pp.desc(off, size)])
+        ev = wait_event(self.cd, xid)
+        self.assertTrue(ev.ok, ev.error)
+        self.assertTrue(wait_event(self.cp, xid).ok)
+        self.assertEqual(bytes(self.pd.memory[off:off + size]), data, xid)
+
+    def test_a_status_says_how_many_may_poll(self):
+        self.assertEqual(self.pre.status()["tcp"]["senders_polling_max"], 4)
+        self.assertEqual(self.dec.status()["tcp"]["senders_polling_max"], 6)  # at most tcp-threads
+
+    def test_b_several_poll_while_a_grant_waits(self):
+        self.handoff("sp-0", 4 << 20, 0)  # the streams connect
+        time.sleep(self.WINDOW_US / 1e6 + 0.2)  # every window closed
+        self.cd.grant("sp-1", "prefill", [self.pd.desc(0, BLK)])
+        time.sleep(0.02)  # the grant reaches prefill
+        t0 = threads_cpu(self.pre.proc.pid, "kvf-tcp-send")
+        time.sleep(0.4)
+        t1 = threads_cpu(self.pre.proc.pid, "kvf-tcp-send")
+        self.cd.cancel("sp-1")
+        wait_event(self.cd, "sp-1")
+        used = sorted((t1[t] - t0.get(t, 0.0) for t in t1), reverse=True)
+        # 4 pollers share this machine's CPUs with everything else: each
+        # gets some of them; the 2 workers beyond tcp-pollers sleep
+        self.assertEqual(len(used), 6, used)
+        self.assertGreater(sum(1 for u in used if u >= 0.01), 1, used)
+        self.assertLessEqual(max(used[4:]), 0.01, used)
+
+    def test_c_parts_move_while_several_poll(self):
+        for i in range(24):
+            size = (4 << 20) if i % 3 == 0 else (BLK if i % 3 == 1 else 1 << 20)
+            self.handoff("sp-d%d" % i, size, (i % 4) * (4 << 20))
+
+
 if __name__ == "__main__":
     kvftest.main()

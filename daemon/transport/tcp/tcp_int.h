@@ -236,10 +236,10 @@ struct tcp_transport {
   pthread_cond_t rq_cond;  /* workers: the run queue grew, or stop */
   pthread_cond_t rq_idle;  /* peer_down: a stream stopped running */
   stream *rq_head, *rq_tail;
-  atomic_uint rq_posts;    /* streams queued ever: what a spinning worker watches */
-  unsigned rq_spinner;     /* a worker polls the queue, not yet given a push (its turn; 0: none) */
-  unsigned rq_turns;       /* the last turn taken (rq_lock) */
-  bool rq_stop;
+  atomic_uint rq_len;      /* streams queued (changed under rq_lock): what a polling worker watches */
+  unsigned rq_polling;     /* workers polling the queue instead of sleeping (rq_lock) */
+  unsigned rq_max_polling; /* at most this many poll at once (kvf__tcp_senders_start) */
+  atomic_bool rq_stop;     /* set under rq_lock; polling workers read it without */
   struct rworker *receivers;
   unsigned n_receivers;    /* started */
   atomic_uint rw_next;     /* round robin of new inbound streams */

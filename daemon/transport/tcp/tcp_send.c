@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <stdlib.h>
@@ -297,9 +298,8 @@ static void rq_push(tcp_transport *tt, stream *s) {
   if (tt->rq_tail) tt->rq_tail->next_run = s;
   else tt->rq_head = s;
   tt->rq_tail = s;
-  atomic_fetch_add(&tt->rq_posts, 1);
-  if (tt->rq_spinner) tt->rq_spinner = 0; /* this one is the spinner's; the next wakes a worker */
-  else pthread_cond_signal(&tt->rq_cond);
+  /* more than the pollers take: a sleeping worker wakes for it */
+  if (atomic_fetch_add(&tt->rq_len, 1) + 1 > tt->rq_polling) pthread_cond_signal(&tt->rq_cond);
 }
 
 void kvf__tcp_stream_schedule(stream *s) {
@@ -309,32 +309,46 @@ void kvf__tcp_stream_schedule(stream *s) {
   pthread_mutex_unlock(&tt->rq_lock);
 }
 
-/* The next stream to serve: one worker at a time polls the queue while
- * spin.h's window is open (the next part of a handoff is likely soon), and
- * the first push it sees wakes nobody (a futex wake on the poster's path,
- * and a second thread racing the spinner for the same stream); the pushes
- * after it, the other streams of a striped post, each wake a sleeping
- * worker, so they move at once. NULL: stop. */
+/* A polling worker: polls until a stream is queued (or stop) or spin.h's
+ * window closes; returns holding rq_lock. It takes the lock only once
+ * there is work, and only by trylock: pollers that queued on the mutex
+ * would each sleep in it, and their wake-ups would fall on the unlock of
+ * the one that got the stream, on the handoff's path. */
+static void poll_queue(tcp_transport *tt) {
+  for (;;) {
+    bool work = atomic_load_explicit(&tt->rq_len, memory_order_relaxed) > 0 || atomic_load(&tt->rq_stop);
+    if (work && pthread_mutex_trylock(&tt->rq_lock) == 0) return;
+    if (!work && !kvf__spin_open(KVF__SPIN_SEND, thread_last_ns)) break;
+    kvf__spin_relax();
+  }
+  pthread_mutex_lock(&tt->rq_lock);
+}
+
+/* The next stream to serve. While spin.h's window is open (the next part
+ * of a handoff is likely soon) up to rq_max_polling workers poll the queue
+ * instead of sleeping, and a push that they are enough to take wakes
+ * nobody (a futex wake on the poster's path); each push beyond them wakes a
+ * sleeping worker. With one poller, a striped post's first stream moved at
+ * once and the others waited for a wake-up each (a thread asleep on a
+ * halted CPU: tens of microseconds); with as many as a peer has streams,
+ * all of them move at once. NULL: stop. */
 static stream *rq_take(tcp_transport *tt) {
   pthread_mutex_lock(&tt->rq_lock);
   while (!tt->rq_head && !tt->rq_stop) {
-    if (tt->rq_spinner || !kvf__spin_open(KVF__SPIN_SEND, thread_last_ns)) {
+    if (tt->rq_polling >= tt->rq_max_polling || !kvf__spin_open(KVF__SPIN_SEND, thread_last_ns)) {
       pthread_cond_wait(&tt->rq_cond, &tt->rq_lock);
       continue;
     }
-    unsigned turn = ++tt->rq_turns ? tt->rq_turns : ++tt->rq_turns; /* never 0 */
-    tt->rq_spinner = turn;
-    unsigned seen = atomic_load(&tt->rq_posts);
+    tt->rq_polling++;
     pthread_mutex_unlock(&tt->rq_lock);
-    while (atomic_load(&tt->rq_posts) == seen && kvf__spin_open(KVF__SPIN_SEND, thread_last_ns))
-      kvf__spin_relax();
-    pthread_mutex_lock(&tt->rq_lock);
-    if (tt->rq_spinner == turn) tt->rq_spinner = 0; /* not given a push: the window closed */
+    poll_queue(tt);
+    tt->rq_polling--; /* the stream it saw may be another's by now: the loop looks again */
   }
   stream *s = tt->rq_stop ? NULL : tt->rq_head;
   if (s) {
     tt->rq_head = s->next_run;
     if (!tt->rq_head) tt->rq_tail = NULL;
+    atomic_fetch_sub(&tt->rq_len, 1);
     s->sched = RQ_RUNNING;
   }
   pthread_mutex_unlock(&tt->rq_lock);
@@ -342,12 +356,12 @@ static stream *rq_take(tcp_transport *tt) {
 }
 
 /* spin.h opened the send window (a peer's grant came ahead of its send):
- * a worker asleep wakes to poll the queue through it, unless one polls
- * already, so the send finds it awake. */
+ * workers asleep wake to poll the queue through it, as many as may poll,
+ * so the send finds them awake. */
 void kvf__tcp_senders_wake(void *arg) {
   tcp_transport *tt = arg;
   pthread_mutex_lock(&tt->rq_lock);
-  if (!tt->rq_spinner) pthread_cond_signal(&tt->rq_cond);
+  for (unsigned i = tt->rq_polling; i < tt->rq_max_polling; i++) pthread_cond_signal(&tt->rq_cond);
   pthread_mutex_unlock(&tt->rq_lock);
 }
 
@@ -378,6 +392,7 @@ void kvf__tcp_streams_unschedule(tcp_peer *tp) {
     stream *s = *pp;
     if (s->tp == tp) {
       *pp = s->next_run;
+      atomic_fetch_sub(&tt->rq_len, 1);
       s->sched = RQ_IDLE;
     } else {
       tt->rq_tail = s;
@@ -465,7 +480,22 @@ unsigned kvf__tcp_workers(void) {
   return n < 4 ? 4 : n > 16 ? 16 : (unsigned)n;
 }
 
+/* Workers that may poll the run queue at once (tcp-pollers; 0: this): as many as a peer has
+ * streams (so a striped post moves on all of them at once) where a
+ * quarter of the CPUs this daemon may run on can spin for them; one on
+ * smaller machines, where a poller takes the CPU that the data's other
+ * threads need. */
+static unsigned max_polling(unsigned workers) {
+  if (kvfd.cfg.tcp_pollers) return kvfd.cfg.tcp_pollers < workers ? kvfd.cfg.tcp_pollers : workers;
+  cpu_set_t set;
+  int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : (int)sysconf(_SC_NPROCESSORS_ONLN);
+  unsigned n = cpus > 0 ? (unsigned)cpus / 4 : 1;
+  unsigned cap = kvfd.cfg.tcp_streams < workers ? kvfd.cfg.tcp_streams : workers;
+  return n < 1 ? 1 : n > cap ? cap : n;
+}
+
 int kvf__tcp_senders_start(tcp_transport *tt) {
+  tt->rq_max_polling = max_polling(tt->n_workers);
   pthread_mutex_init(&tt->rq_lock, NULL);
   pthread_cond_init(&tt->rq_cond, NULL);
   pthread_cond_init(&tt->rq_idle, NULL);
@@ -482,8 +512,7 @@ int kvf__tcp_senders_start(tcp_transport *tt) {
 /* Every peer is down: the queue is empty. */
 void kvf__tcp_senders_stop(tcp_transport *tt) {
   pthread_mutex_lock(&tt->rq_lock);
-  tt->rq_stop = true;
-  atomic_fetch_add(&tt->rq_posts, 1); /* ends a spin (busy-poll: it never times out) */
+  tt->rq_stop = true; /* ends a poll too (busy-poll: it never times out) */
   pthread_cond_broadcast(&tt->rq_cond);
   pthread_mutex_unlock(&tt->rq_lock);
   for (unsigned i = 0; i < tt->n_senders; i++) pthread_join(tt->senders[i], NULL);
