@@ -236,7 +236,8 @@ class TestTrace(unittest.TestCase):
         """Over tcp the receiving daemon learns a grant's data began with its
         first batch: once a grant landed (the rate is known), each grant's
         engine hears Soon then (api_soon), one per grant, no event; where
-        the rest would take longer than 2 ms at that rate, nothing. Every
+        the rest would take longer than 2 ms at that rate, nothing (here:
+        the first 64 KiB of a 22 MiB grant, the rest held back). Every
         byte checked."""
         self.handoff("tr-soon-0", self.cp, self.pp, "prefill", "decode", 1, 3 << 20)  # the rate
         for i in range(1, 4):
@@ -244,9 +245,45 @@ class TestTrace(unittest.TestCase):
             self.handoff("tr-soon-%d" % i, self.cp, self.pp, "prefill", "decode", 1, 3 << 20)
             self.assertEqual(self.dec.status()["api_soon"] - before, 1, i)
             self.assertEqual(self.cd.wait_events(16, 0), [])  # a Soon is no event
+        n = 350  # 22 MiB: past 2 ms
+        data = os.urandom(n * BLK)
+        self.pp.memory[0:len(data)] = data
         before = self.dec.status()["api_soon"]
-        self.handoff("tr-soon-big", self.cp, self.pp, "prefill", "decode", 350, 0)  # 22 MiB: past 2 ms
+        self.cd.grant("tr-soon-big", "prefill", [self.pd.desc((8 << 20) + i * BLK, BLK) for i in range(n)])
+        self.cp.send("tr-soon-big", "decode", [self.pp.desc(0, BLK)], more=True)
+        time.sleep(0.1)  # the first part landed
         self.assertEqual(self.dec.status()["api_soon"] - before, 0)
+        self.cp.send("tr-soon-big", "decode", [self.pp.desc(i * BLK, BLK) for i in range(1, n)])
+        self.assertTrue(wait_event(self.cd, "tr-soon-big").ok)
+        self.assertTrue(wait_event(self.cp, "tr-soon-big").ok)
+        self.assertEqual(bytes(self.pd.memory[8 << 20:(8 << 20) + len(data)]), data)
+
+    def test_tcp_parts_after_a_pause_told_soon_again(self):
+        """A layer-wise send's parts come a layer's compute apart, and the
+        receiving engine's threads sleep through each. Over tcp, besides the
+        grant's first batch, each part that comes after a pause (PART_GAP_US)
+        tells the engine Soon when the rest would land within 2 ms: here 4
+        parts 20 ms apart hear 4, no event among them; the same bytes sent
+        whole hear 1. Every byte checked."""
+        self.handoff("tr-parts-rate", self.cp, self.pp, "prefill", "decode", 1, 3 << 20)  # the rate
+        n, off = 4, 5 << 20
+        data = os.urandom(n * BLK)
+        self.pp.memory[off:off + len(data)] = data
+        self.pd.memory[off:off + len(data)] = bytes(len(data))
+        before = self.dec.status()["api_soon"]
+        self.cd.grant("tr-parts", "prefill", [self.pd.desc(off + i * BLK, BLK) for i in range(n)])
+        for i in range(n):
+            self.cp.send("tr-parts", "decode", [self.pp.desc(off + i * BLK, BLK)], more=i < n - 1)
+            if i < n - 1:
+                time.sleep(0.02)
+                self.assertEqual(self.cd.wait_events(16, 0), [])  # a Soon is no event
+        self.assertTrue(wait_event(self.cd, "tr-parts").ok)
+        self.assertTrue(wait_event(self.cp, "tr-parts").ok)
+        self.assertEqual(bytes(self.pd.memory[off:off + len(data)]), data)
+        self.assertEqual(self.dec.status()["api_soon"] - before, n)
+        before = self.dec.status()["api_soon"]
+        self.handoff("tr-parts-whole", self.cp, self.pp, "prefill", "decode", n, off)
+        self.assertEqual(self.dec.status()["api_soon"] - before, 1)
 
     def decode_client(self, soon_poll):
         """A decode client connected with KVFERRY_SOON_POLL=soon_poll, or

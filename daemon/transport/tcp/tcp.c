@@ -306,16 +306,32 @@ static void stream_broke(const tevent *e) {
   kvf__peer_fail(e->peer, why);
 }
 
-/* A grant's data began to come: its receiving engine hears Soon when the
- * rest should land within KVF__SOON_MAX_US at the rate of the last grant
- * that landed here, so that its library polls for RECV_DONE instead of
- * sleeping (a grant posted ahead of its send: the engine's threads slept
- * since). SOON_HOPS_US: the last byte's way to the event, past the wire. */
+static bool grant_paused(tcp_transport *tt, rgrant *g) {
+  pthread_mutex_lock(&tt->g_lock);
+  bool paused = g->paused;
+  pthread_mutex_unlock(&tt->g_lock);
+  return paused;
+}
+
+/* A grant's data began to come, or a part of it after a pause (a layer's
+ * compute): its receiving engine hears Soon when the rest should land
+ * within KVF__SOON_MAX_US at the rate of the last grant that landed here,
+ * so that its library polls for RECV_DONE instead of sleeping (a grant
+ * posted ahead of its send: the engine's threads slept since; a layer-wise
+ * send's last parts: they slept through each layer). SOON_HOPS_US: the
+ * last byte's way to the event, past the wire. */
 #define SOON_HOPS_US 100
-static void tell_soon(tcp_transport *tt, const rgrant *g) {
+static void tell_soon(tcp_transport *tt, rgrant *g) {
   const kvf__xfer *x = g->x;
-  if (!x || !x->owner || tt->recv_ns_per_byte <= 0) return;
-  kvf__api_soon_estimated(x->owner, x->id, (double)g->total * tt->recv_ns_per_byte / 1e3 + SOON_HOPS_US);
+  uint64_t now = kvf__now_ns();
+  if (!x || !x->owner || tt->recv_ns_per_byte <= 0 || now < g->soon_until_ns) return; /* told: it polls */
+  pthread_mutex_lock(&tt->g_lock);
+  uint64_t rest = g->total > g->landed ? g->total - g->landed : 0;
+  pthread_mutex_unlock(&tt->g_lock);
+  double est_us = (double)rest * tt->recv_ns_per_byte / 1e3 + SOON_HOPS_US;
+  if (est_us > KVF__SOON_MAX_US) return;
+  kvf__api_soon(x->owner, x->id, (uint32_t)est_us);
+  g->soon_until_ns = now + (uint64_t)(est_us * 1e3);
 }
 
 static void handle_event(tevent *e) {
@@ -335,7 +351,8 @@ static void handle_event(tevent *e) {
     break;
   case EV_LANDED:
     if ((g = grant_for_event(e->tt, e->handle)) == NULL) break;
-    if (g->total && e->t_last > e->t_first) e->tt->recv_ns_per_byte = (double)(e->t_last - e->t_first) / g->total;
+    if (g->total && e->t_last > e->t_first && !grant_paused(e->tt, g)) /* the wire's rate, no compute in it */
+      e->tt->recv_ns_per_byte = (double)(e->t_last - e->t_first) / g->total;
     kvf__xtrace_stamp(g->x, KVF__XT_FIRST, e->t_first);
     kvf__xtrace_stamp(g->x, KVF__XT_LAST, e->t_last);
     if (e->sealed) kvf__xfer_on_vouched(g->x); /* the bytes vouch (tcp_wire.h) */

@@ -35,6 +35,10 @@
  * reads into closed (a stalled or lossy stream must not pin a closed
  * grant's memory: tcp_grant_close would have to cut every stream). */
 #define RECV_CHECK_MS 50
+/* A grant's batch this long after its last one starts a new part: a
+ * layer-wise send's part after a layer's compute (145 us and up), where a
+ * stream's batches come microseconds apart. */
+#define PART_GAP_US 50
 /* Fairness across peers: a sender worker writes about this much of one
  * stream before it takes the next stream in the run queue; a receiver
  * worker reads about this much of one stream before it serves the others
@@ -141,7 +145,11 @@ typedef struct rgrant {
   size_t n_marks;
   uint64_t first_ns;     /* the first batch for it read (g_lock) */
   bool unsealed;         /* some batch for it came without BATCH_SEALED (g_lock) */
-  bool soon;             /* its engine takes a Soon: the first batch read says so (EV_STARTED) */
+  uint64_t last_batch_ns;/* the last batch for it read (g_lock) */
+  uint64_t soon_until_ns;/* its engine was told Soon for the rest, until then (loop) */
+  bool paused;           /* its data came in parts with pauses between: no wire rate (g_lock) */
+  bool soon;             /* its engine takes a Soon: the first batch read says so (EV_STARTED),
+                          * and each that comes PART_GAP_US after the one before (a new part) */
 } rgrant;
 
 /* Receiver: a batch with payloads staged for a GPU; it lands (unpins its

@@ -217,6 +217,19 @@ static rgrant *open_grant_of(tcp_peer *tp, uint64_t handle) {
   return g && !g->closed && g->peer == tp->p ? g : NULL;
 }
 
+/* A batch for g is read (g_lock held). Its first, and the first of each
+ * part that comes after a pause, may tell its engine Soon (tcp.c): the
+ * engine's threads slept through the prefill before the grant's first
+ * bytes, and through each layer's compute before a layer-wise part. */
+static void note_batch(tcp_peer *tp, rgrant *g, uint64_t handle) {
+  uint64_t now = kvf__now_ns();
+  bool starts = !g->first_ns || now - g->last_batch_ns > (uint64_t)PART_GAP_US * 1000;
+  if (starts && g->first_ns) g->paused = true;
+  if (!g->first_ns) g->first_ns = now;
+  g->last_batch_ns = now;
+  if (starts && g->soon) kvf__tcp_post_event(tp->tt, EV_STARTED, NULL, handle, 0, tp);
+}
+
 /* Looks up and pins the grant a batch writes into; NULL when the batch must
  * be discarded. A batch with any entry outside its grant fails that grant.
  * The entries are e, or for a pattern batch pe. The check runs after the
@@ -241,10 +254,7 @@ static rgrant *pin_grant(tcp_peer *tp, const batch_hdr *h, batch_ent *e, kvf__tc
     g = NULL;
   }
   if (g && !h->sealed) g->unsealed = true;
-  if (g && !g->first_ns) {
-    g->first_ns = kvf__now_ns();
-    if (g->soon) kvf__tcp_post_event(tt, EV_STARTED, NULL, h->handle, 0, tp); /* its engine may hear Soon (tcp.c) */
-  }
+  if (g) note_batch(tp, g, h->handle);
   pthread_mutex_unlock(&tt->g_lock);
   return g;
 }
