@@ -7,7 +7,13 @@
  * blocked in recv), as a handoff whose grant was posted ahead idles.
  * --spin: no thread sleeps: both sides poll their socket (MSG_DONTWAIT)
  * and the gap is waited out busy, so that a gap's cost with every thread
- * awake (caches, the machine) shows apart from its wake-ups.
+ * awake (caches, the machine) shows apart from its wake-ups. With --spin
+ * and a gap, --warm-us N sends a 1-byte ping (answered) on the same
+ * connection every N us of the gap, which keeps the kernel's path in use
+ * (each message then carries a 1-byte type ahead of it, read apart by the
+ * server), and --touch-us N re-reads the message buffer every N us of it
+ * (the user's memory kept in the caches): which of the two takes the gap's
+ * cost away says where it lies.
  *
  * Prints one JSON line: {"bytes", "rounds", "gap_us", "p50_us", "p99_us",
  * "min_us"}. Exit status 1 on any error. */
@@ -27,6 +33,8 @@
 static size_t msg_bytes = 64 << 10;
 static long rounds = 2000, warmup = 200, gap_us = 0;
 static int spin; /* --spin: poll instead of blocking, busy through the gap */
+static long warm_us, touch_us; /* --warm-us, --touch-us: what the busy gap does */
+enum { MSG_TYPE = 'M', PING_TYPE = 'P' }; /* with --warm-us, ahead of each message */
 
 static int64_t now_ns(void) {
   struct timespec ts;
@@ -57,23 +65,42 @@ static void nodelay(int fd) {
 /* The receiving side: reads each message whole, answers one byte. */
 static void *server(void *arg) {
   int fd = *(int *)arg;
-  uint8_t *buf = malloc(msg_bytes), ack = 1;
+  uint8_t *buf = malloc(msg_bytes), ack = 1, type = MSG_TYPE;
   if (!buf) die("malloc");
-  for (long i = 0; i < warmup + rounds; i++) {
-    io_all(fd, buf, msg_bytes, 0);
+  for (long i = 0; i < warmup + rounds;) {
+    if (warm_us) io_all(fd, &type, 1, 0);
+    if (type == MSG_TYPE) {
+      io_all(fd, buf, msg_bytes, 0);
+      i++;
+    }
     io_all(fd, &ack, 1, 1);
   }
   free(buf);
   return NULL;
 }
 
+static int ping_fd;                /* --warm-us: the client's socket */
+static const uint8_t *touch_buf;   /* --touch-us: the message */
+static volatile uint8_t touch_sink;
+
 static void idle(long us) {
   if (!spin) {
     nanosleep(&(struct timespec){us / 1000000, (us % 1000000) * 1000}, NULL);
     return;
   }
-  for (int64_t end = now_ns() + (int64_t)us * 1000; now_ns() < end;)
-    ;
+  int64_t now = now_ns(), end = now + (int64_t)us * 1000, next_warm = now, next_touch = now;
+  for (; now < end; now = now_ns()) {
+    if (warm_us && now >= next_warm) {
+      uint8_t b = PING_TYPE;
+      io_all(ping_fd, &b, 1, 1);
+      io_all(ping_fd, &b, 1, 0);
+      next_warm = now + warm_us * 1000;
+    }
+    if (touch_us && now >= next_touch) {
+      for (size_t k = 0; k < msg_bytes; k += 64) touch_sink += touch_buf[k];
+      next_touch = now + touch_us * 1000;
+    }
+  }
 }
 
 static int cmp(const void *a, const void *b) {
@@ -103,12 +130,18 @@ int main(int argc, char **argv) {
     else if (i + 1 < argc && strcmp(argv[i], "--gap-us") == 0) gap_us = arg_num(argv[++i]);
     else if (i + 1 < argc && strcmp(argv[i], "--warmup") == 0) warmup = arg_num(argv[++i]);
     else if (strcmp(argv[i], "--spin") == 0) spin = 1;
+    else if (i + 1 < argc && strcmp(argv[i], "--warm-us") == 0) warm_us = arg_num(argv[++i]);
+    else if (i + 1 < argc && strcmp(argv[i], "--touch-us") == 0) touch_us = arg_num(argv[++i]);
     else {
-      fprintf(stderr, "usage: tcp-pingpong [--bytes N] [--rounds N] [--gap-us N] [--warmup N] [--spin]\n");
+      fprintf(stderr, "usage: tcp-pingpong [--bytes N] [--rounds N] [--gap-us N] [--warmup N] [--spin [--warm-us N] [--touch-us N]]\n");
       return 2;
     }
   }
   if (msg_bytes == 0 || rounds == 0) return 2;
+  if ((warm_us || touch_us) && (!spin || !gap_us)) {
+    fprintf(stderr, "tcp-pingpong: --warm-us and --touch-us shape a busy gap: they need --spin and --gap-us\n");
+    return 2;
+  }
   int ls = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
   socklen_t alen = sizeof(a);
@@ -123,22 +156,27 @@ int main(int argc, char **argv) {
   nodelay(s);
   pthread_t thr;
   if (pthread_create(&thr, NULL, server, &s) != 0) die("pthread_create");
-  uint8_t *buf = malloc(msg_bytes), ack;
+  /* with --warm-us a message goes with its type byte ahead, in one send */
+  size_t head = warm_us ? 1 : 0;
+  uint8_t *frame = malloc(head + msg_bytes), *buf = frame + head, ack;
   double *lat = calloc((size_t)rounds, sizeof(double));
-  if (!buf || !lat) die("malloc");
+  if (!frame || !lat) die("malloc");
   memset(buf, 0x5a, msg_bytes);
+  if (warm_us) frame[0] = MSG_TYPE;
+  ping_fd = c;
+  touch_buf = buf;
   for (long i = 0; i < warmup + rounds; i++) {
     if (gap_us) idle(gap_us);
     int64_t t0 = now_ns();
-    io_all(c, buf, msg_bytes, 1);
+    io_all(c, frame, head + msg_bytes, 1);
     io_all(c, &ack, 1, 0);
     if (i >= warmup) lat[i - warmup] = (double)(now_ns() - t0) / 1e3;
   }
   pthread_join(thr, NULL);
   qsort(lat, (size_t)rounds, sizeof(double), cmp);
-  printf("{\"bytes\": %zu, \"rounds\": %ld, \"gap_us\": %ld, \"spin\": %s, \"p50_us\": %.1f, \"p99_us\": %.1f, \"min_us\": %.1f}\n",
-         msg_bytes, rounds, gap_us, spin ? "true" : "false", pct(lat, rounds, 50), pct(lat, rounds, 99), lat[0]);
-  free(buf);
+  printf("{\"bytes\": %zu, \"rounds\": %ld, \"gap_us\": %ld, \"spin\": %s, \"warm_us\": %ld, \"touch_us\": %ld, \"p50_us\": %.1f, \"p99_us\": %.1f, \"min_us\": %.1f}\n",
+         msg_bytes, rounds, gap_us, spin ? "true" : "false", warm_us, touch_us, pct(lat, rounds, 50), pct(lat, rounds, 99), lat[0]);
+  free(frame);
   free(lat);
   return 0;
 }
