@@ -408,11 +408,11 @@ static void tcp_inspect(kvf__transport *t, char *buf, size_t len) {
   size_t out, in;
   count_streams(tt, &out, &in);
   snprintf(buf, len, "\"name\": \"tcp\", \"threads\": %u, \"senders_polling_max\": %u, \"streams_per_peer\": %u, "
-                     "\"open_grants\": %zu, "
-                     "\"streams_out\": %zu, \"streams_in\": %zu, \"patterns_sent\": %llu, "
+                     "\"open_grants\": %zu, \"streams_out\": %zu, \"streams_in\": %zu, \"patterns_sent\": %llu, "
                      "\"pattern_batches_read\": %llu, \"pattern_pieces_read\": %llu",
-           tt->n_senders + tt->n_receivers, tt->rq_max_polling, kvfd.cfg.tcp_streams, n, out, in, (unsigned long long)atomic_load(&tt->pat_sent),
-           (unsigned long long)atomic_load(&tt->pat_batches), (unsigned long long)atomic_load(&tt->pat_pieces));
+           tt->n_senders + tt->n_receivers, tt->rq_max_polling, kvfd.cfg.tcp_streams, n, out, in,
+           (unsigned long long)atomic_load(&tt->pat_sent), (unsigned long long)atomic_load(&tt->pat_batches),
+           (unsigned long long)atomic_load(&tt->pat_pieces));
 }
 
 static void tcp_free(kvf__mailbox *mb) {
