@@ -263,8 +263,9 @@ class TestTrace(unittest.TestCase):
         receiving engine's threads sleep through each. Over tcp, besides the
         grant's first batch, each part that comes after a pause (PART_GAP_US)
         tells the engine Soon when the rest would land within 2 ms: here 4
-        parts 20 ms apart hear 4, no event among them; the same bytes sent
-        whole hear 1. Every byte checked."""
+        parts 20 ms apart hear 4 (at least 2 on a loaded machine, where a
+        preempted read can make the rate's estimate exceed 2 ms), no event
+        among them; the same bytes sent whole hear 1. Every byte checked."""
         self.handoff("tr-parts-rate", self.cp, self.pp, "prefill", "decode", 1, 3 << 20)  # the rate
         n, off = 4, 5 << 20
         data = os.urandom(n * BLK)
@@ -280,7 +281,8 @@ class TestTrace(unittest.TestCase):
         self.assertTrue(wait_event(self.cd, "tr-parts").ok)
         self.assertTrue(wait_event(self.cp, "tr-parts").ok)
         self.assertEqual(bytes(self.pd.memory[off:off + len(data)]), data)
-        self.assertEqual(self.dec.status()["api_soon"] - before, n)
+        told = self.dec.status()["api_soon"] - before
+        self.assertTrue(2 <= told <= n, told)
         before = self.dec.status()["api_soon"]
         self.handoff("tr-parts-whole", self.cp, self.pp, "prefill", "decode", n, off)
         self.assertEqual(self.dec.status()["api_soon"] - before, 1)
@@ -488,6 +490,54 @@ class TestSendersPollTogether(unittest.TestCase):
         for i in range(24):
             size = (4 << 20) if i % 3 == 0 else (BLK if i % 3 == 1 else 1 << 20)
             self.handoff("sp-d%d" % i, size, (i % 4) * (4 << 20))
+
+
+class TestSoonFromPartsAlone(unittest.TestCase):
+    """An engine that only sends layer by layer: the receiving daemon takes
+    the wire's rate from each grant's last part (its parts hold compute
+    between them), so the second such grant already hears Soon at each
+    part after a pause; the first, before any rate is known, hears none.
+    Every byte checked."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = kvftest.tempdir()
+        cls.pre, cls.dec = kvftest.pair(cls.dir, pool="32M")
+        os.environ["KVFERRY_SOON_POLL"] = "1"
+        try:
+            cls.cp, cls.cd = cls.pre.client(), cls.dec.client()
+        finally:
+            del os.environ["KVFERRY_SOON_POLL"]
+        cls.pp, cls.pd = cls.cp.pool_find("kv"), cls.cd.pool_find("kv")
+
+    @classmethod
+    def tearDownClass(cls):
+        for c in (cls.cp, cls.cd):
+            c.close()
+        for d in (cls.pre, cls.dec):
+            rc = d.stop()
+            assert rc == 0, "%s exited %s" % (d.name, rc)
+
+    def layerwise(self, xid, n):
+        """n parts of 64 KiB, 20 ms apart; the Soons its engine heard."""
+        data = os.urandom(n * BLK)
+        self.pp.memory[0:len(data)] = data
+        self.pd.memory[0:len(data)] = bytes(len(data))
+        before = self.dec.status()["api_soon"]
+        self.cd.grant(xid, "prefill", [self.pd.desc(i * BLK, BLK) for i in range(n)])
+        for i in range(n):
+            self.cp.send(xid, "decode", [self.pp.desc(i * BLK, BLK)], more=i < n - 1)
+            if i < n - 1:
+                time.sleep(0.02)
+        self.assertTrue(wait_event(self.cd, xid).ok)
+        self.assertTrue(wait_event(self.cp, xid).ok)
+        self.assertEqual(bytes(self.pd.memory[0:len(data)]), data)
+        return self.dec.status()["api_soon"] - before
+
+    def test_rate_from_the_last_part(self):
+        self.assertEqual(self.layerwise("sfp-1", 4), 0)  # no rate known yet
+        told = self.layerwise("sfp-2", 4)
+        self.assertTrue(2 <= told <= 4, told)  # 4 unless a loaded machine slowed the rate's part
 
 
 if __name__ == "__main__":

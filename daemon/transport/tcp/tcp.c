@@ -306,16 +306,19 @@ static void stream_broke(const tevent *e) {
   kvf__peer_fail(e->peer, why);
 }
 
-static bool grant_paused(tcp_transport *tt, rgrant *g) {
+/* The wire's rate (ns a byte) that g landed at, last byte at t_last: over
+ * its last part alone, since parts after pauses (layer-wise) hold compute
+ * between them; 0 when unknown. */
+static double landed_rate(tcp_transport *tt, rgrant *g, uint64_t t_last) {
   pthread_mutex_lock(&tt->g_lock);
-  bool paused = g->paused;
+  uint64_t from = g->part_ns, bytes = g->total > g->part_landed ? g->total - g->part_landed : 0;
   pthread_mutex_unlock(&tt->g_lock);
-  return paused;
+  return bytes && t_last > from ? (double)(t_last - from) / (double)bytes : 0;
 }
 
 /* A grant's data began to come, or a part of it after a pause (a layer's
  * compute): its receiving engine hears Soon when the rest should land
- * within KVF__SOON_MAX_US at the rate of the last grant that landed here,
+ * within KVF__SOON_MAX_US at the rate that the last grant landed here at,
  * so that its library polls for RECV_DONE instead of sleeping (a grant
  * posted ahead of its send: the engine's threads slept since; a layer-wise
  * send's last parts: they slept through each layer). SOON_HOPS_US: the
@@ -351,8 +354,8 @@ static void handle_event(tevent *e) {
     break;
   case EV_LANDED:
     if ((g = grant_for_event(e->tt, e->handle)) == NULL) break;
-    if (g->total && e->t_last > e->t_first && !grant_paused(e->tt, g)) /* the wire's rate, no compute in it */
-      e->tt->recv_ns_per_byte = (double)(e->t_last - e->t_first) / g->total;
+    double rate = landed_rate(e->tt, g, e->t_last);
+    if (rate > 0) e->tt->recv_ns_per_byte = rate;
     kvf__xtrace_stamp(g->x, KVF__XT_FIRST, e->t_first);
     kvf__xtrace_stamp(g->x, KVF__XT_LAST, e->t_last);
     if (e->sealed) kvf__xfer_on_vouched(g->x); /* the bytes vouch (tcp_wire.h) */

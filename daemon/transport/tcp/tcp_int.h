@@ -147,7 +147,8 @@ typedef struct rgrant {
   bool unsealed;         /* some batch for it came without BATCH_SEALED (g_lock) */
   uint64_t last_batch_ns;/* the last batch for it read (g_lock) */
   uint64_t soon_until_ns;/* its engine was told Soon for the rest, until then (loop) */
-  bool paused;           /* its data came in parts with pauses between: no wire rate (g_lock) */
+  uint64_t part_ns;      /* the batch that started its last part (after a pause), read then (g_lock) */
+  uint64_t part_landed;  /* its bytes landed before that batch: the last part's rate is the wire's (g_lock) */
   bool soon;             /* its engine takes a Soon: the first batch read says so (EV_STARTED),
                           * and each that comes PART_GAP_US after the one before (a new part) */
 } rgrant;

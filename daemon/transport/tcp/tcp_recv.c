@@ -224,7 +224,10 @@ static rgrant *open_grant_of(tcp_peer *tp, uint64_t handle) {
 static void note_batch(tcp_peer *tp, rgrant *g, uint64_t handle) {
   uint64_t now = kvf__now_ns();
   bool starts = !g->first_ns || now - g->last_batch_ns > (uint64_t)PART_GAP_US * 1000;
-  if (starts && g->first_ns) g->paused = true;
+  if (starts) {
+    g->part_ns = now;
+    g->part_landed = g->landed;
+  }
   if (!g->first_ns) g->first_ns = now;
   g->last_batch_ns = now;
   if (starts && g->soon) kvf__tcp_post_event(tp->tt, EV_STARTED, NULL, handle, 0, tp);
