@@ -179,7 +179,9 @@ static const struct opt opts[] = {
              "spin-us, spin-grant-us or busy-poll keep them awake (the rest sleep): with as many as "
              "a peer has tcp-streams, a striped part starts on every stream at once instead of "
              "waiting for a sleeping worker's wake-up on all but one. 0 = a quarter of the CPUs the "
-             "daemon may run on, at least 1, at most tcp-streams and tcp-threads."},
+             "daemon may run on, at least 1, at most tcp-streams and tcp-threads. Pollers beyond the "
+             "CPUs to spare take them from the data's other threads (8 on 16 CPUs, with 8 streams: "
+             "a 64 KiB handoff took 1.4 ms instead of 55 us)."},
     {.name = "max-frame", .type = OPT_SIZE32, .off = F(max_frame),
      .min = 4096, .max = 1u << 30, .def = "64M",
      .help = "Largest control message accepted (checked before unpacking); must hold "

@@ -464,8 +464,9 @@ class Suite:
             ips, nss = ["127.0.0.1", "127.0.0.1"], [None, None]
         tp = self.args.transport
         devs = [os.environ.get("NODE0_DEV"), os.environ.get("NODE1_DEV")]
-        self.pre = ChaosDaemon(self.dir, "prefill", pool, ips[0], nss[0], transport=tp, rdma_dev=devs[0])
-        self.dec = ChaosDaemon(self.dir, "decode", pool, ips[1], nss[1], transport=tp, rdma_dev=devs[1])
+        extra = "tcp-pollers %d" % self.args.tcp_pollers if self.args.tcp_pollers else ""
+        self.pre = ChaosDaemon(self.dir, "prefill", pool, ips[0], nss[0], extra, tp, devs[0])
+        self.dec = ChaosDaemon(self.dir, "decode", pool, ips[1], nss[1], extra, tp, devs[1])
         self.pre.add_peer(self.dec)
         self.dec.add_peer(self.pre)
         self.pre.start()
@@ -988,6 +989,9 @@ def main():
     ap.add_argument("--vm", action="store_true", help="inside ../shared/rdma-vm: netem trials")
     ap.add_argument("--transport", default="tcp", choices=["tcp", "rdma"],
                     help="the daemons' data transport (rdma: in the VM, soft-RoCE)")
+    ap.add_argument("--tcp-pollers", type=int, default=0,
+                    help="the daemons' tcp-pollers (0: their default; more than 1 runs the sending "
+                         "workers' several-pollers path on a small machine)")
     args = ap.parse_args()
     if not args.transfers:
         args.transfers = 16 if args.vm else 40
