@@ -38,7 +38,9 @@
 # Output: one JSON line per case on stdout, each with "goal_us" (raw p50 +
 # 20 us) and the ratios against the raw baseline; progress on stderr.
 # Usage: bench/latency.sh [BUILD]   (BUILD: the build folder, default build)
-# Environment: LAT_EXTRA_LEADS: more grant leads in ms (e.g. "1 2"), each
+# Environment: LAT_LOAD=N: N busy loops (sh) run through the whole run, raw
+# and kvferry alike, as engines that keep the CPUs busy (spin.c's backoff);
+# LAT_EXTRA_LEADS: more grant leads in ms (e.g. "1 2"), each
 # one more case grant_lead_<N>ms, to see how the lead's cost grows with the
 # idle time; KVFERRY_SPIN_US: the clients' spin (libkvferry: their reader
 # thread and kvf_wait_events poll instead of sleeping that long after each
@@ -57,6 +59,7 @@ LEAD_REQUESTS=$((REQUESTS / 4))
 LAT_CONF=${LAT_CONF:-}
 LAT_BENCH_ARGS=${LAT_BENCH_ARGS:-}
 LAT_EXTRA_LEADS=${LAT_EXTRA_LEADS:-}
+LAT_LOAD=${LAT_LOAD:-0}
 
 say() { echo "latency: $*" >&2; }
 die() {
@@ -71,6 +74,15 @@ command -v python3 >/dev/null || die "python3 is missing"
 
 . bench/lib.sh
 bench_setup latency
+LOAD_PIDS=""
+trap 'for p in $LOAD_PIDS; do kill "$p" 2>/dev/null || true; done; bench_cleanup' EXIT
+i=0
+while [ "$i" -lt "$LAT_LOAD" ]; do
+  sh -c 'while :; do :; done' &
+  LOAD_PIDS="$LOAD_PIDS $!"
+  i=$((i + 1))
+done
+[ "$LAT_LOAD" -gt 0 ] && say "$LAT_LOAD busy loops run throughout"
 
 # ---------------------------------------------------------------- raw TCP
 say "raw tcp: 64 KiB + 1-byte ack, back to back and after 5 ms idle; 512 KiB"
@@ -156,6 +168,7 @@ spin, spin_gap = load("raw_spin"), load("raw_spin_gap")
 goal = raw["p50_us"] + 20
 common = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "nproc": nproc, "conf": conf,
           "client_spin_us": int(os.environ.get("KVFERRY_SPIN_US", "0") or 0),
+          "busy_loops": int(os.environ.get("LAT_LOAD", "0") or 0),
           "bench_args": os.environ.get("LAT_BENCH_ARGS", ""),
           "raw_p50_us": raw["p50_us"], "raw_p99_us": raw["p99_us"], "goal_us": round(goal, 1)}
 print(json.dumps(dict(case="raw", **common, raw_gap_5ms_p50_us=gap["p50_us"], raw_gap_5ms_p99_us=gap["p99_us"],
