@@ -358,7 +358,39 @@ def thread_cpu(pid, name):
     return total
 
 
-class TestGrantWakesThreads(unittest.TestCase):
+class PairTest(unittest.TestCase):
+    """A prefill and a decode daemon for the class (32 MiB pools, EXTRA and
+    EXTRA_OF config lines), one client on each (cp, cd; with SOON_POLL they
+    take a Soon on any machine) and their pools (pp, pd); each daemon must
+    exit 0 at the end."""
+    EXTRA, EXTRA_OF, SOON_POLL = "", None, False
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = kvftest.tempdir()
+        cls.pre, cls.dec = kvftest.pair(cls.dir, pool="32M", extra=cls.EXTRA, extra_of=cls.EXTRA_OF)
+        saved = os.environ.get("KVFERRY_SOON_POLL")
+        if cls.SOON_POLL:
+            os.environ["KVFERRY_SOON_POLL"] = "1"
+        try:
+            cls.cp, cls.cd = cls.pre.client(), cls.dec.client()
+        finally:
+            if cls.SOON_POLL:
+                os.environ.pop("KVFERRY_SOON_POLL")
+                if saved is not None:
+                    os.environ["KVFERRY_SOON_POLL"] = saved
+        cls.pp, cls.pd = cls.cp.pool_find("kv"), cls.cd.pool_find("kv")
+
+    @classmethod
+    def tearDownClass(cls):
+        for c in (cls.cp, cls.cd):
+            c.close()
+        for d in (cls.pre, cls.dec):
+            rc = d.stop()
+            assert rc == 0, "%s exited %s" % (d.name, rc)
+
+
+class TestGrantWakesThreads(PairTest):
     """spin-grant-us promises that a grant keeps the data path polling
     until its data comes: the receiving daemon's tcp receivers from the
     grant's opening, the sending daemon's tcp senders from the grant
@@ -369,20 +401,7 @@ class TestGrantWakesThreads(unittest.TestCase):
     kernel counts in 10 ms ticks)."""
     WINDOW_US = 600000
 
-    @classmethod
-    def setUpClass(cls):
-        cls.dir = kvftest.tempdir()
-        cls.pre, cls.dec = kvftest.pair(cls.dir, pool="32M", extra="spin-grant-us %d\n" % cls.WINDOW_US)
-        cls.cp, cls.cd = cls.pre.client(), cls.dec.client()
-        cls.pp, cls.pd = cls.cp.pool_find("kv"), cls.cd.pool_find("kv")
-
-    @classmethod
-    def tearDownClass(cls):
-        for c in (cls.cp, cls.cd):
-            c.close()
-        for d in (cls.pre, cls.dec):
-            rc = d.stop()
-            assert rc == 0, "%s exited %s" % (d.name, rc)
+    EXTRA = "spin-grant-us %d\n" % WINDOW_US
 
     def polled(self):
         """CPU seconds over 400 ms: prefill's senders, decode's receivers."""
@@ -429,7 +448,7 @@ def threads_cpu(pid, name):
     return out
 
 
-class TestSendersPollTogether(unittest.TestCase):
+class TestSendersPollTogether(PairTest):
     """tcp-pollers: while a peer's grant waits for our send, up to that
     many of the tcp sending workers poll the run queue (so that a part
     striped over a peer's streams starts on all of them at once), and the
@@ -438,22 +457,8 @@ class TestSendersPollTogether(unittest.TestCase):
     move with every byte checked while several poll."""
     WINDOW_US = 600000
 
-    @classmethod
-    def setUpClass(cls):
-        cls.dir = kvftest.tempdir()
-        conf = "spin-grant-us %d\ntcp-threads 6\ntcp-streams 4\n" % cls.WINDOW_US
-        cls.pre, cls.dec = kvftest.pair(cls.dir, pool="32M", extra=conf, extra_of={
-            "prefill": "tcp-pollers 4", "decode": "tcp-pollers 8"})
-        cls.cp, cls.cd = cls.pre.client(), cls.dec.client()
-        cls.pp, cls.pd = cls.cp.pool_find("kv"), cls.cd.pool_find("kv")
-
-    @classmethod
-    def tearDownClass(cls):
-        for c in (cls.cp, cls.cd):
-            c.close()
-        for d in (cls.pre, cls.dec):
-            rc = d.stop()
-            assert rc == 0, "%s exited %s" % (d.name, rc)
+    EXTRA = "spin-grant-us %d\ntcp-threads 6\ntcp-streams 4\n" % WINDOW_US
+    EXTRA_OF = {"prefill": "tcp-pollers 4", "decode": "tcp-pollers 8"}
 
     def handoff(self, xid, size, off):
         data = os.urandom(size)
@@ -492,31 +497,14 @@ class TestSendersPollTogether(unittest.TestCase):
             self.handoff("sp-d%d" % i, size, (i % 4) * (4 << 20))
 
 
-class TestSoonFromPartsAlone(unittest.TestCase):
+class TestSoonFromPartsAlone(PairTest):
     """An engine that only sends layer by layer: the receiving daemon takes
     the wire's rate from each grant's last part (its parts hold compute
     between them), so the second such grant already hears Soon at each
     part after a pause; the first, before any rate is known, hears none.
     Every byte checked."""
 
-    @classmethod
-    def setUpClass(cls):
-        cls.dir = kvftest.tempdir()
-        cls.pre, cls.dec = kvftest.pair(cls.dir, pool="32M")
-        os.environ["KVFERRY_SOON_POLL"] = "1"
-        try:
-            cls.cp, cls.cd = cls.pre.client(), cls.dec.client()
-        finally:
-            del os.environ["KVFERRY_SOON_POLL"]
-        cls.pp, cls.pd = cls.cp.pool_find("kv"), cls.cd.pool_find("kv")
-
-    @classmethod
-    def tearDownClass(cls):
-        for c in (cls.cp, cls.cd):
-            c.close()
-        for d in (cls.pre, cls.dec):
-            rc = d.stop()
-            assert rc == 0, "%s exited %s" % (d.name, rc)
+    SOON_POLL = True
 
     def layerwise(self, xid, n):
         """n parts of 64 KiB, 20 ms apart; the Soons its engine heard."""
@@ -540,7 +528,7 @@ class TestSoonFromPartsAlone(unittest.TestCase):
         self.assertTrue(2 <= told <= 4, told)  # 4 unless a loaded machine slowed the rate's part
 
 
-class TestSpinBacksOffWhereCpusAreBusy(unittest.TestCase):
+class TestSpinBacksOffWhereCpusAreBusy(PairTest):
     """A polling thread whose sched_yield ran another task for a slice (its
     CPU is shared with busy work) stops polling and blocks, for 5 ms and
     doubling while the CPU stays busy (spin.c): on 2 CPUs with 2 busy loops
@@ -550,20 +538,7 @@ class TestSpinBacksOffWhereCpusAreBusy(unittest.TestCase):
     the daemons report backoffs (spin_backoffs), and every handoff's bytes
     arrive."""
 
-    @classmethod
-    def setUpClass(cls):
-        cls.dir = kvftest.tempdir()
-        cls.pre, cls.dec = kvftest.pair(cls.dir, pool="32M", extra="spin-grant-us 600000\n")
-        cls.cp, cls.cd = cls.pre.client(), cls.dec.client()
-        cls.pp, cls.pd = cls.cp.pool_find("kv"), cls.cd.pool_find("kv")
-
-    @classmethod
-    def tearDownClass(cls):
-        for c in (cls.cp, cls.cd):
-            c.close()
-        for d in (cls.pre, cls.dec):
-            rc = d.stop()
-            assert rc == 0, "%s exited %s" % (d.name, rc)
+    EXTRA = "spin-grant-us 600000\n"
 
     def handoff(self, xid, off):
         data = os.urandom(BLK)
