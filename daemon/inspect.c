@@ -17,7 +17,6 @@
 #include "pool.h"
 #include "registry.h"
 #include "sbuf.h"
-#include "spin.h"
 #include "transport/transport.h"
 #include "xfer.h"
 #include "xfer_int.h"
@@ -164,7 +163,6 @@ static void render_status(kvf__sbuf *b, int json) {
   kvf__sb_printf(b, ", \"api_output_bytes\": %zu, \"api_output_drops\": %llu, \"api_soon\": %llu",
                  kvf__api_output_bytes(), (unsigned long long)st->api_output_drops,
                  (unsigned long long)st->api_soon);
-  kvf__sb_printf(b, ", \"spin_backoffs\": %llu", (unsigned long long)kvf__spin_backoffs());
   tcp_status(b);
   kvf__registry_render(b, true);
   kvf__sb_printf(b, "}\n");

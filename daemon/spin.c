@@ -19,24 +19,6 @@ static _Atomic uint64_t expect_until[KVF__SPIN_N];
  * SIGHUP rewriting kvfd.cfg under them is no race. */
 static _Atomic uint64_t own_ns, grant_ns;
 static atomic_bool always;
-/* A polling thread that finds its CPU shared stops polling this long.
- * Where others wait for the CPU, a poller takes it from them (the threads
- * that move the data, the engines), and on EEVDF (Linux 6.6 on) each
- * sched_yield that lets another run moves the yielder's deadline a slice
- * later: pollers fell behind busy tasks and held the work they polled for
- * (2 CPUs with 2 busy loops: 64 KiB handoffs at 8 ms, against 0.2 ms with
- * spinning off). A yield that took CONTENDED_NS or more ran someone else:
- * the thread blocks instead for BACKOFF_NS (a blocked thread is woken by
- * its event, and placed fairly), then tries again; each time it finds the
- * CPU shared again the wait doubles, up to BACKOFF_MAX_NS, and a yield
- * that returns at once starts it over. Alone on its CPU, a yield returns at
- * once (the kernel skips it) and the thread polls on. */
-#define CONTENDED_NS 1000000ull
-#define BACKOFF_NS 5000000ull
-#define BACKOFF_MAX_NS 1000000000ull
-static _Thread_local uint64_t contended_until, backoff_ns;
-static _Atomic uint64_t backoffs; /* times a poller found its CPU shared */
-
 /* The loop's last activity, and whether it polls now (loop thread only). */
 static uint64_t loop_last;
 static bool spinning;
@@ -97,24 +79,10 @@ bool kvf__spin_open(int what, uint64_t last_ns) {
   uint64_t grant = atomic_load_explicit(&expect_until[what], memory_order_relaxed);
   if (!own && !grant) return false;
   uint64_t now = kvf__now_ns();
-  if (now < contended_until) return false;
   return (own && last_ns && now - last_ns < own) || now < grant;
 }
 
-void kvf__spin_relax(void) {
-  uint64_t t0 = kvf__now_ns();
-  sched_yield();
-  uint64_t t1 = kvf__now_ns();
-  if (t1 - t0 < CONTENDED_NS || atomic_load_explicit(&always, memory_order_relaxed)) {
-    backoff_ns = 0;
-    return;
-  }
-  backoff_ns = !backoff_ns ? BACKOFF_NS : backoff_ns * 2 > BACKOFF_MAX_NS ? BACKOFF_MAX_NS : backoff_ns * 2;
-  contended_until = t1 + backoff_ns;
-  atomic_fetch_add_explicit(&backoffs, 1, memory_order_relaxed);
-}
-
-uint64_t kvf__spin_backoffs(void) { return atomic_load_explicit(&backoffs, memory_order_relaxed); }
+void kvf__spin_relax(void) { sched_yield(); }
 
 void kvf__spin_loop_active(void) { loop_last = kvf__now_ns(); }
 

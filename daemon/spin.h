@@ -18,10 +18,8 @@
  *   - always with busy-poll yes.
  * Once nothing happens for those windows, every waiting point blocks
  * again: an idle daemon uses no CPU. Spinning yields the CPU on each turn
- * (sched_yield), and a thread whose yield ran another (its CPU is shared)
- * stops polling for a while and blocks, so on a machine with fewer cores
- * than runnable threads the ones with work run. Thread-safe unless said
- * otherwise. */
+ * (sched_yield), so on a machine with fewer cores than spinning threads the
+ * ones with work still run. Thread-safe unless said otherwise. */
 #ifndef KVF_SPIN_H
 #define KVF_SPIN_H
 
@@ -72,12 +70,8 @@ void kvf__spin_part(kvf__cadence *c, bool last, uint64_t now_ns, kvf__spin_ahead
 /* Whether a waiting point of kind `what` whose last activity was at
  * last_ns (0: none) keeps polling now. */
 bool kvf__spin_open(int what, uint64_t last_ns);
-/* One turn of a polling wait: yields the CPU. A yield that ran another
- * thread (the CPU is shared) closes this thread's windows for a while, so
- * that it blocks instead of taking the CPU from threads with work. */
+/* One turn of a polling wait. */
 void kvf__spin_relax(void);
-/* How many times a polling thread found its CPU shared and stopped. */
-uint64_t kvf__spin_backoffs(void);
 /* Loop thread, at start: takes the settings (busy-poll, spin-us,
  * spin-grant-us, spin-cadence-us; none reloads) and makes the loop spin adaptively (a
  * uv_idle handle while its window is open). Handles are unreferenced: they

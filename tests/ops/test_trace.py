@@ -528,45 +528,5 @@ class TestSoonFromPartsAlone(PairTest):
         self.assertTrue(2 <= told <= 4, told)  # 4 unless a loaded machine slowed the rate's part
 
 
-class TestSpinBacksOffWhereCpusAreBusy(PairTest):
-    """A polling thread whose sched_yield ran another task for a slice (its
-    CPU is shared with busy work) stops polling and blocks, for 5 ms and
-    doubling while the CPU stays busy (spin.c): on 2 CPUs with 2 busy loops
-    the pollers had fallen behind them (EEVDF moves a yielder's deadline
-    back) and held the handoffs they polled for at about 8 ms each. Here,
-    with a busy loop on every CPU and grants keeping the data path polling,
-    the daemons report backoffs (spin_backoffs), and every handoff's bytes
-    arrive."""
-
-    EXTRA = "spin-grant-us 600000\n"
-
-    def handoff(self, xid, off):
-        data = os.urandom(BLK)
-        self.pp.memory[off:off + BLK] = data
-        self.cd.grant(xid, "prefill", [self.pd.desc(off, BLK)])
-        self.cp.send(xid, "decode", [self.pp.desc(off, BLK)])
-        self.assertTrue(wait_event(self.cd, xid, timeout=10).ok)
-        self.assertTrue(wait_event(self.cp, xid, timeout=10).ok)
-        self.assertEqual(bytes(self.pd.memory[off:off + BLK]), data, xid)
-
-    def backoffs(self):
-        return self.pre.status()["spin_backoffs"] + self.dec.status()["spin_backoffs"]
-
-    def test_pollers_back_off(self):
-        self.handoff("sb-0", 0)
-        before = self.backoffs()
-        busy = [subprocess.Popen(["sh", "-c", "while :; do :; done"])
-                for _ in range(len(os.sched_getaffinity(0)))]
-        try:
-            for i in range(1, 11):
-                self.handoff("sb-%d" % i, i * BLK)
-            time.sleep(0.3)
-        finally:
-            for p in busy:
-                p.kill()
-                p.wait()
-        self.assertGreater(self.backoffs() - before, 0)
-
-
 if __name__ == "__main__":
     kvftest.main()
