@@ -305,8 +305,10 @@ void kvf__api_soon(kvf__session *s, const char *xfer_id, uint32_t within_us) {
   session_write(s, &m, -1);
 }
 
-void kvf__api_soon_estimated(kvf__session *s, const char *xfer_id, double est_us) {
-  if (est_us <= KVF__SOON_MAX_US) kvf__api_soon(s, xfer_id, (uint32_t)est_us);
+bool kvf__api_soon_estimated(kvf__session *s, const char *xfer_id, double est_us) {
+  if (est_us > KVF__SOON_MAX_US) return false;
+  kvf__api_soon(s, xfer_id, (uint32_t)est_us);
+  return true;
 }
 
 /* ------------------------------------------------------------- requests */

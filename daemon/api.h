@@ -21,10 +21,10 @@ void kvf__api_soon(kvf__session *s, const char *xfer_id, uint32_t within_us);
  * not, a transport skips the work of finding one. */
 bool kvf__api_wants_soon(const kvf__session *s);
 /* The same where a transport estimated the time to the event (est_us):
- * told only within KVF__SOON_MAX_US; beyond it, two of the engine's threads
- * would poll longer than their wake-up costs. */
+ * told only within KVF__SOON_MAX_US (beyond it, two of the engine's threads
+ * would poll longer than their wake-up costs); whether it was. */
 #define KVF__SOON_MAX_US 2000
-void kvf__api_soon_estimated(kvf__session *s, const char *xfer_id, double est_us);
+bool kvf__api_soon_estimated(kvf__session *s, const char *xfer_id, double est_us);
 void kvf__api_session_xfers(kvf__session *s, int delta);
 size_t kvf__api_sessions(void);
 /* Bytes of replies and events written to clients and not yet taken by

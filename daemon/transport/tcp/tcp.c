@@ -332,9 +332,7 @@ static void tell_soon(tcp_transport *tt, rgrant *g) {
   uint64_t rest = g->total > g->landed ? g->total - g->landed : 0;
   pthread_mutex_unlock(&tt->g_lock);
   double est_us = (double)rest * tt->recv_ns_per_byte / 1e3 + SOON_HOPS_US;
-  if (est_us > KVF__SOON_MAX_US) return;
-  kvf__api_soon(x->owner, x->id, (uint32_t)est_us);
-  g->soon_until_ns = now + (uint64_t)(est_us * 1e3);
+  if (kvf__api_soon_estimated(x->owner, x->id, est_us)) g->soon_until_ns = now + (uint64_t)(est_us * 1e3);
 }
 
 static void handle_event(tevent *e) {
