@@ -39,7 +39,8 @@
 # 20 us) and the ratios against the raw baseline; progress on stderr.
 # Usage: bench/latency.sh [BUILD]   (BUILD: the build folder, default build)
 # Environment: LAT_LOAD=N: N busy loops (sh) run through the whole run, raw
-# and kvferry alike, as engines that keep the CPUs busy (spin.c's backoff);
+# and kvferry alike, as engines that keep the CPUs busy (bench/RESULTS.md:
+# the daemons' polling threads then fall behind the busy tasks);
 # LAT_EXTRA_LEADS: more grant leads in ms (e.g. "1 2"), each
 # one more case grant_lead_<N>ms, to see how the lead's cost grows with the
 # idle time; KVFERRY_SPIN_US: the clients' spin (libkvferry: their reader

@@ -345,9 +345,9 @@ class TestTrace(unittest.TestCase):
             self.assertLess(share, 0.05, "%s used %.1f%% of a core while idle" % (d.name, share * 100))
 
 
-def thread_cpu(pid, name):
-    """CPU seconds of pid's threads called name, together."""
-    total = 0.0
+def threads_cpu(pid, name):
+    """CPU seconds of each of pid's threads called name, by thread id."""
+    out = {}
     for tid in os.listdir("/proc/%d/task" % pid):
         try:
             with open("/proc/%d/task/%s/comm" % (pid, tid)) as f:
@@ -357,8 +357,13 @@ def thread_cpu(pid, name):
                 fields = f.read().rsplit(")", 1)[1].split()
         except FileNotFoundError:
             continue  # gone meanwhile
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+        out[tid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def thread_cpu(pid, name):
+    """CPU seconds of pid's threads called name, together."""
+    return sum(threads_cpu(pid, name).values())
 
 
 class PairTest(unittest.TestCase):
@@ -434,21 +439,6 @@ class TestGrantWakesThreads(PairTest):
         self.assertGreater(busy[0], 0.03, msg)
         self.assertGreater(busy[1], 0.03, msg)
 
-
-def threads_cpu(pid, name):
-    """CPU seconds of each of pid's threads called name, by thread id."""
-    out = {}
-    for tid in os.listdir("/proc/%d/task" % pid):
-        try:
-            with open("/proc/%d/task/%s/comm" % (pid, tid)) as f:
-                if f.read().strip() != name:
-                    continue
-            with open("/proc/%d/task/%s/stat" % (pid, tid)) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
-            continue
-        out[tid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return out
 
 
 class TestSendersPollTogether(PairTest):
