@@ -33,7 +33,9 @@
 # kvf-tcp-recv), [voluntary, involuntary] context switches per request
 # over the case (a spinning thread is preempted, it does not sleep);
 # bench_sleeps_per_request the same for the bench process (kvferry-bench =
-# the engine thread, kvf-client = the library's reader threads).
+# the engine thread, kvf-client = the library's reader threads);
+# spin_backoffs, per daemon and kind of thread, the times a polling thread
+# found its CPU busy and stopped polling (null for a build without them).
 #
 # Output: one JSON line per case on stdout, each with "goal_us" (raw p50 +
 # 20 us) and the ratios against the raw baseline; progress on stderr.
@@ -120,9 +122,20 @@ json.dump(out, open(sys.argv[1], "w"))
 PY
 }
 
+# Spin backoffs of both daemons (status spin_backoffs): whether their
+# polling threads found the CPUs busy and stopped polling over one case.
+spin_snap() { # FILE
+  for side in a b; do
+    "$BUILD/kvferryctl" -s "$TMP/$side.sock" --json status 2>/dev/null |
+      python3 -c 'import json,sys; print(json.dumps(json.load(sys.stdin).get("spin_backoffs")))' 2>/dev/null ||
+      echo null
+  done >"$1"
+}
+
 kvbench() { # NAME ARGS...
   name=$1
   shift
+  spin_snap "$TMP/$name.spin0"
   threads_snap "$TMP/$name.thr0"
   say "kvferry-bench $*"
   # shellcheck disable=SC2086 # LAT_BENCH_ARGS: words
@@ -132,6 +145,7 @@ kvbench() { # NAME ARGS...
     die "kvferry-bench $* failed: $(tail -n 5 "$TMP/a.log" "$TMP/b.log")"
   }
   threads_snap "$TMP/$name.thr1"
+  spin_snap "$TMP/$name.spin1"
 }
 kvbench back_to_back --layers 1 --tokens 16 --time-from-send --requests "$REQUESTS"
 kvbench grant_lead_5ms --layers 1 --tokens 16 --grant-lead-ms 5 --requests "$LEAD_REQUESTS"
@@ -193,6 +207,17 @@ def sleeps(name, requests):
             s[1] += inv - i0
         out[side] = {c: [round(v / requests, 2), round(i / requests, 2)] for c, (v, i) in sorted(per.items()) if v or i}
     return out
+def backoffs(name):
+    """Per daemon, the spin backoffs over the case by kind of thread (None:
+    a daemon without them)."""
+    try:
+        a = [json.loads(l) for l in open(os.path.join(tmp, name + ".spin0"))]
+        b = [json.loads(l) for l in open(os.path.join(tmp, name + ".spin1"))]
+    except (OSError, ValueError):
+        return None
+    if None in a + b:
+        return None
+    return {side: {k: y[k] - x.get(k, 0) for k in y} for side, x, y in zip("ab", a, b)}
 def handoff(name):
     """A handoff case's figures: its p50, the p50 request's hops on both
     daemons and in the clients, and which threads slept."""
@@ -202,7 +227,8 @@ def handoff(name):
                 verified=k["verified"], path=k["path"], p50_send_hops=t.get("send"), p50_recv_hops=t.get("recv"),
                 p50_client_to_daemon_us=t.get("client_to_daemon_us"),
                 p50_daemon_to_client_us=t.get("daemon_to_client_us"),
-                sleeps_per_request=sleeps(name, k["requests"]), bench_sleeps_per_request=k.get("sleeps"))
+                sleeps_per_request=sleeps(name, k["requests"]), bench_sleeps_per_request=k.get("sleeps"),
+                spin_backoffs=backoffs(name))
 for name in ["back_to_back", "grant_lead_5ms"] + extra_leads:
     h = handoff(name)
     print(json.dumps(dict(h, p50_vs_raw=round(h["p50_us"] / raw["p50_us"], 2),
@@ -217,5 +243,6 @@ print(json.dumps(dict(case="layerwise", **common, tokens=128, exposed_p50_us=k["
                       exposed_vs_layer=round(k["exposed_p50_us"] / wire, 2),
                       meets_goal=k["exposed_p50_us"] <= 1.2 * wire, verified=k["verified"],
                       last_send_late_p50_us=k.get("last_send_late_p50_us"),
-                      p50_send_hops=t.get("send"), p50_recv_hops=t.get("recv"))))
+                      p50_send_hops=t.get("send"), p50_recv_hops=t.get("recv"),
+                      spin_backoffs=backoffs("layerwise"))))
 PY

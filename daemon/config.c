@@ -331,7 +331,9 @@ static const struct opt opts[] = {
      .help = "How long the event loop and the tcp transport's threads keep polling after their "
              "last activity before they sleep, so that the next hop of a handoff finds them awake; "
              "200 us covers the gap between the layer parts of a short prompt's prefill (145 us a "
-             "layer at 128 tokens); 0 = sleep at once. busy-poll yes: always."},
+             "layer at 128 tokens); 0 = sleep at once. busy-poll yes: always. A polling thread "
+             "whose CPU is shared with busy work (a yield ran another task's slice) stops polling "
+             "for 5 ms, doubling to 1 s while that lasts (status: spin_backoffs)."},
     {.name = "spin-grant-us", .type = OPT_U32, .off = F(spin_grant_us), .min = 0, .max = 10000000,
      .def = "10000",
      .help = "How long a grant keeps the data path polling: on the receiver from the grant's "

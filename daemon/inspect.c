@@ -17,6 +17,7 @@
 #include "pool.h"
 #include "registry.h"
 #include "sbuf.h"
+#include "spin.h"
 #include "transport/transport.h"
 #include "xfer.h"
 #include "xfer_int.h"
@@ -163,6 +164,11 @@ static void render_status(kvf__sbuf *b, int json) {
   kvf__sb_printf(b, ", \"api_output_bytes\": %zu, \"api_output_drops\": %llu, \"api_soon\": %llu",
                  kvf__api_output_bytes(), (unsigned long long)st->api_output_drops,
                  (unsigned long long)st->api_soon);
+  kvf__sb_printf(b, ", \"spin_backoffs\": {\"loop\": %llu, \"tcp_send\": %llu, \"tcp_recv\": %llu, \"gpu\": %llu}",
+                 (unsigned long long)kvf__spin_backoffs(KVF__SPIN_LOOP),
+                 (unsigned long long)kvf__spin_backoffs(KVF__SPIN_SEND),
+                 (unsigned long long)kvf__spin_backoffs(KVF__SPIN_RECV),
+                 (unsigned long long)kvf__spin_backoffs(KVF__SPIN_GPU));
   tcp_status(b);
   kvf__registry_render(b, true);
   kvf__sb_printf(b, "}\n");

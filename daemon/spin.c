@@ -6,6 +6,7 @@
 #include <stdatomic.h>
 #include <string.h>
 #include <sys/timerfd.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "kvferryd.h"
@@ -19,6 +20,30 @@ static _Atomic uint64_t expect_until[KVF__SPIN_N];
  * SIGHUP rewriting kvfd.cfg under them is no race. */
 static _Atomic uint64_t own_ns, grant_ns;
 static atomic_bool always;
+/* Backing off where the CPUs are busy. Where other tasks wait for the CPU,
+ * a poller takes it from them (the threads that move the data, the
+ * engines), and on EEVDF (Linux 6.6 on) each sched_yield that lets another
+ * task run moves the yielder's deadline a slice later: pollers fell behind
+ * busy tasks while holding the work they polled for (2 CPUs, 2 busy loops:
+ * 64 KiB handoffs at 8 ms, against 0.2 ms with spinning off). A yield that
+ * took CONTENDED_NS or more ran another task's whole slice: the thread
+ * stops polling for BACKOFF_NS and blocks (woken by its event, and placed
+ * fairly), then polls again if its window is still open. If it meets such
+ * a yield again within CALM_NS of its last backoff's end, the CPU stays
+ * busy: the backoff doubles, up to BACKOFF_MAX_NS. A yield among
+ * kvferry's own pollers comes back in microseconds (each yields at once),
+ * and a thread alone on its CPU yields to no one (the kernel skips it):
+ * those go on polling. A thread blocked by its backoff resumes at its end
+ * (kvf__spin_resume_ns): one that stayed blocked for the rest of its
+ * window missed the next grant's data whenever one slow yield fell into
+ * it (2 CPUs under ASan, 8 pollers). */
+#define CONTENDED_NS 1000000ull
+#define BACKOFF_NS 5000000ull
+#define BACKOFF_MAX_NS 1000000000ull
+#define CALM_NS 50000000ull
+static _Thread_local uint64_t backoff_until, backoff_ns;
+static _Atomic uint64_t backoffs[KVF__SPIN_N];
+
 /* The loop's last activity, and whether it polls now (loop thread only). */
 static uint64_t loop_last;
 static bool spinning;
@@ -79,10 +104,51 @@ bool kvf__spin_open(int what, uint64_t last_ns) {
   uint64_t grant = atomic_load_explicit(&expect_until[what], memory_order_relaxed);
   if (!own && !grant) return false;
   uint64_t now = kvf__now_ns();
+  if (now < backoff_until) return false;
   return (own && last_ns && now - last_ns < own) || now < grant;
 }
 
-void kvf__spin_relax(void) { sched_yield(); }
+void kvf__spin_relax(int what) {
+  uint64_t t0 = kvf__now_ns();
+  sched_yield();
+  uint64_t t1 = kvf__now_ns();
+  if (t1 - t0 < CONTENDED_NS || atomic_load_explicit(&always, memory_order_relaxed)) return;
+  bool again = backoff_ns && t0 - backoff_until < CALM_NS;
+  backoff_ns = !again ? BACKOFF_NS : backoff_ns * 2 > BACKOFF_MAX_NS ? BACKOFF_MAX_NS : backoff_ns * 2;
+  backoff_until = t1 + backoff_ns;
+  atomic_fetch_add_explicit(&backoffs[what], 1, memory_order_relaxed);
+}
+
+uint64_t kvf__spin_resume_ns(int what, uint64_t last_ns) {
+  if (!backoff_until || kvf__now_ns() >= backoff_until) return 0;
+  uint64_t own = atomic_load_explicit(&own_ns, memory_order_relaxed);
+  uint64_t open_until = atomic_load_explicit(&expect_until[what], memory_order_relaxed);
+  if (own && last_ns && last_ns + own > open_until) open_until = last_ns + own;
+  return open_until > backoff_until ? backoff_until : 0;
+}
+
+int kvf__spin_wait_ms(int what, uint64_t last_ns, int timeout_ms) {
+  uint64_t resume = kvf__spin_resume_ns(what, last_ns), now = kvf__now_ns();
+  if (!resume || resume <= now) return timeout_ms;
+  uint64_t ms = (resume - now + 999999) / 1000000;
+  return timeout_ms >= 0 && (uint64_t)timeout_ms < ms ? timeout_ms : (int)ms;
+}
+
+void kvf__spin_cond_wait(pthread_cond_t *cv, pthread_mutex_t *mu, int what, uint64_t last_ns) {
+  uint64_t resume = kvf__spin_resume_ns(what, last_ns), now = kvf__now_ns();
+  if (!resume || resume <= now) {
+    pthread_cond_wait(cv, mu);
+    return;
+  }
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  uint64_t at = (uint64_t)ts.tv_nsec + (resume - now);
+  ts.tv_sec += (time_t)(at / 1000000000ull);
+  ts.tv_nsec = (long)(at % 1000000000ull);
+  pthread_cond_timedwait(cv, mu, &ts);
+}
+
+uint64_t kvf__spin_backoffs(int what) { return atomic_load_explicit(&backoffs[what], memory_order_relaxed); }
 
 void kvf__spin_loop_active(void) { loop_last = kvf__now_ns(); }
 
@@ -165,6 +231,13 @@ static void cadence_metrics(kvf__sbuf *b) {
                       "the loop was polling or had to be woken.");
   kvf__sb_printf(b, "kvferry_spin_cadence_parts_total{loop=\"polling\"} %llu\n", (unsigned long long)n_polled);
   kvf__sb_printf(b, "kvferry_spin_cadence_parts_total{loop=\"woken\"} %llu\n", (unsigned long long)n_woken);
+  kvf__metrics_family(b, "kvferry_spin_backoffs_total", "counter",
+                      "Times a polling thread found its CPU shared with busy work (a yield ran another task's "
+                      "slice) and stopped polling for a while, by thread.");
+  static const char *const kinds[KVF__SPIN_N] = {"loop", "tcp-send", "tcp-recv", "gpu"};
+  for (int i = 0; i < KVF__SPIN_N; i++)
+    kvf__sb_printf(b, "kvferry_spin_backoffs_total{thread=\"%s\"} %llu\n", kinds[i],
+                   (unsigned long long)kvf__spin_backoffs(i));
 }
 
 void kvf__spin_part(kvf__cadence *c, bool last, uint64_t now, kvf__spin_ahead_fn ahead, uint64_t arg) {
@@ -201,6 +274,16 @@ void kvf__spin_loop_stop(void) {
 static uv_idle_t idle;
 static uv_prepare_t prepare;
 static uv_check_t check;
+static uv_timer_t resume_timer;
+
+/* The loop backed off with its window still open: the timer wakes it at the
+ * backoff's end, and its next pass polls again (on_prepare). */
+static void on_resume(uv_timer_t *h) {}
+
+static void arm_resume(void) {
+  uint64_t resume = kvf__spin_resume_ns(KVF__SPIN_LOOP, loop_last), now = kvf__now_ns();
+  if (resume > now) uv_timer_start(&resume_timer, on_resume, (resume - now + 999999) / 1000000, 0);
+}
 
 /* Each pass while spinning: the threads' mail, without their wake-ups
  * (mailbox.h). */
@@ -223,6 +306,7 @@ static void on_prepare(uv_prepare_t *h) {
     uv_idle_start(&idle, spin_once);
   } else {
     uv_idle_stop(&idle);
+    arm_resume();
   }
 }
 
@@ -230,7 +314,7 @@ static void on_prepare(uv_prepare_t *h) {
  * (a request, a peer's message, a timer): the loop is active. */
 static void on_check(uv_check_t *h) {
   if (!spinning) loop_last = kvf__now_ns();
-  else kvf__spin_relax();
+  else kvf__spin_relax(KVF__SPIN_LOOP);
 }
 
 void kvf__spin_loop_start(uv_loop_t *loop) {
@@ -243,6 +327,8 @@ void kvf__spin_loop_start(uv_loop_t *loop) {
   uv_unref((uv_handle_t *)&idle);
   uv_unref((uv_handle_t *)&prepare);
   uv_unref((uv_handle_t *)&check);
+  uv_timer_init(loop, &resume_timer);
+  uv_unref((uv_handle_t *)&resume_timer);
   uv_prepare_start(&prepare, on_prepare);
   uv_check_start(&check, on_check);
   cadence_start(loop);

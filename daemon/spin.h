@@ -19,10 +19,15 @@
  * Once nothing happens for those windows, every waiting point blocks
  * again: an idle daemon uses no CPU. Spinning yields the CPU on each turn
  * (sched_yield), so on a machine with fewer cores than spinning threads the
- * ones with work still run. Thread-safe unless said otherwise. */
+ * ones with work still run; and a thread whose yield ran another task's
+ * whole slice (its CPU is shared with busy work: engines computing, a
+ * loaded node) backs off: it stops polling for a while, 5 ms doubling to
+ * 1 s while that keeps happening, and blocks until its event or the
+ * backoff's end (spin.c says why). Thread-safe unless said otherwise. */
 #ifndef KVF_SPIN_H
 #define KVF_SPIN_H
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <uv.h>
@@ -70,8 +75,23 @@ void kvf__spin_part(kvf__cadence *c, bool last, uint64_t now_ns, kvf__spin_ahead
 /* Whether a waiting point of kind `what` whose last activity was at
  * last_ns (0: none) keeps polling now. */
 bool kvf__spin_open(int what, uint64_t last_ns);
-/* One turn of a polling wait. */
-void kvf__spin_relax(void);
+/* One turn of a polling wait of kind `what`: yields the CPU. A yield that
+ * ran another task for a slice backs this thread off (kvf__spin_open then
+ * says no until the backoff ends). */
+void kvf__spin_relax(int what);
+/* A blocking wait of kind `what` (its last activity at last_ns) that would
+ * otherwise poll: when only this thread's backoff keeps it from polling,
+ * the CLOCK_MONOTONIC ns at which it may poll again, so that it blocks
+ * until then at most; 0: block until the event. */
+uint64_t kvf__spin_resume_ns(int what, uint64_t last_ns);
+/* Such a wait's epoll timeout: timeout_ms (-1: none), or less, up to the
+ * resume time. */
+int kvf__spin_wait_ms(int what, uint64_t last_ns, int timeout_ms);
+/* pthread_cond_wait (a condition on the default, realtime clock), or a
+ * timed wait up to the resume time. */
+void kvf__spin_cond_wait(pthread_cond_t *cv, pthread_mutex_t *mu, int what, uint64_t last_ns);
+/* The backoffs so far, by the kind of thread (KVF__SPIN_LOOP...). */
+uint64_t kvf__spin_backoffs(int what);
 /* Loop thread, at start: takes the settings (busy-poll, spin-us,
  * spin-grant-us, spin-cadence-us; none reloads) and makes the loop spin adaptively (a
  * uv_idle handle while its window is open). Handles are unreferenced: they

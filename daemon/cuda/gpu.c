@@ -1055,11 +1055,11 @@ static struct {
 static void reaper_wait(uint64_t last_done) {
   while (!R.head && !R.stop) {
     if (!kvf__spin_open(KVF__SPIN_GPU, last_done)) {
-      pthread_cond_wait(&R.cv, &R.mu);
+      kvf__spin_cond_wait(&R.cv, &R.mu, KVF__SPIN_GPU, last_done);
       continue;
     }
     pthread_mutex_unlock(&R.mu);
-    kvf__spin_relax();
+    kvf__spin_relax(KVF__SPIN_GPU);
     pthread_mutex_lock(&R.mu);
   }
 }

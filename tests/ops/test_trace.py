@@ -490,6 +490,66 @@ class TestSendersPollTogether(PairTest):
             self.handoff("sp-d%d" % i, size, (i % 4) * (4 << 20))
 
 
+class TestSpinBacksOffWhereCpusAreBusy(PairTest):
+    """A polling thread whose sched_yield ran another task for a whole
+    slice (its CPU is shared with busy work) stops polling and blocks, for
+    5 ms doubling to 1 s while that keeps happening (spin.c): with a busy
+    loop on every CPU the pollers had fallen behind them (EEVDF moves a
+    yielder's deadline back) and held the handoffs they polled for at about
+    8 ms each. Here handoffs move, every byte checked, with a busy loop on
+    every CPU and grants keeping the data path polling: the daemons count
+    backoffs. Once the loops stop, the backed-off threads poll again
+    within the same grant's window (each blocks until its backoff ends, not
+    until the data comes)."""
+    WINDOW_US = 3000000
+
+    EXTRA = "spin-grant-us %d\n" % WINDOW_US
+
+    def handoff(self, xid, off):
+        data = os.urandom(BLK)
+        self.pp.memory[off:off + BLK] = data
+        self.cd.grant(xid, "prefill", [self.pd.desc(off, BLK)])
+        self.cp.send(xid, "decode", [self.pp.desc(off, BLK)])
+        ev = wait_event(self.cd, xid, timeout=10)
+        self.assertTrue(ev.ok, ev.error)
+        self.assertTrue(wait_event(self.cp, xid, timeout=10).ok)
+        self.assertEqual(bytes(self.pd.memory[off:off + BLK]), data, xid)
+
+    def backoffs(self):
+        return [d.status()["spin_backoffs"] for d in (self.pre, self.dec)]
+
+    def test_pollers_back_off_and_come_back(self):
+        self.handoff("sb-0", 0)
+        before = self.backoffs()
+        self.assertEqual(sorted(before[0]), ["gpu", "loop", "tcp_recv", "tcp_send"])
+        busy = [subprocess.Popen(["sh", "-c", "while :; do :; done"])
+                for _ in range(len(os.sched_getaffinity(0)))]
+        try:
+            for i in range(1, 11):
+                self.handoff("sb-%d" % i, i * BLK)
+            self.cd.grant("sb-w", "prefill", [self.pd.desc(0, BLK)])  # a window that outlasts the load
+            time.sleep(0.3)
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
+        after = self.backoffs()
+        grew = {k: sum(a[k] - b[k] for a, b in zip(after, before)) for k in after[0]}
+        self.assertGreater(grew["tcp_send"] + grew["tcp_recv"] + grew["loop"], 0, grew)
+        # a backoff lasts 1 s at most, the window 3 s: by 1.1 s after the
+        # loops stopped, every thread backed off in it polls again
+        time.sleep(1.1)
+        t0 = (thread_cpu(self.pre.proc.pid, "kvf-tcp-send"), thread_cpu(self.dec.proc.pid, "kvf-tcp-recv"))
+        time.sleep(0.4)
+        t1 = (thread_cpu(self.pre.proc.pid, "kvf-tcp-send"), thread_cpu(self.dec.proc.pid, "kvf-tcp-recv"))
+        self.cd.cancel("sb-w")
+        wait_event(self.cd, "sb-w")
+        polled = (t1[0] - t0[0], t1[1] - t0[1])
+        msg = "backoffs %s; prefill's senders, decode's receivers: %.3f, %.3f s" % ((grew,) + polled)
+        self.assertGreater(polled[0], 0.03, msg)
+        self.assertGreater(polled[1], 0.03, msg)
+
+
 class TestSoonFromPartsAlone(PairTest):
     """An engine that only sends layer by layer: the receiving daemon takes
     the wire's rate from each grant's last part (its parts hold compute

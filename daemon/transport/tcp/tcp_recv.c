@@ -642,6 +642,14 @@ static void run_watch(rworker *w) {
   }
 }
 
+/* How long a receiver may sleep: until an event; RECV_CHECK_MS while
+ * streams wait on grants (run_watch); until its spin backoff ends, when
+ * its window is still open then. */
+static int recv_wait_ms(const rworker *w) {
+  int ms = w->n_watch ? RECV_CHECK_MS : -1;
+  return w->list ? kvf__spin_wait_ms(KVF__SPIN_RECV, thread_last_ns, ms) : ms;
+}
+
 static void *receiver_main(void *arg) {
   rworker *w = arg;
   struct epoll_event ev[64];
@@ -649,8 +657,8 @@ static void *receiver_main(void *arg) {
   for (;;) {
     int n = epoll_wait(w->ep, ev, 64, 0);
     if (n == 0 && !w->ready) { /* a worker without streams has nothing to poll for */
-      if (w->list && kvf__spin_open(KVF__SPIN_RECV, thread_last_ns)) kvf__spin_relax();
-      else n = epoll_wait(w->ep, ev, 64, w->n_watch ? RECV_CHECK_MS : -1);
+      if (w->list && kvf__spin_open(KVF__SPIN_RECV, thread_last_ns)) kvf__spin_relax(KVF__SPIN_RECV);
+      else n = epoll_wait(w->ep, ev, 64, recv_wait_ms(w));
     }
     bool stop = false;
     for (int i = 0; i < n; i++) {

@@ -319,7 +319,7 @@ static void poll_queue(tcp_transport *tt) {
     bool work = atomic_load_explicit(&tt->rq_len, memory_order_relaxed) > 0 || atomic_load(&tt->rq_stop);
     if (work && pthread_mutex_trylock(&tt->rq_lock) == 0) return;
     if (!work && !kvf__spin_open(KVF__SPIN_SEND, thread_last_ns)) break;
-    kvf__spin_relax();
+    kvf__spin_relax(KVF__SPIN_SEND);
   }
   pthread_mutex_lock(&tt->rq_lock);
 }
@@ -336,7 +336,7 @@ static stream *rq_take(tcp_transport *tt) {
   pthread_mutex_lock(&tt->rq_lock);
   while (!tt->rq_head && !tt->rq_stop) {
     if (tt->rq_polling >= tt->rq_max_polling || !kvf__spin_open(KVF__SPIN_SEND, thread_last_ns)) {
-      pthread_cond_wait(&tt->rq_cond, &tt->rq_lock);
+      kvf__spin_cond_wait(&tt->rq_cond, &tt->rq_lock, KVF__SPIN_SEND, thread_last_ns);
       continue;
     }
     tt->rq_polling++;
