@@ -164,11 +164,11 @@ static void render_status(kvf__sbuf *b, int json) {
   kvf__sb_printf(b, ", \"api_output_bytes\": %zu, \"api_output_drops\": %llu, \"api_soon\": %llu",
                  kvf__api_output_bytes(), (unsigned long long)st->api_output_drops,
                  (unsigned long long)st->api_soon);
-  kvf__sb_printf(b, ", \"spin_backoffs\": {\"loop\": %llu, \"tcp_send\": %llu, \"tcp_recv\": %llu, \"gpu\": %llu}",
-                 (unsigned long long)kvf__spin_backoffs(KVF__SPIN_LOOP),
-                 (unsigned long long)kvf__spin_backoffs(KVF__SPIN_SEND),
-                 (unsigned long long)kvf__spin_backoffs(KVF__SPIN_RECV),
-                 (unsigned long long)kvf__spin_backoffs(KVF__SPIN_GPU));
+  kvf__sb_printf(b, ", \"spin_backoffs\": {");
+  for (int i = 0; i < KVF__SPIN_N; i++)
+    kvf__sb_printf(b, "%s\"%s\": %llu", i ? ", " : "", kvf__spin_kind_name(i),
+                   (unsigned long long)kvf__spin_backoffs(i));
+  kvf__sb_printf(b, "}");
   tcp_status(b);
   kvf__registry_render(b, true);
   kvf__sb_printf(b, "}\n");

@@ -150,6 +150,11 @@ void kvf__spin_cond_wait(pthread_cond_t *cv, pthread_mutex_t *mu, int what, uint
 
 uint64_t kvf__spin_backoffs(int what) { return atomic_load_explicit(&backoffs[what], memory_order_relaxed); }
 
+const char *kvf__spin_kind_name(int what) {
+  static const char *const names[KVF__SPIN_N] = {"loop", "tcp_send", "tcp_recv", "gpu"};
+  return what >= 0 && what < KVF__SPIN_N ? names[what] : "?";
+}
+
 void kvf__spin_loop_active(void) { loop_last = kvf__now_ns(); }
 
 /* Layer-wise sends' next parts: windows [start, end] around the moment
@@ -234,9 +239,8 @@ static void cadence_metrics(kvf__sbuf *b) {
   kvf__metrics_family(b, "kvferry_spin_backoffs_total", "counter",
                       "Times a polling thread found its CPU shared with busy work (a yield ran another task's "
                       "slice) and stopped polling for a while, by thread.");
-  static const char *const kinds[KVF__SPIN_N] = {"loop", "tcp-send", "tcp-recv", "gpu"};
   for (int i = 0; i < KVF__SPIN_N; i++)
-    kvf__sb_printf(b, "kvferry_spin_backoffs_total{thread=\"%s\"} %llu\n", kinds[i],
+    kvf__sb_printf(b, "kvferry_spin_backoffs_total{thread=\"%s\"} %llu\n", kvf__spin_kind_name(i),
                    (unsigned long long)kvf__spin_backoffs(i));
 }
 

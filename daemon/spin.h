@@ -92,6 +92,9 @@ int kvf__spin_wait_ms(int what, uint64_t last_ns, int timeout_ms);
 void kvf__spin_cond_wait(pthread_cond_t *cv, pthread_mutex_t *mu, int what, uint64_t last_ns);
 /* The backoffs so far, by the kind of thread (KVF__SPIN_LOOP...). */
 uint64_t kvf__spin_backoffs(int what);
+/* A kind's name in status and metrics: "loop", "tcp_send", "tcp_recv",
+ * "gpu". */
+const char *kvf__spin_kind_name(int what);
 /* Loop thread, at start: takes the settings (busy-poll, spin-us,
  * spin-grant-us, spin-cadence-us; none reloads) and makes the loop spin adaptively (a
  * uv_idle handle while its window is open). Handles are unreferenced: they
