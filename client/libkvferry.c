@@ -194,6 +194,7 @@ struct kvf_client {
    * spinning waiter sees one come without blocking on mu. */
   unsigned spin_us;
   bool soon_polls;              /* a Soon makes the reader and a waiter poll (soon_polls_here) */
+  bool watch_spins;             /* a waiter woken by the socket spins for the reader (watch_for_event) */
   atomic_uint_fast64_t ev_count;
   /* Events queued (counted under mu, before the event fd is raised) and
    * taken, and conn as seen without mu: kvf_wait_events with no timeout
@@ -583,12 +584,16 @@ static void answered_unlocked(kvf_client *c) { atomic_fetch_add_explicit(&c->ans
  * more, or where KVFERRY_SPIN_US asks for spinning anyway;
  * $KVFERRY_SOON_POLL (1 or 0) decides instead where set. */
 #define SOON_MIN_CPUS 4
-static bool soon_polls_here(unsigned spin_us) {
-  const char *v = getenv("KVFERRY_SOON_POLL");
-  if (v && (!strcmp(v, "0") || !strcmp(v, "1"))) return v[0] == '1';
+static bool cpus_spare(unsigned spin_us) {
   cpu_set_t set;
   int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : (int)sysconf(_SC_NPROCESSORS_ONLN);
   return spin_us > 0 || cpus >= SOON_MIN_CPUS;
+}
+
+static bool soon_polls_here(unsigned spin_us) {
+  const char *v = getenv("KVFERRY_SOON_POLL");
+  if (v && (!strcmp(v, "0") || !strcmp(v, "1"))) return v[0] == '1';
+  return cpus_spare(spin_us);
 }
 
 static void expect_soon(kvf_client *c, const char *xfer_id, uint32_t within_us) {
@@ -1201,6 +1206,7 @@ KVF_API int kvf_connect_ex(const char *socket_path, const kvf_connect_opts *o, k
   c->spin_us = (unsigned)env_ms("KVFERRY_SPIN_US", KVF_SPIN_US_DEFAULT);
   if (c->spin_us > KVF__SPIN_US_MAX) c->spin_us = KVF__SPIN_US_MAX;
   c->soon_polls = soon_polls_here(c->spin_us);
+  c->watch_spins = cpus_spare(c->spin_us);
   c->socket_path = strdup(resolve_socket_path(socket_path));
   int rc = c->socket_path ? connect_waiting(c, wait_ms, &c->sock) : -ENOMEM;
   if (!rc) rc = exchange_hello(c);
@@ -2502,8 +2508,10 @@ static void lock_for_event(kvf_client *c) {
 }
 
 /* How long a waiter woken by the socket spins for the event the reader is
- * dispatching (it woke with the reader, not after it). */
+ * dispatching (it woke with the reader, not after it); where no CPU is
+ * spare, only as long as a reader awake on another CPU takes. */
 #define WATCH_SPIN_US 500
+#define WATCH_SPIN_SHORT_US 30
 
 enum { WATCH_EVENT, WATCH_TIMEOUT, WATCH_OFF };
 
@@ -2514,9 +2522,15 @@ enum { WATCH_EVENT, WATCH_TIMEOUT, WATCH_OFF };
  * itself just woken, wakes it: one wake-up on the way to the engine
  * instead of two (after an idle gap each costs tens of microseconds, more
  * on a guest whose idle vCPUs halt). The socket is only watched: the
- * reader alone reads it. WATCH_OFF: the socket failed or closed, or woke
- * this thread twice in this call for what was not an event (responses to
- * other threads' calls): wait on the condition variable instead. */
+ * reader alone reads it. Where the process has no CPU to spare
+ * (cpus_spare), the spin would hold off the reader it waits for (2 CPUs:
+ * the reader waited for this thread's CPU through two 500 us spins, and a
+ * 64 KiB handoff's event reached the engine 1 ms late in whole runs of the
+ * dev machine's bench), so this thread spins only briefly, then waits for
+ * the reader's signal. WATCH_OFF: the socket failed or closed, or woke this thread
+ * twice in this call (once without spinning) for what was not an event
+ * (responses to other threads' calls): wait on the condition variable
+ * instead. */
 static int watch_for_event(kvf_client *c, int timeout_ms, const struct timespec *deadline, int *idle_wakes) {
   struct pollfd p[2] = {{.fd = c->sock, .events = POLLIN}, {.fd = c->event_fd, .events = POLLIN}};
   uint64_t seen = atomic_load_explicit(&c->ev_count, memory_order_relaxed);
@@ -2533,11 +2547,12 @@ static int watch_for_event(kvf_client *c, int timeout_ms, const struct timespec 
   if (n == 0) rc = WATCH_TIMEOUT;
   else if ((n < 0 && errno != EINTR) || (p[0].revents & (POLLERR | POLLHUP | POLLNVAL))) rc = WATCH_OFF;
   else if (n > 0 && !(p[1].revents & POLLIN)) { /* the socket: the reader is about to queue what came */
-    spin_for_event(c, seen, WATCH_SPIN_US);
+    spin_for_event(c, seen, c->watch_spins ? WATCH_SPIN_US : WATCH_SPIN_SHORT_US);
     uint64_t until = atomic_load(&c->spin_until), now = mono_ns(); /* a Soon read meanwhile: its window */
-    if (until > now && atomic_load_explicit(&c->ev_count, memory_order_acquire) == seen)
+    if (c->watch_spins && until > now && atomic_load_explicit(&c->ev_count, memory_order_acquire) == seen)
       spin_for_event(c, seen, (until - now) / 1000);
-    if (atomic_load_explicit(&c->ev_count, memory_order_acquire) == seen && ++*idle_wakes >= 2) rc = WATCH_OFF;
+    if (atomic_load_explicit(&c->ev_count, memory_order_acquire) == seen && (++*idle_wakes >= 2 || !c->watch_spins))
+      rc = WATCH_OFF;
   }
   lock_for_event(c);
   return rc;
