@@ -468,7 +468,11 @@ int kvf_event_fd(kvf_client *c);
  * busy CPU while a transfer of this client is in flight. Calls that wait
  * for the daemon's answer (a send without KVF_NOWAIT, kvf_pools, ...)
  * spin for it as long before they sleep. A wait that sleeps sleeps on the
- * daemon's socket and the event fd together, waking with the reader thread.
+ * daemon's socket and the event fd together, waking with the reader thread,
+ * and spins for the event the reader is queuing: up to 500 us where the
+ * client may run on 4 CPUs or more or $KVFERRY_SPIN_US is set, 30 us on
+ * fewer (there the reader may need this thread's CPU), then it sleeps
+ * until the reader signals.
  * When the daemon says an event is near (a local layer-wise send's last
  * part due, the local GPU path's last copy or the rest of a tcp grant's
  * data expected within 2 ms), the reader and such a wait poll for it
