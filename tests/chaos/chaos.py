@@ -889,6 +889,9 @@ class Suite:
 
     def stop_daemons(self):
         """SIGTERM; each must exit 0 with no sanitizer report in its log."""
+        if self.args.busy_loops:
+            log("chaos: with %d busy loops, the daemons' polling threads backed off %d times since their "
+                "last start" % (self.args.busy_loops, self.spin_backoffs()))
         for d in self.daemons():
             if d is None or d.proc is None:
                 continue
@@ -909,6 +912,14 @@ class Suite:
                     d.name, rc, " with " + ", ".join(marks) if marks else "", text[-4000:]))
             else:
                 log("%s: exit 0 on SIGTERM, no sanitizer report (%d incarnations)" % (d.name, d.incarnation))
+
+    def spin_backoffs(self):
+        """The live daemons' spin backoffs since their last start (status)."""
+        n = 0
+        for d in self.daemons():
+            st = ctl(d.sock, "status") if d is not None and d.alive() else None
+            n += sum((st or {}).get("spin_backoffs", {}).values())
+        return n
 
     def cleanup(self):
         for e in self.engines:
@@ -992,6 +1003,9 @@ def main():
     ap.add_argument("--tcp-pollers", type=int, default=0,
                     help="the daemons' tcp-pollers (0: their default; more than 1 runs the sending "
                          "workers' several-pollers path on a small machine)")
+    ap.add_argument("--busy-loops", type=int, default=0,
+                    help="CPU-bound loops that run through every trial, as engines computing on a "
+                         "loaded node (the daemons' polling threads back off from them)")
     args = ap.parse_args()
     if not args.transfers:
         args.transfers = 16 if args.vm else 40
@@ -1004,7 +1018,9 @@ def main():
     suite = Suite(args)
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     crashed = None
+    busy = []
     try:
+        busy = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(args.busy_loops)]
         suite.run()
     except (Exception, KeyboardInterrupt) as e:  # the summary still comes
         import traceback
@@ -1012,6 +1028,9 @@ def main():
         suite.tally.unexpected += 1
         suite.tally.problem("unexpected", "the suite stopped: %s" % crashed)
     finally:
+        for p in busy:
+            p.kill()
+            p.wait()
         suite.cleanup()
     t = suite.tally
     log("chaos: %d transfers of the main pairs were in flight when the faults struck; slowest "
