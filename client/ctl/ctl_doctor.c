@@ -275,6 +275,31 @@ static enum result check_registry(const struct doctor *d, char *detail, size_t c
   return R_FAIL;
 }
 
+/* The daemon's polling threads back off where their CPUs are shared with
+ * busy work (spin.c): handoffs then pay thread wake-ups. A warning, since
+ * start: a node whose engines keep every CPU busy wants kvferryd on CPUs of
+ * its own. */
+static enum result check_spin_backoffs(const struct doctor *d, char *detail, size_t cap) {
+  if (!d->status) return R_SKIP;
+  const char *b = kvf__json_get(d->status, "spin_backoffs");
+  static const char *const kinds[] = {"loop", "tcp_send", "tcp_recv", "gpu"};
+  uint64_t n[4] = {0}, total = 0;
+  for (int i = 0; b && i < 4; i++) {
+    kvf__json_get_u64(b, kinds[i], &n[i]);
+    total += n[i];
+  }
+  if (!total) {
+    snprintf(detail, cap, "no polling thread found its CPU busy since start");
+    return R_OK;
+  }
+  snprintf(detail, cap,
+           "%" PRIu64 " backoffs since start (loop %" PRIu64 ", tcp_send %" PRIu64 ", tcp_recv %" PRIu64
+           ", gpu %" PRIu64 "): busy tasks shared kvferryd's CPUs and handoffs paid wake-ups; give it CPUs "
+           "of its own (CPUAffinity= in its unit)",
+           total, n[0], n[1], n[2], n[3]);
+  return R_WARN;
+}
+
 /* GPU checks: ctl_gpu.c (results in this file's order). */
 static enum result check_cuda(const struct doctor *d, char *detail, size_t cap) {
   return (enum result)ctl_gpu_driver(detail, cap);
@@ -333,6 +358,7 @@ static const struct check {
     {"metrics", "the metrics endpoint answers", check_metrics},
     {"cluster-key", "peers authenticate with a cluster key", check_cluster_key},
     {"registry", "this node is registered in etcd (registry)", check_registry},
+    {"spin-backoffs", "the daemon's polling threads found spare CPUs", check_spin_backoffs},
     {"cuda", "the NVIDIA driver loads and sees the GPUs", check_cuda},
     {"gpu-dmabuf", "GPUs, driver and kernel export GPU memory as dmabuf", check_gpu_dmabuf},
     {"nvidia-peermem", "nvidia_peermem is loaded where dmabuf is not available", check_gpu_peermem},

@@ -104,7 +104,8 @@ class TestCtl(unittest.TestCase):
         self.assertEqual(set(results), {"socket", "memlock", "pools-locked", "hugepages",
                                         "peers-up", "metrics", "cluster-key", "cuda", "gpu-dmabuf",
                                         "nvidia-peermem", "iommu", "gpu-bar1", "gpu-nic-pcie",
-                                        "pcie-acs", "gpu-pools", "rdma-writes", "registry"})
+                                        "pcie-acs", "gpu-pools", "rdma-writes", "registry",
+                                        "spin-backoffs"})
         for name in ("socket", "peers-up", "metrics"):
             self.assertEqual(results[name], "ok", doc)
         self.assertEqual(results["rdma-writes"], "skip", doc)  # no rdma transport here

@@ -536,6 +536,12 @@ class TestSpinBacksOffWhereCpusAreBusy(PairTest):
         after = self.backoffs()
         grew = {k: sum(a[k] - b[k] for a, b in zip(after, before)) for k in after[0]}
         self.assertGreater(grew["tcp_send"] + grew["tcp_recv"] + grew["loop"], 0, grew)
+        # kvferryctl doctor warns where a daemon's pollers backed off
+        for d, counts in zip((self.pre, self.dec), after):
+            doc = json.loads(subprocess.run([KVFERRYCTL, "-s", d.sock, "--json", "doctor"],
+                                            capture_output=True, text=True).stdout)
+            check = [c for c in doc["checks"] if c["name"] == "spin-backoffs"][0]
+            self.assertEqual(check["result"], "warn" if sum(counts.values()) else "ok", check)
         # a backoff lasts 1 s at most, the window 3 s: by 1.1 s after the
         # loops stopped, every thread backed off in it polls again
         time.sleep(1.1)
