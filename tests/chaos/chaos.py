@@ -1018,19 +1018,15 @@ def main():
     suite = Suite(args)
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     crashed = None
-    busy = []
     try:
-        busy = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(args.busy_loops)]
-        suite.run()
+        with kvftest.busy_loops(args.busy_loops):
+            suite.run()
     except (Exception, KeyboardInterrupt) as e:  # the summary still comes
         import traceback
         crashed = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         suite.tally.unexpected += 1
         suite.tally.problem("unexpected", "the suite stopped: %s" % crashed)
     finally:
-        for p in busy:
-            p.kill()
-            p.wait()
         suite.cleanup()
     t = suite.tally
     log("chaos: %d transfers of the main pairs were in flight when the faults struck; slowest "

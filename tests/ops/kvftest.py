@@ -6,6 +6,7 @@ Environment: BUILD (the build dir, default build; run.sh sets it),
 KVF_TEST_KEEP=1 keeps the temp dirs, KVF_OPS_MAKE overrides `make` for
 the install test. Every wait is bounded.
 """
+import contextlib
 import os
 import shutil
 import signal
@@ -105,6 +106,20 @@ sys.path.insert(0, os.path.join(REPO, "client", "python"))
 
 _dirs = []
 _failed = False
+
+
+@contextlib.contextmanager
+def busy_loops(n):
+    """n CPU-bound processes (sh busy loops) for the with block, as engines
+    computing on a loaded node; killed and reaped at its end."""
+    procs = []
+    try:
+        procs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(n)]
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def tempdir():

@@ -522,24 +522,17 @@ class TestSpinBacksOffWhereCpusAreBusy(PairTest):
         self.handoff("sb-0", 0)
         before = self.backoffs()
         self.assertEqual(sorted(before[0]), ["gpu", "loop", "tcp_recv", "tcp_send"])
-        busy = [subprocess.Popen(["sh", "-c", "while :; do :; done"])
-                for _ in range(len(os.sched_getaffinity(0)))]
-        try:
+        with kvftest.busy_loops(len(os.sched_getaffinity(0))):
             for i in range(1, 11):
                 self.handoff("sb-%d" % i, i * BLK)
             self.cd.grant("sb-w", "prefill", [self.pd.desc(0, BLK)])  # a window that outlasts the load
             time.sleep(0.3)
-        finally:
-            for p in busy:
-                p.kill()
-                p.wait()
         after = self.backoffs()
         grew = {k: sum(a[k] - b[k] for a, b in zip(after, before)) for k in after[0]}
         self.assertGreater(grew["tcp_send"] + grew["tcp_recv"] + grew["loop"], 0, grew)
         # kvferryctl doctor warns where a daemon's pollers backed off
         for d, counts in zip((self.pre, self.dec), after):
-            doc = json.loads(subprocess.run([KVFERRYCTL, "-s", d.sock, "--json", "doctor"],
-                                            capture_output=True, text=True).stdout)
+            doc = json.loads(ctl(d, "--json", "doctor").stdout)
             check = [c for c in doc["checks"] if c["name"] == "spin-backoffs"][0]
             self.assertEqual(check["result"], "warn" if sum(counts.values()) else "ok", check)
         # a backoff lasts 1 s at most, the window 3 s: by 1.1 s after the
