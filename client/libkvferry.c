@@ -590,10 +590,10 @@ static bool cpus_spare(unsigned spin_us) {
   return spin_us > 0 || cpus >= SOON_MIN_CPUS;
 }
 
-static bool soon_polls_here(unsigned spin_us) {
+static bool soon_polls_here(bool spare) {
   const char *v = getenv("KVFERRY_SOON_POLL");
   if (v && (!strcmp(v, "0") || !strcmp(v, "1"))) return v[0] == '1';
-  return cpus_spare(spin_us);
+  return spare;
 }
 
 static void expect_soon(kvf_client *c, const char *xfer_id, uint32_t within_us) {
@@ -1205,8 +1205,8 @@ KVF_API int kvf_connect_ex(const char *socket_path, const kvf_connect_opts *o, k
   c->reconnect_ms = reconnect_ms;
   c->spin_us = (unsigned)env_ms("KVFERRY_SPIN_US", KVF_SPIN_US_DEFAULT);
   if (c->spin_us > KVF__SPIN_US_MAX) c->spin_us = KVF__SPIN_US_MAX;
-  c->soon_polls = soon_polls_here(c->spin_us);
   c->watch_spins = cpus_spare(c->spin_us);
+  c->soon_polls = soon_polls_here(c->watch_spins);
   c->socket_path = strdup(resolve_socket_path(socket_path));
   int rc = c->socket_path ? connect_waiting(c, wait_ms, &c->sock) : -ENOMEM;
   if (!rc) rc = exchange_hello(c);
