@@ -285,8 +285,8 @@ static uv_timer_t resume_timer;
 static void on_resume(uv_timer_t *h) {}
 
 static void arm_resume(void) {
-  uint64_t resume = kvf__spin_resume_ns(KVF__SPIN_LOOP, loop_last), now = kvf__now_ns();
-  if (resume > now) uv_timer_start(&resume_timer, on_resume, (resume - now + 999999) / 1000000, 0);
+  int ms = kvf__spin_wait_ms(KVF__SPIN_LOOP, loop_last, -1);
+  if (ms >= 0) uv_timer_start(&resume_timer, on_resume, (uint64_t)ms, 0);
 }
 
 /* Each pass while spinning: the threads' mail, without their wake-ups
