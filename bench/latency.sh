@@ -47,7 +47,10 @@
 # one more case grant_lead_<N>ms, to see how the lead's cost grows with the
 # idle time; KVFERRY_SPIN_US: the clients' spin (libkvferry: their reader
 # thread and kvf_wait_events poll instead of sleeping that long after each
-# request and event; 10000 covers the 5 ms grant lead); LAT_CONF: extra
+# request and event; 10000 covers the 5 ms grant lead);
+# KVFERRY_GRANT_SPIN_US: the clients' grant window (libkvferry: their reader
+# and kvf_wait_events poll while a grant waits; default 10000 on 4 CPUs or
+# more, 0 to compare without it); LAT_CONF: extra
 # kvferryd.conf lines for both daemons (e.g. "spin-us 0" or "busy-poll
 # yes"); LAT_BENCH_ARGS: extra kvferry-bench options (--busy-poll: the
 # clients poll for events, and the prefill client stays busy through the
@@ -183,6 +186,7 @@ spin, spin_gap = load("raw_spin"), load("raw_spin_gap")
 goal = raw["p50_us"] + 20
 common = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "nproc": nproc, "conf": conf,
           "client_spin_us": int(os.environ.get("KVFERRY_SPIN_US", "0") or 0),
+          "client_grant_spin_us": os.environ.get("KVFERRY_GRANT_SPIN_US", "default"),
           "busy_loops": int(os.environ.get("LAT_LOAD", "0") or 0),
           "bench_args": os.environ.get("LAT_BENCH_ARGS", ""),
           "raw_p50_us": raw["p50_us"], "raw_p99_us": raw["p99_us"], "goal_us": round(goal, 1)}

@@ -481,8 +481,21 @@ int kvf_event_fd(kvf_client *c);
  * on 4 CPUs or more, or $KVFERRY_SPIN_US is set: on fewer, that polling
  * starves the threads that move the data (the daemon's, on this host too),
  * and the client tells the daemon at connect to send no such hint.
- * $KVFERRY_SOON_POLL=1 or 0 at connect decides instead. */
+ * $KVFERRY_SOON_POLL=1 or 0 at connect decides instead.
+ * While a grant of this client waits for its RECV_DONE, for
+ * $KVFERRY_GRANT_SPIN_US microseconds after the last grant posted (read at
+ * connect; default KVF_GRANT_SPIN_US_DEFAULT where the client may run on
+ * 4 CPUs or more or $KVFERRY_SPIN_US is set, 0 on fewer; at most
+ * 1,000,000; 0: off), the reader polls the socket and this call spins
+ * instead of sleeping, as the daemons poll through the same window
+ * (spin-grant-us): a handoff whose grant was posted a prefill ahead then
+ * finds no thread of the engine's to wake. Where other tasks kept a
+ * polling thread off its CPU for 100 us of a spin (or 1/64 of a longer
+ * one), the CPUs are busy after all: the window closes and no grant opens
+ * one for 100 ms (a waiter's spin for $KVFERRY_SPIN_US or a Soon ends
+ * likewise). */
 #define KVF_SPIN_US_DEFAULT 0
+#define KVF_GRANT_SPIN_US_DEFAULT 10000
 int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeout_ms);
 
 /* Introspection, rendered by the daemon: a human table or a JSON document.

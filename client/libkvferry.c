@@ -48,6 +48,8 @@
 #define DEFAULT_SOCKET "/run/kvferry/kvferryd.sock"
 /* $KVFERRY_SPIN_US above this is taken as this (10 ms). */
 #define KVF__SPIN_US_MAX 10000
+/* $KVFERRY_GRANT_SPIN_US above this is taken as this (1 s). */
+#define KVF__GRANT_SPIN_US_MAX 1000000
 /* A daemon that accepts but never answers must not hang kvf_connect. */
 #define HELLO_TIMEOUT_S 10
 #define READ_CHUNK (64u * 1024)
@@ -209,6 +211,15 @@ struct kvf_client {
    * without the reader being woken first (0: never spins). */
   atomic_uint_fast64_t spin_until;
   atomic_bool reader_asleep; /* in poll, past its spin window */
+  /* The grant window (grant_window_open): while a grant of this client
+   * waits for its RECV_DONE, the reader and a waiter poll until
+   * grant_until, grant_spin_us after the last grant posted
+   * ($KVFERRY_GRANT_SPIN_US); none opens before grant_off_until, set when
+   * a polling thread found its CPU taken (spin_lost_cpu). grants_open
+   * counts the 'g' entries of inflight (changed under mu). */
+  unsigned grant_spin_us;
+  atomic_uint_fast64_t grant_until, grant_off_until;
+  atomic_int grants_open;
   /* The transfer whose Soon opened the window (reader thread; "": none):
    * its RECV_DONE or SEND_DONE ends the window (end_soon). */
   char soon_id[KVF_XFER_ID_MAX + 1];
@@ -336,6 +347,16 @@ static void inflight_key(char *key, char type, const char *xfer_id) {
   copy_string(key + 1, KVF_XFER_ID_MAX + 1, xfer_id);
 }
 
+static void grant_opened_locked(kvf_client *c);
+
+/* Frees the entry at *pp (mu held). */
+static void inflight_unlink_locked(kvf_client *c, struct open_send **pp) {
+  struct open_send *o = *pp;
+  *pp = o->next;
+  if (o->id[0] == 'g') atomic_fetch_sub(&c->grants_open, 1);
+  free(o);
+}
+
 /* inflight_add with mu held. */
 static int inflight_add_locked(kvf_client *c, char type, const char *xfer_id) {
   char key[KVF_XFER_ID_MAX + 2];
@@ -345,7 +366,9 @@ static int inflight_add_locked(kvf_client *c, char type, const char *xfer_id) {
     (*pp)->count++;
     return 0;
   }
-  return (*pp = open_send_new(key)) != NULL ? 0 : -ENOMEM;
+  if ((*pp = open_send_new(key)) == NULL) return -ENOMEM;
+  if (type == 'g') grant_opened_locked(c);
+  return 0;
 }
 
 /* Takes back one count of inflight_add (mu held). */
@@ -353,10 +376,7 @@ static void inflight_undo_locked(kvf_client *c, char type, const char *xfer_id) 
   char key[KVF_XFER_ID_MAX + 2];
   inflight_key(key, type, xfer_id);
   struct open_send **pp = table_slot(c->inflight, key), *o = *pp;
-  if (o && --o->count <= 0) {
-    *pp = o->next;
-    free(o);
-  }
+  if (o && --o->count <= 0) inflight_unlink_locked(c, pp);
 }
 
 /* Whether a grant or send of xfer_id waits for its DONE event (mu held). */
@@ -388,10 +408,8 @@ static int inflight_end(kvf_client *c, char type, const char *xfer_id, int rc) {
 static void inflight_done(kvf_client *c, int type, const char *xfer_id) {
   char key[KVF_XFER_ID_MAX + 2];
   inflight_key(key, type == KVF_EV_RECV_DONE ? 'g' : 's', xfer_id);
-  struct open_send **pp = table_slot(c->inflight, key), *o = *pp;
-  if (!o) return;
-  *pp = o->next;
-  free(o);
+  struct open_send **pp = table_slot(c->inflight, key);
+  if (*pp) inflight_unlink_locked(c, pp);
 }
 
 /* ------------------------------------------------------------ events */
@@ -476,6 +494,7 @@ static void fail_inflight(kvf_client *c) {
         enqueue_locked(c, q);
         events_told(c); /* mu held: a broken connection may cost a spinner a sleep */
       }
+      if (o->id[0] == 'g') atomic_fetch_sub(&c->grants_open, 1);
       free(o);
     }
   }
@@ -563,6 +582,77 @@ static void spin_reader_for_answer(kvf_client *c) {
   if (atomic_load(&c->reader_asleep)) (void)!eventfd_write(c->wake_fd, 1);
 }
 
+/* A grant posted here ends in a RECV_DONE when the sender's data lands, a
+ * prefill later or sooner: the daemons poll for it meanwhile
+ * (spin-grant-us), and a reader asleep since its last read would put its
+ * own wake-up on the handoff's last hop (70-90 us on a guest whose idle
+ * vCPUs halt, bench/RESULTS.md). So for grant_spin_us after each grant
+ * posted, while one waits for its RECV_DONE, the reader polls the socket
+ * and kvf_wait_events spins; the last grant's RECV_DONE ends it. A
+ * sleeping reader is woken to poll (spin_reader_for_answer's pairing).
+ * Called with mu held, from inflight_add_locked. */
+static void grant_opened_locked(kvf_client *c) {
+  atomic_fetch_add(&c->grants_open, 1);
+  if (!c->grant_spin_us) return;
+  uint64_t now = mono_ns();
+  if (now < atomic_load(&c->grant_off_until)) return;
+  atomic_store(&c->grant_until, now + (uint64_t)c->grant_spin_us * 1000);
+  if (atomic_load(&c->reader_asleep)) (void)!eventfd_write(c->wake_fd, 1);
+}
+
+/* The end of the grant window, or 0 when none is open. */
+static uint64_t grant_window_end(kvf_client *c) {
+  return atomic_load(&c->grants_open) > 0 ? atomic_load(&c->grant_until) : 0;
+}
+
+/* Until when the reader polls: its spin window (KVFERRY_SPIN_US, a Soon)
+ * or the grant window, whichever ends later. */
+static uint64_t reader_poll_until(kvf_client *c) {
+  uint64_t spin = atomic_load(&c->spin_until), grant = grant_window_end(c);
+  return spin > grant ? spin : grant;
+}
+
+/* When a spin began, on the clock and on this thread's CPU clock: the
+ * difference since is the time other tasks had this thread's CPU. */
+typedef struct spin_start {
+  uint64_t wall, cpu;
+} spin_start;
+
+static uint64_t thread_cpu_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+static spin_start spin_begin(void) { return (spin_start){mono_ns(), thread_cpu_ns()}; }
+
+/* A polling thread that lost SPIN_LOST_NS of its spin to other tasks (or
+ * 1/SPIN_LOST_SHARE of a longer spin, so that the rare interrupt or kernel
+ * thread adds up to no backoff over a long window) lost its CPU to them:
+ * the CPUs are not spare after all, and polling on
+ * competes with the engine's threads (the daemon's threads back off
+ * likewise, daemon/spin.c). The spin in progress ends, the grant window
+ * closes, and none opens for GRANT_BACKOFF_NS. A spin on an idle 2-CPU
+ * machine loses 0-60 us in 400 ms (interrupts, kernel threads); one that
+ * shares its CPU with a busy task loses a slice, 750 us or more, at once.
+ * The time lost counts, not its longest piece: where only preemptions of
+ * 0.5 ms or more stopped the polling, 16 busy loops on 16 CPUs held the
+ * event 1.1 ms from the engine (bench/RESULTS.md). */
+#define SPIN_LOST_NS 100000ull
+#define SPIN_LOST_SHARE 64
+#define GRANT_BACKOFF_NS 100000000ull
+
+static bool spin_lost_cpu(kvf_client *c, const spin_start *from, uint64_t now) {
+  uint64_t ran = thread_cpu_ns() - from->cpu, passed = now - from->wall;
+  uint64_t allowed = passed / SPIN_LOST_SHARE > SPIN_LOST_NS ? passed / SPIN_LOST_SHARE : SPIN_LOST_NS;
+  if (passed < ran + allowed) return false;
+  if (c->grant_spin_us) {
+    atomic_store(&c->grant_off_until, now + GRANT_BACKOFF_NS);
+    atomic_store(&c->grant_until, 0);
+  }
+  return true;
+}
+
 /* A response arrived or the connection ended (mu held): wakes the
  * callers sleeping for theirs. The spinning ones are told by
  * answered_unlocked, once mu is free: told earlier, they would block on
@@ -618,8 +708,12 @@ static void end_soon(kvf_client *c, const Kvf__Event *ev) {
 /* Polls the socket while the spin window is open; true once readable. */
 static bool spin_until_readable(kvf_client *c) {
   struct pollfd p = {.fd = c->sock, .events = POLLIN};
+  spin_start from = spin_begin();
   for (unsigned i = 0;; i++) {
-    if (i % 16 == 0 && mono_ns() >= atomic_load(&c->spin_until)) return false;
+    if (i % 16 == 0) {
+      uint64_t now = mono_ns();
+      if (now >= reader_poll_until(c) || spin_lost_cpu(c, &from, now)) return false;
+    }
     if (poll(&p, 1, 0) != 0) return true; /* readable, closed or failed: the read says which */
     cpu_relax();
   }
@@ -631,7 +725,7 @@ static void await_readable(kvf_client *c) {
   for (;;) {
     if (spin_until_readable(c)) return;
     atomic_store(&c->reader_asleep, true);
-    if (mono_ns() < atomic_load(&c->spin_until)) { /* a request came meanwhile */
+    if (mono_ns() < reader_poll_until(c)) { /* a request or a grant came meanwhile */
       atomic_store(&c->reader_asleep, false);
       continue;
     }
@@ -715,7 +809,9 @@ static int dispatch_frame(kvf_client *c, const uint8_t *payload, uint32_t len, u
 /* Reads once and dispatches every whole frame now held. Any error means the
  * stream can no longer be trusted. */
 static int pump_inbound(kvf_client *c) {
-  if (c->spin_us || mono_ns() < atomic_load(&c->spin_until)) await_readable(c);
+  /* A reader that may be told to poll (KVFERRY_SPIN_US, a grant window)
+   * sleeps in await_readable, where wake_fd reaches it, not in recv. */
+  if (c->spin_us || c->grant_spin_us || mono_ns() < reader_poll_until(c)) await_readable(c);
   int rc = read_inbound(c->sock, &c->in);
   if (rc) return rc;
   spin_window_open(c);
@@ -1207,6 +1303,8 @@ KVF_API int kvf_connect_ex(const char *socket_path, const kvf_connect_opts *o, k
   if (c->spin_us > KVF__SPIN_US_MAX) c->spin_us = KVF__SPIN_US_MAX;
   c->watch_spins = cpus_spare(c->spin_us);
   c->soon_polls = soon_polls_here(c->watch_spins);
+  c->grant_spin_us = (unsigned)env_ms("KVFERRY_GRANT_SPIN_US", c->watch_spins ? KVF_GRANT_SPIN_US_DEFAULT : 0);
+  if (c->grant_spin_us > KVF__GRANT_SPIN_US_MAX) c->grant_spin_us = KVF__GRANT_SPIN_US_MAX;
   c->socket_path = strdup(resolve_socket_path(socket_path));
   int rc = c->socket_path ? connect_waiting(c, wait_ms, &c->sock) : -ENOMEM;
   if (!rc) rc = exchange_hello(c);
@@ -2487,10 +2585,14 @@ static int wait_for_event(kvf_client *c, int timeout_ms, const struct timespec *
  * an event that comes within them is taken without this thread going to
  * sleep and being woken (a futex round, 5-50 us on a busy machine). */
 static void spin_for_event(kvf_client *c, uint64_t seen, uint64_t us) {
-  uint64_t end = mono_ns() + us * 1000;
+  spin_start from = spin_begin();
+  uint64_t end = from.wall + us * 1000;
   for (unsigned i = 1;; i++) {
     if (atomic_load_explicit(&c->ev_count, memory_order_acquire) != seen) return;
-    if (i % 64 == 0 && mono_ns() >= end) return;
+    if (i % 64 == 0) {
+      uint64_t now = mono_ns();
+      if (now >= end || spin_lost_cpu(c, &from, now)) return;
+    }
     cpu_relax();
   }
 }
@@ -2558,6 +2660,14 @@ static int watch_for_event(kvf_client *c, int timeout_ms, const struct timespec 
   return rc;
 }
 
+/* How long a wait spins before it sleeps: $KVFERRY_SPIN_US, or to the
+ * grant window's end where that is later. */
+static uint64_t wait_spin_us(kvf_client *c) {
+  uint64_t end = grant_window_end(c), now = mono_ns();
+  uint64_t grant = end > now ? (end - now) / 1000 : 0;
+  return grant > c->spin_us ? grant : c->spin_us;
+}
+
 KVF_API int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeout_ms) {
   if (!c || !out || cap == 0 || timeout_ms < -1) return KVF_EINVAL;
   if (timeout_ms == 0 && atomic_load_explicit(&c->conn_seen, memory_order_acquire) == CONN_UP &&
@@ -2567,9 +2677,10 @@ KVF_API int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeo
   struct timespec deadline = {0};
   if (timeout_ms > 0) deadline = deadline_after_ms(timeout_ms);
   lock_for_event(c);
-  if (!c->ev_head && c->conn == CONN_UP && timeout_ms != 0 && c->spin_us) {
+  uint64_t spin = timeout_ms != 0 ? wait_spin_us(c) : 0;
+  if (!c->ev_head && c->conn == CONN_UP && spin) {
     uint64_t seen = atomic_load_explicit(&c->ev_count, memory_order_relaxed);
-    uint64_t us = timeout_ms > 0 && (uint64_t)timeout_ms * 1000 < c->spin_us ? (uint64_t)timeout_ms * 1000 : c->spin_us;
+    uint64_t us = timeout_ms > 0 && (uint64_t)timeout_ms * 1000 < spin ? (uint64_t)timeout_ms * 1000 : spin;
     pthread_mutex_unlock(&c->mu);
     /* The event comes through the reader: one asleep since its last read
      * would cost this spin a wake-up anyway, so it spins as long. */

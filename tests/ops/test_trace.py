@@ -549,6 +549,117 @@ class TestSpinBacksOffWhereCpusAreBusy(PairTest):
         self.assertGreater(polled[1], 0.03, msg)
 
 
+class TestClientPollsWhileGrantWaits(PairTest):
+    """libkvferry's grant window (KVFERRY_GRANT_SPIN_US, kvferry.h): while
+    a grant of a client waits for its RECV_DONE, for that long after the
+    grant was posted, the client's reader polls the daemon's socket and
+    kvf_wait_events spins instead of sleeping, as the daemons poll through
+    spin-grant-us; the grant's RECV_DONE ends it. A polling thread that is
+    preempted (the CPUs are busy after all) stops, and no grant opens a
+    window for the next 100 ms. Here the window is 600 ms; 0 turns it off
+    (the default on fewer than 4 CPUs). The daemons do not poll here
+    (spin-grant-us 0): on a 2-CPU machine their pollers would take the
+    reader's CPU, and it would stop. Every byte checked."""
+    WINDOW_US = 600000
+
+    EXTRA = "spin-grant-us 0\n"
+
+    def client(self, grant_spin_us):
+        saved = os.environ.pop("KVFERRY_GRANT_SPIN_US", None)
+        os.environ["KVFERRY_GRANT_SPIN_US"] = str(grant_spin_us)
+        try:
+            return self.dec.client()
+        finally:
+            os.environ.pop("KVFERRY_GRANT_SPIN_US")
+            if saved is not None:
+                os.environ["KVFERRY_GRANT_SPIN_US"] = saved
+
+    def readers_polled(self, seconds=0.4):
+        """The most CPU seconds one of this process's library readers used
+        over `seconds`."""
+        t0 = threads_cpu(os.getpid(), "kvf-client")
+        time.sleep(seconds)
+        t1 = threads_cpu(os.getpid(), "kvf-client")
+        return max(t1[t] - t0.get(t, 0.0) for t in t1)
+
+    def waited(self, c, ms=300):
+        """This thread's CPU seconds in a kvf_wait_events of ms that times
+        out."""
+        t0 = time.thread_time()
+        self.assertEqual(c.wait_events(16, ms), [])
+        return time.thread_time() - t0
+
+    def handoff(self, c, xid, off, between=None):
+        """64 KiB granted by c, `between` run before the send, then sent
+        from prefill; every byte checked."""
+        pd = c.pool_find("kv")
+        data = os.urandom(BLK)
+        self.pp.memory[off:off + BLK] = data
+        pd.memory[off:off + BLK] = bytes(BLK)
+        c.grant(xid, "prefill", [pd.desc(off, BLK)])
+        got = between() if between else None
+        self.cp.send(xid, "decode", [self.pp.desc(off, BLK)])
+        ev = wait_event(c, xid, timeout=10)
+        self.assertTrue(ev.ok, ev.error)
+        self.assertTrue(wait_event(self.cp, xid).ok)
+        self.assertEqual(bytes(pd.memory[off:off + BLK]), data, xid)
+        return got
+
+    def test_a_reader_and_waiter_poll_until_the_data_lands(self):
+        c = self.client(self.WINDOW_US)
+        try:
+            self.handoff(c, "cp-0", 0)  # the data streams connect
+            time.sleep(0.1)
+            idle = self.readers_polled()
+            # A window stops where its threads lose their CPU (test_c); on a
+            # 2-CPU machine the reader and the waiter polling leave none for
+            # anything else, and that happens: up to 5 grants, 150 ms apart.
+            for i in range(5):
+                waited, polled = self.handoff(c, "cp-%d" % (i + 1), BLK,
+                                              lambda: (self.waited(c, 100), self.readers_polled(0.3)))
+                if polled > 0.03 and waited > 0.03:
+                    break
+                time.sleep(0.15)
+            after = self.readers_polled()  # the RECV_DONE ended the window
+            msg = "reader: %.3f s idle, %.3f in the window, %.3f after; waiter %.3f" % (idle, polled, after, waited)
+            self.assertLessEqual(idle, 0.01, msg)
+            self.assertGreater(polled, 0.03, msg)
+            self.assertGreater(waited, 0.03, msg)
+            self.assertLessEqual(after, 0.01, msg)
+            self.assertLess(self.waited(c), 0.05, msg)  # no grant waits: the wait sleeps
+        finally:
+            c.close()
+
+    def test_b_off_at_zero(self):
+        c = self.client(0)
+        try:
+            polled, waited = self.handoff(c, "cp-off", 2 * BLK, lambda: (self.readers_polled(), self.waited(c)))
+            self.assertLessEqual(polled, 0.01)
+            self.assertLess(waited, 0.05)
+        finally:
+            c.close()
+
+    def test_c_preempted_pollers_stop(self):
+        c = self.client(self.WINDOW_US)
+        try:
+            self.handoff(c, "cp-b0", 3 * BLK)
+            with kvftest.busy_loops(len(os.sched_getaffinity(0))):
+                time.sleep(0.05)
+                polled = self.handoff(c, "cp-b1", 4 * BLK, lambda: (time.sleep(0.05), self.readers_polled())[1])
+            # the loops are gone and the 100 ms without windows over: the
+            # next grant polls again
+            for i in range(3):  # as in test_a
+                time.sleep(0.15)
+                again = self.handoff(c, "cp-b%d" % (i + 2), 5 * BLK, self.readers_polled)
+                if again > 0.03:
+                    break
+            msg = "reader with busy loops: %.3f s; after: %.3f" % (polled, again)
+            self.assertLessEqual(polled, 0.02, msg)
+            self.assertGreater(again, 0.03, msg)
+        finally:
+            c.close()
+
+
 class TestSoonFromPartsAlone(PairTest):
     """An engine that only sends layer by layer: the receiving daemon takes
     the wire's rate from each grant's last part (its parts hold compute
