@@ -4,7 +4,7 @@
 # binaries the GPU tests and benchmarks run (.devcarry/build, laid out as
 # build/), the Debian runtime libraries they link (libuv, protobuf-c,
 # rdma-core, systemd, cmocka, iperf3 and their own dependencies, never
-# glibc) in .devcarry/lib, and iperf3 in .devcarry/bin. Carry `.devcarry`
+# glibc) in .devcarry/lib, and iperf3 and ss in .devcarry/bin. Carry `.devcarry`
 # to the machine, then:
 #
 #   export LD_LIBRARY_PATH=$PWD/.devcarry/lib PATH=$PWD/.devcarry/bin:$PATH
@@ -18,7 +18,7 @@ BUILD=${BUILD:-build}
 out=.devcarry
 rm -rf "$out/lib" "$out/bin" "$out/build"
 mkdir -p "$out/lib" "$out/bin" "$out/build/tests/gpu"
-bins=("$BUILD/kvferryd" "$BUILD/kvferry-bench" "$BUILD/kvferryctl" "$BUILD"/tests/gpu/* /usr/bin/iperf3)
+bins=("$BUILD/kvferryd" "$BUILD/kvferry-bench" "$BUILD/kvferryctl" "$BUILD"/tests/gpu/* /usr/bin/iperf3 /usr/bin/ss)
 cp "${bins[@]:0:3}" "$BUILD/libkvferry.so" "$out/build/"
 cp "$BUILD"/tests/gpu/* "$out/build/tests/gpu/"
 # The CPU benchmarks run there too (16 cores: bench/latency.sh, bench/submit.sh).
@@ -31,5 +31,5 @@ ldd "${bins[@]}" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort 
   grep -Ev '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*)\.so' | while read -r lib; do
     cp -L "$lib" "$out/lib/"
   done
-cp /usr/bin/iperf3 "$out/bin/"
+cp /usr/bin/iperf3 /usr/bin/ss "$out/bin/" # ss: bench/tcp_vs_iperf.sh waits for iperf3's port with it
 echo "device-pack: $(ls "$out/lib" | wc -l) libraries, $(du -sh "$out" | cut -f1) in $out"
