@@ -211,7 +211,7 @@ struct kvf_client {
    * without the reader being woken first (0: never spins). */
   atomic_uint_fast64_t spin_until;
   atomic_bool reader_asleep; /* in poll, past its spin window */
-  /* The grant window (grant_window_open): while a grant of this client
+  /* The grant window (grant_opened_locked): while a grant of this client
    * waits for its RECV_DONE, the reader and a waiter poll until
    * grant_until, grant_spin_us after the last grant posted
    * ($KVFERRY_GRANT_SPIN_US); none opens before grant_off_until, set when
