@@ -447,6 +447,8 @@ class Suite:
         self.margin_ms = 2000 * slow
         self.max_bytes = (args.max_mib * MIB) if args.max_mib else (MIB // 2 if args.vm else 4 * MIB)
         self.client_env = dict(os.environ)
+        if args.grant_spin_us >= 0:  # the engines' grant window (libkvferry, kvferry.h)
+            self.client_env["KVFERRY_GRANT_SPIN_US"] = str(args.grant_spin_us)
         self.net = None
         self.pre = self.dec = None
         self.baseline = {}
@@ -1006,6 +1008,10 @@ def main():
     ap.add_argument("--busy-loops", type=int, default=0,
                     help="CPU-bound loops that run through every trial, as engines computing on a "
                          "loaded node (the daemons' polling threads back off from them)")
+    ap.add_argument("--grant-spin-us", type=int, default=-1,
+                    help="the engines' KVFERRY_GRANT_SPIN_US (-1: the library's default, 0 on fewer than "
+                         "4 CPUs): their readers and waiters poll while a grant waits, and stop where "
+                         "they lose their CPU")
     args = ap.parse_args()
     if not args.transfers:
         args.transfers = 16 if args.vm else 40
