@@ -558,21 +558,34 @@ class TestClientPollsWhileGrantWaits(PairTest):
     preempted (the CPUs are busy after all) stops, and no grant opens a
     window for the next 100 ms. Here the window is 600 ms; 0 turns it off
     (the default on fewer than 4 CPUs). The daemons do not poll here
-    (spin-grant-us 0): on a 2-CPU machine their pollers would take the
-    reader's CPU, and it would stop. Every byte checked."""
+    (spin-grant-us 0, spin-us 0): on a 2-CPU machine their pollers would
+    take the CPUs of the reader and the waiter, and they would stop. Every
+    byte checked."""
     WINDOW_US = 600000
 
-    EXTRA = "spin-grant-us 0\n"
+    EXTRA = "spin-grant-us 0\nspin-us 0\n"
 
-    def client(self, grant_spin_us):
+    def client(self, grant_spin_us, pin=True):
+        """A decode client with that window. With pin, its reader thread is
+        pinned to one CPU and this thread to another: on a 2-CPU machine
+        the scheduler at times put both pollers on one CPU, where each lost
+        half of it and the window closed in every grant of a run."""
         saved = os.environ.pop("KVFERRY_GRANT_SPIN_US", None)
         os.environ["KVFERRY_GRANT_SPIN_US"] = str(grant_spin_us)
+        before = set(threads_cpu(os.getpid(), "kvf-client"))
         try:
-            return self.dec.client()
+            c = self.dec.client()
         finally:
             os.environ.pop("KVFERRY_GRANT_SPIN_US")
             if saved is not None:
                 os.environ["KVFERRY_GRANT_SPIN_US"] = saved
+        cpus = sorted(os.sched_getaffinity(0))
+        if pin and len(cpus) >= 2:
+            for tid in set(threads_cpu(os.getpid(), "kvf-client")) - before:
+                os.sched_setaffinity(int(tid), {cpus[0]})
+            os.sched_setaffinity(0, {cpus[1]})
+            self.addCleanup(os.sched_setaffinity, 0, cpus)
+        return c
 
     def readers_polled(self, seconds=0.4):
         """The most CPU seconds one of this process's library readers used
@@ -640,7 +653,7 @@ class TestClientPollsWhileGrantWaits(PairTest):
             c.close()
 
     def test_c_preempted_pollers_stop(self):
-        c = self.client(self.WINDOW_US)
+        c = self.client(self.WINDOW_US, pin=False)  # busy loops spawned here must spread over every CPU
         try:
             self.handoff(c, "cp-b0", 3 * BLK)
             with kvftest.busy_loops(len(os.sched_getaffinity(0))):
