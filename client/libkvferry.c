@@ -1301,9 +1301,10 @@ KVF_API int kvf_connect_ex(const char *socket_path, const kvf_connect_opts *o, k
   c->reconnect_ms = reconnect_ms;
   c->spin_us = (unsigned)env_ms("KVFERRY_SPIN_US", KVF_SPIN_US_DEFAULT);
   if (c->spin_us > KVF__SPIN_US_MAX) c->spin_us = KVF__SPIN_US_MAX;
-  c->watch_spins = cpus_spare(c->spin_us);
-  c->soon_polls = soon_polls_here(c->watch_spins);
-  c->grant_spin_us = (unsigned)env_ms("KVFERRY_GRANT_SPIN_US", c->watch_spins ? KVF_GRANT_SPIN_US_DEFAULT : 0);
+  bool spare = cpus_spare(c->spin_us);
+  c->watch_spins = spare;
+  c->soon_polls = soon_polls_here(spare);
+  c->grant_spin_us = (unsigned)env_ms("KVFERRY_GRANT_SPIN_US", spare ? KVF_GRANT_SPIN_US_DEFAULT : 0);
   if (c->grant_spin_us > KVF__GRANT_SPIN_US_MAX) c->grant_spin_us = KVF__GRANT_SPIN_US_MAX;
   c->socket_path = strdup(resolve_socket_path(socket_path));
   int rc = c->socket_path ? connect_waiting(c, wait_ms, &c->sock) : -ENOMEM;

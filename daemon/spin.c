@@ -34,7 +34,7 @@ static atomic_bool always;
  * kvferry's own pollers comes back in microseconds (each yields at once),
  * and a thread alone on its CPU yields to no one (the kernel skips it):
  * those go on polling. A thread blocked by its backoff resumes at its end
- * (kvf__spin_resume_ns): one that stayed blocked for the rest of its
+ * (backoff_left_ns): one that stayed blocked for the rest of its
  * window missed the next grant's data whenever one slow yield fell into
  * it (2 CPUs under ASan, 8 pollers). */
 #define CONTENDED_NS 1000000ull
@@ -119,30 +119,35 @@ void kvf__spin_relax(int what) {
   atomic_fetch_add_explicit(&backoffs[what], 1, memory_order_relaxed);
 }
 
-uint64_t kvf__spin_resume_ns(int what, uint64_t last_ns) {
-  if (!backoff_until || kvf__now_ns() >= backoff_until) return 0;
+/* How long a blocking wait of kind `what` (its last activity at last_ns)
+ * that would otherwise poll may block before it polls again: the rest of
+ * this thread's backoff, where only the backoff keeps it from polling;
+ * 0: block until the event. */
+static uint64_t backoff_left_ns(int what, uint64_t last_ns) {
+  uint64_t now = kvf__now_ns();
+  if (!backoff_until || now >= backoff_until) return 0;
   uint64_t own = atomic_load_explicit(&own_ns, memory_order_relaxed);
   uint64_t open_until = atomic_load_explicit(&expect_until[what], memory_order_relaxed);
   if (own && last_ns && last_ns + own > open_until) open_until = last_ns + own;
-  return open_until > backoff_until ? backoff_until : 0;
+  return open_until > backoff_until ? backoff_until - now : 0;
 }
 
 int kvf__spin_wait_ms(int what, uint64_t last_ns, int timeout_ms) {
-  uint64_t resume = kvf__spin_resume_ns(what, last_ns), now = kvf__now_ns();
-  if (!resume || resume <= now) return timeout_ms;
-  uint64_t ms = (resume - now + 999999) / 1000000;
+  uint64_t left = backoff_left_ns(what, last_ns);
+  if (!left) return timeout_ms;
+  uint64_t ms = (left + 999999) / 1000000;
   return timeout_ms >= 0 && (uint64_t)timeout_ms < ms ? timeout_ms : (int)ms;
 }
 
 void kvf__spin_cond_wait(pthread_cond_t *cv, pthread_mutex_t *mu, int what, uint64_t last_ns) {
-  uint64_t resume = kvf__spin_resume_ns(what, last_ns), now = kvf__now_ns();
-  if (!resume || resume <= now) {
+  uint64_t left = backoff_left_ns(what, last_ns);
+  if (!left) {
     pthread_cond_wait(cv, mu);
     return;
   }
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
-  uint64_t at = (uint64_t)ts.tv_nsec + (resume - now);
+  uint64_t at = (uint64_t)ts.tv_nsec + left;
   ts.tv_sec += (time_t)(at / 1000000000ull);
   ts.tv_nsec = (long)(at % 1000000000ull);
   pthread_cond_timedwait(cv, mu, &ts);

@@ -79,16 +79,13 @@ bool kvf__spin_open(int what, uint64_t last_ns);
  * ran another task for a slice backs this thread off (kvf__spin_open then
  * says no until the backoff ends). */
 void kvf__spin_relax(int what);
-/* A blocking wait of kind `what` (its last activity at last_ns) that would
- * otherwise poll: when only this thread's backoff keeps it from polling,
- * the CLOCK_MONOTONIC ns at which it may poll again, so that it blocks
- * until then at most; 0: block until the event. */
-uint64_t kvf__spin_resume_ns(int what, uint64_t last_ns);
-/* Such a wait's epoll timeout: timeout_ms (-1: none), or less, up to the
- * resume time. */
+/* The epoll timeout of a blocking wait of kind `what` (its last activity
+ * at last_ns) that would otherwise poll: timeout_ms (-1: none), or less
+ * where only this thread's backoff keeps it from polling, up to the
+ * backoff's end, so that it polls again then. */
 int kvf__spin_wait_ms(int what, uint64_t last_ns, int timeout_ms);
-/* pthread_cond_wait (a condition on the default, realtime clock), or a
- * timed wait up to the resume time. */
+/* The same wait on a condition (on the default, realtime clock):
+ * pthread_cond_wait, or a timed wait up to the backoff's end. */
 void kvf__spin_cond_wait(pthread_cond_t *cv, pthread_mutex_t *mu, int what, uint64_t last_ns);
 /* The backoffs so far, by the kind of thread (KVF__SPIN_LOOP...). */
 uint64_t kvf__spin_backoffs(int what);
