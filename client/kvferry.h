@@ -490,10 +490,10 @@ int kvf_event_fd(kvf_client *c);
  * instead of sleeping, as the daemons poll through the same window
  * (spin-grant-us): a handoff whose grant was posted a prefill ahead then
  * finds no thread of the engine's to wake. Where other tasks kept a
- * polling thread off its CPU for 100 us of a spin (or 1/64 of a longer
- * one), the CPUs are busy after all: the window closes and no grant opens
- * one for 100 ms (a waiter's spin for $KVFERRY_SPIN_US or a Soon ends
- * likewise). */
+ * thread polling for this window off its CPU for 100 us of a spin (or 1/64
+ * of a longer one), the CPUs are busy after all: the window closes and no
+ * grant opens one for 100 ms ($KVFERRY_SPIN_US's spin and a Soon's poll
+ * on regardless). */
 #define KVF_SPIN_US_DEFAULT 0
 #define KVF_GRANT_SPIN_US_DEFAULT 10000
 int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeout_ms);

@@ -626,13 +626,16 @@ static uint64_t thread_cpu_ns(void) {
 
 static spin_start spin_begin(void) { return (spin_start){mono_ns(), thread_cpu_ns()}; }
 
-/* A polling thread that lost SPIN_LOST_NS of its spin to other tasks (or
- * 1/SPIN_LOST_SHARE of a longer spin, so that the rare interrupt or kernel
- * thread adds up to no backoff over a long window) lost its CPU to them:
- * the CPUs are not spare after all, and polling on
+/* A thread polling for the grant window that lost SPIN_LOST_NS of its spin
+ * to other tasks (or 1/SPIN_LOST_SHARE of a longer spin, so that the rare
+ * interrupt or kernel thread adds up to no backoff over a long window)
+ * lost its CPU to them: the CPUs are not spare after all, and polling on
  * competes with the engine's threads (the daemon's threads back off
  * likewise, daemon/spin.c). The spin in progress ends, the grant window
- * closes, and none opens for GRANT_BACKOFF_NS. A spin on an idle 2-CPU
+ * closes, and none opens for GRANT_BACKOFF_NS. The windows an engine asked
+ * for (KVFERRY_SPIN_US) or the daemon announced (a Soon) poll on as they
+ * always did: stopping them made a waiter sleep where it spun before (3
+ * sleeps in 12 waits in test_e2e under the 2-vCPU rdma VM). A spin on an idle 2-CPU
  * machine loses 0-60 us in 400 ms (interrupts, kernel threads); one that
  * shares its CPU with a busy task loses a slice, 750 us or more, at once.
  * The time lost counts, not its longest piece: where only preemptions of
@@ -646,10 +649,8 @@ static bool spin_lost_cpu(kvf_client *c, const spin_start *from, uint64_t now) {
   uint64_t ran = thread_cpu_ns() - from->cpu, passed = now - from->wall;
   uint64_t allowed = passed / SPIN_LOST_SHARE > SPIN_LOST_NS ? passed / SPIN_LOST_SHARE : SPIN_LOST_NS;
   if (passed < ran + allowed) return false;
-  if (c->grant_spin_us) {
-    atomic_store(&c->grant_off_until, now + GRANT_BACKOFF_NS);
-    atomic_store(&c->grant_until, 0);
-  }
+  atomic_store(&c->grant_off_until, now + GRANT_BACKOFF_NS);
+  atomic_store(&c->grant_until, 0);
   return true;
 }
 
@@ -712,7 +713,9 @@ static bool spin_until_readable(kvf_client *c) {
   for (unsigned i = 0;; i++) {
     if (i % 16 == 0) {
       uint64_t now = mono_ns();
-      if (now >= reader_poll_until(c) || spin_lost_cpu(c, &from, now)) return false;
+      if (now >= reader_poll_until(c)) return false;
+      /* past the spin window, only the grant window keeps it polling */
+      if (now >= atomic_load(&c->spin_until) && spin_lost_cpu(c, &from, now)) return false;
     }
     if (poll(&p, 1, 0) != 0) return true; /* readable, closed or failed: the read says which */
     cpu_relax();
@@ -2584,15 +2587,18 @@ static int wait_for_event(kvf_client *c, int timeout_ms, const struct timespec *
 
 /* Spins up to us microseconds for an event after `seen` (mu not held):
  * an event that comes within them is taken without this thread going to
- * sleep and being woken (a futex round, 5-50 us on a busy machine). */
-static void spin_for_event(kvf_client *c, uint64_t seen, uint64_t us) {
+ * sleep and being woken (a futex round, 5-50 us on a busy machine). Past
+ * its first firm_us (a window the engine asked for or a Soon), the spin is
+ * the grant window's, and ends where the thread lost its CPU
+ * (spin_lost_cpu). */
+static void spin_for_event(kvf_client *c, uint64_t seen, uint64_t us, uint64_t firm_us) {
   spin_start from = spin_begin();
-  uint64_t end = from.wall + us * 1000;
+  uint64_t end = from.wall + us * 1000, firm_end = from.wall + firm_us * 1000;
   for (unsigned i = 1;; i++) {
     if (atomic_load_explicit(&c->ev_count, memory_order_acquire) != seen) return;
     if (i % 64 == 0) {
       uint64_t now = mono_ns();
-      if (now >= end || spin_lost_cpu(c, &from, now)) return;
+      if (now >= end || (now >= firm_end && spin_lost_cpu(c, &from, now))) return;
     }
     cpu_relax();
   }
@@ -2650,10 +2656,11 @@ static int watch_for_event(kvf_client *c, int timeout_ms, const struct timespec 
   if (n == 0) rc = WATCH_TIMEOUT;
   else if ((n < 0 && errno != EINTR) || (p[0].revents & (POLLERR | POLLHUP | POLLNVAL))) rc = WATCH_OFF;
   else if (n > 0 && !(p[1].revents & POLLIN)) { /* the socket: the reader is about to queue what came */
-    spin_for_event(c, seen, c->watch_spins ? WATCH_SPIN_US : WATCH_SPIN_SHORT_US);
+    uint64_t us = c->watch_spins ? WATCH_SPIN_US : WATCH_SPIN_SHORT_US;
+    spin_for_event(c, seen, us, us);
     uint64_t until = atomic_load(&c->spin_until), now = mono_ns(); /* a Soon read meanwhile: its window */
     if (c->watch_spins && until > now && atomic_load_explicit(&c->ev_count, memory_order_acquire) == seen)
-      spin_for_event(c, seen, (until - now) / 1000);
+      spin_for_event(c, seen, (until - now) / 1000, (until - now) / 1000);
     if (atomic_load_explicit(&c->ev_count, memory_order_acquire) == seen && (++*idle_wakes >= 2 || !c->watch_spins))
       rc = WATCH_OFF;
   }
@@ -2686,7 +2693,7 @@ KVF_API int kvf_wait_events(kvf_client *c, kvf_event *out, size_t cap, int timeo
     /* The event comes through the reader: one asleep since its last read
      * would cost this spin a wake-up anyway, so it spins as long. */
     spin_reader_for_answer(c);
-    spin_for_event(c, seen, us);
+    spin_for_event(c, seen, us, c->spin_us);
     lock_for_event(c);
   }
   int waited = 0, watch = timeout_ms != 0 ? WATCH_EVENT : WATCH_OFF, idle_wakes = 0;
