@@ -122,6 +122,27 @@ def busy_loops(n):
             p.wait()
 
 
+@contextlib.contextmanager
+def environ(**changes):
+    """os.environ with each name set to its value (None: unset) for the with
+    block (a client reads its KVFERRY_* settings at connect), then as it
+    was."""
+    saved = {k: os.environ.get(k) for k in changes}
+    try:
+        for k, v in changes.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def tempdir():
     """A fresh dir under /tmp (short: daemons' sockets live there); kept
     when a test fails. tests/run.sh shows the *.log files of dirs announced

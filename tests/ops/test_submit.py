@@ -165,11 +165,8 @@ class TestNowait(Base):
         spinning in kvf_wait_events (KVFERRY_SPIN_US, read at connect): the
         blocks land, and a wait with nothing to come still times out."""
         L, nb, base = 4, 8, 16 * MB
-        os.environ["KVFERRY_SPIN_US"] = "300"
-        try:
+        with kvftest.environ(KVFERRY_SPIN_US="300"):
             rc = self.pre.client()
-        finally:
-            del os.environ["KVFERRY_SPIN_US"]
         try:
             pool = rc.pool_find("kv")
             src = self.cp.register_layout(kvferry.Layout(self.pp, [r * nb * BLK for r in range(2 * L)], nb, BLK))

@@ -55,11 +55,8 @@ class TestTrace(unittest.TestCase):
         cls.pre, cls.dec = kvftest.pair(cls.dir, pool="32M", metrics=True, extra="spin-cadence-us 10000\n")
         # KVFERRY_SOON_POLL=1: these clients take a Soon on any machine (a
         # library on fewer than 4 CPUs says no_soon: test_no_soon_...)
-        os.environ["KVFERRY_SOON_POLL"] = "1"
-        try:
+        with kvftest.environ(KVFERRY_SOON_POLL="1"):
             cls.cp, cls.cd, cls.cd2 = cls.pre.client(), cls.dec.client(), cls.dec.client()
-        finally:
-            del os.environ["KVFERRY_SOON_POLL"]
         cls.pp, cls.pd = cls.cp.pool_find("kv"), cls.cd.pool_find("kv")
         cls.pd2 = cls.cd2.pool_find("kv")
 
@@ -295,18 +292,14 @@ class TestTrace(unittest.TestCase):
         (None) without it and without KVFERRY_SPIN_US, from this thread
         pinned to one CPU meanwhile (the library counts the CPUs it may run
         on at connect)."""
-        saved = {k: os.environ.pop(k, None) for k in ("KVFERRY_SOON_POLL", "KVFERRY_SPIN_US")}
         cpus = os.sched_getaffinity(0)
-        try:
-            if soon_poll is None:
-                os.sched_setaffinity(0, {min(cpus)})
-            else:
-                os.environ["KVFERRY_SOON_POLL"] = soon_poll
-            return self.dec.client()
-        finally:
-            os.sched_setaffinity(0, cpus)
-            os.environ.pop("KVFERRY_SOON_POLL", None)
-            os.environ.update({k: v for k, v in saved.items() if v is not None})
+        with kvftest.environ(KVFERRY_SOON_POLL=soon_poll, KVFERRY_SPIN_US=None):
+            try:
+                if soon_poll is None:
+                    os.sched_setaffinity(0, {min(cpus)})
+                return self.dec.client()
+            finally:
+                os.sched_setaffinity(0, cpus)
 
     def test_no_soon_where_no_cpu_is_spare(self):
         """Polling on a Soon takes a CPU while the data still moves through
@@ -377,16 +370,8 @@ class PairTest(unittest.TestCase):
     def setUpClass(cls):
         cls.dir = kvftest.tempdir()
         cls.pre, cls.dec = kvftest.pair(cls.dir, pool="32M", extra=cls.EXTRA, extra_of=cls.EXTRA_OF)
-        saved = os.environ.get("KVFERRY_SOON_POLL")
-        if cls.SOON_POLL:
-            os.environ["KVFERRY_SOON_POLL"] = "1"
-        try:
+        with kvftest.environ(**({"KVFERRY_SOON_POLL": "1"} if cls.SOON_POLL else {})):
             cls.cp, cls.cd = cls.pre.client(), cls.dec.client()
-        finally:
-            if cls.SOON_POLL:
-                os.environ.pop("KVFERRY_SOON_POLL")
-                if saved is not None:
-                    os.environ["KVFERRY_SOON_POLL"] = saved
         cls.pp, cls.pd = cls.cp.pool_find("kv"), cls.cd.pool_find("kv")
 
     @classmethod
@@ -570,15 +555,9 @@ class TestClientPollsWhileGrantWaits(PairTest):
         pinned to one CPU and this thread to another: on a 2-CPU machine
         the scheduler at times put both pollers on one CPU, where each lost
         half of it and the window closed in every grant of a run."""
-        saved = os.environ.pop("KVFERRY_GRANT_SPIN_US", None)
-        os.environ["KVFERRY_GRANT_SPIN_US"] = str(grant_spin_us)
         before = set(threads_cpu(os.getpid(), "kvf-client"))
-        try:
+        with kvftest.environ(KVFERRY_GRANT_SPIN_US=str(grant_spin_us)):
             c = self.dec.client()
-        finally:
-            os.environ.pop("KVFERRY_GRANT_SPIN_US")
-            if saved is not None:
-                os.environ["KVFERRY_GRANT_SPIN_US"] = saved
         cpus = sorted(os.sched_getaffinity(0))
         if pin and len(cpus) >= 2:
             for tid in set(threads_cpu(os.getpid(), "kvf-client")) - before:
